@@ -1,0 +1,242 @@
+"""The gate: request -> quote -> admission (ledger, then Prefect limits) -> settlement.
+
+The ledger's decision comes first and carries the order and the reasons; the Prefect limits are
+then taken atomically for every capped scope on the path. A waiter polls the ledger's version
+every `poll_s` (a cheap read) and re-decides when it changes or every `recheck_s`, so a job is
+admitted well within a second of headroom appearing, without Prefect's Retry-After sleeps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id
+from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
+from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
+from prefect_gpu_budget.units import fmt_usd, rate_cents, validate_scope
+
+log = logging.getLogger("prefect_gpu_budget.gate")
+
+LIMIT_RETRY_S = 3.0
+"""How long an admitted job retries Prefect limits still held by a job that just settled."""
+
+
+class AdmissionRefused(Exception):
+    """The gate said no for good: `state_name` is `OverBudget` or `AdmissionTimeout`."""
+
+    def __init__(self, state_name: str, reason: str, job_id: str) -> None:
+        self.state_name = state_name
+        self.reason = reason
+        self.job_id = job_id
+        super().__init__(f"{state_name}: {reason}")
+
+
+@dataclass
+class GateEvents:
+    """What the gate tells the outside world; the Prefect task fills these in."""
+
+    queued: Callable[[str, Decision, list[BudgetRule]], None] = lambda *a: None
+    waiting: Callable[[str, Decision], None] = lambda *a: None
+    admitted: Callable[[Admission], None] = lambda *a: None
+    refused: Callable[[str, AdmissionRefused], None] = lambda *a: None
+    settled: Callable[[Admission, dict], None] = lambda *a: None
+
+
+@dataclass
+class Admission:
+    """An admitted job: its ledger row, the rate slots it holds and its heartbeat."""
+
+    job_id: str
+    scope: str
+    job: GpuJob
+    quote: Quote
+    reserved_micro: int
+    waited_s: float
+    reason: str
+    lease_id: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _beat: threading.Thread | None = field(default=None, repr=False)
+
+
+class Gate:
+    def __init__(
+        self,
+        ledger: Ledger,
+        limits: RateLimits | None = None,
+        *,
+        catalog: Catalog | None = None,
+        events: GateEvents | None = None,
+        poll_s: float = 0.05,
+        recheck_s: float = 1.0,
+        heartbeat_s: float = LEASE_S / 4,
+    ) -> None:
+        self.ledger = ledger
+        self.limits = limits
+        self.catalog = catalog
+        self.events = events or GateEvents()
+        self.poll_s = poll_s
+        self.recheck_s = recheck_s
+        self.heartbeat_s = heartbeat_s
+
+    def quote(self, job: GpuJob) -> Quote:
+        return (self.catalog or default_catalog()).quote(
+            job.instance_type, job.nodes, job.provisioning
+        )
+
+    def admit(
+        self, job: GpuJob, scope: str, *, flow_run_id: str | None = None, launcher: str = "local"
+    ) -> Admission:
+        """Block until the job is admitted; raise `AdmissionRefused` on rejection or time-out."""
+        validate_scope(scope)
+        quote = self.quote(job)
+        new = NewJob(
+            scope=scope,
+            name=job.name or job.instance_type,
+            instance_type=job.instance_type,
+            provisioning=job.provisioning,
+            nodes=job.nodes,
+            rate_micro_per_hour=quote.rate_micro_per_hour,
+            rate_cents=rate_cents(quote.rate_micro_per_hour),
+            priority=job.priority,
+            max_runtime_s=job.reserve_runtime_s,
+            expected_runtime_s=job.expected_runtime,
+            holder=holder_id(),
+            launcher=launcher,
+            on_limit=job.on_limit,
+            max_wait_s=job.max_wait,
+            flow_run_id=flow_run_id,
+        )
+        started = time.time()
+        job_id = self.ledger.enqueue(new, now=started)
+        try:
+            return self._wait(job_id, scope, job, quote, new.rate_cents, started)
+        except AdmissionRefused as refused:
+            self.events.refused(job_id, refused)
+            raise
+        except BaseException:  # cancelled while waiting: give the place (or the admission) back
+            if not self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
+                self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled")
+            raise
+
+    def _wait(
+        self, job_id: str, scope: str, job: GpuJob, quote: Quote, slots: int, started: float
+    ) -> Admission:
+        told = False
+        last_reason = ""
+        while True:
+            seen = self.ledger.version(scope.split("/")[0])
+            decision = self.ledger.try_admit(job_id, scope)
+            if decision.verdict == "reject":
+                raise AdmissionRefused("OverBudget", decision.reason, job_id)
+            if decision.verdict == "timeout":
+                raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
+            if decision.verdict == "admit":
+                lease = self._take_limits(job_id, scope, slots)
+                if lease is not False:
+                    admission = Admission(
+                        job_id=job_id,
+                        scope=scope,
+                        job=job,
+                        quote=quote,
+                        reserved_micro=decision.reserved_micro,
+                        waited_s=time.time() - started,
+                        reason=decision.reason,
+                        lease_id=lease,
+                    )
+                    self._start_heartbeat(admission)
+                    self.events.admitted(admission)
+                    return admission
+                decision = Decision(
+                    "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
+                )
+            if not told:
+                told = True
+                self.events.queued(job_id, decision, self.ledger.path_budgets(scope))
+            elif decision.reason != last_reason:
+                self.events.waiting(job_id, decision)
+            last_reason = decision.reason
+            self._sleep_until_change(scope.split("/")[0], seen)
+
+    def _sleep_until_change(self, org: str, seen: int) -> None:
+        deadline = time.monotonic() + self.recheck_s
+        while time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+            if self.ledger.version(org) != seen:
+                return
+
+    def _take_limits(self, job_id: str, scope: str, slots: int) -> str | None | bool:
+        """Lease id, None when no scope on the path has an hourly cap, False when full."""
+        if self.limits is None:
+            return None
+        rules = [r for r in self.ledger.path_budgets(scope) if r.hourly_cap_cents is not None]
+        if not rules:
+            return None
+        self.limits.ensure(rules)
+        deadline = time.monotonic() + LIMIT_RETRY_S
+        while True:
+            lease = self.limits.acquire([r.scope for r in rules], slots)
+            if lease is not None:
+                return lease
+            if time.monotonic() > deadline:
+                self.ledger.unadmit(job_id, scope, self._limit_reason(scope))
+                return False
+            time.sleep(0.02)
+
+    def _limit_reason(self, scope: str) -> str:
+        return (
+            f"blocked by Prefect concurrency limits on the path of {scope}: slots are held "
+            "outside this ledger (another tool, or a lease not yet expired)"
+        )
+
+    def _start_heartbeat(self, admission: Admission) -> None:
+        def beat() -> None:
+            while not admission._stop.wait(self.heartbeat_s):
+                try:
+                    self.ledger.heartbeat(admission.job_id)
+                    if admission.lease_id and self.limits is not None:
+                        self.limits.renew(admission.lease_id)
+                except Exception as exc:  # keep beating: a dependency may come back
+                    log.warning("heartbeat for job %s failed: %s", admission.job_id[:8], exc)
+
+        admission._beat = threading.Thread(
+            target=beat, name=f"gpu-budget-heartbeat-{admission.job_id[:8]}", daemon=True
+        )
+        admission._beat.start()
+
+    def started(
+        self, admission: Admission, started_at: float, external_id: str | None = None
+    ) -> None:
+        self.ledger.mark_started(admission.job_id, started_at, external_id)
+
+    def settle(
+        self,
+        admission: Admission,
+        *,
+        ended_at: float,
+        outcome: str,
+        billed_seconds: float | None = None,
+        actual_micro: int | None = None,
+    ) -> dict:
+        """Write the actual cost once, then give back the rate slots. Returns the ledger row."""
+        admission._stop.set()
+        try:
+            self.ledger.settle(
+                admission.job_id,
+                ended_at=ended_at,
+                outcome=outcome,
+                billed_seconds=billed_seconds,
+                actual_micro=actual_micro,
+            )
+        finally:
+            if admission.lease_id and self.limits is not None:
+                self.limits.release(admission.lease_id)
+        row = self.ledger.job(admission.job_id)
+        self.events.settled(admission, row)
+        log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
+        return row

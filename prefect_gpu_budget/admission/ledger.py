@@ -1,0 +1,660 @@
+"""The one place that remembers: the spend ledger in SQL (SQLite by default, PostgreSQL shared).
+
+Every admission is a row in `jobs` from request to settlement. Admission and settlement run in a
+transaction serialised per org (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: a transaction-scoped
+advisory lock on the org), so any number of processes on any number of machines see one order.
+Settled spend is also summed per (scope, period) in `period_spend`, so a decision reads a few
+rows however long the ledger grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.policy import (
+    BudgetRule,
+    Decision,
+    Hold,
+    LedgerState,
+    Request,
+    decide,
+)
+from prefect_gpu_budget.units import cost_micro, scope_path
+
+ACTIVE = ("admitted", "running")
+FINAL = ("settled", "rejected", "timed_out", "cancelled")
+STALE_WAITER_S = 30.0
+"""A queued job whose waiter has not polled for this long no longer holds its place."""
+
+metadata = sa.MetaData()
+
+budgets = sa.Table(
+    "gpu_budgets",
+    metadata,
+    sa.Column("scope", sa.String(160), primary_key=True),
+    sa.Column("org", sa.String(48), nullable=False, index=True),
+    sa.Column("hourly_cap_cents", sa.BigInteger),
+    sa.Column("period_budget_micro", sa.BigInteger),
+    sa.Column("period", sa.String(8), nullable=False),
+    sa.Column("timezone", sa.String(64), nullable=False),
+    sa.Column("on_limit", sa.String(8), nullable=False),
+    sa.Column("max_wait_s", sa.Float, nullable=False),
+    sa.Column("reservation_mode", sa.String(12), nullable=False),
+    sa.Column("notify_block", sa.String(200)),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+jobs = sa.Table(
+    "gpu_jobs",
+    metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("org", sa.String(48), nullable=False),
+    sa.Column("scope", sa.String(160), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("instance_type", sa.String(120), nullable=False),
+    sa.Column("provisioning", sa.String(16), nullable=False),
+    sa.Column("nodes", sa.Integer, nullable=False),
+    sa.Column("rate_micro_per_hour", sa.BigInteger, nullable=False),
+    sa.Column("rate_cents", sa.BigInteger, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("max_runtime_s", sa.Float, nullable=False),
+    sa.Column("expected_runtime_s", sa.Float),
+    sa.Column("on_limit", sa.String(8)),
+    sa.Column("max_wait_s", sa.Float),
+    sa.Column("state", sa.String(12), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False, default=""),
+    sa.Column("reserved_micro", sa.BigInteger, nullable=False, default=0),
+    sa.Column("reserve_seconds", sa.Float, nullable=False, default=0.0),
+    sa.Column("actual_micro", sa.BigInteger),
+    sa.Column("billed_seconds", sa.Float),
+    sa.Column("outcome", sa.String(16)),
+    sa.Column("requested_at", sa.Float, nullable=False),
+    sa.Column("heartbeat_at", sa.Float, nullable=False),
+    sa.Column("admitted_at", sa.Float),
+    sa.Column("started_at", sa.Float),
+    sa.Column("ended_at", sa.Float),
+    sa.Column("settled_at", sa.Float),
+    sa.Column("holder", sa.String(200), nullable=False),
+    sa.Column("launcher", sa.String(32), nullable=False, default="local"),
+    sa.Column("external_id", sa.String(200)),
+    sa.Column("flow_run_id", sa.String(36)),
+    sa.Index("ix_gpu_jobs_org_state", "org", "state"),
+    sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
+)
+
+period_spend = sa.Table(
+    "gpu_period_spend",
+    metadata,
+    sa.Column("scope", sa.String(160), primary_key=True),
+    sa.Column("period_start", sa.Float, primary_key=True),
+    sa.Column("period_end", sa.Float, nullable=False),
+    sa.Column("settled_micro", sa.BigInteger, nullable=False),
+)
+
+versions = sa.Table(
+    "gpu_versions",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("version", sa.BigInteger, nullable=False),
+)
+
+
+def default_url() -> str:
+    from prefect.settings import PREFECT_HOME
+
+    return f"sqlite:///{Path(PREFECT_HOME.value()) / 'gpu-budget' / 'ledger.db'}"
+
+
+def normalise_url(url: str) -> str:
+    """Plain `postgresql://` URLs use the psycopg (v3) driver that this package installs."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        return "postgresql+psycopg://" + url.split("://", 1)[1]
+    return url
+
+
+def _org_lock_key(org: str) -> int:
+    return int.from_bytes(hashlib.blake2b(org.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What the gate records when a job asks to be admitted."""
+
+    scope: str
+    name: str
+    instance_type: str
+    provisioning: str
+    nodes: int
+    rate_micro_per_hour: int
+    rate_cents: int
+    priority: int
+    max_runtime_s: float
+    expected_runtime_s: float | None
+    holder: str
+    launcher: str = "local"
+    on_limit: str | None = None
+    max_wait_s: float | None = None
+    flow_run_id: str | None = None
+
+
+class Ledger:
+    """Durable admission records. Safe to share between threads and processes."""
+
+    def __init__(self, url: str | None = None, *, create: bool = True) -> None:
+        self.url = normalise_url(url or default_url())
+        self.engine = _make_engine(self.url)
+        self.is_sqlite = self.engine.dialect.name == "sqlite"
+        if create:
+            self.create()
+
+    def create(self) -> None:
+        for attempt in range(5):
+            try:
+                metadata.create_all(self.engine)
+                return
+            except sa.exc.DBAPIError:  # another process created the same table at once
+                if attempt == 4:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    # -- transactions -------------------------------------------------------------------
+
+    @contextmanager
+    def _write(self, org: str) -> Iterator[Connection]:
+        with self.engine.connect() as conn, conn.begin():
+            if not self.is_sqlite:
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self.engine.connect().execution_options(gpu_budget_read=True) as conn, conn.begin():
+            yield conn
+
+    def _bump(self, conn: Connection, org: str) -> None:
+        updated = conn.execute(
+            versions.update().where(versions.c.org == org).values(version=versions.c.version + 1)
+        )
+        if updated.rowcount == 0:
+            conn.execute(versions.insert().values(org=org, version=1))
+
+    def version(self, org: str) -> int:
+        """Changes whenever headroom may have appeared in `org`: waiters poll this cheaply."""
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    sa.select(versions.c.version).where(versions.c.org == org)
+                ).scalar_one_or_none()
+                or 0
+            )
+
+    # -- budgets ------------------------------------------------------------------------
+
+    def set_budget(self, rule: BudgetRule, now: float | None = None) -> None:
+        """Create or replace a scope's budget, and rebuild its current period's settled spend."""
+        now = time.time() if now is None else now
+        org = rule.scope.split("/")[0]
+        values = {
+            "org": org,
+            "hourly_cap_cents": rule.hourly_cap_cents,
+            "period_budget_micro": rule.period_budget_micro,
+            "period": rule.period,
+            "timezone": rule.timezone,
+            "on_limit": rule.on_limit,
+            "max_wait_s": rule.max_wait_s,
+            "reservation_mode": rule.reservation_mode,
+            "notify_block": rule.notify_block,
+            "updated_at": now,
+        }
+        with self._write(org) as conn:
+            updated = conn.execute(
+                budgets.update().where(budgets.c.scope == rule.scope).values(**values)
+            )
+            if updated.rowcount == 0:
+                conn.execute(budgets.insert().values(scope=rule.scope, **values))
+            self._rebuild_period(conn, rule, now)
+            self._bump(conn, org)
+
+    def _rebuild_period(self, conn: Connection, rule: BudgetRule, now: float) -> None:
+        p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
+        total = 0
+        rows = conn.execute(
+            sa.select(jobs.c.actual_micro, jobs.c.started_at, jobs.c.ended_at).where(
+                sa.or_(jobs.c.scope == rule.scope, jobs.c.scope.like(rule.scope + "/%")),
+                jobs.c.state == "settled",
+                jobs.c.ended_at >= p_start,
+                jobs.c.started_at < p_end,
+            )
+        )
+        for actual, started, ended in rows:
+            for start, share in periods.split(
+                actual or 0, started, ended, rule.period, rule.timezone
+            ):
+                if start == p_start:
+                    total += share
+        conn.execute(
+            period_spend.delete().where(
+                period_spend.c.scope == rule.scope, period_spend.c.period_start == p_start
+            )
+        )
+        conn.execute(
+            period_spend.insert().values(
+                scope=rule.scope, period_start=p_start, period_end=p_end, settled_micro=total
+            )
+        )
+
+    def budgets(self, org: str | None = None) -> list[BudgetRule]:
+        query = sa.select(budgets).order_by(budgets.c.scope)
+        if org:
+            query = query.where(budgets.c.org == org)
+        with self._read() as conn:
+            return [_rule(row) for row in conn.execute(query).mappings()]
+
+    def path_budgets(self, scope: str) -> list[BudgetRule]:
+        """The budgets a job in `scope` must fit, outermost first."""
+        path = scope_path(scope)
+        with self._read() as conn:
+            rows = conn.execute(sa.select(budgets).where(budgets.c.scope.in_(path))).mappings()
+            found = {row["scope"]: _rule(row) for row in rows}
+        return [found[s] for s in path if s in found]
+
+    def delete_budget(self, scope: str) -> bool:
+        with self._write(scope.split("/")[0]) as conn:
+            deleted = conn.execute(budgets.delete().where(budgets.c.scope == scope)).rowcount
+            self._bump(conn, scope.split("/")[0])
+        return bool(deleted)
+
+    # -- admission ----------------------------------------------------------------------
+
+    def enqueue(self, job: NewJob, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        job_id = str(uuid.uuid4())
+        org = job.scope.split("/")[0]
+        with self._write(org) as conn:
+            conn.execute(
+                jobs.insert().values(
+                    id=job_id,
+                    org=org,
+                    state="queued",
+                    reason="",
+                    requested_at=now,
+                    heartbeat_at=now,
+                    reserved_micro=0,
+                    reserve_seconds=0.0,
+                    **job.__dict__,
+                )
+            )
+        return job_id
+
+    def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
+        """Decide a queued job against everything else in its org, in one transaction.
+
+        Writes what the decision says: the admission and its reservation, a rejection or a
+        time-out, or the reason it still waits (so `status` can say why).
+        """
+        now = time.time() if now is None else now
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
+            if row["state"] != "queued":
+                return _decision_of(row)
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(heartbeat_at=now))
+            state, queue = self._load(conn, org, now)
+            decision = decide(state, queue, job_id)
+            if decision.verdict == "admit":
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id)
+                    .values(
+                        state="admitted",
+                        admitted_at=now,
+                        reserved_micro=decision.reserved_micro,
+                        reserve_seconds=decision.reserve_seconds,
+                        reason=decision.reason,
+                    )
+                )
+                self._bump(conn, org)
+            elif decision.verdict in ("reject", "timeout"):
+                final = "rejected" if decision.verdict == "reject" else "timed_out"
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id)
+                    .values(
+                        state=final,
+                        ended_at=now,
+                        settled_at=now,
+                        actual_micro=0,
+                        reason=decision.reason,
+                    )
+                )
+                self._bump(conn, org)
+            elif decision.reason != row["reason"]:
+                conn.execute(
+                    jobs.update().where(jobs.c.id == job_id).values(reason=decision.reason)
+                )
+        return decision
+
+    def _load(self, conn: Connection, org: str, now: float) -> tuple[LedgerState, list[Request]]:
+        rows = conn.execute(
+            sa.select(
+                jobs.c.id,
+                jobs.c.scope,
+                jobs.c.state,
+                jobs.c.rate_micro_per_hour,
+                jobs.c.rate_cents,
+                jobs.c.max_runtime_s,
+                jobs.c.expected_runtime_s,
+                jobs.c.priority,
+                jobs.c.requested_at,
+                jobs.c.heartbeat_at,
+                jobs.c.on_limit,
+                jobs.c.max_wait_s,
+                jobs.c.reserved_micro,
+                jobs.c.admitted_at,
+                jobs.c.reserve_seconds,
+            ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
+        ).all()
+        holds, queue, scopes = [], [], set()
+        for r in rows:
+            scopes.update(scope_path(r.scope))
+            if r.state == "queued":
+                if r.heartbeat_at >= now - STALE_WAITER_S:
+                    queue.append(
+                        Request(
+                            job_id=r.id,
+                            scope=r.scope,
+                            rate_micro_per_hour=r.rate_micro_per_hour,
+                            rate_cents=r.rate_cents,
+                            max_runtime_s=r.max_runtime_s,
+                            expected_runtime_s=r.expected_runtime_s,
+                            priority=r.priority,
+                            requested_at=r.requested_at,
+                            on_limit=r.on_limit,
+                            max_wait_s=r.max_wait_s,
+                        )
+                    )
+            else:
+                holds.append(
+                    Hold(
+                        r.scope,
+                        r.rate_cents,
+                        r.reserved_micro,
+                        r.admitted_at,
+                        r.admitted_at + r.reserve_seconds,
+                    )
+                )
+        rules = {
+            row["scope"]: _rule(row)
+            for row in conn.execute(
+                sa.select(budgets).where(budgets.c.scope.in_(scopes))
+            ).mappings()
+        }
+        settled = {
+            (r.scope, r.period_start): r.settled_micro
+            for r in conn.execute(
+                sa.select(period_spend).where(
+                    period_spend.c.scope.in_(list(rules)), period_spend.c.period_end > now
+                )
+            )
+        }
+        return LedgerState(now=now, budgets=rules, holds=holds, settled=settled), queue
+
+    def unadmit(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
+        """Put an admitted job that could not start back in the queue (keeping its place)."""
+        now = time.time() if now is None else now
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            done = conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                .values(
+                    state="queued",
+                    admitted_at=None,
+                    reserved_micro=0,
+                    reserve_seconds=0.0,
+                    reason=reason,
+                    heartbeat_at=now,
+                )
+            ).rowcount
+            self._bump(conn, org)
+        return bool(done)
+
+    def cancel_queued(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
+        now = time.time() if now is None else now
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            done = conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "queued")
+                .values(
+                    state="cancelled", ended_at=now, settled_at=now, actual_micro=0, reason=reason
+                )
+            ).rowcount
+            self._bump(conn, org)
+        return bool(done)
+
+    # -- running and settlement -----------------------------------------------------------
+
+    def mark_started(self, job_id: str, started_at: float, external_id: str | None = None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                .values(
+                    state="running",
+                    started_at=started_at,
+                    heartbeat_at=started_at,
+                    external_id=external_id,
+                )
+            )
+
+    def heartbeat(self, job_id: str, now: float | None = None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id)
+                .values(heartbeat_at=time.time() if now is None else now)
+            )
+
+    def settle(
+        self,
+        job_id: str,
+        *,
+        ended_at: float,
+        outcome: str,
+        billed_seconds: float | None = None,
+        actual_micro: int | None = None,
+        now: float | None = None,
+    ) -> bool:
+        """Replace a job's reservation with its actual cost. Exactly once: True if this call did it.
+
+        `actual_micro` is the cloud's billed figure where known; otherwise rate x billed
+        seconds (by default the time from start to end).
+        """
+        now = time.time() if now is None else now
+        with self.engine.connect() as probe:
+            row = probe.execute(sa.select(jobs.c.org).where(jobs.c.id == job_id)).one_or_none()
+        if row is None:
+            raise KeyError(job_id)
+        org = row.org
+        with self._write(org) as conn:
+            job = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
+            if job["state"] not in ACTIVE:
+                return False
+            started = job["started_at"]
+            if started is None:  # admitted but never launched: nothing was spent
+                billed, actual, started = 0.0, 0, ended_at
+            else:
+                billed = max(0.0, ended_at - started) if billed_seconds is None else billed_seconds
+                actual = (
+                    cost_micro(job["rate_micro_per_hour"], billed, round_up=False)
+                    if actual_micro is None
+                    else actual_micro
+                )
+            conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id)
+                .values(
+                    state="settled",
+                    ended_at=ended_at,
+                    settled_at=now,
+                    billed_seconds=billed,
+                    actual_micro=actual,
+                    outcome=outcome,
+                )
+            )
+            self._add_spend(conn, job["scope"], actual, started, max(ended_at, started))
+            self._bump(conn, org)
+        return True
+
+    def _add_spend(
+        self, conn: Connection, scope: str, actual: int, start: float, end: float
+    ) -> None:
+        rules = conn.execute(
+            sa.select(budgets).where(
+                budgets.c.scope.in_(scope_path(scope)), budgets.c.period_budget_micro.is_not(None)
+            )
+        ).mappings()
+        for rule in map(_rule, rules):
+            for p_start, share in periods.split(actual, start, end, rule.period, rule.timezone):
+                key = (period_spend.c.scope == rule.scope) & (
+                    period_spend.c.period_start == p_start
+                )
+                updated = conn.execute(
+                    period_spend.update()
+                    .where(key)
+                    .values(settled_micro=period_spend.c.settled_micro + share)
+                )
+                if updated.rowcount == 0:
+                    p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
+                    conn.execute(
+                        period_spend.insert().values(
+                            scope=rule.scope,
+                            period_start=p_start,
+                            period_end=p_end,
+                            settled_micro=share,
+                        )
+                    )
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        with self._read() as conn:
+            return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
+
+    def jobs(
+        self, scope: str | None = None, states: tuple[str, ...] | None = None
+    ) -> list[dict[str, Any]]:
+        query = sa.select(jobs).order_by(jobs.c.requested_at)
+        if scope:
+            query = query.where(sa.or_(jobs.c.scope == scope, jobs.c.scope.like(scope + "/%")))
+        if states:
+            query = query.where(jobs.c.state.in_(states))
+        with self._read() as conn:
+            return [dict(row) for row in conn.execute(query).mappings()]
+
+    def period_settled(self, scope: str, period_start: float) -> int:
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    sa.select(period_spend.c.settled_micro).where(
+                        period_spend.c.scope == scope, period_spend.c.period_start == period_start
+                    )
+                ).scalar_one_or_none()
+                or 0
+            )
+
+
+def _rule(row: Any) -> BudgetRule:
+    return BudgetRule(
+        scope=row["scope"],
+        hourly_cap_cents=row["hourly_cap_cents"],
+        period_budget_micro=row["period_budget_micro"],
+        period=row["period"],
+        timezone=row["timezone"],
+        on_limit=row["on_limit"],
+        max_wait_s=row["max_wait_s"],
+        reservation_mode=row["reservation_mode"],
+        notify_block=row["notify_block"],
+    )
+
+
+def _decision_of(row: Any) -> Decision:
+    """The decision already recorded for a job that is no longer queued."""
+    state = row["state"]
+    if state in ACTIVE or state == "settled":
+        return Decision(
+            "admit",
+            row["reason"],
+            reserved_micro=row["reserved_micro"],
+            reserve_seconds=row["reserve_seconds"],
+        )
+    if state == "timed_out":
+        return Decision("timeout", row["reason"])
+    return Decision("reject", row["reason"] or state)
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+
+        @sa.event.listens_for(engine, "connect")
+        def _connect(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=60000")
+            cursor.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _begin(conn: Connection) -> None:
+            read = conn.get_execution_options().get("gpu_budget_read")
+            conn.exec_driver_sql("BEGIN DEFERRED" if read else "BEGIN IMMEDIATE")
+
+        return engine
+    return sa.create_engine(url, pool_size=2, max_overflow=4, pool_pre_ping=True)
+
+
+def holder_id() -> str:
+    """`host:pid:start-ticks` of this process, so a reused pid is never mistaken for it."""
+    return f"{os.uname().nodename}:{os.getpid()}:{_start_ticks(os.getpid())}"
+
+
+def _start_ticks(pid: int) -> str:
+    """The process's start time in clock ticks since boot; `?` if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "?"
+    return "?" if fields[0] in ("Z", "X") else fields[19]
+
+
+def holder_alive(holder: str) -> bool | None:
+    """True/False for a holder on this host; None where it runs elsewhere (use heartbeats)."""
+    try:
+        host, pid, ticks = holder.rsplit(":", 2)
+    except ValueError:
+        return None
+    if host != os.uname().nodename:
+        return None
+    return _start_ticks(int(pid)) == ticks and ticks != "?"

@@ -1,0 +1,118 @@
+"""The Prefect edge of the hourly cap: one global concurrency limit per capped scope.
+
+A scope's limit is its cap in cents per hour; an admitted job occupies its rate in cents in every
+limit on its path, taken in one atomic request under a lease that the job's heartbeat renews.
+The ledger decides first (in priority order, with reasons); the limits then show the running
+rate in the Prefect UI and guard against anything that takes slots outside the ledger. A holder
+that dies stops renewing, and a real Prefect server's lease repossessor returns its slots.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+from uuid import UUID
+
+from prefect_gpu_budget.admission.policy import BudgetRule
+
+PREFIX = "gpu-budget"
+LEASE_S = 60.0
+"""The shortest lease Prefect grants; the heartbeat renews it every `LEASE_S / 4` seconds."""
+
+
+def limit_name(scope: str) -> str:
+    """`acme/vision` -> `gpu-budget:acme:vision` (Prefect forbids `/`; scopes never hold `:`)."""
+    return f"{PREFIX}:{scope.replace('/', ':')}"
+
+
+class RateLimits:
+    """Prefect global concurrency limits for hourly caps, through the raw client API (~9 ms)."""
+
+    def __init__(self, client: Any | None = None) -> None:
+        if client is None:
+            from prefect.client.orchestration import get_client
+
+            client = get_client(sync_client=True)
+            client.__enter__()
+            self._owns = True
+        else:
+            self._owns = False
+        self._client = client
+        self._applied: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        if self._owns:
+            self._client.__exit__(None, None, None)
+
+    def ensure(self, rules: Iterable[BudgetRule]) -> None:
+        """Create or resize the limit of each capped scope (cached per process)."""
+        from prefect.client.schemas.actions import (
+            GlobalConcurrencyLimitCreate,
+            GlobalConcurrencyLimitUpdate,
+        )
+        from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+        for rule in rules:
+            if rule.hourly_cap_cents is None:
+                continue
+            name, cap = limit_name(rule.scope), max(1, rule.hourly_cap_cents)
+            if self._applied.get(name) == cap:
+                continue
+            with self._lock:
+                try:
+                    current = self._client.read_global_concurrency_limit_by_name(name)
+                except ObjectNotFound:
+                    try:
+                        self._client.create_global_concurrency_limit(
+                            GlobalConcurrencyLimitCreate(name=name, limit=cap)
+                        )
+                    except ObjectAlreadyExists:  # created by another process just now
+                        current = self._client.read_global_concurrency_limit_by_name(name)
+                    else:
+                        current = None
+                if current is not None and current.limit != cap:
+                    self._client.update_global_concurrency_limit(
+                        name, GlobalConcurrencyLimitUpdate(limit=cap)
+                    )
+                self._applied[name] = cap
+
+    def acquire(self, scopes: list[str], slots: int) -> str | None:
+        """Take `slots` in every named limit at once; None if any is full (no waiting)."""
+        from prefect.exceptions import PrefectHTTPStatusError
+
+        try:
+            response = self._client.increment_concurrency_slots_with_lease(
+                names=[limit_name(s) for s in scopes],
+                slots=slots,
+                mode="concurrency",
+                lease_duration=LEASE_S,
+            )
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code == 423:
+                return None
+            raise
+        return str(response.json()["lease_id"])
+
+    def renew(self, lease_id: str) -> None:
+        self._client.renew_concurrency_lease(UUID(lease_id), lease_duration=LEASE_S)
+
+    def release(self, lease_id: str) -> None:
+        from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+        try:
+            self._client.release_concurrency_slots_with_lease(UUID(lease_id))
+        except (ObjectNotFound, PrefectHTTPStatusError):  # already expired and repossessed
+            pass
+
+    def active_slots(self, scope: str) -> int | None:
+        """Slots in use in a scope's limit (None if it has none), for status and checks."""
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            return int(
+                self._client.read_global_concurrency_limit_by_name(limit_name(scope)).active_slots
+            )
+        except ObjectNotFound:
+            return None

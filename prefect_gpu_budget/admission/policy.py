@@ -1,0 +1,324 @@
+"""The one place that decides: a pure function from the ledger's state and the queue to decisions.
+
+No I/O here. The ledger loads a `LedgerState` and the queue inside its transaction, calls
+`decide`, and writes what it says; the simulator and tests call the same function.
+
+Queue order is priority (higher first), then arrival. A waiting job *holds* the scopes whose limit
+blocks it: a later job that needs any of those scopes waits behind it (no backfill), so a big job
+is never starved by a stream of small ones, while jobs in unrelated scopes go on.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.units import (
+    MICRO_PER_CENT,
+    cost_micro,
+    fmt_duration,
+    fmt_usd,
+    scope_path,
+)
+
+Verdict = Literal["admit", "wait", "reject", "timeout"]
+
+
+@dataclass(frozen=True)
+class BudgetRule:
+    """A budget as the decision sees it (money in micro-dollars, rate in cents per hour)."""
+
+    scope: str
+    hourly_cap_cents: int | None = None
+    period_budget_micro: int | None = None
+    period: str = "month"
+    timezone: str = "UTC"
+    on_limit: str = "queue"
+    max_wait_s: float = 86400.0
+    reservation_mode: str = "guaranteed"
+    notify_block: str | None = None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Rate and money held by an admitted, not yet settled job over [start, end]."""
+
+    scope: str
+    rate_cents: int
+    reserved_micro: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Request:
+    """A queued job as the decision sees it."""
+
+    job_id: str
+    scope: str
+    rate_micro_per_hour: int
+    rate_cents: int
+    max_runtime_s: float
+    expected_runtime_s: float | None
+    priority: int
+    requested_at: float
+    on_limit: str | None = None
+    """The job's own `queue`/`reject` choice; None follows the deepest budget on its path."""
+    max_wait_s: float | None = None
+    """The job's own max wait (0 = forever); None follows the deepest budget on its path."""
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    now: float
+    budgets: Mapping[str, BudgetRule]
+    holds: Sequence[Hold]
+    settled: Mapping[tuple[str, float], int]
+    """Settled spend by (scope, period start) for the periods the decision may look at."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str = ""
+    limit: str | None = None
+    """`hourly_cap`, `period_budget`, `queue` or `no_budget`: what blocks, for logs and events."""
+    scope: str | None = None
+    resumes_at: float | None = None
+    reserved_micro: int = 0
+    reserve_seconds: float = 0.0
+    blocks: tuple[str, ...] = ()
+    """Scopes whose limits block this job; later jobs needing them wait behind it."""
+
+
+def reservation_mode(rules: Iterable[BudgetRule]) -> str:
+    """Guaranteed if any budget on the path asks for it: the strictest wins."""
+    modes = {rule.reservation_mode for rule in rules}
+    return "guaranteed" if "guaranteed" in modes or not modes else "estimate"
+
+
+def path_rules(budgets: Mapping[str, BudgetRule], scope: str) -> list[BudgetRule]:
+    return [budgets[s] for s in scope_path(scope) if s in budgets]
+
+
+def _usd_per_hour(cents: int) -> str:
+    return fmt_usd(cents * MICRO_PER_CENT) + "/h"
+
+
+@dataclass
+class _Usage:
+    """Running totals while walking the queue: rate per scope, reservations per period."""
+
+    state: LedgerState
+    rate: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    reserved: dict[tuple[str, float], int] = field(default_factory=dict)
+    extra: list[Hold] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for hold in self.state.holds:
+            for scope in scope_path(hold.scope):
+                self.rate[scope] += hold.rate_cents
+
+    def reserved_in(self, rule: BudgetRule, period_start: float) -> int:
+        key = (rule.scope, period_start)
+        if key not in self.reserved:
+            total = 0
+            prefix = rule.scope + "/"
+            for hold in self.state.holds:
+                if hold.scope == rule.scope or hold.scope.startswith(prefix):
+                    total += _share(hold, rule, period_start)
+            self.reserved[key] = total
+        return self.reserved[key]
+
+    def add(self, hold: Hold, rules: list[BudgetRule]) -> None:
+        for scope in scope_path(hold.scope):
+            self.rate[scope] += hold.rate_cents
+        for rule in rules:
+            if rule.period_budget_micro is None:
+                continue
+            for p_start, share in periods.split(
+                hold.reserved_micro, hold.start, hold.end, rule.period, rule.timezone
+            ):
+                self.reserved[(rule.scope, p_start)] = self.reserved_in(rule, p_start) + share
+
+
+def _share(hold: Hold, rule: BudgetRule, period_start: float) -> int:
+    for p_start, share in periods.split(
+        hold.reserved_micro, hold.start, hold.end, rule.period, rule.timezone
+    ):
+        if p_start == period_start:
+            return share
+    return 0
+
+
+def _never_fits(req: Request, rules: list[BudgetRule], hold: Hold) -> str | None:
+    for rule in rules:
+        if rule.hourly_cap_cents is not None and req.rate_cents > rule.hourly_cap_cents:
+            return (
+                f"rate {_usd_per_hour(req.rate_cents)} alone exceeds the hourly cap "
+                f"{_usd_per_hour(rule.hourly_cap_cents)} of {rule.scope}"
+            )
+        if rule.period_budget_micro is not None:
+            for _, share in periods.split(
+                hold.reserved_micro, hold.start, hold.end, rule.period, rule.timezone
+            ):
+                if share > rule.period_budget_micro:
+                    return (
+                        f"reservation {fmt_usd(share)} alone exceeds the {rule.period} budget "
+                        f"{fmt_usd(rule.period_budget_micro)} of {rule.scope}"
+                    )
+    return None
+
+
+def _blockers(req: Request, rules: list[BudgetRule], hold: Hold, usage: _Usage) -> list[Decision]:
+    found = []
+    for rule in rules:
+        if rule.hourly_cap_cents is not None:
+            running = usage.rate[rule.scope]
+            if running + req.rate_cents > rule.hourly_cap_cents:
+                over = running + req.rate_cents - rule.hourly_cap_cents
+                found.append(
+                    Decision(
+                        "wait",
+                        f"blocked by hourly cap of {rule.scope}: running "
+                        f"{_usd_per_hour(running)} + this job {_usd_per_hour(req.rate_cents)} "
+                        f"> cap {_usd_per_hour(rule.hourly_cap_cents)} (over by "
+                        f"{_usd_per_hour(over)}); resumes when jobs there end",
+                        limit="hourly_cap",
+                        scope=rule.scope,
+                    )
+                )
+        if rule.period_budget_micro is not None:
+            for p_start, share in periods.split(
+                hold.reserved_micro, hold.start, hold.end, rule.period, rule.timezone
+            ):
+                settled = usage.state.settled.get((rule.scope, p_start), 0)
+                reserved = usage.reserved_in(rule, p_start)
+                if settled + reserved + share > rule.period_budget_micro:
+                    p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
+                    short = settled + reserved + share - rule.period_budget_micro
+                    found.append(
+                        Decision(
+                            "wait",
+                            f"blocked by {rule.period} budget of {rule.scope}: settled "
+                            f"{fmt_usd(settled)} + reserved {fmt_usd(reserved)} + this job "
+                            f"{fmt_usd(share)} > budget {fmt_usd(rule.period_budget_micro)} "
+                            f"(short by {fmt_usd(short)}); resets "
+                            f"{periods.fmt_instant(p_end, rule.timezone)}",
+                            limit="period_budget",
+                            scope=rule.scope,
+                            resumes_at=p_end,
+                        )
+                    )
+    return found
+
+
+def queue_order(queue: Iterable[Request]) -> list[Request]:
+    return sorted(queue, key=lambda r: (-r.priority, r.requested_at, r.job_id))
+
+
+def plan(
+    state: LedgerState, queue: Iterable[Request], stop_at: str | None = None
+) -> dict[str, Decision]:
+    """Decide every queued job in queue order (or up to and including `stop_at`)."""
+    usage = _Usage(state)
+    held: dict[str, Request] = {}
+    out: dict[str, Decision] = {}
+    for req in queue_order(queue):
+        out[req.job_id] = decision = _decide_one(state, req, usage, held)
+        for scope in decision.blocks:
+            held.setdefault(scope, req)
+        if req.job_id == stop_at:
+            break
+    return out
+
+
+def _decide_one(
+    state: LedgerState, req: Request, usage: _Usage, held: dict[str, Request]
+) -> Decision:
+    rules = path_rules(state.budgets, req.scope)
+    if not rules:
+        return Decision(
+            "reject",
+            f"no budget covers scope {req.scope}: set one with "
+            f"`prefect-gpu-budget budget set {req.scope.split('/')[0]} ...`",
+            limit="no_budget",
+            scope=req.scope,
+        )
+    mode = reservation_mode(rules)
+    reserve_s = req.max_runtime_s
+    if mode == "estimate" and req.expected_runtime_s:
+        reserve_s = req.expected_runtime_s
+    reserved = cost_micro(req.rate_micro_per_hour, reserve_s, round_up=True)
+    hold = Hold(req.scope, req.rate_cents, reserved, state.now, state.now + reserve_s)
+
+    never = _never_fits(req, rules, hold)
+    if never:
+        return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
+
+    for scope in scope_path(req.scope):
+        ahead = held.get(scope)
+        if ahead is not None:
+            behind = Decision(
+                "wait",
+                f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
+                f"{fmt_duration(state.now - ahead.requested_at)} ago) for {scope}",
+                limit="queue",
+                scope=scope,
+            )
+            return _wait_or_end(state, req, rules, behind)
+
+    blockers = _blockers(req, rules, hold, usage)
+    if blockers:
+        return _wait_or_end(state, req, rules, _blocked(blockers))
+
+    usage.add(hold, rules)
+    return Decision(
+        "admit",
+        f"admitted: {_usd_per_hour(req.rate_cents)}, reserved {fmt_usd(reserved)} "
+        f"for {fmt_duration(reserve_s)} ({mode})",
+        reserved_micro=reserved,
+        reserve_seconds=reserve_s,
+    )
+
+
+def _blocked(blockers: list[Decision]) -> Decision:
+    first = blockers[0]
+    reason = "; ".join(b.reason for b in blockers)
+    resumes = [b.resumes_at for b in blockers if b.resumes_at is not None]
+    return Decision(
+        "wait",
+        reason,
+        limit=first.limit,
+        scope=first.scope,
+        resumes_at=max(resumes) if resumes else None,
+        blocks=tuple(dict.fromkeys(b.scope for b in blockers if b.scope)),
+    )
+
+
+def _wait_or_end(
+    state: LedgerState, req: Request, rules: list[BudgetRule], wait: Decision
+) -> Decision:
+    """Apply the job's (or its deepest budget's) on_limit and max_wait to a blocked job."""
+    deepest = rules[-1]
+    on_limit = req.on_limit or deepest.on_limit
+    max_wait = deepest.max_wait_s if req.max_wait_s is None else req.max_wait_s
+    if on_limit == "reject":
+        return replace(wait, verdict="reject", reason=f"over budget: {wait.reason}", blocks=())
+    waited = state.now - req.requested_at
+    if max_wait > 0 and waited >= max_wait:
+        return replace(
+            wait,
+            verdict="timeout",
+            reason=f"max wait {fmt_duration(max_wait)} ran out: {wait.reason}",
+            blocks=(),
+        )
+    return wait
+
+
+def decide(state: LedgerState, queue: Iterable[Request], job_id: str) -> Decision:
+    """The decision for one queued job, given everything queued ahead of it."""
+    return plan(state, queue, stop_at=job_id)[job_id]

@@ -1,0 +1,228 @@
+"""The dated price catalog and its lookup.
+
+Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by the user in a
+CSV of the same columns (`PREFECT_GPU_BUDGET_PRICES`, default `$PREFECT_HOME/gpu-budget/prices.csv`).
+An unknown instance type is an error, never a zero price.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from dataclasses import dataclass
+from datetime import date
+from decimal import Decimal
+from functools import lru_cache
+from pathlib import Path
+
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    fmt_usd,
+    to_decimal_usd,
+    usd_to_micro,
+)
+
+SHIPPED = Path(__file__).with_name("catalog.csv")
+STALE_AFTER_DAYS = 90
+PROVISIONINGS = ("on-demand", "spot", "flex-start")
+COLUMNS = [
+    "cloud",
+    "instance_type",
+    "provisioning",
+    "gpu_model",
+    "gpus",
+    "vcpu",
+    "memory_gib",
+    "usd_per_hour",
+    "source",
+    "as_of",
+    "verified",
+]
+
+
+@dataclass(frozen=True)
+class PriceRow:
+    cloud: str
+    instance_type: str
+    provisioning: str
+    gpu_model: str
+    gpus: int
+    vcpu: int
+    memory_gib: int
+    usd_per_hour: Decimal
+    source: str
+    as_of: date
+    verified: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.cloud}:{self.instance_type}"
+
+
+@dataclass(frozen=True)
+class Quote:
+    """The price of one job shape: what the gate reserves against, with honest warnings."""
+
+    row: PriceRow
+    nodes: int
+    rate_micro_per_hour: int
+    warnings: tuple[str, ...]
+
+    def cost_micro(self, hours: Decimal) -> int:
+        return usd_to_micro(Decimal(self.rate_micro_per_hour) * hours / 1_000_000)
+
+    def describe(self) -> str:
+        return (
+            f"{self.row.key} ({self.row.provisioning}) x{self.nodes}: "
+            f"{fmt_usd(self.rate_micro_per_hour)}/h"
+        )
+
+
+def user_prices_path() -> Path:
+    explicit = os.environ.get("PREFECT_GPU_BUDGET_PRICES")
+    if explicit:
+        return Path(explicit)
+    from prefect.settings import PREFECT_HOME
+
+    return Path(PREFECT_HOME.value()) / "gpu-budget" / "prices.csv"
+
+
+def _parse_row(raw: dict[str, str], where: str) -> PriceRow:
+    try:
+        return PriceRow(
+            cloud=raw["cloud"].strip(),
+            instance_type=raw["instance_type"].strip(),
+            provisioning=raw["provisioning"].strip(),
+            gpu_model=raw.get("gpu_model", "").strip(),
+            gpus=int(raw.get("gpus") or 0),
+            vcpu=int(raw.get("vcpu") or 0),
+            memory_gib=int(raw.get("memory_gib") or 0),
+            usd_per_hour=to_decimal_usd(raw["usd_per_hour"], "usd_per_hour"),
+            source=raw.get("source", "").strip(),
+            as_of=date.fromisoformat(raw["as_of"].strip()),
+            verified=raw.get("verified", "no").strip().lower() in ("yes", "true", "1"),
+        )
+    except (KeyError, ValueError, AttributeError) as exc:
+        raise BudgetInputError("prices", f"bad row in {where}: {raw} ({exc})") from None
+
+
+def _read(path: Path) -> list[PriceRow]:
+    with path.open(newline="") as handle:
+        return [_parse_row(raw, str(path)) for raw in csv.DictReader(handle)]
+
+
+class Catalog:
+    """Price rows by (`cloud:instance_type`, provisioning); later files override earlier ones."""
+
+    def __init__(self, rows: list[PriceRow]) -> None:
+        self._rows = {(row.key, row.provisioning): row for row in rows}
+
+    @classmethod
+    def load(cls, *extra: Path) -> Catalog:
+        paths = [SHIPPED, *extra]
+        user = user_prices_path()
+        if user.exists():
+            paths.append(user)
+        return cls([row for path in paths for row in _read(path)])
+
+    def rows(self) -> list[PriceRow]:
+        return list(self._rows.values())
+
+    def row(self, instance_type: str, provisioning: str = "on-demand") -> PriceRow:
+        if ":" not in instance_type:
+            raise BudgetInputError(
+                "instance_type", f"must be 'cloud:type' like 'aws:g5.xlarge', got {instance_type!r}"
+            )
+        if provisioning not in PROVISIONINGS:
+            raise BudgetInputError(
+                "provisioning", f"must be one of {', '.join(PROVISIONINGS)}, got {provisioning!r}"
+            )
+        found = self._rows.get((instance_type, provisioning))
+        if found is None:
+            known = sorted({key for key, prov in self._rows if prov == provisioning})
+            hint = (
+                " (price it with `prefect-gpu-budget prices set-local`)"
+                if instance_type.startswith("local:")
+                else ""
+            )
+            raise BudgetInputError(
+                "instance_type",
+                f"no {provisioning} price for {instance_type!r}{hint}; known: "
+                f"{', '.join(known[:12])}{' ...' if len(known) > 12 else ''}",
+            )
+        return found
+
+    def quote(
+        self,
+        instance_type: str,
+        nodes: int = 1,
+        provisioning: str = "on-demand",
+        today: date | None = None,
+    ) -> Quote:
+        row = self.row(instance_type, provisioning)
+        warnings = []
+        age = ((today or date.today()) - row.as_of).days
+        if age > STALE_AFTER_DAYS:
+            warnings.append(
+                f"price of {row.key} ({provisioning}) is stale: from {row.as_of}, {age} days old"
+            )
+        if not row.verified:
+            warnings.append(f"price of {row.key} ({provisioning}) is unverified: {row.source}")
+        rate = usd_to_micro(row.usd_per_hour) * nodes
+        return Quote(row=row, nodes=nodes, rate_micro_per_hour=rate, warnings=tuple(warnings))
+
+
+def set_local_price(
+    name: str, usd_per_hour: object, gpus: int = 1, path: Path | None = None
+) -> Path:
+    """Price a `local:<name>` machine in the user's price file (replacing an older row)."""
+    from prefect_gpu_budget.units import SEGMENT_RE
+
+    if not SEGMENT_RE.match(name):
+        raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {name!r}")
+    price = to_decimal_usd(usd_per_hour, "usd_per_hour")
+    if gpus < 0 or gpus > 64:
+        raise BudgetInputError("gpus", f"must be between 0 and 64, got {gpus}")
+    path = path or user_prices_path()
+    rows = _read(path) if path.exists() else []
+    rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
+    row = PriceRow(
+        "local",
+        name,
+        "on-demand",
+        "local GPU",
+        gpus,
+        0,
+        0,
+        price,
+        "priced by user",
+        date.today(),
+        True,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(COLUMNS)
+        for r in [*rows, row]:
+            writer.writerow(
+                [
+                    r.cloud,
+                    r.instance_type,
+                    r.provisioning,
+                    r.gpu_model,
+                    r.gpus,
+                    r.vcpu,
+                    r.memory_gib,
+                    r.usd_per_hour,
+                    r.source,
+                    r.as_of.isoformat(),
+                    "yes" if r.verified else "no",
+                ]
+            )
+    default_catalog.cache_clear()
+    return path
+
+
+@lru_cache(maxsize=1)
+def default_catalog() -> Catalog:
+    return Catalog.load()

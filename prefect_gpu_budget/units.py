@@ -1,0 +1,169 @@
+"""Money, durations and scopes: the value types every other module speaks.
+
+Money is kept as integer micro-dollars (``1 USD == 1_000_000``) from the price catalog to the
+ledger, so sums over millions of settlements are exact. Rates for the hourly cap are integer
+cents per hour (the unit of the Prefect concurrency limits), rounded up so that the cap is never
+under-counted.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import timedelta
+from decimal import Decimal, InvalidOperation
+from typing import Annotated
+
+from pydantic import BeforeValidator
+
+MICRO_PER_USD = 1_000_000
+MICRO_PER_CENT = 10_000
+MAX_USD = Decimal(10) ** 9
+"""Largest amount accepted anywhere (a billion dollars): keeps every sum inside 64-bit integers."""
+MAX_DURATION_S = 30 * 24 * 3600
+
+
+class BudgetInputError(ValueError):
+    """Bad input from a user: its message is one line naming the field and the rule."""
+
+    def __init__(self, field: str, rule: str) -> None:
+        self.field = field
+        self.rule = rule
+        super().__init__(f"{field}: {rule}")
+
+
+def to_decimal_usd(value: object, field: str) -> Decimal:
+    """Parse a USD amount (str, int, Decimal or float) and check it is finite, >= 0, sane."""
+    if isinstance(value, bool):
+        raise BudgetInputError(field, "must be a number of US dollars")
+    try:
+        amount = Decimal(str(value).strip().lstrip("$")) if value is not None else None
+    except (InvalidOperation, ValueError):
+        amount = None
+    if amount is None:
+        raise BudgetInputError(field, f"must be a number of US dollars, got {value!r}")
+    if not amount.is_finite():
+        raise BudgetInputError(field, "must be a finite amount (no NaN or infinity)")
+    if amount < 0:
+        raise BudgetInputError(field, f"must not be negative, got {amount}")
+    if amount > MAX_USD:
+        raise BudgetInputError(field, f"must be at most {MAX_USD:,} USD, got {amount:,}")
+    return amount
+
+
+def usd_to_micro(amount: Decimal) -> int:
+    """Exact for amounts with up to six decimals; finer fractions round up (never under-count)."""
+    return math.ceil(amount * MICRO_PER_USD)
+
+
+def micro_to_usd(micro: int) -> float:
+    """For JSON output only: the shortest float that prints as the exact six-decimal amount."""
+    return float(Decimal(micro) / MICRO_PER_USD)
+
+
+def fmt_usd(micro: int) -> str:
+    """`$12.34`, or four decimals for amounts under a dollar so that small demo jobs show."""
+    usd = Decimal(micro) / MICRO_PER_USD
+    return f"${usd:,.4f}" if abs(micro) < MICRO_PER_USD else f"${usd:,.2f}"
+
+
+def rate_cents(rate_micro_per_hour: int) -> int:
+    """Concurrency-limit slots for a rate: whole cents per hour, rounded up, at least one."""
+    return max(1, -(-rate_micro_per_hour // MICRO_PER_CENT))
+
+
+def cost_micro(rate_micro_per_hour: int, seconds: float, *, round_up: bool) -> int:
+    """Cost of running at a rate for some seconds, in micro-dollars.
+
+    Reservations round up (``round_up=True``) so a hold is never smaller than the worst case;
+    settlements round half up to the nearest micro-dollar.
+    """
+    micro_seconds = round(seconds * 1_000_000)
+    numerator = rate_micro_per_hour * micro_seconds
+    denominator = 3600 * 1_000_000
+    if round_up:
+        return -(-numerator // denominator)
+    return (2 * numerator + denominator) // (2 * denominator)
+
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
+_DURATION_FULL_RE = re.compile(r"^\s*(?:\d+(?:\.\d+)?\s*[dhms]\s*)+$")
+_UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> float:
+    """Seconds from `90`, `"90s"`, `"1h30m"`, `"2d"` or a timedelta; anything else is an error."""
+    if isinstance(value, bool) or value is None:
+        raise BudgetInputError(field, f"must be a duration such as '2h' or '90m', got {value!r}")
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, (int, float)) or isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", value):
+        seconds = float(value)
+    elif isinstance(value, str) and _DURATION_FULL_RE.match(value.lower()):
+        seconds = sum(float(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(value.lower()))
+    else:
+        raise BudgetInputError(
+            field,
+            f"must be a duration such as '2h', '90m' or '1h30m' (units d h m s), got {value!r}",
+        )
+    if not math.isfinite(seconds):
+        raise BudgetInputError(field, "must be a finite duration")
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        raise BudgetInputError(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+    if seconds > MAX_DURATION_S:
+        raise BudgetInputError(field, f"must be at most 30 days, got {value!r}")
+    return seconds
+
+
+def fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts)
+
+
+SEGMENT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,47}$")
+MAX_SCOPE_DEPTH = 3
+
+
+def validate_scope(value: object, field: str = "scope") -> str:
+    """A scope is `org`, `org/team` or `org/team/session`.
+
+    Segments are lower-case ASCII letters, digits, `-` and `_` (at most 48, starting with a
+    letter or digit), so scopes cannot smuggle path tricks or unicode look-alikes, and two
+    different scopes never map to the same concurrency-limit name.
+    """
+    if not isinstance(value, str):
+        raise BudgetInputError(field, f"must be a string like 'org/team/session', got {value!r}")
+    segments = value.split("/")
+    if not value or len(segments) > MAX_SCOPE_DEPTH:
+        raise BudgetInputError(
+            field,
+            f"must have 1 to {MAX_SCOPE_DEPTH} segments like 'org/team/session', got {value!r}",
+        )
+    for segment in segments:
+        if not SEGMENT_RE.match(segment):
+            raise BudgetInputError(
+                field,
+                "segments must be 1-48 of a-z 0-9 - _ starting with a letter or digit, "
+                f"got {value[:80]!r}",
+            )
+    return value
+
+
+def scope_path(scope: str) -> list[str]:
+    """`a/b/c` -> `['a', 'a/b', 'a/b/c']` (the scopes whose budgets a job must fit)."""
+    segments = scope.split("/")
+    return ["/".join(segments[: i + 1]) for i in range(len(segments))]
+
+
+def _scope_validator(value: object) -> str:
+    return validate_scope(value)
+
+
+Scope = Annotated[str, BeforeValidator(_scope_validator)]

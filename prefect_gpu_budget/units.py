@@ -97,7 +97,11 @@ def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> fl
         raise BudgetInputError(field, f"must be a duration such as '2h' or '90m', got {value!r}")
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) or isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?\s*", value):
+    elif (
+        isinstance(value, (int, float))
+        or isinstance(value, str)
+        and re.fullmatch(r"\s*\d+(\.\d+)?\s*", value)
+    ):
         seconds = float(value)
     elif isinstance(value, str) and _DURATION_FULL_RE.match(value.lower()):
         seconds = sum(float(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(value.lower()))

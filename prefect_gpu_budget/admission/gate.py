@@ -128,7 +128,7 @@ class Gate:
         self, job_id: str, scope: str, job: GpuJob, quote: Quote, slots: int, started: float
     ) -> Admission:
         told = False
-        last_reason = ""
+        last_block: tuple[str | None, str | None] = (None, None)
         while True:
             seen = self.ledger.version(scope.split("/")[0])
             decision = self.ledger.try_admit(job_id, scope)
@@ -158,9 +158,9 @@ class Gate:
             if not told:
                 told = True
                 self.events.queued(job_id, decision, self.ledger.path_budgets(scope))
-            elif decision.reason != last_reason:
+            elif (decision.limit, decision.scope) != last_block:
                 self.events.waiting(job_id, decision)
-            last_reason = decision.reason
+            last_block = (decision.limit, decision.scope)
             self._sleep_until_change(scope.split("/")[0], seen)
 
     def _sleep_until_change(self, org: str, seen: int) -> None:

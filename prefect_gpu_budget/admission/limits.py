@@ -9,6 +9,7 @@ that dies stops renewing, and a real Prefect server's lease repossessor returns 
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -61,6 +62,8 @@ class RateLimits:
             if self._applied.get(name) == cap:
                 continue
             with self._lock:
+                if self._applied.get(name) == cap:
+                    continue
                 try:
                     current = self._client.read_global_concurrency_limit_by_name(name)
                 except ObjectNotFound:
@@ -101,10 +104,9 @@ class RateLimits:
     def release(self, lease_id: str) -> None:
         from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
-        try:
+        # Already expired and repossessed: nothing left to give back.
+        with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):
             self._client.release_concurrency_slots_with_lease(UUID(lease_id))
-        except (ObjectNotFound, PrefectHTTPStatusError):  # already expired and repossessed
-            pass
 
     def active_slots(self, scope: str) -> int | None:
         """Slots in use in a scope's limit (None if it has none), for status and checks."""

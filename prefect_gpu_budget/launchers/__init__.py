@@ -1,0 +1,3 @@
+from prefect_gpu_budget.launchers.local import LaunchResult, LocalLauncher
+
+__all__ = ["LaunchResult", "LocalLauncher"]

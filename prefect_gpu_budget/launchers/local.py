@@ -1,0 +1,159 @@
+"""Local launcher: the job's command as a subprocess, stopped at max_runtime."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prefect_gpu_budget.job import GpuJob
+
+_granted: set[int] = set()
+_granted_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    outcome: str
+    """`completed`, `failed`, `timed_out` (stopped at max_runtime), `cancelled` or `launch_error`."""
+    started_at: float
+    ended_at: float
+    exit_code: int | None = None
+    detail: str = ""
+
+    @property
+    def runtime_s(self) -> float:
+        return self.ended_at - self.started_at
+
+
+def visible_gpus() -> list[int]:
+    """GPU indices on this machine (from `nvidia-smi -L`); empty without GPUs."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [i for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def _grant(count: int) -> list[int]:
+    """Take `count` free GPUs of this machine for one job (within this process)."""
+    with _granted_lock:
+        free = [g for g in visible_gpus() if g not in _granted]
+        take = free[:count]
+        _granted.update(take)
+        return take
+
+
+def _release(gpus: list[int]) -> None:
+    with _granted_lock:
+        _granted.difference_update(gpus)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    """Linux: SIGKILL the job if its holder dies, so nothing runs unmetered."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalLauncher:
+    name = "local"
+
+    def __init__(self, gpus_per_node: int = 1) -> None:
+        self.gpus_per_node = gpus_per_node
+
+    def run(
+        self,
+        job: GpuJob,
+        *,
+        on_start: Callable[[float, str], None] = lambda started, pid: None,
+        log: Callable[[str], None] = print,
+        env: dict[str, str] | None = None,
+    ) -> LaunchResult:
+        """Run the command; stream its output to `log`; SIGTERM at max_runtime, SIGKILL after grace."""
+        if not job.command:
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail="job has no command to run")
+        gpus = _grant(self.gpus_per_node * job.nodes)
+        child_env = {**os.environ, **job.env, **(env or {})}
+        if gpus:
+            child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        try:
+            try:
+                proc = subprocess.Popen(
+                    job.command,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    errors="replace",
+                    env=child_env,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent,
+                )
+            except OSError as exc:
+                now = time.time()
+                return LaunchResult("launch_error", now, now, detail=f"could not start: {exc}")
+            started = time.time()
+            on_start(started, str(proc.pid))
+            reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
+            reader.start()
+            try:
+                code = proc.wait(timeout=job.max_runtime)
+                outcome = "completed" if code == 0 else "failed"
+                detail = "" if code == 0 else f"exit code {code}"
+            except subprocess.TimeoutExpired:
+                code = _stop(proc, job.kill_grace)
+                outcome, detail = "timed_out", f"stopped at max_runtime {job.max_runtime:.0f}s"
+            except BaseException:
+                _stop(proc, job.kill_grace)
+                raise
+            ended = time.time()
+            reader.join(timeout=2)
+            return LaunchResult(outcome, started, ended, exit_code=code, detail=detail)
+        finally:
+            _release(gpus)
+
+
+def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log(line.rstrip("\n"))
+
+
+def _stop(proc: subprocess.Popen, grace: float) -> int | None:
+    """SIGTERM the job's process group, wait `grace` seconds, then SIGKILL it."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            return proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            continue
+    return proc.poll()
+
+
+def stop_pid(pid: int, grace: float = 10.0) -> None:
+    """Stop an orphaned job's process group by pid (used by reconcile)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)

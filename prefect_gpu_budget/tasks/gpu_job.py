@@ -1,0 +1,257 @@
+"""The Prefect tasks: `admit` (the gate), `settle`, and `run_gpu_job` (gate -> launch -> settle).
+
+Prefect sits here, at the edge: the gate's events become run logs, Prefect events
+(`gpu-budget.job.queued|admitted|rejected|settled`), a notification to the researcher when a job
+starts waiting, and custom-named final states (`OverBudget`, `AdmissionTimeout`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.context import TaskRunContext
+from prefect.events import emit_event
+from prefect.states import Failed
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.limits import RateLimits
+from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
+
+METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """What a finished GPU job reports back to its flow."""
+
+    job_id: str
+    scope: str
+    outcome: str
+    exit_code: int | None
+    runtime_s: float
+    waited_s: float
+    rate_usd_per_hour: float
+    reserved_usd: float
+    actual_usd: float
+    detail: str = ""
+
+
+@lru_cache(maxsize=4)
+def _gate(ledger_url: str | None) -> Gate:
+    """One gate per process and ledger: its engine and Prefect client are reused by every job."""
+    ledger = SpendLedger(database_url=ledger_url).ledger()
+    from prefect.client.orchestration import get_client
+
+    client = get_client(sync_client=True, httpx_settings={"timeout": 30})
+    client.__enter__()
+    return Gate(ledger, RateLimits(client))
+
+
+def _resource(job_id: str, scope: str) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"gpu-budget.job.{job_id}",
+        "prefect.resource.name": scope,
+        "gpu-budget.scope": scope,
+    }
+
+
+def _notify_once(rules: list[BudgetRule], body: str, subject: str) -> None:
+    from prefect.blocks.core import Block
+
+    targets = [r.notify_block for r in reversed(rules) if r.notify_block]
+    if not targets:
+        return
+    block = Block.load(targets[0])
+    block.notify(body=body, subject=subject)
+
+
+def prefect_events(scope: str, job: GpuJob) -> GateEvents:
+    """Gate events as Prefect logs, events and notifications for the current run."""
+    logger = get_run_logger()
+
+    def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
+        resumes = ""
+        if decision.resumes_at:
+            resumes = f" (resets {periods.fmt_instant(decision.resumes_at, 'UTC')})"
+        logger.warning("GPU job %s queued in %s: %s%s", job_id[:8], scope, decision.reason, resumes)
+        emit_event(
+            event="gpu-budget.job.queued",
+            resource=_resource(job_id, scope),
+            payload={
+                "reason": decision.reason,
+                "limit": decision.limit,
+                "blocking_scope": decision.scope,
+                "instance_type": job.instance_type,
+                "nodes": job.nodes,
+            },
+        )
+        try:
+            _notify_once(
+                rules,
+                f"GPU job {job.name or job.instance_type} in {scope} is waiting: {decision.reason}",
+                subject=f"GPU budget: job waiting in {scope}",
+            )
+        except Exception as exc:  # a failed notification never blocks the gate
+            logger.warning("could not send the waiting notification: %s", exc)
+
+    def waiting(job_id: str, decision: Decision) -> None:
+        logger.info("GPU job %s still waiting: %s", job_id[:8], decision.reason)
+
+    def admitted(admission: Admission) -> None:
+        logger.info(
+            "GPU job %s admitted in %s after %s: %s",
+            admission.job_id[:8],
+            scope,
+            fmt_duration(admission.waited_s),
+            admission.reason,
+        )
+        for warning in admission.quote.warnings:
+            logger.warning("price warning: %s", warning)
+        emit_event(
+            event="gpu-budget.job.admitted",
+            resource=_resource(admission.job_id, scope),
+            payload={
+                "reserved_usd": micro_to_usd(admission.reserved_micro),
+                "rate_usd_per_hour": micro_to_usd(admission.quote.rate_micro_per_hour),
+                "waited_s": round(admission.waited_s, 3),
+            },
+        )
+
+    def refused(job_id: str, refused: AdmissionRefused) -> None:
+        logger.error("GPU job %s in %s: %s", job_id[:8], scope, refused)
+        emit_event(
+            event="gpu-budget.job.rejected",
+            resource=_resource(job_id, scope),
+            payload={"state": refused.state_name, "reason": refused.reason},
+        )
+
+    def settled(admission: Admission, row: dict[str, Any]) -> None:
+        logger.info(
+            "GPU job %s settled (%s): %s of %s reserved",
+            admission.job_id[:8],
+            row["outcome"],
+            fmt_usd(row["actual_micro"] or 0),
+            fmt_usd(row["reserved_micro"]),
+        )
+        emit_event(
+            event="gpu-budget.job.settled",
+            resource=_resource(admission.job_id, scope),
+            payload={
+                "outcome": row["outcome"],
+                "actual_usd": micro_to_usd(row["actual_micro"] or 0),
+                "reserved_usd": micro_to_usd(row["reserved_micro"]),
+                "billed_seconds": row["billed_seconds"],
+            },
+        )
+
+    return GateEvents(
+        queued=queued, waiting=waiting, admitted=admitted, refused=refused, settled=settled
+    )
+
+
+def gate_for_run(scope: str, job: GpuJob, ledger: SpendLedger | None) -> Gate:
+    base = _gate(ledger.url() if ledger else None)
+    return Gate(
+        base.ledger,
+        base.limits,
+        catalog=base.catalog,
+        events=prefect_events(scope, job),
+        poll_s=base.poll_s,
+        recheck_s=base.recheck_s,
+    )
+
+
+def _flow_run_id() -> str | None:
+    ctx = TaskRunContext.get()
+    return str(ctx.task_run.flow_run_id) if ctx and ctx.task_run.flow_run_id else None
+
+
+@task(name="gpu-budget-admit", task_run_name="admit {job.instance_type} in {scope}")
+def admit(job: GpuJob, scope: str, ledger: SpendLedger | None = None) -> Admission:
+    """The gate: wait until the job fits every budget on its path, or end in a named state.
+
+    Returns the `Admission` to hand to `settle` once the job ends; its rate slots stay leased
+    and its reservation stays held until then.
+    """
+    gate = gate_for_run(scope, job, ledger)
+    try:
+        return gate.admit(job, scope, flow_run_id=_flow_run_id())
+    except AdmissionRefused as refused:
+        return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
+
+
+@task(name="gpu-budget-settle")
+def settle(
+    admission: Admission,
+    started_at: float,
+    ended_at: float,
+    outcome: str,
+    actual_usd_micro: int | None = None,
+    ledger: SpendLedger | None = None,
+) -> dict[str, Any]:
+    """Settle an admitted job once: actual cost replaces the reservation; slots are released."""
+    gate = gate_for_run(admission.scope, admission.job, ledger)
+    if started_at is not None:
+        gate.started(admission, started_at)
+    return gate.settle(admission, ended_at=ended_at, outcome=outcome, actual_micro=actual_usd_micro)
+
+
+@task(name="run-gpu-job", task_run_name="gpu-job {job.instance_type} in {scope}")
+def run_gpu_job(
+    job: GpuJob,
+    scope: str,
+    ledger: SpendLedger | None = None,
+    metrics_file: str | None = None,
+) -> JobResult:
+    """Gate -> launch (local launcher) -> settle, whatever way the job ends.
+
+    A job refused by the gate ends in `OverBudget` or `AdmissionTimeout` with the reason.
+    The command finds `GPU_BUDGET_METRICS_FILE` in its environment to write JSON lines to.
+    """
+    logger = get_run_logger()
+    gate = gate_for_run(scope, job, ledger)
+    try:
+        admission = gate.admit(job, scope, flow_run_id=_flow_run_id())
+    except AdmissionRefused as refused:
+        return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
+
+    launcher = LocalLauncher(gpus_per_node=admission.quote.row.gpus)
+    env = {METRICS_ENV: metrics_file} if metrics_file else {}
+    result = None
+    try:
+        result = launcher.run(
+            job,
+            on_start=lambda started, pid: gate.started(admission, started, pid),
+            log=lambda line: logger.info("| %s", line),
+            env=env,
+        )
+    finally:
+        if result is None:  # cancelled or crashed mid-run: bill until now
+            row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+        else:
+            row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+    out = JobResult(
+        job_id=admission.job_id,
+        scope=scope,
+        outcome=result.outcome,
+        exit_code=result.exit_code,
+        runtime_s=result.runtime_s,
+        waited_s=admission.waited_s,
+        rate_usd_per_hour=micro_to_usd(admission.quote.rate_micro_per_hour),
+        reserved_usd=micro_to_usd(row["reserved_micro"]),
+        actual_usd=micro_to_usd(row["actual_micro"] or 0),
+        detail=result.detail,
+    )
+    if result.outcome != "completed":
+        message = f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
+        return Failed(name="GpuJobFailed", message=message)  # type: ignore[return-value]
+    return out

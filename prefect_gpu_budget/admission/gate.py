@@ -212,7 +212,7 @@ class Gate:
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
-        self.ledger.mark_started(admission.job_id, started_at, external_id)
+        self.ledger.mark_started(admission.job_id, started_at, external_id, admission.lease_id)
 
     def settle(
         self,

@@ -89,6 +89,7 @@ jobs = sa.Table(
     sa.Column("holder", sa.String(200), nullable=False),
     sa.Column("launcher", sa.String(32), nullable=False, default="local"),
     sa.Column("external_id", sa.String(200)),
+    sa.Column("lease_id", sa.String(64)),
     sa.Column("flow_run_id", sa.String(36)),
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
@@ -568,6 +569,80 @@ class Ledger:
         with self._read() as conn:
             return [dict(row) for row in conn.execute(query).mappings()]
 
+    def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
+        """Per budgeted scope: cap, running rate, period spend (settled, reserved), queue."""
+        now = time.time() if now is None else now
+        rules = [r for r in self.budgets() if _within(r.scope, scope)]
+        out = []
+        with self._read() as conn:
+            for rule in rules:
+                subtree = sa.or_(jobs.c.scope == rule.scope, jobs.c.scope.like(rule.scope + "/%"))
+                rows = conn.execute(
+                    sa.select(
+                        jobs.c.state,
+                        jobs.c.rate_micro_per_hour,
+                        jobs.c.reserved_micro,
+                        jobs.c.admitted_at,
+                        jobs.c.reserve_seconds,
+                    ).where(subtree, jobs.c.state.in_(("queued", *ACTIVE)))
+                ).all()
+                p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
+                reserved = sum(
+                    share
+                    for r in rows
+                    if r.state in ACTIVE
+                    for start, share in periods.split(
+                        r.reserved_micro,
+                        r.admitted_at,
+                        r.admitted_at + r.reserve_seconds,
+                        rule.period,
+                        rule.timezone,
+                    )
+                    if start == p_start
+                )
+                settled = (
+                    conn.execute(
+                        sa.select(period_spend.c.settled_micro).where(
+                            period_spend.c.scope == rule.scope,
+                            period_spend.c.period_start == p_start,
+                        )
+                    ).scalar_one_or_none()
+                    or 0
+                )
+                budget = rule.period_budget_micro
+                out.append(
+                    {
+                        "scope": rule.scope,
+                        "hourly_cap_micro": None
+                        if rule.hourly_cap_cents is None
+                        else rule.hourly_cap_cents * 10_000,
+                        "running_rate_micro": sum(
+                            r.rate_micro_per_hour for r in rows if r.state in ACTIVE
+                        ),
+                        "period": rule.period,
+                        "period_start": p_start,
+                        "period_end": p_end,
+                        "timezone": rule.timezone,
+                        "period_budget_micro": budget,
+                        "settled_micro": settled,
+                        "reserved_micro": reserved,
+                        "remaining_micro": None if budget is None else budget - settled - reserved,
+                        "running": sum(1 for r in rows if r.state in ACTIVE),
+                        "queued": sum(1 for r in rows if r.state == "queued"),
+                    }
+                )
+        return out
+
+    def orphans(self, now: float | None = None, stale_after: float = 120.0) -> list[dict[str, Any]]:
+        """Active or queued jobs whose holder is gone: dead on this host, or silent too long."""
+        now = time.time() if now is None else now
+        found = []
+        for row in self.jobs(states=("queued", *ACTIVE)):
+            alive = holder_alive(row["holder"])
+            if alive is False or (alive is None and row["heartbeat_at"] < now - stale_after):
+                found.append(row)
+        return found
+
     def period_settled(self, scope: str, period_start: float) -> int:
         with self._read() as conn:
             return (
@@ -578,6 +653,10 @@ class Ledger:
                 ).scalar_one_or_none()
                 or 0
             )
+
+
+def _within(scope: str, parent: str | None) -> bool:
+    return parent is None or scope == parent or scope.startswith(parent + "/")
 
 
 def _rule(row: Any) -> BudgetRule:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -59,10 +60,8 @@ def _release(gpus: list[int]) -> None:
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """Linux: SIGKILL the job if its holder dies, so nothing runs unmetered."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class LocalLauncher:

@@ -1,0 +1,86 @@
+"""Settle what crashed holders left behind: the step that makes promise 3 (nothing lost) true.
+
+A holder that dies leaves its ledger row holding the worst case (its reservation). Reconcile
+finds rows whose holder is dead (same host) or silent (heartbeat older than `stale_after`):
+- a queued job is cancelled (its waiter is gone);
+- an admitted job that never started settles at zero;
+- a started job whose process still runs keeps its reservation and is left alone, unless it is
+  past its max runtime, when it is stopped and settled;
+- a started job that is gone settles up to the last moment it could have run: its last
+  heartbeat plus one heartbeat interval, never past its reservation. Charging the worst case
+  that the evidence allows keeps real spend under the budget.
+Settling is exactly once in the ledger, so reconcile may run often and concurrently.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
+from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
+from prefect_gpu_budget.launchers.local import stop_pid
+
+HEARTBEAT_S = LEASE_S / 4
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    job_id: str
+    scope: str
+    action: str
+    """`cancelled`, `settled`, `stopped`, `left-running` or `already-settled`."""
+    actual_micro: int = 0
+
+
+def _local_pid_alive(row: dict) -> bool:
+    if row["launcher"] != "local" or not row["external_id"]:
+        return False
+    if holder_alive(row["holder"]) is None:  # another host: cannot look
+        return False
+    try:
+        os.kill(int(row["external_id"]), 0)
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reconcile(
+    ledger: Ledger,
+    limits: RateLimits | None = None,
+    *,
+    now: float | None = None,
+    stale_after: float = 120.0,
+) -> list[Reconciled]:
+    now = time.time() if now is None else now
+    out = []
+    for row in ledger.orphans(now=now, stale_after=stale_after):
+        job_id, scope = row["id"], row["scope"]
+        if row["state"] == "queued":
+            if ledger.cancel_queued(job_id, scope, "waiter vanished; cancelled by reconcile", now):
+                out.append(Reconciled(job_id, scope, "cancelled"))
+            continue
+        started = row["started_at"]
+        action = "settled"
+        if started is not None and _local_pid_alive(row):
+            if now < started + row["reserve_seconds"]:
+                out.append(Reconciled(job_id, scope, "left-running"))
+                continue
+            stop_pid(int(row["external_id"]), grace=5.0)
+            action, ended = "stopped", now
+        elif started is None:
+            ended = now
+        else:
+            last_seen = max(row["heartbeat_at"], started) + HEARTBEAT_S
+            ended = min(now, last_seen, started + row["reserve_seconds"])
+        done = ledger.settle(job_id, ended_at=ended, outcome="reconciled", now=now)
+        if row["lease_id"] and limits is not None:
+            limits.release(row["lease_id"])
+        if done:
+            out.append(Reconciled(job_id, scope, action, ledger.job(job_id)["actual_micro"] or 0))
+        else:
+            out.append(Reconciled(job_id, scope, "already-settled"))
+    return out

@@ -1,0 +1,373 @@
+"""`prefect-gpu-budget`: budgets, status, ledger, quotes, reconcile and the demo.
+
+User errors print one line on stderr and exit with code 2, writing nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any, NoReturn
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.units import BudgetInputError, fmt_usd, micro_to_usd, to_decimal_usd
+
+app = typer.Typer(
+    help="Spend bounds for GPU jobs: hourly caps and period budgets, checked before jobs start.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+budget_app = typer.Typer(help="Set and show budgets.", no_args_is_help=True)
+prices_app = typer.Typer(help="The price catalog.", no_args_is_help=True)
+app.add_typer(budget_app, name="budget")
+app.add_typer(prices_app, name="prices")
+console = Console()
+_state: dict[str, Any] = {"ledger_url": None}
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _ledger():
+    from prefect_gpu_budget.blocks.ledger import SpendLedger
+
+    return SpendLedger(database_url=_state["ledger_url"]).ledger()
+
+
+def _iso(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
+def _usd(micro: int | None) -> float | None:
+    return None if micro is None else micro_to_usd(micro)
+
+
+@app.callback()
+def _main(
+    ledger_url: str = typer.Option(
+        None,
+        "--ledger-url",
+        envvar="PREFECT_GPU_BUDGET_LEDGER_URL",
+        help="Ledger database URL (default: SQLite under PREFECT_HOME).",
+        show_envvar=True,
+    ),
+) -> None:
+    _state["ledger_url"] = ledger_url
+
+
+def _optional_usd(value: str | None, field: str) -> Decimal | None | str:
+    if value is None:
+        return "keep"
+    if value.strip().lower() == "none":
+        return None
+    return to_decimal_usd(value, field)
+
+
+@budget_app.command("set")
+def budget_set(
+    scope: str = typer.Argument(..., help="org, org/team or org/team/session."),
+    hourly_cap: str = typer.Option(None, help="USD per hour ('none' removes the cap)."),
+    period_budget: str = typer.Option(None, help="USD per period ('none' removes it)."),
+    period: str = typer.Option(None, help="day, week or month."),
+    tz: str = typer.Option(None, "--timezone", help="Time zone of the period (default UTC)."),
+    on_limit: str = typer.Option(None, help="queue or reject."),
+    max_wait: str = typer.Option(None, help="Longest wait, like '6h'; 0 waits forever."),
+    reservation_mode: str = typer.Option(None, help="guaranteed or estimate."),
+    notify: str = typer.Option(None, help="Notification block 'type-slug/name'."),
+) -> None:
+    """Create or change a scope's budget (options not given keep their current values)."""
+    from prefect_gpu_budget.blocks.budget import GpuBudget
+
+    ledger = _ledger()
+    current = {r.scope: r for r in ledger.budgets()}.get(scope)
+    fields: dict[str, Any] = {"scope": scope}
+    if current is not None:
+        fields.update(
+            hourly_cap_usd=None
+            if current.hourly_cap_cents is None
+            else Decimal(current.hourly_cap_cents) / 100,
+            period_budget_usd=None
+            if current.period_budget_micro is None
+            else Decimal(current.period_budget_micro) / 1_000_000,
+            period=current.period,
+            timezone=current.timezone,
+            on_limit=current.on_limit,
+            max_wait=current.max_wait_s,
+            reservation_mode=current.reservation_mode,
+            notify_block=current.notify_block,
+        )
+    for key, value in (
+        ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
+        ("period_budget_usd", _optional_usd(period_budget, "period_budget")),
+    ):
+        if value != "keep":
+            fields[key] = value
+    given = {
+        "period": period,
+        "timezone": tz,
+        "on_limit": on_limit,
+        "max_wait": max_wait,
+        "reservation_mode": reservation_mode,
+        "notify_block": notify,
+    }
+    fields.update({k: v for k, v in given.items() if v is not None})
+    if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
+        fail("budget: give --hourly-cap, --period-budget or both")
+    block = GpuBudget(**fields)
+    ledger.set_budget(block.rule())
+    console.print(f"budget set for [bold]{scope}[/]: {_describe(block.rule())}")
+
+
+def _describe(rule) -> str:
+    parts = []
+    if rule.hourly_cap_cents is not None:
+        parts.append(f"cap {fmt_usd(rule.hourly_cap_cents * 10_000)}/h")
+    if rule.period_budget_micro is not None:
+        parts.append(f"{fmt_usd(rule.period_budget_micro)} per {rule.period} ({rule.timezone})")
+    parts.append(f"on limit {rule.on_limit}")
+    parts.append("max wait forever" if rule.max_wait_s == 0 else f"max wait {rule.max_wait_s:.0f}s")
+    parts.append(rule.reservation_mode)
+    return ", ".join(parts)
+
+
+@budget_app.command("show")
+def budget_show(
+    scope: str = typer.Argument(None), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """List budgets (under SCOPE if given)."""
+    rules = [
+        r
+        for r in _ledger().budgets()
+        if scope is None or r.scope == scope or r.scope.startswith(scope + "/")
+    ]
+    if as_json:
+        typer.echo(json.dumps([r.__dict__ for r in rules], indent=2))
+        return
+    table = Table("scope", "budget")
+    for rule in rules:
+        table.add_row(rule.scope, _describe(rule))
+    console.print(table)
+
+
+@app.command()
+def status(
+    scope: str = typer.Argument(None), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """Per scope: hourly cap and running rate, period spend, running and queued jobs."""
+    rows = _ledger().status(scope)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [
+                    {
+                        "scope": r["scope"],
+                        "hourly_cap_usd": _usd(r["hourly_cap_micro"]),
+                        "running_rate_usd_per_hour": _usd(r["running_rate_micro"]),
+                        "period": r["period"],
+                        "period_start": _iso(r["period_start"]),
+                        "period_budget_usd": _usd(r["period_budget_micro"]),
+                        "settled_usd": _usd(r["settled_micro"]),
+                        "reserved_usd": _usd(r["reserved_micro"]),
+                        "remaining_usd": _usd(r["remaining_micro"]),
+                        "running": r["running"],
+                        "queued": r["queued"],
+                    }
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
+        return
+    table = Table(
+        "scope", "rate / cap", "period", "settled", "reserved", "remaining", "running", "queued"
+    )
+    for r in rows:
+        cap = "-" if r["hourly_cap_micro"] is None else fmt_usd(r["hourly_cap_micro"])
+        table.add_row(
+            r["scope"],
+            f"{fmt_usd(r['running_rate_micro'])} / {cap}",
+            f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
+            fmt_usd(r["settled_micro"]),
+            fmt_usd(r["reserved_micro"]),
+            "-" if r["remaining_micro"] is None else fmt_usd(r["remaining_micro"]),
+            str(r["running"]),
+            str(r["queued"]),
+        )
+    console.print(table)
+    waiting = _ledger().jobs(scope, states=("queued",))
+    for job in waiting:
+        console.print(
+            f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: {job['reason']}"
+        )
+
+
+@app.command("ledger")
+def ledger_cmd(
+    scope: str = typer.Argument(None),
+    as_json: bool = typer.Option(False, "--json"),
+    limit: int = typer.Option(200, help="Newest N jobs."),
+) -> None:
+    """Every job from request to settlement."""
+    rows = _ledger().jobs(scope)[-limit:]
+    out = [
+        {
+            "id": r["id"],
+            "scope": r["scope"],
+            "instance_type": r["instance_type"],
+            "nodes": r["nodes"],
+            "rate_usd_per_hour": _usd(r["rate_micro_per_hour"]),
+            "reserved_usd": _usd(r["reserved_micro"]),
+            "actual_usd": _usd(r["actual_micro"]),
+            "state": r["state"],
+            "requested_at": _iso(r["requested_at"]),
+            "admitted_at": _iso(r["admitted_at"]),
+            "ended_at": _iso(r["ended_at"]),
+            "settled_at": _iso(r["settled_at"]),
+        }
+        for r in rows
+    ]
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    table = Table("id", "scope", "instance", "rate/h", "reserved", "actual", "state", "requested")
+    for r in out:
+        table.add_row(
+            r["id"][:8],
+            r["scope"],
+            f"{r['instance_type']} x{r['nodes']}",
+            f"${r['rate_usd_per_hour']:.4f}",
+            f"${r['reserved_usd']:.4f}",
+            "-" if r["actual_usd"] is None else f"${r['actual_usd']:.4f}",
+            r["state"],
+            (r["requested_at"] or "")[:19],
+        )
+    console.print(table)
+
+
+@app.command()
+def quote(
+    instance_type: str = typer.Argument(..., help="cloud:type, e.g. aws:p4d.24xlarge."),
+    nodes: int = typer.Option(1, min=1, max=1024),
+    hours: str = typer.Option("1", help="Runtime in hours (or a duration like '90m')."),
+    provisioning: str = typer.Option("on-demand", help="on-demand, spot or flex-start."),
+) -> None:
+    """Price a job shape from the dated catalog."""
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.units import cost_micro, parse_duration
+
+    seconds = parse_duration(
+        hours if not hours.replace(".", "", 1).isdigit() else f"{hours}h", "hours"
+    )
+    q = default_catalog().quote(instance_type, nodes, provisioning)
+    console.print(
+        f"{q.describe()}  {q.row.gpus}x {q.row.gpu_model} per node\n"
+        f"{seconds / 3600:g} h: {fmt_usd(cost_micro(q.rate_micro_per_hour, seconds, round_up=True))}"
+        f"  (price from {q.row.source}, {q.row.as_of})"
+    )
+    for warning in q.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+@prices_app.command("set-local")
+def prices_set_local(
+    name: str = typer.Argument(..., help="The NAME in local:NAME."),
+    usd_per_hour: str = typer.Option(..., help="What an hour of this machine costs you."),
+    gpus: int = typer.Option(1, help="GPUs the machine has."),
+) -> None:
+    """Price a local machine so jobs on `local:NAME` can be admitted."""
+    from prefect_gpu_budget.pricing.catalog import set_local_price
+
+    path = set_local_price(name, usd_per_hour, gpus)
+    console.print(f"local:{name} priced at ${usd_per_hour}/h in {path}")
+
+
+@prices_app.command("list")
+def prices_list() -> None:
+    """The catalog rows, with their sources and dates."""
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    table = Table("instance", "provisioning", "GPUs", "USD/h", "as of", "source")
+    for row in default_catalog().rows():
+        table.add_row(
+            row.key,
+            row.provisioning,
+            f"{row.gpus}x {row.gpu_model}",
+            str(row.usd_per_hour),
+            f"{row.as_of}{'' if row.verified else ' (unverified)'}",
+            row.source,
+        )
+    console.print(table)
+
+
+@app.command("reconcile")
+def reconcile_cmd(
+    stale_after: str = typer.Option(
+        "120s", help="Silence after which a holder on another host counts as gone."
+    ),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Settle reservations whose holders are gone; safe to run often and concurrently."""
+    from prefect_gpu_budget.admission.reconcile import reconcile
+    from prefect_gpu_budget.units import parse_duration
+
+    done = reconcile(
+        _ledger(), _limits_if_configured(), stale_after=parse_duration(stale_after, "stale_after")
+    )
+    if as_json:
+        typer.echo(
+            json.dumps([{**d.__dict__, "actual_usd": micro_to_usd(d.actual_micro)} for d in done])
+        )
+        return
+    for d in done:
+        console.print(f"{d.job_id[:8]} {d.scope}: {d.action} ({fmt_usd(d.actual_micro)})")
+    console.print(f"{len(done)} job(s) reconciled")
+
+
+def _limits_if_configured():
+    """Prefect limits only when a server is configured; never start a temporary one for this."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        return None
+    from prefect_gpu_budget.admission.limits import RateLimits
+
+    return RateLimits()
+
+
+def main() -> None:
+    """Console entry point: one-line errors with exit code 2 for bad input."""
+    try:
+        app(standalone_mode=False)
+    except (BudgetInputError, ValidationError) as exc:
+        from prefect_gpu_budget.job import one_line
+
+        typer.echo(f"error: {one_line(exc)}", err=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(1)
+    except Exception as exc:  # click usage errors and anything unexpected
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            typer.echo(f"error: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        typer.echo(
+            f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True
+        )
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -308,9 +308,9 @@ class Ledger:
         Writes what the decision says: the admission and its reservation, a rejection or a
         time-out, or the reason it still waits (so `status` can say why).
         """
-        now = time.time() if now is None else now
         org = scope.split("/")[0]
         with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if row["state"] != "queued":
                 return _decision_of(row)
@@ -451,7 +451,14 @@ class Ledger:
 
     # -- running and settlement -----------------------------------------------------------
 
-    def mark_started(self, job_id: str, started_at: float, external_id: str | None = None) -> None:
+    def mark_started(
+        self,
+        job_id: str,
+        started_at: float,
+        external_id: str | None = None,
+        lease_id: str | None = None,
+    ) -> None:
+        """The launcher started the job (`external_id`: pid or cloud job id) under a lease."""
         with self.engine.begin() as conn:
             conn.execute(
                 jobs.update()
@@ -461,6 +468,7 @@ class Ledger:
                     started_at=started_at,
                     heartbeat_at=started_at,
                     external_id=external_id,
+                    lease_id=lease_id,
                 )
             )
 
@@ -487,13 +495,13 @@ class Ledger:
         `actual_micro` is the cloud's billed figure where known; otherwise rate x billed
         seconds (by default the time from start to end).
         """
-        now = time.time() if now is None else now
         with self.engine.connect() as probe:
             row = probe.execute(sa.select(jobs.c.org).where(jobs.c.id == job_id)).one_or_none()
         if row is None:
             raise KeyError(job_id)
         org = row.org
         with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
             job = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if job["state"] not in ACTIVE:
                 return False

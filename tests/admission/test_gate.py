@@ -1,0 +1,281 @@
+"""The gate against real processes, a real Prefect server and both databases.
+
+Promise 1 (no over-admission), 3 (nothing lost, settle once) and 5 (liveness) are checked from
+the ledger's own timestamps after racing many processes against one nested budget.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.units import rate_cents, scope_path
+
+RACE_SCOPES = ["race/a/s1", "race/a/s2", "race/b/s1", "race/b/s2"]
+RACE_BUDGETS = [
+    BudgetRule("race", hourly_cap_cents=1800, period_budget_micro=25_000, period="month"),
+    BudgetRule("race/a", hourly_cap_cents=1080, period="week"),
+    BudgetRule("race/b", hourly_cap_cents=1080, period_budget_micro=14_000, period="week"),
+    BudgetRule("race/a/s1", hourly_cap_cents=720, period_budget_micro=12_000, period="day"),
+    BudgetRule("race/a/s2", hourly_cap_cents=720),
+    BudgetRule("race/b/s1", hourly_cap_cents=720),
+    BudgetRule("race/b/s2", hourly_cap_cents=720),
+]
+
+
+def _race_worker(ledger_url: str, api_url: str, prices: str, scope: str, jobs: int, seed: int, out) -> None:
+    os.environ["PREFECT_API_URL"] = api_url
+    from prefect.client.orchestration import get_client
+
+    from prefect_gpu_budget.admission.limits import RateLimits
+
+    ledger = Ledger(ledger_url)
+    client = get_client(sync_client=True)
+    client.__enter__()
+    gate = Gate(ledger, RateLimits(client), catalog=Catalog.load(Path(prices)))
+    rng = random.Random(seed)
+    results = []
+    for _ in range(jobs):
+        job = GpuJob(
+            instance_type="local:race",
+            max_runtime="5s",
+            kill_grace="1s",
+            priority=rng.choice([0, 0, 1]),
+            max_wait="12s",
+        )
+        try:
+            admission = gate.admit(job, scope)
+        except AdmissionRefused as refused:
+            results.append({"refused": refused.state_name})
+            continue
+        gate.started(admission, time.time())
+        time.sleep(rng.uniform(0.05, 0.25))
+        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        again = ledger.settle(admission.job_id, ended_at=time.time() + 100, outcome="completed")
+        results.append({"settled": admission.job_id, "second_settle": again})
+    out.put(results)
+
+
+def _sweep(rows: list[dict], key):
+    """Events (time, +/-) of admitted intervals, releases first at equal times."""
+    events = []
+    for r in rows:
+        if r["admitted_at"] is None:
+            continue
+        events.append((r["admitted_at"], 1, r))
+        events.append((r["settled_at"], 0, r))
+    return sorted(events, key=lambda e: (e[0], e[1]))
+
+
+def _check_invariants(rows: list[dict], budgets: list[BudgetRule]) -> None:
+    by_scope = {b.scope: b for b in budgets}
+    rate: dict[str, int] = defaultdict(int)
+    money: dict[str, int] = defaultdict(int)
+    for _, kind, r in _sweep(rows, None):
+        for scope in scope_path(r["scope"]):
+            if kind == 1:
+                rate[scope] += r["rate_cents"]
+                money[scope] += r["reserved_micro"]
+            else:
+                rate[scope] -= r["rate_cents"]
+                money[scope] += r["actual_micro"] - r["reserved_micro"]
+            rule = by_scope.get(scope)
+            if rule and rule.hourly_cap_cents is not None:
+                assert rate[scope] <= rule.hourly_cap_cents, f"rate cap of {scope} exceeded"
+            if rule and rule.period_budget_micro is not None:
+                assert money[scope] <= rule.period_budget_micro, f"budget of {scope} exceeded"
+
+
+@pytest.mark.timeout(300)
+def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
+    ledger = Ledger(ledger_url)
+    for rule in RACE_BUDGETS:
+        ledger.set_budget(rule)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_race_worker,
+            args=(ledger_url, prefect_api, str(prices), RACE_SCOPES[i % 4], 4, i, out),
+        )
+        for i in range(16)
+    ]
+    for p in procs:
+        p.start()
+    results = [item for _ in procs for item in out.get(timeout=240)]
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+
+    rows = ledger.jobs("race")
+    assert len(rows) == 64
+    admitted = [r for r in rows if r["admitted_at"] is not None]
+    # every admitted job settled exactly once; a second settle changed nothing
+    assert all(r["state"] == "settled" and r["settled_at"] for r in admitted)
+    assert sum(1 for r in results if "settled" in r) == len(admitted)
+    assert not any(r.get("second_settle") for r in results)
+    assert all(r["ended_at"] < r["settled_at"] + 1 for r in admitted)
+    _check_invariants(rows, RACE_BUDGETS)
+    # nothing over-charged: period spend in the ledger equals the sum of the jobs' costs
+    p_start = {s["scope"]: s for s in ledger.status()}["race"]["period_start"]
+    assert ledger.period_settled("race", p_start) == sum(r["actual_micro"] for r in admitted)
+    # no starvation: jobs only time out once the period budget cannot take another job
+    timed_out = [r for r in rows if r["state"] == "timed_out"]
+    for r in timed_out:
+        assert "budget" in r["reason"], r["reason"]
+    if timed_out:
+        status = {s["scope"]: s for s in ledger.status()}
+        reservation = 6_000
+        assert any(
+            status[s]["remaining_micro"] is not None and status[s]["remaining_micro"] < reservation
+            for s in scope_path(timed_out[0]["scope"])
+            if s in status
+        )
+    assert len(admitted) >= 40
+    # the Prefect limits hold no slot once everything settled
+    from prefect_gpu_budget.admission.limits import RateLimits
+
+    limits = RateLimits()
+    assert all(limits.active_slots(rule.scope) == 0 for rule in RACE_BUDGETS)
+    limits.close()
+
+
+def test_blocked_job_resumes_within_a_second(ledger, prefect_api, prices):
+    from prefect_gpu_budget.admission.limits import RateLimits
+
+    ledger.set_budget(BudgetRule("resume", hourly_cap_cents=400))
+    limits = RateLimits()
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    job = GpuJob(instance_type="local:box", max_runtime="1m")
+    first = gate.admit(job, "resume/t/s")
+    gate.started(first, time.time())
+    got: dict[str, float] = {}
+
+    def second() -> None:
+        got["admission"] = gate.admit(job, "resume/t/s")
+        got["at"] = time.time()
+
+    waiter = threading.Thread(target=second)
+    waiter.start()
+    time.sleep(1.5)
+    assert "at" not in got, "admitted over the hourly cap"
+    assert "blocked by hourly cap of resume" in ledger.jobs("resume", states=("queued",))[0]["reason"]
+    settled_at = time.time()
+    gate.settle(first, ended_at=settled_at, outcome="completed")
+    waiter.join(timeout=10)
+    assert got["at"] - settled_at < 1.0
+    gate.settle(got["admission"], ended_at=time.time(), outcome="completed")
+    assert limits.active_slots("resume") == 0
+    limits.close()
+
+
+def test_priority_then_arrival_order(ledger, prices):
+    ledger.set_budget(BudgetRule("prio", hourly_cap_cents=360))
+    gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=0.2)
+    running = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "prio/t")
+    order: list[str] = []
+
+    def wait(name: str, priority: int) -> None:
+        a = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m", priority=priority), "prio/t")
+        order.append(name)
+        time.sleep(0.3)
+        gate.settle(a, ended_at=time.time(), outcome="completed")
+
+    threads = []
+    for name, priority in [("low-1", -100), ("normal-1", 0), ("high-1", 100), ("normal-2", 0)]:
+        threads.append(threading.Thread(target=wait, args=(name, priority)))
+        threads[-1].start()
+        time.sleep(0.15)
+    gate.settle(running, ended_at=time.time(), outcome="completed")
+    for t in threads:
+        t.join(timeout=20)
+    assert order == ["high-1", "normal-1", "normal-2", "low-1"]
+
+
+def test_reject_and_timeout_carry_the_reason(ledger, prices):
+    ledger.set_budget(BudgetRule("rt", hourly_cap_cents=360, on_limit="reject"))
+    ledger.set_budget(BudgetRule("rt/wait", hourly_cap_cents=360, max_wait_s=1.0))
+    gate = Gate(ledger, catalog=Catalog.load(prices))
+    held = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt/x")
+    with pytest.raises(AdmissionRefused) as refused:
+        gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt/x")
+    assert refused.value.state_name == "OverBudget"
+    assert "hourly cap of rt" in refused.value.reason
+    started = time.time()
+    with pytest.raises(AdmissionRefused) as timed_out:
+        gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt/wait")
+    assert timed_out.value.state_name == "AdmissionTimeout"
+    assert "max wait 1s ran out" in timed_out.value.reason
+    assert 0.9 < time.time() - started < 3
+    gate.settle(held, ended_at=time.time(), outcome="completed")
+    states = sorted(r["state"] for r in ledger.jobs("rt"))
+    assert states == ["rejected", "settled", "timed_out"]
+
+
+CRASHER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.job import GpuJob
+    from prefect_gpu_budget.pricing.catalog import Catalog
+    gate = Gate(Ledger(sys.argv[1]), catalog=Catalog.load(Path(sys.argv[2])), heartbeat_s=0.2)
+    a = gate.admit(GpuJob(instance_type="local:box", max_runtime="10m"), "crash/t/s")
+    if sys.argv[3] == "running":
+        gate.started(a, time.time())
+    print("admitted", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("point", ["admitted", "running"])
+def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, point):
+    ledger.set_budget(BudgetRule("crash", hourly_cap_cents=10_000, period_budget_micro=50_000_000))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASHER, ledger_url, str(prices), point],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "admitted"
+    time.sleep(1.0)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    [row] = ledger.jobs("crash")
+    assert row["state"] == ("admitted" if point == "admitted" else "running")
+    assert row["reserved_micro"] == 610_000  # $3.60/h for 10m plus 10s of kill grace
+    status = ledger.status("crash")[0]
+    assert status["reserved_micro"] == row["reserved_micro"]  # the worst case stays held
+
+    done = reconcile(ledger)
+    assert [d.action for d in done] == ["settled"]
+    settled = ledger.job(row["id"])
+    assert settled["state"] == "settled"
+    if point == "admitted":
+        assert settled["actual_micro"] == 0
+    else:  # charged up to the last heartbeat plus one interval: at most the reservation
+        assert 0 < settled["actual_micro"] <= row["reserved_micro"]
+    assert reconcile(ledger) == []  # nothing left; settling again charges nothing
+    assert ledger.settle(row["id"], ended_at=time.time(), outcome="again") is False
+    status = ledger.status("crash")[0]
+    assert status["reserved_micro"] == 0
+    assert status["settled_micro"] == settled["actual_micro"]

@@ -1,0 +1,78 @@
+"""Shared fixtures: a real Prefect server (once per session), SQLite and PostgreSQL ledgers.
+
+PostgreSQL is expected at 127.0.0.1:5432 (database `test`, trust auth; override with
+GPU_BUDGET_TEST_PG_URL). When it is missing the PostgreSQL tests fail: they never skip.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+import pytest  # noqa: E402
+
+PG_URL = os.environ.get("GPU_BUDGET_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Prefect server subprocess; its URL is exported for child processes too."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    os.environ["PREFECT_HOME"] = str(home)
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        url = PREFECT_API_URL.value()
+        os.environ["PREFECT_API_URL"] = url
+        try:
+            yield url
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
+
+
+@pytest.fixture
+def prices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A user price file with the local machines the tests run on."""
+    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+
+    path = tmp_path / "prices.csv"
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(path))
+    set_local_price("box", "3.6", gpus=1, path=path)
+    set_local_price("race", "3.6", gpus=0, path=path)
+    default_catalog.cache_clear()
+    yield path
+    default_catalog.cache_clear()
+
+
+def _fresh_pg() -> str:
+    from prefect_gpu_budget.admission.ledger import Ledger, metadata
+
+    ledger = Ledger(PG_URL, create=False)
+    try:
+        metadata.drop_all(ledger.engine)
+    finally:
+        ledger.dispose()
+    return PG_URL
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The same test on a SQLite file and on the shared PostgreSQL server."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ledger.db'}"
+    return _fresh_pg()
+
+
+@pytest.fixture
+def ledger(ledger_url: str):
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    led = Ledger(ledger_url)
+    yield led
+    led.dispose()

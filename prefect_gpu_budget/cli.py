@@ -347,7 +347,7 @@ def _limits_if_configured():
 def main() -> None:
     """Console entry point: one-line errors with exit code 2 for bad input."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)
     except (BudgetInputError, ValidationError) as exc:
         from prefect_gpu_budget.job import one_line
 
@@ -357,16 +357,20 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
-    except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            typer.echo(f"error: {exc.format_message()}", err=True)
-            sys.exit(exc.exit_code)
+    except Exception as exc:  # usage errors from the option parser, and anything unexpected
+        if hasattr(exc, "format_message"):
+            param = getattr(getattr(exc, "param", None), "name", None)
+            message = exc.format_message().splitlines()[0]
+            if param and param not in message:
+                message = f"{param}: {message}"
+            typer.echo(f"error: {message}", err=True)
+            sys.exit(2)
         typer.echo(
             f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True
         )
         sys.exit(1)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

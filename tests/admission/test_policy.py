@@ -1,0 +1,134 @@
+"""The pure decision: order, holding, reasons, never-fits, time-outs, period splits."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold, LedgerState, Request, decide, plan
+
+NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
+
+
+def req(job_id: str, scope: str, cents: int = 100, priority: int = 0, at: float = 0.0, **kw) -> Request:
+    return Request(
+        job_id=job_id,
+        scope=scope,
+        rate_micro_per_hour=cents * 10_000,
+        rate_cents=cents,
+        max_runtime_s=3600,
+        expected_runtime_s=kw.pop("expected", None),
+        priority=priority,
+        requested_at=NOW - 100 + at,
+        **kw,
+    )
+
+
+def state(*rules: BudgetRule, holds=(), settled=None) -> LedgerState:
+    return LedgerState(NOW, {r.scope: r for r in rules}, list(holds), settled or {})
+
+
+def test_admits_when_every_budget_on_the_path_fits():
+    s = state(BudgetRule("o", hourly_cap_cents=300), BudgetRule("o/t", hourly_cap_cents=200))
+    d = decide(s, [req("a", "o/t/s", 200)], "a")
+    assert d.verdict == "admit"
+    assert d.reserved_micro == 2_000_000 and d.reserve_seconds == 3600
+
+
+def test_inner_cap_blocks_with_reason():
+    s = state(
+        BudgetRule("o", hourly_cap_cents=1000),
+        BudgetRule("o/t", hourly_cap_cents=250),
+        holds=[Hold("o/t/x", 200, 0, NOW - 10, NOW + 10)],
+    )
+    d = decide(s, [req("a", "o/t/s", 100)], "a")
+    assert d.verdict == "wait" and d.limit == "hourly_cap" and d.scope == "o/t"
+    assert "running $2.00/h + this job $1.00/h > cap $2.50/h" in d.reason
+
+
+def test_period_budget_blocks_and_says_when_it_resets():
+    s = state(
+        BudgetRule("o", period_budget_micro=5_000_000, period="day"),
+        settled={("o", periods.bounds("day", "UTC", NOW)[0]): 4_000_000},
+    )
+    d = decide(s, [req("a", "o", 200)], "a")
+    assert d.verdict == "wait" and d.limit == "period_budget"
+    assert "resets 2026-12-01 00:00 UTC" in d.reason
+    assert d.resumes_at == datetime(2026, 12, 1, tzinfo=timezone.utc).timestamp()
+
+
+def test_estimate_mode_reserves_the_expected_runtime():
+    s = state(BudgetRule("o", period_budget_micro=10**9, reservation_mode="estimate"))
+    d = decide(s, [req("a", "o", 100, expected=600)], "a")
+    assert d.reserved_micro == 166_667 and d.reserve_seconds == 600  # $1/h for 10 min, rounded up
+    strict = state(
+        BudgetRule("o", period_budget_micro=10**9, reservation_mode="estimate"),
+        BudgetRule("o/t", period_budget_micro=10**9, reservation_mode="guaranteed"),
+    )
+    assert decide(strict, [req("a", "o/t", 100, expected=600)], "a").reserve_seconds == 3600
+
+
+def test_priority_then_arrival_and_no_backfill_past_a_blocked_head():
+    s = state(BudgetRule("o", hourly_cap_cents=300), holds=[Hold("o", 100, 0, NOW, NOW + 1)])
+    queue = [
+        req("big", "o", 250, at=1),
+        req("small", "o", 50, at=2),
+        req("urgent", "o", 100, priority=100, at=3),
+    ]
+    out = plan(s, queue)
+    assert out["urgent"].verdict == "admit"  # priority first: 100 + 100 <= 300
+    assert out["big"].verdict == "wait" and out["big"].limit == "hourly_cap"
+    assert out["small"].verdict == "wait" and out["small"].limit == "queue"
+    assert "waiting behind job big" in out["small"].reason
+
+
+def test_a_blocked_job_holds_only_the_scope_that_blocks_it():
+    s = state(
+        BudgetRule("o", hourly_cap_cents=1000),
+        BudgetRule("o/a", hourly_cap_cents=100),
+        holds=[Hold("o/a", 100, 0, NOW, NOW + 1)],
+    )
+    out = plan(s, [req("a1", "o/a", 100, at=1), req("b1", "o/b", 100, at=2)])
+    assert out["a1"].verdict == "wait"
+    assert out["b1"].verdict == "admit"
+
+
+def test_never_fits_is_rejected_at_once():
+    s = state(BudgetRule("o", hourly_cap_cents=100))
+    d = decide(s, [req("a", "o", 101)], "a")
+    assert d.verdict == "reject" and "alone exceeds the hourly cap" in d.reason
+    s = state(BudgetRule("o", period_budget_micro=999_999, period="month"))
+    assert decide(s, [req("a", "o", 100)], "a").verdict == "reject"
+
+
+def test_no_budget_on_the_path_is_refused():
+    d = decide(state(BudgetRule("other", hourly_cap_cents=1)), [req("a", "o/t")], "a")
+    assert d.verdict == "reject" and d.limit == "no_budget"
+
+
+def test_on_limit_reject_and_max_wait():
+    held = [Hold("o", 100, 0, NOW, NOW + 1)]
+    s = state(BudgetRule("o", hourly_cap_cents=100, on_limit="reject"), holds=held)
+    assert decide(s, [req("a", "o", 100)], "a").verdict == "reject"
+    s = state(BudgetRule("o", hourly_cap_cents=100, max_wait_s=50), holds=held)
+    assert decide(s, [req("a", "o", 100)], "a").verdict == "timeout"  # waited 100 s
+    assert decide(s, [req("a", "o", 100, max_wait_s=0)], "a").verdict == "wait"  # 0 = forever
+    assert decide(s, [req("a", "o", 100, on_limit="reject")], "a").verdict == "reject"
+
+
+def test_reservation_spanning_midnight_counts_in_both_days():
+    late = datetime(2026, 11, 30, 23, 30, tzinfo=timezone.utc).timestamp()
+    rule = BudgetRule("o", period_budget_micro=10**9, period="day")
+    shares = periods.split(1_000_001, late, late + 3600, rule.period, rule.timezone)
+    assert [s for _, s in shares] == [500_000, 500_001]
+    assert sum(s for _, s in shares) == 1_000_001
+
+
+def test_periods_in_a_time_zone_and_weeks_from_monday():
+    t = datetime(2026, 11, 30, 3, 0, tzinfo=timezone.utc).timestamp()  # a Monday
+    start, end = periods.bounds("day", "America/New_York", t)
+    assert datetime.fromtimestamp(start, timezone.utc).hour == 5  # 00:00 EST, the 29th
+    start, _ = periods.bounds("week", "UTC", t)
+    assert datetime.fromtimestamp(start, timezone.utc).weekday() == 0
+    start, end = periods.bounds("month", "UTC", t)
+    assert datetime.fromtimestamp(end, timezone.utc).month == 12

@@ -1,0 +1,133 @@
+"""Promise 6: bad input gets a one-line error naming the field, exit code 2, and writes nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.blocks import GpuBudget
+from prefect_gpu_budget.cli import main
+from prefect_gpu_budget.job import GpuJob, one_line
+from prefect_gpu_budget.units import BudgetInputError
+
+BLOCK_CASES = [
+    ({"scope": ""}, "scope"),
+    ({"scope": "Acme"}, "scope"),
+    ({"scope": "acme/../etc"}, "scope"),
+    ({"scope": "a/b/c/d"}, "scope"),
+    ({"scope": "аcme"}, "scope"),  # Cyrillic a
+    ({"scope": "acme", "hourly_cap_usd": -1}, "hourly_cap_usd"),
+    ({"scope": "acme", "hourly_cap_usd": "nan"}, "hourly_cap_usd"),
+    ({"scope": "acme", "period_budget_usd": float("inf")}, "period_budget_usd"),
+    ({"scope": "acme", "period_budget_usd": "1e12"}, "period_budget_usd"),
+    ({"scope": "acme", "period": "year"}, "period"),
+    ({"scope": "acme", "timezone": "Mars/Olympus"}, "timezone"),
+    ({"scope": "acme", "on_limit": "explode"}, "on_limit"),
+    ({"scope": "acme", "max_wait": "-1h"}, "max_wait"),
+    ({"scope": "acme", "reservation_mode": "hope"}, "reservation_mode"),
+    ({"scope": "acme", "notify_block": "no-slash"}, "notify_block"),
+]
+
+JOB_CASES = [
+    ({"instance_type": "aws:g5.xlarge"}, "max_runtime"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "0s"}, "max_runtime"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "forever"}, "max_runtime"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "400d"}, "max_runtime"),
+    ({"instance_type": "g5.xlarge", "max_runtime": "1h"}, "instance_type"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "nodes": 0}, "nodes"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "provisioning": "free"}, "provisioning"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "expected_runtime": "2h"}, "expected_runtime"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "priority": "urgent"}, "priority"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "command": []}, "command"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "gpus": 3}, "gpus"),
+]
+
+CLI_CASES = [
+    (["budget", "set", "Acme", "--hourly-cap", "5"], "scope"),
+    (["budget", "set", "acme", "--hourly-cap", "-5"], "hourly_cap"),
+    (["budget", "set", "acme", "--hourly-cap", "lots"], "hourly_cap"),
+    (["budget", "set", "acme", "--period-budget", "nan"], "period_budget"),
+    (["budget", "set", "acme", "--period-budget", "5", "--period", "decade"], "period"),
+    (["budget", "set", "acme", "--period-budget", "5", "--timezone", "Nowhere/City"], "timezone"),
+    (["budget", "set", "acme", "--period-budget", "5", "--max-wait", "soon"], "max_wait"),
+    (["budget", "set", "fresh"], "budget"),
+    (["budget", "set", "acme/x;drop table gpu_jobs", "--hourly-cap", "1"], "scope"),
+    (["quote", "aws:nonexistent"], "instance_type"),
+    (["quote", "aws:g5.xlarge", "--provisioning", "gratis"], "provisioning"),
+    (["quote", "aws:g5.xlarge", "--hours", "-3"], "hours"),
+    (["quote", "aws:g5.xlarge", "--nodes", "0"], "nodes"),
+    (["prices", "set-local", "My Box", "--usd-per-hour", "2"], "name"),
+    (["prices", "set-local", "box", "--usd-per-hour", "-2"], "usd_per_hour"),
+]
+
+
+def _snapshot(ledger: Ledger) -> tuple:
+    return (tuple(r.__dict__.items() for r in ledger.budgets()), len(ledger.jobs()))
+
+
+@pytest.mark.parametrize(("fields", "field"), BLOCK_CASES)
+def test_block_rejects(fields, field):
+    with pytest.raises(ValidationError) as exc:
+        GpuBudget(**fields)
+    message = one_line(exc.value)
+    assert "\n" not in message and message.startswith(field), message
+
+
+@pytest.mark.parametrize(("fields", "field"), JOB_CASES)
+def test_job_rejects(fields, field):
+    with pytest.raises(ValidationError) as exc:
+        GpuJob(**fields)
+    message = one_line(exc.value)
+    assert "\n" not in message and message.startswith(field), message
+
+
+@pytest.mark.parametrize(("argv", "field"), CLI_CASES)
+def test_cli_rejects_with_exit_2_and_writes_nothing(argv, field, tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(tmp_path / "prices.csv"))
+    ledger = Ledger(url)
+    ledger.set_budget(GpuBudget(scope="acme", hourly_cap_usd=10).rule())
+    before = _snapshot(ledger)
+    monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], err
+    assert _snapshot(ledger) == before
+    assert not (tmp_path / "prices.csv").exists()
+
+
+def test_console_script_exit_code_and_no_traceback(tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "--ledger-url", url, "budget", "set",
+         "acme", "--hourly-cap", "inf"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: hourly_cap: must be a finite amount (no NaN or infinity)"
+
+
+def test_gate_refuses_unknown_price_before_writing(tmp_path):
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.pricing.catalog import Catalog
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.set_budget(GpuBudget(scope="acme", hourly_cap_usd=10).rule())
+    gate = Gate(ledger, catalog=Catalog.load())
+    for job, scope in [
+        (GpuJob(instance_type="local:unpriced", max_runtime="1h"), "acme"),
+        (GpuJob(instance_type="aws:g5.xlarge", max_runtime="1h"), "ACME/x"),
+    ]:
+        with pytest.raises(BudgetInputError) as exc:
+            gate.admit(job, scope)
+        assert "\n" not in str(exc.value)
+    assert ledger.jobs() == []

@@ -1,0 +1,59 @@
+from __future__ import annotations
+
+import random
+from decimal import Decimal
+
+import pytest
+
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    cost_micro,
+    parse_duration,
+    rate_cents,
+    scope_path,
+    to_decimal_usd,
+    usd_to_micro,
+    validate_scope,
+)
+
+
+def test_money_is_exact_over_a_million_settlements():
+    rng = random.Random(7)
+    rates = [usd_to_micro(Decimal(p)) for p in ("21.958", "1.006", "0.8048", "63.296")]
+    total_micro, total_decimal = 0, Decimal(0)
+    for _ in range(1_000_000):
+        rate, seconds = rng.choice(rates), rng.randint(1, 7200)
+        total_micro += cost_micro(rate, seconds, round_up=False)
+        total_decimal += (Decimal(rate) * seconds / 3600).quantize(Decimal(1), rounding="ROUND_HALF_UP")
+    assert total_micro == total_decimal
+
+
+def test_rates_round_up_to_a_whole_cent_and_at_least_one():
+    assert rate_cents(usd_to_micro(Decimal("21.958"))) == 2196
+    assert rate_cents(1) == 1
+    assert cost_micro(3_600_000, 1, round_up=True) == 1000
+
+
+def test_durations():
+    assert parse_duration("1h30m", "d") == 5400
+    assert parse_duration("2d", "d") == 172800
+    assert parse_duration(90, "d") == 90
+    assert parse_duration("0", "w", allow_zero=True) == 0
+    for bad in ("", "1y", "-5", "1h-", "nan", "inf", "31d", float("nan"), True, None):
+        with pytest.raises(BudgetInputError):
+            parse_duration(bad, "d")
+
+
+def test_scopes():
+    assert scope_path("a/b/c") == ["a", "a/b", "a/b/c"]
+    assert validate_scope("acme/vision/agent-7") == "acme/vision/agent-7"
+    for bad in ("", "a/b/c/d", "A", "a//b", "../etc", "a/b/", "аcme", "a:b", "x" * 49, "a;drop"):
+        with pytest.raises(BudgetInputError):
+            validate_scope(bad)
+
+
+def test_amounts():
+    assert to_decimal_usd("$12.50", "x") == Decimal("12.50")
+    for bad in ("nan", "inf", "-1", "1e10", "abc", True, None):
+        with pytest.raises(BudgetInputError):
+            to_decimal_usd(bad, "x")

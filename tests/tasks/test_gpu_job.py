@@ -1,0 +1,67 @@
+"""The Prefect tasks in real flow runs: named final states, logs, settlement, max_runtime."""
+
+from __future__ import annotations
+
+import sys
+
+from prefect import flow
+
+from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
+from prefect_gpu_budget.admission.ledger import Ledger
+
+
+def _job(seconds: float, **kw) -> GpuJob:
+    code = f"import time; print('step 1'); time.sleep({seconds}); print('done')"
+    return GpuJob(instance_type="local:box", command=[sys.executable, "-c", code], **kw)
+
+
+def test_flow_runs_settles_and_names_refusals(prefect_api, prices, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", hourly_cap_usd="3.6", period_budget_usd=5).apply(ledger)
+    GpuBudget(scope="lab/reject", hourly_cap_usd="3.6", on_limit="reject").apply(ledger)
+    GpuBudget(scope="lab/wait", hourly_cap_usd="3.6", max_wait="1s").apply(ledger)
+    block = SpendLedger(database_url=url)
+
+    @flow
+    def experiment():
+        running = run_gpu_job.submit(_job(3, max_runtime="1m"), scope="lab/a", ledger=block)
+        import time
+
+        time.sleep(1.0)  # let the first job take the whole cap
+        rejected = run_gpu_job(_job(0, max_runtime="1m"), scope="lab/reject", ledger=block, return_state=True)
+        timed_out = run_gpu_job(_job(0, max_runtime="1m"), scope="lab/wait", ledger=block, return_state=True)
+        return running.result(), rejected, timed_out
+
+    result, rejected, timed_out = experiment()
+    assert result.outcome == "completed" and result.exit_code == 0
+    assert rejected.name == "OverBudget" and "hourly cap of lab" in rejected.message
+    assert timed_out.name == "AdmissionTimeout" and "max wait 1s ran out" in timed_out.message
+    rows = {r["state"]: r for r in ledger.jobs("lab")}
+    assert set(rows) == {"settled", "rejected", "timed_out"}
+    settled = rows["settled"]
+    assert settled["actual_micro"] == round(3_600_000 * settled["billed_seconds"] / 3600)
+    assert settled["actual_micro"] == int(result.actual_usd * 1_000_000)
+
+
+def test_max_runtime_stops_the_job_and_bills_what_ran(prefect_api, prices, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", hourly_cap_usd=100).apply(ledger)
+
+    @flow
+    def too_long():
+        state = run_gpu_job(
+            _job(60, max_runtime="2s", kill_grace="1s"),
+            scope="lab",
+            ledger=SpendLedger(database_url=url),
+            return_state=True,
+        )
+        return state.name, state.message
+
+    name, message = too_long()
+    assert name == "GpuJobFailed" and "timed_out" in message
+    [row] = ledger.jobs("lab")
+    assert row["outcome"] == "timed_out"
+    assert 2.0 <= row["billed_seconds"] < 4.0
+    assert row["actual_micro"] <= row["reserved_micro"]

@@ -333,6 +333,18 @@ def reconcile_cmd(
     console.print(f"{len(done)} job(s) reconciled")
 
 
+@app.command()
+def demo(
+    out: str = typer.Option("gpu-budget-demo", help="Folder for the CSV, plot and demo ledger."),
+    trials: int = typer.Option(12, min=1, max=12),
+    seconds: float = typer.Option(2.5, help="Length of each trial."),
+) -> None:
+    """Run a small real sweep under a budget whose caps bite (no server or GPU needed)."""
+    from prefect_gpu_budget.flows.demo import run_demo
+
+    run_demo(out, seconds=seconds, trials=trials)
+
+
 def _limits_if_configured():
     """Prefect limits only when a server is configured; never start a temporary one for this."""
     from prefect.settings import PREFECT_API_URL

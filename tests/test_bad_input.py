@@ -39,8 +39,14 @@ JOB_CASES = [
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "400d"}, "max_runtime"),
     ({"instance_type": "g5.xlarge", "max_runtime": "1h"}, "instance_type"),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "nodes": 0}, "nodes"),
-    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "provisioning": "free"}, "provisioning"),
-    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "expected_runtime": "2h"}, "expected_runtime"),
+    (
+        {"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "provisioning": "free"},
+        "provisioning",
+    ),
+    (
+        {"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "expected_runtime": "2h"},
+        "expected_runtime",
+    ),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "priority": "urgent"}, "priority"),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "command": []}, "command"),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "gpus": 3}, "gpus"),
@@ -106,8 +112,18 @@ def test_cli_rejects_with_exit_2_and_writes_nothing(argv, field, tmp_path, monke
 def test_console_script_exit_code_and_no_traceback(tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     done = subprocess.run(
-        [sys.executable, "-m", "prefect_gpu_budget.cli", "--ledger-url", url, "budget", "set",
-         "acme", "--hourly-cap", "inf"],
+        [
+            sys.executable,
+            "-m",
+            "prefect_gpu_budget.cli",
+            "--ledger-url",
+            url,
+            "budget",
+            "set",
+            "acme",
+            "--hourly-cap",
+            "inf",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -24,7 +24,9 @@ def test_money_is_exact_over_a_million_settlements():
     for _ in range(1_000_000):
         rate, seconds = rng.choice(rates), rng.randint(1, 7200)
         total_micro += cost_micro(rate, seconds, round_up=False)
-        total_decimal += (Decimal(rate) * seconds / 3600).quantize(Decimal(1), rounding="ROUND_HALF_UP")
+        total_decimal += (Decimal(rate) * seconds / 3600).quantize(
+            Decimal(1), rounding="ROUND_HALF_UP"
+        )
     assert total_micro == total_decimal
 
 

@@ -26,7 +26,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from prefect_gpu_budget.units import rate_cents, scope_path
+from prefect_gpu_budget.units import scope_path
 
 RACE_SCOPES = ["race/a/s1", "race/a/s2", "race/b/s1", "race/b/s2"]
 RACE_BUDGETS = [
@@ -40,7 +40,9 @@ RACE_BUDGETS = [
 ]
 
 
-def _race_worker(ledger_url: str, api_url: str, prices: str, scope: str, jobs: int, seed: int, out) -> None:
+def _race_worker(
+    ledger_url: str, api_url: str, prices: str, scope: str, jobs: int, seed: int, out
+) -> None:
     os.environ["PREFECT_API_URL"] = api_url
     from prefect.client.orchestration import get_client
 
@@ -176,7 +178,9 @@ def test_blocked_job_resumes_within_a_second(ledger, prefect_api, prices):
     waiter.start()
     time.sleep(1.5)
     assert "at" not in got, "admitted over the hourly cap"
-    assert "blocked by hourly cap of resume" in ledger.jobs("resume", states=("queued",))[0]["reason"]
+    assert (
+        "blocked by hourly cap of resume" in ledger.jobs("resume", states=("queued",))[0]["reason"]
+    )
     settled_at = time.time()
     gate.settle(first, ended_at=settled_at, outcome="completed")
     waiter.join(timeout=10)
@@ -193,7 +197,9 @@ def test_priority_then_arrival_order(ledger, prices):
     order: list[str] = []
 
     def wait(name: str, priority: int) -> None:
-        a = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m", priority=priority), "prio/t")
+        a = gate.admit(
+            GpuJob(instance_type="local:box", max_runtime="1m", priority=priority), "prio/t"
+        )
         order.append(name)
         time.sleep(0.3)
         gate.settle(a, ended_at=time.time(), outcome="completed")

@@ -10,7 +10,9 @@ from prefect_gpu_budget.admission.policy import BudgetRule, Hold, LedgerState, R
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 
 
-def req(job_id: str, scope: str, cents: int = 100, priority: int = 0, at: float = 0.0, **kw) -> Request:
+def req(
+    job_id: str, scope: str, cents: int = 100, priority: int = 0, at: float = 0.0, **kw
+) -> Request:
     return Request(
         job_id=job_id,
         scope=scope,

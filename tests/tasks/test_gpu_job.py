@@ -29,8 +29,12 @@ def test_flow_runs_settles_and_names_refusals(prefect_api, prices, tmp_path):
         import time
 
         time.sleep(1.0)  # let the first job take the whole cap
-        rejected = run_gpu_job(_job(0, max_runtime="1m"), scope="lab/reject", ledger=block, return_state=True)
-        timed_out = run_gpu_job(_job(0, max_runtime="1m"), scope="lab/wait", ledger=block, return_state=True)
+        rejected = run_gpu_job(
+            _job(0, max_runtime="1m"), scope="lab/reject", ledger=block, return_state=True
+        )
+        timed_out = run_gpu_job(
+            _job(0, max_runtime="1m"), scope="lab/wait", ledger=block, return_state=True
+        )
         return running.result(), rejected, timed_out
 
     result, rejected, timed_out = experiment()

@@ -1,0 +1,50 @@
+"""A tiny real training run for the demo: a one-hidden-layer network on a synthetic task, numpy only.
+
+Writes JSON lines (`{"step": 10, "loss": 0.31}` ... then a summary) to the file named by
+GPU_BUDGET_METRICS_FILE, as any trial program in any language can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lr", type=float, required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seconds", type=float, default=2.0, help="Pretend GPU time per trial.")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8))
+    y = (np.sin(x[:, :1] * 2) + x[:, 1:2] ** 2 > 0.5).astype(float)
+    w1 = rng.normal(scale=0.5, size=(8, args.width))
+    w2 = rng.normal(scale=0.5, size=(args.width, 1))
+    out = open(os.environ.get("GPU_BUDGET_METRICS_FILE", os.devnull), "a")  # noqa: SIM115
+    pause = args.seconds / args.steps
+    loss = float("nan")
+    for step in range(1, args.steps + 1):
+        h = np.tanh(x @ w1)
+        p = 1 / (1 + np.exp(-(h @ w2)))
+        loss = float(-np.mean(y * np.log(p + 1e-9) + (1 - y) * np.log(1 - p + 1e-9)))
+        grad = (p - y) / len(x)
+        w1 -= args.lr * x.T @ ((grad @ w2.T) * (1 - h**2))
+        w2 -= args.lr * h.T @ grad
+        if step % 25 == 0:
+            out.write(json.dumps({"step": step, "loss": round(loss, 5)}) + "\n")
+            out.flush()
+        time.sleep(pause)
+    accuracy = float(np.mean((p > 0.5) == y))
+    out.write(json.dumps({"summary": True, "loss": round(loss, 5), "accuracy": accuracy}) + "\n")
+    out.close()
+    print(f"lr={args.lr} width={args.width} loss={loss:.4f} accuracy={accuracy:.3f}")
+
+
+if __name__ == "__main__":
+    main()

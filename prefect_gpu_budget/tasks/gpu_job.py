@@ -13,6 +13,7 @@ from functools import lru_cache
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.events import emit_event
 from prefect.states import Failed
@@ -175,7 +176,11 @@ def _flow_run_id() -> str | None:
     return str(ctx.task_run.flow_run_id) if ctx and ctx.task_run.flow_run_id else None
 
 
-@task(name="gpu-budget-admit", task_run_name="admit {job.instance_type} in {scope}")
+@task(
+    name="gpu-budget-admit",
+    task_run_name="admit {job.instance_type} in {scope}",
+    cache_policy=NO_CACHE,
+)
 def admit(job: GpuJob, scope: str, ledger: SpendLedger | None = None) -> Admission:
     """The gate: wait until the job fits every budget on its path, or end in a named state.
 
@@ -189,7 +194,7 @@ def admit(job: GpuJob, scope: str, ledger: SpendLedger | None = None) -> Admissi
         return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
 
 
-@task(name="gpu-budget-settle")
+@task(name="gpu-budget-settle", cache_policy=NO_CACHE)
 def settle(
     admission: Admission,
     started_at: float,
@@ -205,7 +210,12 @@ def settle(
     return gate.settle(admission, ended_at=ended_at, outcome=outcome, actual_micro=actual_usd_micro)
 
 
-@task(name="run-gpu-job", task_run_name="gpu-job {job.instance_type} in {scope}")
+# Never cached: a cached result would skip the gate and the spend it guards.
+@task(
+    name="run-gpu-job",
+    task_run_name="gpu-job {job.instance_type} in {scope}",
+    cache_policy=NO_CACHE,
+)
 def run_gpu_job(
     job: GpuJob,
     scope: str,

@@ -69,3 +69,29 @@ def test_max_runtime_stops_the_job_and_bills_what_ran(prefect_api, prices, tmp_p
     assert row["outcome"] == "timed_out"
     assert 2.0 <= row["billed_seconds"] < 4.0
     assert row["actual_micro"] <= row["reserved_micro"]
+
+
+def test_identical_jobs_are_never_served_from_cache(prefect_api, prices, tmp_path):
+    """Prefect caches task results by input by default; the gate must run for every job."""
+    from prefect_gpu_budget import admit, settle
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", hourly_cap_usd=100).apply(ledger)
+    block = SpendLedger(database_url=url)
+
+    @flow
+    def twice():
+        job = _job(0.1, max_runtime="1m")
+        first = run_gpu_job(job, scope="lab", ledger=block)
+        second = run_gpu_job(job, scope="lab", ledger=block)
+        import time
+
+        admission = admit(job, scope="lab", ledger=block)
+        row = settle(admission, time.time() - 1, time.time(), "completed", ledger=block)
+        return first.job_id, second.job_id, row["billed_seconds"]
+
+    first, second, billed = twice()
+    assert first != second
+    assert len(ledger.jobs("lab")) == 3
+    assert 0.9 < billed < 2

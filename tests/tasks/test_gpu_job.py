@@ -95,3 +95,48 @@ def test_identical_jobs_are_never_served_from_cache(prefect_api, prices, tmp_pat
     assert first != second
     assert len(ledger.jobs("lab")) == 3
     assert 0.9 < billed < 2
+
+
+def test_researcher_is_told_once_when_a_job_starts_waiting(prefect_api, prices, tmp_path):
+    """A real notification block (a custom webhook) posting to a local HTTP server."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from prefect.blocks.notifications import CustomWebhookNotificationBlock
+
+    received: list[dict] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server API
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    CustomWebhookNotificationBlock(
+        name="lab",
+        url=f"http://127.0.0.1:{server.server_port}/hook",
+        json_data={"text": "{{subject}}: {{body}}"},
+    ).save("lab-hook", overwrite=True)
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(
+        scope="lab", hourly_cap_usd="3.6", notify_block="custom-webhook/lab-hook"
+    ).apply(ledger)
+    block = SpendLedger(database_url=url)
+
+    @flow
+    def two_jobs():
+        a = run_gpu_job.submit(_job(2.5, max_runtime="1m"), scope="lab/s", ledger=block)
+        b = run_gpu_job.submit(_job(0.1, max_runtime="1m"), scope="lab/s", ledger=block)
+        return a.result().outcome, b.result().outcome
+
+    assert two_jobs() == ("completed", "completed")
+    server.shutdown()
+    assert len(received) == 1
+    assert "is waiting: blocked by hourly cap of lab" in received[0]["text"]

@@ -336,7 +336,7 @@ def reconcile_cmd(
 @app.command()
 def demo(
     out: str = typer.Option("gpu-budget-demo", help="Folder for the CSV, plot and demo ledger."),
-    trials: int = typer.Option(12, min=1, max=12),
+    trials: int = typer.Option(12, min=1, max=12, help="About this many trials (learning rates x widths)."),
     seconds: float = typer.Option(2.5, help="Length of each trial."),
 ) -> None:
     """Run a small real sweep under a budget whose caps bite (no server or GPU needed)."""

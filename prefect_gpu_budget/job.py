@@ -9,6 +9,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from prefect_gpu_budget.units import BudgetInputError, parse_duration
 
 PRIORITY_CLASSES = {"high": 100, "normal": 0, "low": -100}
+METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
+"""Names the JSON-lines file a job may write its metrics to."""
 
 
 def _runtime(value: object) -> float:

@@ -23,11 +23,9 @@ from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate,
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.blocks.ledger import SpendLedger
-from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.job import METRICS_ENV, GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
-
-METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,11 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "day budget of demo-lab/sweeps/agent-1" in done.stdout
-    trials = pd.read_csv(out / "trials.csv")
-    assert len(trials) == 5 and (trials["state"] == "Completed").sum() >= 2
-    assert (out / "sweep.png").stat().st_size > 1000
+    [run_dir] = out.glob("demo-*")
+    trials = pd.read_csv(run_dir / "trials.csv")
+    assert len(trials) == 6 and (trials["state"] == "Completed").sum() >= 2
+    for plot in ("spend.png", "metric_vs_params.png", "learning_curves.png"):
+        assert (run_dir / plot).stat().st_size > 1000
     ledger = Ledger(f"sqlite:///{out / 'ledger.db'}")
     charged = sum(r["actual_micro"] or 0 for r in ledger.jobs())
     assert charged == round(trials["cost_usd"].fillna(0).sum() * 1_000_000)

@@ -125,9 +125,9 @@ def test_researcher_is_told_once_when_a_job_starts_waiting(prefect_api, prices, 
     ).save("lab-hook", overwrite=True)
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
-    GpuBudget(
-        scope="lab", hourly_cap_usd="3.6", notify_block="custom-webhook/lab-hook"
-    ).apply(ledger)
+    GpuBudget(scope="lab", hourly_cap_usd="3.6", notify_block="custom-webhook/lab-hook").apply(
+        ledger
+    )
     block = SpendLedger(database_url=url)
 
     @flow

@@ -1,0 +1,260 @@
+"""The spend report: where GPU money went in a time window, published on the flow run.
+
+For a scope (or every scope) and the last `hours`, the flow reads the ledger and publishes:
+
+- a table artifact with one row per budgeted scope: cap, running rate, period budget and its
+  settled, reserved and remaining spend, running and queued jobs, and the window's spend, job
+  count and queue wait (mean and p95 of `admitted_at - requested_at` for admitted jobs);
+- a table artifact of the ten costliest jobs of the window;
+- a markdown artifact with a short summary (total, biggest scope, who waits and why) and the
+  plots, which are also PNG files in `out_dir`.
+
+A job is in the window if it was requested before now and had not ended before the window
+began; its spend counts in the window if it ended inside it (the whole of its actual cost).
+Running jobs count at their cost so far.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from prefect_gpu_budget.blocks import SpendLedger
+from prefect_gpu_budget.flows.plots import embed, spend_over_time
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    cost_micro,
+    fmt_duration,
+    fmt_usd,
+    micro_to_usd,
+    validate_scope,
+)
+
+TOP_JOBS = 10
+COLUMNS = [
+    "scope",
+    "hourly_cap_usd_per_h",
+    "running_rate_usd_per_h",
+    "period",
+    "period_budget_usd",
+    "settled_in_period_usd",
+    "reserved_usd",
+    "remaining_usd",
+    "running",
+    "queued",
+    "window_spend_usd",
+    "window_jobs",
+    "mean_wait_s",
+    "p95_wait_s",
+]
+
+
+def _usd(micro: int | None) -> float | None:
+    return None if micro is None else micro_to_usd(micro)
+
+
+def _jobs(n: int) -> str:
+    return f"{n} job{'s' * (n != 1)}"
+
+
+def _in_window(row: dict[str, Any], since: float, now: float) -> bool:
+    return row["requested_at"] <= now and (row["ended_at"] is None or row["ended_at"] >= since)
+
+
+def _cost(row: dict[str, Any], now: float) -> int:
+    """Actual cost once settled; for a running job, what it has cost so far."""
+    if row["actual_micro"] is not None:
+        return row["actual_micro"]
+    if row["started_at"] is None:
+        return 0
+    return cost_micro(row["rate_micro_per_hour"], max(0.0, now - row["started_at"]), round_up=False)
+
+
+def _window_spend(rows: list[dict[str, Any]], since: float, now: float) -> int:
+    return sum(
+        r["actual_micro"] or 0
+        for r in rows
+        if r["state"] == "settled" and r["ended_at"] is not None and since <= r["ended_at"] <= now
+    )
+
+
+def _waits(rows: list[dict[str, Any]]) -> pd.Series:
+    return pd.Series(
+        [r["admitted_at"] - r["requested_at"] for r in rows if r["admitted_at"] is not None],
+        dtype=float,
+    )
+
+
+def _scope_row(
+    status: dict[str, Any], rows: list[dict[str, Any]], since: float, now: float
+) -> dict[str, Any]:
+    waits = _waits(rows)
+    return {
+        "scope": status["scope"],
+        "hourly_cap_usd_per_h": _usd(status["hourly_cap_micro"]),
+        "running_rate_usd_per_h": _usd(status["running_rate_micro"]),
+        "period": status["period"],
+        "period_budget_usd": _usd(status["period_budget_micro"]),
+        "settled_in_period_usd": _usd(status["settled_micro"]),
+        "reserved_usd": _usd(status["reserved_micro"]),
+        "remaining_usd": _usd(status["remaining_micro"]),
+        "running": status["running"],
+        "queued": status["queued"],
+        "window_spend_usd": _usd(_window_spend(rows, since, now)),
+        "window_jobs": len(rows),
+        "mean_wait_s": round(float(waits.mean()), 1) if len(waits) else None,
+        "p95_wait_s": round(float(waits.quantile(0.95)), 1) if len(waits) else None,
+    }
+
+
+def _job_row(row: dict[str, Any], now: float) -> dict[str, Any]:
+    started, ended = row["started_at"], row["ended_at"]
+    runtime = row["billed_seconds"]
+    if runtime is None and started is not None:
+        runtime = (ended or now) - started
+    wait_until = row["admitted_at"] or (now if row["state"] == "queued" else row["ended_at"])
+    return {
+        "id": row["id"][:8],
+        "scope": row["scope"],
+        "instance_type": row["instance_type"],
+        "nodes": row["nodes"],
+        "state": row["state"],
+        "actual_usd": micro_to_usd(_cost(row, now)),
+        "runtime": "" if runtime is None else fmt_duration(runtime),
+        "wait": "" if wait_until is None else fmt_duration(wait_until - row["requested_at"]),
+    }
+
+
+def _wait_chart(df: pd.DataFrame, path: Path) -> Path | None:
+    """Mean and p95 queue wait per budgeted scope, as grouped bars."""
+    waits = df[["scope", "mean_wait_s", "p95_wait_s"]].dropna(subset=["mean_wait_s"])
+    if waits.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(waits) + 2), 3.6))
+    xs = range(len(waits))
+    ax.bar([x - 0.2 for x in xs], waits["mean_wait_s"], width=0.4, label="mean")
+    ax.bar([x + 0.2 for x in xs], waits["p95_wait_s"], width=0.4, label="p95")
+    ax.set_xticks(list(xs), list(waits["scope"]), rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("queue wait (s)")
+    ax.set_title("queue wait per scope")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _summary(
+    jobs: list[dict[str, Any]], scope: str | None, hours: float, since: float, now: float
+) -> str:
+    total = _window_spend(jobs, since, now)
+    by_scope: dict[str, int] = {}
+    for r in jobs:
+        by_scope[r["scope"]] = by_scope.get(r["scope"], 0) + _window_spend([r], since, now)
+    lines = [
+        f"# GPU spend report: {scope or 'all scopes'}, last {hours:g} h",
+        f"- **Total spend in window:** {fmt_usd(total)} over {_jobs(len(jobs))}",
+    ]
+    if by_scope and max(by_scope.values()) > 0:
+        top = max(by_scope, key=lambda s: by_scope[s])
+        lines.append(f"- **Biggest scope:** `{top}` ({fmt_usd(by_scope[top])})")
+    waiting = [r for r in jobs if r["state"] == "queued"]
+    refused = [r for r in jobs if r["state"] in ("timed_out", "rejected") and r["reason"]]
+    waited = _waits(jobs)
+    if len(waited) and waited.max() >= 1:
+        lines.append(
+            f"- **Admitted after waiting:** {_jobs(int((waited >= 1).sum()))} "
+            f"(longest {fmt_duration(float(waited.max()))})"
+        )
+    if waiting:
+        lines.append(f"- **Waiting now:** {_jobs(len(waiting))}")
+        lines += [
+            f"  - `{r['id'][:8]}` in `{r['scope']}` for {fmt_duration(now - r['requested_at'])}: "
+            f"{r['reason'] or 'not yet decided'}"
+            for r in waiting[:TOP_JOBS]
+        ]
+    if refused:
+        lines.append(f"- **Not admitted:** {_jobs(len(refused))}")
+        lines += [
+            f"  - `{r['id'][:8]}` in `{r['scope']}` ({r['state']}): {r['reason']}"
+            for r in refused[:TOP_JOBS]
+        ]
+    if not waiting and not refused and not (len(waited) and waited.max() >= 1):
+        lines.append("- No job waited for admission.")
+    return "\n".join(lines)
+
+
+@flow(name="gpu-budget-spend-report")
+def spend_report(
+    scope: str | None = None,
+    hours: float = 24.0,
+    ledger: SpendLedger | None = None,
+    out_dir: str = "gpu-budget-reports",
+) -> pd.DataFrame:
+    """Publish the spend of `scope` (all scopes if None) in the last `hours` as artifacts."""
+    if scope is not None:
+        validate_scope(scope)
+    if not 0 < hours <= 24 * 366:
+        raise BudgetInputError("hours", f"must be > 0 and at most a year, got {hours!r}")
+    led = (ledger or SpendLedger()).ledger()
+    now = time.time()
+    since = now - hours * 3600
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    statuses = led.status(scope, now=now)
+    jobs = [r for r in led.jobs(scope) if _in_window(r, since, now)]
+    in_scope = {
+        s["scope"]: [
+            r for r in jobs if r["scope"] == s["scope"] or r["scope"].startswith(s["scope"] + "/")
+        ]
+        for s in statuses
+    }
+    df = pd.DataFrame(
+        [_scope_row(s, in_scope[s["scope"]], since, now) for s in statuses],
+        columns=COLUMNS,
+    )
+    create_table_artifact(
+        key="gpu-budget-spend-report",
+        table=df.to_dict("records"),  # Prefect writes NaN as null
+        description=f"GPU spend per budgeted scope, last {hours:g} h",
+    )
+    top = sorted(jobs, key=lambda r: _cost(r, now), reverse=True)[:TOP_JOBS]
+    create_table_artifact(
+        key="gpu-budget-top-jobs",
+        table=[_job_row(r, now) for r in top],
+        description=f"The {TOP_JOBS} costliest GPU jobs of the last {hours:g} h",
+    )
+
+    plots: list[Path | None] = []
+    for s in statuses:
+        if s["period_budget_micro"] is None and s["hourly_cap_micro"] is None:
+            continue
+        plots.append(
+            spend_over_time(
+                in_scope[s["scope"]],
+                out / f"spend-{s['scope'].replace('/', '--')}.png",
+                budget_micro=s["period_budget_micro"],
+                cap_micro_per_hour=s["hourly_cap_micro"],
+                title=f"{s['scope']}: spend vs {s['period']} budget, rate vs cap",
+            )
+        )
+    if not df.empty:
+        plots.append(_wait_chart(df, out / "queue-wait.png"))
+    create_markdown_artifact(
+        key="gpu-budget-spend-summary",
+        markdown=_summary(jobs, scope, hours, since, now) + "\n\n" + embed(plots, "Plots"),
+        description=f"GPU spend summary, last {hours:g} h",
+    )
+    return df

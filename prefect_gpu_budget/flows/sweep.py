@@ -1,0 +1,373 @@
+"""`gpu_sweep`: a grid and/or random search whose every trial passes the gate.
+
+Each trial runs through the launcher with `GPU_BUDGET_METRICS_FILE` naming a JSON-lines file to
+report to (`{"step": 10, "loss": 0.31}` ... then a line with `"summary": true`), so a trial can
+be any program in any language, or a Python callable (`module:function`). A trial that fails, is
+refused or times out is a row with its state and reason, never a crashed sweep.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import re
+import string
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+import yaml
+from prefect import flow, get_run_logger
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.context import FlowRunContext
+from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.flows import plots
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
+from prefect_gpu_budget.units import BudgetInputError, Scope, fmt_duration, fmt_usd, micro_to_usd
+
+Scalar = str | int | float | bool
+MAX_TRIALS = 10_000
+_NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+_PARAM_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+class JobShape(BaseModel):
+    """The GPU job every trial runs as (see `GpuJob`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instance_type: str
+    max_runtime: str | float
+    nodes: int = 1
+    provisioning: Literal["on-demand", "spot", "flex-start"] = "on-demand"
+    expected_runtime: str | float | None = None
+    priority: str | int = 0
+    max_wait: str | float | None = None
+    on_limit: Literal["queue", "reject"] | None = None
+    kill_grace: str | float = 10.0
+
+
+class RandomParam(BaseModel):
+    """A random dimension: `choices`, or a range `low`..`high` (`log` for log-uniform)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    choices: list[Scalar] | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    integer: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> RandomParam:
+        if self.choices is not None:
+            if not self.choices:
+                raise ValueError("choices must not be empty")
+            return self
+        if (
+            self.low is None
+            or self.high is None
+            or not (math.isfinite(self.low) and math.isfinite(self.high) and self.low < self.high)
+        ):
+            raise ValueError("needs choices, or finite low < high")
+        if self.log and self.low <= 0:
+            raise ValueError("log needs low > 0")
+        return self
+
+    def draw(self, rng: random.Random) -> Scalar:
+        if self.choices is not None:
+            return rng.choice(self.choices)
+        assert self.low is not None and self.high is not None
+        if self.log:
+            value = math.exp(rng.uniform(math.log(self.low), math.log(self.high)))
+        else:
+            value = rng.uniform(self.low, self.high)
+        return round(value) if self.integer else float(f"{value:.6g}")
+
+
+class SweepSpec(BaseModel):
+    """What to sweep, how each trial runs, and under which budget scope."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=_NAME_RE)
+    scope: Scope
+    job: JobShape
+    command: list[str] | None = Field(
+        None, description="Trial command; `{param}` placeholders are filled per trial."
+    )
+    callable: str | None = Field(None, description="`module:function` called with the parameters.")
+    grid: dict[str, list[Scalar]] = Field(default_factory=dict)
+    random: dict[str, RandomParam] = Field(default_factory=dict)
+    samples: int = Field(0, ge=0, le=MAX_TRIALS)
+    seed: int = 0
+    parallelism: int = Field(4, ge=1, le=256)
+    metric: str = "loss"
+    goal: Literal["min", "max"] = "min"
+    results_dir: str = "gpu-budget-results"
+
+    @model_validator(mode="after")
+    def _check(self) -> SweepSpec:
+        if (self.command is None) == (self.callable is None):
+            raise BudgetInputError("command", "give exactly one of command or callable")
+        if self.callable is not None and not re.match(r"^[\w.]+:\w+$", self.callable):
+            raise BudgetInputError("callable", f"must be 'module:function', got {self.callable!r}")
+        names = [*self.grid, *self.random]
+        for name in names:
+            if not _PARAM_RE.match(name):
+                raise BudgetInputError("grid", f"parameter names must be identifiers, got {name!r}")
+        if len(set(names)) != len(names):
+            raise BudgetInputError("random", "a parameter is both in grid and random")
+        for name, values in self.grid.items():
+            if not values:
+                raise BudgetInputError("grid", f"{name} has no values")
+        if self.random and self.samples == 0:
+            raise BudgetInputError("samples", "random parameters need samples >= 1")
+        size = math.prod(len(v) for v in self.grid.values()) * max(1, self.samples)
+        if size > MAX_TRIALS:
+            raise BudgetInputError("grid", f"{size} trials; at most {MAX_TRIALS}")
+        if self.command is not None:
+            used = {
+                f for part in self.command for _, f, _, _ in string.Formatter().parse(part) if f
+            }
+            unknown = used - set(names)
+            if unknown:
+                raise BudgetInputError("command", f"unknown placeholders {sorted(unknown)}")
+        self.job_for({name: 0 for name in names}, "check")  # the job shape validates now
+        return self
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> SweepSpec:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            raise BudgetInputError(
+                "spec", f"{path} is not valid YAML: {str(exc).splitlines()[0]}"
+            ) from None
+        if not isinstance(data, dict):
+            raise BudgetInputError("spec", f"{path} must hold a mapping of sweep fields")
+        return cls.model_validate(data)
+
+    def params(self) -> list[str]:
+        return [*self.grid, *self.random]
+
+    def trials(self) -> list[dict[str, Scalar]]:
+        grid = [
+            dict(zip(self.grid, values, strict=True))
+            for values in itertools.product(*self.grid.values())
+        ]
+        if not self.random:
+            return grid
+        rng = random.Random(self.seed)
+        return [
+            {**point, **{name: dim.draw(rng) for name, dim in self.random.items()}}
+            for point in grid
+            for _ in range(self.samples)
+        ]
+
+    def job_for(self, params: dict[str, Scalar], name: str) -> GpuJob:
+        if self.command is not None:
+            command = [part.format(**params) for part in self.command]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "prefect_gpu_budget.flows.trial",
+                str(self.callable),
+                json.dumps(params),
+            ]
+        return GpuJob(**self.job.model_dump(exclude_none=True), command=command, name=name)
+
+
+def load_spec(spec: SweepSpec | dict[str, Any] | str) -> SweepSpec:
+    if isinstance(spec, SweepSpec):
+        return spec
+    if isinstance(spec, str):
+        return SweepSpec.from_yaml(spec)
+    return SweepSpec.model_validate(spec)
+
+
+def _trial_run_name(index: int, params: dict[str, Scalar]) -> str:
+    """`trial 0003 lr=0.1 width=16`, with braces removed (Prefect formats run names)."""
+    text = " ".join(f"{k}={v}" for k, v in params.items())
+    return f"trial {index:04d} {text}".replace("{", "(").replace("}", ")")[:120]
+
+
+def _read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+def _final(points: list[dict[str, Any]]) -> dict[str, Any]:
+    summary = [p for p in points if p.get("summary")]
+    final = summary[-1] if summary else (points[-1] if points else {})
+    return {k: v for k, v in final.items() if k not in ("summary", "step")}
+
+
+@flow(name="gpu-sweep", task_runner=ThreadPoolTaskRunner(max_workers=64))
+def gpu_sweep(
+    spec: SweepSpec | dict[str, Any] | str, ledger: SpendLedger | None = None
+) -> pd.DataFrame:
+    """Run every trial through the gate; publish the trials table, a summary and plots."""
+    spec = load_spec(spec)
+    logger = get_run_logger()
+    ctx = FlowRunContext.get()
+    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
+    run_name = ctx.flow_run.name if ctx and ctx.flow_run else "local"
+    out = Path(spec.results_dir) / f"{spec.name}-{run_name}"
+    out.mkdir(parents=True, exist_ok=True)
+    trials = spec.trials()
+    logger.info(
+        "sweep %s: %d trials in %s, at most %d at once",
+        spec.name,
+        len(trials),
+        spec.scope,
+        spec.parallelism,
+    )
+    progress = create_progress_artifact(
+        0.0, key=f"{spec.name}-progress", description=f"Trials of {spec.name} finished"
+    )
+
+    futures, in_flight, finished = [], [], 0
+    for index, params in enumerate(trials):
+        while len(in_flight) >= spec.parallelism:
+            done = next(as_completed(in_flight))
+            in_flight.remove(done)
+            finished += 1
+            update_progress_artifact(progress, 100.0 * finished / len(trials))
+        name = f"{spec.name}/{index:04d}"
+        metrics = out / f"trial-{index:04d}.jsonl"
+        future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(
+            spec.job_for(params, name), spec.scope, ledger, str(metrics.resolve())
+        )
+        futures.append((index, params, name, metrics, future))
+        in_flight.append(future)
+    for _ in as_completed(in_flight):
+        finished += 1
+        update_progress_artifact(progress, 100.0 * finished / len(trials))
+
+    led = (ledger or SpendLedger()).ledger()
+    rows_by_name = {r["name"]: r for r in led.jobs(spec.scope) if r["flow_run_id"] == run_id}
+    records, curves = [], {}
+    for index, params, name, metrics, future in futures:
+        state = future.state
+        row = rows_by_name.get(name, {})
+        points = _read_metrics(metrics)
+        curves[f"{index:04d}"] = points
+        records.append(
+            {
+                "trial": index,
+                **params,
+                **_final(points),
+                "state": state.name,
+                "reason": "" if state.is_completed() else (state.message or ""),
+                "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
+                "wait_s": round((row["admitted_at"] or row["ended_at"]) - row["requested_at"], 3)
+                if row
+                else None,
+                "runtime_s": round(row["ended_at"] - row["started_at"], 3)
+                if row.get("started_at")
+                else 0.0,
+                "job_id": row.get("id"),
+            }
+        )
+    df = pd.DataFrame(records)
+    df.to_csv(out / "trials.csv", index=False)
+    df.to_parquet(out / "trials.parquet", index=False)
+    _publish(spec, df, curves, list(rows_by_name.values()), led, out)
+    logger.info("sweep %s: results in %s", spec.name, out.resolve())
+    return df
+
+
+def _publish(
+    spec: SweepSpec, df: pd.DataFrame, curves: dict, rows: list[dict], led, out: Path
+) -> None:
+    key = re.sub(r"[^a-z0-9-]", "-", spec.name.lower())
+    create_table_artifact(
+        key=f"{key}-trials",
+        table=json.loads(df.drop(columns=["job_id"]).to_json(orient="records")),
+        description=f"Trials of sweep {spec.name}",
+    )
+    status = {s["scope"]: s for s in led.status()}
+    path_status = [status[s] for s in reversed(_path(spec.scope)) if s in status]
+    budget = next((s for s in path_status if s["period_budget_micro"] is not None), None)
+    cap = next((s for s in path_status if s["hourly_cap_micro"] is not None), None)
+    pictures = [
+        plots.metric_vs_params(df, spec.params(), spec.metric, out / "metric_vs_params.png"),
+        plots.learning_curves(curves, spec.metric, out / "learning_curves.png"),
+        plots.spend_over_time(
+            rows,
+            out / "spend.png",
+            budget_micro=budget and budget["period_budget_micro"],
+            cap_micro_per_hour=cap and cap["hourly_cap_micro"],
+            title=f"spend of sweep {spec.name} in {spec.scope}",
+        ),
+    ]
+    create_markdown_artifact(
+        key=f"{key}-summary", markdown=_summary(spec, df, budget) + "\n\n" + plots.embed(pictures)
+    )
+
+
+def _path(scope: str) -> list[str]:
+    from prefect_gpu_budget.units import scope_path
+
+    return scope_path(scope)
+
+
+def _summary(spec: SweepSpec, df: pd.DataFrame, budget: dict | None) -> str:
+    done = df[df["state"] == "Completed"]
+    lines = [f"# Sweep `{spec.name}` in `{spec.scope}`", ""]
+    lines.append(
+        f"- trials: {len(df)}; finished {len(done)}; "
+        + ", ".join(
+            f"{state} {count}"
+            for state, count in df["state"].value_counts().items()
+            if state != "Completed"
+        )
+    )
+    if spec.metric in done and not done[spec.metric].dropna().empty:
+        best = done.loc[
+            done[spec.metric].idxmin() if spec.goal == "min" else done[spec.metric].idxmax()
+        ]
+        params = ", ".join(f"{p}={best[p]}" for p in spec.params())
+        lines.append(
+            f"- best trial {int(best['trial'])}: {spec.metric} {best[spec.metric]} ({params})"
+        )
+    spent = int(round(df["cost_usd"].sum() * 1_000_000))
+    if budget is not None:
+        lines.append(
+            f"- spent {fmt_usd(spent)}; {budget['scope']} has {fmt_usd(budget['settled_micro'])} settled of its "
+            f"{fmt_usd(budget['period_budget_micro'])} {budget['period']} budget"
+        )
+    else:
+        lines.append(f"- spent {fmt_usd(spent)}")
+    waited = df["wait_s"].fillna(0)
+    lines.append(
+        f"- time spent waiting on budget: {fmt_duration(waited.sum())} in all, longest {fmt_duration(waited.max())}"
+    )
+    refused = df[df["state"] != "Completed"]
+    for _, row in refused.head(5).iterrows():
+        lines.append(f"- trial {int(row['trial'])} {row['state']}: {row['reason'][:200]}")
+    return "\n".join(lines)

@@ -1,0 +1,115 @@
+"""The spend report flow on a real Prefect server, over SQLite and PostgreSQL ledgers."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.ledger import NewJob
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.blocks import SpendLedger
+from prefect_gpu_budget.flows.spend_report import spend_report
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.units import BudgetInputError, rate_cents
+
+
+def _queued_job(ledger, scope: str, rate_micro: int) -> str:
+    """A job that asks for admission once and stays queued, with the reason it waits."""
+    job_id = ledger.enqueue(
+        NewJob(
+            scope=scope,
+            name="waiter",
+            instance_type="local:box",
+            provisioning="on-demand",
+            nodes=1,
+            rate_micro_per_hour=rate_micro,
+            rate_cents=rate_cents(rate_micro),
+            priority=0,
+            max_runtime_s=60.0,
+            expected_runtime_s=None,
+            holder="elsewhere:1:1",
+        )
+    )
+    assert ledger.try_admit(job_id, scope).verdict == "wait"
+    return job_id
+
+
+@pytest.mark.timeout(180)
+def test_spend_report_publishes_tables_summary_and_plots(
+    prefect_api, ledger, ledger_url, prices, tmp_path
+):
+    ledger.set_budget(
+        BudgetRule("rep", hourly_cap_cents=1000, period_budget_micro=5_000_000, period="day")
+    )
+    gate = Gate(ledger, catalog=Catalog.load(prices))
+    job = GpuJob(instance_type="local:box", max_runtime="1m")
+    done = gate.admit(job, "rep/team/s1")
+    gate.started(done, time.time() - 30)
+    gate.settle(done, ended_at=time.time(), outcome="completed")
+    # two running jobs fill the $10/h cap ($7.20/h), so a third at $3.60/h must wait
+    running = [gate.admit(job, f"rep/team/s{i}") for i in (2, 3)]
+    try:
+        for admission in running:
+            gate.started(admission, time.time() - 5)
+        waiter = _queued_job(ledger, "rep/team/s4", done.quote.rate_micro_per_hour)
+        reason = ledger.job(waiter)["reason"]
+        assert reason
+
+        out = tmp_path / "reports"
+        state = spend_report(
+            hours=1.0,
+            ledger=SpendLedger(database_url=ledger_url),
+            out_dir=str(out),
+            return_state=True,
+        )
+        assert state.is_completed(), state.message
+        df = state.result()
+        flow_run_id = state.state_details.flow_run_id
+    finally:
+        for admission in running:
+            gate.settle(admission, ended_at=time.time(), outcome="completed")
+
+    settled = [r for r in ledger.jobs() if r["state"] == "settled" and r["id"] == done.job_id]
+    charged = sum(r["actual_micro"] for r in settled)
+    assert charged > 0
+    row = df.set_index("scope").loc["rep"]
+    assert round(row["settled_in_period_usd"] * 1_000_000) == charged
+    assert round(row["window_spend_usd"] * 1_000_000) == charged
+    assert row["running"] == 2 and row["queued"] == 1 and row["window_jobs"] == 4
+    assert row["hourly_cap_usd_per_h"] == 10.0 and row["running_rate_usd_per_h"] == 7.2
+    assert row["period_budget_usd"] == 5.0 and row["remaining_usd"] < 5.0 - charged / 1e6
+    assert row["mean_wait_s"] >= 0 and row["p95_wait_s"] >= row["mean_wait_s"] - 1e-9
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+        )
+    by_key = {a.key: a for a in artifacts}
+    assert set(by_key) == {
+        "gpu-budget-spend-report",
+        "gpu-budget-top-jobs",
+        "gpu-budget-spend-summary",
+    }
+    table = json.loads(by_key["gpu-budget-spend-report"].data)
+    assert [r["scope"] for r in table] == ["rep"]
+    assert round(table[0]["settled_in_period_usd"] * 1_000_000) == charged
+    top = json.loads(by_key["gpu-budget-top-jobs"].data)
+    assert len(top) == 4 and top[0]["id"] in {a.job_id[:8] for a in (done, *running)}
+    assert max(r["actual_usd"] for r in top) == top[0]["actual_usd"]
+    summary = by_key["gpu-budget-spend-summary"].data
+    assert "Total spend in window" in summary and waiter[:8] in summary and reason in summary
+    assert "data:image/png;base64," in summary
+
+    assert (out / "spend-rep.png").stat().st_size > 1000
+    assert (out / "queue-wait.png").stat().st_size > 1000
+
+
+def test_spend_report_rejects_a_bad_window(prefect_api, tmp_path):
+    with pytest.raises(BudgetInputError, match="hours"):
+        spend_report(hours=-1.0, out_dir=str(tmp_path))

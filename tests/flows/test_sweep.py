@@ -1,0 +1,125 @@
+"""`gpu_sweep` end to end on a real Prefect server: trials, metrics, artifacts, failures as rows."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from prefect.client.orchestration import get_client
+from pydantic import ValidationError
+
+from prefect_gpu_budget import GpuBudget, SpendLedger
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+from prefect_gpu_budget.job import one_line
+
+TRIAL = (
+    "import json, os, sys\n"
+    "lr, width = float(sys.argv[1]), int(sys.argv[2])\n"
+    "if lr > 1: sys.exit(3)\n"
+    "out = open(os.environ['GPU_BUDGET_METRICS_FILE'], 'a')\n"
+    "for step in (1, 2, 3): out.write(json.dumps({'step': step, 'loss': lr * width / step}) + '\\n')\n"
+    "out.write(json.dumps({'summary': True, 'loss': lr * width / 3, 'accuracy': 0.5}) + '\\n')\n"
+)
+
+
+def _spec(tmp_path, **overrides) -> SweepSpec:
+    script = tmp_path / "trial.py"
+    script.write_text(TRIAL)
+    fields = {
+        "name": "unit",
+        "scope": "lab/sweeps/agent-1",
+        "job": {"instance_type": "local:box", "max_runtime": "30s", "kill_grace": "1s"},
+        "command": [sys.executable, str(script), "{lr}", "{width}"],
+        "grid": {"lr": [0.1, 0.5, 2.0], "width": [4, 8]},
+        "parallelism": 3,
+        "results_dir": str(tmp_path / "results"),
+    }
+    fields.update(overrides)
+    return SweepSpec.model_validate(fields)
+
+
+def test_sweep_end_to_end(prefect_api, prices, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", hourly_cap_usd="7.2", period_budget_usd=10, period="day").apply(ledger)
+    df = gpu_sweep(_spec(tmp_path), SpendLedger(database_url=url))
+
+    assert len(df) == 6
+    done = df[df["state"] == "Completed"]
+    failed = df[df["state"] != "Completed"]
+    assert len(done) == 4 and set(failed["lr"]) == {2.0}
+    assert all("exit code 3" in reason for reason in failed["reason"])
+    assert done.set_index(["lr", "width"])["loss"].to_dict()[(0.5, 8)] == pytest.approx(0.5 * 8 / 3)
+    # the ledger charged exactly what the trials report
+    charged = sum(r["actual_micro"] for r in ledger.jobs("lab"))
+    assert charged == round(df["cost_usd"].sum() * 1_000_000)
+    run_dir = next((tmp_path / "results").glob("unit-*"))
+    for name in (
+        "trials.csv",
+        "trials.parquet",
+        "metric_vs_params.png",
+        "learning_curves.png",
+        "spend.png",
+    ):
+        assert (run_dir / name).stat().st_size > 0, name
+
+    with get_client(sync_client=True) as client:
+        keys = {a.key: a for a in client.read_artifacts() if a.key}
+    assert len(json.loads(keys["unit-trials"].data)) == 6
+    summary = keys["unit-summary"].data
+    assert "best trial" in summary and "data:image/png;base64," in summary
+    assert keys["unit-progress"].data == 100.0
+
+
+def test_random_search_is_repeatable(tmp_path):
+    spec = _spec(
+        tmp_path,
+        grid={},
+        random={"lr": {"low": 1e-4, "high": 1e-1, "log": True}, "width": {"choices": [4, 8, 16]}},
+        samples=5,
+        seed=3,
+    )
+    first, again = spec.trials(), spec.trials()
+    assert first == again and len(first) == 5
+    assert all(1e-4 <= t["lr"] <= 1e-1 and t["width"] in (4, 8, 16) for t in first)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"name": "Bad Name"}, "name"),
+        ({"scope": "lab/../x"}, "scope"),
+        ({"command": None}, "command"),
+        ({"command": ["python", "{missing}"]}, "command"),
+        ({"grid": {"lr": []}}, "grid"),
+        ({"grid": {"bad-name": [1]}}, "grid"),
+        ({"grid": {"a": list(range(200)), "b": list(range(200))}}, "grid"),
+        ({"random": {"dropout": {"low": 1, "high": 0}}, "samples": 2}, "random"),
+        ({"random": {"dropout": {"low": 0.1, "high": 1}}}, "samples"),
+        ({"random": {"lr": {"choices": [1]}}, "samples": 1}, "random"),
+        ({"job": {"instance_type": "local:box"}}, "job"),
+        ({"job": {"instance_type": "local:box", "max_runtime": "1 week"}}, "max_runtime"),
+        ({"parallelism": 0}, "parallelism"),
+        ({"callable": "not a callable", "command": None}, "callable"),
+    ],
+)
+def test_bad_specs_get_one_line_errors(tmp_path, overrides, field):
+    with pytest.raises(ValidationError) as exc:
+        _spec(tmp_path, **overrides)
+    message = one_line(exc.value)
+    assert "\n" not in message and field in message, message
+
+
+def test_yaml_spec(tmp_path):
+    path = tmp_path / "sweep.yaml"
+    path.write_text(
+        "name: nightly\nscope: lab/sweeps\njob: {instance_type: 'local:box', max_runtime: 1h}\n"
+        "callable: mypkg.train:run\ngrid: {lr: [0.1, 0.2]}\n"
+    )
+    spec = SweepSpec.from_yaml(path)
+    assert [t["lr"] for t in spec.trials()] == [0.1, 0.2]
+    path.write_text("name: [unclosed\n")
+    with pytest.raises(Exception, match="not valid YAML"):
+        SweepSpec.from_yaml(path)

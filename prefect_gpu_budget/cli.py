@@ -84,12 +84,18 @@ def budget_set(
     max_wait: str = typer.Option(None, help="Longest wait, like '6h'; 0 waits forever."),
     reservation_mode: str = typer.Option(None, help="guaranteed or estimate."),
     notify: str = typer.Option(None, help="Notification block 'type-slug/name'."),
+    session_template: bool = typer.Option(
+        False,
+        "--session-template",
+        help="For a team: the budget each of its sessions gets when it first runs a job.",
+    ),
 ) -> None:
     """Create or change a scope's budget (options not given keep their current values)."""
     from prefect_gpu_budget.blocks.budget import GpuBudget
 
     ledger = _ledger()
-    current = {r.scope: r for r in ledger.budgets()}.get(scope)
+    existing = ledger.session_templates() if session_template else ledger.budgets()
+    current = {r.scope: r for r in existing}.get(scope)
     fields: dict[str, Any] = {"scope": scope}
     if current is not None:
         fields.update(
@@ -124,6 +130,10 @@ def budget_set(
     if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
         fail("budget: give --hourly-cap, --period-budget or both")
     block = GpuBudget(**fields)
+    if session_template:
+        ledger.set_session_template(block.rule())
+        console.print(f"session template set for [bold]{scope}/*[/]: {_describe(block.rule())}")
+        return
     ledger.set_budget(block.rule())
     console.print(f"budget set for [bold]{scope}[/]: {_describe(block.rule())}")
 
@@ -156,6 +166,8 @@ def budget_show(
     table = Table("scope", "budget")
     for rule in rules:
         table.add_row(rule.scope, _describe(rule))
+    for rule in _ledger().session_templates():
+        table.add_row(f"{rule.scope}/* (template)", _describe(rule))
     console.print(table)
 
 
@@ -336,13 +348,58 @@ def reconcile_cmd(
 @app.command()
 def demo(
     out: str = typer.Option("gpu-budget-demo", help="Folder for the CSV, plot and demo ledger."),
-    trials: int = typer.Option(12, min=1, max=12, help="About this many trials (learning rates x widths)."),
+    trials: int = typer.Option(
+        12, min=1, max=12, help="About this many trials (learning rates x widths)."
+    ),
     seconds: float = typer.Option(2.5, help="Length of each trial."),
 ) -> None:
     """Run a small real sweep under a budget whose caps bite (no server or GPU needed)."""
     from prefect_gpu_budget.flows.demo import run_demo
 
     run_demo(out, seconds=seconds, trials=trials)
+
+
+@app.command()
+def serve(
+    sweep: str = typer.Option(
+        None, help="Sweep spec YAML for the sweep deployment (default: the example)."
+    ),
+    sweep_cron: str = typer.Option("0 2 * * *", help="When the sweep runs (UTC)."),
+    report_cron: str = typer.Option("0 7 * * *", help="When the spend report runs (UTC)."),
+    reconcile_every: int = typer.Option(300, help="Seconds between reconcile runs."),
+) -> None:
+    """Serve the sweep, spend-report and reconcile deployments from this process."""
+    from prefect_gpu_budget.deployments import EXAMPLE_SPEC
+    from prefect_gpu_budget.deployments import serve as serve_all
+
+    serve_all(
+        sweep_spec=sweep or EXAMPLE_SPEC,
+        sweep_cron=sweep_cron,
+        report_cron=report_cron,
+        reconcile_every_s=reconcile_every,
+    )
+
+
+@app.command()
+def deploy(
+    work_pool: str = typer.Option(..., help="The work pool that runs the flows."),
+    sweep: str = typer.Option(None, help="Sweep spec YAML for the sweep deployment."),
+    sweep_cron: str = typer.Option("0 2 * * *"),
+    report_cron: str = typer.Option("0 7 * * *"),
+    reconcile_every: int = typer.Option(300),
+) -> None:
+    """Register the deployments on a work pool."""
+    from prefect_gpu_budget.deployments import EXAMPLE_SPEC
+    from prefect_gpu_budget.deployments import deploy as deploy_all
+
+    ids = deploy_all(
+        work_pool,
+        sweep_spec=sweep or EXAMPLE_SPEC,
+        sweep_cron=sweep_cron,
+        report_cron=report_cron,
+        reconcile_every_s=reconcile_every,
+    )
+    console.print(f"{len(ids)} deployments registered on work pool {work_pool}")
 
 
 def _limits_if_configured():

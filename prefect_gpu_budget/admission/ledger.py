@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from prefect_gpu_budget.admission.policy import (
     Request,
     decide,
 )
-from prefect_gpu_budget.units import cost_micro, scope_path
+from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path
 
 ACTIVE = ("admitted", "running")
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
@@ -40,21 +40,28 @@ STALE_WAITER_S = 30.0
 
 metadata = sa.MetaData()
 
-budgets = sa.Table(
-    "gpu_budgets",
-    metadata,
-    sa.Column("scope", sa.String(160), primary_key=True),
-    sa.Column("org", sa.String(48), nullable=False, index=True),
-    sa.Column("hourly_cap_cents", sa.BigInteger),
-    sa.Column("period_budget_micro", sa.BigInteger),
-    sa.Column("period", sa.String(8), nullable=False),
-    sa.Column("timezone", sa.String(64), nullable=False),
-    sa.Column("on_limit", sa.String(8), nullable=False),
-    sa.Column("max_wait_s", sa.Float, nullable=False),
-    sa.Column("reservation_mode", sa.String(12), nullable=False),
-    sa.Column("notify_block", sa.String(200)),
-    sa.Column("updated_at", sa.Float, nullable=False),
-)
+
+def _budget_table(name: str) -> sa.Table:
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("scope", sa.String(160), primary_key=True),
+        sa.Column("org", sa.String(48), nullable=False, index=True),
+        sa.Column("hourly_cap_cents", sa.BigInteger),
+        sa.Column("period_budget_micro", sa.BigInteger),
+        sa.Column("period", sa.String(8), nullable=False),
+        sa.Column("timezone", sa.String(64), nullable=False),
+        sa.Column("on_limit", sa.String(8), nullable=False),
+        sa.Column("max_wait_s", sa.Float, nullable=False),
+        sa.Column("reservation_mode", sa.String(12), nullable=False),
+        sa.Column("notify_block", sa.String(200)),
+        sa.Column("updated_at", sa.Float, nullable=False),
+    )
+
+
+budgets = _budget_table("gpu_budgets")
+templates = _budget_table("gpu_session_templates")
+"""Keyed by a team scope: the budget each of its sessions gets when it first asks for a job."""
 
 jobs = sa.Table(
     "gpu_jobs",
@@ -210,26 +217,38 @@ class Ledger:
         """Create or replace a scope's budget, and rebuild its current period's settled spend."""
         now = time.time() if now is None else now
         org = rule.scope.split("/")[0]
-        values = {
-            "org": org,
-            "hourly_cap_cents": rule.hourly_cap_cents,
-            "period_budget_micro": rule.period_budget_micro,
-            "period": rule.period,
-            "timezone": rule.timezone,
-            "on_limit": rule.on_limit,
-            "max_wait_s": rule.max_wait_s,
-            "reservation_mode": rule.reservation_mode,
-            "notify_block": rule.notify_block,
-            "updated_at": now,
-        }
         with self._write(org) as conn:
-            updated = conn.execute(
-                budgets.update().where(budgets.c.scope == rule.scope).values(**values)
-            )
-            if updated.rowcount == 0:
-                conn.execute(budgets.insert().values(scope=rule.scope, **values))
+            _upsert_rule(conn, budgets, rule, now)
             self._rebuild_period(conn, rule, now)
             self._bump(conn, org)
+
+    def set_session_template(self, rule: BudgetRule, now: float | None = None) -> None:
+        """Give every session under team `rule.scope` this budget when it first asks for a job
+        and has none (anycloud's recommended setup for agents: a small daily budget each)."""
+        if rule.scope.count("/") != 1:
+            raise BudgetInputError(
+                "scope", f"a session template belongs to a team 'org/team', got {rule.scope!r}"
+            )
+        now = time.time() if now is None else now
+        with self._write(rule.scope.split("/")[0]) as conn:
+            _upsert_rule(conn, templates, rule, now)
+
+    def session_templates(self) -> list[BudgetRule]:
+        with self._read() as conn:
+            return [
+                _rule(row)
+                for row in conn.execute(sa.select(templates).order_by(templates.c.scope)).mappings()
+            ]
+
+    def _ensure_session_budget(self, conn: Connection, scope: str, now: float) -> None:
+        if scope.count("/") != 2:
+            return
+        if conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first():
+            return
+        team = scope.rsplit("/", 1)[0]
+        row = conn.execute(sa.select(templates).where(templates.c.scope == team)).mappings().first()
+        if row is not None:
+            _upsert_rule(conn, budgets, replace(_rule(row), scope=scope), now)
 
     def _rebuild_period(self, conn: Connection, rule: BudgetRule, now: float) -> None:
         p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
@@ -287,6 +306,7 @@ class Ledger:
         job_id = str(uuid.uuid4())
         org = job.scope.split("/")[0]
         with self._write(org) as conn:
+            self._ensure_session_budget(conn, job.scope, now)
             conn.execute(
                 jobs.insert().values(
                     id=job_id,
@@ -661,6 +681,26 @@ class Ledger:
                 ).scalar_one_or_none()
                 or 0
             )
+
+
+def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float) -> None:
+    values = {
+        "org": rule.scope.split("/")[0],
+        "hourly_cap_cents": rule.hourly_cap_cents,
+        "period_budget_micro": rule.period_budget_micro,
+        "period": rule.period,
+        "timezone": rule.timezone,
+        "on_limit": rule.on_limit,
+        "max_wait_s": rule.max_wait_s,
+        "reservation_mode": rule.reservation_mode,
+        "notify_block": rule.notify_block,
+        "updated_at": now,
+    }
+    if (
+        conn.execute(table.update().where(table.c.scope == rule.scope).values(**values)).rowcount
+        == 0
+    ):
+        conn.execute(table.insert().values(scope=rule.scope, **values))
 
 
 def _within(scope: str, parent: str | None) -> bool:

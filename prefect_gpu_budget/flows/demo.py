@@ -74,7 +74,7 @@ def run_demo(
     out = Path(out_dir).resolve()
     url = prepare(out)
     started = time.time()
-    df = gpu_sweep(demo_spec(out, trials, seconds), SpendLedger(database_url=url))
+    df = gpu_sweep(demo_spec(out, trials, seconds), ledger=SpendLedger(database_url=url))
     status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().status()}[DEMO_SCOPE]
     run_dir = next(out.glob("demo-*"))
     shown = df[["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "wait_s"]]

@@ -192,12 +192,15 @@ class SweepSpec(BaseModel):
         return GpuJob(**self.job.model_dump(exclude_none=True), command=command, name=name)
 
 
-def load_spec(spec: SweepSpec | dict[str, Any] | str) -> SweepSpec:
-    if isinstance(spec, SweepSpec):
-        return spec
+def load_spec(spec: SweepSpec | dict[str, Any] | str, scope: str | None = None) -> SweepSpec:
+    """A spec from a model, a mapping or a YAML path; `scope` re-homes it (an agent's session)."""
     if isinstance(spec, str):
-        return SweepSpec.from_yaml(spec)
-    return SweepSpec.model_validate(spec)
+        spec = SweepSpec.from_yaml(spec)
+    elif not isinstance(spec, SweepSpec):
+        spec = SweepSpec.model_validate(spec)
+    if scope is not None and scope != spec.scope:
+        spec = SweepSpec.model_validate({**spec.model_dump(), "scope": scope})
+    return spec
 
 
 def _trial_run_name(index: int, params: dict[str, Scalar]) -> str:
@@ -228,10 +231,16 @@ def _final(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 @flow(name="gpu-sweep", task_runner=ThreadPoolTaskRunner(max_workers=64))
 def gpu_sweep(
-    spec: SweepSpec | dict[str, Any] | str, ledger: SpendLedger | None = None
+    spec: SweepSpec | dict[str, Any] | str,
+    scope: str | None = None,
+    ledger: SpendLedger | None = None,
 ) -> pd.DataFrame:
-    """Run every trial through the gate; publish the trials table, a summary and plots."""
-    spec = load_spec(spec)
+    """Run every trial through the gate; publish the trials table, a summary and plots.
+
+    `scope` runs the spec under another scope, e.g. an agent's own session
+    (`acme/vision/agent-7`), which gets its team's session template if it has no budget.
+    """
+    spec = load_spec(spec, scope)
     logger = get_run_logger()
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"

@@ -1,0 +1,61 @@
+"""Deployments: a nightly sweep, a daily spend report, reconcile every few minutes.
+
+`prefect-gpu-budget serve` runs them in one process (`flow.serve`); `prefect-gpu-budget deploy`
+registers them on a work pool; `prefect.yaml` beside this file does the same for `prefect deploy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from prefect.schedules import Cron, Interval
+
+from prefect_gpu_budget.flows.reconcile import reconcile_flow
+from prefect_gpu_budget.flows.spend_report import spend_report
+from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+
+SWEEP = "sweep"
+REPORT = "daily"
+RECONCILE = "every-5-minutes"
+EXAMPLE_SPEC = Path(__file__).with_name("nightly-sweep.yaml")
+
+
+def deployments(
+    sweep_spec: str | Path = EXAMPLE_SPEC,
+    sweep_cron: str = "0 2 * * *",
+    report_cron: str = "0 7 * * *",
+    reconcile_every_s: int = 300,
+) -> list[Any]:
+    """The three deployments, ready for `prefect.serve`.
+
+    The sweep's schedule carries its own parameters (the spec), so a nightly sweep and an
+    agent-triggered one share a deployment; agents override `scope` (their session) or `spec`.
+    """
+    spec = SweepSpec.from_yaml(sweep_spec).model_dump(mode="json")
+    return [
+        gpu_sweep.to_deployment(
+            name=SWEEP,
+            parameters={"spec": spec},
+            schedules=[Cron(sweep_cron, timezone="UTC", parameters={"spec": spec})],
+            description="A GPU sweep under budget; agents trigger it with their session as `scope`.",
+        ),
+        spend_report.to_deployment(name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
+        reconcile_flow.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
+    ]
+
+
+def serve(**kwargs: Any) -> None:
+    """Run the deployments in this process until stopped (polls the Prefect API for runs)."""
+    from prefect import serve as prefect_serve
+
+    prefect_serve(*deployments(**kwargs))
+
+
+def deploy(work_pool: str, **kwargs: Any) -> list[Any]:
+    """Register the deployments on a work pool, running this package's installed source."""
+    from prefect.deployments.runner import deploy as prefect_deploy
+
+    return list(
+        prefect_deploy(*deployments(**kwargs), work_pool_name=work_pool, build=False, push=False)
+    )

@@ -335,7 +335,9 @@ def _publish(
         ),
     ]
     create_markdown_artifact(
-        key=f"{key}-summary", markdown=_summary(spec, df, budget) + "\n\n" + plots.embed(pictures)
+        key=f"{key}-summary",
+        markdown=_summary(spec, df, budget) + "\n\n" + plots.embed(pictures),
+        description=f"Summary and plots of sweep {spec.name}",
     )
 
 

@@ -4,14 +4,16 @@ Measured side by side in one run, against one throwaway Prefect server:
 
 1. bare Prefect: acquire + release one slot of a global concurrency limit (raw client API);
 2. the gate: `admit` + `settle` uncontended, with Prefect limits in the loop, and the ledger's
-   own decision (`Ledger.try_admit`) alone, on SQLite and on PostgreSQL;
+   own decision (`Ledger.request`: record the job and decide, one transaction) alone, on
+   SQLite and on PostgreSQL;
 3. admissions per second with 1, 4, 16 and 32 admitters in separate processes;
 4. the ledger's decision latency with 10^3 and with 10^6 settled rows in the ledger.
 
 Usage: python benchmarks/gate_latency.py [--quick] [--json]
 
-PostgreSQL is expected at postgresql://postgres@127.0.0.1:5432/test (override with
-GATE_BENCH_PG_URL); the gate's tables there are dropped and recreated. It is skipped if unreachable.
+PostgreSQL is expected at 127.0.0.1:5432; the benchmark uses its own database `gate_bench`
+(created if missing; override with GATE_BENCH_PG_URL), whose gate tables it drops and
+recreates, so it never disturbs the tests' database. It is skipped if unreachable.
 Progress goes to stderr; the table (or, with --json, one JSON object) to stdout.
 """
 
@@ -35,6 +37,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.queues import Queue
 from typing import Any
 from uuid import UUID
@@ -43,14 +46,21 @@ import sqlalchemy as sa
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Gate
-from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id, jobs, metadata
+from prefect_gpu_budget.admission.ledger import (
+    Ledger,
+    NewJob,
+    holder_id,
+    jobs,
+    metadata,
+    normalise_url,
+)
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote
 from prefect_gpu_budget.units import rate_cents
 
-PG_URL = os.environ.get("GATE_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+PG_URL = os.environ.get("GATE_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_bench")
 ORG = "bench"
 TEAM = f"{ORG}/team"
 SCOPE = f"{TEAM}/s1"
@@ -133,7 +143,23 @@ def fresh_ledger(url: str) -> Ledger:
 
 
 def postgres_available(url: str) -> bool:
-    engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    """Reachable (creating the benchmark's own database if the server lacks it)?"""
+    server = sa.create_engine(
+        normalise_url(url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    )
+    name = url.rsplit("/", 1)[1]
+    try:
+        with server.connect() as conn:
+            exists = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+            ).first()
+            if not exists:
+                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    except sa.exc.SQLAlchemyError:
+        pass
+    finally:
+        server.dispose()
+    engine = sa.create_engine(normalise_url(url))
     try:
         with engine.connect() as conn:
             conn.execute(sa.text("SELECT 1"))
@@ -181,19 +207,26 @@ def prefect_server() -> Iterator[str]:
 # -- 1. bare Prefect ---------------------------------------------------------------------------
 
 
-def bench_bare_prefect(client: Any, cfg: Config) -> dict[str, float]:
+def create_bare_limit(client: Any) -> str:
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 
     name = f"bench-bare-{uuid.uuid4().hex[:8]}"
     client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1_000_000))
+    return name
 
-    def acquire_release() -> None:
-        response = client.increment_concurrency_slots_with_lease(
-            names=[name], slots=1, mode="concurrency", lease_duration=60
-        )
-        client.release_concurrency_slots_with_lease(UUID(response.json()["lease_id"]))
 
-    samples = [timed(acquire_release) for _ in range(cfg.warmup + cfg.iterations)]
+def bare_acquire_release(client: Any, name: str) -> None:
+    response = client.increment_concurrency_slots_with_lease(
+        names=[name], slots=1, mode="concurrency", lease_duration=60
+    )
+    client.release_concurrency_slots_with_lease(UUID(response.json()["lease_id"]))
+
+
+def bench_bare_prefect(client: Any, name: str, cfg: Config) -> dict[str, float]:
+    samples = [
+        timed(lambda: bare_acquire_release(client, name))
+        for _ in range(cfg.warmup + cfg.iterations)
+    ]
     return summary(samples[cfg.warmup :])
 
 
@@ -221,16 +254,16 @@ def bench_gate(gate: Gate, cfg: Config) -> dict[str, Any]:
 
 
 def decision_samples(ledger: Ledger, quote: Quote, count: int) -> list[float]:
-    """Time `try_admit` alone: enqueue before and settle after are not timed."""
+    """Time `request` (record + decide in one transaction); the settle after is not timed."""
     samples = []
     for _ in range(count):
-        job_id = ledger.enqueue(new_job(SCOPE, quote))
+        job = new_job(SCOPE, quote)
         start = time.perf_counter()
-        decision = ledger.try_admit(job_id, SCOPE)
+        job_id, decision = ledger.request(job)
         samples.append(time.perf_counter() - start)
         if decision.verdict != "admit":
             raise RuntimeError(f"benchmark job not admitted: {decision.reason}")
-        ledger.settle(job_id, ended_at=time.time(), outcome="completed")
+        ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope=SCOPE)
     return samples
 
 
@@ -242,7 +275,7 @@ def bench_decision(ledger: Ledger, quote: Quote, cfg: Config) -> dict[str, float
 
 
 def admitter(index: int, api_url: str, commands: Queue, results: Queue) -> None:
-    """One admitter process: own client, Ledger and Gate; admits and settles in a loop."""
+    """One admitter process, with its own client (and, per round, its own Ledger and Gate)."""
     os.environ["PREFECT_API_URL"] = api_url
     from prefect.client.orchestration import get_client
 
@@ -250,19 +283,36 @@ def admitter(index: int, api_url: str, commands: Queue, results: Queue) -> None:
         with get_client(sync_client=True) as client:
             limits, catalog = RateLimits(client), Catalog.load()
             results.put(("ready", index, None))
-            while (url := commands.get()) is not None:
-                done = admitter_round(index, url, limits, catalog, commands, results)
+            while (command := commands.get()) is not None:
+                kind, target = command
+                if kind == "prefect":
+                    op = partial(bare_acquire_release, client, target)
+                    done = admitter_round(index, op, commands, results)
+                else:
+                    ledger = Ledger(target, create=False)
+                    gate = Gate(ledger, limits, catalog=catalog)
+                    op = gate_round_trip(gate, f"{TEAM}/w{index}")
+                    done = admitter_round(index, op, commands, results)
+                    ledger.dispose()
                 results.put(("done", index, done))
     except Exception as exc:  # report, so the parent does not wait for nothing
         results.put(("failed", index, f"{type(exc).__name__}: {exc}"))
 
 
+def gate_round_trip(gate: Gate, scope: str) -> Callable[[], None]:
+    job = bench_job()
+
+    def op() -> None:
+        gate.settle(gate.admit(job, scope), ended_at=time.time(), outcome="completed")
+
+    return op
+
+
 def admitter_round(
-    index: int, url: str, limits: RateLimits, catalog: Catalog, commands: Queue, results: Queue
+    index: int, op: Callable[[], None], commands: Queue, results: Queue
 ) -> dict[str, Any]:
-    ledger = Ledger(url, create=False)
-    gate, job, scope = Gate(ledger, limits, catalog=catalog), bench_job(), f"{TEAM}/w{index}"
-    gate.settle(gate.admit(job, scope), ended_at=time.time(), outcome="completed")  # warm up
+    """Warm up, say so, wait for the common start, then run `op` in a loop until the stop."""
+    op()
     results.put(("armed", index, None))
     start_at, stop_at = commands.get()
     time.sleep(max(0.0, start_at - time.time()))
@@ -270,8 +320,7 @@ def admitter_round(
     while time.time() < stop_at:
         began = time.perf_counter()
         try:
-            admission = gate.admit(job, scope)
-            gate.settle(admission, ended_at=time.time(), outcome="completed")
+            op()
         except Exception as exc:
             errors += 1
             first_error = first_error or f"{type(exc).__name__}: {exc}"
@@ -279,7 +328,6 @@ def admitter_round(
         latencies.append(time.perf_counter() - began)  # tail included, even past the stop
         if time.time() <= stop_at:
             count += 1
-    ledger.dispose()
     return {"count": count, "errors": errors, "first_error": first_error, "latencies": latencies}
 
 
@@ -316,10 +364,11 @@ class AdmitterPool:
             out.append(payload)
         return out
 
-    def round(self, url: str, workers: int, duration_s: float) -> dict[str, Any]:
+    def round(self, command: tuple[str, str], workers: int, duration_s: float) -> dict[str, Any]:
+        """Run `command` (("prefect", limit name) or ("gate", ledger URL)) on `workers` admitters."""
         chosen = self.commands[:workers]
         for q in chosen:
-            q.put(url)
+            q.put(command)
         arming = time.perf_counter()
         self._collect("armed", workers)
         log(f"{workers} admitters armed in {time.perf_counter() - arming:.1f} s")
@@ -350,19 +399,23 @@ class AdmitterPool:
 
 
 def bench_throughput(
-    backends: dict[str, str], api_url: str, cfg: Config
+    targets: dict[str, tuple[str, str]], api_url: str, cfg: Config
 ) -> dict[str, list[dict[str, Any]]]:
+    """Admissions per second for each target: bare Prefect limits, and the gate per ledger."""
     log(f"spawning {max(cfg.concurrency)} admitter processes")
     started = time.perf_counter()
     pool = AdmitterPool(max(cfg.concurrency), api_url)
     log(f"admitters ready in {time.perf_counter() - started:.1f} s")
     out: dict[str, list[dict[str, Any]]] = {}
     try:
-        for name, url in backends.items():
+        for name, command in targets.items():
             out[name] = []
             for workers in cfg.concurrency:
-                result = pool.round(url, workers, cfg.duration_s)
-                log(f"{name}: {workers} admitters -> {result['per_s']:.1f} admissions/s")
+                result = pool.round(command, workers, cfg.duration_s)
+                log(
+                    f"{name}: {workers} admitters -> {result['per_s']:.1f}/s, "
+                    f"max {result['max_ms']:.0f} ms, {result['errors']} errors"
+                )
                 out[name].append(result)
     finally:
         pool.close()
@@ -440,13 +493,13 @@ def bench_size(url: str, quote: Quote, cfg: Config, limit_s: float | None) -> di
     ledger, rng = fresh_ledger(url), random.Random(0)
     try:
         bulk_insert(ledger, cfg.small_rows, rng, None)
-        small = summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
         small_rows = settled_count(ledger)
+        small = summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
         started = time.perf_counter()
-        inserted = bulk_insert(ledger, cfg.large_rows - small_rows, rng, limit_s)
+        inserted = bulk_insert(ledger, cfg.large_rows - settled_count(ledger), rng, limit_s)
         load_s = time.perf_counter() - started
-        large = summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
         large_rows = settled_count(ledger)
+        large = summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
     finally:
         ledger.dispose()
     note = None
@@ -487,7 +540,8 @@ def run(cfg: Config) -> dict[str, Any]:
         }
         with get_client(sync_client=True) as client:
             log(f"Prefect server at {api_url}; bare limit acquire+release x{cfg.iterations}")
-            out["bare_prefect"] = bench_bare_prefect(client, cfg)
+            bare_limit = create_bare_limit(client)
+            out["bare_prefect"] = bench_bare_prefect(client, bare_limit, cfg)
             out["gate"], out["decision"] = {}, {}
             for name, url in backends.items():
                 log(f"{name}: gate admit+settle and ledger decision x{cfg.iterations}")
@@ -496,7 +550,9 @@ def run(cfg: Config) -> dict[str, Any]:
                 out["gate"][name] = bench_gate(gate, cfg)
                 out["decision"][name] = bench_decision(ledger, quote, cfg)
                 ledger.dispose()
-        out["throughput"] = bench_throughput(backends, api_url, cfg)
+        targets = {"prefect (bare)": ("prefect", bare_limit)}
+        targets.update({f"gate, {name}": ("gate", url) for name, url in backends.items()})
+        out["throughput"] = bench_throughput(targets, api_url, cfg)
         out["size"] = {}
         for name, url in backends.items():
             size_url = f"sqlite:///{tmp}/size.db" if name == "sqlite" else url
@@ -540,7 +596,7 @@ def verdict(value: float, target: float) -> str:
 
 
 def report(out: dict[str, Any]) -> str:
-    cfg, bare = out["config"], out["bare_prefect"]
+    cfg = out["config"]
     sections = [
         f"Gate benchmark ({'quick' if cfg['iterations'] < 200 else 'full'}: "
         f"{cfg['iterations']} iterations, {cfg['duration_s']} s per throughput round; "
@@ -549,58 +605,72 @@ def report(out: dict[str, Any]) -> str:
         "",
         "Latency, uncontended (ms)",
         "",
-        table(
-            ["Operation", "Ledger", "p50", "p95"],
-            [
-                [
-                    "Prefect limit acquire+release (raw client)",
-                    "-",
-                    ms(bare["p50_ms"]),
-                    ms(bare["p95_ms"]),
-                ]
-            ]
-            + [
-                [
-                    f"Gate admit+settle (admit {ms(g['admit_p50_ms'])} + settle {ms(g['settle_p50_ms'])})",
-                    name,
-                    ms(g["p50_ms"]),
-                    ms(g["p95_ms"]),
-                ]
-                for name, g in out["gate"].items()
-            ]
-            + [
-                ["Ledger decision (try_admit)", name, ms(d["p50_ms"]), ms(d["p95_ms"])]
-                for name, d in out["decision"].items()
-            ],
-        ),
+        latency_table(out),
         "",
-        "Throughput: admit+settle per second, all admitters together (separate processes)",
+        "The gate takes slots in two limits (bench, bench/team) in one request; the bare",
+        "figure takes one slot in one limit.",
+        "",
+        "Throughput: acquire+release (bare) or admit+settle (gate) per second, all admitters",
+        "together (separate processes); latency per round trip, including the one in flight",
+        "at the stop.",
         "",
         throughput_table(out["throughput"]),
         "",
-        "Ledger size: try_admit latency (ms) against settled rows already in the ledger",
+        "Ledger size: decision latency (ms, record + decide) against settled rows already in the ledger",
         "",
-        table(
-            ["Ledger", "Rows (small)", "p50", "p95", "Rows (large)", "p50", "p95", "Load"],
-            [
-                [
-                    name,
-                    f"{s['small_rows']:,}",
-                    ms(s["small"]["p50_ms"]),
-                    ms(s["small"]["p95_ms"]),
-                    f"{s['large_rows']:,}",
-                    ms(s["large"]["p50_ms"]),
-                    ms(s["large"]["p95_ms"]),
-                    f"{s['load_s']:.0f} s",
-                ]
-                for name, s in out["size"].items()
-            ],
-        ),
+        size_table(out["size"]),
         "",
         "Targets",
         "",
         targets_table(out["ratios"]),
     ]
+    notes = report_notes(out)
+    if notes:
+        sections += ["", "Notes", "", *[f"- {n}" for n in notes]]
+    sections += ["", f"Total wall time {out['wall_s']:.0f} s."]
+    return "\n".join(sections)
+
+
+def latency_table(out: dict[str, Any]) -> str:
+    bare = out["bare_prefect"]
+    rows = [
+        ["Prefect limit acquire+release (raw client)", "-", ms(bare["p50_ms"]), ms(bare["p95_ms"])]
+    ]
+    rows += [
+        [
+            f"Gate admit+settle (admit {ms(g['admit_p50_ms'])} + settle {ms(g['settle_p50_ms'])})",
+            name,
+            ms(g["p50_ms"]),
+            ms(g["p95_ms"]),
+        ]
+        for name, g in out["gate"].items()
+    ]
+    rows += [
+        ["Ledger decision (record + decide)", name, ms(d["p50_ms"]), ms(d["p95_ms"])]
+        for name, d in out["decision"].items()
+    ]
+    return table(["Operation", "Ledger", "p50", "p95"], rows)
+
+
+def size_table(size: dict[str, dict[str, Any]]) -> str:
+    rows = [
+        [
+            name,
+            f"{s['small_rows']:,}",
+            ms(s["small"]["p50_ms"]),
+            ms(s["small"]["p95_ms"]),
+            f"{s['large_rows']:,}",
+            ms(s["large"]["p50_ms"]),
+            ms(s["large"]["p95_ms"]),
+            f"{s['load_s']:.0f} s",
+        ]
+        for name, s in size.items()
+    ]
+    header = ["Ledger", "Rows (small)", "p50", "p95", "Rows (large)", "p50", "p95", "Bulk load"]
+    return table(header, rows)
+
+
+def report_notes(out: dict[str, Any]) -> list[str]:
     notes = [f"{k}: {s['note']}" for k, s in out["size"].items() if s["note"]]
     notes += [
         f"{k}, {r['workers']} admitters: {r['errors']} errors, first: {r['first_error']}"
@@ -608,10 +678,9 @@ def report(out: dict[str, Any]) -> str:
         for r in rounds
         if r["errors"]
     ]
-    if notes:
-        sections += ["", "Notes", "", *[f"- {n}" for n in notes]]
-    sections += ["", f"Total wall time {out['wall_s']:.0f} s."]
-    return "\n".join(sections)
+    if "postgresql" not in out["backends"]:
+        notes.append(f"PostgreSQL skipped: {PG_URL} unreachable")
+    return notes
 
 
 def throughput_table(throughput: dict[str, list[dict[str, Any]]]) -> str:
@@ -628,9 +697,7 @@ def throughput_table(throughput: dict[str, list[dict[str, Any]]]) -> str:
         for name, rounds in throughput.items()
         for r in rounds
     ]
-    return table(
-        ["Ledger", "Admitters", "Admissions/s", "p50 ms", "p95 ms", "max ms", "Errors"], rows
-    )
+    return table(["Path", "Admitters", "Per second", "p50 ms", "p95 ms", "max ms", "Errors"], rows)
 
 
 def targets_table(r: dict[str, Any]) -> str:

@@ -113,31 +113,38 @@ class Gate:
             flow_run_id=flow_run_id,
         )
         started = time.time()
-        job_id = self.ledger.enqueue(new, now=started)
+        job_id, decision = self.ledger.request(new)
         try:
-            return self._wait(job_id, scope, job, quote, new.rate_cents, started)
+            return self._wait(job_id, scope, job, quote, new.rate_cents, (decision, started))
         except AdmissionRefused as refused:
             self.events.refused(job_id, refused)
             raise
         except BaseException:  # cancelled while waiting: give the place (or the admission) back
             if not self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
-                self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled")
+                self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
             raise
 
     def _wait(
-        self, job_id: str, scope: str, job: GpuJob, quote: Quote, slots: int, started: float
+        self,
+        job_id: str,
+        scope: str,
+        job: GpuJob,
+        quote: Quote,
+        slots: int,
+        first: tuple[Decision, float],
     ) -> Admission:
+        decision, started = first
+        org = scope.split("/")[0]
+        seen: int | None = None  # the ledger version the last decision saw
         told = False
         last_block: tuple[str | None, str | None] = (None, None)
         while True:
-            seen = self.ledger.version(scope.split("/")[0])
-            decision = self.ledger.try_admit(job_id, scope)
             if decision.verdict == "reject":
                 raise AdmissionRefused("OverBudget", decision.reason, job_id)
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
-                lease = self._take_limits(job_id, scope, slots)
+                lease = self._take_limits(job_id, scope, slots, decision.caps)
                 if lease is not False:
                     admission = Admission(
                         job_id=job_id,
@@ -161,7 +168,10 @@ class Gate:
             elif (decision.limit, decision.scope) != last_block:
                 self.events.waiting(job_id, decision)
             last_block = (decision.limit, decision.scope)
-            self._sleep_until_change(scope.split("/")[0], seen)
+            if seen is not None:  # the first wait re-decides at once, with the version known
+                self._sleep_until_change(org, seen)
+            seen = self.ledger.version(org)  # read before deciding: no change slips between
+            decision = self.ledger.try_admit(job_id, scope)
 
     def _sleep_until_change(self, org: str, seen: int) -> None:
         deadline = time.monotonic() + self.recheck_s
@@ -170,17 +180,16 @@ class Gate:
             if self.ledger.version(org) != seen:
                 return
 
-    def _take_limits(self, job_id: str, scope: str, slots: int) -> str | None | bool:
+    def _take_limits(
+        self, job_id: str, scope: str, slots: int, caps: tuple[tuple[str, int], ...]
+    ) -> str | None | bool:
         """Lease id, None when no scope on the path has an hourly cap, False when full."""
-        if self.limits is None:
+        if self.limits is None or not caps:
             return None
-        rules = [r for r in self.ledger.path_budgets(scope) if r.hourly_cap_cents is not None]
-        if not rules:
-            return None
-        self.limits.ensure(rules)
+        self.limits.ensure(caps)
         deadline = time.monotonic() + LIMIT_RETRY_S
         while True:
-            lease = self.limits.acquire([r.scope for r in rules], slots)
+            lease = self.limits.acquire([scope for scope, _ in caps], slots)
             if lease is not None:
                 return lease
             if time.monotonic() > deadline:
@@ -226,17 +235,19 @@ class Gate:
         """Write the actual cost once, then give back the rate slots. Returns the ledger row."""
         admission._stop.set()
         try:
-            self.ledger.settle(
+            row = self.ledger.settle(
                 admission.job_id,
                 ended_at=ended_at,
                 outcome=outcome,
                 billed_seconds=billed_seconds,
                 actual_micro=actual_micro,
+                scope=admission.scope,
             )
         finally:
             if admission.lease_id and self.limits is not None:
                 self.limits.release(admission.lease_id)
-        row = self.ledger.job(admission.job_id)
+        if row is None:  # settled already (by reconcile, say): report what the ledger holds
+            row = self.ledger.job(admission.job_id)
         self.events.settled(admission, row)
         log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
         return row

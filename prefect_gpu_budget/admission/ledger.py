@@ -301,11 +301,15 @@ class Ledger:
 
     # -- admission ----------------------------------------------------------------------
 
-    def enqueue(self, job: NewJob, now: float | None = None) -> str:
-        now = time.time() if now is None else now
+    def request(self, job: NewJob, now: float | None = None) -> tuple[str, Decision]:
+        """Record a job asking to be admitted and decide it at once, in one transaction.
+
+        A session scope with no budget first gets its team's session template, if any.
+        """
         job_id = str(uuid.uuid4())
         org = job.scope.split("/")[0]
         with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
             self._ensure_session_budget(conn, job.scope, now)
             conn.execute(
                 jobs.insert().values(
@@ -320,7 +324,7 @@ class Ledger:
                     **job.__dict__,
                 )
             )
-        return job_id
+            return job_id, self._decide(conn, job_id, org, now, reason="")
 
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
         """Decide a queued job against everything else in its org, in one transaction.
@@ -334,40 +338,34 @@ class Ledger:
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if row["state"] != "queued":
                 return _decision_of(row)
-            conn.execute(jobs.update().where(jobs.c.id == job_id).values(heartbeat_at=now))
-            state, queue = self._load(conn, org, now)
-            decision = decide(state, queue, job_id)
-            if decision.verdict == "admit":
-                conn.execute(
-                    jobs.update()
-                    .where(jobs.c.id == job_id)
-                    .values(
-                        state="admitted",
-                        admitted_at=now,
-                        reserved_micro=decision.reserved_micro,
-                        reserve_seconds=decision.reserve_seconds,
-                        reason=decision.reason,
-                    )
-                )
-                self._bump(conn, org)
-            elif decision.verdict in ("reject", "timeout"):
-                final = "rejected" if decision.verdict == "reject" else "timed_out"
-                conn.execute(
-                    jobs.update()
-                    .where(jobs.c.id == job_id)
-                    .values(
-                        state=final,
-                        ended_at=now,
-                        settled_at=now,
-                        actual_micro=0,
-                        reason=decision.reason,
-                    )
-                )
-                self._bump(conn, org)
-            elif decision.reason != row["reason"]:
-                conn.execute(
-                    jobs.update().where(jobs.c.id == job_id).values(reason=decision.reason)
-                )
+            return self._decide(conn, job_id, org, now, reason=row["reason"])
+
+    def _decide(self, conn: Connection, job_id: str, org: str, now: float, reason: str) -> Decision:
+        """Run the policy for a queued job and write what it says, heartbeat included."""
+        state, queue = self._load(conn, org, now)
+        decision = decide(state, queue, job_id)
+        values: dict[str, Any] = {"heartbeat_at": now}
+        if decision.verdict == "admit":
+            values.update(
+                state="admitted",
+                admitted_at=now,
+                reserved_micro=decision.reserved_micro,
+                reserve_seconds=decision.reserve_seconds,
+                reason=decision.reason,
+            )
+        elif decision.verdict in ("reject", "timeout"):
+            values.update(
+                state="rejected" if decision.verdict == "reject" else "timed_out",
+                ended_at=now,
+                settled_at=now,
+                actual_micro=0,
+                reason=decision.reason,
+            )
+        elif decision.reason != reason:
+            values["reason"] = decision.reason
+        conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
+        if decision.verdict != "wait":
+            self._bump(conn, org)
         return decision
 
     def _load(self, conn: Connection, org: str, now: float) -> tuple[LedgerState, list[Request]]:
@@ -508,23 +506,26 @@ class Ledger:
         outcome: str,
         billed_seconds: float | None = None,
         actual_micro: int | None = None,
+        scope: str | None = None,
         now: float | None = None,
-    ) -> bool:
-        """Replace a job's reservation with its actual cost. Exactly once: True if this call did it.
+    ) -> dict[str, Any] | None:
+        """Replace a job's reservation with its actual cost, exactly once.
 
-        `actual_micro` is the cloud's billed figure where known; otherwise rate x billed
-        seconds (by default the time from start to end).
+        Returns the settled row, or None if the job was settled already (settling twice
+        charges once). `actual_micro` is the cloud's billed figure where known; otherwise
+        rate x billed seconds (by default the time from start to end).
         """
-        with self.engine.connect() as probe:
-            row = probe.execute(sa.select(jobs.c.org).where(jobs.c.id == job_id)).one_or_none()
-        if row is None:
-            raise KeyError(job_id)
-        org = row.org
+        if scope is None:
+            with self._read() as probe:
+                scope = probe.execute(
+                    sa.select(jobs.c.scope).where(jobs.c.id == job_id)
+                ).scalar_one()
+        org = scope.split("/")[0]
         with self._write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             job = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if job["state"] not in ACTIVE:
-                return False
+                return None
             started = job["started_at"]
             if started is None:  # admitted but never launched: nothing was spent
                 billed, actual, started = 0.0, 0, ended_at
@@ -535,21 +536,18 @@ class Ledger:
                     if actual_micro is None
                     else actual_micro
                 )
-            conn.execute(
-                jobs.update()
-                .where(jobs.c.id == job_id)
-                .values(
-                    state="settled",
-                    ended_at=ended_at,
-                    settled_at=now,
-                    billed_seconds=billed,
-                    actual_micro=actual,
-                    outcome=outcome,
-                )
-            )
+            values = {
+                "state": "settled",
+                "ended_at": ended_at,
+                "settled_at": now,
+                "billed_seconds": billed,
+                "actual_micro": actual,
+                "outcome": outcome,
+            }
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
             self._add_spend(conn, job["scope"], actual, started, max(ended_at, started))
             self._bump(conn, org)
-        return True
+        return {**job, **values}
 
     def _add_spend(
         self, conn: Connection, scope: str, actual: int, start: float, end: float

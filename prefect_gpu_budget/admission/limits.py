@@ -15,8 +15,6 @@ from collections.abc import Iterable
 from typing import Any
 from uuid import UUID
 
-from prefect_gpu_budget.admission.policy import BudgetRule
-
 PREFIX = "gpu-budget"
 LEASE_S = 60.0
 """The shortest lease Prefect grants; the heartbeat renews it every `LEASE_S / 4` seconds."""
@@ -47,18 +45,16 @@ class RateLimits:
         if self._owns:
             self._client.__exit__(None, None, None)
 
-    def ensure(self, rules: Iterable[BudgetRule]) -> None:
-        """Create or resize the limit of each capped scope (cached per process)."""
+    def ensure(self, caps: Iterable[tuple[str, int]]) -> None:
+        """Create or resize the limit of each (scope, cap in cents) (cached per process)."""
         from prefect.client.schemas.actions import (
             GlobalConcurrencyLimitCreate,
             GlobalConcurrencyLimitUpdate,
         )
         from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
-        for rule in rules:
-            if rule.hourly_cap_cents is None:
-                continue
-            name, cap = limit_name(rule.scope), max(1, rule.hourly_cap_cents)
+        for scope, cents in caps:
+            name, cap = limit_name(scope), max(1, cents)
             if self._applied.get(name) == cap:
                 continue
             with self._lock:

@@ -92,6 +92,8 @@ class Decision:
     reserve_seconds: float = 0.0
     blocks: tuple[str, ...] = ()
     """Scopes whose limits block this job; later jobs needing them wait behind it."""
+    caps: tuple[tuple[str, int], ...] = ()
+    """For an admission: (scope, hourly cap in cents) of each capped scope on the path."""
 
 
 def reservation_mode(rules: Iterable[BudgetRule]) -> str:
@@ -282,6 +284,7 @@ def _decide_one(
         f"for {fmt_duration(reserve_s)} ({mode})",
         reserved_micro=reserved,
         reserve_seconds=reserve_s,
+        caps=tuple((r.scope, r.hourly_cap_cents) for r in rules if r.hourly_cap_cents is not None),
     )
 
 

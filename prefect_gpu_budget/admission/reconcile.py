@@ -76,11 +76,11 @@ def reconcile(
         else:
             last_seen = max(row["heartbeat_at"], started) + HEARTBEAT_S
             ended = min(now, last_seen, started + row["reserve_seconds"])
-        done = ledger.settle(job_id, ended_at=ended, outcome="reconciled", now=now)
+        done = ledger.settle(job_id, ended_at=ended, outcome="reconciled", scope=scope, now=now)
         if row["lease_id"] and limits is not None:
             limits.release(row["lease_id"])
-        if done:
-            out.append(Reconciled(job_id, scope, action, ledger.job(job_id)["actual_micro"] or 0))
+        if done is not None:
+            out.append(Reconciled(job_id, scope, action, done["actual_micro"]))
         else:
             out.append(Reconciled(job_id, scope, "already-settled"))
     return out

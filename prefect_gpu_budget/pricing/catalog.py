@@ -68,9 +68,6 @@ class Quote:
     rate_micro_per_hour: int
     warnings: tuple[str, ...]
 
-    def cost_micro(self, hours: Decimal) -> int:
-        return usd_to_micro(Decimal(self.rate_micro_per_hour) * hours / 1_000_000)
-
     def describe(self) -> str:
         return (
             f"{self.row.key} ({self.row.provisioning}) x{self.nodes}: "

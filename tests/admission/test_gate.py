@@ -281,7 +281,7 @@ def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, 
     else:  # charged up to the last heartbeat plus one interval: at most the reservation
         assert 0 < settled["actual_micro"] <= row["reserved_micro"]
     assert reconcile(ledger) == []  # nothing left; settling again charges nothing
-    assert ledger.settle(row["id"], ended_at=time.time(), outcome="again") is False
+    assert ledger.settle(row["id"], ended_at=time.time(), outcome="again") is None
     status = ledger.status("crash")[0]
     assert status["reserved_micro"] == 0
     assert status["settled_micro"] == settled["actual_micro"]

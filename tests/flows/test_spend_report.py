@@ -21,7 +21,7 @@ from prefect_gpu_budget.units import BudgetInputError, rate_cents
 
 def _queued_job(ledger, scope: str, rate_micro: int) -> str:
     """A job that asks for admission once and stays queued, with the reason it waits."""
-    job_id = ledger.enqueue(
+    job_id, decision = ledger.request(
         NewJob(
             scope=scope,
             name="waiter",
@@ -36,6 +36,7 @@ def _queued_job(ledger, scope: str, rate_micro: int) -> str:
             holder="elsewhere:1:1",
         )
     )
+    assert decision.verdict == "wait"
     assert ledger.try_admit(job_id, scope).verdict == "wait"
     return job_id
 

@@ -29,7 +29,9 @@ from prefect_gpu_budget.admission.policy import (
     Hold,
     LedgerState,
     Request,
+    committed,
     decide,
+    share_in,
 )
 from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path
 
@@ -415,6 +417,7 @@ class Ledger:
                         r.reserved_micro,
                         r.admitted_at,
                         r.admitted_at + r.reserve_seconds,
+                        r.rate_micro_per_hour,
                     )
                 )
         rules = {
@@ -614,17 +617,23 @@ class Ledger:
                 ).all()
                 p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
                 reserved = sum(
-                    share
+                    share_in(
+                        *committed(
+                            Hold(
+                                rule.scope,
+                                0,
+                                r.reserved_micro,
+                                r.admitted_at,
+                                r.admitted_at + r.reserve_seconds,
+                                r.rate_micro_per_hour,
+                            ),
+                            now,
+                        ),
+                        rule,
+                        p_start,
+                    )
                     for r in rows
                     if r.state in ACTIVE
-                    for start, share in periods.split(
-                        r.reserved_micro,
-                        r.admitted_at,
-                        r.admitted_at + r.reserve_seconds,
-                        rule.period,
-                        rule.timezone,
-                    )
-                    if start == p_start
                 )
                 settled = (
                     conn.execute(

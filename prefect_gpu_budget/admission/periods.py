@@ -57,7 +57,8 @@ def overlapping(period: str, tz: str, start: float, end: float) -> list[tuple[fl
     return out
 
 
-def split(amount: int, start: float, end: float, period: str, tz: str) -> list[tuple[float, int]]:
+@lru_cache(maxsize=1 << 16)
+def split(amount: int, start: float, end: float, period: str, tz: str) -> tuple[tuple[float, int], ...]:
     """Share `amount` over the periods [start, end] spans, in proportion to time in each.
 
     Returns (period_start, share) pairs whose shares sum exactly to `amount`: spend counts in
@@ -65,7 +66,7 @@ def split(amount: int, start: float, end: float, period: str, tz: str) -> list[t
     """
     spans = overlapping(period, tz, start, end)
     if len(spans) == 1 or end <= start:
-        return [(spans[0][0], amount)]
+        return ((spans[0][0], amount),)
     total_us = round((end - start) * 1_000_000)
     out, given, elapsed_us = [], 0, 0
     for p_start, p_end in spans:
@@ -74,7 +75,7 @@ def split(amount: int, start: float, end: float, period: str, tz: str) -> list[t
         out.append((p_start, cumulative - given))
         given = cumulative
     out[-1] = (out[-1][0], out[-1][1] + amount - given)
-    return out
+    return tuple(out)
 
 
 def fmt_instant(t: float, tz: str) -> str:

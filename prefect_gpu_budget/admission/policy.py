@@ -51,6 +51,21 @@ class Hold:
     reserved_micro: int
     start: float
     end: float
+    rate_micro_per_hour: int = 0
+    """For metering: a job running past its reservation commits rate x elapsed instead."""
+
+
+def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float, float]:
+    """What a running job commits, over which interval: (amount, start, end).
+
+    Its reservation spread over [start, end]; with metering, once it has run past `end` (an
+    estimate that was too short), the spend it has really incurred, over [start, now]. Spread
+    in proportion to time, the part already incurred lands in the periods that have passed.
+    """
+    if metering and hold.rate_micro_per_hour and now > hold.end:
+        incurred = cost_micro(hold.rate_micro_per_hour, now - hold.start, round_up=True)
+        return max(hold.reserved_micro, incurred), hold.start, now
+    return hold.reserved_micro, hold.start, hold.end
 
 
 @dataclass(frozen=True)
@@ -78,6 +93,8 @@ class LedgerState:
     holds: Sequence[Hold]
     settled: Mapping[tuple[str, float], int]
     """Settled spend by (scope, period start) for the periods the decision may look at."""
+    metering: bool = True
+    """Count rate x elapsed for jobs running past their reservation (off: estimate-only)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,6 @@ class _Usage:
     state: LedgerState
     rate: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     reserved: dict[tuple[str, float], int] = field(default_factory=dict)
-    extra: list[Hold] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for hold in self.state.holds:
@@ -131,7 +147,8 @@ class _Usage:
             prefix = rule.scope + "/"
             for hold in self.state.holds:
                 if hold.scope == rule.scope or hold.scope.startswith(prefix):
-                    total += _share(hold, rule, period_start)
+                    amount, start, end = committed(hold, self.state.now, self.state.metering)
+                    total += share_in(amount, start, end, rule, period_start)
             self.reserved[key] = total
         return self.reserved[key]
 
@@ -147,10 +164,9 @@ class _Usage:
                 self.reserved[(rule.scope, p_start)] = self.reserved_in(rule, p_start) + share
 
 
-def _share(hold: Hold, rule: BudgetRule, period_start: float) -> int:
-    for p_start, share in periods.split(
-        hold.reserved_micro, hold.start, hold.end, rule.period, rule.timezone
-    ):
+def share_in(amount: int, start: float, end: float, rule: BudgetRule, period_start: float) -> int:
+    """The part of `amount`, spread over [start, end], that falls in one period of `rule`."""
+    for p_start, share in periods.split(amount, start, end, rule.period, rule.timezone):
         if p_start == period_start:
             return share
     return 0
@@ -225,15 +241,21 @@ def queue_order(queue: Iterable[Request]) -> list[Request]:
 def plan(
     state: LedgerState, queue: Iterable[Request], stop_at: str | None = None
 ) -> dict[str, Decision]:
-    """Decide every queued job in queue order (or up to and including `stop_at`)."""
+    """Decide queued jobs in queue order, up to and including `stop_at` if given.
+
+    Without `stop_at` the walk ends early once every org in the queue is held by a blocked
+    job (nothing after it could be admitted); jobs not reached are absent from the result.
+    """
+    ordered = queue_order(queue)
+    orgs = {req.scope.split("/", 1)[0] for req in ordered}
     usage = _Usage(state)
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
-    for req in queue_order(queue):
+    for req in ordered:
         out[req.job_id] = decision = _decide_one(state, req, usage, held)
         for scope in decision.blocks:
             held.setdefault(scope, req)
-        if req.job_id == stop_at:
+        if req.job_id == stop_at or (stop_at is None and orgs <= held.keys()):
             break
     return out
 

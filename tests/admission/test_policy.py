@@ -5,7 +5,15 @@ from __future__ import annotations
 from datetime import datetime, timezone
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold, LedgerState, Request, decide, plan
+from prefect_gpu_budget.admission.policy import (
+    BudgetRule,
+    Hold,
+    LedgerState,
+    Request,
+    committed,
+    decide,
+    plan,
+)
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 
@@ -80,8 +88,10 @@ def test_priority_then_arrival_and_no_backfill_past_a_blocked_head():
     out = plan(s, queue)
     assert out["urgent"].verdict == "admit"  # priority first: 100 + 100 <= 300
     assert out["big"].verdict == "wait" and out["big"].limit == "hourly_cap"
-    assert out["small"].verdict == "wait" and out["small"].limit == "queue"
-    assert "waiting behind job big" in out["small"].reason
+    assert "small" not in out  # the walk stops once the org is held
+    small = decide(s, queue, "small")
+    assert small.verdict == "wait" and small.limit == "queue"
+    assert "waiting behind job big" in small.reason
 
 
 def test_a_blocked_job_holds_only_the_scope_that_blocks_it():
@@ -134,3 +144,22 @@ def test_periods_in_a_time_zone_and_weeks_from_monday():
     assert datetime.fromtimestamp(start, timezone.utc).weekday() == 0
     start, end = periods.bounds("month", "UTC", t)
     assert datetime.fromtimestamp(end, timezone.utc).month == 12
+
+
+def test_metering_counts_a_job_running_past_its_estimate():
+    rule = BudgetRule("o", period_budget_micro=2_500_000, period="day", reservation_mode="estimate")
+    # admitted 2 h ago with a 1 h estimate at $1/h: it has really spent $2 by now
+    late = Hold("o", 100, 1_000_000, NOW - 7200, NOW - 3600, rate_micro_per_hour=1_000_000)
+    assert committed(late, NOW) == (2_000_000, NOW - 7200, NOW)
+    metered = state(rule, holds=[late])
+    assert decide(metered, [req("a", "o", 100, expected=3600)], "a").verdict == "wait"
+    blind = LedgerState(NOW, {"o": rule}, [late], {}, metering=False)
+    assert decide(blind, [req("a", "o", 100, expected=3600)], "a").verdict == "admit"
+
+
+def test_plan_stops_once_every_org_is_held():
+    s = state(BudgetRule("o", hourly_cap_cents=100), holds=[Hold("o", 100, 0, NOW, NOW + 1)])
+    queue = [req(f"j{i}", "o/t", 100, at=i) for i in range(1000)]
+    out = plan(s, queue)
+    assert list(out) == ["j0"] and out["j0"].verdict == "wait"
+    assert decide(s, queue, "j999").limit == "queue"

@@ -1,0 +1,288 @@
+"""A discrete-event simulator that drives the gate's own decision on a virtual clock.
+
+No copy of the policy: every admission here comes from `admission.policy.plan`, the function the
+live ledger calls inside its transaction. Jobs arrive, wait, start, run for their true runtime
+(which may differ from the estimate), are stopped at max_runtime where the policy says so, and
+settle. Three policies are compared:
+
+- `estimate-only`: reserve rate x expected runtime, never stop a job, no metering (the model of
+  tools that admit on estimates, such as anycloud);
+- `guaranteed`: reserve rate x max_runtime, stop at max_runtime (our default);
+- `estimate-metered`: reserve rate x expected runtime, meter jobs that run past it, stop at
+  max_runtime.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold, LedgerState, Request, plan
+from prefect_gpu_budget.units import cost_micro, rate_cents, scope_path
+
+
+@dataclass(frozen=True)
+class SimPolicy:
+    name: str
+    reservation_mode: str
+    stop_at_max_runtime: bool
+    metering: bool
+
+
+POLICIES = {
+    p.name: p
+    for p in (
+        SimPolicy("estimate-only", "estimate", stop_at_max_runtime=False, metering=False),
+        SimPolicy("guaranteed", "guaranteed", stop_at_max_runtime=True, metering=True),
+        SimPolicy("estimate-metered", "estimate", stop_at_max_runtime=True, metering=True),
+    )
+}
+
+
+@dataclass(frozen=True)
+class SimJob:
+    job_id: str
+    scope: str
+    arrival: float
+    rate_micro_per_hour: int
+    expected_s: float
+    true_s: float
+    max_runtime_s: float
+    priority: int = 0
+
+
+@dataclass
+class SimRecord:
+    job: SimJob
+    admitted_at: float | None = None
+    ended_at: float | None = None
+    actual_micro: int = 0
+    finished: bool = False
+    """Ran to its natural end (not stopped at max_runtime, not cut off by the horizon)."""
+
+    @property
+    def wait_s(self) -> float | None:
+        return None if self.admitted_at is None else self.admitted_at - self.job.arrival
+
+
+@dataclass
+class SimResult:
+    policy: SimPolicy
+    budgets: dict[str, BudgetRule]
+    records: list[SimRecord]
+    horizon: float
+    order: list[str] = field(default_factory=list)
+    """Job ids in admission order."""
+
+    def spend_by_period(self) -> dict[tuple[str, float], int]:
+        """Real spend (incurred, split by time) per budgeted scope and period."""
+        out: dict[tuple[str, float], int] = defaultdict(int)
+        for rec in self.records:
+            if rec.admitted_at is None or rec.ended_at is None:
+                continue
+            for scope in scope_path(rec.job.scope):
+                rule = self.budgets.get(scope)
+                if rule is None or rule.period_budget_micro is None:
+                    continue
+                for p_start, share in periods.split(
+                    rec.actual_micro, rec.admitted_at, rec.ended_at, rule.period, rule.timezone
+                ):
+                    out[(scope, p_start)] += share
+        return out
+
+    def overshoot_pct(self) -> float:
+        """Worst real spend over any period budget, in percent of that budget (0 if none)."""
+        worst = 0.0
+        for (scope, _), spent in self.spend_by_period().items():
+            budget = self.budgets[scope].period_budget_micro or 0
+            if budget:
+                worst = max(worst, 100.0 * (spent - budget) / budget)
+        return round(worst, 2)
+
+    def utilization_pct(self, scope: str) -> float:
+        """Budget of `scope` spent on jobs that finished, over the periods wholly simulated."""
+        rule = self.budgets[scope]
+        assert rule.period_budget_micro is not None
+        done: dict[float, int] = defaultdict(int)
+        for rec in self.records:
+            if not rec.finished or rec.admitted_at is None or rec.ended_at is None:
+                continue
+            if scope not in scope_path(rec.job.scope):
+                continue
+            for p_start, share in periods.split(
+                rec.actual_micro, rec.admitted_at, rec.ended_at, rule.period, rule.timezone
+            ):
+                done[p_start] += share
+        first = min(r.job.arrival for r in self.records)
+        spans = periods.overlapping(rule.period, rule.timezone, first, self.horizon)
+        whole = [start for start, end in spans if start >= first - 1e-6 and end <= self.horizon]
+        whole = whole or [spans[0][0]]
+        used = [min(done[p], rule.period_budget_micro) for p in whole]
+        return round(100.0 * sum(used) / (rule.period_budget_micro * len(whole)), 2)
+
+    def waits(self) -> list[float]:
+        return sorted(r.wait_s for r in self.records if r.wait_s is not None)
+
+    def completed(self) -> int:
+        return sum(1 for r in self.records if r.finished)
+
+
+def simulate(
+    jobs: Sequence[SimJob],
+    budgets: Iterable[BudgetRule],
+    policy: str | SimPolicy = "guaranteed",
+    *,
+    until: float | None = None,
+    settled: dict[tuple[str, float], int] | None = None,
+    holds: Sequence[Hold] = (),
+) -> SimResult:
+    """Run `jobs` against `budgets` from the first arrival until all end (or `until`).
+
+    `settled` and `holds` start the simulation from a ledger's current state (a forecast).
+    """
+    pol = POLICIES[policy] if isinstance(policy, str) else policy
+    rules = {
+        r.scope: replace(r, reservation_mode=pol.reservation_mode, max_wait_s=0.0, on_limit="queue")
+        for r in budgets
+    }
+    records = {job.job_id: SimRecord(job) for job in jobs}
+    arrivals = sorted(jobs, key=lambda j: (j.arrival, j.job_id))
+    spent: dict[tuple[str, float], int] = defaultdict(int, settled or {})
+    active: dict[str, Hold] = {f"existing-{i}": hold for i, hold in enumerate(holds)}
+    queue: dict[str, Request] = {}
+    events: list[tuple[float, int, str]] = []  # (time, kind 0=end 1=wake, job id)
+    order: list[str] = []
+    ends: dict[str, float] = {}
+    horizon = until if until is not None else math.inf
+    next_arrival = 0
+    now = arrivals[0].arrival if arrivals else 0.0
+
+    while next_arrival < len(arrivals) or events:
+        t_arrival = arrivals[next_arrival].arrival if next_arrival < len(arrivals) else math.inf
+        t_event = events[0][0] if events else math.inf
+        now = min(t_arrival, t_event)
+        if now > horizon or now == math.inf:
+            break
+        while events and events[0][0] <= now:
+            _, kind, job_id = heapq.heappop(events)
+            if kind == 0:
+                active.pop(job_id)
+                _settle(records[job_id], ends.pop(job_id), rules, spent)
+        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival <= now:
+            job = arrivals[next_arrival]
+            next_arrival += 1
+            queue[job.job_id] = Request(
+                job_id=job.job_id,
+                scope=job.scope,
+                rate_micro_per_hour=job.rate_micro_per_hour,
+                rate_cents=rate_cents(job.rate_micro_per_hour),
+                max_runtime_s=job.max_runtime_s,
+                expected_runtime_s=job.expected_s,
+                priority=job.priority,
+                requested_at=job.arrival,
+            )
+        if not queue:
+            continue
+        state = LedgerState(now, rules, list(active.values()), spent, metering=pol.metering)
+        wake = math.inf
+        for job_id, decision in plan(state, queue.values()).items():
+            if decision.verdict == "admit":
+                job = records[job_id].job
+                del queue[job_id]
+                order.append(job_id)
+                active[job_id] = Hold(
+                    job.scope,
+                    rate_cents(job.rate_micro_per_hour),
+                    decision.reserved_micro,
+                    now,
+                    now + decision.reserve_seconds,
+                    job.rate_micro_per_hour,
+                )
+                records[job_id].admitted_at = now
+                run = job.true_s
+                if pol.stop_at_max_runtime:
+                    run = min(run, job.max_runtime_s)
+                ends[job_id] = now + run
+                heapq.heappush(events, (now + run, 0, job_id))
+            elif decision.verdict == "reject":
+                del queue[job_id]
+            elif decision.resumes_at is not None:
+                wake = min(wake, decision.resumes_at)
+        if wake < math.inf and not any(e[1] == 1 and e[0] == wake for e in events):
+            heapq.heappush(events, (wake, 1, ""))
+
+    end = horizon if until is not None else now
+    for job_id, finish in ends.items():  # still running at the horizon: what they spent so far
+        _settle(records[job_id], min(finish, end), rules, spent)
+    return SimResult(pol, rules, list(records.values()), horizon=end, order=order)
+
+
+def _settle(
+    rec: SimRecord,
+    end: float,
+    rules: dict[str, BudgetRule],
+    spent: dict[tuple[str, float], int],
+) -> None:
+    """End a job at `end`: charge rate x time run, in the periods in which it ran."""
+    job = rec.job
+    assert rec.admitted_at is not None
+    rec.ended_at = end
+    rec.actual_micro = cost_micro(job.rate_micro_per_hour, end - rec.admitted_at, round_up=False)
+    rec.finished = end >= rec.admitted_at + job.true_s - 1e-9
+    for scope in scope_path(job.scope):
+        rule = rules.get(scope)
+        if rule is not None and rule.period_budget_micro is not None:
+            for p_start, share in periods.split(
+                rec.actual_micro, rec.admitted_at, end, rule.period, rule.timezone
+            ):
+                spent[(scope, p_start)] += share
+
+
+def synthetic_trace(
+    jobs: int = 10_000,
+    seed: int = 0,
+    kind: str = "lognormal",
+    *,
+    start: float = 1_798_761_600.0,  # 2027-01-01 00:00 UTC, a Friday
+    days: float = 30.0,
+    teams: int = 4,
+) -> list[SimJob]:
+    """A month of GPU jobs whose runtimes miss their estimates.
+
+    `lognormal`: true / expected is log-normal with median 1 (sigma 0.25), and 10% of jobs run
+    1-3x their estimate. `heavy-tail`: true / expected is Pareto (alpha 1.5), scaled so its
+    median is 1. max_runtime is twice the estimate; prices are catalog-like, 1-8 nodes.
+    """
+    rng = random.Random(seed)
+    rates = [1_006_000, 4_601_600, 5_672_000, 21_958_000, 27_447_000]
+    out = []
+    for i in range(jobs):
+        arrival = start + rng.uniform(0, days * 86400)
+        expected = math.exp(rng.uniform(math.log(600), math.log(4 * 3600)))
+        if kind == "lognormal":
+            ratio = rng.lognormvariate(0, 0.25)
+            if rng.random() < 0.10:
+                ratio = rng.uniform(1.0, 3.0)
+        elif kind == "heavy-tail":
+            ratio = rng.paretovariate(1.5) / 2 ** (1 / 1.5)
+        else:
+            raise ValueError(f"kind must be lognormal or heavy-tail, got {kind!r}")
+        team = rng.randrange(teams)
+        out.append(
+            SimJob(
+                job_id=f"j{i:06d}",
+                scope=f"org/team{team}/agent{rng.randrange(8)}",
+                arrival=arrival,
+                rate_micro_per_hour=rng.choice(rates) * (1 if rng.random() < 0.8 else 2),
+                expected_s=expected,
+                true_s=expected * ratio,
+                max_runtime_s=2 * expected,
+                priority=rng.choice((0, 0, 0, 100)),
+            )
+        )
+    return out

@@ -9,6 +9,7 @@ import json
 import sys
 from datetime import datetime, timezone
 from decimal import Decimal
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -357,6 +358,42 @@ def demo(
     from prefect_gpu_budget.flows.demo import run_demo
 
     run_demo(out, seconds=seconds, trials=trials)
+
+
+@app.command()
+def forecast(
+    sweep: str = typer.Argument(..., help="The sweep spec YAML."),
+    scope: str = typer.Option(None, help="Run it under this scope instead of the spec's."),
+    plot: str = typer.Option(None, help="Write the predicted spend plot (PNG) here."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Predict a sweep's makespan, spend and waits under the current caps, budgets and ledger."""
+    from prefect_gpu_budget.flows.sweep import load_spec
+    from prefect_gpu_budget.forecast import forecast as predict
+    from prefect_gpu_budget.forecast import plot as draw
+
+    spec = load_spec(sweep, scope)
+    ledger = _ledger()
+    result = predict(spec, ledger)
+    if plot:
+        path_rules = [r for r in ledger.path_budgets(spec.scope) if r.period_budget_micro]
+        draw(result, Path(plot), path_rules[-1] if path_rules else None)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "trials": result.trials,
+                    "admitted": result.admitted,
+                    "spend_usd": micro_to_usd(result.spend_micro),
+                    "makespan_s": round(result.makespan_s, 1),
+                    "waiting": result.waiting,
+                    "mean_wait_s": round(result.mean_wait_s, 1),
+                    "stopped_by": result.stopped_by,
+                }
+            )
+        )
+        return
+    console.print(result.describe())
 
 
 @app.command()

@@ -65,9 +65,16 @@ class SimRecord:
     finished: bool = False
     """Ran to its natural end (not stopped at max_runtime, not cut off by the horizon)."""
 
+    released_at: float | None = None
+    """When it asked for admission: its arrival, or later if it waited for a sweep slot."""
+    blocked: tuple[str | None, str | None, float | None] | None = None
+    """The last (limit, scope, resumes at) that made it wait, if it ever waited."""
+
     @property
     def wait_s(self) -> float | None:
-        return None if self.admitted_at is None else self.admitted_at - self.job.arrival
+        if self.admitted_at is None or self.released_at is None:
+            return None
+        return self.admitted_at - self.released_at
 
 
 @dataclass
@@ -140,10 +147,12 @@ def simulate(
     until: float | None = None,
     settled: dict[tuple[str, float], int] | None = None,
     holds: Sequence[Hold] = (),
+    in_flight: int | None = None,
 ) -> SimResult:
     """Run `jobs` against `budgets` from the first arrival until all end (or `until`).
 
-    `settled` and `holds` start the simulation from a ledger's current state (a forecast).
+    `settled` and `holds` start the simulation from a ledger's current state (a forecast);
+    `in_flight` releases at most that many jobs at once, as a sweep's parallelism bound does.
     """
     pol = POLICIES[policy] if isinstance(policy, str) else policy
     rules = {
@@ -162,8 +171,11 @@ def simulate(
     next_arrival = 0
     now = arrivals[0].arrival if arrivals else 0.0
 
+    limit = in_flight or len(arrivals) or 1
+    released = 0  # asked for admission and not yet ended
     while next_arrival < len(arrivals) or events:
-        t_arrival = arrivals[next_arrival].arrival if next_arrival < len(arrivals) else math.inf
+        can_release = next_arrival < len(arrivals) and released < limit
+        t_arrival = arrivals[next_arrival].arrival if can_release else math.inf
         t_event = events[0][0] if events else math.inf
         now = min(t_arrival, t_event)
         if now > horizon or now == math.inf:
@@ -172,10 +184,17 @@ def simulate(
             _, kind, job_id = heapq.heappop(events)
             if kind == 0:
                 active.pop(job_id)
+                released -= 1
                 _settle(records[job_id], ends.pop(job_id), rules, spent)
-        while next_arrival < len(arrivals) and arrivals[next_arrival].arrival <= now:
+        while (
+            next_arrival < len(arrivals)
+            and released < limit
+            and arrivals[next_arrival].arrival <= now
+        ):
             job = arrivals[next_arrival]
             next_arrival += 1
+            released += 1
+            records[job.job_id].released_at = now
             queue[job.job_id] = Request(
                 job_id=job.job_id,
                 scope=job.scope,
@@ -184,7 +203,7 @@ def simulate(
                 max_runtime_s=job.max_runtime_s,
                 expected_runtime_s=job.expected_s,
                 priority=job.priority,
-                requested_at=job.arrival,
+                requested_at=now,
             )
         if not queue:
             continue
@@ -202,6 +221,7 @@ def simulate(
                     now,
                     now + decision.reserve_seconds,
                     job.rate_micro_per_hour,
+                    now + job.max_runtime_s,
                 )
                 records[job_id].admitted_at = now
                 run = job.true_s
@@ -211,8 +231,11 @@ def simulate(
                 heapq.heappush(events, (now + run, 0, job_id))
             elif decision.verdict == "reject":
                 del queue[job_id]
-            elif decision.resumes_at is not None:
-                wake = min(wake, decision.resumes_at)
+                released -= 1
+            else:
+                records[job_id].blocked = (decision.limit, decision.scope, decision.resumes_at)
+                if decision.resumes_at is not None:
+                    wake = min(wake, decision.resumes_at)
         if wake < math.inf and not any(e[1] == 1 and e[0] == wake for e in events):
             heapq.heappush(events, (wake, 1, ""))
 
@@ -251,12 +274,13 @@ def synthetic_trace(
     start: float = 1_798_761_600.0,  # 2027-01-01 00:00 UTC, a Friday
     days: float = 30.0,
     teams: int = 4,
+    max_factor: float = 3.0,
 ) -> list[SimJob]:
     """A month of GPU jobs whose runtimes miss their estimates.
 
     `lognormal`: true / expected is log-normal with median 1 (sigma 0.25), and 10% of jobs run
     1-3x their estimate. `heavy-tail`: true / expected is Pareto (alpha 1.5), scaled so its
-    median is 1. max_runtime is twice the estimate; prices are catalog-like, 1-8 nodes.
+    median is 1. max_runtime is `max_factor` times the estimate; prices are catalog-like.
     """
     rng = random.Random(seed)
     rates = [1_006_000, 4_601_600, 5_672_000, 21_958_000, 27_447_000]
@@ -281,7 +305,7 @@ def synthetic_trace(
                 rate_micro_per_hour=rng.choice(rates) * (1 if rng.random() < 0.8 else 2),
                 expected_s=expected,
                 true_s=expected * ratio,
-                max_runtime_s=2 * expected,
+                max_runtime_s=max_factor * expected,
                 priority=rng.choice((0, 0, 0, 100)),
             )
         )

@@ -418,6 +418,7 @@ class Ledger:
                         r.admitted_at,
                         r.admitted_at + r.reserve_seconds,
                         r.rate_micro_per_hour,
+                        r.admitted_at + r.max_runtime_s,
                     )
                 )
         rules = {
@@ -610,6 +611,7 @@ class Ledger:
                     sa.select(
                         jobs.c.state,
                         jobs.c.rate_micro_per_hour,
+                        jobs.c.max_runtime_s,
                         jobs.c.reserved_micro,
                         jobs.c.admitted_at,
                         jobs.c.reserve_seconds,
@@ -626,6 +628,7 @@ class Ledger:
                                 r.admitted_at,
                                 r.admitted_at + r.reserve_seconds,
                                 r.rate_micro_per_hour,
+                                r.admitted_at + r.max_runtime_s,
                             ),
                             now,
                         ),

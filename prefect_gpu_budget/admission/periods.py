@@ -58,7 +58,9 @@ def overlapping(period: str, tz: str, start: float, end: float) -> list[tuple[fl
 
 
 @lru_cache(maxsize=1 << 16)
-def split(amount: int, start: float, end: float, period: str, tz: str) -> tuple[tuple[float, int], ...]:
+def split(
+    amount: int, start: float, end: float, period: str, tz: str
+) -> tuple[tuple[float, int], ...]:
     """Share `amount` over the periods [start, end] spans, in proportion to time in each.
 
     Returns (period_start, share) pairs whose shares sum exactly to `amount`: spend counts in

@@ -52,19 +52,23 @@ class Hold:
     start: float
     end: float
     rate_micro_per_hour: int = 0
-    """For metering: a job running past its reservation commits rate x elapsed instead."""
+    """For metering: what the job costs per hour while it runs."""
+    max_end: float | None = None
+    """When the launcher stops it at the latest (start + max_runtime)."""
 
 
 def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float, float]:
     """What a running job commits, over which interval: (amount, start, end).
 
-    Its reservation spread over [start, end]; with metering, once it has run past `end` (an
-    estimate that was too short), the spend it has really incurred, over [start, now]. Spread
-    in proportion to time, the part already incurred lands in the periods that have passed.
+    Its reservation spread over [start, end]. With metering, a job still running past `end` (an
+    estimate that was too short) commits its worst case from then on: rate x (max_end - start),
+    or rate x elapsed if it is past even that. Spread in proportion to time, the part already
+    incurred lands in the periods that have passed.
     """
     if metering and hold.rate_micro_per_hour and now > hold.end:
-        incurred = cost_micro(hold.rate_micro_per_hour, now - hold.start, round_up=True)
-        return max(hold.reserved_micro, incurred), hold.start, now
+        until = max(now, hold.max_end or now)
+        worst = cost_micro(hold.rate_micro_per_hour, until - hold.start, round_up=True)
+        return max(hold.reserved_micro, worst), hold.start, until
     return hold.reserved_micro, hold.start, hold.end
 
 

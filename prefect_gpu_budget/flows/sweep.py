@@ -255,6 +255,8 @@ def gpu_sweep(
         spec.scope,
         spec.parallelism,
     )
+    led = (ledger or SpendLedger()).ledger()
+    _publish_forecast(spec, led, out, logger)
     progress = create_progress_artifact(
         0.0, key=f"{spec.name}-progress", description=f"Trials of {spec.name} finished"
     )
@@ -277,7 +279,6 @@ def gpu_sweep(
         finished += 1
         update_progress_artifact(progress, 100.0 * finished / len(trials))
 
-    led = (ledger or SpendLedger()).ledger()
     rows_by_name = {r["name"]: r for r in led.jobs(spec.scope) if r["flow_run_id"] == run_id}
     records, curves = [], {}
     for index, params, name, metrics, future in futures:
@@ -338,6 +339,27 @@ def _publish(
         key=f"{key}-summary",
         markdown=_summary(spec, df, budget) + "\n\n" + plots.embed(pictures),
         description=f"Summary and plots of sweep {spec.name}",
+    )
+
+
+def _publish_forecast(spec: SweepSpec, led, out: Path, logger) -> None:
+    """Before spending anything: what the simulator predicts for this sweep, as an artifact."""
+    from prefect_gpu_budget.forecast import forecast, plot
+
+    try:
+        predicted = forecast(spec, led)
+    except Exception as exc:  # a forecast never stops a sweep
+        logger.warning("no forecast for sweep %s: %s", spec.name, exc)
+        return
+    logger.info("forecast for sweep %s: %s", spec.name, predicted.describe().replace("\n", "; "))
+    budgets = [r for r in led.path_budgets(spec.scope) if r.period_budget_micro is not None]
+    picture = plot(predicted, out / "forecast.png", budgets[-1] if budgets else None)
+    key = re.sub(r"[^a-z0-9-]", "-", spec.name.lower())
+    create_markdown_artifact(
+        key=f"{key}-forecast",
+        markdown=f"# Forecast for sweep `{spec.name}`\n\n{predicted.describe()}\n\n"
+        + plots.embed([picture], "Predicted spend"),
+        description=f"What the simulator predicted for sweep {spec.name} before it ran",
     )
 
 

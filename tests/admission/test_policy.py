@@ -151,6 +151,9 @@ def test_metering_counts_a_job_running_past_its_estimate():
     # admitted 2 h ago with a 1 h estimate at $1/h: it has really spent $2 by now
     late = Hold("o", 100, 1_000_000, NOW - 7200, NOW - 3600, rate_micro_per_hour=1_000_000)
     assert committed(late, NOW) == (2_000_000, NOW - 7200, NOW)
+    # with a max runtime of 3 h, it now commits its worst case
+    capped = Hold("o", 100, 1_000_000, NOW - 7200, NOW - 3600, 1_000_000, max_end=NOW + 3600)
+    assert committed(capped, NOW) == (3_000_000, NOW - 7200, NOW + 3600)
     metered = state(rule, holds=[late])
     assert decide(metered, [req("a", "o", 100, expected=3600)], "a").verdict == "wait"
     blind = LedgerState(NOW, {"o": rule}, [late], {}, metering=False)

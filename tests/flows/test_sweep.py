@@ -71,6 +71,7 @@ def test_sweep_end_to_end(prefect_api, prices, tmp_path):
     summary = keys["unit-summary"].data
     assert "best trial" in summary and "data:image/png;base64," in summary
     assert keys["unit-progress"].data == 100.0
+    assert "trials admitted" in keys["unit-forecast"].data
 
 
 def test_random_search_is_repeatable(tmp_path):

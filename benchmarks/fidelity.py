@@ -1,0 +1,131 @@
+"""Budget fidelity: estimate-only admission against our guaranteed and estimate-metered modes.
+
+Every policy runs on the same synthetic month of jobs through `prefect_gpu_budget.simulate`,
+which drives the gate's own decision function. For each (trace, policy): worst overshoot of any
+period budget (%), budget utilisation (% of the org's monthly budget spent on jobs that
+finished), mean and p95 queue wait, and jobs completed.
+
+Usage: python benchmarks/fidelity.py [--jobs N] [--seed S] [--json] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.simulate import POLICIES, SimResult, simulate, synthetic_trace
+
+START = 1_798_761_600.0  # 2027-01-01 00:00 UTC
+TRACES = ("lognormal", "heavy-tail")
+
+
+def budgets(jobs: int) -> list[BudgetRule]:
+    """An org over-asked about 1.5x in a month (backlogged): monthly org, weekly team budgets."""
+    scale = jobs / 10_000
+    return [
+        BudgetRule(
+            "org",
+            hourly_cap_cents=round(25_000 * scale),
+            period_budget_micro=round(120_000e6 * scale),
+            period="month",
+        ),
+        *(
+            BudgetRule(f"org/team{t}", period_budget_micro=round(8_000e6 * scale), period="week")
+            for t in range(4)
+        ),
+    ]
+
+
+def row(trace: str, result: SimResult, seconds: float) -> dict:
+    waits = result.waits()
+    return {
+        "trace": trace,
+        "policy": result.policy.name,
+        "overshoot_pct": result.overshoot_pct(),
+        "utilization_pct": result.utilization_pct("org"),
+        "wait_mean_s": round(statistics.fmean(waits), 1) if waits else 0.0,
+        "wait_p95_s": round(waits[int(0.95 * (len(waits) - 1))], 1) if waits else 0.0,
+        "completed": result.completed(),
+        "sim_seconds": round(seconds, 2),
+    }
+
+
+def run(jobs: int, seed: int) -> list[dict]:
+    rules = budgets(jobs)
+    out = []
+    for trace in TRACES:
+        trace_jobs = synthetic_trace(jobs, seed=seed, kind=trace)
+        for policy in POLICIES:
+            started = time.perf_counter()
+            result = simulate(trace_jobs, rules, policy, until=START + 31 * 86400)
+            out.append(row(trace, result, time.perf_counter() - started))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| trace | policy | overshoot % | utilisation % | wait mean h | wait p95 h | completed | sim s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['trace']} | {r['policy']} | {r['overshoot_pct']:.2f} | {r['utilization_pct']:.2f} "
+            f"| {r['wait_mean_s'] / 3600:.1f} | {r['wait_p95_s'] / 3600:.1f} | {r['completed']} "
+            f"| {r['sim_seconds']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    policies = list(POLICIES)
+    width = 0.8 / len(TRACES)
+    for i, trace in enumerate(TRACES):
+        by_policy = {r["policy"]: r for r in rows if r["trace"] == trace}
+        xs = [p + i * width for p in range(len(policies))]
+        axes[0].bar(xs, [by_policy[p]["overshoot_pct"] for p in policies], width, label=trace)
+        axes[1].bar(xs, [by_policy[p]["utilization_pct"] for p in policies], width, label=trace)
+    for ax, title in zip(
+        axes, ("worst overshoot of a period budget (%)", "budget on finished jobs (%)"), strict=True
+    ):
+        ax.set_xticks([p + width / 2 for p in range(len(policies))], policies)
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", default="fidelity-out", help="Folder for the plot.")
+    args = parser.parse_args()
+    rows = run(args.jobs, args.seed)
+    if args.json:
+        print(
+            json.dumps([{k: v for k, v in r.items() if k != "sim_seconds"} for r in rows], indent=2)
+        )
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot(rows, out / "fidelity.png")
+    print(f"{args.jobs} jobs over a month, seed {args.seed}\n")
+    print(table(rows))
+    print(f"\nplot: {out / 'fidelity.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""What a sweep will do before it spends anything: the simulator run from the ledger's state.
+
+Each trial is taken to run for its expected runtime (or its max runtime if no estimate is
+given); at most `parallelism` trials ask for admission at once, as in the sweep itself.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold
+from prefect_gpu_budget.flows.sweep import SweepSpec
+from prefect_gpu_budget.pricing.catalog import default_catalog
+from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, scope_path
+
+HORIZON_S = 7 * 86400
+
+
+@dataclass(frozen=True)
+class Forecast:
+    trials: int
+    admitted: int
+    spend_micro: int
+    makespan_s: float
+    waiting: int
+    mean_wait_s: float
+    stopped_by: str | None
+    """The period budget that leaves trials unadmitted within the horizon, and when it resets."""
+    result: SimResult
+
+    def describe(self) -> str:
+        lines = [
+            f"{self.admitted} of {self.trials} trials admitted within {fmt_duration(HORIZON_S)}; "
+            f"spend {fmt_usd(self.spend_micro)}; makespan {fmt_duration(self.makespan_s)}",
+            f"{self.waiting} trials wait (mean {fmt_duration(self.mean_wait_s)})",
+        ]
+        if self.stopped_by:
+            lines.append(f"stopped by {self.stopped_by}")
+        return "\n".join(lines)
+
+
+def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
+    rules = {r.scope: r for r in ledger.budgets(scope.split("/")[0])}
+    team = scope.rsplit("/", 1)[0]
+    if scope.count("/") == 2 and scope not in rules:
+        template = {t.scope: t for t in ledger.session_templates()}.get(team)
+        if template is not None:
+            rules[scope] = replace(template, scope=scope)
+    return rules
+
+
+def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forecast:
+    now = time.time() if now is None else now
+    quote = default_catalog().quote(spec.job.instance_type, spec.job.nodes, spec.job.provisioning)
+    trials = spec.trials()
+    jobs = []
+    for index, params in enumerate(trials):
+        job = spec.job_for(params, f"{spec.name}/{index:04d}")
+        runtime = job.expected_runtime or job.max_runtime
+        jobs.append(
+            SimJob(
+                job_id=f"{index:04d}",
+                scope=spec.scope,
+                arrival=now + index * 1e-6,
+                rate_micro_per_hour=quote.rate_micro_per_hour,
+                expected_s=runtime,
+                true_s=runtime,
+                max_runtime_s=job.reserve_runtime_s,
+                priority=job.priority,
+            )
+        )
+    rules = _rules(ledger, spec.scope)
+    mode = (
+        "guaranteed"
+        if any(
+            rules[s].reservation_mode == "guaranteed" for s in scope_path(spec.scope) if s in rules
+        )
+        else "estimate-metered"
+    )
+    holds, settled = _ledger_state(ledger, rules, spec.scope.split("/")[0], now)
+    result = simulate(
+        jobs,
+        rules.values(),
+        mode,
+        until=now + HORIZON_S,
+        settled=settled,
+        holds=holds,
+        in_flight=spec.parallelism,
+    )
+    admitted = [r for r in result.records if r.admitted_at is not None]
+    waits = [r.wait_s for r in admitted if r.wait_s and r.wait_s > 1e-3]  # not ties of the clock
+    ends = [r.ended_at for r in admitted if r.ended_at is not None]
+    stopped_by = None
+    by_budget = [r for r in result.records if r.blocked and r.blocked[0] == "period_budget"]
+    if by_budget:
+        _, scope, resumes = by_budget[0].blocked
+        rule = rules[scope]
+        late = [
+            r
+            for r in result.records
+            if r.admitted_at is None or (resumes and r.admitted_at >= resumes)
+        ]
+        stopped_by = (
+            f"the {rule.period} budget of {scope} ({fmt_usd(rule.period_budget_micro or 0)}): "
+            f"{len(late)} trials wait until it resets "
+            f"{periods.fmt_instant(resumes, rule.timezone) if resumes else 'later'}"
+        )
+    return Forecast(
+        trials=len(trials),
+        admitted=len(admitted),
+        spend_micro=sum(r.actual_micro for r in admitted),
+        makespan_s=(max(ends) - now) if ends else 0.0,
+        waiting=len(waits),
+        mean_wait_s=sum(waits) / len(waits) if waits else 0.0,
+        stopped_by=stopped_by,
+        result=result,
+    )
+
+
+def _ledger_state(
+    ledger: Ledger, rules: dict[str, BudgetRule], org: str, now: float
+) -> tuple[list[Hold], dict[tuple[str, float], int]]:
+    holds = [
+        Hold(
+            row["scope"],
+            row["rate_cents"],
+            row["reserved_micro"],
+            row["admitted_at"],
+            row["admitted_at"] + row["reserve_seconds"],
+            row["rate_micro_per_hour"],
+            row["admitted_at"] + row["max_runtime_s"],
+        )
+        for row in ledger.jobs(org, states=ACTIVE)
+    ]
+    settled = {}
+    for rule in rules.values():
+        if rule.period_budget_micro is not None:
+            p_start, _ = periods.bounds(rule.period, rule.timezone, now)
+            settled[(rule.scope, p_start)] = ledger.period_settled(rule.scope, p_start)
+    return holds, settled
+
+
+def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None:
+    """Predicted spend over time against the period budget (the same picture as a sweep's)."""
+    from prefect_gpu_budget.flows.plots import spend_over_time
+
+    rows = [
+        {
+            "admitted_at": r.admitted_at,
+            "started_at": r.admitted_at,
+            "ended_at": r.ended_at,
+            "settled_at": r.ended_at,
+            "reserved_micro": r.actual_micro,
+            "actual_micro": r.actual_micro,
+            "rate_micro_per_hour": r.job.rate_micro_per_hour,
+        }
+        for r in result.result.records
+        if r.admitted_at is not None
+    ]
+    return spend_over_time(
+        rows,
+        path,
+        budget_micro=budget.period_budget_micro if budget else None,
+        cap_micro_per_hour=budget.hourly_cap_cents * 10_000
+        if budget and budget.hourly_cap_cents
+        else None,
+        title="forecast: spend of the sweep",
+    )

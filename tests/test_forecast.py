@@ -1,0 +1,101 @@
+"""A forecast of a small sweep against the same sweep run for real."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from prefect_gpu_budget import GpuBudget, SpendLedger
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+from prefect_gpu_budget.forecast import forecast
+
+TOLERANCE = 0.4
+"""Spend may differ by this fraction: real trials also pay their interpreter's start-up."""
+
+
+def _spec(tmp_path, trials: int) -> SweepSpec:
+    return SweepSpec(
+        name="fc",
+        scope="fc/team/agent",
+        job={
+            "instance_type": "local:box",
+            "max_runtime": "30s",
+            "expected_runtime": "1.5s",
+            "kill_grace": "1s",
+            "max_wait": "20s",
+        },
+        command=[sys.executable, "-c", "import time; time.sleep(1.5)", "{i}"],
+        grid={"i": list(range(trials))},
+        parallelism=3,
+        results_dir=str(tmp_path / "results"),
+    )
+
+
+def test_forecast_matches_the_real_sweep(prefect_api, prices, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="fc", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)
+    GpuBudget(scope="fc/team", hourly_cap_usd="7.2").apply(ledger)  # two trials at a time
+    spec = _spec(tmp_path, 6)
+    predicted = forecast(spec, ledger)
+
+    df = gpu_sweep(spec, ledger=SpendLedger(database_url=url))
+    assert predicted.trials == 6
+    assert predicted.admitted == (df["state"] == "Completed").sum() == 6
+    assert predicted.waiting == 2 and (df["wait_s"] > 0.5).sum() >= 2  # real threads add jitter
+    assert predicted.stopped_by is None
+    actual = sum(r["actual_micro"] for r in ledger.jobs("fc"))
+    assert abs(actual - predicted.spend_micro) <= TOLERANCE * predicted.spend_micro
+
+
+def test_forecast_says_when_the_period_budget_stops_a_sweep(prices, tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", period_budget_usd="0.0085", period="day").apply(ledger)
+    spec = SweepSpec.model_validate(
+        {
+            **_spec(tmp_path, 6).model_dump(),
+            "job": {
+                "instance_type": "local:box",
+                "max_runtime": "2s",
+                "expected_runtime": "2s",
+                "kill_grace": "1s",
+            },
+        }
+    )
+    # $0.003 reserved per trial, $0.002 spent: two at once, then one, then the budget is spent
+    predicted = forecast(spec, ledger)
+    assert "day budget of fc ($0.0085): 3 trials wait until it resets" in predicted.stopped_by
+    assert predicted.admitted == 6  # the last three on the next day
+
+
+def test_forecast_command(tmp_path, prices):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(Ledger(url))
+    path = tmp_path / "sweep.yaml"
+    path.write_text(_spec(tmp_path, 4).model_dump_json())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefect_gpu_budget.cli",
+            "--ledger-url",
+            url,
+            "forecast",
+            str(path),
+            "--json",
+            "--plot",
+            str(tmp_path / "forecast.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["admitted"] == 4 and out["waiting"] == 1 and out["stopped_by"] is None
+    assert out["spend_usd"] == pytest.approx(4 * 3.6 * 1.5 / 3600, rel=1e-3)
+    assert (tmp_path / "forecast.png").stat().st_size > 1000

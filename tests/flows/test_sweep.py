@@ -62,6 +62,7 @@ def test_sweep_end_to_end(prefect_api, prices, tmp_path):
         "metric_vs_params.png",
         "learning_curves.png",
         "spend.png",
+        "forecast.png",
     ):
         assert (run_dir / name).stat().st_size > 0, name
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
+from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, hold_of
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold
 from prefect_gpu_budget.flows.sweep import SweepSpec
 from prefect_gpu_budget.pricing.catalog import default_catalog
@@ -125,18 +125,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
 def _ledger_state(
     ledger: Ledger, rules: dict[str, BudgetRule], org: str, now: float
 ) -> tuple[list[Hold], dict[tuple[str, float], int]]:
-    holds = [
-        Hold(
-            row["scope"],
-            row["rate_cents"],
-            row["reserved_micro"],
-            row["admitted_at"],
-            row["admitted_at"] + row["reserve_seconds"],
-            row["rate_micro_per_hour"],
-            row["admitted_at"] + row["max_runtime_s"],
-        )
-        for row in ledger.jobs(org, states=ACTIVE)
-    ]
+    holds = [hold_of(row) for row in ledger.jobs(org, states=ACTIVE)]
     settled = {}
     for rule in rules.values():
         if rule.period_budget_micro is not None:

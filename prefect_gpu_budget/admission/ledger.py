@@ -410,17 +410,7 @@ class Ledger:
                         )
                     )
             else:
-                holds.append(
-                    Hold(
-                        r.scope,
-                        r.rate_cents,
-                        r.reserved_micro,
-                        r.admitted_at,
-                        r.admitted_at + r.reserve_seconds,
-                        r.rate_micro_per_hour,
-                        r.admitted_at + r.max_runtime_s,
-                    )
-                )
+                holds.append(hold_of(r._mapping))
         rules = {
             row["scope"]: _rule(row)
             for row in conn.execute(
@@ -619,22 +609,7 @@ class Ledger:
                 ).all()
                 p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
                 reserved = sum(
-                    share_in(
-                        *committed(
-                            Hold(
-                                rule.scope,
-                                0,
-                                r.reserved_micro,
-                                r.admitted_at,
-                                r.admitted_at + r.reserve_seconds,
-                                r.rate_micro_per_hour,
-                                r.admitted_at + r.max_runtime_s,
-                            ),
-                            now,
-                        ),
-                        rule,
-                        p_start,
-                    )
+                    share_in(*committed(hold_of(r._mapping, rule.scope), now), rule, p_start)
                     for r in rows
                     if r.state in ACTIVE
                 )
@@ -711,6 +686,19 @@ def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float
         == 0
     ):
         conn.execute(table.insert().values(scope=rule.scope, **values))
+
+
+def hold_of(row: Any, scope: str | None = None) -> Hold:
+    """The Hold an admitted job's row stands for (`scope` where the row does not carry it)."""
+    return Hold(
+        scope or row["scope"],
+        row.get("rate_cents", 0),
+        row["reserved_micro"],
+        row["admitted_at"],
+        row["admitted_at"] + row["reserve_seconds"],
+        row["rate_micro_per_hour"],
+        row["admitted_at"] + row["max_runtime_s"],
+    )
 
 
 def _within(scope: str, parent: str | None) -> bool:

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -40,10 +41,20 @@ def _free_port() -> int:
 
 
 def _http(url: str, body: dict | None = None) -> dict:
+    """One JSON call; a 503 (the server's SQLite is busy) is retried, as Prefect's client does."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read() or b"null")
+    for attempt in range(10):
+        request = urllib.request.Request(
+            url, data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503 or attempt == 9:
+                raise
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 def _wait_for(check, timeout: float, what: str):

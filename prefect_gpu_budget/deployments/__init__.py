@@ -21,27 +21,46 @@ RECONCILE = "every-5-minutes"
 EXAMPLE_SPEC = Path(__file__).with_name("nightly-sweep.yaml")
 
 
+ROOT = Path(__file__).resolve().parents[2]
+"""The folder that holds the package: a worker on this machine loads the flows from here."""
+
+
+def _flows(from_source: bool) -> tuple[Any, Any, Any]:
+    if not from_source:
+        return gpu_sweep, spend_report, reconcile_flow
+    return tuple(
+        flow.from_source(source=str(ROOT), entrypoint=f"prefect_gpu_budget/flows/{entry}")
+        for flow, entry in (
+            (gpu_sweep, "sweep.py:gpu_sweep"),
+            (spend_report, "spend_report.py:spend_report"),
+            (reconcile_flow, "reconcile.py:reconcile_flow"),
+        )
+    )
+
+
 def deployments(
     sweep_spec: str | Path = EXAMPLE_SPEC,
     sweep_cron: str = "0 2 * * *",
     report_cron: str = "0 7 * * *",
     reconcile_every_s: int = 300,
+    from_source: bool = False,
 ) -> list[Any]:
-    """The three deployments, ready for `prefect.serve`.
+    """The three deployments, ready for `prefect.serve` (or, `from_source`, for a work pool).
 
     The sweep's schedule carries its own parameters (the spec), so a nightly sweep and an
     agent-triggered one share a deployment; agents override `scope` (their session) or `spec`.
     """
     spec = SweepSpec.from_yaml(sweep_spec).model_dump(mode="json")
+    sweep, report, reconcile = _flows(from_source)
     return [
-        gpu_sweep.to_deployment(
+        sweep.to_deployment(
             name=SWEEP,
             parameters={"spec": spec},
             schedules=[Cron(sweep_cron, timezone="UTC", parameters={"spec": spec})],
             description="A GPU sweep under budget; agents trigger it with their session as `scope`.",
         ),
-        spend_report.to_deployment(name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
-        reconcile_flow.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
+        report.to_deployment(name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
+        reconcile.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
     ]
 
 
@@ -57,5 +76,10 @@ def deploy(work_pool: str, **kwargs: Any) -> list[Any]:
     from prefect.deployments.runner import deploy as prefect_deploy
 
     return list(
-        prefect_deploy(*deployments(**kwargs), work_pool_name=work_pool, build=False, push=False)
+        prefect_deploy(
+            *deployments(from_source=True, **kwargs),
+            work_pool_name=work_pool,
+            build=False,
+            push=False,
+        )
     )

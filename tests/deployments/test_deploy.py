@@ -1,0 +1,27 @@
+"""`deploy` registers the three deployments on a work pool, schedules and parameters included."""
+
+from __future__ import annotations
+
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+
+from prefect_gpu_budget.deployments import EXAMPLE_SPEC, ROOT, deploy
+
+
+def test_deploy_to_a_process_work_pool(prefect_api):
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="gpu-test", type="process"))
+    ids = deploy("gpu-test", sweep_cron="30 1 * * *")
+    assert len(ids) == 3
+    with get_client(sync_client=True) as client:
+        found = {d.name: d for d in client.read_deployments() if d.work_pool_name == "gpu-test"}
+    assert set(found) == {"sweep", "daily", "every-5-minutes"}
+    sweep = found["sweep"]
+    assert sweep.entrypoint == "prefect_gpu_budget/flows/sweep.py:gpu_sweep"
+    assert sweep.pull_steps[0]["prefect.deployments.steps.set_working_directory"][
+        "directory"
+    ] == str(ROOT)
+    [schedule] = sweep.schedules
+    assert schedule.schedule.cron == "30 1 * * *"
+    assert schedule.parameters["spec"]["name"] == "nightly"  # the schedule carries the sweep
+    assert EXAMPLE_SPEC.exists()

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
-from prefect_gpu_budget.units import BudgetInputError, parse_duration
+from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
 
 PRIORITY_CLASSES = {"high": 100, "normal": 0, "low": -100}
 METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
@@ -27,7 +27,7 @@ def _priority(value: object) -> int:
     if isinstance(value, int) and not isinstance(value, bool) and -1000 <= value <= 1000:
         return value
     raise BudgetInputError(
-        "priority", f"must be high, normal, low or an integer in -1000..1000, got {value!r}"
+        "priority", f"must be high, normal, low or an integer in -1000..1000, got {shown(value)}"
     )
 
 
@@ -67,7 +67,7 @@ class GpuJob(BaseModel):
         if ":" not in self.instance_type:
             raise BudgetInputError(
                 "instance_type",
-                f"must be 'cloud:type' like 'aws:g5.xlarge', got {self.instance_type!r}",
+                f"must be 'cloud:type' like 'aws:g5.xlarge', got {shown(self.instance_type)}",
             )
         return self
 

@@ -23,6 +23,12 @@ MAX_USD = Decimal(10) ** 9
 MAX_DURATION_S = 30 * 24 * 3600
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """A value as an error message quotes it: repr, cut short so hostile input stays one line."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class BudgetInputError(ValueError):
     """Bad input from a user: its message is one line naming the field and the rule."""
 
@@ -41,7 +47,7 @@ def to_decimal_usd(value: object, field: str) -> Decimal:
     except (InvalidOperation, ValueError):
         amount = None
     if amount is None:
-        raise BudgetInputError(field, f"must be a number of US dollars, got {value!r}")
+        raise BudgetInputError(field, f"must be a number of US dollars, got {shown(value)}")
     if not amount.is_finite():
         raise BudgetInputError(field, "must be a finite amount (no NaN or infinity)")
     if amount < 0:
@@ -94,7 +100,9 @@ _UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
 def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> float:
     """Seconds from `90`, `"90s"`, `"1h30m"`, `"2d"` or a timedelta; anything else is an error."""
     if isinstance(value, bool) or value is None:
-        raise BudgetInputError(field, f"must be a duration such as '2h' or '90m', got {value!r}")
+        raise BudgetInputError(
+            field, f"must be a duration such as '2h' or '90m', got {shown(value)}"
+        )
     if isinstance(value, timedelta):
         seconds = value.total_seconds()
     elif (
@@ -108,14 +116,16 @@ def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> fl
     else:
         raise BudgetInputError(
             field,
-            f"must be a duration such as '2h', '90m' or '1h30m' (units d h m s), got {value!r}",
+            f"must be a duration such as '2h', '90m' or '1h30m' (units d h m s), got {shown(value)}",
         )
     if not math.isfinite(seconds):
         raise BudgetInputError(field, "must be a finite duration")
     if seconds < 0 or (seconds == 0 and not allow_zero):
-        raise BudgetInputError(field, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+        raise BudgetInputError(
+            field, f"must be {'>= 0' if allow_zero else '> 0'}, got {shown(value)}"
+        )
     if seconds > MAX_DURATION_S:
-        raise BudgetInputError(field, f"must be at most 30 days, got {value!r}")
+        raise BudgetInputError(field, f"must be at most 30 days, got {shown(value)}")
     return seconds
 
 
@@ -143,19 +153,21 @@ def validate_scope(value: object, field: str = "scope") -> str:
     different scopes never map to the same concurrency-limit name.
     """
     if not isinstance(value, str):
-        raise BudgetInputError(field, f"must be a string like 'org/team/session', got {value!r}")
+        raise BudgetInputError(
+            field, f"must be a string like 'org/team/session', got {shown(value)}"
+        )
     segments = value.split("/")
     if not value or len(segments) > MAX_SCOPE_DEPTH:
         raise BudgetInputError(
             field,
-            f"must have 1 to {MAX_SCOPE_DEPTH} segments like 'org/team/session', got {value!r}",
+            f"must have 1 to {MAX_SCOPE_DEPTH} segments like 'org/team/session', got {shown(value)}",
         )
     for segment in segments:
         if not SEGMENT_RE.match(segment):
             raise BudgetInputError(
                 field,
                 "segments must be 1-48 of a-z 0-9 - _ starting with a letter or digit, "
-                f"got {value[:80]!r}",
+                f"got {shown(value)}",
             )
     return value
 

@@ -7,7 +7,7 @@ from functools import lru_cache
 from typing import Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from prefect_gpu_budget.units import BudgetInputError
+from prefect_gpu_budget.units import BudgetInputError, shown
 
 Period = Literal["day", "week", "month"]
 PERIODS: tuple[str, ...] = ("day", "week", "month")
@@ -15,10 +15,14 @@ PERIODS: tuple[str, ...] = ("day", "week", "month")
 
 @lru_cache(maxsize=64)
 def zone(name: str) -> ZoneInfo:
+    if not isinstance(name, str) or not 0 < len(name) <= 64:
+        raise BudgetInputError(
+            "timezone", f"must be an IANA time zone like 'UTC', got {shown(name)}"
+        )
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise BudgetInputError("timezone", f"unknown time zone {name!r}") from None
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        raise BudgetInputError("timezone", f"unknown time zone {shown(name)}") from None
 
 
 def _start_local(period: str, local: datetime) -> datetime:
@@ -29,7 +33,7 @@ def _start_local(period: str, local: datetime) -> datetime:
         return midnight - timedelta(days=midnight.weekday())
     if period == "month":
         return midnight.replace(day=1)
-    raise BudgetInputError("period", f"must be one of day, week, month, got {period!r}")
+    raise BudgetInputError("period", f"must be one of day, week, month, got {shown(period)}")
 
 
 def _next_local(period: str, start: datetime) -> datetime:

@@ -14,6 +14,7 @@ from prefect_gpu_budget.units import (
     Scope,
     parse_duration,
     rate_cents,
+    shown,
     to_decimal_usd,
     usd_to_micro,
 )
@@ -76,7 +77,7 @@ class GpuBudget(Block):
     @classmethod
     def _notify(cls, value: str | None) -> str | None:
         if value is not None and (value.count("/") != 1 or not all(value.split("/"))):
-            raise ValueError(f"must be 'block-type-slug/block-name', got {value!r}")
+            raise ValueError(f"must be 'block-type-slug/block-name', got {shown(value)}")
         return value
 
     def rule(self) -> BudgetRule:

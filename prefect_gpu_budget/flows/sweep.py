@@ -36,7 +36,14 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows import plots
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
-from prefect_gpu_budget.units import BudgetInputError, Scope, fmt_duration, fmt_usd, micro_to_usd
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    Scope,
+    fmt_duration,
+    fmt_usd,
+    micro_to_usd,
+    shown,
+)
 
 Scalar = str | int | float | bool
 MAX_TRIALS = 10_000
@@ -124,11 +131,15 @@ class SweepSpec(BaseModel):
         if (self.command is None) == (self.callable is None):
             raise BudgetInputError("command", "give exactly one of command or callable")
         if self.callable is not None and not re.match(r"^[\w.]+:\w+$", self.callable):
-            raise BudgetInputError("callable", f"must be 'module:function', got {self.callable!r}")
+            raise BudgetInputError(
+                "callable", f"must be 'module:function', got {shown(self.callable)}"
+            )
         names = [*self.grid, *self.random]
         for name in names:
             if not _PARAM_RE.match(name):
-                raise BudgetInputError("grid", f"parameter names must be identifiers, got {name!r}")
+                raise BudgetInputError(
+                    "grid", f"parameter names must be identifiers, got {shown(name)}"
+                )
         if len(set(names)) != len(names):
             raise BudgetInputError("random", "a parameter is both in grid and random")
         for name, values in self.grid.items():

@@ -18,6 +18,7 @@ from pathlib import Path
 from prefect_gpu_budget.units import (
     BudgetInputError,
     fmt_usd,
+    shown,
     to_decimal_usd,
     usd_to_micro,
 )
@@ -128,11 +129,13 @@ class Catalog:
     def row(self, instance_type: str, provisioning: str = "on-demand") -> PriceRow:
         if ":" not in instance_type:
             raise BudgetInputError(
-                "instance_type", f"must be 'cloud:type' like 'aws:g5.xlarge', got {instance_type!r}"
+                "instance_type",
+                f"must be 'cloud:type' like 'aws:g5.xlarge', got {shown(instance_type)}",
             )
         if provisioning not in PROVISIONINGS:
             raise BudgetInputError(
-                "provisioning", f"must be one of {', '.join(PROVISIONINGS)}, got {provisioning!r}"
+                "provisioning",
+                f"must be one of {', '.join(PROVISIONINGS)}, got {shown(provisioning)}",
             )
         found = self._rows.get((instance_type, provisioning))
         if found is None:
@@ -144,7 +147,7 @@ class Catalog:
             )
             raise BudgetInputError(
                 "instance_type",
-                f"no {provisioning} price for {instance_type!r}{hint}; known: "
+                f"no {provisioning} price for {shown(instance_type)}{hint}; known: "
                 f"{', '.join(known[:12])}{' ...' if len(known) > 12 else ''}",
             )
         return found
@@ -176,7 +179,7 @@ def set_local_price(
     from prefect_gpu_budget.units import SEGMENT_RE
 
     if not SEGMENT_RE.match(name):
-        raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {name!r}")
+        raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {shown(name)}")
     price = to_decimal_usd(usd_per_hour, "usd_per_hour")
     if gpus < 0 or gpus > 64:
         raise BudgetInputError("gpus", f"must be between 0 and 64, got {gpus}")

@@ -12,6 +12,7 @@ import math
 import re
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
+from functools import lru_cache
 from typing import Annotated
 
 from pydantic import BeforeValidator
@@ -172,10 +173,11 @@ def validate_scope(value: object, field: str = "scope") -> str:
     return value
 
 
-def scope_path(scope: str) -> list[str]:
-    """`a/b/c` -> `['a', 'a/b', 'a/b/c']` (the scopes whose budgets a job must fit)."""
+@lru_cache(maxsize=1 << 14)
+def scope_path(scope: str) -> tuple[str, ...]:
+    """`a/b/c` -> `('a', 'a/b', 'a/b/c')` (the scopes whose budgets a job must fit)."""
     segments = scope.split("/")
-    return ["/".join(segments[: i + 1]) for i in range(len(segments))]
+    return tuple("/".join(segments[: i + 1]) for i in range(len(segments)))
 
 
 def _scope_validator(value: object) -> str:

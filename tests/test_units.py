@@ -47,7 +47,7 @@ def test_durations():
 
 
 def test_scopes():
-    assert scope_path("a/b/c") == ["a", "a/b", "a/b/c"]
+    assert scope_path("a/b/c") == ("a", "a/b", "a/b/c")
     assert validate_scope("acme/vision/agent-7") == "acme/vision/agent-7"
     for bad in ("", "a/b/c/d", "A", "a//b", "../etc", "a/b/", "аcme", "a:b", "x" * 49, "a;drop"):
         with pytest.raises(BudgetInputError):

@@ -44,13 +44,21 @@ def _next_local(period: str, start: datetime) -> datetime:
     return (start.replace(day=28) + timedelta(days=4)).replace(day=1)
 
 
+_last: dict[tuple[str, str], tuple[float, float]] = {}
+
+
 def bounds(period: str, tz: str, t: float) -> tuple[float, float]:
     """The [start, end) of the period holding instant `t`, as UTC epoch seconds."""
+    last = _last.get((period, tz))
+    if last is not None and last[0] <= t < last[1]:  # most calls ask about the same period
+        return last
     z = zone(tz)
     start = _start_local(period, datetime.fromtimestamp(t, z))
     end = _next_local(period, start)
     # Re-attach the zone so that DST shifts inside the period are honoured.
-    return start.replace(tzinfo=z).timestamp(), end.replace(tzinfo=z).timestamp()
+    found = start.replace(tzinfo=z).timestamp(), end.replace(tzinfo=z).timestamp()
+    _last[(period, tz)] = found
+    return found
 
 
 def overlapping(period: str, tz: str, start: float, end: float) -> list[tuple[float, float]]:

@@ -242,6 +242,9 @@ def queue_order(queue: Iterable[Request]) -> list[Request]:
     return sorted(queue, key=lambda r: (-r.priority, r.requested_at, r.job_id))
 
 
+_BEHIND = Decision("wait", "waiting behind an earlier job", limit="queue")
+
+
 def plan(
     state: LedgerState, queue: Iterable[Request], stop_at: str | None = None
 ) -> dict[str, Decision]:
@@ -256,6 +259,9 @@ def plan(
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
     for req in ordered:
+        if stop_at is None and any(scope in held for scope in scope_path(req.scope)):
+            out[req.job_id] = _BEHIND  # cannot be admitted this round; details on request
+            continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held)
         for scope in decision.blocks:
             held.setdefault(scope, req)

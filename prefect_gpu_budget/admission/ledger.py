@@ -9,15 +9,16 @@ rows however long the ledger grows.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -35,6 +36,8 @@ from prefect_gpu_budget.admission.policy import (
 )
 from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path
 
+P = ParamSpec("P")
+T = TypeVar("T")
 ACTIVE = ("admitted", "running")
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
 STALE_WAITER_S = 30.0
@@ -159,6 +162,26 @@ class NewJob:
     flow_run_id: str | None = None
 
 
+def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
+    """Run a ledger call once more if the database dropped its pooled connection (a restart).
+
+    Every call is one transaction that either committed or rolled back, and settling is
+    idempotent; a request retried after a commit whose answer was lost leaves at worst one
+    extra queued row that no waiter polls, which reconcile cancels.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
 class Ledger:
     """Durable admission records. Safe to share between threads and processes."""
 
@@ -203,6 +226,7 @@ class Ledger:
         if updated.rowcount == 0:
             conn.execute(versions.insert().values(org=org, version=1))
 
+    @_reconnecting
     def version(self, org: str) -> int:
         """Changes whenever headroom may have appeared in `org`: waiters poll this cheaply."""
         with self._read() as conn:
@@ -215,6 +239,7 @@ class Ledger:
 
     # -- budgets ------------------------------------------------------------------------
 
+    @_reconnecting
     def set_budget(self, rule: BudgetRule, now: float | None = None) -> None:
         """Create or replace a scope's budget, and rebuild its current period's settled spend."""
         now = time.time() if now is None else now
@@ -224,6 +249,7 @@ class Ledger:
             self._rebuild_period(conn, rule, now)
             self._bump(conn, org)
 
+    @_reconnecting
     def set_session_template(self, rule: BudgetRule, now: float | None = None) -> None:
         """Give every session under team `rule.scope` this budget when it first asks for a job
         and has none (anycloud's recommended setup for agents: a small daily budget each)."""
@@ -235,6 +261,7 @@ class Ledger:
         with self._write(rule.scope.split("/")[0]) as conn:
             _upsert_rule(conn, templates, rule, now)
 
+    @_reconnecting
     def session_templates(self) -> list[BudgetRule]:
         with self._read() as conn:
             return [
@@ -280,6 +307,7 @@ class Ledger:
             )
         )
 
+    @_reconnecting
     def budgets(self, org: str | None = None) -> list[BudgetRule]:
         query = sa.select(budgets).order_by(budgets.c.scope)
         if org:
@@ -287,6 +315,7 @@ class Ledger:
         with self._read() as conn:
             return [_rule(row) for row in conn.execute(query).mappings()]
 
+    @_reconnecting
     def path_budgets(self, scope: str) -> list[BudgetRule]:
         """The budgets a job in `scope` must fit, outermost first."""
         path = scope_path(scope)
@@ -295,6 +324,7 @@ class Ledger:
             found = {row["scope"]: _rule(row) for row in rows}
         return [found[s] for s in path if s in found]
 
+    @_reconnecting
     def delete_budget(self, scope: str) -> bool:
         with self._write(scope.split("/")[0]) as conn:
             deleted = conn.execute(budgets.delete().where(budgets.c.scope == scope)).rowcount
@@ -303,6 +333,7 @@ class Ledger:
 
     # -- admission ----------------------------------------------------------------------
 
+    @_reconnecting
     def request(self, job: NewJob, now: float | None = None) -> tuple[str, Decision]:
         """Record a job asking to be admitted and decide it at once, in one transaction.
 
@@ -328,6 +359,7 @@ class Ledger:
             )
             return job_id, self._decide(conn, job_id, org, now, reason="")
 
+    @_reconnecting
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
         """Decide a queued job against everything else in its org, in one transaction.
 
@@ -427,6 +459,7 @@ class Ledger:
         }
         return LedgerState(now=now, budgets=rules, holds=holds, settled=settled), queue
 
+    @_reconnecting
     def unadmit(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
         """Put an admitted job that could not start back in the queue (keeping its place)."""
         now = time.time() if now is None else now
@@ -447,6 +480,7 @@ class Ledger:
             self._bump(conn, org)
         return bool(done)
 
+    @_reconnecting
     def cancel_queued(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
         now = time.time() if now is None else now
         org = scope.split("/")[0]
@@ -463,6 +497,7 @@ class Ledger:
 
     # -- running and settlement -----------------------------------------------------------
 
+    @_reconnecting
     def mark_started(
         self,
         job_id: str,
@@ -484,6 +519,7 @@ class Ledger:
                 )
             )
 
+    @_reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:
         with self.engine.begin() as conn:
             conn.execute(
@@ -492,6 +528,7 @@ class Ledger:
                 .values(heartbeat_at=time.time() if now is None else now)
             )
 
+    @_reconnecting
     def settle(
         self,
         job_id: str,
@@ -574,10 +611,12 @@ class Ledger:
 
     # -- reading ----------------------------------------------------------------------------
 
+    @_reconnecting
     def job(self, job_id: str) -> dict[str, Any]:
         with self._read() as conn:
             return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
 
+    @_reconnecting
     def jobs(
         self, scope: str | None = None, states: tuple[str, ...] | None = None
     ) -> list[dict[str, Any]]:
@@ -589,6 +628,7 @@ class Ledger:
         with self._read() as conn:
             return [dict(row) for row in conn.execute(query).mappings()]
 
+    @_reconnecting
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
         """Per budgeted scope: cap, running rate, period spend (settled, reserved), queue."""
         now = time.time() if now is None else now
@@ -656,6 +696,7 @@ class Ledger:
                 found.append(row)
         return found
 
+    @_reconnecting
     def period_settled(self, scope: str, period_start: float) -> int:
         with self._read() as conn:
             return (
@@ -756,7 +797,14 @@ def _make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN DEFERRED" if read else "BEGIN IMMEDIATE")
 
         return engine
-    return sa.create_engine(url, pool_size=2, max_overflow=4, pool_pre_ping=True)
+    # No pre-ping (a round trip per checkout on the hot path): a connection the server dropped
+    # fails its first statement, the pool is invalidated, and `_reconnecting` runs the call again.
+    return sa.create_engine(
+        url,
+        pool_size=2,
+        max_overflow=4,
+        connect_args={"application_name": "prefect-gpu-budget"},
+    )
 
 
 def holder_id() -> str:

@@ -167,6 +167,8 @@ def simulate(
     events: list[tuple[float, int, str]] = []  # (time, kind 0=end 1=wake, job id)
     order: list[str] = []
     ends: dict[str, float] = {}
+    for key, hold in active.items():  # jobs running at the start end when their reservation does
+        heapq.heappush(events, (hold.end, 0, key))
     horizon = until if until is not None else math.inf
     next_arrival = 0
     now = arrivals[0].arrival if arrivals else 0.0
@@ -182,7 +184,10 @@ def simulate(
             break
         while events and events[0][0] <= now:
             _, kind, job_id = heapq.heappop(events)
-            if kind == 0:
+            if kind == 0 and job_id not in records:  # a job already running at the start
+                hold = active.pop(job_id)
+                _charge(hold.scope, hold.rate_micro_per_hour, hold.start, hold.end, rules, spent)
+            elif kind == 0:
                 active.pop(job_id)
                 released -= 1
                 _settle(records[job_id], ends.pop(job_id), rules, spent)
@@ -257,13 +262,27 @@ def _settle(
     rec.ended_at = end
     rec.actual_micro = cost_micro(job.rate_micro_per_hour, end - rec.admitted_at, round_up=False)
     rec.finished = end >= rec.admitted_at + job.true_s - 1e-9
-    for scope in scope_path(job.scope):
-        rule = rules.get(scope)
+    _charge(
+        job.scope, job.rate_micro_per_hour, rec.admitted_at, end, rules, spent, rec.actual_micro
+    )
+
+
+def _charge(
+    scope: str,
+    rate: int,
+    start: float,
+    end: float,
+    rules: dict[str, BudgetRule],
+    spent: dict[tuple[str, float], int],
+    amount: int | None = None,
+) -> None:
+    """Add what a job spent over [start, end] to the periods of every budget on its path."""
+    amount = cost_micro(rate, end - start, round_up=False) if amount is None else amount
+    for path_scope in scope_path(scope):
+        rule = rules.get(path_scope)
         if rule is not None and rule.period_budget_micro is not None:
-            for p_start, share in periods.split(
-                rec.actual_micro, rec.admitted_at, end, rule.period, rule.timezone
-            ):
-                spent[(scope, p_start)] += share
+            for p_start, share in periods.split(amount, start, end, rule.period, rule.timezone):
+                spent[(path_scope, p_start)] += share
 
 
 def synthetic_trace(

@@ -157,7 +157,11 @@ class Gate:
                         lease_id=lease,
                     )
                     self._start_heartbeat(admission)
-                    self.events.admitted(admission)
+                    try:
+                        self.events.admitted(admission)
+                    except BaseException:  # nothing ran: hand back the lease and the money
+                        self.settle(admission, ended_at=time.time(), outcome="cancelled")
+                        raise
                     return admission
                 decision = Decision(
                     "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
@@ -221,7 +225,13 @@ class Gate:
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
-        self.ledger.mark_started(admission.job_id, started_at, external_id, admission.lease_id)
+        """Record that the launcher started the job; refuse if it is no longer admitted."""
+        if not self.ledger.mark_started(
+            admission.job_id, started_at, external_id, admission.lease_id
+        ):
+            raise RuntimeError(
+                f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
+            )
 
     def settle(
         self,

@@ -165,9 +165,8 @@ class NewJob:
 def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
     """Run a ledger call once more if the database dropped its pooled connection (a restart).
 
-    Every call is one transaction that either committed or rolled back, and settling is
-    idempotent; a request retried after a commit whose answer was lost leaves at worst one
-    extra queued row that no waiter polls, which reconcile cancels.
+    Every call is one transaction that either committed or rolled back; settling is
+    idempotent, and a request is retried under the same job id, so it is recorded once.
     """
 
     @functools.wraps(method)
@@ -284,7 +283,10 @@ class Ledger:
         total = 0
         rows = conn.execute(
             sa.select(jobs.c.actual_micro, jobs.c.started_at, jobs.c.ended_at).where(
-                sa.or_(jobs.c.scope == rule.scope, jobs.c.scope.like(rule.scope + "/%")),
+                sa.or_(
+                    jobs.c.scope == rule.scope,
+                    jobs.c.scope.startswith(rule.scope + "/", autoescape=True),
+                ),
                 jobs.c.state == "settled",
                 jobs.c.ended_at >= p_start,
                 jobs.c.started_at < p_end,
@@ -333,16 +335,22 @@ class Ledger:
 
     # -- admission ----------------------------------------------------------------------
 
-    @_reconnecting
     def request(self, job: NewJob, now: float | None = None) -> tuple[str, Decision]:
         """Record a job asking to be admitted and decide it at once, in one transaction.
 
         A session scope with no budget first gets its team's session template, if any.
         """
-        job_id = str(uuid.uuid4())
+        job_id = str(uuid.uuid4())  # fixed before any retry, so a retry never records twice
+        return job_id, self._request(job_id, job, now)
+
+    @_reconnecting
+    def _request(self, job_id: str, job: NewJob, now: float | None) -> Decision:
         org = job.scope.split("/")[0]
         with self._write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
+            done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
+            if done is not None:  # committed before the connection dropped
+                return _decision_of(done)
             self._ensure_session_budget(conn, job.scope, now)
             conn.execute(
                 jobs.insert().values(
@@ -357,7 +365,7 @@ class Ledger:
                     **job.__dict__,
                 )
             )
-            return job_id, self._decide(conn, job_id, org, now, reason="")
+            return self._decide(conn, job_id, org, now, reason="")
 
     @_reconnecting
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
@@ -376,7 +384,7 @@ class Ledger:
 
     def _decide(self, conn: Connection, job_id: str, org: str, now: float, reason: str) -> Decision:
         """Run the policy for a queued job and write what it says, heartbeat included."""
-        state, queue = self._load(conn, org, now)
+        state, queue = self._load(conn, org, now, job_id)
         decision = decide(state, queue, job_id)
         values: dict[str, Any] = {"heartbeat_at": now}
         if decision.verdict == "admit":
@@ -402,7 +410,9 @@ class Ledger:
             self._bump(conn, org)
         return decision
 
-    def _load(self, conn: Connection, org: str, now: float) -> tuple[LedgerState, list[Request]]:
+    def _load(
+        self, conn: Connection, org: str, now: float, deciding: str
+    ) -> tuple[LedgerState, list[Request]]:
         rows = conn.execute(
             sa.select(
                 jobs.c.id,
@@ -426,7 +436,7 @@ class Ledger:
         for r in rows:
             scopes.update(scope_path(r.scope))
             if r.state == "queued":
-                if r.heartbeat_at >= now - STALE_WAITER_S:
+                if r.heartbeat_at >= now - STALE_WAITER_S or r.id == deciding:
                     queue.append(
                         Request(
                             job_id=r.id,
@@ -504,19 +514,21 @@ class Ledger:
         started_at: float,
         external_id: str | None = None,
         lease_id: str | None = None,
-    ) -> None:
+    ) -> bool:
         """The launcher started the job (`external_id`: pid or cloud job id) under a lease."""
         with self.engine.begin() as conn:
-            conn.execute(
-                jobs.update()
-                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
-                .values(
-                    state="running",
-                    started_at=started_at,
-                    heartbeat_at=started_at,
-                    external_id=external_id,
-                    lease_id=lease_id,
-                )
+            return bool(
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                    .values(
+                        state="running",
+                        started_at=started_at,
+                        heartbeat_at=started_at,
+                        external_id=external_id,
+                        lease_id=lease_id,
+                    )
+                ).rowcount
             )
 
     @_reconnecting
@@ -622,7 +634,9 @@ class Ledger:
     ) -> list[dict[str, Any]]:
         query = sa.select(jobs).order_by(jobs.c.requested_at)
         if scope:
-            query = query.where(sa.or_(jobs.c.scope == scope, jobs.c.scope.like(scope + "/%")))
+            query = query.where(
+                sa.or_(jobs.c.scope == scope, jobs.c.scope.startswith(scope + "/", autoescape=True))
+            )
         if states:
             query = query.where(jobs.c.state.in_(states))
         with self._read() as conn:
@@ -636,7 +650,10 @@ class Ledger:
         out = []
         with self._read() as conn:
             for rule in rules:
-                subtree = sa.or_(jobs.c.scope == rule.scope, jobs.c.scope.like(rule.scope + "/%"))
+                subtree = sa.or_(
+                    jobs.c.scope == rule.scope,
+                    jobs.c.scope.startswith(rule.scope + "/", autoescape=True),
+                )
                 rows = conn.execute(
                     sa.select(
                         jobs.c.state,
@@ -809,10 +826,10 @@ def _make_engine(url: str) -> Engine:
 
 def holder_id() -> str:
     """`host:pid:start-ticks` of this process, so a reused pid is never mistaken for it."""
-    return f"{os.uname().nodename}:{os.getpid()}:{_start_ticks(os.getpid())}"
+    return f"{os.uname().nodename}:{os.getpid()}:{process_start_ticks(os.getpid())}"
 
 
-def _start_ticks(pid: int) -> str:
+def process_start_ticks(pid: int) -> str:
     """The process's start time in clock ticks since boot; `?` if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -830,4 +847,4 @@ def holder_alive(holder: str) -> bool | None:
         return None
     if host != os.uname().nodename:
         return None
-    return _start_ticks(int(pid)) == ticks and ticks != "?"
+    return process_start_ticks(int(pid)) == ticks and ticks != "?"

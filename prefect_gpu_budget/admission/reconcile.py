@@ -4,21 +4,20 @@ A holder that dies leaves its ledger row holding the worst case (its reservation
 finds rows whose holder is dead (same host) or silent (heartbeat older than `stale_after`):
 - a queued job is cancelled (its waiter is gone);
 - an admitted job that never started settles at zero;
-- a started job whose process still runs keeps its reservation and is left alone, unless it is
-  past its max runtime, when it is stopped and settled;
+- a started job whose process still runs (same pid and start time) keeps its reservation and
+  is left alone, unless it is past its max runtime, when it is stopped and settled;
 - a started job that is gone settles up to the last moment it could have run: its last
-  heartbeat plus one heartbeat interval, never past its reservation. Charging the worst case
+  heartbeat plus one heartbeat interval, never past its max runtime. Charging the worst case
   that the evidence allows keeps real spend under the budget.
 Settling is exactly once in the ledger, so reconcile may run often and concurrently.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
-from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
+from prefect_gpu_budget.admission.ledger import Ledger, holder_alive, process_start_ticks
 from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
 from prefect_gpu_budget.launchers.local import stop_pid
 
@@ -34,18 +33,17 @@ class Reconciled:
     actual_micro: int = 0
 
 
-def _local_pid_alive(row: dict) -> bool:
+def _local_job_pid(row: dict) -> int | None:
+    """The pid of a local job that still runs here, checked against its start time so that a
+    reused pid is never taken for it; None if it is gone or ran elsewhere."""
     if row["launcher"] != "local" or not row["external_id"]:
-        return False
+        return None
     if holder_alive(row["holder"]) is None:  # another host: cannot look
-        return False
-    try:
-        os.kill(int(row["external_id"]), 0)
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
+        return None
+    pid, _, ticks = str(row["external_id"]).partition(":")
+    if not pid.isdigit() or not ticks or process_start_ticks(int(pid)) != ticks:
+        return None
+    return int(pid)
 
 
 def reconcile(
@@ -65,17 +63,18 @@ def reconcile(
             continue
         started = row["started_at"]
         action = "settled"
-        if started is not None and _local_pid_alive(row):
-            if now < started + row["reserve_seconds"]:
+        pid = None if started is None else _local_job_pid(row)
+        if pid is not None:
+            if now < started + row["max_runtime_s"]:  # still within its max runtime: metered on
                 out.append(Reconciled(job_id, scope, "left-running"))
                 continue
-            stop_pid(int(row["external_id"]), grace=5.0)
+            stop_pid(pid, grace=5.0)
             action, ended = "stopped", now
         elif started is None:
             ended = now
-        else:
+        else:  # gone: charge up to the last moment it could have run, never past max runtime
             last_seen = max(row["heartbeat_at"], started) + HEARTBEAT_S
-            ended = min(now, last_seen, started + row["reserve_seconds"])
+            ended = min(now, last_seen, started + row["max_runtime_s"])
         done = ledger.settle(job_id, ended_at=ended, outcome="reconciled", scope=scope, now=now)
         if row["lease_id"] and limits is not None:
             limits.release(row["lease_id"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import shutil
@@ -13,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from prefect_gpu_budget.admission.ledger import process_start_ticks
 from prefect_gpu_budget.job import GpuJob
 
 _granted: set[int] = set()
@@ -58,10 +58,16 @@ def _release(gpus: list[int]) -> None:
         _granted.difference_update(gpus)
 
 
+try:  # looked up before any fork: the child must not load libraries
+    _PRCTL = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):
+    _PRCTL = None
+
+
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     """Linux: SIGKILL the job if its holder dies, so nothing runs unmetered."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class LocalLauncher:
@@ -82,7 +88,14 @@ class LocalLauncher:
         if not job.command:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail="job has no command to run")
-        gpus = _grant(self.gpus_per_node * job.nodes)
+        wanted = self.gpus_per_node * job.nodes
+        gpus = _grant(wanted)
+        if len(gpus) < wanted and visible_gpus():  # a GPU machine, but not enough free GPUs
+            _release(gpus)
+            now = time.time()
+            return LaunchResult(
+                "launch_error", now, now, detail=f"fewer than {wanted} GPUs free here"
+            )
         child_env = {**os.environ, **job.env, **(env or {})}
         if gpus:
             child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
@@ -102,10 +115,10 @@ class LocalLauncher:
                 now = time.time()
                 return LaunchResult("launch_error", now, now, detail=f"could not start: {exc}")
             started = time.time()
-            on_start(started, str(proc.pid))
             reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
             reader.start()
             try:
+                on_start(started, f"{proc.pid}:{process_start_ticks(proc.pid)}")
                 code = proc.wait(timeout=job.max_runtime)
                 outcome = "completed" if code == 0 else "failed"
                 detail = "" if code == 0 else f"exit code {code}"

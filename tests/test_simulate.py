@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.simulate import SimJob, simulate
@@ -122,3 +122,12 @@ def test_guaranteed_mode_never_overshoots(jobs, day_budget, week_budget, cap):
     ]
     result = simulate(sim_jobs, budgets, "guaranteed", until=start + 9 * 86400)
     assert result.overshoot_pct() == 0.0
+
+
+def test_forecast_frees_jobs_already_running_when_they_end():
+    start = 1_798_761_600.0
+    running = Hold("o", 100, 1_000_000, start - 600, start + 3000, 1_000_000, start + 3000)
+    trial = SimJob("t", "o", start, 1_000_000, 600, 600, 600)
+    result = simulate([trial], [BudgetRule("o", hourly_cap_cents=100)], holds=[running])
+    [record] = result.records
+    assert record.admitted_at == start + 3000

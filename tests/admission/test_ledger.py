@@ -1,12 +1,14 @@
-"""Ledger edge cases found in review: stale waiters, LIKE wildcards in scopes."""
+"""Ledger edge cases: stale waiters, LIKE wildcards in scopes, dropped connections."""
 
 from __future__ import annotations
 
 import time
 
+import sqlalchemy as sa
+
 from prefect_gpu_budget.admission.ledger import NewJob
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold
-from prefect_gpu_budget.simulate import SimJob, simulate
+from prefect_gpu_budget.admission.policy import BudgetRule
+from tests.conftest import PG_URL, _fresh_pg
 
 
 def _job(scope: str) -> NewJob:
@@ -44,10 +46,27 @@ def test_underscore_in_a_scope_is_not_a_wildcard(ledger):
     assert [len(ledger.jobs(scope)) for scope in ("a_b", "axb")] == [0, 1]
 
 
-def test_forecast_frees_jobs_already_running_when_they_end():
-    start = 1_798_761_600.0
-    running = Hold("o", 100, 1_000_000, start - 600, start + 3000, 1_000_000, start + 3000)
-    trial = SimJob("t", "o", start, 1_000_000, 600, 600, 600)
-    result = simulate([trial], [BudgetRule("o", hourly_cap_cents=100)], holds=[running])
-    [record] = result.records
-    assert record.admitted_at == start + 3000
+def test_calls_go_on_after_the_server_drops_every_connection():
+    from prefect_gpu_budget.admission.ledger import Ledger, normalise_url
+
+    _fresh_pg()
+    ledger = Ledger(PG_URL)
+    ledger.set_budget(BudgetRule("rc", hourly_cap_cents=10_000))
+    job_id, decision = ledger.request(_job("rc/t"))
+    assert decision.verdict == "admit"
+    killer = sa.create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
+    with killer.connect() as conn:
+        killed = conn.execute(
+            sa.text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'prefect-gpu-budget' AND pid <> pg_backend_pid()"
+            )
+        ).scalar_one()
+    killer.dispose()
+    assert killed >= 1
+    row = ledger.settle(
+        job_id, ended_at=ledger.job(job_id)["admitted_at"] + 1, outcome="completed", scope="rc/t"
+    )
+    assert row is not None and row["state"] == "settled"
+    assert ledger.request(_job("rc/t"))[1].verdict == "admit"
+    ledger.dispose()

@@ -195,6 +195,7 @@ class Gate:
         while True:
             lease = self.limits.acquire([scope for scope, _ in caps], slots)
             if lease is not None:
+                self.ledger.record_lease(job_id, lease)  # a crash from here on leaks nothing
                 return lease
             if time.monotonic() > deadline:
                 self.ledger.unadmit(job_id, scope, self._limit_reason(scope))
@@ -226,9 +227,7 @@ class Gate:
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
         """Record that the launcher started the job; refuse if it is no longer admitted."""
-        if not self.ledger.mark_started(
-            admission.job_id, started_at, external_id, admission.lease_id
-        ):
+        if not self.ledger.mark_started(admission.job_id, started_at, external_id):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
             )

@@ -508,14 +508,11 @@ class Ledger:
     # -- running and settlement -----------------------------------------------------------
 
     @_reconnecting
-    def mark_started(
-        self,
-        job_id: str,
-        started_at: float,
-        external_id: str | None = None,
-        lease_id: str | None = None,
-    ) -> bool:
-        """The launcher started the job (`external_id`: pid or cloud job id) under a lease."""
+    def mark_started(self, job_id: str, started_at: float, external_id: str | None = None) -> bool:
+        """The launcher started the job (`external_id`: pid and start ticks, or a cloud job id).
+
+        False if the job is no longer admitted (reconcile settled it): it must not run.
+        """
         with self.engine.begin() as conn:
             return bool(
                 conn.execute(
@@ -526,10 +523,15 @@ class Ledger:
                         started_at=started_at,
                         heartbeat_at=started_at,
                         external_id=external_id,
-                        lease_id=lease_id,
                     )
                 ).rowcount
             )
+
+    @_reconnecting
+    def record_lease(self, job_id: str, lease_id: str) -> None:
+        """Remember the Prefect lease an admission holds, so reconcile can hand it back."""
+        with self.engine.begin() as conn:
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(lease_id=lease_id))
 
     @_reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:

@@ -99,20 +99,7 @@ def budget_set(
     current = {r.scope: r for r in existing}.get(scope)
     fields: dict[str, Any] = {"scope": scope}
     if current is not None:
-        fields.update(
-            hourly_cap_usd=None
-            if current.hourly_cap_cents is None
-            else Decimal(current.hourly_cap_cents) / 100,
-            period_budget_usd=None
-            if current.period_budget_micro is None
-            else Decimal(current.period_budget_micro) / 1_000_000,
-            period=current.period,
-            timezone=current.timezone,
-            on_limit=current.on_limit,
-            max_wait=current.max_wait_s,
-            reservation_mode=current.reservation_mode,
-            notify_block=current.notify_block,
-        )
+        fields.update(GpuBudget.fields_of(current))
     for key, value in (
         ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
         ("period_budget_usd", _optional_usd(period_budget, "period_budget")),

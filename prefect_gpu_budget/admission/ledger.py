@@ -326,15 +326,6 @@ class Ledger:
             found = {row["scope"]: _rule(row) for row in rows}
         return [found[s] for s in path if s in found]
 
-    @_reconnecting
-    def delete_budget(self, scope: str) -> bool:
-        with self._write(scope.split("/")[0]) as conn:
-            deleted = conn.execute(budgets.delete().where(budgets.c.scope == scope)).rowcount
-            self._bump(conn, scope.split("/")[0])
-        return bool(deleted)
-
-    # -- admission ----------------------------------------------------------------------
-
     def request(self, job: NewJob, now: float | None = None) -> tuple[str, Decision]:
         """Record a job asking to be admitted and decide it at once, in one transaction.
 

@@ -11,6 +11,7 @@ from pydantic import BeforeValidator, Field, field_validator
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.units import (
+    MICRO_PER_USD,
     Scope,
     parse_duration,
     rate_cents,
@@ -97,6 +98,25 @@ class GpuBudget(Block):
             reservation_mode=self.reservation_mode,
             notify_block=self.notify_block,
         )
+
+    @classmethod
+    def fields_of(cls, rule: BudgetRule) -> dict[str, object]:
+        """The block fields of a ledger budget (the reverse of `rule`)."""
+        return {
+            "scope": rule.scope,
+            "hourly_cap_usd": None
+            if rule.hourly_cap_cents is None
+            else Decimal(rule.hourly_cap_cents) / 100,
+            "period_budget_usd": None
+            if rule.period_budget_micro is None
+            else Decimal(rule.period_budget_micro) / MICRO_PER_USD,
+            "period": rule.period,
+            "timezone": rule.timezone,
+            "on_limit": rule.on_limit,
+            "max_wait": rule.max_wait_s,
+            "reservation_mode": rule.reservation_mode,
+            "notify_block": rule.notify_block,
+        }
 
     def apply(self, ledger: object | None = None) -> None:
         """Write this budget into the ledger (the default one unless given)."""

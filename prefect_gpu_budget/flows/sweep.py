@@ -42,6 +42,7 @@ from prefect_gpu_budget.units import (
     fmt_duration,
     fmt_usd,
     micro_to_usd,
+    scope_path,
     shown,
 )
 
@@ -332,7 +333,7 @@ def _publish(
         description=f"Trials of sweep {spec.name}",
     )
     status = {s["scope"]: s for s in led.status()}
-    path_status = [status[s] for s in reversed(_path(spec.scope)) if s in status]
+    path_status = [status[s] for s in reversed(scope_path(spec.scope)) if s in status]
     budget = next((s for s in path_status if s["period_budget_micro"] is not None), None)
     cap = next((s for s in path_status if s["hourly_cap_micro"] is not None), None)
     pictures = [
@@ -372,12 +373,6 @@ def _publish_forecast(spec: SweepSpec, led, out: Path, logger) -> None:
         + plots.embed([picture], "Predicted spend"),
         description=f"What the simulator predicted for sweep {spec.name} before it ran",
     )
-
-
-def _path(scope: str) -> list[str]:
-    from prefect_gpu_budget.units import scope_path
-
-    return scope_path(scope)
 
 
 def _summary(spec: SweepSpec, df: pd.DataFrame, budget: dict | None) -> str:

@@ -14,14 +14,18 @@ Settling is exactly once in the ledger, so reconcile may run often and concurren
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prefect_gpu_budget.admission.ledger import Ledger, holder_alive, process_start_ticks
+from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
 from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
-from prefect_gpu_budget.launchers.local import stop_pid
+from prefect_gpu_budget.launchers.base import Launcher, Probe
+from prefect_gpu_budget.launchers.registry import launcher_for
 
 HEARTBEAT_S = LEASE_S / 4
+log = logging.getLogger("prefect_gpu_budget.reconcile")
 
 
 @dataclass(frozen=True)
@@ -33,26 +37,32 @@ class Reconciled:
     actual_micro: int = 0
 
 
-def _local_job_pid(row: dict) -> int | None:
-    """The pid of a local job that still runs here, checked against its start time so that a
-    reused pid is never taken for it; None if it is gone or ran elsewhere."""
-    if row["launcher"] != "local" or not row["external_id"]:
-        return None
-    if holder_alive(row["holder"]) is None:  # another host: cannot look
-        return None
-    pid, _, ticks = str(row["external_id"]).partition(":")
-    if not pid.isdigit() or not ticks or process_start_ticks(int(pid)) != ticks:
-        return None
-    return int(pid)
+def _probe(row: dict, launchers: Mapping[str, Launcher] | None) -> tuple[Launcher | None, Probe]:
+    """Ask the job's launcher about it; `unknown` when nobody can tell."""
+    if not row["external_id"]:
+        return None, Probe("unknown")
+    if row["launcher"] == "local" and holder_alive(row["holder"]) is None:
+        return None, Probe("unknown")  # a process on another host: cannot look from here
+    try:
+        launcher = launcher_for(row["launcher"], launchers)
+        if launcher is None:
+            return None, Probe("unknown")
+        return launcher, launcher.probe(str(row["external_id"]))
+    except Exception as exc:  # a cloud that does not answer: fall back to the evidence we hold
+        log.warning("could not ask %s about job %s: %s", row["launcher"], row["id"][:8], exc)
+        return None, Probe("unknown")
 
 
 def reconcile(
     ledger: Ledger,
     limits: RateLimits | None = None,
     *,
+    launchers: Mapping[str, Launcher] | None = None,
     now: float | None = None,
     stale_after: float = 120.0,
 ) -> list[Reconciled]:
+    """Settle or cancel every orphan; `launchers` (by kind) answer for jobs they ran, else
+    saved launcher blocks named in the ledger rows are loaded."""
     now = time.time() if now is None else now
     out = []
     for row in ledger.orphans(now=now, stale_after=stale_after):
@@ -62,20 +72,32 @@ def reconcile(
                 out.append(Reconciled(job_id, scope, "cancelled"))
             continue
         started = row["started_at"]
-        action = "settled"
-        pid = None if started is None else _local_job_pid(row)
-        if pid is not None:
+        action, billed, actual = "settled", None, None
+        launcher, probe = (None, Probe("unknown")) if started is None else _probe(row, launchers)
+        if probe.state == "running":
             if now < started + row["max_runtime_s"]:  # still within its max runtime: metered on
                 out.append(Reconciled(job_id, scope, "left-running"))
                 continue
-            stop_pid(pid, grace=5.0)
+            assert launcher is not None
+            launcher.stop(str(row["external_id"]), grace=5.0)
             action, ended = "stopped", now
+        elif probe.state == "finished" and probe.ended_at is not None:
+            ended = min(probe.ended_at, started + row["max_runtime_s"])
+            billed, actual = probe.billed_seconds, probe.actual_micro
         elif started is None:
             ended = now
         else:  # gone: charge up to the last moment it could have run, never past max runtime
             last_seen = max(row["heartbeat_at"], started) + HEARTBEAT_S
             ended = min(now, last_seen, started + row["max_runtime_s"])
-        done = ledger.settle(job_id, ended_at=ended, outcome="reconciled", scope=scope, now=now)
+        done = ledger.settle(
+            job_id,
+            ended_at=ended,
+            outcome="reconciled",
+            billed_seconds=billed,
+            actual_micro=actual,
+            scope=scope,
+            now=now,
+        )
         if row["lease_id"] and limits is not None:
             limits.release(row["lease_id"])
         if done is not None:

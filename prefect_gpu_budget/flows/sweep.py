@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows import plots
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
     BudgetInputError,
@@ -246,11 +247,14 @@ def gpu_sweep(
     spec: SweepSpec | dict[str, Any] | str,
     scope: str | None = None,
     ledger: SpendLedger | None = None,
+    launcher: Launcher | None = None,
 ) -> pd.DataFrame:
     """Run every trial through the gate; publish the trials table, a summary and plots.
 
     `scope` runs the spec under another scope, e.g. an agent's own session
     (`acme/vision/agent-7`), which gets its team's session template if it has no budget.
+    `launcher` runs the trials (a Vertex AI, SageMaker or deployment launcher block; local
+    processes by default).
     """
     spec = load_spec(spec, scope)
     logger = get_run_logger()
@@ -283,7 +287,7 @@ def gpu_sweep(
         name = f"{spec.name}/{index:04d}"
         metrics = out / f"trial-{index:04d}.jsonl"
         future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(
-            spec.job_for(params, name), spec.scope, ledger, str(metrics.resolve())
+            spec.job_for(params, name), spec.scope, ledger, str(metrics.resolve()), launcher
         )
         futures.append((index, params, name, metrics, future))
         in_flight.append(future)
@@ -306,9 +310,7 @@ def gpu_sweep(
                 "state": state.name,
                 "reason": "" if state.is_completed() else (state.message or ""),
                 "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
-                "wait_s": round((row["admitted_at"] or row["ended_at"]) - row["requested_at"], 3)
-                if row
-                else None,
+                "wait_s": round(_waited(row), 3) if row else None,
                 "runtime_s": round(row["ended_at"] - row["started_at"], 3)
                 if row.get("started_at")
                 else 0.0,
@@ -321,6 +323,11 @@ def gpu_sweep(
     _publish(spec, df, curves, list(rows_by_name.values()), led, out)
     logger.info("sweep %s: results in %s", spec.name, out.resolve())
     return df
+
+
+def _waited(row: dict) -> float:
+    """Request to start: the gate's queue plus any wait for cloud capacity after admission."""
+    return (row["started_at"] or row["admitted_at"] or row["ended_at"]) - row["requested_at"]
 
 
 def _publish(

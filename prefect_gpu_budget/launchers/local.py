@@ -10,27 +10,15 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import ClassVar
 
 from prefect_gpu_budget.admission.ledger import process_start_ticks
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import LaunchConfigError, LaunchResult, Probe, StartHook
+from prefect_gpu_budget.pricing.catalog import Quote
 
 _granted: set[int] = set()
 _granted_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    outcome: str
-    """`completed`, `failed`, `timed_out` (stopped at max_runtime), `cancelled` or `launch_error`."""
-    started_at: float
-    ended_at: float
-    exit_code: int | None = None
-    detail: str = ""
-
-    @property
-    def runtime_s(self) -> float:
-        return self.ended_at - self.started_at
 
 
 def visible_gpus() -> list[int]:
@@ -71,16 +59,20 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 
 class LocalLauncher:
-    name = "local"
+    """Runs the job's command on this machine; its external id is `pid:start-ticks`."""
 
-    def __init__(self, gpus_per_node: int = 1) -> None:
-        self.gpus_per_node = gpus_per_node
+    kind: ClassVar[str] = "local"
+
+    def preflight(self, job: GpuJob, quote: Quote) -> None:
+        if not job.command:
+            raise LaunchConfigError(self.kind, "job has no command to run")
 
     def run(
         self,
         job: GpuJob,
+        quote: Quote,
         *,
-        on_start: Callable[[float, str], None] = lambda started, pid: None,
+        on_start: StartHook = lambda started, pid: None,
         log: Callable[[str], None] = print,
         env: dict[str, str] | None = None,
     ) -> LaunchResult:
@@ -88,7 +80,7 @@ class LocalLauncher:
         if not job.command:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail="job has no command to run")
-        wanted = self.gpus_per_node * job.nodes
+        wanted = quote.row.gpus * job.nodes
         gpus = _grant(wanted)
         if len(gpus) < wanted and visible_gpus():  # a GPU machine, but not enough free GPUs
             _release(gpus)
@@ -118,7 +110,8 @@ class LocalLauncher:
             reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
             reader.start()
             try:
-                on_start(started, f"{proc.pid}:{process_start_ticks(proc.pid)}")
+                external_id = f"{proc.pid}:{process_start_ticks(proc.pid)}"
+                on_start(started, external_id)
                 code = proc.wait(timeout=job.max_runtime)
                 outcome = "completed" if code == 0 else "failed"
                 detail = "" if code == 0 else f"exit code {code}"
@@ -130,9 +123,29 @@ class LocalLauncher:
                 raise
             ended = time.time()
             reader.join(timeout=2)
-            return LaunchResult(outcome, started, ended, exit_code=code, detail=detail)
+            return LaunchResult(
+                outcome, started, ended, exit_code=code, detail=detail, external_id=external_id
+            )
         finally:
             _release(gpus)
+
+    def probe(self, external_id: str) -> Probe:
+        """`running` when the same process (pid and start time) still runs here; `unknown`
+        otherwise: a local process leaves no record of when it ended."""
+        return Probe("running") if _live_pid(external_id) is not None else Probe("unknown")
+
+    def stop(self, external_id: str, grace: float = 10.0) -> None:
+        pid = _live_pid(external_id)
+        if pid is not None:
+            stop_pid(pid, grace)
+
+
+def _live_pid(external_id: str) -> int | None:
+    """The pid in `pid:ticks` if that very process still runs (a reused pid never matches)."""
+    pid, _, ticks = external_id.partition(":")
+    if not pid.isdigit() or not ticks or process_start_ticks(int(pid)) != ticks:
+        return None
+    return int(pid)
 
 
 def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:

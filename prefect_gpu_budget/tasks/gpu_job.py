@@ -24,7 +24,9 @@ from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import METRICS_ENV, GpuJob
+from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher
 from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.launchers.registry import launcher_ref
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
 
 
@@ -38,6 +40,7 @@ class JobResult:
     exit_code: int | None
     runtime_s: float
     waited_s: float
+    """Time from request to start: the gate's queue plus any wait for cloud capacity."""
     rate_usd_per_hour: float
     reserved_usd: float
     actual_usd: float
@@ -152,8 +155,16 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             },
         )
 
+    def outage(message: str) -> None:
+        logger.warning("GPU budget gate: %s", message)
+
     return GateEvents(
-        queued=queued, waiting=waiting, admitted=admitted, refused=refused, settled=settled
+        queued=queued,
+        waiting=waiting,
+        admitted=admitted,
+        refused=refused,
+        settled=settled,
+        outage=outage,
     )
 
 
@@ -219,26 +230,37 @@ def run_gpu_job(
     scope: str,
     ledger: SpendLedger | None = None,
     metrics_file: str | None = None,
+    launcher: Launcher | None = None,
 ) -> JobResult:
-    """Gate -> launch (local launcher) -> settle, whatever way the job ends.
+    """Gate -> launch -> settle, whatever way the job ends.
 
-    A job refused by the gate ends in `OverBudget` or `AdmissionTimeout` with the reason.
-    The command finds `GPU_BUDGET_METRICS_FILE` in its environment to write JSON lines to.
+    `launcher` runs the admitted job: the local launcher by default, or a Vertex AI, SageMaker
+    or deployment launcher block. Its settings are checked before anything is reserved
+    (`LaunchConfigError`). A job refused by the gate ends in `OverBudget` or `AdmissionTimeout`
+    with the reason. The command finds `GPU_BUDGET_METRICS_FILE` in its environment.
     """
     logger = get_run_logger()
     gate = gate_for_run(scope, job, ledger)
+    launcher = launcher or LocalLauncher()
     try:
-        admission = gate.admit(job, scope, flow_run_id=_flow_run_id())
+        launcher.preflight(job, gate.quote(job))
+    except LaunchConfigError as bad:
+        logger.error("GPU job not launched: %s", bad)
+        return Failed(name="LaunchConfigError", message=str(bad))  # type: ignore[return-value]
+    try:
+        admission = gate.admit(
+            job, scope, flow_run_id=_flow_run_id(), launcher=launcher_ref(launcher)
+        )
     except AdmissionRefused as refused:
         return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
 
-    launcher = LocalLauncher(gpus_per_node=admission.quote.row.gpus)
     env = {METRICS_ENV: metrics_file} if metrics_file else {}
     result = None
     try:
         result = launcher.run(
             job,
-            on_start=lambda started, pid: gate.started(admission, started, pid),
+            admission.quote,
+            on_start=lambda started, external_id: gate.started(admission, started, external_id),
             log=lambda line: logger.info("| %s", line),
             env=env,
         )
@@ -246,14 +268,20 @@ def run_gpu_job(
         if result is None:  # cancelled or crashed mid-run: bill until now
             row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")
         else:
-            row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+            row = gate.settle(
+                admission,
+                ended_at=result.ended_at,
+                outcome=result.outcome,
+                billed_seconds=result.billed_seconds,
+                actual_micro=result.actual_micro,
+            )
     out = JobResult(
         job_id=admission.job_id,
         scope=scope,
         outcome=result.outcome,
         exit_code=result.exit_code,
         runtime_s=result.runtime_s,
-        waited_s=admission.waited_s,
+        waited_s=admission.waited_s + result.capacity_wait_s,
         rate_usd_per_hour=micro_to_usd(admission.quote.rate_micro_per_hour),
         reserved_usd=micro_to_usd(row["reserved_micro"]),
         actual_usd=micro_to_usd(row["actual_micro"] or 0),

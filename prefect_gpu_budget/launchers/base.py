@@ -1,0 +1,94 @@
+"""What every launcher promises the gate: run an admitted job, say when it really started and
+ended (and what the cloud billed), stop it, and answer reconcile's questions about an orphan.
+
+The gate reserves before `run` is called and settles after it returns, whatever way it ends;
+a launcher never touches the ledger itself. `preflight` runs before anything is reserved, so a
+wrong setting (no role, unknown region, an instance type the cloud does not offer) fails the job
+with a one-line reason and leaves the ledger untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Quote
+
+OUTCOMES = ("completed", "failed", "timed_out", "cancelled", "launch_error", "wait_expired")
+
+
+class LaunchConfigError(ValueError):
+    """A launcher setting is wrong; raised by `preflight`, before anything is reserved."""
+
+    def __init__(self, launcher: str, reason: str) -> None:
+        self.launcher = launcher
+        self.reason = reason
+        super().__init__(f"{launcher} launcher: {reason}")
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    outcome: str
+    """One of OUTCOMES. `timed_out`: stopped at max_runtime; `wait_expired`: a FLEX_START or
+    spot job whose capacity wait ran out before it started (nothing billed)."""
+    started_at: float
+    """When billing began (the cloud's start time); equal to `ended_at` if it never started."""
+    ended_at: float
+    exit_code: int | None = None
+    detail: str = ""
+    billed_seconds: float | None = None
+    """What the cloud says it billed (SageMaker's BillableTimeInSeconds), if it says."""
+    actual_micro: int | None = None
+    """The actual cost in micro-dollars when the launcher knows it better than rate x runtime."""
+    external_id: str | None = None
+    capacity_wait_s: float = 0.0
+    """Time spent waiting for cloud capacity after admission (held, not billed)."""
+
+    @property
+    def runtime_s(self) -> float:
+        return self.ended_at - self.started_at
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Reconcile's view of an orphaned job, from the launcher's own records."""
+
+    state: str
+    """`running` (still billing), `finished` (times below are real), or `unknown` (cannot tell)."""
+    started_at: float | None = None
+    ended_at: float | None = None
+    billed_seconds: float | None = None
+    actual_micro: int | None = None
+
+
+StartHook = Callable[[float, str], None]
+"""Called once when the job really starts: (start time, external id)."""
+
+
+@runtime_checkable
+class Launcher(Protocol):
+    kind: str
+    """`local`, `vertex`, `sagemaker` or `deployment`: written to the ledger row."""
+
+    def preflight(self, job: GpuJob, quote: Quote) -> None:
+        """Raise LaunchConfigError if this job cannot be launched as configured."""
+
+    def run(
+        self,
+        job: GpuJob,
+        quote: Quote,
+        *,
+        on_start: StartHook,
+        log: Callable[[str], None],
+        env: dict[str, str] | None = None,
+    ) -> LaunchResult:
+        """Launch, wait for the end, and stop the job if interrupted (BaseException) before
+        re-raising. Stops it at max_runtime."""
+
+    def probe(self, external_id: str) -> Probe:
+        """For reconcile: is the job with this id still running, and when did it run?"""
+
+    def stop(self, external_id: str, grace: float = 10.0) -> None:
+        """Stop the job (SIGTERM or the cloud's stop); for reconcile and preemption."""

@@ -8,14 +8,19 @@ admitted well within a second of headroom appearing, without Prefect's Retry-Aft
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id
-from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
+from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
@@ -25,6 +30,15 @@ log = logging.getLogger("prefect_gpu_budget.gate")
 
 LIMIT_RETRY_S = 3.0
 """How long an admitted job retries Prefect limits still held by a job that just settled."""
+
+SETTLE_PATIENCE_S = 900.0
+"""How long settlement keeps trying while the ledger is down before it gives up (the record
+then stays open for reconcile: nothing is lost)."""
+
+OUTAGES = (sa.exc.OperationalError, sa.exc.InterfaceError, DependencyDown)
+"""A dependency that is down or restarting, as opposed to a bad request."""
+
+T = TypeVar("T")
 
 
 class AdmissionRefused(Exception):
@@ -46,6 +60,8 @@ class GateEvents:
     admitted: Callable[[Admission], None] = lambda *a: None
     refused: Callable[[str, AdmissionRefused], None] = lambda *a: None
     settled: Callable[[Admission, dict], None] = lambda *a: None
+    outage: Callable[[str], None] = lambda message: log.warning("%s", message)
+    """A dependency (the ledger's database, the Prefect API) is down; the gate keeps trying."""
 
 
 @dataclass
@@ -60,6 +76,8 @@ class Admission:
     waited_s: float
     reason: str
     lease_id: str | None = None
+    caps: tuple[tuple[str, int], ...] = ()
+    slots: int = 0
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
 
@@ -113,16 +131,50 @@ class Gate:
             flow_run_id=flow_run_id,
         )
         started = time.time()
-        job_id, decision = self.ledger.request(new)
+        job_id = str(uuid.uuid4())  # fixed before any retry: a retried request records once
+        _, decision = self.patiently(
+            "recording the request", lambda: self.ledger.request(new, job_id=job_id)
+        )
         try:
             return self._wait(job_id, scope, job, quote, new.rate_cents, (decision, started))
         except AdmissionRefused as refused:
             self.events.refused(job_id, refused)
             raise
         except BaseException:  # cancelled while waiting: give the place (or the admission) back
-            if not self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
-                self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
+
+            def give_back() -> None:
+                if not self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
+                    self.ledger.settle(
+                        job_id, ended_at=time.time(), outcome="cancelled", scope=scope
+                    )
+
+            self.patiently("giving back a cancelled job", give_back, patience=60.0)
             raise
+
+    def patiently(self, what: str, call: Callable[[], T], patience: float | None = None) -> T:
+        """`call()`, retried while the ledger's database or the Prefect API is down, with a
+        clear message every 10 s; after `patience` seconds of outage the error is raised."""
+        delay, down_since, told = 0.2, None, 0.0
+        while True:
+            try:
+                result = call()
+            except OUTAGES as exc:
+                now = time.monotonic()
+                down_since = down_since or now
+                if patience is not None and now - down_since > patience:
+                    raise
+                if now - told >= 10.0:
+                    told = now
+                    self.events.outage(
+                        f"{what}: {_outage(exc)}; retrying until it is back "
+                        f"(down {now - down_since:.0f}s)"
+                    )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            if down_since is not None:
+                self.events.outage(f"{what}: back after {time.monotonic() - down_since:.1f}s")
+            return result
 
     def _wait(
         self,
@@ -155,6 +207,8 @@ class Gate:
                         waited_s=time.time() - started,
                         reason=decision.reason,
                         lease_id=lease,
+                        caps=decision.caps,
+                        slots=slots,
                     )
                     self._start_heartbeat(admission)
                     try:
@@ -168,20 +222,22 @@ class Gate:
                 )
             if not told:
                 told = True
-                self.events.queued(job_id, decision, self.ledger.path_budgets(scope))
+                rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
+                self.events.queued(job_id, decision, rules)
             elif (decision.limit, decision.scope) != last_block:
                 self.events.waiting(job_id, decision)
             last_block = (decision.limit, decision.scope)
             if seen is not None:  # the first wait re-decides at once, with the version known
                 self._sleep_until_change(org, seen)
-            seen = self.ledger.version(org)  # read before deciding: no change slips between
-            decision = self.ledger.try_admit(job_id, scope)
+            # read before deciding: no change slips between
+            seen = self.patiently("polling the ledger", lambda: self.ledger.version(org))
+            decision = self.patiently("deciding", lambda: self.ledger.try_admit(job_id, scope))
 
     def _sleep_until_change(self, org: str, seen: int) -> None:
         deadline = time.monotonic() + self.recheck_s
         while time.monotonic() < deadline:
             time.sleep(self.poll_s)
-            if self.ledger.version(org) != seen:
+            if self.patiently("polling the ledger", lambda: self.ledger.version(org)) != seen:
                 return
 
     def _take_limits(
@@ -190,15 +246,24 @@ class Gate:
         """Lease id, None when no scope on the path has an hourly cap, False when full."""
         if self.limits is None or not caps:
             return None
-        self.limits.ensure(caps)
+        limits = self.limits
+        self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
         deadline = time.monotonic() + LIMIT_RETRY_S
         while True:
-            lease = self.limits.acquire([scope for scope, _ in caps], slots)
-            if lease is not None:
-                self.ledger.record_lease(job_id, lease)  # a crash from here on leaks nothing
+            lease = self.patiently(
+                "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
+            )
+            if lease is not None:  # recorded at once: a crash from here on leaks nothing
+                self.patiently(
+                    "recording the lease",
+                    functools.partial(self.ledger.record_lease, job_id, lease),
+                )
                 return lease
             if time.monotonic() > deadline:
-                self.ledger.unadmit(job_id, scope, self._limit_reason(scope))
+                self.patiently(
+                    "giving the admission back",
+                    lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
+                )
                 return False
             time.sleep(0.02)
 
@@ -213,21 +278,43 @@ class Gate:
             while not admission._stop.wait(self.heartbeat_s):
                 try:
                     self.ledger.heartbeat(admission.job_id)
-                    if admission.lease_id and self.limits is not None:
-                        self.limits.renew(admission.lease_id)
+                    lease, limits = admission.lease_id, self.limits
+                    if lease and limits is not None and not limits.renew(lease):
+                        self._retake_limits(admission)
                 except Exception as exc:  # keep beating: a dependency may come back
-                    log.warning("heartbeat for job %s failed: %s", admission.job_id[:8], exc)
+                    self.events.outage(
+                        f"heartbeat of job {admission.job_id[:8]} failed: {_outage(exc)}"
+                    )
 
         admission._beat = threading.Thread(
             target=beat, name=f"gpu-budget-heartbeat-{admission.job_id[:8]}", daemon=True
         )
         admission._beat.start()
 
+    def _retake_limits(self, admission: Admission) -> None:
+        """The lease expired while Prefect was unreachable and its slots were repossessed:
+        take them again under a new lease, so Prefect's count matches the ledger again."""
+        assert self.limits is not None
+        lease = self.limits.acquire([s for s, _ in admission.caps], admission.slots)
+        if lease is None:
+            self.events.outage(
+                f"job {admission.job_id[:8]} lost its Prefect lease and the limit is full; "
+                "the ledger still counts it"
+            )
+            return
+        admission.lease_id = lease
+        self.ledger.record_lease(admission.job_id, lease)
+        self.events.outage(f"job {admission.job_id[:8]} took its Prefect slots again")
+
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
         """Record that the launcher started the job; refuse if it is no longer admitted."""
-        if not self.ledger.mark_started(admission.job_id, started_at, external_id):
+        if not self.patiently(
+            "recording the start",
+            lambda: self.ledger.mark_started(admission.job_id, started_at, external_id),
+            patience=SETTLE_PATIENCE_S,
+        ):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
             )
@@ -243,20 +330,37 @@ class Gate:
     ) -> dict:
         """Write the actual cost once, then give back the rate slots. Returns the ledger row."""
         admission._stop.set()
+        limits = self.limits
         try:
-            row = self.ledger.settle(
-                admission.job_id,
-                ended_at=ended_at,
-                outcome=outcome,
-                billed_seconds=billed_seconds,
-                actual_micro=actual_micro,
-                scope=admission.scope,
+            row = self.patiently(
+                "settling",
+                lambda: self.ledger.settle(
+                    admission.job_id,
+                    ended_at=ended_at,
+                    outcome=outcome,
+                    billed_seconds=billed_seconds,
+                    actual_micro=actual_micro,
+                    scope=admission.scope,
+                ),
+                patience=SETTLE_PATIENCE_S,
             )
         finally:
-            if admission.lease_id and self.limits is not None:
-                self.limits.release(admission.lease_id)
+            lease = admission.lease_id
+            if lease and limits is not None:
+                self.patiently(
+                    "releasing Prefect limits", lambda: limits.release(lease), patience=120.0
+                )
         if row is None:  # settled already (by reconcile, say): report what the ledger holds
-            row = self.ledger.job(admission.job_id)
+            row = self.patiently("reading the job", lambda: self.ledger.job(admission.job_id))
         self.events.settled(admission, row)
         log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
         return row
+
+
+def _outage(exc: BaseException) -> str:
+    """One line naming what is down, without connection strings (they may hold credentials)."""
+    if isinstance(exc, DependencyDown):
+        return str(exc)
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip().splitlines()[0] if str(orig).strip() else ""
+    return f"the ledger's database is unreachable ({type(orig).__name__}: {text[:160]})"

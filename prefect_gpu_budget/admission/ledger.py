@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,7 +35,7 @@ from prefect_gpu_budget.admission.policy import (
     decide,
     share_in,
 )
-from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path
+from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path, validate_scope
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -99,7 +100,7 @@ jobs = sa.Table(
     sa.Column("ended_at", sa.Float),
     sa.Column("settled_at", sa.Float),
     sa.Column("holder", sa.String(200), nullable=False),
-    sa.Column("launcher", sa.String(32), nullable=False, default="local"),
+    sa.Column("launcher", sa.String(200), nullable=False, default="local"),
     sa.Column("external_id", sa.String(200)),
     sa.Column("lease_id", sa.String(64)),
     sa.Column("flow_run_id", sa.String(36)),
@@ -115,6 +116,16 @@ period_spend = sa.Table(
     sa.Column("period_end", sa.Float, nullable=False),
     sa.Column("settled_micro", sa.BigInteger, nullable=False),
 )
+
+agent_grants = sa.Table(
+    "gpu_agent_grants",
+    metadata,
+    sa.Column("token_sha256", sa.String(64), primary_key=True),
+    sa.Column("scope", sa.String(160), nullable=False, index=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float),
+)
+"""An agent's token (only its hash is kept) binds it to one session scope."""
 
 versions = sa.Table(
     "gpu_versions",
@@ -135,6 +146,10 @@ def normalise_url(url: str) -> str:
     if url.startswith("postgresql://") or url.startswith("postgres://"):
         return "postgresql+psycopg://" + url.split("://", 1)[1]
     return url
+
+
+def _token_hash(token: object) -> str:
+    return hashlib.sha256(str(token).encode("utf-8", "replace")).hexdigest()
 
 
 def _org_lock_key(org: str) -> int:
@@ -326,12 +341,15 @@ class Ledger:
             found = {row["scope"]: _rule(row) for row in rows}
         return [found[s] for s in path if s in found]
 
-    def request(self, job: NewJob, now: float | None = None) -> tuple[str, Decision]:
+    def request(
+        self, job: NewJob, now: float | None = None, job_id: str | None = None
+    ) -> tuple[str, Decision]:
         """Record a job asking to be admitted and decide it at once, in one transaction.
 
         A session scope with no budget first gets its team's session template, if any.
+        Asking again with the same `job_id` (after an outage) records the job once.
         """
-        job_id = str(uuid.uuid4())  # fixed before any retry, so a retry never records twice
+        job_id = job_id or str(uuid.uuid4())  # fixed before any retry: recorded once
         return job_id, self._request(job_id, job, now)
 
     @_reconnecting
@@ -495,6 +513,50 @@ class Ledger:
             ).rowcount
             self._bump(conn, org)
         return bool(done)
+
+    # -- agents ---------------------------------------------------------------------------
+
+    @_reconnecting
+    def grant_agent(self, scope: str, now: float | None = None) -> str:
+        """A new token that lets an agent spend in session `scope` only. Shown once: only its
+        hash is stored."""
+        if validate_scope(scope).count("/") != 2:
+            raise BudgetInputError(
+                "scope", f"an agent is granted one session 'org/team/session', got {scope!r}"
+            )
+        token = "gpub_" + secrets.token_urlsafe(32)
+        with self.engine.begin() as conn:
+            conn.execute(
+                agent_grants.insert().values(
+                    token_sha256=_token_hash(token),
+                    scope=scope,
+                    created_at=time.time() if now is None else now,
+                )
+            )
+        return token
+
+    @_reconnecting
+    def revoke_agent(self, scope: str, now: float | None = None) -> int:
+        """Revoke every token granted for `scope`; returns how many."""
+        with self.engine.begin() as conn:
+            return conn.execute(
+                agent_grants.update()
+                .where(agent_grants.c.scope == scope, agent_grants.c.revoked_at.is_(None))
+                .values(revoked_at=time.time() if now is None else now)
+            ).rowcount
+
+    @_reconnecting
+    def agent_scope(self, token: str) -> str:
+        """The session scope a live token was granted; BudgetInputError otherwise."""
+        with self._read() as conn:
+            row = conn.execute(
+                sa.select(agent_grants.c.scope, agent_grants.c.revoked_at).where(
+                    agent_grants.c.token_sha256 == _token_hash(token)
+                )
+            ).one_or_none()
+        if row is None or row.revoked_at is not None:
+            raise BudgetInputError("agent_token", "unknown or revoked token")
+        return row.scope
 
     # -- running and settlement -----------------------------------------------------------
 

@@ -11,13 +11,40 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 from uuid import UUID
 
 PREFIX = "gpu-budget"
 LEASE_S = 60.0
 """The shortest lease Prefect grants; the heartbeat renews it every `LEASE_S / 4` seconds."""
+
+
+class DependencyDown(RuntimeError):
+    """The Prefect API did not answer (down, restarting, or overloaded)."""
+
+
+@contextlib.contextmanager
+def _prefect_call(what: str) -> Iterator[None]:
+    """Turn transport failures and 5xx answers into DependencyDown, with a one-line reason.
+
+    Prefect's client has already retried by then (it retries a dropped connection with back-off).
+    """
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise DependencyDown(
+            f"the Prefect API is unreachable while {what} ({type(exc).__name__})"
+        ) from None
+    except PrefectHTTPStatusError as exc:
+        if exc.response.status_code < 500:
+            raise
+        raise DependencyDown(
+            f"the Prefect API answered {exc.response.status_code} while {what}"
+        ) from None
 
 
 def limit_name(scope: str) -> str:
@@ -57,7 +84,7 @@ class RateLimits:
             name, cap = limit_name(scope), max(1, cents)
             if self._applied.get(name) == cap:
                 continue
-            with self._lock:
+            with self._lock, _prefect_call("creating concurrency limits"):
                 if self._applied.get(name) == cap:
                     continue
                 try:
@@ -82,27 +109,46 @@ class RateLimits:
         from prefect.exceptions import PrefectHTTPStatusError
 
         try:
-            response = self._client.increment_concurrency_slots_with_lease(
-                names=[limit_name(s) for s in scopes],
-                slots=slots,
-                mode="concurrency",
-                lease_duration=LEASE_S,
-            )
+            with _prefect_call("taking concurrency slots"):
+                response = self._client.increment_concurrency_slots_with_lease(
+                    names=[limit_name(s) for s in scopes],
+                    slots=slots,
+                    mode="concurrency",
+                    lease_duration=LEASE_S,
+                )
         except PrefectHTTPStatusError as exc:
             if exc.response.status_code == 423:
                 return None
             raise
         return str(response.json()["lease_id"])
 
-    def renew(self, lease_id: str) -> None:
-        self._client.renew_concurrency_lease(UUID(lease_id), lease_duration=LEASE_S)
+    def renew(self, lease_id: str) -> bool:
+        """Extend the lease; False if it is gone (expired and its slots repossessed)."""
+        from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+        try:
+            with _prefect_call("renewing a lease"):
+                self._client.renew_concurrency_lease(UUID(lease_id), lease_duration=LEASE_S)
+        except ObjectNotFound:
+            return False
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code in (404, 410):
+                return False
+            raise
+        return True
 
     def release(self, lease_id: str) -> None:
         from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
         # Already expired and repossessed: nothing left to give back.
-        with contextlib.suppress(ObjectNotFound, PrefectHTTPStatusError):
-            self._client.release_concurrency_slots_with_lease(UUID(lease_id))
+        with _prefect_call("releasing slots"):
+            try:
+                self._client.release_concurrency_slots_with_lease(UUID(lease_id))
+            except ObjectNotFound:
+                pass
+            except PrefectHTTPStatusError as exc:
+                if exc.response.status_code >= 500:
+                    raise
 
     def active_slots(self, scope: str) -> int | None:
         """Slots in use in a scope's limit (None if it has none), for status and checks."""

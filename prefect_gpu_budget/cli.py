@@ -29,7 +29,9 @@ app = typer.Typer(
 budget_app = typer.Typer(help="Set and show budgets.", no_args_is_help=True)
 prices_app = typer.Typer(help="The price catalog.", no_args_is_help=True)
 app.add_typer(budget_app, name="budget")
+agent_app = typer.Typer(help="Tokens that bind an agent to its own session.", no_args_is_help=True)
 app.add_typer(prices_app, name="prices")
+app.add_typer(agent_app, name="agent")
 console = Console()
 _state: dict[str, Any] = {"ledger_url": None}
 
@@ -307,6 +309,23 @@ def prices_list() -> None:
             row.source,
         )
     console.print(table)
+
+
+@agent_app.command("grant")
+def agent_grant(
+    scope: str = typer.Argument(..., help="The agent's session, org/team/session."),
+) -> None:
+    """Print a new token for an agent: with it, the agent-sweep and agent-cancel deployments
+    spend and cancel in this session only. Shown once; only its hash is stored."""
+    typer.echo(_ledger().grant_agent(scope))
+
+
+@agent_app.command("revoke")
+def agent_revoke(
+    scope: str = typer.Argument(..., help="The session whose tokens to revoke."),
+) -> None:
+    """Revoke every token granted for a session."""
+    console.print(f"{_ledger().revoke_agent(scope)} token(s) revoked for {scope}")
 
 
 @app.command("reconcile")

@@ -11,6 +11,7 @@ from typing import Any
 
 from prefect.schedules import Cron, Interval
 
+from prefect_gpu_budget.flows.agent import agent_cancel, agent_sweep
 from prefect_gpu_budget.flows.reconcile import reconcile_flow
 from prefect_gpu_budget.flows.spend_report import spend_report
 from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
@@ -18,6 +19,7 @@ from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
 SWEEP = "sweep"
 REPORT = "daily"
 RECONCILE = "every-5-minutes"
+AGENT = "agents"
 EXAMPLE_SPEC = Path(__file__).with_name("nightly-sweep.yaml")
 
 
@@ -25,16 +27,19 @@ ROOT = Path(__file__).resolve().parents[2]
 """The folder that holds the package: a worker on this machine loads the flows from here."""
 
 
-def _flows(from_source: bool) -> tuple[Any, Any, Any]:
+def _flows(from_source: bool) -> tuple[Any, ...]:
+    flows = (
+        (gpu_sweep, "sweep.py:gpu_sweep"),
+        (spend_report, "spend_report.py:spend_report"),
+        (reconcile_flow, "reconcile.py:reconcile_flow"),
+        (agent_sweep, "agent.py:agent_sweep"),
+        (agent_cancel, "agent.py:agent_cancel"),
+    )
     if not from_source:
-        return gpu_sweep, spend_report, reconcile_flow
+        return tuple(flow for flow, _ in flows)
     return tuple(
         flow.from_source(source=str(ROOT), entrypoint=f"prefect_gpu_budget/flows/{entry}")
-        for flow, entry in (
-            (gpu_sweep, "sweep.py:gpu_sweep"),
-            (spend_report, "spend_report.py:spend_report"),
-            (reconcile_flow, "reconcile.py:reconcile_flow"),
-        )
+        for flow, entry in flows
     )
 
 
@@ -45,13 +50,13 @@ def deployments(
     reconcile_every_s: int = 300,
     from_source: bool = False,
 ) -> list[Any]:
-    """The three deployments, ready for `prefect.serve` (or, `from_source`, for a work pool).
+    """The deployments, ready for `prefect.serve` (or, `from_source`, for a work pool).
 
-    The sweep's schedule carries its own parameters (the spec), so a nightly sweep and an
-    agent-triggered one share a deployment; agents override `scope` (their session) or `spec`.
+    The sweep's schedule carries its own parameters (the spec). Agents call `agent-sweep/agents`
+    and `agent-cancel/agents` with their token: the token, not a parameter, picks the session.
     """
     spec = SweepSpec.from_yaml(sweep_spec).model_dump(mode="json")
-    sweep, report, reconcile = _flows(from_source)
+    sweep, report, reconcile, agent_run, agent_stop = _flows(from_source)
     return [
         sweep.to_deployment(
             name=SWEEP,
@@ -61,6 +66,12 @@ def deployments(
         ),
         report.to_deployment(name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
         reconcile.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
+        agent_run.to_deployment(
+            name=AGENT, description="A GPU sweep in the calling agent's session (by its token)."
+        ),
+        agent_stop.to_deployment(
+            name=AGENT, description="Cancel one of the calling agent's queued GPU jobs."
+        ),
     ]
 
 

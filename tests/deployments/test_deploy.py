@@ -1,4 +1,4 @@
-"""`deploy` registers the three deployments on a work pool, schedules and parameters included."""
+"""`deploy` registers the deployments on a work pool, schedules and parameters included."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ def test_deploy_to_a_process_work_pool(prefect_api):
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="gpu-test", type="process"))
     ids = deploy("gpu-test", sweep_cron="30 1 * * *")
-    assert len(ids) == 3
+    assert len(ids) == 5
     with get_client(sync_client=True) as client:
         found = {d.name: d for d in client.read_deployments() if d.work_pool_name == "gpu-test"}
-    assert set(found) == {"sweep", "daily", "every-5-minutes"}
+    assert set(found) == {"sweep", "daily", "every-5-minutes", "agents"}
     sweep = found["sweep"]
     assert sweep.entrypoint == "prefect_gpu_budget/flows/sweep.py:gpu_sweep"
     assert sweep.pull_steps[0]["prefect.deployments.steps.set_working_directory"][

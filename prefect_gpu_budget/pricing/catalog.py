@@ -76,6 +76,23 @@ class Quote:
         )
 
 
+def refreshed_dir() -> Path:
+    """Where `prices refresh` writes dated catalogs (`catalog-YYYY-MM-DD.csv`)."""
+    explicit = os.environ.get("PREFECT_GPU_BUDGET_CATALOG_DIR")
+    if explicit:
+        return Path(explicit)
+    from prefect.settings import PREFECT_HOME
+
+    return Path(PREFECT_HOME.value()) / "gpu-budget" / "catalogs"
+
+
+def latest_refresh() -> Path | None:
+    """The newest dated catalog written by `prices refresh`, if any."""
+    folder = refreshed_dir()
+    found = sorted(folder.glob("catalog-????-??-??.csv")) if folder.is_dir() else []
+    return found[-1] if found else None
+
+
 def user_prices_path() -> Path:
     explicit = os.environ.get("PREFECT_GPU_BUDGET_PRICES")
     if explicit:
@@ -110,14 +127,16 @@ def _read(path: Path) -> list[PriceRow]:
 
 
 class Catalog:
-    """Price rows by (`cloud:instance_type`, provisioning); later files override earlier ones."""
+    """Price rows by (`cloud:instance_type`, provisioning); later files override earlier ones:
+    the shipped catalog, then the newest refreshed one, then the user's own prices."""
 
     def __init__(self, rows: list[PriceRow]) -> None:
         self._rows = {(row.key, row.provisioning): row for row in rows}
 
     @classmethod
     def load(cls, *extra: Path) -> Catalog:
-        paths = [SHIPPED, *extra]
+        refreshed = latest_refresh()
+        paths = [SHIPPED, *([refreshed] if refreshed else []), *extra]
         user = user_prices_path()
         if user.exists():
             paths.append(user)
@@ -199,11 +218,17 @@ def set_local_price(
         date.today(),
         True,
     )
+    write_rows(path, [*rows, row])
+    return path
+
+
+def write_rows(path: Path, rows: list[PriceRow]) -> None:
+    """Write price rows as a catalog CSV (the shipped file's columns)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(COLUMNS)
-        for r in [*rows, row]:
+        for r in rows:
             writer.writerow(
                 [
                     r.cloud,
@@ -220,7 +245,6 @@ def set_local_price(
                 ]
             )
     default_catalog.cache_clear()
-    return path
 
 
 @lru_cache(maxsize=1)

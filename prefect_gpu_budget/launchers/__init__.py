@@ -1,3 +1,8 @@
+"""Launchers run admitted jobs: local processes, Vertex AI custom jobs, SageMaker training jobs,
+or flow runs of any Prefect deployment. The cloud ones load their SDKs on first use."""
+
+from typing import Any
+
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
     Launcher,
@@ -6,4 +11,28 @@ from prefect_gpu_budget.launchers.base import (
 )
 from prefect_gpu_budget.launchers.local import LocalLauncher
 
-__all__ = ["LaunchConfigError", "LaunchResult", "Launcher", "LocalLauncher", "Probe"]
+_LAZY = {
+    "DeploymentLauncher": "prefect_gpu_budget.launchers.deployment",
+    "SageMakerLauncher": "prefect_gpu_budget.launchers.sagemaker",
+    "VertexLauncher": "prefect_gpu_budget.launchers.vertex",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "DeploymentLauncher",
+    "LaunchConfigError",
+    "LaunchResult",
+    "Launcher",
+    "LocalLauncher",
+    "Probe",
+    "SageMakerLauncher",
+    "VertexLauncher",
+]

@@ -10,7 +10,11 @@ from prefect_gpu_budget.blocks import GpuBudget, SpendLedger
 def _blocks() -> list[type[Block]]:
     import prefect_gpu_budget.blocks as module
 
-    return [getattr(module, name) for name in module.__all__]
+    import prefect_gpu_budget.launchers as launchers
+
+    found = [getattr(module, name) for name in module.__all__]
+    found += [getattr(launchers, name) for name in ("SageMakerLauncher", "VertexLauncher")]
+    return [b for b in found if isinstance(b, type) and issubclass(b, Block)]
 
 
 @pytest.mark.parametrize("block", _blocks())

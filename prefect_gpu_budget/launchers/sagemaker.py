@@ -1,0 +1,424 @@
+"""SageMaker launcher: one GPU job as one SageMaker training job.
+
+Credentials and region come from prefect-aws's `AwsCredentials` block; its
+`aws_client_parameters.endpoint_url` points the client at another endpoint when one is set.
+
+Money: SageMaker reports `BillableTimeInSeconds`, the wall-clock seconds it bills for each
+instance, so a job costs billable seconds x the quote's rate (which is already x the instance
+count). Managed spot bills the on-demand rate for fewer billable seconds than the job trained, so
+the catalog's `sagemaker` spot rows carry the on-demand price: the gate reserves the worst case
+and a spot job's saving shows up as an actual cost below its reservation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import boto3
+import botocore.session
+from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
+from prefect.blocks.core import Block
+from prefect_aws import AwsCredentials
+from pydantic import Field
+
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import LaunchConfigError, LaunchResult, Probe, StartHook
+from prefect_gpu_budget.pricing.catalog import Quote
+from prefect_gpu_budget.units import cost_micro, shown
+
+_MODEL = botocore.session.get_session().get_service_model("sagemaker")
+TRAINING_INSTANCE_TYPES = frozenset(_MODEL.shape_for("TrainingInstanceType").enum)
+"""The instance types CreateTrainingJob accepts, from botocore's SageMaker service model."""
+SAGEMAKER_REGIONS = frozenset(
+    region
+    for partition in botocore.session.get_session().get_available_partitions()
+    for region in botocore.session.get_session().get_available_regions("sagemaker", partition)
+)
+"""Regions with a SageMaker endpoint, from botocore's endpoint data."""
+ROLE_ARN = re.compile(r"arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+")
+S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/\S*)?")
+ENV_KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+NAME_PART = re.compile(r"[^a-zA-Z0-9]+")
+
+FINISHED = ("Completed", "Failed", "Stopped")
+STOP_REASONS = ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
+MAX_DESCRIBE_ERRORS = 20
+"""Consecutive failed DescribeTrainingJob calls after which `run` stops the job and gives up."""
+
+
+def _one_line(exc: BaseException) -> str:
+    return _first_line(str(exc)) or type(exc).__name__
+
+
+def _first_line(text: str) -> str:
+    text = text.strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _seconds(value: Any) -> float | None:
+    """A boto3 timestamp (an aware datetime) as epoch seconds."""
+    return None if value is None else value.timestamp()
+
+
+class SageMakerLauncher(Block):
+    """Runs a GPU job as a SageMaker training job, stopped at the job's max_runtime.
+
+    The job's `instance_type` is `sagemaker:<ml instance type>` (e.g. `sagemaker:ml.g5.xlarge`),
+    `nodes` is the instance count, `command` becomes the container's entrypoint and arguments and
+    `env` its environment. `provisioning="spot"` uses managed spot training with checkpoints.
+    The job is settled from SageMaker's BillableTimeInSeconds.
+
+    Example:
+        ```python
+        from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
+
+        launcher = SageMakerLauncher.load("BLOCK_NAME")
+        ```
+    """
+
+    _block_type_name = "SageMaker GPU Launcher"
+    _block_type_slug = "sagemaker-gpu-launcher"
+    _logo_url = "https://cdn.sanity.io/images/3ugk85nk/production/d74b16fe84ce626345adf235a47008fea2869a60-225x225.png"  # noqa: E501
+    _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
+    _description = (
+        "Runs admitted GPU jobs as SageMaker training jobs and settles their billed time."
+    )
+
+    kind: ClassVar[str] = "sagemaker"
+
+    aws_credentials: AwsCredentials = Field(
+        default_factory=AwsCredentials,
+        description="AWS credentials and region; an endpoint_url in its client parameters is used.",
+    )
+    role_arn: str | None = Field(
+        default=None, description="IAM role that SageMaker assumes to run the training job."
+    )
+    image_uri: str | None = Field(
+        default=None, description="Training container image, e.g. an ECR image URI."
+    )
+    output_s3_uri: str | None = Field(
+        default=None, description="S3 URI under which SageMaker writes the job's output."
+    )
+    checkpoint_s3_uri: str | None = Field(
+        default=None,
+        description="S3 URI for checkpoints; required for spot, so an interrupted job resumes.",
+    )
+    spot_max_wait: int = Field(
+        default=3600,
+        ge=0,
+        description="Seconds a spot job may wait for capacity beyond its max_runtime.",
+    )
+    volume_size_gb: int = Field(
+        default=50, ge=1, description="Size of each instance's training volume, in GB."
+    )
+    poll_s: float = Field(
+        default=10.0, gt=0, description="Seconds between DescribeTrainingJob calls."
+    )
+
+    # -- settings --------------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> LaunchConfigError:
+        return LaunchConfigError(self.kind, reason)
+
+    def region(self) -> str:
+        """The region jobs run in: the credentials block's, else the AWS profile or environment."""
+        name = self.aws_credentials.region_name
+        if not name:
+            try:
+                name = boto3.Session(profile_name=self.aws_credentials.profile_name).region_name
+            except ProfileNotFound as exc:
+                raise self._fail(f"aws_credentials: {_one_line(exc)}") from None
+        if not name:
+            raise self._fail("no AWS region: set region_name on the AwsCredentials block")
+        return name
+
+    def preflight(self, job: GpuJob, quote: Quote) -> None:
+        """Raise LaunchConfigError with a one-line reason if the job cannot launch as set up.
+
+        Reads only local settings and botocore's data: nothing is called or created on AWS.
+        """
+        cloud, _, instance = job.instance_type.partition(":")
+        if cloud != "sagemaker" or not instance.startswith("ml."):
+            raise self._fail(
+                f"instance_type must be 'sagemaker:ml.<type>', got {shown(job.instance_type)}"
+            )
+        if instance not in TRAINING_INSTANCE_TYPES:
+            raise self._fail(f"SageMaker training does not offer instance type {shown(instance)}")
+        if (quote.row.key, quote.row.provisioning) != (job.instance_type, job.provisioning):
+            raise self._fail(
+                f"the quote is for {quote.row.key} ({quote.row.provisioning}), not this job"
+            )
+        if job.provisioning == "flex-start":
+            raise self._fail(
+                "SageMaker training has no flex-start provisioning: use on-demand or spot"
+            )
+        region = self.region()
+        if region not in SAGEMAKER_REGIONS:
+            raise self._fail(f"region {shown(region)} has no SageMaker endpoint")
+        if not self.role_arn:
+            raise self._fail("role_arn is required: the IAM role SageMaker assumes to run the job")
+        if not ROLE_ARN.fullmatch(self.role_arn):
+            raise self._fail(
+                f"role_arn must look like arn:aws:iam::<12-digit account>:role/<name>, "
+                f"got {shown(self.role_arn)}"
+            )
+        if not self.image_uri:
+            raise self._fail("image_uri is required: the training container image")
+        if len(self.image_uri) > 255 or any(c.isspace() for c in self.image_uri):
+            raise self._fail("image_uri must be one word of at most 255 characters")
+        self._check_s3("output_s3_uri", self.output_s3_uri, required=True)
+        self._check_s3("checkpoint_s3_uri", self.checkpoint_s3_uri, required=False)
+        if job.provisioning == "spot" and not self.checkpoint_s3_uri:
+            raise self._fail(
+                "spot jobs need checkpoint_s3_uri: an interrupted spot job resumes from it"
+            )
+        self._check_container(job.command, job.env)
+
+    def _check_s3(self, name: str, uri: str | None, *, required: bool) -> None:
+        if uri is None and not required:
+            return
+        if not uri:
+            raise self._fail(f"{name} is required: an S3 URI like s3://bucket/prefix")
+        if len(uri) > 1024 or not S3_URI.fullmatch(uri):
+            raise self._fail(f"{name} must be an S3 URI like s3://bucket/prefix, got {shown(uri)}")
+
+    def _check_container(self, command: list[str] | None, env: dict[str, str]) -> None:
+        if command and (len(command) > 101 or any(len(part) > 256 for part in command)):
+            raise self._fail("command: SageMaker takes at most 100 arguments of 256 characters")
+        if len(env) > 100:
+            raise self._fail(f"env: SageMaker takes at most 100 variables, got {len(env)}")
+        for key, value in env.items():
+            if not ENV_KEY.fullmatch(key) or len(key) > 512:
+                raise self._fail(f"env: {shown(key)} is not a valid environment variable name")
+            if len(value) > 512:
+                raise self._fail(f"env: the value of {key} is longer than 512 characters")
+
+    # -- the request -----------------------------------------------------------------------------
+
+    @staticmethod
+    def training_job_name(job: GpuJob) -> str:
+        """A fresh, valid training-job name: the job's name, a UTC stamp and a random suffix."""
+        base = NAME_PART.sub("-", job.name or "gpu-budget").strip("-")[:40] or "gpu-budget"
+        return f"{base}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+    def training_job_request(
+        self, job: GpuJob, name: str, env: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """The CreateTrainingJob arguments for a job (after `preflight`)."""
+        instance = job.instance_type.partition(":")[2]
+        algorithm: dict[str, Any] = {"TrainingImage": self.image_uri, "TrainingInputMode": "File"}
+        if job.command:
+            algorithm["ContainerEntrypoint"] = job.command[:1]
+            if job.command[1:]:
+                algorithm["ContainerArguments"] = job.command[1:]
+        max_runtime = math.ceil(job.max_runtime)
+        stopping: dict[str, int] = {"MaxRuntimeInSeconds": max_runtime}
+        request: dict[str, Any] = {
+            "TrainingJobName": name,
+            "RoleArn": self.role_arn,
+            "AlgorithmSpecification": algorithm,
+            "OutputDataConfig": {"S3OutputPath": self.output_s3_uri},
+            "ResourceConfig": {
+                "InstanceType": instance,
+                "InstanceCount": job.nodes,
+                "VolumeSizeInGB": self.volume_size_gb,
+            },
+            "StoppingCondition": stopping,
+        }
+        environment = {**job.env, **(env or {})}
+        if environment:
+            request["Environment"] = environment
+        if job.provisioning == "spot":
+            request["EnableManagedSpotTraining"] = True
+            stopping["MaxWaitTimeInSeconds"] = max_runtime + self.spot_max_wait
+        if self.checkpoint_s3_uri:
+            request["CheckpointConfig"] = {"S3Uri": self.checkpoint_s3_uri}
+        return request
+
+    def _client(self) -> Any:
+        return self.aws_credentials.get_client("sagemaker")
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def run(
+        self,
+        job: GpuJob,
+        quote: Quote,
+        *,
+        on_start: StartHook,
+        log: Callable[[str], None],
+        env: dict[str, str] | None = None,
+    ) -> LaunchResult:
+        """Create the training job, follow it to its end and report what SageMaker billed.
+
+        Any BaseException while it runs (cancellation, a failing callback) stops the training
+        job before it is re-raised. If SageMaker has not ended the job by max_runtime plus the
+        job's kill grace (spot: plus spot_max_wait), it is stopped from here.
+        """
+        try:
+            self.preflight(job, quote)
+            self._check_container(None, {**job.env, **(env or {})})
+        except LaunchConfigError as exc:
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail=exc.reason)
+        client = self._client()
+        name = self.training_job_name(job)
+        try:
+            client.create_training_job(**self.training_job_request(job, name, env))
+        except (ClientError, BotoCoreError) as exc:
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail=_one_line(exc))
+        except BaseException:  # interrupted mid-call: the job may exist
+            self._stop_quietly(client, name, log)
+            raise
+        log(f"SageMaker training job {name} created ({quote.describe()})")
+        try:
+            return self._follow(client, job, quote, name, on_start, log)
+        except BaseException:
+            self._stop_quietly(client, name, log)
+            raise
+
+    def _follow(
+        self,
+        client: Any,
+        job: GpuJob,
+        quote: Quote,
+        name: str,
+        on_start: StartHook,
+        log: Callable[[str], None],
+    ) -> LaunchResult:
+        spot = job.provisioning == "spot"
+        limit = math.ceil(job.max_runtime) + job.kill_grace
+        deadline = time.time() + limit + self.spot_max_wait if spot else None
+        seen: tuple[str, str] | None = None
+        started = False
+        stopped_here = False
+        errors = 0
+        while True:
+            try:
+                described = client.describe_training_job(TrainingJobName=name)
+                errors = 0
+            except (ClientError, BotoCoreError) as exc:
+                errors += 1
+                log(f"SageMaker training job {name}: describe failed ({errors}): {_one_line(exc)}")
+                if errors >= MAX_DESCRIBE_ERRORS:
+                    raise RuntimeError(f"lost track of SageMaker training job {name}") from exc
+                time.sleep(self.poll_s)
+                continue
+            status = described["TrainingJobStatus"]
+            secondary = described.get("SecondaryStatus", "")
+            if (status, secondary) != seen:
+                seen = (status, secondary)
+                log(f"SageMaker training job {name}: {status} ({secondary}){_message(described)}")
+            start = _seconds(described.get("TrainingStartTime"))
+            if start is not None and not started:
+                started = True
+                on_start(start, name)
+                if not spot:
+                    deadline = start + limit
+            if status in FINISHED:
+                return self._result(described, quote, stopped_here)
+            if not stopped_here and deadline is not None and time.time() > deadline:
+                log(f"SageMaker training job {name} passed max_runtime plus grace: stopping it")
+                self._stop_quietly(client, name, log)
+                stopped_here = True
+            time.sleep(self.poll_s)
+
+    def _result(self, described: dict[str, Any], quote: Quote, stopped_here: bool) -> LaunchResult:
+        status = described["TrainingJobStatus"]
+        secondary = described.get("SecondaryStatus", "")
+        created = _seconds(described.get("CreationTime"))
+        start = _seconds(described.get("TrainingStartTime"))
+        end = _seconds(described.get("TrainingEndTime") or described.get("LastModifiedTime"))
+        end = time.time() if end is None else end
+        billed = described.get("BillableTimeInSeconds")
+        if start is None:
+            billed, actual = 0.0, 0
+        else:
+            if billed is None:  # SageMaker leaves it out: bill the whole training time
+                billed = max(0.0, end - start)
+            actual = cost_micro(quote.rate_micro_per_hour, billed, round_up=True)
+        if status == "Completed":
+            outcome = "completed"
+        elif secondary == "MaxWaitTimeExceeded" and start is None:
+            outcome = "wait_expired"
+        elif secondary in STOP_REASONS or (status == "Stopped" and stopped_here):
+            outcome = "timed_out"
+        else:
+            outcome = "failed" if status == "Failed" else "cancelled"
+        detail = described.get("FailureReason") or ("" if outcome == "completed" else secondary)
+        first = start if start is not None else end
+        return LaunchResult(
+            outcome,
+            started_at=first,
+            ended_at=max(end, first),
+            exit_code=0 if outcome == "completed" else None,
+            detail=_first_line(detail),
+            billed_seconds=float(billed),
+            actual_micro=actual,
+            external_id=described["TrainingJobName"],
+            capacity_wait_s=max(0.0, first - created) if created is not None else 0.0,
+        )
+
+    def _stop_quietly(self, client: Any, name: str, log: Callable[[str], None]) -> None:
+        """StopTrainingJob; never raises (the job may have ended, or never been created)."""
+        try:
+            client.stop_training_job(TrainingJobName=name)
+            note = "stop requested"
+        except (ClientError, BotoCoreError) as exc:
+            note = f"stop not needed or failed: {_one_line(exc)}"
+        with contextlib.suppress(Exception):  # a failing log must not hide the first error
+            log(f"SageMaker training job {name}: {note}")
+
+    # -- reconcile -------------------------------------------------------------------------------
+
+    def probe(self, external_id: str) -> Probe:
+        """Is the training job still billing, and when did it run?
+
+        A finished job reports its billable seconds; the ledger prices them at the job's rate.
+        """
+        try:
+            described = self._client().describe_training_job(TrainingJobName=external_id)
+        except (ClientError, BotoCoreError):
+            return Probe("unknown")
+        start = _seconds(described.get("TrainingStartTime"))
+        if described["TrainingJobStatus"] not in FINISHED:
+            return Probe("running", started_at=start)
+        end = _seconds(described.get("TrainingEndTime") or described.get("LastModifiedTime"))
+        if start is None:
+            return Probe("finished", started_at=end, ended_at=end, billed_seconds=0.0)
+        billed = described.get("BillableTimeInSeconds")
+        return Probe(
+            "finished",
+            started_at=start,
+            ended_at=end,
+            billed_seconds=float(billed) if billed is not None else None,
+        )
+
+    def stop(self, external_id: str, grace: float = 10.0) -> None:
+        """StopTrainingJob, then wait up to `grace` seconds for SageMaker to report it ended."""
+        client = self._client()
+        try:
+            client.stop_training_job(TrainingJobName=external_id)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "ValidationException":
+                return  # not running any more
+            raise
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            described = client.describe_training_job(TrainingJobName=external_id)
+            if described["TrainingJobStatus"] in FINISHED:
+                return
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def _message(described: dict[str, Any]) -> str:
+    transitions = described.get("SecondaryStatusTransitions") or []
+    message = _first_line(transitions[-1].get("StatusMessage") or "") if transitions else ""
+    return f": {message}" if message else ""

@@ -1,0 +1,511 @@
+"""Vertex AI launcher: an admitted job runs as a Vertex AI custom job.
+
+A job names a Compute Engine machine type, `gcp:<machine-type>` (the catalog prices GCP machines
+under cloud `gcp`), e.g. `gcp:a3-highgpu-8g`. The launcher submits one CustomJob through
+google-cloud-aiplatform with that machine type, the accelerator of the catalog row's GPU model
+and its GPU count, `job.nodes` replicas that Vertex starts together (the primary replica in the
+first worker pool, as Vertex requires, the others in a second pool of the same shape), the
+scheduling strategy of the job's provisioning (on-demand STANDARD, spot SPOT, flex-start
+FLEX_START with `maxWaitDuration`) and `scheduling.timeout` = the job's max_runtime, never a
+default.
+
+It polls the job, logs its state changes (and, while it waits for capacity, how long so far),
+reports the start to the gate when Vertex sets the job's start time, and returns the real start
+and end times. While a FLEX_START or SPOT job waits for capacity it holds its reservation but is
+not billed; the wait comes back as `capacity_wait_s`. The job is cancelled when the run is
+cancelled, and, as a backstop to Vertex's own timeout, when it runs past max_runtime.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from typing import Annotated, ClassVar
+
+from google.api_core import exceptions as api_errors
+from google.api_core import retry as api_retry
+from google.auth import exceptions as auth_errors
+from google.cloud import aiplatform_v1 as vertex
+from google.protobuf import duration_pb2
+from prefect.blocks.core import Block
+from prefect_gcp import GcpCredentials
+from pydantic import BeforeValidator, Field
+
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import LaunchConfigError, LaunchResult, Probe, StartHook
+from prefect_gpu_budget.pricing.catalog import Quote
+from prefect_gpu_budget.units import fmt_duration, parse_duration
+
+VERTEX_TRAINING_REGIONS = frozenset(
+    {
+        "africa-south1",
+        "asia-east1",
+        "asia-east2",
+        "asia-northeast1",
+        "asia-northeast2",
+        "asia-northeast3",
+        "asia-south1",
+        "asia-southeast1",
+        "asia-southeast2",
+        "australia-southeast1",
+        "australia-southeast2",
+        "europe-central2",
+        "europe-north1",
+        "europe-southwest1",
+        "europe-west1",
+        "europe-west2",
+        "europe-west3",
+        "europe-west4",
+        "europe-west6",
+        "europe-west8",
+        "europe-west9",
+        "europe-west12",
+        "me-central1",
+        "me-central2",
+        "me-west1",
+        "northamerica-northeast1",
+        "northamerica-northeast2",
+        "southamerica-east1",
+        "southamerica-west1",
+        "us-central1",
+        "us-east1",
+        "us-east4",
+        "us-east5",
+        "us-south1",
+        "us-west1",
+        "us-west2",
+        "us-west3",
+        "us-west4",
+    }
+)
+"""Regions where Vertex AI runs custom training jobs."""
+
+ACCELERATORS = {
+    "L4 24GB": "NVIDIA_L4",
+    "A100 40GB": "NVIDIA_TESLA_A100",
+    "A100 80GB": "NVIDIA_A100_80GB",
+    "H100 80GB": "NVIDIA_H100_80GB",
+    "H100 Mega 80GB": "NVIDIA_H100_MEGA_80GB",
+    "H200 141GB": "NVIDIA_H200_141GB",
+    "B200 180GB": "NVIDIA_B200",
+}
+"""Catalog GPU model -> Vertex accelerator type."""
+
+MACHINE_FAMILIES = {
+    "g2-standard": "NVIDIA_L4",
+    "a2-highgpu": "NVIDIA_TESLA_A100",
+    "a2-ultragpu": "NVIDIA_A100_80GB",
+    "a3-highgpu": "NVIDIA_H100_80GB",
+    "a3-edgegpu": "NVIDIA_H100_80GB",
+    "a3-megagpu": "NVIDIA_H100_MEGA_80GB",
+    "a3-ultragpu": "NVIDIA_H200_141GB",
+    "a4-highgpu": "NVIDIA_B200",
+}
+"""GPU machine family -> the only accelerator it comes with."""
+
+STRATEGIES = {"on-demand": "STANDARD", "spot": "SPOT", "flex-start": "FLEX_START"}
+DWS_MAX_RUNTIME_S = 7 * 86400
+"""FLEX_START jobs run at most 7 days."""
+
+WAITING = ("JOB_STATE_QUEUED", "JOB_STATE_PENDING")
+ENDED = (
+    "JOB_STATE_SUCCEEDED",
+    "JOB_STATE_FAILED",
+    "JOB_STATE_CANCELLED",
+    "JOB_STATE_EXPIRED",
+    "JOB_STATE_PARTIALLY_SUCCEEDED",
+)
+RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = 8, 4
+"""google.rpc codes in `CustomJob.error`: a FLEX_START wait that ran out; a job timeout."""
+WAIT_LOG_S = 300.0
+"""While a job waits for capacity, say so again this often."""
+FLEX_WAIT_SLACK_S = 60.0
+"""How long past its max wait a FLEX_START job may still be queued before we cancel it."""
+LAUNCH_LABEL = "gpu-budget-launch"
+
+_POLL_RETRY = api_retry.Retry(
+    predicate=api_retry.if_transient_error, initial=1.0, maximum=30.0, timeout=300.0
+)
+"""Reads and cancels ride out passing errors for 5 minutes; a create is never retried."""
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _api_error(exc: Exception) -> str:
+    if isinstance(exc, api_errors.GoogleAPICallError):  # REST messages start "GET <url>: "
+        message = re.sub(r"^[A-Z]+ \S+: ", "", str(exc.message))
+        return _one_line(f"{type(exc).__name__}: {message}")
+    return _one_line(f"{type(exc).__name__}: {exc}")
+
+
+def _seconds(when: datetime | None) -> float | None:
+    return None if when is None else when.timestamp()
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int(round((seconds - whole) * 1e9)))
+
+
+def _state(job: vertex.CustomJob) -> str:
+    return vertex.JobState(job.state).name
+
+
+class VertexLauncher(Block):
+    """Runs admitted GPU jobs as Vertex AI custom jobs (on-demand, spot or flex-start).
+
+    Jobs name `gcp:<machine-type>`; the accelerator comes from the price catalog's row. The
+    job's max_runtime becomes the custom job's timeout, `nodes` its replica count, and its
+    provisioning the scheduling strategy (FLEX_START waits for capacity for at most
+    `capacity_max_wait`, 0 = forever).
+    """
+
+    _block_type_name = "Vertex AI GPU Launcher"
+    _block_type_slug = "vertex-ai-gpu-launcher"
+    _logo_url = "https://cdn.sanity.io/images/3ugk85nk/production/10424e311932e31c477ac2b9ef3d53cefbaad708-250x250.png"  # noqa: E501
+    _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
+    _description = "Runs budget-gated GPU jobs as Vertex AI custom jobs."
+
+    kind: ClassVar[str] = "vertex"
+
+    gcp_credentials: GcpCredentials = Field(
+        description="The GCP credentials the custom jobs are submitted with."
+    )
+    project: str | None = Field(
+        default=None, description="GCP project to run in; the credentials' project when empty."
+    )
+    region: str = Field(default="us-central1", description="Vertex AI region, e.g. us-central1.")
+    image_uri: str | None = Field(
+        default=None, description="Container image the job runs, e.g. in Artifact Registry."
+    )
+    service_account: str | None = Field(
+        default=None, description="Service account the job runs as; Vertex's default if empty."
+    )
+    api_endpoint: str | None = Field(
+        default=None,
+        description="Vertex AI API endpoint; `{region}-aiplatform.googleapis.com` when empty.",
+    )
+    capacity_max_wait: Annotated[
+        float, BeforeValidator(lambda v: parse_duration(v, "capacity_max_wait", allow_zero=True))
+    ] = Field(
+        default=86400.0,
+        description=(
+            "Longest a flex-start or spot job waits for capacity, in seconds or like '6h'; "
+            "0 waits forever."
+        ),
+    )
+    poll_s: float = Field(
+        default=15.0, gt=0, le=600, description="Seconds between reads of the job's state."
+    )
+
+    # -- settings ---------------------------------------------------------------------------
+
+    def _project(self) -> str | None:
+        return self.project or self.gcp_credentials.project
+
+    def _parent(self) -> str:
+        return f"projects/{self._project()}/locations/{self.region}"
+
+    def _client(self) -> vertex.JobServiceClient:
+        endpoint = self.api_endpoint or f"{self.region}-aiplatform.googleapis.com"
+        return vertex.JobServiceClient(
+            credentials=self.gcp_credentials.get_credentials_from_service_account(),
+            transport="rest",
+            client_options={"api_endpoint": endpoint},
+        )
+
+    def _error(self, reason: str) -> LaunchConfigError:
+        return LaunchConfigError(self.kind, reason)
+
+    def _machine(self, quote: Quote) -> tuple[str, str]:
+        """(machine type, accelerator type) for the quoted catalog row."""
+        row = quote.row
+        if row.cloud != "gcp":
+            raise self._error(
+                f"instance_type: {row.key} is not a GCP machine type (use gcp:<machine-type>)"
+            )
+        accelerator = ACCELERATORS.get(row.gpu_model)
+        family = MACHINE_FAMILIES.get(row.instance_type.rsplit("-", 1)[0])
+        if accelerator is None or family is None or row.gpus < 1:
+            raise self._error(
+                f"instance_type: {row.key} ({row.gpu_model or 'no GPU'}) is not a GPU machine "
+                f"type Vertex AI offers here; known families: {', '.join(MACHINE_FAMILIES)}"
+            )
+        if family != accelerator:
+            raise self._error(
+                f"instance_type: {row.key} comes with {family}, but its catalog row says "
+                f"{row.gpu_model}"
+            )
+        return row.instance_type, accelerator
+
+    def preflight(self, job: GpuJob, quote: Quote) -> None:
+        """One-line `LaunchConfigError` for a setting Vertex would refuse; creates nothing.
+
+        Checks the region, the machine type and accelerator, the image, the project, the
+        flex-start 7-day limit, and, with one read-only list call, that the credentials may
+        use Vertex AI in this project and region.
+        """
+        if self.region not in VERTEX_TRAINING_REGIONS:
+            raise self._error(f"region: {self.region!r} is not a Vertex AI training region")
+        self._machine(quote)
+        if not self.image_uri:
+            raise self._error("image_uri: required, the container image the job runs")
+        if not self._project():
+            raise self._error("project: not set on the launcher nor in its GCP credentials")
+        if job.provisioning == "flex-start" and job.max_runtime > DWS_MAX_RUNTIME_S:
+            raise self._error(
+                f"max_runtime: flex-start jobs run at most 7 days, got {fmt_duration(job.max_runtime)}"
+            )
+        try:
+            self._client().list_custom_jobs(request={"parent": self._parent(), "page_size": 1})
+        except auth_errors.GoogleAuthError as exc:
+            raise self._error(f"gcp_credentials: {_one_line(str(exc))}") from None
+        except (api_errors.GoogleAPICallError, OSError) as exc:
+            field = {
+                api_errors.Unauthorized: "gcp_credentials",
+                api_errors.Forbidden: "gcp_credentials or project",
+            }.get(type(exc), "region or api_endpoint")
+            raise self._error(
+                f"{field}: cannot use Vertex AI in {self._parent()}: {_api_error(exc)}"
+            ) from None
+
+    # -- the job -----------------------------------------------------------------------------
+
+    def custom_job(
+        self, job: GpuJob, quote: Quote, env: dict[str, str] | None = None
+    ) -> vertex.CustomJob:
+        """The CustomJob this launcher submits for `job`."""
+        machine, accelerator = self._machine(quote)
+        container = vertex.ContainerSpec(
+            image_uri=self.image_uri or "",
+            command=list(job.command or []),
+            env=[vertex.EnvVar(name=k, value=v) for k, v in {**job.env, **(env or {})}.items()],
+        )
+        shape = vertex.MachineSpec(
+            machine_type=machine, accelerator_type=accelerator, accelerator_count=quote.row.gpus
+        )
+        pools = [
+            vertex.WorkerPoolSpec(machine_spec=shape, replica_count=1, container_spec=container)
+        ]
+        if job.nodes > 1:
+            pools.append(
+                vertex.WorkerPoolSpec(
+                    machine_spec=shape, replica_count=job.nodes - 1, container_spec=container
+                )
+            )
+        scheduling = vertex.Scheduling(
+            strategy=STRATEGIES[job.provisioning], timeout=_duration(job.max_runtime)
+        )
+        if job.provisioning == "flex-start":  # sent even when 0: left out, Vertex waits 1 day
+            scheduling.max_wait_duration = _duration(self.capacity_max_wait)
+        return vertex.CustomJob(
+            display_name=(job.name or f"gpu-budget {machine}")[:128],
+            job_spec=vertex.CustomJobSpec(
+                worker_pool_specs=pools,
+                scheduling=scheduling,
+                service_account=self.service_account or "",
+            ),
+            labels={"managed-by": "prefect-gpu-budget", LAUNCH_LABEL: uuid.uuid4().hex},
+        )
+
+    def run(
+        self,
+        job: GpuJob,
+        quote: Quote,
+        *,
+        on_start: StartHook,
+        log: Callable[[str], None] = print,
+        env: dict[str, str] | None = None,
+    ) -> LaunchResult:
+        """Submit the custom job and follow it to its end; cancel it if interrupted."""
+        spec = self.custom_job(job, quote, env)
+        client = self._client()
+        try:
+            created = client.create_custom_job(parent=self._parent(), custom_job=spec)
+        except Exception as exc:
+            if not isinstance(exc, api_errors.ClientError):  # it may exist even so
+                self._cancel_launch(client, spec.labels[LAUNCH_LABEL], log)
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail=_api_error(exc))
+        except BaseException:  # cancelled mid-create: the job may exist
+            self._cancel_launch(client, spec.labels[LAUNCH_LABEL], log)
+            raise
+        name = created.name
+        try:
+            log(
+                f"Vertex AI custom job {name} created: {job.nodes} x {quote.row.instance_type}, "
+                f"{STRATEGIES[job.provisioning]}, timeout {fmt_duration(job.max_runtime)}"
+            )
+            return self._follow(client, name, job, on_start, log)
+        except BaseException:
+            self._cancel(client, name, log, "the run was cancelled")
+            raise
+
+    def _follow(
+        self,
+        client: vertex.JobServiceClient,
+        name: str,
+        job: GpuJob,
+        on_start: StartHook,
+        log: Callable[[str], None],
+    ) -> LaunchResult:
+        started: float | None = None
+        stopped: str | None = None  # the outcome, when we cancelled it at a limit
+        last, told = "", 0.0
+        while True:
+            current = client.get_custom_job(name=name, retry=_POLL_RETRY)
+            now, state = time.time(), _state(current)
+            created = _seconds(current.create_time) or now
+            start = _seconds(current.start_time)
+            if started is None and start is not None:
+                started = start
+                on_start(start, name)
+            if state != last or (state in WAITING and now - told >= WAIT_LOG_S):
+                log(self._describe(current, job, now))
+                last, told = state, now
+            if state in ENDED:
+                return self._result(current, job, stopped)
+            if stopped is None:
+                wait_deadline = self._wait_deadline(created, job)
+                if started is not None and now > started + job.max_runtime + job.kill_grace / 2:
+                    stopped = "timed_out"
+                    self._cancel(client, name, log, "it ran past max_runtime")
+                elif started is None and wait_deadline is not None and now > wait_deadline:
+                    stopped = "wait_expired"
+                    self._cancel(client, name, log, "its wait for capacity ran out")
+            time.sleep(self.poll_s)
+
+    def _wait_deadline(self, created: float, job: GpuJob) -> float | None:
+        """When we give up on capacity: Vertex enforces FLEX_START's max wait (we only back it
+        up); nothing enforces a wait for SPOT capacity but us."""
+        if job.provisioning == "on-demand" or self.capacity_max_wait == 0:
+            return None
+        slack = FLEX_WAIT_SLACK_S if job.provisioning == "flex-start" else 0.0
+        return created + self.capacity_max_wait + slack
+
+    def _describe(self, current: vertex.CustomJob, job: GpuJob, now: float) -> str:
+        state = _state(current).removeprefix("JOB_STATE_")
+        created = _seconds(current.create_time) or now
+        start = _seconds(current.start_time)
+        end = _seconds(current.end_time)
+        if start is None and end is None:
+            limit = (
+                "forever" if self.capacity_max_wait == 0 else fmt_duration(self.capacity_max_wait)
+            )
+            limit = "" if job.provisioning == "on-demand" else f", max wait {limit}"
+            return (
+                f"Vertex AI job {state}: waiting for capacity "
+                f"({STRATEGIES[job.provisioning]}{limit}), {fmt_duration(now - created)} so far"
+            )
+        if end is None:
+            return (
+                f"Vertex AI job {state} since {current.start_time.isoformat()}, after "
+                f"{fmt_duration((start or now) - created)} waiting for capacity"
+            )
+        ran = f"after {fmt_duration(end - start)} running" if start else "without starting"
+        error = f": {_one_line(current.error.message)}" if current.error.message else ""
+        return f"Vertex AI job {state} {ran}{error}"
+
+    def _result(self, current: vertex.CustomJob, job: GpuJob, stopped: str | None) -> LaunchResult:
+        state = _state(current)
+        created = _seconds(current.create_time)
+        start = _seconds(current.start_time)
+        end = _seconds(current.end_time) or time.time()
+        code, message = current.error.code, _one_line(current.error.message)
+        if start is None:
+            capacity_job = job.provisioning in ("flex-start", "spot")
+            expired = stopped == "wait_expired" or state == "JOB_STATE_EXPIRED"
+            expired |= (
+                state == "JOB_STATE_FAILED"
+                and capacity_job
+                and code in (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED)
+            )
+            outcome = (
+                "wait_expired"
+                if expired
+                else {"JOB_STATE_CANCELLED": "cancelled", "JOB_STATE_SUCCEEDED": "completed"}.get(
+                    state, "failed"
+                )
+            )
+        else:
+            reached = end - start >= job.max_runtime - min(1.0, job.max_runtime / 100)
+            if state == "JOB_STATE_SUCCEEDED":
+                outcome = "completed"
+            elif stopped == "timed_out" or code == DEADLINE_EXCEEDED or reached:
+                outcome = "timed_out"
+            elif state == "JOB_STATE_CANCELLED":
+                outcome = "cancelled"
+            else:
+                outcome = "failed"
+        detail = message or ("" if outcome == "completed" else state)
+        if outcome == "timed_out":
+            detail = f"stopped at max_runtime {fmt_duration(job.max_runtime)}" + (
+                f" ({message})" if message else ""
+            )
+        return LaunchResult(
+            outcome,
+            start if start is not None else end,
+            end,
+            detail=detail,
+            external_id=current.name,
+            capacity_wait_s=max(0.0, (start if start is not None else end) - (created or end)),
+        )
+
+    # -- stopping ------------------------------------------------------------------------------
+
+    def _cancel(
+        self, client: vertex.JobServiceClient, name: str, log: Callable[[str], None], why: str
+    ) -> None:
+        """Ask Vertex to cancel the job; an ended or missing job needs nothing."""
+        try:
+            client.cancel_custom_job(name=name, retry=_POLL_RETRY)
+            log(f"Vertex AI job {name}: cancel requested because {why}")
+        except (api_errors.FailedPrecondition, api_errors.NotFound, api_errors.BadRequest):
+            pass
+        except Exception as exc:  # the caller re-raises its own error; say ours
+            log(f"Vertex AI job {name}: could not cancel it: {_api_error(exc)}")
+
+    def _cancel_launch(
+        self, client: vertex.JobServiceClient, launch: str, log: Callable[[str], None]
+    ) -> None:
+        """A create whose answer was lost may still have made the job: find it and cancel it."""
+        try:
+            found = client.list_custom_jobs(
+                request={"parent": self._parent(), "filter": f'labels.{LAUNCH_LABEL}="{launch}"'},
+                retry=_POLL_RETRY,
+            )
+            for made in found:
+                self._cancel(client, made.name, log, "its create call failed")
+        except Exception as exc:
+            log(f"Vertex AI: could not look for a half-created job: {_api_error(exc)}")
+
+    def probe(self, external_id: str) -> Probe:
+        """`running` while the job waits or runs (it may start billing), `finished` with its
+        real times once it ended, `unknown` if Vertex has no such job."""
+        try:
+            current = self._client().get_custom_job(name=external_id, retry=_POLL_RETRY)
+        except api_errors.NotFound:
+            return Probe("unknown")
+        start, end = _seconds(current.start_time), _seconds(current.end_time)
+        if _state(current) in ENDED:
+            return Probe("finished", started_at=start, ended_at=end)
+        return Probe("running", started_at=start)
+
+    def stop(self, external_id: str, grace: float = 10.0) -> None:
+        """Cancel the job and wait up to `grace` seconds for Vertex to end it."""
+        client = self._client()
+        self._cancel(client, external_id, lambda line: None, "it was asked to stop")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                if _state(client.get_custom_job(name=external_id)) in ENDED:
+                    return
+            except api_errors.NotFound:
+                return
+            time.sleep(min(self.poll_s, 1.0))

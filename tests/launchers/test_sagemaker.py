@@ -1,0 +1,340 @@
+"""The SageMaker launcher against moto in server mode (with the training-job life moto lacks, from
+tests/aws_server.py), through a real gate on a SQLite ledger."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
+from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
+from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, _read
+from prefect_gpu_budget.units import usd_to_micro
+from tests.aws_server import AwsServer
+
+ROLE = "arn:aws:iam::123456789012:role/SageMakerTraining"
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1.4"
+SCOPE = "lab/vision/agent-7"
+NAME_RULE = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")  # botocore's TrainingJobName pattern
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[AwsServer]:
+    with AwsServer() as running:
+        yield running
+
+
+@pytest.fixture
+def aws(server: AwsServer) -> Iterator[AwsServer]:
+    server.set_training_pace(0.3)
+    yield server
+    server.reset()
+
+
+def _catalog() -> Catalog:
+    """The shipped prices, plus two rows for settings SageMaker refuses."""
+    shipped = _read(SHIPPED)
+    g5 = next(r for r in shipped if r.key == "sagemaker:ml.g5.xlarge")
+    return Catalog(
+        [
+            *shipped,
+            replace(g5, instance_type="ml.g99.xlarge"),
+            replace(g5, provisioning="flex-start"),
+        ]
+    )
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> Iterator[Gate]:
+    ledger = Ledger(f"sqlite:///{tmp_path}/l.db")
+    ledger.set_budget(BudgetRule("lab", hourly_cap_cents=5_000, period_budget_micro=100_000_000))
+    yield Gate(ledger, catalog=_catalog())
+    ledger.dispose()
+
+
+def _launcher(aws: AwsServer, region: str = "us-east-1", **fields: Any) -> SageMakerLauncher:
+    settings: dict[str, Any] = {
+        "aws_credentials": aws.credentials(region),
+        "role_arn": ROLE,
+        "image_uri": IMAGE,
+        "output_s3_uri": "s3://lab-models/out",
+        "checkpoint_s3_uri": "s3://lab-models/checkpoints",
+        "spot_max_wait": 1800,
+        "poll_s": 0.05,
+    }
+    return SageMakerLauncher(**{**settings, **fields})
+
+
+class Run:
+    """One job through the gate as the Prefect task runs it: preflight, admit, run, settle."""
+
+    def __init__(self, gate: Gate, launcher: SageMakerLauncher, job: GpuJob) -> None:
+        self.gate, self.launcher, self.job = gate, launcher, job
+        self.logs: list[str] = []
+        self.starts: list[tuple[float, str]] = []
+        self.result: LaunchResult | None = None
+        self.job_id: str | None = None
+
+    def __call__(
+        self, env: dict[str, str] | None = None, log: Callable[[str], None] | None = None
+    ) -> dict[str, Any]:
+        quote = self.gate.quote(self.job)
+        self.launcher.preflight(self.job, quote)
+        admission = self.gate.admit(self.job, SCOPE, launcher=self.launcher.kind)
+        self.job_id = admission.job_id
+
+        def on_start(started_at: float, external_id: str) -> None:
+            self.starts.append((started_at, external_id))
+            self.gate.started(admission, started_at, external_id)
+
+        try:
+            self.result = self.launcher.run(
+                self.job, quote, on_start=on_start, log=log or self.logs.append, env=env
+            )
+        except BaseException:
+            self.gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+            raise
+        self.gate.settle(
+            admission,
+            ended_at=self.result.ended_at,
+            outcome=self.result.outcome,
+            billed_seconds=self.result.billed_seconds,
+            actual_micro=self.result.actual_micro,
+        )
+        return self.gate.ledger.job(admission.job_id)
+
+
+def _described(aws: AwsServer, name: str) -> dict[str, Any]:
+    return aws.credentials().get_client("sagemaker").describe_training_job(TrainingJobName=name)
+
+
+def _cost(billed_s: int, rate_micro_per_hour: int) -> int:
+    """What the launcher must charge: billed seconds x rate, rounded up to a micro-dollar."""
+    return -(-billed_s * rate_micro_per_hour // 3600)
+
+
+def _shipped_usd(key: str, provisioning: str = "on-demand") -> Decimal:
+    return next(
+        r.usd_per_hour for r in _read(SHIPPED) if (r.key, r.provisioning) == (key, provisioning)
+    )
+
+
+def test_the_job_is_created_as_asked_and_settled_from_billable_time(
+    aws: AwsServer, gate: Gate
+) -> None:
+    job = GpuJob(
+        instance_type="sagemaker:ml.g5.xlarge",
+        nodes=2,
+        max_runtime="10m",
+        command=["python", "train.py", "--lr", "0.1"],
+        env={"SEED": "7"},
+        name="lr sweep/1",
+    )
+    run = Run(gate, _launcher(aws), job)
+    row = run(env={"RUN_ID": "abc"})
+
+    name = row["external_id"]
+    assert NAME_RULE.fullmatch(name) and len(name) <= 63 and name.startswith("lr-sweep-1-")
+    spec = _described(aws, name)
+    assert spec["ResourceConfig"]["InstanceType"] == "ml.g5.xlarge"
+    assert spec["ResourceConfig"]["InstanceCount"] == 2
+    assert spec["StoppingCondition"] == {"MaxRuntimeInSeconds": 600}
+    assert not spec["EnableManagedSpotTraining"]
+    assert spec["RoleArn"] == ROLE
+    assert spec["AlgorithmSpecification"]["TrainingImage"] == IMAGE
+    assert spec["AlgorithmSpecification"]["ContainerEntrypoint"] == ["python"]
+    assert spec["AlgorithmSpecification"]["ContainerArguments"] == ["train.py", "--lr", "0.1"]
+    assert spec["Environment"] == {"SEED": "7", "RUN_ID": "abc"}
+    assert spec["OutputDataConfig"]["S3OutputPath"] == "s3://lab-models/out"
+    assert spec["TrainingJobStatus"] == "Completed"
+
+    billed = spec["BillableTimeInSeconds"]
+    assert run.starts == [(spec["TrainingStartTime"].timestamp(), name)]
+    assert run.result is not None and run.result.outcome == "completed"
+    assert run.result.ended_at == spec["TrainingEndTime"].timestamp()
+    assert row["launcher"] == "sagemaker" and row["outcome"] == "completed"
+    assert row["rate_micro_per_hour"] == 2 * usd_to_micro(_shipped_usd("sagemaker:ml.g5.xlarge"))
+    assert row["started_at"] == spec["TrainingStartTime"].timestamp()
+    assert row["billed_seconds"] == billed > 0
+    assert row["actual_micro"] == _cost(billed, row["rate_micro_per_hour"])
+    assert 0 < row["actual_micro"] < row["reserved_micro"]
+    said = [line for line in run.logs if name in line]
+    assert any("(Training)" in line for line in said) and "(Completed)" in said[-1]
+
+
+def test_a_spot_job_is_billed_less_than_it_trained_and_than_its_reservation(
+    aws: AwsServer, gate: Gate
+) -> None:
+    aws.set_training_pace(0.5)  # long enough to train for 2 s or more
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", provisioning="spot", max_runtime="10m")
+    run = Run(gate, _launcher(aws), job)
+    row = run()
+
+    spec = _described(aws, row["external_id"])
+    assert spec["EnableManagedSpotTraining"]
+    assert spec["StoppingCondition"] == {"MaxRuntimeInSeconds": 600, "MaxWaitTimeInSeconds": 2400}
+    assert spec["CheckpointConfig"]["S3Uri"] == "s3://lab-models/checkpoints"
+    billed, trained = spec["BillableTimeInSeconds"], spec["TrainingTimeInSeconds"]
+    assert billed < trained
+    assert row["billed_seconds"] == billed
+    assert row["actual_micro"] == _cost(billed, row["rate_micro_per_hour"])
+    assert row["actual_micro"] < _cost(trained, row["rate_micro_per_hour"])
+    assert row["actual_micro"] < row["reserved_micro"]
+
+
+def test_cancelling_the_run_stops_the_training_job(aws: AwsServer, gate: Gate) -> None:
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="10m", name="cancel-me")
+    run = Run(gate, _launcher(aws), job)
+
+    def log(line: str) -> None:
+        run.logs.append(line)
+        if "(Training)" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run(log=log)
+
+    [(_, name)] = run.starts
+    assert aws.behaviour.stop_calls == [name]
+    deadline = time.monotonic() + 10
+    while (spec := _described(aws, name))["TrainingJobStatus"] != "Stopped":
+        assert time.monotonic() < deadline, f"still {spec['TrainingJobStatus']}"
+        time.sleep(0.05)
+    assert gate.ledger.job(run.job_id)["state"] == "settled"
+
+
+def test_stop_and_probe_answer_for_reconcile(aws: AwsServer, gate: Gate) -> None:
+    launcher = _launcher(aws)
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="10m")
+    run = Run(gate, launcher, job)
+    rows: list[dict[str, Any]] = []
+    worker = threading.Thread(target=lambda: rows.append(run()))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while not run.starts:
+        assert time.monotonic() < deadline, "the job never started"
+        time.sleep(0.02)
+    [(started_at, name)] = run.starts
+
+    running = launcher.probe(name)
+    assert (running.state, running.started_at) == ("running", started_at)
+    launcher.stop(name, grace=10)
+    worker.join(timeout=10)
+
+    spec = _described(aws, name)
+    assert spec["TrainingJobStatus"] == "Stopped"
+    finished = launcher.probe(name)
+    assert finished.state == "finished"
+    assert finished.started_at == started_at
+    assert finished.ended_at == spec["TrainingEndTime"].timestamp()
+    assert finished.billed_seconds == spec["BillableTimeInSeconds"]
+    [row] = rows
+    assert row["outcome"] == "cancelled" and row["billed_seconds"] == finished.billed_seconds
+    assert row["actual_micro"] == _cost(spec["BillableTimeInSeconds"], row["rate_micro_per_hour"])
+    assert launcher.probe("no-such-training-job").state == "unknown"
+    launcher.stop(name)  # stopping an ended job is a no-op
+
+
+def test_sagemaker_stopping_it_at_max_runtime_is_a_time_out(aws: AwsServer, gate: Gate) -> None:
+    aws.set_training_pace(0.5)
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="1s", kill_grace="5s")
+    run = Run(gate, _launcher(aws), job)
+    row = run()
+
+    spec = _described(aws, row["external_id"])
+    assert (spec["TrainingJobStatus"], spec["SecondaryStatus"]) == ("Stopped", "MaxRuntimeExceeded")
+    assert aws.behaviour.stop_calls == []
+    assert row["outcome"] == "timed_out"
+    assert row["billed_seconds"] == spec["BillableTimeInSeconds"] == 1
+    assert row["actual_micro"] <= row["reserved_micro"]
+
+
+def test_a_job_the_cloud_fails_to_stop_is_stopped_at_max_runtime_plus_grace(
+    aws: AwsServer, gate: Gate
+) -> None:
+    aws.set_training_pace(1.0)
+    aws.behaviour.enforce_max_runtime = False
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="1s", kill_grace="0.5s")
+    run = Run(gate, _launcher(aws), job)
+    row = run()
+
+    name = row["external_id"]
+    spec = _described(aws, name)
+    assert aws.behaviour.stop_calls == [name]
+    assert (spec["TrainingJobStatus"], spec["SecondaryStatus"]) == ("Stopped", "Stopped")
+    assert row["outcome"] == "timed_out"
+    assert row["billed_seconds"] == spec["BillableTimeInSeconds"]
+
+
+def test_a_failed_job_says_why(aws: AwsServer, gate: Gate) -> None:
+    aws.behaviour.failures["oom-"] = "AlgorithmError: CUDA out of memory\nTraceback (most recent..."
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="10m", name="oom")
+    run = Run(gate, _launcher(aws), job)
+    row = run()
+
+    assert run.result is not None
+    assert run.result.outcome == row["outcome"] == "failed"
+    assert run.result.detail == "AlgorithmError: CUDA out of memory"
+    spec = _described(aws, row["external_id"])
+    assert row["actual_micro"] == _cost(spec["BillableTimeInSeconds"], row["rate_micro_per_hour"])
+
+
+G5 = "sagemaker:ml.g5.xlarge"
+
+
+@pytest.mark.parametrize(
+    ("settings", "job", "reason"),
+    [
+        ({"role_arn": None}, {}, "role_arn is required"),
+        ({"role_arn": "SageMakerTraining"}, {}, "role_arn must look like arn:aws:iam::"),
+        ({"region": "mars-east-1"}, {}, "region 'mars-east-1' has no SageMaker endpoint"),
+        ({}, {"instance_type": "aws:g5.xlarge"}, "instance_type must be 'sagemaker:ml.<type>'"),
+        ({}, {"instance_type": "sagemaker:ml.g99.xlarge"}, "does not offer instance type"),
+        ({}, {"provisioning": "flex-start"}, "no flex-start"),
+        ({"image_uri": None}, {}, "image_uri is required"),
+        ({"output_s3_uri": "lab-models/out"}, {}, "output_s3_uri must be an S3 URI"),
+        ({"checkpoint_s3_uri": None}, {"provisioning": "spot"}, "spot jobs need checkpoint_s3_uri"),
+        ({}, {"env": {"BAD-NAME": "1"}}, "env: 'BAD-NAME' is not a valid"),
+    ],
+)
+def test_wrong_settings_fail_before_anything_is_reserved_or_created(
+    aws: AwsServer, gate: Gate, settings: dict[str, Any], job: dict[str, Any], reason: str
+) -> None:
+    launcher = _launcher(aws, **settings)
+    bad = GpuJob(**{"instance_type": G5, "max_runtime": "10m", **job})
+    with pytest.raises(LaunchConfigError) as raised:
+        Run(gate, launcher, bad)()
+    message = str(raised.value)
+    assert "\n" not in message and message.startswith("sagemaker launcher: ")
+    assert reason in message
+    assert (
+        aws.credentials().get_client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
+    )
+    assert gate.ledger.jobs() == []
+
+
+def test_training_job_names_are_valid_and_unique() -> None:
+    names = [
+        SageMakerLauncher.training_job_name(GpuJob(instance_type=G5, max_runtime=60, name=n))
+        for n in [None, "Ünïcode run!!", "-" * 30, "x" * 200, "a b/c_d.e"]
+    ]
+    names.append(SageMakerLauncher.training_job_name(GpuJob(instance_type=G5, max_runtime=60)))
+    for name in names:
+        assert NAME_RULE.fullmatch(name) and len(name) <= 63, name
+    assert len(set(names)) == len(names)
+
+
+def test_it_is_a_launcher() -> None:
+    assert isinstance(SageMakerLauncher(), Launcher)

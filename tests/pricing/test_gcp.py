@@ -1,0 +1,166 @@
+"""`refresh_gcp` through the real google-cloud-billing client (REST transport), against a local
+stand-in of the Cloud Billing Catalog API serving Compute Engine SKUs with real-world names.
+
+The unit prices below are us-central1 list prices as published in the catalog; the A2 ones
+reproduce the shipped catalog's a2-highgpu-1g rows (on-demand 3.673, flex-start 2.0204).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import date
+from decimal import ROUND_UP, Decimal
+from pathlib import Path
+
+import pytest
+from prefect_gcp import GcpCredentials
+
+from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.pricing.gcp import PriceRefreshError, refresh_gcp
+from tests.gcp_server import FakeBillingCatalog, service_account_info, serving, sku
+
+# (description, USD per unit, usage type, unit, regions)
+US = ("us-central1", "us-east1", "us-west1")
+EU = ("europe-west4",)
+PRICES = [
+    ("Nvidia L4 GPU running in Americas", 0.5601, "OnDemand", "h", US),
+    ("G2 Instance Core running in Americas", 0.024988, "OnDemand", "h", US),
+    ("G2 Instance Ram running in Americas", 0.002927, "OnDemand", "GiBy.h", US),
+    (
+        "Nvidia L4 GPU attached to Spot Preemptible VMs running in Americas",
+        0.224,
+        "Preemptible",
+        "h",
+        US,
+    ),
+    ("Spot Preemptible G2 Instance Core running in Americas", 0.00995, "Preemptible", "h", US),
+    ("Spot Preemptible G2 Instance Ram running in Americas", 0.001165, "Preemptible", "GiBy.h", US),
+    ("Nvidia Tesla A100 GPU running in Americas", 2.93391, "OnDemand", "h", US),
+    ("A2 Instance Core running in Americas", 0.031611, "OnDemand", "h", US),
+    ("A2 Instance Ram running in Americas", 0.00424, "OnDemand", "GiBy.h", US),
+    (
+        "Nvidia Tesla A100 GPU attached to Spot Preemptible VMs running in Americas",
+        1.5399,
+        "Preemptible",
+        "h",
+        US,
+    ),
+    ("Spot Preemptible A2 Instance Core running in Americas", 0.01659, "Preemptible", "h", US),
+    ("Spot Preemptible A2 Instance Ram running in Americas", 0.00222, "Preemptible", "GiBy.h", US),
+    (
+        "Nvidia Tesla A100 GPU attached to DWS Defined Duration VMs running in Americas",
+        1.61365,
+        "OnDemand",
+        "h",
+        US,
+    ),
+    ("DWS Defined Duration A2 Core running in Americas", 0.01739, "OnDemand", "h", US),
+    ("DWS Defined Duration A2 Ram running in Americas", 0.00233, "OnDemand", "GiBy.h", US),
+    ("Nvidia H100 80GB GPU running in Americas", 9.7966, "OnDemand", "h", US),
+    ("A3 Instance Core running in Americas", 0.0291, "OnDemand", "h", US),
+    ("A3 Instance Ram running in Americas", 0.00249, "OnDemand", "GiBy.h", US),
+    (
+        "Nvidia H100 80GB GPU attached to Spot Preemptible VMs running in Americas",
+        2.25,
+        "Preemptible",
+        "h",
+        US,
+    ),
+    ("Spot Preemptible A3 Instance Core running in Americas", 0.0087, "Preemptible", "h", US),
+    ("Spot Preemptible A3 Instance Ram running in Americas", 0.00075, "Preemptible", "GiBy.h", US),
+    # traps: another GPU whose name starts the same, commitments, reservations, other regions
+    ("Nvidia Tesla A100 80GB GPU running in Americas", 3.92628, "OnDemand", "h", US),
+    ("Commitment v1: A2 Cpu in Americas for 1 Year", 0.019915, "Commit1Yr", "h", US),
+    ("Reserved Nvidia Tesla A100 GPU in Americas", 0.0, "OnDemand", "h", US),
+    ("Sole Tenancy Instance Core running in Americas", 0.034, "OnDemand", "h", US),
+    ("Nvidia Tesla A100 GPU running in Netherlands", 3.2268, "OnDemand", "h", EU),
+    ("A2 Instance Core running in Netherlands", 0.03477, "OnDemand", "h", EU),
+    ("A2 Instance Ram running in Netherlands", 0.00466, "OnDemand", "GiBy.h", EU),
+]
+PRICED = {
+    # (machine, provisioning): the SKUs that price it, GPU then core then RAM
+    ("g2-standard-4", "on-demand"): PRICES[0:3],
+    ("g2-standard-4", "spot"): PRICES[3:6],
+    ("a2-highgpu-1g", "on-demand"): PRICES[6:9],
+    ("a2-highgpu-1g", "spot"): PRICES[9:12],
+    ("a2-highgpu-1g", "flex-start"): PRICES[12:15],
+    ("a3-highgpu-8g", "on-demand"): PRICES[15:18],
+    ("a3-highgpu-8g", "spot"): PRICES[18:21],
+}
+
+
+@pytest.fixture(scope="module")
+def key() -> tuple[dict, str]:
+    return service_account_info()
+
+
+@pytest.fixture
+def billing(key: tuple[dict, str]) -> Iterator[FakeBillingCatalog]:
+    skus = [sku(d, usd, usage_type=t, unit=u, regions=r) for d, usd, t, u, r in PRICES]
+    with serving(FakeBillingCatalog(skus, public_key=key[1], page_size=4)) as server:
+        yield server
+
+
+@pytest.fixture
+def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Catalog:
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(tmp_path / "none.csv"))
+    return Catalog.load()
+
+
+def _expected(shipped: Catalog, machine: str, skus: list[tuple]) -> Decimal:
+    shape = next(r for r in shipped.rows() if r.key == f"gcp:{machine}")
+    quantities = (shape.gpus, shape.vcpu, shape.memory_gib)
+    total = sum(Decimal(str(s[1])) * q for s, q in zip(skus, quantities, strict=True))
+    return total.quantize(Decimal("0.000001"), rounding=ROUND_UP)
+
+
+def test_refresh_prices_every_gcp_machine_where_skus_exist(
+    billing: FakeBillingCatalog, key: tuple[dict, str], shipped: Catalog
+) -> None:
+    credentials = GcpCredentials(service_account_info=key[0])
+    rows = refresh_gcp(credentials, api_endpoint=billing.url)
+
+    assert {(r.instance_type, r.provisioning) for r in rows} == set(PRICED)
+    for row in rows:
+        assert row.usd_per_hour == _expected(
+            shipped, row.instance_type, PRICED[row.instance_type, row.provisioning]
+        )
+        shape = next(r for r in shipped.rows() if r.key == row.key)
+        assert (row.gpu_model, row.gpus, row.vcpu, row.memory_gib) == (
+            shape.gpu_model,
+            shape.gpus,
+            shape.vcpu,
+            shape.memory_gib,
+        )
+        assert row.cloud == "gcp" and row.verified and row.as_of == date.today()
+        assert "Cloud Billing Catalog API" in row.source and "us-central1" in row.source
+
+    # published list prices reproduce the shipped snapshot rows
+    fresh = {(r.instance_type, r.provisioning): r.usd_per_hour for r in rows}
+    for provisioning in ("on-demand", "flex-start"):
+        old = shipped.row("gcp:a2-highgpu-1g", provisioning).usd_per_hour
+        assert abs(fresh["a2-highgpu-1g", provisioning] - old) < Decimal("0.001")
+
+    sku_pages = [q for path, q in billing.requests if path.endswith("/skus")]
+    assert len(sku_pages) == -(-len(PRICES) // 4)  # every page, token after token
+    assert all(q["currencyCode"] == ["USD"] for q in sku_pages)
+    assert set(billing.callers) == {key[0]["client_email"]}
+
+
+def test_refresh_reads_the_region_asked_for(
+    billing: FakeBillingCatalog, key: tuple[dict, str], shipped: Catalog
+) -> None:
+    credentials = GcpCredentials(service_account_info=key[0])
+    [row] = refresh_gcp(credentials, region="europe-west4", api_endpoint=billing.url)
+    assert (row.instance_type, row.provisioning) == ("a2-highgpu-1g", "on-demand")
+    assert row.usd_per_hour == _expected(shipped, "a2-highgpu-1g", PRICES[-3:])
+    assert "europe-west4" in row.source
+
+
+def test_refresh_with_a_key_the_api_refuses_says_so_in_one_line(
+    billing: FakeBillingCatalog,
+) -> None:
+    other, _ = service_account_info()
+    with pytest.raises(PriceRefreshError) as refused:
+        refresh_gcp(GcpCredentials(service_account_info=other), api_endpoint=billing.url)
+    assert "\n" not in str(refused.value) and "authentication" in str(refused.value)

@@ -1,0 +1,93 @@
+"""Reconcile asks a job's launcher about an orphan (here SageMaker, on loopback AWS): a running
+orphan keeps its reservation, a finished one settles from its real times and billed seconds, one
+past its max_runtime is stopped."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from prefect_gpu_budget.admission.ledger import Ledger, NewJob, jobs
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
+from prefect_gpu_budget.units import cost_micro
+from tests.aws_server import AwsServer
+
+SCOPE = "lab/vision/agent-7"
+RATE = 1_408_400  # ml.g5.xlarge, micro-dollars per hour
+
+
+@pytest.fixture(scope="module")
+def aws() -> Iterator[AwsServer]:
+    with AwsServer() as running:
+        yield running
+
+
+def _orphan(ledger: Ledger, launcher: SageMakerLauncher, max_runtime: float) -> tuple[str, str]:
+    """A SageMaker job started by a holder on another host that has since gone silent."""
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime=max_runtime, name="orphan")
+    job_id, decision = ledger.request(
+        NewJob(
+            scope=SCOPE,
+            name="orphan",
+            instance_type=job.instance_type,
+            provisioning="on-demand",
+            nodes=1,
+            rate_micro_per_hour=RATE,
+            rate_cents=141,
+            priority=0,
+            max_runtime_s=max_runtime,
+            expected_runtime_s=None,
+            holder="another-host:1:1",
+            launcher="sagemaker",
+        )
+    )
+    assert decision.verdict == "admit"
+    name = launcher.training_job_name(job)
+    launcher._client().create_training_job(**launcher.training_job_request(job, name))
+    assert ledger.mark_started(job_id, time.time(), name)
+    return job_id, name
+
+
+def test_reconcile_asks_the_launcher_about_orphans(aws, tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger.set_budget(BudgetRule("lab", period_budget_micro=10**9))
+    launcher = SageMakerLauncher(
+        aws_credentials=aws.credentials(),
+        role_arn="arn:aws:iam::123456789012:role/Training",
+        image_uri="123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1",
+        output_s3_uri="s3://lab/out",
+        poll_s=0.05,
+    )
+    aws.set_training_pace(3.0)  # jobs stay in training for a while
+    running, _ = _orphan(ledger, launcher, max_runtime=3600)
+    overdue, overdue_name = _orphan(ledger, launcher, max_runtime=3600)
+    later = time.time() + 300  # their holder has been silent for five minutes
+    with ledger.engine.begin() as conn:  # and the second one's max runtime has passed
+        conn.execute(jobs.update().where(jobs.c.id == overdue).values(max_runtime_s=60.0))
+    done = {
+        r.job_id: r.action for r in reconcile(ledger, launchers={"sagemaker": launcher}, now=later)
+    }
+    assert done == {running: "left-running", overdue: "stopped"}
+    assert ledger.job(running)["state"] == "running"  # still billing: keeps its reservation
+    status = launcher._client().describe_training_job(TrainingJobName=overdue_name)
+    assert status["TrainingJobStatus"] in ("Stopping", "Stopped")
+
+    aws.set_training_pace(0.05)  # now the first one finishes
+    deadline = time.time() + 30
+    while launcher.probe(ledger.job(running)["external_id"]).state != "finished":
+        assert time.time() < deadline
+        time.sleep(0.2)
+    probe = launcher.probe(ledger.job(running)["external_id"])
+    [result] = reconcile(ledger, launchers={"sagemaker": launcher}, now=later)
+    assert (result.job_id, result.action) == (running, "settled")
+    row = ledger.job(running)
+    assert row["ended_at"] == pytest.approx(probe.ended_at)  # its real end, not a guess
+    assert row["billed_seconds"] == probe.billed_seconds
+    assert row["actual_micro"] == cost_micro(RATE, probe.billed_seconds, round_up=False)
+    assert reconcile(ledger, launchers={"sagemaker": launcher}, now=later) == []  # once only
+    aws.reset()

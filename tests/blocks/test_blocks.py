@@ -9,7 +9,6 @@ from prefect_gpu_budget.blocks import GpuBudget, SpendLedger
 
 def _blocks() -> list[type[Block]]:
     import prefect_gpu_budget.blocks as module
-
     import prefect_gpu_budget.launchers as launchers
 
     found = [getattr(module, name) for name in module.__all__]

@@ -32,6 +32,8 @@ app.add_typer(budget_app, name="budget")
 agent_app = typer.Typer(help="Tokens that bind an agent to its own session.", no_args_is_help=True)
 app.add_typer(prices_app, name="prices")
 app.add_typer(agent_app, name="agent")
+pool_app = typer.Typer(help="Capacity pools and team quotas.", no_args_is_help=True)
+app.add_typer(pool_app, name="pool")
 console = Console()
 _state: dict[str, Any] = {"ledger_url": None}
 
@@ -211,6 +213,131 @@ def status(
         console.print(
             f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: {job['reason']}"
         )
+    orgs = sorted({r["scope"].split("/")[0] for r in rows})
+    for pool in (p for org in orgs for p in _ledger().capacity_status(org)):
+        _print_pool(pool)
+
+
+def _res(r: tuple[int, int, int], model: str = "") -> str:
+    return f"{r[0]} {model} / {r[1]} vCPU / {r[2]} GiB".replace("  ", " ")
+
+
+def _print_pool(pool: dict) -> None:
+    table = Table("team", "quota", "used", "borrowed", "lent", "borrow / lend / weight")
+    for t in pool["teams"]:
+        table.add_row(
+            t["team"],
+            _res(t["quota"], pool["gpu_model"]),
+            _res(t["used"]),
+            str(t["borrowed"][0]),
+            str(t["lent"][0]),
+            f"{t['borrow_pct']}% / {t['lend_pct']}% / {t['weight']}",
+        )
+    console.print(
+        f"pool {pool['org']}/{pool['pool']} ({pool['kind']}, {pool['nodes']} x "
+        f"{_res(pool['node'], pool['gpu_model'])}): {pool['used'][0]} of {pool['total'][0]} "
+        "accelerators in use"
+    )
+    if pool["teams"]:
+        console.print(table)
+    for q in pool["queue"]:
+        console.print(f"[yellow]queued[/] {q['job_id'][:8]} {q['scope']}: {q['reason']}")
+
+
+@app.command()
+def capacity(
+    org: str = typer.Argument(..., help="The org whose pools to show."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Per capacity pool: each team's quota, used, borrowed and lent, and the queue."""
+    from prefect_gpu_budget.units import validate_scope
+
+    pools = _ledger().capacity_status(validate_scope(org, "org"))
+    if as_json:
+        typer.echo(json.dumps(pools, indent=2))
+        return
+    for pool in pools:
+        _print_pool(pool)
+    if not pools:
+        console.print(f"no capacity pools in {org}")
+
+
+@pool_app.command("set")
+def pool_set(
+    org: str = typer.Argument(...),
+    name: str = typer.Argument(...),
+    nodes: int = typer.Option(..., help="Machines (or quota units) in the pool."),
+    gpus_per_node: int = typer.Option(...),
+    vcpu_per_node: int = typer.Option(0),
+    memory_gib_per_node: int = typer.Option(0),
+    gpu_model: str = typer.Option(""),
+    instance_type: list[str] = typer.Option([], help="Jobs on this type run here (repeat)."),
+    kind: str = typer.Option("inventory", help="inventory or quota."),
+    backfill: bool = typer.Option(False, help="Let small jobs pass a blocked big one."),
+) -> None:
+    """Create or replace a capacity pool; its team quotas stay as they are."""
+    from prefect_gpu_budget.blocks.capacity import CapacityPool
+
+    ledger = _ledger()
+    _, quotas = ledger.capacity(org)
+    block = CapacityPool(
+        org=org,
+        name=name,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        vcpu_per_node=vcpu_per_node,
+        memory_gib_per_node=memory_gib_per_node,
+        gpu_model=gpu_model,
+        instance_types=instance_type,
+        kind=kind,
+        backfill=backfill,
+    )
+    ledger.set_pool(block.pool(), [q for q in quotas if q.pool == name])
+    console.print(f"pool {org}/{name}: {nodes} x {gpus_per_node} {gpu_model}".rstrip())
+
+
+@pool_app.command("quota")
+def pool_quota(
+    team: str = typer.Argument(..., help="org/team"),
+    pool: str = typer.Option(..., help="The pool's name."),
+    gpus: int = typer.Option(..., help="Accelerators guaranteed to the team."),
+    vcpu: int = typer.Option(None, help="Default: in proportion to --gpus."),
+    memory_gib: int = typer.Option(None, help="Default: in proportion to --gpus."),
+    borrow_pct: int = typer.Option(0),
+    lend_pct: int = typer.Option(100),
+    weight: int = typer.Option(50),
+) -> None:
+    """Set one team's quota in a pool (HyperPod-style: vCPU and memory follow the GPUs)."""
+    from prefect_gpu_budget.blocks.capacity import TeamShare
+    from prefect_gpu_budget.units import validate_scope
+
+    org = validate_scope(team, "team").split("/")[0]
+    ledger = _ledger()
+    found, quotas = ledger.capacity(org)
+    [target] = [p for p in found if p.name == pool] or [None]
+    if target is None:
+        raise BudgetInputError("pool", f"no capacity pool {pool!r} in {org}")
+    share = TeamShare(
+        team=team,
+        gpus=gpus,
+        vcpu=vcpu,
+        memory_gib=memory_gib,
+        borrow_pct=borrow_pct,
+        lend_pct=lend_pct,
+        weight=weight,
+    )
+    from prefect_gpu_budget.admission.quota import TeamQuota, proportional
+
+    new = TeamQuota(
+        pool,
+        team,
+        proportional(target, gpus, share.vcpu, share.memory_gib),
+        borrow_pct,
+        lend_pct,
+        weight,
+    )
+    ledger.set_pool(target, [q for q in quotas if q.pool == pool and q.team != team] + [new])
+    console.print(f"{team} in {org}/{pool}: {_res(new.quota, target.gpu_model)}")
 
 
 @app.command("ledger")
@@ -291,6 +418,49 @@ def prices_set_local(
 
     path = set_local_price(name, usd_per_hour, gpus)
     console.print(f"local:{name} priced at ${usd_per_hour}/h in {path}")
+
+
+@prices_app.command("refresh")
+def prices_refresh(
+    aws: bool = typer.Option(False, "--aws", help="AWS Price List API and EC2 spot history."),
+    gcp: bool = typer.Option(False, "--gcp", help="GCP Cloud Billing Catalog API."),
+    aws_credentials: str = typer.Option(None, help="AwsCredentials block name (default: env)."),
+    gcp_credentials: str = typer.Option(None, help="GcpCredentials block name (default: env)."),
+    aws_region: str = typer.Option("us-east-1"),
+    gcp_region: str = typer.Option("us-central1"),
+    gcp_endpoint: str = typer.Option(None, help="Billing API endpoint, for a private one."),
+) -> None:
+    """Read current prices from the clouds, write a dated catalog over the shipped one, and
+    print what changed. Quotes use the newest refreshed catalog from then on."""
+    from prefect_gpu_budget.pricing.catalog import Catalog
+    from prefect_gpu_budget.pricing.refresh import changes, write_refresh
+
+    if not (aws or gcp):
+        fail("choose --aws and/or --gcp")
+    rows = []
+    if aws:
+        from prefect_aws import AwsCredentials
+
+        from prefect_gpu_budget.pricing.aws import refresh_aws
+
+        creds = AwsCredentials.load(aws_credentials) if aws_credentials else AwsCredentials()
+        rows += refresh_aws(creds, region=aws_region)
+    if gcp:
+        from prefect_gcp import GcpCredentials
+
+        from prefect_gpu_budget.pricing.gcp import PriceRefreshError, refresh_gcp
+
+        creds = GcpCredentials.load(gcp_credentials) if gcp_credentials else GcpCredentials()
+        try:
+            rows += refresh_gcp(creds, region=gcp_region, api_endpoint=gcp_endpoint)
+        except PriceRefreshError as exc:
+            fail(str(exc))
+    old = Catalog.load()
+    found = changes(old, rows)
+    path = write_refresh(old, rows)
+    for change in found:
+        console.print(change.describe())
+    console.print(f"{len(rows)} prices read, {len(found)} changed; catalog written to {path}")
 
 
 @prices_app.command("list")

@@ -57,6 +57,10 @@ class GpuJob(BaseModel):
     on_limit: Literal["queue", "reject"] | None = None
     max_wait: Annotated[float | None, BeforeValidator(_wait)] = None
     kill_grace: Annotated[float, BeforeValidator(lambda v: parse_duration(v, "kill_grace"))] = 10.0
+    pool: str | None = Field(
+        None, description="The capacity pool to run in; default: the pool serving its type."
+    )
+    requeue: bool = Field(True, description="Queue again after being preempted.")
 
     @model_validator(mode="after")
     def _check(self) -> GpuJob:

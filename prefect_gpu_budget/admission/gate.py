@@ -60,8 +60,9 @@ class GateEvents:
     admitted: Callable[[Admission], None] = lambda *a: None
     refused: Callable[[str, AdmissionRefused], None] = lambda *a: None
     settled: Callable[[Admission, dict], None] = lambda *a: None
-    outage: Callable[[str], None] = lambda message: log.warning("%s", message)
-    """A dependency (the ledger's database, the Prefect API) is down; the gate keeps trying."""
+    warning: Callable[[str], None] = lambda message: log.warning("%s", message)
+    """Something the researcher should know: a dependency (the ledger's database, the Prefect
+    API) is down and the gate keeps trying, or a running job is being preempted."""
 
 
 @dataclass
@@ -78,6 +79,11 @@ class Admission:
     lease_id: str | None = None
     caps: tuple[tuple[str, int], ...] = ()
     slots: int = 0
+    pool: str | None = None
+    preempted: threading.Event = field(default_factory=threading.Event, repr=False)
+    """Set when a job within its team's quota asked for the capacity this one borrowed."""
+    on_preempt: Callable[[], None] | None = field(default=None, repr=False)
+    """What stops the job when it is preempted (the task sets it to its launcher's stop)."""
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
 
@@ -93,6 +99,7 @@ class Gate:
         poll_s: float = 0.05,
         recheck_s: float = 1.0,
         heartbeat_s: float = LEASE_S / 4,
+        preempt_poll_s: float = 0.5,
     ) -> None:
         self.ledger = ledger
         self.limits = limits
@@ -101,6 +108,7 @@ class Gate:
         self.poll_s = poll_s
         self.recheck_s = recheck_s
         self.heartbeat_s = heartbeat_s
+        self.preempt_poll_s = preempt_poll_s
 
     def quote(self, job: GpuJob) -> Quote:
         return (self.catalog or default_catalog()).quote(
@@ -129,6 +137,10 @@ class Gate:
             on_limit=job.on_limit,
             max_wait_s=job.max_wait,
             flow_run_id=flow_run_id,
+            pool=job.pool,
+            node_gpus=quote.row.gpus,
+            node_vcpu=quote.row.vcpu,
+            node_memory_gib=quote.row.memory_gib,
         )
         started = time.time()
         job_id = str(uuid.uuid4())  # fixed before any retry: a retried request records once
@@ -165,7 +177,7 @@ class Gate:
                     raise
                 if now - told >= 10.0:
                     told = now
-                    self.events.outage(
+                    self.events.warning(
                         f"{what}: {_outage(exc)}; retrying until it is back "
                         f"(down {now - down_since:.0f}s)"
                     )
@@ -173,7 +185,7 @@ class Gate:
                 delay = min(delay * 2, 5.0)
                 continue
             if down_since is not None:
-                self.events.outage(f"{what}: back after {time.monotonic() - down_since:.1f}s")
+                self.events.warning(f"{what}: back after {time.monotonic() - down_since:.1f}s")
             return result
 
     def _wait(
@@ -209,6 +221,7 @@ class Gate:
                         lease_id=lease,
                         caps=decision.caps,
                         slots=slots,
+                        pool=decision.pool,
                     )
                     self._start_heartbeat(admission)
                     try:
@@ -282,7 +295,7 @@ class Gate:
                     if lease and limits is not None and not limits.renew(lease):
                         self._retake_limits(admission)
                 except Exception as exc:  # keep beating: a dependency may come back
-                    self.events.outage(
+                    self.events.warning(
                         f"heartbeat of job {admission.job_id[:8]} failed: {_outage(exc)}"
                     )
 
@@ -290,6 +303,29 @@ class Gate:
             target=beat, name=f"gpu-budget-heartbeat-{admission.job_id[:8]}", daemon=True
         )
         admission._beat.start()
+        if admission.pool is not None:  # borrowed capacity may be reclaimed: watch for that
+            threading.Thread(
+                target=self._watch_preemption,
+                args=(admission,),
+                name=f"gpu-budget-preempt-{admission.job_id[:8]}",
+                daemon=True,
+            ).start()
+
+    def _watch_preemption(self, admission: Admission) -> None:
+        while not admission._stop.wait(self.preempt_poll_s):
+            try:
+                asked = self.ledger.preempt_requested(admission.job_id)
+            except Exception:  # an outage: the heartbeat reports it
+                continue
+            if asked:
+                admission.preempted.set()
+                self.events.warning(
+                    f"job {admission.job_id[:8]} is preempted: a higher-priority job takes back "
+                    f"capacity this one borrowed in pool {admission.pool}; stopping it gracefully"
+                )
+                if admission.on_preempt is not None:
+                    admission.on_preempt()
+                return
 
     def _retake_limits(self, admission: Admission) -> None:
         """The lease expired while Prefect was unreachable and its slots were repossessed:
@@ -297,14 +333,14 @@ class Gate:
         assert self.limits is not None
         lease = self.limits.acquire([s for s, _ in admission.caps], admission.slots)
         if lease is None:
-            self.events.outage(
+            self.events.warning(
                 f"job {admission.job_id[:8]} lost its Prefect lease and the limit is full; "
                 "the ledger still counts it"
             )
             return
         admission.lease_id = lease
         self.ledger.record_lease(admission.job_id, lease)
-        self.events.outage(f"job {admission.job_id[:8]} took its Prefect slots again")
+        self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")
 
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None

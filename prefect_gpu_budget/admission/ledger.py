@@ -35,6 +35,16 @@ from prefect_gpu_budget.admission.policy import (
     decide,
     share_in,
 )
+from prefect_gpu_budget.admission.quota import (
+    Capacity,
+    Placed,
+    Pool,
+    Shape,
+    TeamQuota,
+    pool_for,
+    proportional,
+    team_of,
+)
 from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path, validate_scope
 
 P = ParamSpec("P")
@@ -104,6 +114,13 @@ jobs = sa.Table(
     sa.Column("external_id", sa.String(200)),
     sa.Column("lease_id", sa.String(64)),
     sa.Column("flow_run_id", sa.String(36)),
+    sa.Column("pool", sa.String(48)),
+    sa.Column("team", sa.String(100)),
+    sa.Column("node_gpus", sa.Integer),
+    sa.Column("node_vcpu", sa.Integer),
+    sa.Column("node_memory_gib", sa.Integer),
+    sa.Column("placement", sa.String(400)),
+    sa.Column("preempt_at", sa.Float),
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
 )
@@ -115,6 +132,38 @@ period_spend = sa.Table(
     sa.Column("period_start", sa.Float, primary_key=True),
     sa.Column("period_end", sa.Float, nullable=False),
     sa.Column("settled_micro", sa.BigInteger, nullable=False),
+)
+
+pools = sa.Table(
+    "gpu_pools",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("name", sa.String(48), primary_key=True),
+    sa.Column("nodes", sa.Integer, nullable=False),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("vcpu", sa.Integer, nullable=False),
+    sa.Column("memory_gib", sa.Integer, nullable=False),
+    sa.Column("gpu_model", sa.String(64), nullable=False, default=""),
+    sa.Column("instance_types", sa.Text, nullable=False, default=""),
+    sa.Column("kind", sa.String(12), nullable=False, default="inventory"),
+    sa.Column("backfill", sa.Boolean, nullable=False, default=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""What can run at once in an org: machines of one shape, or a cloud quota."""
+
+team_quotas = sa.Table(
+    "gpu_team_quotas",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("pool", sa.String(48), primary_key=True),
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("vcpu", sa.Integer, nullable=False),
+    sa.Column("memory_gib", sa.Integer, nullable=False),
+    sa.Column("borrow_pct", sa.Integer, nullable=False),
+    sa.Column("lend_pct", sa.Integer, nullable=False),
+    sa.Column("weight", sa.Integer, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
 )
 
 agent_grants = sa.Table(
@@ -148,6 +197,29 @@ def normalise_url(url: str) -> str:
     return url
 
 
+def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
+    """One-line errors for a pool or quota that cannot be right."""
+    from prefect_gpu_budget.units import SEGMENT_RE
+
+    if not SEGMENT_RE.match(pool.org) or not SEGMENT_RE.match(pool.name):
+        raise BudgetInputError(
+            "pool", f"org and name must be 1-48 of a-z 0-9 - _, got {pool.name!r}"
+        )
+    if not 1 <= pool.nodes <= 100_000 or min(pool.node) < 0 or max(pool.node) > 10**7:
+        raise BudgetInputError("nodes", "a pool has 1-100000 nodes of non-negative size")
+    if pool.kind not in ("inventory", "quota"):
+        raise BudgetInputError("kind", f"must be inventory or quota, got {pool.kind!r}")
+    for q in quotas:
+        if q.team.count("/") != 1 or validate_scope(q.team).split("/")[0] != pool.org:
+            raise BudgetInputError("team", f"must be '{pool.org}/TEAM', got {q.team!r}")
+        if min(q.quota) < 0 or not 0 <= q.borrow_pct <= 1000 or not 0 <= q.lend_pct <= 100:
+            raise BudgetInputError(
+                "quota", f"{q.team}: quota >= 0, borrow 0-1000%, lend 0-100% expected"
+            )
+        if not 0 <= q.weight <= 100:
+            raise BudgetInputError("weight", f"{q.team}: must be 0-100, got {q.weight}")
+
+
 def _token_hash(token: object) -> str:
     return hashlib.sha256(str(token).encode("utf-8", "replace")).hexdigest()
 
@@ -175,6 +247,11 @@ class NewJob:
     on_limit: str | None = None
     max_wait_s: float | None = None
     flow_run_id: str | None = None
+    pool: str | None = None
+    """A pool the job names; None: the pool serving its instance type, if any."""
+    node_gpus: int = 0
+    node_vcpu: int = 0
+    node_memory_gib: int = 0
 
 
 def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
@@ -210,11 +287,21 @@ class Ledger:
         for attempt in range(5):
             try:
                 metadata.create_all(self.engine)
+                self._add_new_columns()
                 return
             except sa.exc.DBAPIError:  # another process created the same table at once
                 if attempt == 4:
                     raise
                 time.sleep(0.1 * (attempt + 1))
+
+    def _add_new_columns(self) -> None:
+        """A ledger made by an earlier version lacks the newer (nullable) columns of jobs."""
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns(jobs.name)}
+        for column in jobs.columns:
+            if column.name not in have:
+                kind = column.type.compile(self.engine.dialect)
+                with self.engine.begin() as conn:
+                    conn.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {column.name} {kind}")
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -371,10 +458,25 @@ class Ledger:
                     heartbeat_at=now,
                     reserved_micro=0,
                     reserve_seconds=0.0,
-                    **job.__dict__,
+                    team=team_of(job.scope),
+                    **self._in_pool(conn, org, job).__dict__,
                 )
             )
             return self._decide(conn, job_id, org, now, reason="")
+
+    def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
+        """The job with the pool it runs in (named, or serving its instance type) and its
+        per-node shape; vCPU and memory left at 0 take the pool's proportional default."""
+        found = pool_for(_load_pools(conn, org), job.instance_type, job.pool)
+        if job.pool is not None and found is None:
+            raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
+        if found is None:
+            return replace(job, pool=None)
+        vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
+        res = proportional(found, job.node_gpus, vcpu, memory)
+        return replace(
+            job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2]
+        )
 
     @_reconnecting
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
@@ -403,6 +505,7 @@ class Ledger:
                 reserved_micro=decision.reserved_micro,
                 reserve_seconds=decision.reserve_seconds,
                 reason=decision.reason,
+                placement=",".join(map(str, decision.placement)),
             )
         elif decision.verdict in ("reject", "timeout"):
             values.update(
@@ -415,7 +518,18 @@ class Ledger:
         elif decision.reason != reason:
             values["reason"] = decision.reason
         conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
-        if decision.verdict != "wait":
+        asked = 0
+        if decision.preempt:  # borrowed work gives lent capacity back: its holders stop it
+            asked = conn.execute(
+                jobs.update()
+                .where(
+                    jobs.c.id.in_(decision.preempt),
+                    jobs.c.state.in_(ACTIVE),
+                    jobs.c.preempt_at.is_(None),
+                )
+                .values(preempt_at=now, reason=f"preempted for job {job_id[:8]}")
+            ).rowcount
+        if decision.verdict != "wait" or asked:
             self._bump(conn, org)
         return decision
 
@@ -439,11 +553,23 @@ class Ledger:
                 jobs.c.reserved_micro,
                 jobs.c.admitted_at,
                 jobs.c.reserve_seconds,
+                jobs.c.nodes,
+                jobs.c.pool,
+                jobs.c.team,
+                jobs.c.node_gpus,
+                jobs.c.node_vcpu,
+                jobs.c.node_memory_gib,
+                jobs.c.placement,
             ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
         ).all()
-        holds, queue, scopes = [], [], set()
+        holds, queue, scopes, placed = [], [], set(), []
         for r in rows:
             scopes.update(scope_path(r.scope))
+            shape = (
+                None
+                if r.pool is None
+                else Shape(r.pool, r.team, (r.node_gpus, r.node_vcpu, r.node_memory_gib), r.nodes)
+            )
             if r.state == "queued":
                 if r.heartbeat_at >= now - STALE_WAITER_S or r.id == deciding:
                     queue.append(
@@ -458,10 +584,14 @@ class Ledger:
                             requested_at=r.requested_at,
                             on_limit=r.on_limit,
                             max_wait_s=r.max_wait_s,
+                            shape=shape,
                         )
                     )
             else:
                 holds.append(hold_of(r._mapping))
+                if shape is not None:
+                    where = tuple(int(i) for i in (r.placement or "").split(",") if i)
+                    placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at))
         rules = {
             row["scope"]: _rule(row)
             for row in conn.execute(
@@ -476,7 +606,20 @@ class Ledger:
                 )
             )
         }
-        return LedgerState(now=now, budgets=rules, holds=holds, settled=settled), queue
+        if not placed and all(req.shape is None for req in queue):
+            return LedgerState(now=now, budgets=rules, holds=holds, settled=settled), queue
+        org_pools = {p.name: p for p in _load_pools(conn, org)}
+        quotas = {(q.pool, q.team): q for q in _load_quotas(conn, org)}
+        state = LedgerState(
+            now=now,
+            budgets=rules,
+            holds=holds,
+            settled=settled,
+            pools=org_pools,
+            quotas=quotas,
+            placed=tuple(placed),
+        )
+        return state, queue
 
     @_reconnecting
     def unadmit(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
@@ -513,6 +656,133 @@ class Ledger:
             ).rowcount
             self._bump(conn, org)
         return bool(done)
+
+    # -- capacity -----------------------------------------------------------------------
+
+    @_reconnecting
+    def set_pool(
+        self, pool: Pool, quotas: list[TeamQuota] | None = None, now: float | None = None
+    ) -> None:
+        """Create or replace a capacity pool; with `quotas`, replace all its team quotas."""
+        check_pool(pool, quotas or [])
+        now = time.time() if now is None else now
+        values = {
+            "nodes": pool.nodes,
+            "gpus": pool.node[0],
+            "vcpu": pool.node[1],
+            "memory_gib": pool.node[2],
+            "gpu_model": pool.gpu_model,
+            "instance_types": ",".join(pool.instance_types),
+            "kind": pool.kind,
+            "backfill": pool.backfill,
+            "updated_at": now,
+        }
+        with self._write(pool.org) as conn:
+            where = sa.and_(pools.c.org == pool.org, pools.c.name == pool.name)
+            if conn.execute(pools.update().where(where).values(**values)).rowcount == 0:
+                conn.execute(pools.insert().values(org=pool.org, name=pool.name, **values))
+            if quotas is not None:
+                conn.execute(
+                    team_quotas.delete().where(
+                        team_quotas.c.org == pool.org, team_quotas.c.pool == pool.name
+                    )
+                )
+                for q in quotas:
+                    conn.execute(
+                        team_quotas.insert().values(
+                            org=pool.org,
+                            pool=pool.name,
+                            team=q.team,
+                            gpus=q.quota[0],
+                            vcpu=q.quota[1],
+                            memory_gib=q.quota[2],
+                            borrow_pct=q.borrow_pct,
+                            lend_pct=q.lend_pct,
+                            weight=q.weight,
+                            updated_at=now,
+                        )
+                    )
+            self._bump(conn, pool.org)
+
+    @_reconnecting
+    def capacity(self, org: str) -> tuple[list[Pool], list[TeamQuota]]:
+        with self._read() as conn:
+            return _load_pools(conn, org), _load_quotas(conn, org)
+
+    @_reconnecting
+    def capacity_status(self, org: str) -> list[dict[str, Any]]:
+        """Per pool: its size, used, each team's quota / used / borrowed / lendable, and its
+        queue with the reasons (for `status` and the spend report)."""
+        with self._read() as conn:
+            org_pools, quotas = _load_pools(conn, org), _load_quotas(conn, org)
+            if not org_pools:
+                return []
+            rows = (
+                conn.execute(
+                    sa.select(jobs)
+                    .where(jobs.c.org == org, jobs.c.pool.is_not(None))
+                    .where(jobs.c.state.in_(("queued", *ACTIVE)))
+                    .order_by(jobs.c.requested_at)
+                )
+                .mappings()
+                .all()
+            )
+        placed = [
+            Placed(
+                r["id"],
+                Shape(
+                    r["pool"],
+                    r["team"],
+                    (r["node_gpus"], r["node_vcpu"], r["node_memory_gib"]),
+                    r["nodes"],
+                ),
+                tuple(int(i) for i in (r["placement"] or "").split(",") if i),
+                r["priority"],
+                r["admitted_at"],
+            )
+            for r in rows
+            if r["state"] in ACTIVE
+        ]
+        cap = Capacity(
+            {p.name: p for p in org_pools}, {(q.pool, q.team): q for q in quotas}, placed
+        )
+        return [
+            {
+                "org": org,
+                "pool": p.name,
+                "kind": p.kind,
+                "nodes": p.nodes,
+                "node": p.node,
+                "gpu_model": p.gpu_model,
+                "backfill": p.backfill,
+                "used": cap.pool_used(p.name),
+                "total": p.total,
+                "teams": cap.status(p.name),
+                "queue": [
+                    {
+                        "job_id": r["id"],
+                        "scope": r["scope"],
+                        "nodes": r["nodes"],
+                        "priority": r["priority"],
+                        "reason": r["reason"],
+                    }
+                    for r in rows
+                    if r["pool"] == p.name and r["state"] == "queued"
+                ],
+            }
+            for p in org_pools
+        ]
+
+    @_reconnecting
+    def preempt_requested(self, job_id: str) -> bool:
+        """Whether a higher-priority job asked this (borrowed) one to give its capacity back."""
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    sa.select(jobs.c.preempt_at).where(jobs.c.id == job_id)
+                ).scalar_one_or_none()
+                is not None
+            )
 
     # -- agents ---------------------------------------------------------------------------
 
@@ -799,6 +1069,38 @@ def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float
         == 0
     ):
         conn.execute(table.insert().values(scope=rule.scope, **values))
+
+
+def _load_pools(conn: Connection, org: str) -> list[Pool]:
+    return [
+        Pool(
+            org=r.org,
+            name=r.name,
+            nodes=r.nodes,
+            node=(r.gpus, r.vcpu, r.memory_gib),
+            instance_types=tuple(t for t in r.instance_types.split(",") if t),
+            gpu_model=r.gpu_model,
+            kind=r.kind,
+            backfill=bool(r.backfill),
+        )
+        for r in conn.execute(sa.select(pools).where(pools.c.org == org).order_by(pools.c.name))
+    ]
+
+
+def _load_quotas(conn: Connection, org: str) -> list[TeamQuota]:
+    return [
+        TeamQuota(
+            pool=r.pool,
+            team=r.team,
+            quota=(r.gpus, r.vcpu, r.memory_gib),
+            borrow_pct=r.borrow_pct,
+            lend_pct=r.lend_pct,
+            weight=r.weight,
+        )
+        for r in conn.execute(
+            sa.select(team_quotas).where(team_quotas.c.org == org).order_by(team_quotas.c.team)
+        )
+    ]
 
 
 def hold_of(row: Any, scope: str | None = None) -> Hold:

@@ -10,12 +10,14 @@ is never starved by a stream of small ones, while jobs in unrelated scopes go on
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.quota import Capacity, Placed, Pool, Shape, TeamQuota
 from prefect_gpu_budget.units import (
     MICRO_PER_CENT,
     cost_micro,
@@ -72,6 +74,46 @@ def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float
     return hold.reserved_micro, hold.start, hold.end
 
 
+CROSS = False
+WORSTFIT = False
+OVERRUN_QUANTILE = 0.9
+"""Estimate mode reserves enough for this share of a scope's jobs, judged by its settled jobs."""
+OVERRUN_WINDOW = 200
+"""How many of a scope's most recently settled jobs it learns from."""
+OVERRUN_MIN_JOBS = 20
+"""Fewer settled jobs than this in a scope teach nothing: its parent's figure (or none) applies."""
+
+
+def overrun_factor(ratios: Sequence[float], quantile: float = OVERRUN_QUANTILE) -> float | None:
+    """How far to stretch an expected runtime: a high quantile of actual / expected runtime.
+
+    `ratios` are a scope's recently settled jobs (billed seconds / expected runtime). The
+    `quantile` (nearest rank) of them, never below 1 (a reservation is never smaller than the
+    user's own estimate); None if there are fewer than `OVERRUN_MIN_JOBS`.
+    """
+    if len(ratios) < OVERRUN_MIN_JOBS:
+        return None
+    ranked = sorted(ratios)
+    return max(1.0, ranked[max(0, math.ceil(quantile * len(ranked)) - 1)])
+
+
+def overrun_factors(
+    recent: Iterable[tuple[str, float]], window: int = OVERRUN_WINDOW
+) -> dict[str, float]:
+    """Per scope, `overrun_factor` of the last `window` settled jobs in it (or below it).
+
+    `recent` is (job scope, billed seconds / expected runtime) of settled jobs, most recent
+    first: jobs that ran (billed time > 0), had an expected runtime, and were not cancelled.
+    """
+    windows: dict[str, list[float]] = defaultdict(list)
+    for scope, ratio in recent:
+        for path_scope in scope_path(scope):
+            if len(windows[path_scope]) < window:
+                windows[path_scope].append(ratio)
+    found = {scope: overrun_factor(ratios) for scope, ratios in windows.items()}
+    return {scope: factor for scope, factor in found.items() if factor is not None}
+
+
 @dataclass(frozen=True)
 class Request:
     """A queued job as the decision sees it."""
@@ -88,6 +130,8 @@ class Request:
     """The job's own `queue`/`reject` choice; None follows the deepest budget on its path."""
     max_wait_s: float | None = None
     """The job's own max wait (0 = forever); None follows the deepest budget on its path."""
+    shape: Shape | None = None
+    """What it occupies in a capacity pool, if it runs in one."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +143,14 @@ class LedgerState:
     """Settled spend by (scope, period start) for the periods the decision may look at."""
     metering: bool = True
     """Count rate x elapsed for jobs running past their reservation (off: estimate-only)."""
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+    quotas: Mapping[tuple[str, str], TeamQuota] = field(default_factory=dict)
+    """Team quotas by (pool, team)."""
+    placed: Sequence[Placed] = ()
+    """Admitted jobs' footprints in the pools."""
+    overrun: Mapping[str, float] = field(default_factory=dict)
+    """Per scope, from `overrun_factors`: estimate mode reserves expected runtime x the figure of
+    the deepest scope on the job's path that has one (at most max_runtime). Empty: as expected."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +167,12 @@ class Decision:
     """Scopes whose limits block this job; later jobs needing them wait behind it."""
     caps: tuple[tuple[str, int], ...] = ()
     """For an admission: (scope, hourly cap in cents) of each capped scope on the path."""
+    placement: tuple[int, ...] = ()
+    """For an admission in an inventory pool: the machine of each of its nodes."""
+    preempt: tuple[str, ...] = ()
+    """Borrowed jobs asked to stop so that this one (within its team's quota) fits."""
+    pool: str | None = None
+    """For an admission: the capacity pool it runs in."""
 
 
 def reservation_mode(rules: Iterable[BudgetRule]) -> str:
@@ -256,22 +314,56 @@ def plan(
     ordered = queue_order(queue)
     orgs = {req.scope.split("/", 1)[0] for req in ordered}
     usage = _Usage(state)
+    capacity = Capacity(state.pools, state.quotas, list(state.placed)) if state.pools else None
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
-    for req in ordered:
-        if stop_at is None and any(scope in held for scope in scope_path(req.scope)):
+    for req in _walk(ordered, capacity):
+        if stop_at is None and any(key in held for key in _keys(req)):
             out[req.job_id] = _BEHIND  # cannot be admitted this round; details on request
             continue
-        out[req.job_id] = decision = _decide_one(state, req, usage, held)
-        for scope in decision.blocks:
-            held.setdefault(scope, req)
+        out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
+        for key in decision.blocks:
+            held.setdefault(key, req)
         if req.job_id == stop_at or (stop_at is None and orgs <= held.keys()):
             break
     return out
 
 
+def _keys(req: Request) -> list[str]:
+    """What a job queues behind: its scopes, and its pool and team quota if it has a shape."""
+    keys = scope_path(req.scope)
+    if req.shape is None:
+        return list(keys)
+    return [*keys, f"pool:{req.shape.pool}", f"team:{req.shape.pool}:{req.shape.team}"]
+
+
+def _walk(ordered: list[Request], capacity: Capacity | None) -> Iterator[Request]:
+    """Queue order: priority, then (in capacity pools) fair share, then arrival. Fair share is
+    read afresh before each pick, as admissions change who has borrowed most per weight."""
+    if capacity is None:
+        yield from ordered
+        return
+    pending = list(ordered)
+    while pending:
+        pick = min(
+            pending,
+            key=lambda r: (
+                -r.priority,
+                capacity.share(r.shape.pool, r.shape.team) if r.shape else 0.0,
+                r.requested_at,
+                r.job_id,
+            ),
+        )
+        pending.remove(pick)
+        yield pick
+
+
 def _decide_one(
-    state: LedgerState, req: Request, usage: _Usage, held: dict[str, Request]
+    state: LedgerState,
+    req: Request,
+    usage: _Usage,
+    held: dict[str, Request],
+    capacity: Capacity | None = None,
 ) -> Decision:
     rules = path_rules(state.budgets, req.scope)
     if not rules:
@@ -283,40 +375,83 @@ def _decide_one(
             scope=req.scope,
         )
     mode = reservation_mode(rules)
-    reserve_s = req.max_runtime_s
+    reserve_s, how = req.max_runtime_s, mode
     if mode == "estimate" and req.expected_runtime_s:
         reserve_s = req.expected_runtime_s
+        learned = [(s, state.overrun[s]) for s in scope_path(req.scope) if s in state.overrun]
+        if learned:
+            source, factor = learned[-1]
+            reserve_s = max(reserve_s, min(req.max_runtime_s, reserve_s * factor))
+            how = f"estimate x{factor:.2f}, as jobs in {source} overran"
+        if CROSS and any(
+            r.period_budget_micro is not None
+            and periods.bounds(r.period, r.timezone, state.now)[1] < state.now + req.max_runtime_s
+            for r in rules
+        ):
+            reserve_s, how = req.max_runtime_s, "estimate, worst case as it may cross a period end"
     reserved = cost_micro(req.rate_micro_per_hour, reserve_s, round_up=True)
     hold = Hold(req.scope, req.rate_cents, reserved, state.now, state.now + reserve_s)
 
-    never = _never_fits(req, rules, hold)
+    shape = (
+        req.shape if capacity is not None and req.shape and req.shape.pool in state.pools else None
+    )
+    never = _never_fits(req, rules, hold) or (capacity.never_fits(shape) if shape else None)
     if never:
         return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
 
-    for scope in scope_path(req.scope):
-        ahead = held.get(scope)
+    for key in _keys(req) if shape else scope_path(req.scope):
+        ahead = held.get(key)
         if ahead is not None:
             behind = Decision(
                 "wait",
                 f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
-                f"{fmt_duration(state.now - ahead.requested_at)} ago) for {scope}",
+                f"{fmt_duration(state.now - ahead.requested_at)} ago) for "
+                f"{key.replace('pool:', 'pool ').replace('team:', 'the quota of ')}",
                 limit="queue",
-                scope=scope,
+                scope=key,
             )
             return _wait_or_end(state, req, rules, behind)
 
-    blockers = _blockers(req, rules, hold, usage)
+    check = hold
+    if WORSTFIT and mode == "estimate" and state.metering:
+        check = Hold(
+            req.scope,
+            req.rate_cents,
+            cost_micro(req.rate_micro_per_hour, req.max_runtime_s, round_up=True),
+            state.now,
+            state.now + req.max_runtime_s,
+        )
+    blockers = _blockers(req, rules, check, usage)
+    fit = capacity.check(shape, req.priority) if capacity is not None and shape else None
+    if fit is not None and not fit.ok:
+        blockers.append(
+            Decision(
+                "wait",
+                fit.reason,
+                limit="capacity",
+                scope=f"pool:{shape.pool}" if shape else None,
+                blocks=fit.holds,
+                # budget limits never stop running work: only capacity alone may preempt
+                preempt=() if blockers else fit.victims,
+            )
+        )
     if blockers:
         return _wait_or_end(state, req, rules, _blocked(blockers))
 
     usage.add(hold, rules)
+    placement = ()
+    if fit is not None and shape is not None:
+        placement = fit.placement
+        capacity.add(Placed(req.job_id, shape, placement, req.priority, state.now))
     return Decision(
         "admit",
         f"admitted: {_usd_per_hour(req.rate_cents)}, reserved {fmt_usd(reserved)} "
-        f"for {fmt_duration(reserve_s)} ({mode})",
+        f"for {fmt_duration(reserve_s)} ({how})",
         reserved_micro=reserved,
         reserve_seconds=reserve_s,
         caps=tuple((r.scope, r.hourly_cap_cents) for r in rules if r.hourly_cap_cents is not None),
+        placement=placement,
+        pool=shape.pool if shape else None,
     )
 
 
@@ -324,13 +459,19 @@ def _blocked(blockers: list[Decision]) -> Decision:
     first = blockers[0]
     reason = "; ".join(b.reason for b in blockers)
     resumes = [b.resumes_at for b in blockers if b.resumes_at is not None]
+    holds = (  # a budget holds its scope; capacity holds what the pool's backfill setting says
+        k
+        for b in blockers
+        for k in (b.blocks if b.limit == "capacity" else (b.scope,) if b.scope else ())
+    )
     return Decision(
         "wait",
         reason,
         limit=first.limit,
         scope=first.scope,
         resumes_at=max(resumes) if resumes else None,
-        blocks=tuple(dict.fromkeys(b.scope for b in blockers if b.scope)),
+        blocks=tuple(dict.fromkeys(holds)),
+        preempt=tuple(v for b in blockers for v in b.preempt),
     )
 
 
@@ -342,7 +483,9 @@ def _wait_or_end(
     on_limit = req.on_limit or deepest.on_limit
     max_wait = deepest.max_wait_s if req.max_wait_s is None else req.max_wait_s
     if on_limit == "reject":
-        return replace(wait, verdict="reject", reason=f"over budget: {wait.reason}", blocks=())
+        return replace(
+            wait, verdict="reject", reason=f"over budget: {wait.reason}", blocks=(), preempt=()
+        )
     waited = state.now - req.requested_at
     if max_wait > 0 and waited >= max_wait:
         return replace(
@@ -350,6 +493,7 @@ def _wait_or_end(
             verdict="timeout",
             reason=f"max wait {fmt_duration(max_wait)} ran out: {wait.reason}",
             blocks=(),
+            preempt=(),
         )
     return wait
 

@@ -195,6 +195,46 @@ def _summary(
     return "\n".join(lines)
 
 
+def _publish_capacity(led, orgs: list[str]) -> None:
+    """Per capacity pool: each team's quota, used, borrowed, lent and lendable; the queue."""
+    pools = [p for org in orgs for p in led.capacity_status(org)]
+    if not pools:
+        return
+    create_table_artifact(
+        key="gpu-budget-team-quotas",
+        table=[
+            {
+                "pool": f"{p['org']}/{p['pool']}",
+                "team": t["team"],
+                "quota_gpus": t["quota"][0],
+                "used_gpus": t["used"][0],
+                "borrowed_gpus": t["borrowed"][0],
+                "lent_gpus": t["lent"][0],
+                "lendable_gpus": t["lendable"][0],
+                "quota_vcpu": t["quota"][1],
+                "used_vcpu": t["used"][1],
+                "quota_memory_gib": t["quota"][2],
+                "used_memory_gib": t["used"][2],
+                "borrow_pct": t["borrow_pct"],
+                "lend_pct": t["lend_pct"],
+                "weight": t["weight"],
+            }
+            for p in pools
+            for t in p["teams"]
+        ],
+        description="Team quotas per capacity pool: quota, used, borrowed, lent, lendable",
+    )
+    create_table_artifact(
+        key="gpu-budget-capacity-queue",
+        table=[
+            {"pool": f"{p['org']}/{p['pool']}", **q, "job_id": q["job_id"][:8]}
+            for p in pools
+            for q in p["queue"]
+        ],
+        description="Jobs waiting for capacity, with the reason each waits",
+    )
+
+
 @flow(name="gpu-budget-spend-report")
 def spend_report(
     scope: str | None = None,
@@ -237,6 +277,7 @@ def spend_report(
         description=f"The {TOP_JOBS} costliest GPU jobs of the last {hours:g} h",
     )
 
+    _publish_capacity(led, sorted({s["scope"].split("/")[0] for s in statuses}))
     plots: list[Path | None] = []
     for s in statuses:
         if s["period_budget_micro"] is None and s["hourly_cap_micro"] is None:

@@ -7,8 +7,10 @@ starts waiting, and custom-named final states (`OverBudget`, `AdmissionTimeout`)
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -24,7 +26,7 @@ from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import METRICS_ENV, GpuJob
-from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher
+from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.launchers.registry import launcher_ref
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
@@ -155,7 +157,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             },
         )
 
-    def outage(message: str) -> None:
+    def warning(message: str) -> None:
         logger.warning("GPU budget gate: %s", message)
 
     return GateEvents(
@@ -164,7 +166,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
         admitted=admitted,
         refused=refused,
         settled=settled,
-        outage=outage,
+        warning=warning,
     )
 
 
@@ -219,6 +221,52 @@ def settle(
     return gate.settle(admission, ended_at=ended_at, outcome=outcome, actual_micro=actual_usd_micro)
 
 
+def _launch(
+    gate: Gate,
+    admission: Admission,
+    launcher: Launcher,
+    env: dict[str, str],
+    log: Callable[[str], None],
+) -> tuple[LaunchResult, dict[str, Any]]:
+    """Run an admitted job and settle it once, whatever way it ends. A job asked to give its
+    capacity back (preempted) is stopped gracefully: SIGTERM or the cloud's stop, then its
+    grace period to checkpoint, then a kill; it pays for what it used."""
+    job = admission.job
+    started_as: list[str] = []
+
+    stopped: list[float] = []
+
+    def stop() -> None:
+        if started_as:
+            stopped.append(time.time())
+            launcher.stop(started_as[0], grace=job.kill_grace)
+
+    def on_start(started: float, external_id: str) -> None:
+        started_as.append(external_id)
+        gate.started(admission, started, external_id)
+        if admission.preempted.is_set():  # asked before it even started
+            threading.Thread(target=stop, daemon=True).start()
+
+    admission.on_preempt = stop
+    result = None
+    try:
+        result = launcher.run(job, admission.quote, on_start=on_start, log=log, env=env)
+    finally:
+        if result is None:  # cancelled or crashed mid-run: bill until now
+            row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+        else:
+            if stopped and stopped[0] < result.ended_at:  # it ended because it was stopped
+                result = replace(result, outcome="preempted", detail="preempted: " + result.detail)
+            row = gate.settle(
+                admission,
+                ended_at=result.ended_at,
+                outcome=result.outcome,
+                billed_seconds=result.billed_seconds,
+                actual_micro=result.actual_micro,
+            )
+    return result, row
+
+
 # Never cached: a cached result would skip the gate and the spend it guards.
 @task(
     name="run-gpu-job",
@@ -247,34 +295,25 @@ def run_gpu_job(
     except LaunchConfigError as bad:
         logger.error("GPU job not launched: %s", bad)
         return Failed(name="LaunchConfigError", message=str(bad))  # type: ignore[return-value]
-    try:
-        admission = gate.admit(
-            job, scope, flow_run_id=_flow_run_id(), launcher=launcher_ref(launcher)
-        )
-    except AdmissionRefused as refused:
-        return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
-
     env = {METRICS_ENV: metrics_file} if metrics_file else {}
-    result = None
-    try:
-        result = launcher.run(
-            job,
-            admission.quote,
-            on_start=lambda started, external_id: gate.started(admission, started, external_id),
-            log=lambda line: logger.info("| %s", line),
-            env=env,
-        )
-    finally:
-        if result is None:  # cancelled or crashed mid-run: bill until now
-            row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")
-        else:
-            row = gate.settle(
-                admission,
-                ended_at=result.ended_at,
-                outcome=result.outcome,
-                billed_seconds=result.billed_seconds,
-                actual_micro=result.actual_micro,
+    while True:
+        try:
+            admission = gate.admit(
+                job, scope, flow_run_id=_flow_run_id(), launcher=launcher_ref(launcher)
             )
+        except AdmissionRefused as refused:
+            return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
+        result, row = _launch(
+            gate, admission, launcher, env, lambda line: logger.info("| %s", line)
+        )
+        if result.outcome != "preempted" or not job.requeue:
+            break
+        logger.warning(
+            "GPU job %s was preempted after %s (cost %s); queued again",
+            admission.job_id[:8],
+            fmt_duration(result.runtime_s),
+            fmt_usd(row["actual_micro"] or 0),
+        )
     out = JobResult(
         job_id=admission.job_id,
         scope=scope,

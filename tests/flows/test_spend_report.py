@@ -114,3 +114,57 @@ def test_spend_report_publishes_tables_summary_and_plots(
 def test_spend_report_rejects_a_bad_window(prefect_api, tmp_path):
     with pytest.raises(BudgetInputError, match="hours"):
         spend_report(hours=-1.0, out_dir=str(tmp_path))
+
+
+@pytest.mark.timeout(180)
+def test_spend_report_shows_team_quotas_and_the_capacity_queue(prefect_api, tmp_path):
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    ledger.set_budget(BudgetRule("cap", period_budget_micro=10**9))
+    pool = Pool("cap", "lab-a", 2, (8, 192, 2048), ("local:box",), "H100")
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "cap/a", proportional(pool, 8), borrow_pct=100),
+            TeamQuota("lab-a", "cap/b", proportional(pool, 8), weight=20),
+        ],
+    )
+    shape = {"node_gpus": 8, "nodes": 1}
+    job = NewJob(
+        scope="cap/a/s",
+        name="n",
+        instance_type="local:box",
+        provisioning="on-demand",
+        rate_micro_per_hour=1_000_000,
+        rate_cents=100,
+        priority=0,
+        max_runtime_s=60.0,
+        expected_runtime_s=None,
+        holder="elsewhere:1:1",
+        **shape,
+    )
+    ledger.request(job)
+    ledger.request(job)  # borrowed from b
+    waiter, decision = ledger.request(job)
+    assert decision.verdict == "wait"
+
+    state = spend_report(
+        ledger=SpendLedger(database_url=url), out_dir=str(tmp_path / "r"), return_state=True
+    )
+    assert state.is_completed(), state.message
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    by_key = {a.key: json.loads(a.data) for a in artifacts if a.key.startswith("gpu-budget-c")}
+    by_key.update({a.key: json.loads(a.data) for a in artifacts if a.key.endswith("quotas")})
+    quotas = {r["team"]: r for r in by_key["gpu-budget-team-quotas"]}
+    assert quotas["cap/a"]["used_gpus"] == 16 and quotas["cap/a"]["borrowed_gpus"] == 8
+    assert quotas["cap/b"]["quota_vcpu"] == 192 and quotas["cap/b"]["lent_gpus"] == 8
+    [queued] = by_key["gpu-budget-capacity-queue"]
+    assert queued["job_id"] == waiter[:8] and "cap/a" in queued["reason"]

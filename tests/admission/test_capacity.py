@@ -1,0 +1,146 @@
+"""Quota, capacity, rate cap and budget in one decision, through the ledger and the gate, on
+SQLite and PostgreSQL: gang admission with max wait, no starvation, no over-commit in a race."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.ledger import Ledger, NewJob
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.quota import Pool, TeamQuota, add, fits_in, proportional
+from prefect_gpu_budget.job import GpuJob
+
+NODE = (8, 192, 2048)
+
+
+def _pool(nodes: int, **kw) -> Pool:
+    return Pool("acme", "lab-a", nodes, NODE, ("local:h100x8",), "H100", **kw)
+
+
+def _job(scope: str, nodes: int = 1, gpus: int = 8, priority: int = 0, **kw) -> NewJob:
+    return NewJob(
+        scope=scope,
+        name=f"{nodes}x{gpus}",
+        instance_type="local:h100x8",
+        provisioning="on-demand",
+        nodes=nodes,
+        rate_micro_per_hour=1_000_000,
+        rate_cents=100,
+        priority=priority,
+        max_runtime_s=60.0,
+        expected_runtime_s=None,
+        holder="elsewhere:1:1",
+        node_gpus=gpus,
+        **kw,
+    )
+
+
+def test_a_gang_job_waits_whole_and_times_out_as_dws_does(ledger):
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9, max_wait_s=86400))
+    ledger.set_pool(_pool(3))
+    first, admitted = ledger.request(_job("acme/a/s", nodes=2))
+    assert admitted.verdict == "admit" and admitted.placement in ((0, 1), (0, 2), (1, 2))
+    second, waiting = ledger.request(_job("acme/a/s", nodes=2, max_wait_s=0.5))
+    assert waiting.verdict == "wait"
+    assert waiting.reason == "waiting for 2 x 8 H100 in pool lab-a: 1 node free"
+    assert ledger.job(second)["placement"] is None  # nothing held in part while it waits
+    time.sleep(0.6)
+    timed_out = ledger.try_admit(second, "acme/a/s")
+    assert timed_out.verdict == "timeout" and "max wait" in timed_out.reason
+    ledger.settle(first, ended_at=time.time(), outcome="completed", scope="acme/a/s")
+
+
+def test_a_big_job_is_not_starved_by_small_ones_unless_backfill_allows(ledger):
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.set_pool(_pool(2))
+    small, _ = ledger.request(_job("acme/a/s", nodes=1))
+    big, waits = ledger.request(_job("acme/a/s", nodes=2))
+    assert waits.verdict == "wait"
+    later, behind = ledger.request(_job("acme/b/s", nodes=1))  # fits now, but queues behind
+    assert behind.verdict == "wait" and f"waiting behind job {big[:8]}" in behind.reason
+    ledger.settle(small, ended_at=time.time(), outcome="completed", scope="acme/a/s")
+    assert ledger.try_admit(big, "acme/a/s").verdict == "admit"
+    assert ledger.try_admit(later, "acme/b/s").verdict == "wait"
+    ledger.settle(big, ended_at=time.time(), outcome="completed", scope="acme/a/s")
+    assert ledger.try_admit(later, "acme/b/s").verdict == "admit"
+    ledger.settle(later, ended_at=time.time(), outcome="completed", scope="acme/b/s")
+
+    ledger.set_pool(_pool(2, backfill=True))
+    small, _ = ledger.request(_job("acme/a/s", nodes=1))
+    big, _ = ledger.request(_job("acme/a/s", nodes=2))
+    assert ledger.request(_job("acme/b/s", nodes=1))[1].verdict == "admit"  # backfilled
+
+
+def test_quota_capacity_and_budget_are_one_decision(ledger):
+    pool = _pool(2)
+    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 8))])
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=20_000))  # one 1-minute job
+    _, never = ledger.request(_job("acme/z/s"))
+    assert never.verdict == "reject" and "team acme/z has no quota in pool lab-a" in never.reason
+    first, ok = ledger.request(_job("acme/a/s", gpus=4))
+    assert ok.verdict == "admit"
+    _, both = ledger.request(_job("acme/a/s", gpus=8))
+    assert both.verdict == "wait"
+    assert "budget of acme" in both.reason and "quota" in both.reason  # every reason at once
+    assert not both.preempt
+
+
+def _racer(url: str, index: int, count: int) -> None:
+    ledger = Ledger(url)
+    gate = Gate(ledger, poll_s=0.02)
+    team = "acme/a" if index % 2 else "acme/b"
+    for i in range(count):
+        job = GpuJob(
+            instance_type="local:h100x8",
+            max_runtime="60s",
+            nodes=1 + (index + i) % 2,
+            kill_grace="1s",
+        )
+        admission = gate.admit(job, f"{team}/r{index}")
+        gate.started(admission, time.time(), f"race:{index}:{i}")
+        time.sleep(0.05)
+        gate.settle(admission, ended_at=time.time(), outcome="completed")
+
+
+@pytest.mark.timeout(600)
+def test_racing_admitters_never_over_commit_quota_or_capacity(
+    ledger, ledger_url, tmp_path, monkeypatch
+):
+    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+
+    prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))  # the racers inherit it
+    default_catalog.cache_clear()
+    pool = _pool(3)
+    quotas = [
+        TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=100),
+        TeamQuota("lab-a", "acme/b", proportional(pool, 16), borrow_pct=50),
+    ]
+    ledger.set_pool(pool, quotas)
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_racer, args=(ledger_url, i, 4)) for i in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=400)
+    assert all(p.exitcode == 0 for p in procs)
+    rows = ledger.jobs()
+    assert len(rows) == 32 and all(r["state"] == "settled" for r in rows)
+    # every instant at which something was admitted: nothing over any node, quota or ceiling
+    for moment in sorted({r["admitted_at"] for r in rows}):
+        live = [r for r in rows if r["admitted_at"] <= moment < r["settled_at"]]
+        per_node = [(0, 0, 0)] * pool.nodes
+        team_use = {q.team: (0, 0, 0) for q in quotas}
+        for r in live:
+            shape = (r["node_gpus"], r["node_vcpu"], r["node_memory_gib"])
+            for index in map(int, r["placement"].split(",")):
+                per_node[index] = add(per_node[index], shape)
+            team_use[r["team"]] = add(team_use[r["team"]], tuple(x * r["nodes"] for x in shape))
+        assert all(fits_in(used, NODE) for used in per_node), (moment, per_node)
+        for q in quotas:
+            assert fits_in(team_use[q.team], q.ceiling), (moment, q.team, team_use)

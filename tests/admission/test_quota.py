@@ -1,0 +1,127 @@
+"""Team governance as HyperPod documents it: proportional quotas, lending and borrowing, fair
+share of idle capacity, gang fit, preemption victims (the pure part of the decision)."""
+
+from __future__ import annotations
+
+from prefect_gpu_budget.admission.quota import (
+    Capacity,
+    Placed,
+    Pool,
+    Shape,
+    TeamQuota,
+    proportional,
+)
+
+P5 = (8, 192, 2048)  # ml.p5.48xlarge: 8 H100, 192 vCPU, 2 TiB
+
+
+def _pool(nodes: int = 4, node=P5, **kw) -> Pool:
+    return Pool("acme", "lab-a", nodes, node, gpu_model="H100", **kw)
+
+
+def _job(team: str, gpus: int, nodes: int = 1, pool: Pool | None = None) -> Shape:
+    return Shape("lab-a", team, proportional(pool or _pool(), gpus), nodes)
+
+
+def test_accelerators_alone_bring_their_share_of_vcpu_and_memory():
+    pool = _pool(nodes=4)  # 32 GPUs
+    assert proportional(pool, 16) == (16, 384, 4096)  # 16 of 32 GPUs: half the vCPU and memory
+    assert proportional(pool, 2) == (2, 48, 512)  # k of G per instance: 2/8 of 192 vCPU, 2 TiB
+    assert proportional(pool, 2, vcpu=10) == (2, 10, 512)  # explicit values override
+
+
+def _capacity(pool: Pool, quotas: list[TeamQuota], placed=()) -> Capacity:
+    return Capacity({pool.name: pool}, {(q.pool, q.team): q for q in quotas}, list(placed))
+
+
+def _admit(cap: Capacity, job_id: str, shape: Shape, priority: int = 0, at: float = 0.0) -> bool:
+    fit = cap.check(shape, priority)
+    if fit.ok:
+        cap.add(Placed(job_id, shape, fit.placement, priority, at))
+    return fit.ok
+
+
+def test_lending_and_borrowing_stay_within_their_limits():
+    pool = _pool(nodes=2)  # 16 GPUs
+    a = TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=50)
+    b = TeamQuota("lab-a", "acme/b", proportional(pool, 8), lend_pct=25)  # lends at most 2
+    cap = _capacity(pool, [a, b])
+    for i in range(8):
+        assert _admit(cap, f"a{i}", _job("acme/a", 1))
+    assert _admit(cap, "a8", _job("acme/a", 1))  # borrowed from b's idle quota
+    assert _admit(cap, "a9", _job("acme/a", 1))
+    fit = cap.check(_job("acme/a", 1), 0)  # b lends only 25% of its 8
+    assert not fit.ok and "lend no idle capacity" in fit.reason
+    b_all = TeamQuota("lab-a", "acme/b", proportional(pool, 8), lend_pct=100)
+    cap = _capacity(pool, [a, b_all], cap.placed)
+    assert _admit(cap, "a10", _job("acme/a", 1)) and _admit(cap, "a11", _job("acme/a", 1))
+    fit = cap.check(_job("acme/a", 1), 0)  # 12 used = quota 8 + 50%: the borrow limit
+    assert not fit.ok and "+50% borrow limit" in fit.reason
+    assert cap.never_fits(_job("acme/a", 8, nodes=2)) is not None  # 16 > 8 + 50%
+    assert "borrow limit" in cap.never_fits(_job("acme/a", 8, nodes=2))
+    [sa, sb] = cap.status("lab-a")
+    assert sa["borrowed"][0] == 4 and sb["used"][0] == 0 and sb["lendable"][0] == 8
+    assert sb["lent"][0] == 4 and sa["lent"][0] == 0
+
+
+def test_idle_capacity_is_shared_by_fair_share_weight():
+    pool = _pool(nodes=12, node=(1, 24, 256))  # twelve one-GPU machines
+    quotas = [
+        TeamQuota("lab-a", "acme/a", (2, 48, 512), borrow_pct=1000, weight=60),
+        TeamQuota("lab-a", "acme/b", (2, 48, 512), borrow_pct=1000, weight=30),
+        TeamQuota("lab-a", "acme/c", (8, 192, 2048), weight=50),  # idle: lends all 8
+    ]
+    cap = _capacity(pool, quotas)
+    waiting = {"acme/a": 10, "acme/b": 10}
+    shape = {t: Shape("lab-a", t, (1, 24, 256), 1) for t in waiting}
+    n = 0
+    while True:  # what the decision does: the team with the least borrowed per weight first
+        wanting = [t for t in waiting if waiting[t] and cap.check(shape[t], 0).ok]
+        if not wanting:
+            break
+        team = min(wanting, key=lambda t: (cap.share("lab-a", t), t))
+        assert _admit(cap, f"j{n}", shape[team])
+        waiting[team] -= 1
+        n += 1
+    borrowed = {s["team"]: s["borrowed"][0] for s in cap.status("lab-a")}
+    assert borrowed["acme/a"] + borrowed["acme/b"] == 8
+    assert (borrowed["acme/a"], borrowed["acme/b"]) in ((5, 3), (6, 2))  # 2:1 of 8, rounded
+
+
+def test_two_gang_jobs_for_three_free_nodes_never_hold_part_of_them():
+    pool = _pool(nodes=3)
+    cap = _capacity(pool, [])
+    first, second = _job(None, 8, nodes=2), _job(None, 8, nodes=2)
+    assert _admit(cap, "first", first)
+    fit = cap.check(second, 0)
+    assert not fit.ok and fit.placement == ()
+    assert fit.reason == "waiting for 2 x 8 H100 in pool lab-a: 1 node free"
+    assert len(cap.placed) == 1  # nothing of the second job is held while it waits
+    cap.placed = [p for p in cap.placed if p.job_id != "first"]
+    assert _admit(cap, "second", second)
+
+
+def test_reclaiming_lent_capacity_picks_the_lowest_priority_newest_borrowed_job():
+    pool = _pool(nodes=2)
+    quotas = [
+        TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+        TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
+    ]
+    cap = _capacity(pool, quotas)
+    for i, (priority, at) in enumerate([(0, 1.0), (0, 2.0), (-100, 3.0), (-100, 4.0)]):
+        assert _admit(cap, f"b{i}", _job("acme/b", 4), priority, at)
+    # b now uses all 16: its own 8 and a's 8, lent while a was idle
+    fit = cap.check(_job("acme/a", 4), priority=100)
+    assert not fit.ok and fit.victims == ("b3",)  # low priority, most recently admitted
+    assert "preempting b3" in fit.reason
+    fit = cap.check(_job("acme/a", 8), priority=100)
+    assert set(fit.victims) == {"b2", "b3"}
+    assert cap.check(_job("acme/a", 4), priority=-100).victims == ()  # not lower: no preemption
+    assert cap.check(_job("acme/b", 4), priority=100).victims == ()  # b is over its own quota
+
+
+def test_a_team_with_no_quota_in_a_governed_pool_never_fits():
+    pool = _pool(nodes=1)
+    cap = _capacity(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 8))])
+    assert "no quota" in cap.never_fits(_job("acme/z", 1))
+    assert "nodes asked" in cap.never_fits(_job("acme/a", 8, nodes=2))

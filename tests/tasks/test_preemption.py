@@ -1,0 +1,88 @@
+"""Preemption end to end: a job within its team's quota takes back capacity lent to another team.
+The victim (lowest priority, most recently admitted borrowed job) gets SIGTERM, checkpoints within
+its grace period, pays for what it used, and is queued again."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
+
+TRAINER = """
+import os, signal, sys, time
+ckpt = sys.argv[1]
+if os.path.exists(ckpt):  # resumed from its checkpoint: finish the rest quickly
+    sys.exit(0)
+def stop(*_):
+    open(ckpt, "w").write("step 3")  # checkpoint inside the grace period, then leave
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _job(tmp: Path, name: str, seconds: float, priority: str) -> GpuJob:
+    return GpuJob(
+        instance_type="local:h100x8",
+        max_runtime="2m",
+        kill_grace="5s",
+        name=name,
+        priority=priority,
+        command=[sys.executable, "-c", TRAINER, str(tmp / f"{name}.ckpt"), str(seconds)],
+    )
+
+
+@pytest.mark.timeout(300)
+def test_borrowed_work_is_preempted_gracefully_and_requeued(prefect_api, tmp_path, monkeypatch):
+    prices = set_local_price("h100x8", "8", gpus=8, path=tmp_path / "prices.csv")
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
+    default_catalog.cache_clear()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = Pool("acme", "lab-a", 2, (8, 192, 2048), ("local:h100x8",), "H100")
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
+        ],
+    )
+    block = SpendLedger(database_url=url)
+
+    @flow
+    def contention() -> None:
+        own = run_gpu_job.submit(_job(tmp_path, "b-own", 6, "low"), "acme/b/s", block)
+        while not ledger.jobs("acme/b", states=("running",)):
+            time.sleep(0.1)
+        borrowed = run_gpu_job.submit(_job(tmp_path, "b-borrowed", 60, "low"), "acme/b/s", block)
+        while len(ledger.jobs("acme/b", states=("running",))) < 2:
+            time.sleep(0.1)
+        mine = run_gpu_job.submit(_job(tmp_path, "a-own", 1, "high"), "acme/a/s", block)
+        for future in (own, borrowed, mine):
+            future.result()
+
+    contention()
+    rows = {}
+    for row in ledger.jobs():
+        rows.setdefault(row["name"], []).append(row)
+    [own], [mine] = rows["b-own"], rows["a-own"]
+    first, again = sorted(rows["b-borrowed"], key=lambda r: r["requested_at"])
+    assert own["outcome"] == "completed" and mine["outcome"] == "completed"
+    assert first["outcome"] == "preempted" and first["preempt_at"] is not None
+    assert (tmp_path / "b-borrowed.ckpt").read_text() == "step 3"  # it checkpointed
+    assert first["ended_at"] - mine["requested_at"] < 5  # stopped promptly, not at the grace
+    assert 0 < first["actual_micro"] < first["reserved_micro"]  # paid only for what it used
+    assert mine["admitted_at"] >= first["settled_at"]  # the capacity was free when a took it
+    assert again["outcome"] == "completed" and again["requested_at"] >= first["settled_at"]

@@ -89,7 +89,7 @@ def test_postgresql_restarted_in_the_middle_of_admissions(prices):
     ledger = Ledger(_fresh_pg())
     ledger.set_budget(BudgetRule("acme", hourly_cap_cents=1080, period_budget_micro=10**9))
     messages: list[str] = []
-    gate = Gate(ledger, events=GateEvents(outage=messages.append), poll_s=0.05)
+    gate = Gate(ledger, events=GateEvents(warning=messages.append), poll_s=0.05)
     job = GpuJob(instance_type="local:race", max_runtime="60s", kill_grace="1s")
     done: list[str] = []
     errors: list[BaseException] = []

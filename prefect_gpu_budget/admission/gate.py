@@ -342,6 +342,14 @@ class Gate:
         self.ledger.record_lease(admission.job_id, lease)
         self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")
 
+    def submitted(self, admission: Admission, external_id: str) -> None:
+        """Record the cloud's id of a job that may still wait for capacity."""
+        self.patiently(
+            "recording the submission",
+            lambda: self.ledger.record_submission(admission.job_id, external_id),
+            patience=SETTLE_PATIENCE_S,
+        )
+
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:

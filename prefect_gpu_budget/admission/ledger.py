@@ -851,6 +851,16 @@ class Ledger:
             )
 
     @_reconnecting
+    def record_submission(self, job_id: str, external_id: str) -> None:
+        """A cloud accepted the admitted job (it may wait for capacity before it starts)."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                .values(external_id=external_id)
+            )
+
+    @_reconnecting
     def record_lease(self, job_id: str, lease_id: str) -> None:
         """Remember the Prefect lease an admission holds, so reconcile can hand it back."""
         with self.engine.begin() as conn:

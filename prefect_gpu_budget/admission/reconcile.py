@@ -3,12 +3,15 @@
 A holder that dies leaves its ledger row holding the worst case (its reservation). Reconcile
 finds rows whose holder is dead (same host) or silent (heartbeat older than `stale_after`):
 - a queued job is cancelled (its waiter is gone);
-- an admitted job that never started settles at zero;
-- a started job whose process still runs (same pid and start time) keeps its reservation and
-  is left alone, unless it is past its max runtime, when it is stopped and settled;
-- a started job that is gone settles up to the last moment it could have run: its last
-  heartbeat plus one heartbeat interval, never past its max runtime. Charging the worst case
-  that the evidence allows keeps real spend under the budget.
+- the job's launcher is asked about it (a local process by pid and start time, a cloud job by
+  its id): a cloud job still waiting for capacity is cancelled and settles at zero, one that
+  started meanwhile counts as started; an admitted job that never started settles at zero;
+- a job still running keeps its reservation and is left alone (metered), unless it is past its
+  max runtime, when it is stopped and settled;
+- a job that finished settles from the real times (and billed figure) its launcher reports;
+- a job that is gone without a record settles up to the last moment it could have run: its
+  last heartbeat plus one heartbeat interval, never past its max runtime. Charging the worst
+  case that the evidence allows keeps real spend under the budget.
 Settling is exactly once in the ledger, so reconcile may run often and concurrently.
 """
 
@@ -73,8 +76,16 @@ def reconcile(
             continue
         started = row["started_at"]
         action, billed, actual = "settled", None, None
-        launcher, probe = (None, Probe("unknown")) if started is None else _probe(row, launchers)
-        if probe.state == "running":
+        launcher, probe = _probe(row, launchers)
+        if started is None and probe.started_at is not None:  # it started after its holder left
+            ledger.mark_started(job_id, probe.started_at, row["external_id"])
+            started = probe.started_at
+        if started is None and probe.state == "running" and launcher is not None:
+            launcher.stop(str(row["external_id"]), grace=5.0)  # still waiting for capacity
+            action = "stopped"
+        if started is None:
+            ended = now
+        elif probe.state == "running":
             if now < started + row["max_runtime_s"]:  # still within its max runtime: metered on
                 out.append(Reconciled(job_id, scope, "left-running"))
                 continue
@@ -84,8 +95,6 @@ def reconcile(
         elif probe.state == "finished" and probe.ended_at is not None:
             ended = min(probe.ended_at, started + row["max_runtime_s"])
             billed, actual = probe.billed_seconds, probe.actual_micro
-        elif started is None:
-            ended = now
         else:  # gone: charge up to the last moment it could have run, never past max runtime
             last_seen = max(row["heartbeat_at"], started) + HEARTBEAT_S
             ended = min(now, last_seen, started + row["max_runtime_s"])

@@ -66,6 +66,14 @@ class Probe:
 StartHook = Callable[[float, str], None]
 """Called once when the job really starts: (start time, external id)."""
 
+SubmitHook = Callable[[str], None]
+"""Called once the cloud has accepted the job (its external id), before it starts: a job that
+waits for capacity is then known to the ledger, so reconcile can cancel it if its holder dies."""
+
+
+def ignore_submission(external_id: str) -> None:
+    """The default SubmitHook: nothing to record."""
+
 
 @runtime_checkable
 class Launcher(Protocol):
@@ -83,6 +91,7 @@ class Launcher(Protocol):
         on_start: StartHook,
         log: Callable[[str], None],
         env: dict[str, str] | None = None,
+        on_submit: SubmitHook = ignore_submission,
     ) -> LaunchResult:
         """Launch, wait for the end, and stop the job if interrupted (BaseException) before
         re-raising. Stops it at max_runtime."""

@@ -14,7 +14,14 @@ from typing import ClassVar
 
 from prefect_gpu_budget.admission.ledger import process_start_ticks
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.base import LaunchConfigError, LaunchResult, Probe, StartHook
+from prefect_gpu_budget.launchers.base import (
+    LaunchConfigError,
+    LaunchResult,
+    Probe,
+    StartHook,
+    SubmitHook,
+    ignore_submission,
+)
 from prefect_gpu_budget.pricing.catalog import Quote
 
 _granted: set[int] = set()
@@ -75,8 +82,10 @@ class LocalLauncher:
         on_start: StartHook = lambda started, pid: None,
         log: Callable[[str], None] = print,
         env: dict[str, str] | None = None,
+        on_submit: SubmitHook = ignore_submission,
     ) -> LaunchResult:
-        """Run the command; stream its output to `log`; SIGTERM at max_runtime, SIGKILL after grace."""
+        """Run the command; stream its output to `log`; SIGTERM at max_runtime, SIGKILL after grace.
+        (A local process starts when it is submitted: `on_start` says all there is.)"""
         if not job.command:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail="job has no command to run")

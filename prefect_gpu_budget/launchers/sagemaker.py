@@ -28,7 +28,14 @@ from prefect_aws import AwsCredentials
 from pydantic import Field
 
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.base import LaunchConfigError, LaunchResult, Probe, StartHook
+from prefect_gpu_budget.launchers.base import (
+    LaunchConfigError,
+    LaunchResult,
+    Probe,
+    StartHook,
+    SubmitHook,
+    ignore_submission,
+)
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import cost_micro, shown
 
@@ -254,6 +261,7 @@ class SageMakerLauncher(Block):
         on_start: StartHook,
         log: Callable[[str], None],
         env: dict[str, str] | None = None,
+        on_submit: SubmitHook = ignore_submission,
     ) -> LaunchResult:
         """Create the training job, follow it to its end and report what SageMaker billed.
 
@@ -279,6 +287,7 @@ class SageMakerLauncher(Block):
             raise
         log(f"SageMaker training job {name} created ({quote.describe()})")
         try:
+            on_submit(name)
             return self._follow(client, job, quote, name, on_start, log)
         except BaseException:
             self._stop_quietly(client, name, log)

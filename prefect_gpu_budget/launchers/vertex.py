@@ -35,7 +35,14 @@ from prefect_gcp import GcpCredentials
 from pydantic import BeforeValidator, Field
 
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.base import LaunchConfigError, LaunchResult, Probe, StartHook
+from prefect_gpu_budget.launchers.base import (
+    LaunchConfigError,
+    LaunchResult,
+    Probe,
+    StartHook,
+    SubmitHook,
+    ignore_submission,
+)
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import fmt_duration, parse_duration
 
@@ -322,6 +329,7 @@ class VertexLauncher(Block):
         on_start: StartHook,
         log: Callable[[str], None] = print,
         env: dict[str, str] | None = None,
+        on_submit: SubmitHook = ignore_submission,
     ) -> LaunchResult:
         """Submit the custom job and follow it to its end; cancel it if interrupted."""
         spec = self.custom_job(job, quote, env)
@@ -338,6 +346,7 @@ class VertexLauncher(Block):
             raise
         name = created.name
         try:
+            on_submit(name)
             log(
                 f"Vertex AI custom job {name} created: {job.nodes} x {quote.row.instance_type}, "
                 f"{STRATEGIES[job.provisioning]}, timeout {fmt_duration(job.max_runtime)}"

@@ -250,7 +250,14 @@ def _launch(
     admission.on_preempt = stop
     result = None
     try:
-        result = launcher.run(job, admission.quote, on_start=on_start, log=log, env=env)
+        result = launcher.run(
+            job,
+            admission.quote,
+            on_start=on_start,
+            log=log,
+            env=env,
+            on_submit=lambda external_id: gate.submitted(admission, external_id),
+        )
     finally:
         if result is None:  # cancelled or crashed mid-run: bill until now
             row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")

@@ -91,3 +91,67 @@ def test_reconcile_asks_the_launcher_about_orphans(aws, tmp_path):
     assert row["actual_micro"] == cost_micro(RATE, probe.billed_seconds, round_up=False)
     assert reconcile(ledger, launchers={"sagemaker": launcher}, now=later) == []  # once only
     aws.reset()
+
+
+def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path):
+    from prefect_gcp import GcpCredentials
+
+    from prefect_gpu_budget.launchers.vertex import VertexLauncher
+    from prefect_gpu_budget.pricing.catalog import Catalog
+    from tests.gcp_server import service_account_info, serving
+    from tests.launchers.fake_vertex import FakeVertex, Script
+
+    info, public_key = service_account_info()
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    ledger.set_budget(BudgetRule("lab", period_budget_micro=10**9))
+    job = GpuJob(instance_type="gcp:a2-highgpu-1g", max_runtime="1h", provisioning="flex-start")
+    quote = Catalog.load().quote(job.instance_type, 1, "flex-start")
+    with serving(FakeVertex(public_key=public_key)) as fake:
+        launcher = VertexLauncher(
+            gcp_credentials=GcpCredentials(service_account_info=info),
+            image_uri="us-docker.pkg.dev/p/train/t:1",
+            api_endpoint=fake.url,
+        )
+
+        def orphan(script: Script) -> tuple[str, str]:
+            """Submitted by a holder that died while Vertex looked for capacity."""
+            fake.script = script
+            job_id, decision = ledger.request(
+                NewJob(
+                    scope=SCOPE,
+                    name="flex",
+                    instance_type=job.instance_type,
+                    provisioning="flex-start",
+                    nodes=1,
+                    rate_micro_per_hour=quote.rate_micro_per_hour,
+                    rate_cents=100,
+                    priority=0,
+                    max_runtime_s=3600.0,
+                    expected_runtime_s=None,
+                    holder="another-host:1:1",
+                    launcher="vertex",
+                )
+            )
+            assert decision.verdict == "admit"
+            created = launcher._client().create_custom_job(
+                parent=launcher._parent(), custom_job=launcher.custom_job(job, quote)
+            )
+            ledger.record_submission(job_id, created.name)
+            return job_id, created.name
+
+        waiting, waiting_name = orphan(Script(queued_s=60, run_s=1))
+        started, started_name = orphan(Script(queued_s=0.2, run_s=60))
+        deadline = time.time() + 20
+        while launcher.probe(started_name).started_at is None:
+            assert time.time() < deadline
+            time.sleep(0.1)
+        later = time.time() + 300
+        done = {
+            r.job_id: r.action for r in reconcile(ledger, launchers={"vertex": launcher}, now=later)
+        }
+        assert done == {waiting: "stopped", started: "left-running"}
+        assert waiting_name.rsplit("/", 1)[-1] in " ".join(fake.cancelled)
+        assert ledger.job(waiting)["actual_micro"] == 0  # it never ran: nothing billed
+        row = ledger.job(started)  # it runs unwatched: now the ledger knows, and meters it
+        assert row["state"] == "running"
+        assert row["started_at"] == pytest.approx(launcher.probe(started_name).started_at)

@@ -125,7 +125,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
 def _ledger_state(
     ledger: Ledger, rules: dict[str, BudgetRule], org: str, now: float
 ) -> tuple[list[Hold], dict[tuple[str, float], int]]:
-    holds = [hold_of(row) for row in ledger.jobs(org, states=ACTIVE)]
+    holds = [hold_of(row, now=now) for row in ledger.jobs(org, states=ACTIVE)]
     settled = {}
     for rule in rules.values():
         if rule.period_budget_micro is not None:

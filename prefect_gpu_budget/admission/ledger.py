@@ -552,6 +552,7 @@ class Ledger:
                 jobs.c.max_wait_s,
                 jobs.c.reserved_micro,
                 jobs.c.admitted_at,
+                jobs.c.started_at,
                 jobs.c.reserve_seconds,
                 jobs.c.nodes,
                 jobs.c.pool,
@@ -588,7 +589,7 @@ class Ledger:
                         )
                     )
             else:
-                holds.append(hold_of(r._mapping))
+                holds.append(hold_of(r._mapping, now=now))
                 if shape is not None:
                     where = tuple(int(i) for i in (r.placement or "").split(",") if i)
                     placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at))
@@ -996,12 +997,13 @@ class Ledger:
                         jobs.c.max_runtime_s,
                         jobs.c.reserved_micro,
                         jobs.c.admitted_at,
+                        jobs.c.started_at,
                         jobs.c.reserve_seconds,
                     ).where(subtree, jobs.c.state.in_(("queued", *ACTIVE)))
                 ).all()
                 p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
                 reserved = sum(
-                    share_in(*committed(hold_of(r._mapping, rule.scope), now), rule, p_start)
+                    share_in(*committed(hold_of(r._mapping, rule.scope, now), now), rule, p_start)
                     for r in rows
                     if r.state in ACTIVE
                 )
@@ -1113,16 +1115,25 @@ def _load_quotas(conn: Connection, org: str) -> list[TeamQuota]:
     ]
 
 
-def hold_of(row: Any, scope: str | None = None) -> Hold:
-    """The Hold an admitted job's row stands for (`scope` where the row does not carry it)."""
+def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hold:
+    """The Hold an admitted job's row stands for (`scope` where the row does not carry it).
+
+    Given `now`, the hold is anchored where its spend can fall: at the job's start once it has
+    started (a cloud job may wait hours for capacity after admission), else at `now` (nothing is
+    spent before it starts). Without `now`, at its admission, as the decision then saw it.
+    """
+    start = row["admitted_at"]
+    if now is not None:
+        started = row.get("started_at")
+        start = started if started is not None and started <= now else max(start, now)
     return Hold(
         scope or row["scope"],
         row.get("rate_cents", 0),
         row["reserved_micro"],
-        row["admitted_at"],
-        row["admitted_at"] + row["reserve_seconds"],
+        start,
+        start + row["reserve_seconds"],
         row["rate_micro_per_hour"],
-        row["admitted_at"] + row["max_runtime_s"],
+        start + row["max_runtime_s"],
     )
 
 

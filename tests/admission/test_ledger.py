@@ -70,3 +70,21 @@ def test_calls_go_on_after_the_server_drops_every_connection():
     assert row is not None and row["state"] == "settled"
     assert ledger.request(_job("rc/t"))[1].verdict == "admit"
     ledger.dispose()
+
+
+def test_a_job_that_waits_for_cloud_capacity_is_held_where_its_spend_can_fall(ledger):
+    """Admitted at 23:00, started at 02:00 after a wait for capacity: its reservation counts
+    in the day it runs, not in the day it was admitted."""
+    day = 86400.0
+    ledger.set_budget(BudgetRule("cw", period_budget_micro=10**9, period="day"))
+    admitted_at = 20_000 * day + 23 * 3600
+    job_id, decision = ledger.request(_job("cw/a"), now=admitted_at)
+    assert decision.verdict == "admit"
+    [before] = ledger.status("cw", now=admitted_at + 1)
+    assert before["reserved_micro"] > 0  # not started: held from now on, in today
+    assert ledger.mark_started(job_id, admitted_at + 3 * 3600)
+    [today] = ledger.status("cw", now=admitted_at + 3 * 3600 + 1)
+    assert (
+        today["period_start"] == 20_001 * day
+        and today["reserved_micro"] == before["reserved_micro"]
+    )  # all of it lies in the day it runs

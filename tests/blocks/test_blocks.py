@@ -12,7 +12,10 @@ def _blocks() -> list[type[Block]]:
     import prefect_gpu_budget.launchers as launchers
 
     found = [getattr(module, name) for name in module.__all__]
-    found += [getattr(launchers, name) for name in ("SageMakerLauncher", "VertexLauncher")]
+    found += [
+        getattr(launchers, name)
+        for name in ("DeploymentLauncher", "SageMakerLauncher", "VertexLauncher")
+    ]
     return [b for b in found if isinstance(b, type) and issubclass(b, Block)]
 
 

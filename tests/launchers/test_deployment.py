@@ -1,0 +1,389 @@
+"""The deployment launcher against a real `prefect server start`, a `process` work pool and a
+real `prefect worker start` subprocess: jobs run as flow runs of `deploy_target.py`, are billed
+from the flow runs' own start and end times, and are cancelled at max_runtime or on abort.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.context import FlowRunContext
+from prefect.events.worker import EventsWorker
+from prefect.states import Pending
+from pydantic import ValidationError
+
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.job import METRICS_ENV, GpuJob
+from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
+from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
+
+POOL = "gpu-process"
+IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start
+SCOPE = "acme/vision/agent-7"
+METRICS_FILE = "/job/metrics.jsonl"  # only handed to the job's environment, never written
+HERE = Path(__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = check()
+            if value:
+                return value
+        except Exception:  # not up yet
+            pass
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process group at once; SIGKILL what has not ended 20 s later."""
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A real server, the target deployed to a process pool (and to a pool nobody polls),
+    and a worker subprocess polling the first."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    tmp = tmp_path_factory.mktemp("deployment-launcher")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")},
+        "PREFECT_HOME": str(tmp / "home"),
+        "PREFECT_API_URL": api,
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_UI_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_LOGGING_LEVEL": "INFO",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+        + ["--port", str(port)],
+        env=env,
+        stdout=(tmp / "server.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    procs = [server]
+    try:
+        _wait_for(lambda: urllib.request.urlopen(f"{api}/health", timeout=5), 120, "the server")
+        with (
+            pytest.MonkeyPatch.context() as mp,
+            temporary_settings(updates={PREFECT_API_URL: api}),
+        ):
+            mp.setenv("PREFECT_API_URL", api)
+            with get_client(sync_client=True) as client:
+                for name in (POOL, IDLE_POOL):
+                    client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+            worker = subprocess.Popen(  # starts up while the target is deployed
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL]
+                + ["--type", "process"],
+                env=env,
+                stdout=(tmp / "worker.log").open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            procs.append(worker)
+            target = flow.from_source(source=str(HERE), entrypoint="deploy_target.py:target")
+            for name, work_pool in (("sweep", POOL), ("idle", IDLE_POOL)):
+                target.deploy(
+                    name=name,
+                    work_pool_name=work_pool,
+                    build=False,
+                    push=False,
+                    print_next_steps=False,
+                    ignore_warnings=True,
+                )
+            yield {"api": api, "tmp": tmp}
+            EventsWorker.drain_all(timeout=10)  # send this process's events while the server runs
+    finally:
+        _stop(procs)
+
+
+@pytest.fixture
+def gate(tmp_path: Path, prices: Path) -> Iterator[Gate]:
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10_000_000))
+    yield Gate(ledger)
+    ledger.dispose()
+
+
+def _launcher(out: Path, seconds: float, **kwargs: Any) -> DeploymentLauncher:
+    out.mkdir(exist_ok=True)
+    return DeploymentLauncher(
+        deployment="gpu-target/sweep",
+        parameters={"seconds": seconds, "out": str(out)},
+        poll_s=0.2,
+        **kwargs,
+    )
+
+
+def _run(
+    gate: Gate, launcher: DeploymentLauncher, job: GpuJob, log: Callable[[str], None] = print
+) -> tuple[LaunchResult | None, dict]:
+    """What the job-running task does: admit, preflight, run, settle however it ends."""
+    launcher.preflight(job, gate.quote(job))
+    admission = gate.admit(job, SCOPE, launcher=launcher.kind)
+    result = None
+    try:
+        result = launcher.run(
+            job,
+            admission.quote,
+            on_start=lambda started, ext: gate.started(admission, started, ext),
+            log=log,
+            env={METRICS_ENV: METRICS_FILE},
+        )
+    finally:
+        if result is None:
+            row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+        else:
+            row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+    return result, row
+
+
+def _never(started: float, external_id: str) -> None:
+    raise AssertionError("on_start called for a job that never started")
+
+
+def _flow_run(flow_run_id: str) -> FlowRun:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(UUID(flow_run_id))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+def _record(out: Path, flow_run_id: str) -> dict:
+    return json.loads((out / f"{flow_run_id}.json").read_text())
+
+
+@pytest.mark.timeout(180)
+def test_a_job_runs_as_a_flow_run_and_is_billed_for_its_real_times(pool, gate, tmp_path):
+    launcher = _launcher(tmp_path / "out", seconds=1.0)
+    assert isinstance(launcher, Launcher)
+    job = GpuJob(instance_type="local:box", max_runtime="60s", kill_grace="2s", env={"A": "1"})
+    lines: list[str] = []
+
+    @flow(name="gpu-caller")
+    def caller() -> tuple[LaunchResult | None, dict, UUID]:
+        """A sweep's flow run: the job's flow run is linked under it."""
+        return (*_run(gate, launcher, job, lines.append), FlowRunContext.get().flow_run.id)
+
+    result, row, caller_id = caller()
+
+    assert result is not None and result.outcome == "completed", lines
+    flow_run = _flow_run(row["external_id"])
+    assert flow_run.state.type == StateType.COMPLETED
+    with get_client(sync_client=True) as client:
+        parent = client.read_task_run(flow_run.parent_task_run_id)
+    assert parent.flow_run_id == caller_id  # linked as a subflow of the calling run
+    assert parent.task_key.endswith("run_deployment.gpu-target-sweep")
+    assert row["started_at"] == flow_run.start_time.timestamp() == result.started_at
+    assert row["ended_at"] == flow_run.end_time.timestamp() == result.ended_at
+    assert 1.0 <= result.runtime_s < 30
+    assert abs(row["actual_micro"] - 1000 * (row["ended_at"] - row["started_at"])) <= 1  # $3.6/h
+    assert result.capacity_wait_s == pytest.approx(
+        flow_run.start_time.timestamp() - flow_run.created.timestamp()
+    )
+    assert result.capacity_wait_s > 0
+    record = _record(tmp_path / "out", row["external_id"])
+    assert record["job"] == job.model_dump(mode="json", exclude={"env"})
+    assert record["environ"][METRICS_ENV] == METRICS_FILE and record["environ"]["A"] == "1"
+    assert any("Running" in line for line in lines) and any("Completed" in line for line in lines)
+
+    # (d) reconcile's view of a finished flow run: its real times
+    probe = launcher.probe(row["external_id"])
+    assert probe.state == "finished"
+    assert (probe.started_at, probe.ended_at) == (row["started_at"], row["ended_at"])
+
+
+@pytest.mark.timeout(180)
+def test_max_runtime_cancels_the_flow_run_and_bills_only_what_ran(pool, gate, tmp_path):
+    launcher = _launcher(tmp_path / "out", seconds=120.0)
+    job = GpuJob(instance_type="local:box", max_runtime="4s", kill_grace="2s")
+    done: list[tuple[LaunchResult | None, dict]] = []
+    run = contextvars.copy_context().run  # the thread talks to this module's server too
+    runner = threading.Thread(target=run, args=(lambda: done.append(_run(gate, launcher, job)),))
+    runner.start()
+    try:
+        # (d) reconcile's view of it while it runs: running, since its real start
+        [live] = _wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a started job")
+        probe = launcher.probe(live["external_id"])
+        assert probe.state == "running" and probe.started_at == live["started_at"]
+    finally:
+        runner.join(timeout=120)
+    [(result, row)] = done
+
+    assert result is not None and result.outcome == "timed_out", result
+    flow_run = _flow_run(row["external_id"])
+    assert flow_run.state.type == StateType.CANCELLED
+    assert not _alive(_record(tmp_path / "out", row["external_id"])["pid"])
+    assert row["started_at"] == flow_run.start_time.timestamp()
+    assert row["ended_at"] == flow_run.end_time.timestamp()
+    assert 4.0 <= row["billed_seconds"] < 60  # stopped after max_runtime, long before its sleep
+    probe = launcher.probe(row["external_id"])
+    assert (probe.state, probe.started_at, probe.ended_at) == (
+        "finished",
+        row["started_at"],
+        row["ended_at"],
+    )
+
+
+class Interrupted(BaseException):
+    """Stands for the calling run being cancelled while the job runs."""
+
+
+@pytest.mark.parametrize("at", ["created", "Running"])
+@pytest.mark.timeout(180)
+def test_an_interrupted_run_cancels_the_flow_run_before_reraising(pool, gate, tmp_path, at):
+    """Interrupted as soon as the flow run exists (it never runs: nothing is billed), or once
+    it runs (billed from its real start until the interruption)."""
+    out = tmp_path / "out"
+    launcher = _launcher(out, seconds=120.0)
+    job = GpuJob(instance_type="local:box", max_runtime="10m", kill_grace="2s")
+    ids: list[str] = []
+
+    def log(line: str) -> None:
+        ids.extend(re.findall(r"\(([0-9a-f-]{36})\)", line)[:1])
+        if at in line:
+            if at == "Running":  # let it record its pid first
+                _wait_for(lambda: (out / f"{ids[0]}.json").exists(), 30, "the target's record")
+            raise Interrupted
+
+    with pytest.raises(Interrupted):
+        _run(gate, launcher, job, log)
+    flow_run = _flow_run(ids[0])
+    [row] = gate.ledger.jobs(SCOPE)
+    assert row["state"] == "settled" and row["outcome"] == "cancelled"
+    if at == "created":
+        # Cancelled at once, or (if a worker had taken it) Cancelling, which can never run
+        assert flow_run.state.type in (StateType.CANCELLED, StateType.CANCELLING)
+        assert flow_run.run_count == 0 and not (out / f"{ids[0]}.json").exists()
+        assert row["started_at"] is None and row["actual_micro"] == 0
+        assert launcher.probe(ids[0]).state == "finished"
+        return
+    assert flow_run.state.type == StateType.CANCELLED  # ended before the interruption re-raised
+    assert not _alive(_record(out, ids[0])["pid"])
+    assert row["external_id"] == ids[0]
+    assert row["started_at"] == flow_run.start_time.timestamp()
+    assert flow_run.end_time.timestamp() <= row["ended_at"] < flow_run.end_time.timestamp() + 5
+
+
+@pytest.mark.timeout(120)
+def test_a_flow_run_that_never_starts_expires_and_costs_nothing(pool, gate):
+    launcher = DeploymentLauncher(deployment="gpu-target/idle", start_timeout=1.0, poll_s=0.2)
+    job = GpuJob(instance_type="local:box", max_runtime="60s")
+    result = launcher.run(job, gate.quote(job), on_start=_never, log=print)
+
+    assert result.outcome == "wait_expired"
+    assert result.started_at == result.ended_at
+    assert result.capacity_wait_s >= 1.0
+    assert _flow_run(result.external_id).state.type == StateType.CANCELLED
+
+
+@pytest.mark.timeout(60)
+def test_preflight_refuses_a_wrong_deployment_in_one_line_and_writes_nothing(pool, gate):
+    job = GpuJob(instance_type="local:box", max_runtime="60s")
+    cases = [
+        (DeploymentLauncher(deployment="gpu-target/missing"), "no deployment 'gpu-target/missing'"),
+        (
+            DeploymentLauncher(deployment="gpu-target/sweep", job_parameter="spec"),
+            "has no parameter 'spec'",
+        ),
+    ]
+    for launcher, reason in cases:
+        with pytest.raises(LaunchConfigError) as info:
+            _run(gate, launcher, job)
+        assert reason in str(info.value) and "\n" not in str(info.value)
+        assert str(info.value).startswith("deployment launcher: ")
+    assert gate.ledger.jobs() == []
+    with pytest.raises(ValidationError, match="flow-name/deployment-name"):
+        DeploymentLauncher(deployment="sweep")
+    # past preflight (deleted since, say): a launch error, nothing started
+    result = cases[0][0].run(job, gate.quote(job), on_start=_never, log=print)
+    assert result.outcome == "launch_error" and result.runtime_s == 0
+    assert "could not create a flow run of gpu-target/missing" in result.detail
+
+
+@pytest.mark.timeout(60)
+def test_probe_and_stop_flow_runs_waiting_to_start(pool):
+    """A scheduled run is cancelled outright; a pending one (a worker took it) goes to
+    Cancelling, from which the server never lets it run: both are over at once, unbilled."""
+    from prefect.deployments import run_deployment
+
+    launcher = DeploymentLauncher(deployment="gpu-target/idle")
+    scheduled, pending = (
+        run_deployment("gpu-target/idle", timeout=0, as_subflow=False) for _ in range(2)
+    )
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(pending.id, Pending())  # as a worker does on taking it
+    for flow_run in (scheduled, pending):
+        probe = launcher.probe(str(flow_run.id))
+        assert (probe.state, probe.started_at) == ("running", None)  # may start, and bill, soon
+        began = time.monotonic()
+        launcher.stop(str(flow_run.id), grace=2.0)
+        assert time.monotonic() - began < 10  # no wait for a run that cannot start any more
+        stopped = _flow_run(str(flow_run.id))
+        assert stopped.run_count == 0
+        never = launcher.probe(str(flow_run.id))
+        assert never.state == "finished" and never.started_at == never.ended_at
+    assert _flow_run(str(scheduled.id)).state.type == StateType.CANCELLED
+    assert _flow_run(str(pending.id)).state.type == StateType.CANCELLING
+    assert launcher.probe("not-a-flow-run").state == "unknown"
+    assert launcher.probe(str(UUID(int=1))).state == "unknown"
+
+
+@pytest.mark.timeout(60)
+def test_a_saved_launcher_loads_back_by_name(pool):
+    saved = DeploymentLauncher(
+        deployment="gpu-target/sweep",
+        parameters={"seconds": 1},
+        job_variables={"env": {"A": "1"}},
+        start_timeout=600,
+    )
+    saved.save("sweeps", overwrite=True)
+    loaded = DeploymentLauncher.load("sweeps")
+    assert loaded.model_dump() == saved.model_dump() and loaded.kind == "deployment"

@@ -92,6 +92,9 @@ def reconcile(
             assert launcher is not None
             launcher.stop(str(row["external_id"]), grace=5.0)
             action, ended = "stopped", now
+            after = launcher.probe(str(row["external_id"]))
+            if after.state == "finished" and after.ended_at is not None:  # its real end
+                ended, billed, actual = after.ended_at, after.billed_seconds, after.actual_micro
         elif probe.state == "finished" and probe.ended_at is not None:
             ended = min(probe.ended_at, started + row["max_runtime_s"])
             billed, actual = probe.billed_seconds, probe.actual_micro

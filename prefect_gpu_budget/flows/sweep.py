@@ -36,6 +36,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows import plots
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import Launcher
+from prefect_gpu_budget.launchers.registry import launcher_for
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
     BudgetInputError,
@@ -127,6 +128,12 @@ class SweepSpec(BaseModel):
     metric: str = "loss"
     goal: Literal["min", "max"] = "min"
     results_dir: str = "gpu-budget-results"
+    launcher: str | None = Field(
+        None,
+        pattern=r"^(vertex|sagemaker|deployment):[a-z0-9][a-z0-9-]{0,99}$",
+        description="A saved launcher block as 'vertex:NAME', 'sagemaker:NAME' or "
+        "'deployment:NAME'; default: local processes.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> SweepSpec:
@@ -272,6 +279,8 @@ def gpu_sweep(
         spec.parallelism,
     )
     led = (ledger or SpendLedger()).ledger()
+    if launcher is None and spec.launcher is not None:
+        launcher = launcher_for(spec.launcher)
     _publish_forecast(spec, led, out, logger)
     progress = create_progress_artifact(
         0.0, key=f"{spec.name}-progress", description=f"Trials of {spec.name} finished"

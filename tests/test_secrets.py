@@ -68,3 +68,66 @@ def test_secret_stays_out_of_everything_a_person_sees(prefect_api, prices):
         assert SECRET not in done.stdout + done.stderr
     assert all(done.returncode == 0 for done in outputs)
     assert broken.returncode != 0 and len(broken.stderr.strip().splitlines()) == 1
+
+
+AWS_SECRET = "wJalrXUtnFEMI-not-a-real-secret-key"
+
+
+def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
+    prefect_api, tmp_path, monkeypatch
+):
+    """A SageMaker job (loopback AWS) that runs, and one that fails, through the Prefect task;
+    then every log, event, artifact, error and status line is searched for the secrets."""
+    import httpx
+    from prefect_aws import AwsCredentials
+
+    from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
+    from tests.aws_server import AwsServer
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
+    GpuBudget(scope="sec2", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)
+    token = ledger.grant_agent("sec2/agents/a1")
+    block = SpendLedger(database_url=ledger.url)
+    with AwsServer() as aws:
+        aws.set_training_pace(0.1)
+        creds = AwsCredentials(
+            aws_access_key_id="AKIAEXAMPLEKEY",
+            aws_secret_access_key=AWS_SECRET,
+            region_name="us-east-1",
+            aws_client_parameters={"endpoint_url": aws.url},
+        )
+        launcher = SageMakerLauncher(
+            aws_credentials=creds,
+            role_arn="arn:aws:iam::123456789012:role/Training",
+            image_uri="123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1",
+            output_s3_uri="s3://lab/out",
+            poll_s=0.05,
+        )
+        broken = SageMakerLauncher(**{**launcher.model_dump(), "role_arn": "not-an-arn"})
+        job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="5m", name="secret-run")
+
+        @flow
+        def cloud_flow():
+            ok = run_gpu_job.submit(job, scope="sec2/t", ledger=block, launcher=launcher)
+            bad = run_gpu_job.submit(job, scope="sec2/t", ledger=block, launcher=broken)
+            return ok.result(raise_on_failure=False), bad.result(raise_on_failure=False)
+
+        state = cloud_flow(return_state=True)
+    assert state.is_completed()
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+        )
+        task_runs = client.read_task_runs()
+        artifacts = client.read_artifacts()
+    events = httpx.post(f"{prefect_api}/events/filter", json={"limit": 200}, timeout=30).text
+    seen = [log.message for log in logs] + [str(a.data) for a in artifacts] + [events]
+    seen += [f"{t.state.name}: {t.state.message}" for t in task_runs if t.state]
+    assert any("price of sagemaker:ml.g5.xlarge" in text for text in seen)  # logs were read
+    assert [r["outcome"] for r in ledger.jobs()] == ["completed"]  # one ran, one never reserved
+    assert any("role" in text and "LaunchConfigError" in text for text in seen)
+    status = _cli(ledger.url, "status", "--json")
+    seen += [status.stdout, status.stderr, repr(launcher), repr(creds), str(ledger.jobs())]
+    for secret in (AWS_SECRET, token):
+        assert not [text for text in seen if secret in text]

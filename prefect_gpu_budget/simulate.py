@@ -8,8 +8,9 @@ settle. Three policies are compared:
 - `estimate-only`: reserve rate x expected runtime, never stop a job, no metering (the model of
   tools that admit on estimates, such as anycloud);
 - `guaranteed`: reserve rate x max_runtime, stop at max_runtime (our default);
-- `estimate-metered`: reserve rate x expected runtime, meter jobs that run past it, stop at
-  max_runtime.
+- `estimate-metered` (our estimate mode): reserve rate x expected runtime, stretched by how far
+  each scope's settled jobs overran their estimates (`policy.overrun_factors`); admit only where
+  the job's worst case fits too; meter jobs that run past their reservation; stop at max_runtime.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ from __future__ import annotations
 import heapq
 import math
 import random
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold, LedgerState, Request, plan
+from prefect_gpu_budget.admission.policy import (
+    OVERRUN_WINDOW,
+    BudgetRule,
+    Hold,
+    LedgerState,
+    Request,
+    overrun_factor,
+    plan,
+)
 from prefect_gpu_budget.units import cost_micro, rate_cents, scope_path
 
 
@@ -32,12 +41,23 @@ class SimPolicy:
     reservation_mode: str
     stop_at_max_runtime: bool
     metering: bool
+    learning: bool = True
+    """Stretch estimates by how far each scope's settled jobs overran theirs."""
+    fit_worst_case: bool = True
+    """Admit a job on its estimate only where its worst case fits too."""
 
 
 POLICIES = {
     p.name: p
     for p in (
-        SimPolicy("estimate-only", "estimate", stop_at_max_runtime=False, metering=False),
+        SimPolicy(
+            "estimate-only",
+            "estimate",
+            stop_at_max_runtime=False,
+            metering=False,
+            learning=False,
+            fit_worst_case=False,
+        ),
         SimPolicy("guaranteed", "guaranteed", stop_at_max_runtime=True, metering=True),
         SimPolicy("estimate-metered", "estimate", stop_at_max_runtime=True, metering=True),
     )
@@ -113,24 +133,34 @@ class SimResult:
 
     def utilization_pct(self, scope: str) -> float:
         """Budget of `scope` spent on jobs that finished, over the periods wholly simulated."""
+        budget, spent = self._period_spend(scope, finished_only=True)
+        return round(100.0 * sum(min(s, budget) for s in spent) / (budget * len(spent)), 2)
+
+    def spent_pct(self, scope: str) -> float:
+        """Budget of `scope` spent on any job (finished, stopped at max_runtime or still running
+        at the horizon), over the same periods: above 100 where real spend overshot it."""
+        budget, spent = self._period_spend(scope, finished_only=False)
+        return round(100.0 * sum(spent) / (budget * len(spent)), 2)
+
+    def _period_spend(self, scope: str, finished_only: bool) -> tuple[int, list[int]]:
+        """The period budget of `scope` and real spend in each period wholly simulated (the first
+        period if none is whole)."""
         rule = self.budgets[scope]
         assert rule.period_budget_micro is not None
-        done: dict[float, int] = defaultdict(int)
+        spent: dict[float, int] = defaultdict(int)
         for rec in self.records:
-            if not rec.finished or rec.admitted_at is None or rec.ended_at is None:
+            if rec.admitted_at is None or rec.ended_at is None:
                 continue
-            if scope not in scope_path(rec.job.scope):
+            if (finished_only and not rec.finished) or scope not in scope_path(rec.job.scope):
                 continue
             for p_start, share in periods.split(
                 rec.actual_micro, rec.admitted_at, rec.ended_at, rule.period, rule.timezone
             ):
-                done[p_start] += share
+                spent[p_start] += share
         first = min(r.job.arrival for r in self.records)
         spans = periods.overlapping(rule.period, rule.timezone, first, self.horizon)
         whole = [start for start, end in spans if start >= first - 1e-6 and end <= self.horizon]
-        whole = whole or [spans[0][0]]
-        used = [min(done[p], rule.period_budget_micro) for p in whole]
-        return round(100.0 * sum(used) / (rule.period_budget_micro * len(whole)), 2)
+        return rule.period_budget_micro, [spent[p] for p in whole or [spans[0][0]]]
 
     def waits(self) -> list[float]:
         return sorted(r.wait_s for r in self.records if r.wait_s is not None)
@@ -148,11 +178,14 @@ def simulate(
     settled: dict[tuple[str, float], int] | None = None,
     holds: Sequence[Hold] = (),
     in_flight: int | None = None,
+    history: Iterable[tuple[str, float]] = (),
 ) -> SimResult:
     """Run `jobs` against `budgets` from the first arrival until all end (or `until`).
 
-    `settled` and `holds` start the simulation from a ledger's current state (a forecast);
-    `in_flight` releases at most that many jobs at once, as a sweep's parallelism bound does.
+    `settled`, `holds` and `history` start the simulation from a ledger's current state (a
+    forecast); `history` is (scope, actual / expected runtime) of settled jobs, most recent first,
+    as `policy.overrun_factors` takes it. `in_flight` releases at most that many jobs at once, as
+    a sweep's parallelism bound does.
     """
     pol = POLICIES[policy] if isinstance(policy, str) else policy
     rules = {
@@ -169,6 +202,7 @@ def simulate(
     ends: dict[str, float] = {}
     for key, hold in active.items():  # jobs running at the start end when their reservation does
         heapq.heappush(events, (hold.end, 0, key))
+    learned = OverrunWindows(history) if pol.learning else None
     horizon = until if until is not None else math.inf
     next_arrival = 0
     now = arrivals[0].arrival if arrivals else 0.0
@@ -191,6 +225,8 @@ def simulate(
                 active.pop(job_id)
                 released -= 1
                 _settle(records[job_id], ends.pop(job_id), rules, spent)
+                if learned is not None:
+                    learned.add(records[job_id])
         while (
             next_arrival < len(arrivals)
             and released < limit
@@ -212,7 +248,15 @@ def simulate(
             )
         if not queue:
             continue
-        state = LedgerState(now, rules, list(active.values()), spent, metering=pol.metering)
+        state = LedgerState(
+            now,
+            rules,
+            list(active.values()),
+            spent,
+            metering=pol.metering,
+            overrun=learned.factors if learned is not None else {},
+            fit_worst_case=pol.fit_worst_case,
+        )
         wake = math.inf
         for job_id, decision in plan(state, queue.values()).items():
             if decision.verdict == "admit":
@@ -248,6 +292,31 @@ def simulate(
     for job_id, finish in ends.items():  # still running at the horizon: what they spent so far
         _settle(records[job_id], min(finish, end), rules, spent)
     return SimResult(pol, rules, list(records.values()), horizon=end, order=order)
+
+
+class OverrunWindows:
+    """Each scope's last `OVERRUN_WINDOW` settled jobs' actual / expected runtime, and the
+    `overrun_factor` of each: what the ledger supplies from its settled jobs."""
+
+    def __init__(self, history: Iterable[tuple[str, float]]) -> None:
+        self.windows: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=OVERRUN_WINDOW))
+        self.factors: dict[str, float] = {}
+        for scope, ratio in reversed(list(history)):  # oldest first
+            self._append(scope, ratio)
+
+    def add(self, rec: SimRecord) -> None:
+        assert rec.admitted_at is not None and rec.ended_at is not None
+        ran = rec.ended_at - rec.admitted_at
+        if ran > 0 and rec.job.expected_s > 0:
+            self._append(rec.job.scope, ran / rec.job.expected_s)
+
+    def _append(self, scope: str, ratio: float) -> None:
+        for path_scope in scope_path(scope):
+            window = self.windows[path_scope]
+            window.append(ratio)
+            factor = overrun_factor(window)
+            if factor is not None:
+                self.factors[path_scope] = factor
 
 
 def _settle(
@@ -299,7 +368,9 @@ def synthetic_trace(
 
     `lognormal`: true / expected is log-normal with median 1 (sigma 0.25), and 10% of jobs run
     1-3x their estimate. `heavy-tail`: true / expected is Pareto (alpha 1.5), scaled so its
-    median is 1. max_runtime is `max_factor` times the estimate; prices are catalog-like.
+    median is 1: about 9.6% of jobs need more than 3x their estimate, so a policy that stops
+    jobs at max_runtime never finishes them (they take about 22% of what it spends). max_runtime
+    is `max_factor` times the estimate; prices are catalog-like.
     """
     rng = random.Random(seed)
     rates = [1_006_000, 4_601_600, 5_672_000, 21_958_000, 27_447_000]

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold, overrun_factors
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from prefect_gpu_budget.simulate import SimJob, simulate
+from prefect_gpu_budget.simulate import OverrunWindows, SimJob, simulate
 
 RATE = 3_600_000  # local:box, $3.60/h
 BUDGETS = [
@@ -131,3 +131,60 @@ def test_forecast_frees_jobs_already_running_when_they_end():
     result = simulate([trial], [BudgetRule("o", hourly_cap_cents=100)], holds=[running])
     [record] = result.records
     assert record.admitted_at == start + 3000
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    jobs=st.lists(
+        st.tuples(
+            st.floats(0, 2 * 86400),  # arrival
+            st.floats(60, 8 * 3600),  # expected runtime
+            st.floats(0.05, 6.0),  # true / expected
+            st.floats(1.0, 3.0),  # max runtime / expected
+            st.sampled_from(["o/a/s1", "o/a/s2", "o/b/s1"]),
+        ),
+        min_size=1,
+        max_size=40,
+    ),
+    day_budget=st.integers(5, 500),
+)
+def test_estimate_mode_lets_no_one_job_overshoot(jobs, day_budget):
+    """One job at a time (the hourly cap fits one): estimate mode admits a job only where its
+    worst case fits, so however far it overruns its estimate, no budget is overshot."""
+    start = 1_798_761_600.0
+    rate = 21_958_000
+    sim_jobs = [
+        SimJob(f"j{i}", scope, start + at, rate, exp, exp * ratio, exp * factor)
+        for i, (at, exp, ratio, factor, scope) in enumerate(jobs)
+    ]
+    budgets = [
+        BudgetRule(
+            "o", hourly_cap_cents=2196, period_budget_micro=day_budget * 10**6, period="day"
+        ),
+        BudgetRule("o/a", period_budget_micro=day_budget * 3 * 10**6, period="week"),
+    ]
+    result = simulate(sim_jobs, budgets, "estimate-metered", until=start + 9 * 86400)
+    assert result.overshoot_pct() == 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["o/a/s1", "o/a/s2", "o/b/s1", "p/c"]), st.floats(0.1, 4.0)),
+        max_size=400,
+    )
+)
+def test_simulator_learns_what_the_ledger_would_supply(history):
+    assert OverrunWindows(history).factors == overrun_factors(history)
+
+
+def test_a_scope_whose_jobs_overran_reserves_more_in_estimate_mode():
+    start = 1_798_761_600.0
+    rule = BudgetRule("o", hourly_cap_cents=200, period_budget_micro=1_800_000, period="day")
+    # $1/h each, 30 min expected ($0.50), 1 h at worst ($1): the second fits beside the first's
+    # estimate, but not beside twice it
+    jobs = [SimJob(f"j{i}", "o/a", start + i, 1_000_000, 1800, 1800, 3600) for i in range(2)]
+    fresh = simulate(jobs, [rule], "estimate-metered")
+    assert [r.admitted_at for r in fresh.records] == [start, start + 1]
+    overran = simulate(jobs, [rule], "estimate-metered", history=[("o/a", 2.0)] * 20)
+    assert [r.admitted_at for r in overran.records] == [start, start + 1800]

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.policy import (
+    OVERRUN_WINDOW,
     BudgetRule,
     Decision,
     Hold,
@@ -33,6 +34,7 @@ from prefect_gpu_budget.admission.policy import (
     Request,
     committed,
     decide,
+    overrun_factors,
     share_in,
 )
 from prefect_gpu_budget.admission.quota import (
@@ -122,6 +124,7 @@ jobs = sa.Table(
     sa.Column("placement", sa.String(400)),
     sa.Column("preempt_at", sa.Float),
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
+    sa.Index("ix_gpu_jobs_org_settled", "org", "state", "settled_at"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
 )
 
@@ -280,6 +283,7 @@ class Ledger:
         self.url = normalise_url(url or default_url())
         self.engine = _make_engine(self.url)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
         if create:
             self.create()
 
@@ -295,13 +299,24 @@ class Ledger:
                 time.sleep(0.1 * (attempt + 1))
 
     def _add_new_columns(self) -> None:
-        """A ledger made by an earlier version lacks the newer (nullable) columns of jobs."""
+        """A ledger made by an earlier version lacks the newer (nullable) columns and indexes."""
         have = {c["name"] for c in sa.inspect(self.engine).get_columns(jobs.name)}
         for column in jobs.columns:
             if column.name not in have:
                 kind = column.type.compile(self.engine.dialect)
                 with self.engine.begin() as conn:
                     conn.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {column.name} {kind}")
+        for index in jobs.indexes:
+            index.create(self.engine, checkfirst=True)
+
+    def _overrun(self, conn: Connection, org: str, now: float) -> dict[str, float]:
+        """Per scope, how far its settled jobs overran their estimates; read at most every
+        OVERRUN_REFRESH_S per org and process (it changes slowly, and the read is not free)."""
+        cached = self._overrun_cache.get(org)
+        if cached is None or not 0 <= now - cached[0] < OVERRUN_REFRESH_S:
+            cached = (now, _overrun(conn, org))
+            self._overrun_cache[org] = cached
+        return cached[1]
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -607,8 +622,16 @@ class Ledger:
                 )
             )
         }
+        overrun = (
+            self._overrun(conn, org, now)
+            if any(r.reservation_mode == "estimate" for r in rules.values())
+            else {}
+        )
         if not placed and all(req.shape is None for req in queue):
-            return LedgerState(now=now, budgets=rules, holds=holds, settled=settled), queue
+            state = LedgerState(
+                now=now, budgets=rules, holds=holds, settled=settled, overrun=overrun
+            )
+            return state, queue
         org_pools = {p.name: p for p in _load_pools(conn, org)}
         quotas = {(q.pool, q.team): q for q in _load_quotas(conn, org)}
         state = LedgerState(
@@ -619,6 +642,7 @@ class Ledger:
             pools=org_pools,
             quotas=quotas,
             placed=tuple(placed),
+            overrun=overrun,
         )
         return state, queue
 
@@ -1081,6 +1105,30 @@ def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float
         == 0
     ):
         conn.execute(table.insert().values(scope=rule.scope, **values))
+
+
+LEARNED_OUTCOMES = ("completed", "failed", "timed_out")
+"""Jobs that ran their course: cancelled, preempted or reconciled ones teach nothing."""
+OVERRUN_SAMPLE = 20 * OVERRUN_WINDOW
+"""How many of an org's latest settled jobs estimate mode learns from."""
+OVERRUN_REFRESH_S = 30.0
+
+
+def _overrun(conn: Connection, org: str) -> dict[str, float]:
+    """Per scope, how far its latest settled jobs ran past their expected runtime."""
+    rows = conn.execute(
+        sa.select(jobs.c.scope, jobs.c.billed_seconds, jobs.c.expected_runtime_s)
+        .where(
+            jobs.c.org == org,
+            jobs.c.state == "settled",
+            jobs.c.outcome.in_(LEARNED_OUTCOMES),
+            jobs.c.expected_runtime_s > 0,
+            jobs.c.billed_seconds > 0,
+        )
+        .order_by(jobs.c.settled_at.desc(), jobs.c.id)
+        .limit(OVERRUN_SAMPLE)
+    )
+    return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)
 
 
 def _load_pools(conn: Connection, org: str) -> list[Pool]:

@@ -74,8 +74,6 @@ def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float
     return hold.reserved_micro, hold.start, hold.end
 
 
-CROSS = False
-WORSTFIT = False
 OVERRUN_QUANTILE = 0.9
 """Estimate mode reserves enough for this share of a scope's jobs, judged by its settled jobs."""
 OVERRUN_WINDOW = 200
@@ -103,7 +101,8 @@ def overrun_factors(
     """Per scope, `overrun_factor` of the last `window` settled jobs in it (or below it).
 
     `recent` is (job scope, billed seconds / expected runtime) of settled jobs, most recent
-    first: jobs that ran (billed time > 0), had an expected runtime, and were not cancelled.
+    first: jobs that had an expected runtime, ran (billed time > 0) and ended by themselves or at
+    max_runtime (completed, failed, timed out; not cancelled or preempted).
     """
     windows: dict[str, list[float]] = defaultdict(list)
     for scope, ratio in recent:
@@ -151,6 +150,9 @@ class LedgerState:
     overrun: Mapping[str, float] = field(default_factory=dict)
     """Per scope, from `overrun_factors`: estimate mode reserves expected runtime x the figure of
     the deepest scope on the job's path that has one (at most max_runtime). Empty: as expected."""
+    fit_worst_case: bool = True
+    """Estimate mode admits a job only where its worst case (rate x max_runtime) fits what is left
+    while it holds less, so that no one job can overshoot a budget (off: estimate-only)."""
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,9 @@ def share_in(amount: int, start: float, end: float, rule: BudgetRule, period_sta
     return 0
 
 
-def _never_fits(req: Request, rules: list[BudgetRule], hold: Hold) -> str | None:
+def _never_fits(
+    req: Request, rules: list[BudgetRule], hold: Hold, what: str = "reservation"
+) -> str | None:
     for rule in rules:
         if rule.hourly_cap_cents is not None and req.rate_cents > rule.hourly_cap_cents:
             return (
@@ -247,13 +251,15 @@ def _never_fits(req: Request, rules: list[BudgetRule], hold: Hold) -> str | None
             ):
                 if share > rule.period_budget_micro:
                     return (
-                        f"reservation {fmt_usd(share)} alone exceeds the {rule.period} budget "
+                        f"{what} {fmt_usd(share)} alone exceeds the {rule.period} budget "
                         f"{fmt_usd(rule.period_budget_micro)} of {rule.scope}"
                     )
     return None
 
 
-def _blockers(req: Request, rules: list[BudgetRule], hold: Hold, usage: _Usage) -> list[Decision]:
+def _blockers(
+    req: Request, rules: list[BudgetRule], hold: Hold, usage: _Usage, this_job: str = "this job"
+) -> list[Decision]:
     found = []
     for rule in rules:
         if rule.hourly_cap_cents is not None:
@@ -284,7 +290,7 @@ def _blockers(req: Request, rules: list[BudgetRule], hold: Hold, usage: _Usage) 
                         Decision(
                             "wait",
                             f"blocked by {rule.period} budget of {rule.scope}: settled "
-                            f"{fmt_usd(settled)} + reserved {fmt_usd(reserved)} + this job "
+                            f"{fmt_usd(settled)} + reserved {fmt_usd(reserved)} + {this_job} "
                             f"{fmt_usd(share)} > budget {fmt_usd(rule.period_budget_micro)} "
                             f"(short by {fmt_usd(short)}); resets "
                             f"{periods.fmt_instant(p_end, rule.timezone)}",
@@ -358,6 +364,20 @@ def _walk(ordered: list[Request], capacity: Capacity | None) -> Iterator[Request
         yield pick
 
 
+def _reserve_seconds(state: LedgerState, req: Request, mode: str) -> tuple[float, str]:
+    """How long to hold the job's rate for, and why: max_runtime in guaranteed mode; in estimate
+    mode its expected runtime, stretched by the `overrun` figure of the deepest scope on its path
+    that has one (never past max_runtime)."""
+    if mode != "estimate" or not req.expected_runtime_s:
+        return req.max_runtime_s, mode
+    learned = [(s, state.overrun[s]) for s in scope_path(req.scope) if s in state.overrun]
+    if not learned:
+        return req.expected_runtime_s, mode
+    source, factor = learned[-1]
+    stretched = min(req.max_runtime_s, req.expected_runtime_s * factor)
+    return max(req.expected_runtime_s, stretched), f"estimate x{factor:.2f}, as in {source}"
+
+
 def _decide_one(
     state: LedgerState,
     req: Request,
@@ -374,28 +394,21 @@ def _decide_one(
             limit="no_budget",
             scope=req.scope,
         )
-    mode = reservation_mode(rules)
-    reserve_s, how = req.max_runtime_s, mode
-    if mode == "estimate" and req.expected_runtime_s:
-        reserve_s = req.expected_runtime_s
-        learned = [(s, state.overrun[s]) for s in scope_path(req.scope) if s in state.overrun]
-        if learned:
-            source, factor = learned[-1]
-            reserve_s = max(reserve_s, min(req.max_runtime_s, reserve_s * factor))
-            how = f"estimate x{factor:.2f}, as jobs in {source} overran"
-        if CROSS and any(
-            r.period_budget_micro is not None
-            and periods.bounds(r.period, r.timezone, state.now)[1] < state.now + req.max_runtime_s
-            for r in rules
-        ):
-            reserve_s, how = req.max_runtime_s, "estimate, worst case as it may cross a period end"
+    reserve_s, how = _reserve_seconds(state, req, reservation_mode(rules))
     reserved = cost_micro(req.rate_micro_per_hour, reserve_s, round_up=True)
     hold = Hold(req.scope, req.rate_cents, reserved, state.now, state.now + reserve_s)
+    must_fit, this_job, what = hold, "this job", "reservation"
+    if state.fit_worst_case and reserve_s < req.max_runtime_s:  # estimate mode: see LedgerState
+        worst = cost_micro(req.rate_micro_per_hour, req.max_runtime_s, round_up=True)
+        must_fit = Hold(req.scope, req.rate_cents, worst, state.now, state.now + req.max_runtime_s)
+        this_job, what = "this job at worst", "worst case"
 
     shape = (
         req.shape if capacity is not None and req.shape and req.shape.pool in state.pools else None
     )
-    never = _never_fits(req, rules, hold) or (capacity.never_fits(shape) if shape else None)
+    never = _never_fits(req, rules, must_fit, what) or (
+        capacity.never_fits(shape) if shape else None
+    )
     if never:
         return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
 
@@ -412,16 +425,7 @@ def _decide_one(
             )
             return _wait_or_end(state, req, rules, behind)
 
-    check = hold
-    if WORSTFIT and mode == "estimate" and state.metering:
-        check = Hold(
-            req.scope,
-            req.rate_cents,
-            cost_micro(req.rate_micro_per_hour, req.max_runtime_s, round_up=True),
-            state.now,
-            state.now + req.max_runtime_s,
-        )
-    blockers = _blockers(req, rules, check, usage)
+    blockers = _blockers(req, rules, must_fit, usage, this_job)
     fit = capacity.check(shape, req.priority) if capacity is not None and shape else None
     if fit is not None and not fit.ok:
         blockers.append(

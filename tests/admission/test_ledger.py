@@ -88,3 +88,22 @@ def test_a_job_that_waits_for_cloud_capacity_is_held_where_its_spend_can_fall(le
         today["period_start"] == 20_001 * day
         and today["reserved_micro"] == before["reserved_micro"]
     )  # all of it lies in the day it runs
+
+
+def test_estimate_mode_learns_how_far_a_scope_overruns(ledger):
+    """After 25 jobs that ran twice their estimate, the next reservation is stretched by 2x."""
+    from dataclasses import replace
+
+    ledger.set_budget(BudgetRule("lrn", period_budget_micro=10**9, reservation_mode="estimate"))
+    job = replace(_job("lrn/a"), expected_runtime_s=10.0, max_runtime_s=60.0)
+    t = time.time() - 3600
+    for i in range(25):
+        job_id, decision = ledger.request(job, now=t)
+        assert decision.reserve_seconds == (10.0 if i < 20 else 20.0)  # 20 settled jobs teach
+        ledger.mark_started(job_id, t)
+        ledger.settle(job_id, ended_at=t + 20.0, outcome="completed", scope="lrn/a", now=t + 20)
+        t += 30
+    fresh = type(ledger)(ledger.url)  # a new process reads what the ledger learned
+    _, decision = fresh.request(job, now=t)
+    assert decision.reserve_seconds == 20.0 and "estimate x2.00, as in lrn/a" in decision.reason
+    fresh.dispose()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from prefect_gpu_budget.admission import periods
@@ -12,6 +13,8 @@ from prefect_gpu_budget.admission.policy import (
     Request,
     committed,
     decide,
+    overrun_factor,
+    overrun_factors,
     plan,
 )
 
@@ -166,3 +169,37 @@ def test_plan_stops_once_every_org_is_held():
     out = plan(s, queue)
     assert list(out) == ["j0"] and out["j0"].verdict == "wait"
     assert decide(s, queue, "j999").limit == "queue"
+
+
+def test_overrun_factor_is_a_high_quantile_of_settled_jobs_never_below_one():
+    assert overrun_factor([2.0] * 19) is None  # too few jobs to learn from
+    assert overrun_factor([float(i) for i in range(100, 0, -1)]) == 90.0  # nearest rank
+    assert overrun_factor([0.5] * 50) == 1.0  # never less than the user's own estimate
+    recent = [("o/a/s", 3.0)] * 30 + [("o/b/s", 1.5)] * 300  # most recent first
+    factors = overrun_factors(recent, window=200)
+    # o learns from its last 200 jobs, 30 of which (over 10%) ran three times their estimate
+    assert factors == {"o/a/s": 3.0, "o/a": 3.0, "o/b/s": 1.5, "o/b": 1.5, "o": 3.0}
+    assert overrun_factors(recent[:10] + recent[30:], window=200)["o"] == 1.5
+
+
+def test_estimate_mode_stretches_the_estimate_by_the_deepest_scope_that_learned():
+    rule = BudgetRule("o", period_budget_micro=10**9, reservation_mode="estimate")
+    s = LedgerState(NOW, {"o": rule}, [], {}, overrun={"o": 1.5, "o/t": 2.0})
+    d = decide(s, [req("a", "o/t/s", 100, expected=600)], "a")
+    assert d.reserve_seconds == 1200 and "estimate x2.00, as in o/t" in d.reason
+    assert decide(s, [req("a", "o/u", 100, expected=600)], "a").reserve_seconds == 900
+    s = replace(s, overrun={"o": 10.0})
+    assert decide(s, [req("a", "o", 100, expected=600)], "a").reserve_seconds == 3600  # max
+
+
+def test_estimate_mode_admits_only_where_the_worst_case_fits():
+    day = periods.bounds("day", "UTC", NOW)[0]
+    rule = BudgetRule("o", period_budget_micro=2_500_000, period="day", reservation_mode="estimate")
+    s = state(rule, settled={("o", day): 1_800_000})
+    d = decide(s, [req("a", "o", 100, expected=600)], "a")  # holds $0.17, $1.00 at worst
+    assert d.verdict == "wait" and "this job at worst $1.00" in d.reason
+    blind = replace(s, fit_worst_case=False)  # estimate-only admission
+    assert decide(blind, [req("a", "o", 100, expected=600)], "a").verdict == "admit"
+    s = state(replace(rule, period_budget_micro=900_000))
+    d = decide(s, [req("a", "o", 100, expected=600)], "a")
+    assert d.verdict == "reject" and "worst case $1.00 alone exceeds" in d.reason

@@ -68,11 +68,30 @@ CLI_CASES = [
     (["quote", "aws:g5.xlarge", "--nodes", "0"], "nodes"),
     (["prices", "set-local", "My Box", "--usd-per-hour", "2"], "name"),
     (["prices", "set-local", "box", "--usd-per-hour", "-2"], "usd_per_hour"),
+    (["pool", "set", "acme", "Lab A", "--nodes", "2", "--gpus-per-node", "8"], "name"),
+    (["pool", "set", "acme", "lab-a", "--nodes", "0", "--gpus-per-node", "8"], "nodes"),
+    (["pool", "set", "acme", "lab", "--nodes", "1", "--gpus-per-node", "8", "--kind", "x"], "kind"),
+    (["pool", "set", "acme", "lab", "--nodes", "1", "--gpus-per-node", "-8"], "gpus_per_node"),
+    (["pool", "quota", "acme/vision", "--pool", "nope", "--gpus", "4"], "pool"),
+    (["pool", "quota", "acme/../x", "--pool", "lab", "--gpus", "4"], "team"),
+    (["agent", "grant", "acme/vision"], "scope"),
+    (["agent", "grant", "acme/vision/Agent 7"], "scope"),
+    (["agent", "grant", "acme/vision/\u0430gent"], "scope"),  # a Cyrillic look-alike
+    (["capacity", "ACME"], "org"),
 ]
 
 
 def _snapshot(ledger: Ledger) -> tuple:
-    return (tuple(r.__dict__.items() for r in ledger.budgets()), len(ledger.jobs()))
+    from prefect_gpu_budget.admission.ledger import agent_grants
+
+    with ledger.engine.connect() as conn:
+        grants = conn.execute(agent_grants.select()).all()
+    return (
+        tuple(r.__dict__.items() for r in ledger.budgets()),
+        len(ledger.jobs()),
+        ledger.capacity("acme"),
+        grants,
+    )
 
 
 @pytest.mark.parametrize(("fields", "field"), BLOCK_CASES)

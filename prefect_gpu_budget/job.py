@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+from functools import lru_cache
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
@@ -9,6 +12,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
 
 PRIORITY_CLASSES = {"high": 100, "normal": 0, "low": -100}
+PRIORITY_CLASSES_ENV = "PREFECT_GPU_BUDGET_PRIORITY_CLASSES"
+"""More named classes, e.g. `urgent=500,scavenger=-500` (values in -1000..1000)."""
 METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
 """Names the JSON-lines file a job may write its metrics to."""
 
@@ -21,13 +26,40 @@ def _wait(value: object) -> float | None:
     return None if value is None else parse_duration(value, "max_wait", allow_zero=True)
 
 
+def priority_classes() -> dict[str, int]:
+    """The named priority classes: high, normal, low, plus those the environment defines."""
+    return {**PRIORITY_CLASSES, **_parse_classes(os.environ.get(PRIORITY_CLASSES_ENV, ""))}
+
+
+@lru_cache(maxsize=8)
+def _parse_classes(text: str) -> dict[str, int]:
+    found = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, value = item.partition("=")
+        name = name.strip()
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name) or number is None:
+            raise BudgetInputError(
+                PRIORITY_CLASSES_ENV, f"expected name=integer, got {shown(item)}"
+            )
+        if not -1000 <= number <= 1000:
+            raise BudgetInputError(PRIORITY_CLASSES_ENV, f"{name}: must be in -1000..1000")
+        found[name] = number
+    return found
+
+
 def _priority(value: object) -> int:
-    if isinstance(value, str) and value in PRIORITY_CLASSES:
-        return PRIORITY_CLASSES[value]
+    classes = priority_classes()
+    if isinstance(value, str) and value in classes:
+        return classes[value]
     if isinstance(value, int) and not isinstance(value, bool) and -1000 <= value <= 1000:
         return value
+    names = ", ".join(sorted(classes, key=lambda n: -classes[n]))
     raise BudgetInputError(
-        "priority", f"must be high, normal, low or an integer in -1000..1000, got {shown(value)}"
+        "priority", f"must be one of {names} or an integer in -1000..1000, got {shown(value)}"
     )
 
 

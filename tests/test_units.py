@@ -59,3 +59,18 @@ def test_amounts():
     for bad in ("nan", "inf", "-1", "1e10", "abc", True, None):
         with pytest.raises(BudgetInputError):
             to_decimal_usd(bad, "x")
+
+
+def test_priority_classes_are_named_and_configurable(monkeypatch):
+    from prefect_gpu_budget.job import PRIORITY_CLASSES_ENV, GpuJob
+
+    job = {"instance_type": "aws:g5.xlarge", "max_runtime": "1h"}
+    assert GpuJob(**job, priority="low").priority == -100
+    monkeypatch.setenv(PRIORITY_CLASSES_ENV, "urgent=500, scavenger=-500")
+    assert GpuJob(**job, priority="urgent").priority == 500
+    assert GpuJob(**job, priority="scavenger").priority < GpuJob(**job, priority="low").priority
+    with pytest.raises(ValueError, match="urgent, high, normal, low, scavenger"):
+        GpuJob(**job, priority="whenever")
+    monkeypatch.setenv(PRIORITY_CLASSES_ENV, "urgent=5000")
+    with pytest.raises(ValueError, match="-1000..1000"):
+        GpuJob(**job, priority="urgent")

@@ -144,3 +144,17 @@ def test_racing_admitters_never_over_commit_quota_or_capacity(
         assert all(fits_in(used, NODE) for used in per_node), (moment, per_node)
         for q in quotas:
             assert fits_in(team_use[q.team], q.ceiling), (moment, q.team, team_use)
+
+
+def test_a_partial_gpu_job_takes_its_share_of_vcpu_and_memory(ledger):
+    """HyperPod: 2 of a node's 8 GPUs bring 2/8 of its vCPU and memory, unless given."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.set_pool(_pool(1))
+    job_id, decision = ledger.request(_job("acme/a/s", gpus=2))
+    assert decision.verdict == "admit"
+    row = ledger.job(job_id)
+    assert (row["node_gpus"], row["node_vcpu"], row["node_memory_gib"]) == (2, 48, 512)
+    explicit, _ = ledger.request(_job("acme/a/s", gpus=2, node_vcpu=8, node_memory_gib=64))
+    assert (ledger.job(explicit)["node_vcpu"], ledger.job(explicit)["node_memory_gib"]) == (8, 64)
+    [pool] = ledger.capacity_status("acme")
+    assert pool["used"] == (4, 56, 576)

@@ -158,3 +158,36 @@ def test_a_partial_gpu_job_takes_its_share_of_vcpu_and_memory(ledger):
     assert (ledger.job(explicit)["node_vcpu"], ledger.job(explicit)["node_memory_gib"]) == (8, 64)
     [pool] = ledger.capacity_status("acme")
     assert pool["used"] == (4, 56, 576)
+
+
+def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, monkeypatch):
+    import threading
+
+    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+
+    prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
+    default_catalog.cache_clear()
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.set_pool(_pool(3))
+    gate = Gate(ledger, poll_s=0.02)
+    job = GpuJob(instance_type="local:h100x8", max_runtime="60s", nodes=2, kill_grace="1s")
+    spans: list[str] = []
+
+    def run(name: str) -> None:
+        admission = gate.admit(job, f"acme/{name}/s")
+        row = ledger.job(admission.job_id)
+        assert len(row["placement"].split(",")) == 2  # all its nodes, or none
+        time.sleep(0.3)
+        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        spans.append(admission.job_id)
+
+    racers = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
+    for t in racers:
+        t.start()
+    for t in racers:
+        t.join(timeout=60)
+    assert len(spans) == 2  # both ran: no deadlock
+    first, second = sorted(ledger.jobs(), key=lambda r: r["admitted_at"])
+    assert second["admitted_at"] >= first["settled_at"]  # 2 + 2 nodes never fit in 3 at once
+    assert second["admitted_at"] - second["requested_at"] > 0.2  # it waited, holding nothing

@@ -31,6 +31,9 @@ log = logging.getLogger("prefect_gpu_budget.gate")
 LIMIT_RETRY_S = 3.0
 """How long an admitted job retries Prefect limits still held by a job that just settled."""
 
+REQUEST_PATIENCE_S = 300.0
+"""How long a new request waits for a ledger that does not answer before it fails."""
+
 SETTLE_PATIENCE_S = 900.0
 """How long settlement keeps trying while the ledger is down before it gives up (the record
 then stays open for reconcile: nothing is lost)."""
@@ -144,8 +147,10 @@ class Gate:
         )
         started = time.time()
         job_id = str(uuid.uuid4())  # fixed before any retry: a retried request records once
-        _, decision = self.patiently(
-            "recording the request", lambda: self.ledger.request(new, job_id=job_id)
+        _, decision = self.patiently(  # a ledger that never answers (a wrong URL) fails in time
+            "recording the request",
+            lambda: self.ledger.request(new, job_id=job_id),
+            patience=REQUEST_PATIENCE_S,
         )
         try:
             return self._wait(job_id, scope, job, quote, new.rate_cents, (decision, started))

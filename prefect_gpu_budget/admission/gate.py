@@ -24,7 +24,7 @@ from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, RateLim
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
-from prefect_gpu_budget.units import fmt_usd, rate_cents, validate_scope
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, rate_cents, validate_scope
 
 log = logging.getLogger("prefect_gpu_budget.gate")
 
@@ -228,16 +228,25 @@ class Gate:
                         slots=slots,
                         pool=decision.pool,
                     )
-                    self._start_heartbeat(admission)
                     try:
+                        self._start_heartbeat(admission)
                         self.events.admitted(admission)
                     except BaseException:  # nothing ran: hand back the lease and the money
                         self.settle(admission, ended_at=time.time(), outcome="cancelled")
                         raise
                     return admission
-                decision = Decision(
-                    "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
-                )
+                reason = self._limit_reason(scope)
+                max_wait = self._max_wait(job, scope)
+                if max_wait > 0 and time.time() - started >= max_wait:
+                    reason = f"max wait {fmt_duration(max_wait)} ran out: {reason}"
+                    self.patiently(
+                        "timing out",
+                        functools.partial(
+                            self.ledger.cancel_queued, job_id, scope, reason, state="timed_out"
+                        ),
+                    )
+                    raise AdmissionRefused("AdmissionTimeout", reason, job_id)
+                decision = Decision("wait", reason, limit="prefect_limit", scope=scope)
             if not told:
                 told = True
                 rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
@@ -250,6 +259,13 @@ class Gate:
             # read before deciding: no change slips between
             seen = self.patiently("polling the ledger", lambda: self.ledger.version(org))
             decision = self.patiently("deciding", lambda: self.ledger.try_admit(job_id, scope))
+
+    def _max_wait(self, job: GpuJob, scope: str) -> float:
+        """The job's own max wait, else its deepest budget's (0: wait forever)."""
+        if job.max_wait is not None:
+            return job.max_wait
+        rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
+        return rules[-1].max_wait_s if rules else 0.0
 
     def _sleep_until_change(self, org: str, seen: int) -> None:
         deadline = time.monotonic() + self.recheck_s
@@ -268,14 +284,8 @@ class Gate:
         self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
         deadline = time.monotonic() + LIMIT_RETRY_S
         while True:
-            lease = self.patiently(
-                "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
-            )
-            if lease is not None:  # recorded at once: a crash from here on leaks nothing
-                self.patiently(
-                    "recording the lease",
-                    functools.partial(self.ledger.record_lease, job_id, lease),
-                )
+            lease = self._take_and_record(job_id, caps, slots)
+            if lease is not None:
                 return lease
             if time.monotonic() > deadline:
                 self.patiently(
@@ -284,6 +294,45 @@ class Gate:
                 )
                 return False
             time.sleep(0.02)
+
+    def _take_and_record(
+        self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
+    ) -> str | None:
+        """Take the slots and record the lease in the ledger, as one step that an interruption
+        (a cancelled run: KeyboardInterrupt, a signal) cannot split: it runs in a thread of its
+        own, and an interrupted caller waits for it and hands back whatever lease it got.
+        (A SIGKILL can still split it: reconcile then waits for the lease to expire.)"""
+        assert self.limits is not None
+        limits, got, failed = self.limits, [], []
+
+        def take() -> None:
+            try:
+                lease = self.patiently(
+                    "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
+                )
+                if lease is not None:
+                    got.append(lease)
+                    self.patiently(
+                        "recording the lease",
+                        functools.partial(self.ledger.record_lease, job_id, lease),
+                    )
+            except Exception as exc:  # raised again in the caller's thread
+                failed.append(exc)
+
+        worker = threading.Thread(target=take, name=f"gpu-budget-take-{job_id[:8]}", daemon=True)
+        worker.start()
+        try:
+            worker.join()
+        except BaseException:
+            worker.join()
+            for lease in got:
+                self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
+            raise
+        if failed:
+            for lease in got:  # taken but not recorded: hand it back before failing
+                self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
+            raise failed[0]
+        return got[0] if got else None
 
     def _limit_reason(self, scope: str) -> str:
         return (
@@ -379,8 +428,13 @@ class Gate:
     ) -> dict:
         """Write the actual cost once, then give back the rate slots. Returns the ledger row."""
         admission._stop.set()
-        limits = self.limits
-        try:
+        lease, limits = admission.lease_id, self.limits
+        try:  # slots first: a crash between the two leaves an open row for reconcile to settle
+            if lease and limits is not None:
+                self.patiently(
+                    "releasing Prefect limits", lambda: limits.release(lease), patience=120.0
+                )
+        finally:
             row = self.patiently(
                 "settling",
                 lambda: self.ledger.settle(
@@ -393,12 +447,6 @@ class Gate:
                 ),
                 patience=SETTLE_PATIENCE_S,
             )
-        finally:
-            lease = admission.lease_id
-            if lease and limits is not None:
-                self.patiently(
-                    "releasing Prefect limits", lambda: limits.release(lease), patience=120.0
-                )
         if row is None:  # settled already (by reconcile, say): report what the ledger holds
             row = self.patiently("reading the job", lambda: self.ledger.job(admission.job_id))
         self.events.settled(admission, row)

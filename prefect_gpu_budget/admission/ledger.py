@@ -668,16 +668,22 @@ class Ledger:
         return bool(done)
 
     @_reconnecting
-    def cancel_queued(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
+    def cancel_queued(
+        self,
+        job_id: str,
+        scope: str,
+        reason: str,
+        now: float | None = None,
+        state: str = "cancelled",
+    ) -> bool:
+        """End a queued job: `cancelled`, or `timed_out` when its max wait ran out."""
         now = time.time() if now is None else now
         org = scope.split("/")[0]
         with self._write(org) as conn:
             done = conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "queued")
-                .values(
-                    state="cancelled", ended_at=now, settled_at=now, actual_micro=0, reason=reason
-                )
+                .values(state=state, ended_at=now, settled_at=now, actual_micro=0, reason=reason)
             ).rowcount
             self._bump(conn, org)
         return bool(done)

@@ -69,7 +69,6 @@ def overlapping(period: str, tz: str, start: float, end: float) -> list[tuple[fl
     return out
 
 
-@lru_cache(maxsize=1 << 16)
 def split(
     amount: int, start: float, end: float, period: str, tz: str
 ) -> tuple[tuple[float, int], ...]:
@@ -78,9 +77,17 @@ def split(
     Returns (period_start, share) pairs whose shares sum exactly to `amount`: spend counts in
     the period in which it is incurred.
     """
+    first = bounds(period, tz, start)
+    if end <= first[1] or end <= start:  # the common case: no cache, which would only grow
+        return ((first[0], amount),)
+    return _split_spans(amount, start, end, period, tz)
+
+
+@lru_cache(maxsize=1024)
+def _split_spans(
+    amount: int, start: float, end: float, period: str, tz: str
+) -> tuple[tuple[float, int], ...]:
     spans = overlapping(period, tz, start, end)
-    if len(spans) == 1 or end <= start:
-        return ((spans[0][0], amount),)
     total_us = round((end - start) * 1_000_000)
     out, given, elapsed_us = [], 0, 0
     for p_start, p_end in spans:

@@ -22,12 +22,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from prefect_gpu_budget.admission.gate import LIMIT_RETRY_S
 from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
 from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
 from prefect_gpu_budget.launchers.base import Launcher, Probe
 from prefect_gpu_budget.launchers.registry import launcher_for
 
 HEARTBEAT_S = LEASE_S / 4
+REPOSSESS_S = 15.0
+"""How late a Prefect server's repossessor may return the slots of an expired lease."""
+UNRECORDED_LEASE_S = LIMIT_RETRY_S + LEASE_S + REPOSSESS_S
+"""After its admission, how long a crashed job may still hold Prefect slots under a lease it
+took but did not live to record: the ledger keeps counting its rate until then."""
 log = logging.getLogger("prefect_gpu_budget.reconcile")
 
 
@@ -36,7 +42,8 @@ class Reconciled:
     job_id: str
     scope: str
     action: str
-    """`cancelled`, `settled`, `stopped`, `left-running` or `already-settled`."""
+    """`cancelled`, `settled`, `stopped`, `left-running`, `awaiting-lease-expiry` or
+    `already-settled`."""
     actual_micro: int = 0
 
 
@@ -56,6 +63,18 @@ def _probe(row: dict, launchers: Mapping[str, Launcher] | None) -> tuple[Launche
         return None, Probe("unknown")
 
 
+def awaiting_lease_expiry(ledger: Ledger, row: dict, now: float) -> bool:
+    """A crashed admission in a capped scope that may hold Prefect slots under a lease whose id
+    it did not live to record: nothing can hand those back but the lease's expiry, so the row
+    stays open (its rate counted by the ledger, as Prefect counts the slots) until then."""
+    return (
+        row["lease_id"] is None
+        and row["admitted_at"] is not None
+        and now < row["admitted_at"] + UNRECORDED_LEASE_S
+        and any(rule.hourly_cap_cents is not None for rule in ledger.path_budgets(row["scope"]))
+    )
+
+
 def reconcile(
     ledger: Ledger,
     limits: RateLimits | None = None,
@@ -73,6 +92,9 @@ def reconcile(
         if row["state"] == "queued":
             if ledger.cancel_queued(job_id, scope, "waiter vanished; cancelled by reconcile", now):
                 out.append(Reconciled(job_id, scope, "cancelled"))
+            continue
+        if limits is not None and awaiting_lease_expiry(ledger, row, now):
+            out.append(Reconciled(job_id, scope, "awaiting-lease-expiry"))
             continue
         started = row["started_at"]
         action, billed, actual = "settled", None, None

@@ -15,11 +15,11 @@ import sys
 import textwrap
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from prefect_gpu_budget.admission.audit import promise1_violations
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
@@ -75,36 +75,6 @@ def _race_worker(
     out.put(results)
 
 
-def _sweep(rows: list[dict], key):
-    """Events (time, +/-) of admitted intervals, releases first at equal times."""
-    events = []
-    for r in rows:
-        if r["admitted_at"] is None:
-            continue
-        events.append((r["admitted_at"], 1, r))
-        events.append((r["settled_at"], 0, r))
-    return sorted(events, key=lambda e: (e[0], e[1]))
-
-
-def _check_invariants(rows: list[dict], budgets: list[BudgetRule]) -> None:
-    by_scope = {b.scope: b for b in budgets}
-    rate: dict[str, int] = defaultdict(int)
-    money: dict[str, int] = defaultdict(int)
-    for _, kind, r in _sweep(rows, None):
-        for scope in scope_path(r["scope"]):
-            if kind == 1:
-                rate[scope] += r["rate_cents"]
-                money[scope] += r["reserved_micro"]
-            else:
-                rate[scope] -= r["rate_cents"]
-                money[scope] += r["actual_micro"] - r["reserved_micro"]
-            rule = by_scope.get(scope)
-            if rule and rule.hourly_cap_cents is not None:
-                assert rate[scope] <= rule.hourly_cap_cents, f"rate cap of {scope} exceeded"
-            if rule and rule.period_budget_micro is not None:
-                assert money[scope] <= rule.period_budget_micro, f"budget of {scope} exceeded"
-
-
 @pytest.mark.timeout(300)
 def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
     ledger = Ledger(ledger_url)
@@ -134,7 +104,7 @@ def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
     assert sum(1 for r in results if "settled" in r) == len(admitted)
     assert not any(r.get("second_settle") for r in results)
     assert all(r["ended_at"] < r["settled_at"] + 1 for r in admitted)
-    _check_invariants(rows, RACE_BUDGETS)
+    assert promise1_violations(rows, RACE_BUDGETS) == []
     # nothing over-charged: period spend in the ledger equals the sum of the jobs' costs
     p_start = {s["scope"]: s for s in ledger.status()}["race"]["period_start"]
     assert ledger.period_settled("race", p_start) == sum(r["actual_micro"] for r in admitted)

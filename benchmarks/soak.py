@@ -1,0 +1,1318 @@
+"""Soak: many agents in separate processes submit, cancel and finish GPU jobs for a long time.
+
+Each agent is its own process with its own session scope `soak/team-<k>/agent-<i>` under
+nested budgets (hourly caps on session, team and org, carried by Prefect global concurrency
+limits; day, week and month budgets in the ledger on PostgreSQL), and loops through a mix of
+jobs against the real `Gate`:
+
+- run (55%): admitted, started, finished after 0.2-2 s and settled;
+- impatient (15%): its own max_wait of 0.1-0.6 s; times out if it waits longer, else runs;
+- interrupted (20%): a cancellation (an exception raised by a timer signal, like Ctrl-C or a
+  task time-out) arrives 0.05-0.6 s after it starts waiting; it runs if admitted before that;
+- withdrawn (10%): admitted, then cancelled before it starts.
+
+Each agent keeps up to 3 jobs in flight and thinks 0-1.5 s between submissions; the session cap
+holds 2 jobs, the team and org caps less than the sessions under them together, so some jobs
+wait, at every level. Period budgets are sized never to bind (a budget running out would make
+the end of the run unlike its start), but every decision reads them. A job still waiting 30 s
+after the run ended is cancelled and counted as stuck.
+
+Measured:
+- admission latency: wall time of `Gate.admit` for jobs admitted at their first decision (they
+  never waited): the ledger records and decides the request in one transaction, the Prefect
+  limits of every capped scope on the path are taken in one request, the lease is recorded and
+  the heartbeat starts. Waiting is workload, not gate cost, so jobs that waited are reported
+  apart: from the start of the decision that admitted them to admit's return. Also, every
+  ledger decision (`request`, `try_admit`) and every Prefect acquisition (granted or refused).
+- per agent every 1-5 s: RSS (VmRSS), OS threads, open file descriptors and the ledger's
+  SQLAlchemy pool (idle + checked out, filled to its steady size before the clock starts); from
+  the parent: PostgreSQL backends with application_name `prefect-gpu-budget` in the soak
+  database, and the Prefect server's RSS.
+- start and end windows: the first and last `--edge` fraction (default 10%) of the run after a
+  warm-up (10% of the run, 5-60 s). A window's p95 is the median of the p95s of up to 5
+  consecutive groups of at least 20 samples, so one noisy burst moves the figure little.
+  Memory: median RSS in the end window minus that in the start window, per agent. Connections,
+  descriptors and threads: the end window's median must not pass the first half's maximum.
+- at the end: nothing left queued, admitted or running; every count the agents kept matches the
+  ledger; settled spend per (scope, period) equals the sum of the settled jobs' costs; no job
+  cost more than its reservation; hourly caps never exceeded over the whole run (from the
+  ledger's timestamps); no slot left taken in any Prefect limit.
+
+Exit status 0 when every target is met, 1 when one is missed (`missed` in the JSON names them).
+
+PostgreSQL is expected at 127.0.0.1:5432; the soak uses its own database `gate_soak` (created
+if missing; `--url`), whose gate tables it drops and recreates. The Prefect server is a real
+`prefect server start --no-services` on a fresh PostgreSQL database `gate_soak_prefect` (not
+SQLite: under this load a SQLite server answers "database is locked" with 503s, and Prefect's
+client backs off 2 s or more, which would be measured as gate latency). Without services it never
+repossesses expired leases, so a leaked slot stays visible at the end.
+
+Usage: python benchmarks/soak.py --minutes 30 [--agents 8] [--url URL] [--json] [--keep DIR]
+Progress goes to stderr; the table (or, with --json, one JSON object) to stdout.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+import argparse
+import heapq
+import itertools
+import json
+import math
+import random
+import re
+import select
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.ledger import Ledger, metadata, normalise_url
+from prefect_gpu_budget.admission.limits import RateLimits
+from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
+from prefect_gpu_budget.units import scope_path
+
+PG_URL = os.environ.get("GATE_SOAK_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_soak")
+ORG = "soak"
+INSTANCE = "local:soak"
+PRICE_USD = "3.60"
+RATE_CENTS = 360
+AGENTS_PER_TEAM = 4
+IN_FLIGHT = 3
+SESSION_JOBS = 2
+MAX_RUNTIME_S, KILL_GRACE_S = 30, 1
+RUN_S = (0.2, 2.0)
+THINK_S = (0.0, 1.5)
+KINDS = {"run": 55, "impatient": 15, "interrupt": 20, "withdraw": 10}
+BUDGET_MAX_WAIT_S = 120.0
+"""A job with no max_wait of its own times out after this: it counts as starved."""
+DRAIN_S = 30.0
+"""A job still waiting this long after the run ended is cancelled and counted as stuck."""
+TARGETS = {"latency_p95_ratio": 1.2, "rss_growth_mib": 8.0}
+GROUPS, MIN_GROUP = 5, 20
+STREAMS = {
+    "admit": "admit, not waiting",
+    "wake": "admit after a wait",
+    "decide": "ledger decision",
+    "acquire": "Prefect acquire",
+}
+APP_NAME = "prefect-gpu-budget"
+FAILURES = ("errors", "rejected", "starved", "stuck")
+"""Counts that must stay 0: a job the gate failed, refused outright, or never decided."""
+
+
+def log(message: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# -- agent: one process, one session scope ---------------------------------------------------
+
+
+class Cancelled(BaseException):
+    """A cancellation that arrives while a job waits, like Ctrl-C or a task time-out."""
+
+
+class Stuck(BaseException):
+    """Raised in a job still waiting `DRAIN_S` after the run ended, so the agent can stop."""
+
+
+class Recorder:
+    """Samples and counters of one agent, written as one JSON line per sampling interval.
+
+    Only the current interval's samples are held, so the recorder's own memory stays flat.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "w", buffering=1)  # noqa: SIM115 (closed in close())
+        self._lock = threading.Lock()
+        self._latency: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        self.counts: Counter[str] = Counter()
+        self.errors: list[str] = []
+
+    def latency(self, stream: str, seconds: float) -> None:
+        with self._lock:
+            self._latency[stream].append((round(time.time(), 3), round(seconds * 1000, 3)))
+
+    def count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[key] += n
+
+    def error(self, exc: BaseException) -> None:
+        with self._lock:
+            self.counts["errors"] += 1
+            if len(self.errors) < 5:
+                self.errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+
+    def flush(self, sample: dict[str, Any], final: bool = False) -> None:
+        with self._lock:
+            latency, self._latency = self._latency, defaultdict(list)
+            line = {**sample, "latency": latency, "counts": dict(self.counts), "final": final}
+            if final:
+                line["errors"] = self.errors
+            self._file.write(json.dumps(line) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TimedLedger(Ledger):
+    """The ledger, timing its decisions (recording the request, and re-deciding a waiter)."""
+
+    recorder: Recorder
+    admitted_at = 0.0
+    """perf_counter() when the last `try_admit` that admitted a waiting job began."""
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        out = super().request(*args, **kwargs)
+        self.recorder.latency("decide", time.perf_counter() - began)
+        return out
+
+    def try_admit(self, *args: Any, **kwargs: Any) -> Decision:
+        began = time.perf_counter()
+        out = super().try_admit(*args, **kwargs)
+        self.recorder.latency("decide", time.perf_counter() - began)
+        if out.verdict == "admit":
+            self.admitted_at = began
+        return out
+
+
+class TimedLimits(RateLimits):
+    """The Prefect limits, timing each acquisition (granted or refused)."""
+
+    recorder: Recorder
+
+    def acquire(self, *args: Any, **kwargs: Any) -> str | None:
+        began = time.perf_counter()
+        out = super().acquire(*args, **kwargs)
+        self.recorder.latency("acquire", time.perf_counter() - began)
+        return out
+
+
+def process_sample() -> dict[str, int]:
+    status = Path("/proc/self/status").read_text()
+    return {
+        "rss_kib": int(re.search(r"VmRSS:\s+(\d+)", status)[1]),
+        "threads": int(re.search(r"Threads:\s+(\d+)", status)[1]),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
+
+
+class Finisher(threading.Thread):
+    """Ends running jobs at their due time and settles them, while the agent submits more."""
+
+    def __init__(self, gate: Gate, recorder: Recorder) -> None:
+        super().__init__(name="soak-finisher", daemon=True)
+        self.gate, self.recorder = gate, recorder
+        self._due: list[tuple[float, int, Admission]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closing = False
+
+    def add(self, due: float, admission: Admission) -> None:
+        with self._cond:
+            heapq.heappush(self._due, (due, next(self._seq), admission))
+            self._cond.notify_all()
+
+    def running(self) -> int:
+        with self._cond:
+            return len(self._due)
+
+    def wait_below(self, count: int, deadline: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._due) < count, max(0.0, deadline - time.time()))
+
+    def close(self) -> None:
+        """Let the jobs still running end at their due time, then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.join()
+
+    def run(self) -> None:
+        while True:
+            with self._cond:
+                while True:
+                    if self._due and self._due[0][0] <= time.time():
+                        _, _, admission = heapq.heappop(self._due)
+                        break
+                    if self._closing and not self._due:
+                        return
+                    timeout = self._due[0][0] - time.time() if self._due else None
+                    self._cond.wait(timeout)
+                self._cond.notify_all()
+            try:
+                self.gate.settle(admission, ended_at=time.time(), outcome="completed")
+                self.recorder.count("completed")
+            except Exception as exc:
+                self.recorder.error(exc)
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    index: int
+    scope: str
+    ledger_url: str
+    prices: str
+    out: str
+    sample_s: float
+    seed: int
+    mix: dict[str, int]
+
+
+class Agent:
+    """Submits jobs in the main thread (where the cancellation signal lands)."""
+
+    def __init__(self, cfg: AgentConfig, ledger: TimedLedger, limits: TimedLimits) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.recorder = Recorder(cfg.out)
+        ledger.recorder = limits.recorder = self.recorder
+        self.ledger = ledger
+        events = GateEvents(queued=self._queued, waiting=self._waiting, admitted=self._admitted)
+        self.gate = Gate(ledger, limits, catalog=Catalog.load(Path(cfg.prices)), events=events)
+        self.finisher = Finisher(self.gate, self.recorder)
+        self._waited = False
+        self._cancel_after: float | None = None
+        self._armed = False
+        self._in_admit = False
+        signal.signal(signal.SIGALRM, self._on_alarm)
+        signal.signal(signal.SIGUSR1, self._on_stop)
+
+    # gate events (main thread, inside admit)
+    def _queued(self, job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
+        self._waited = True
+        self._waiting(job_id, decision)
+        if self._cancel_after is not None:
+            self._armed = True
+            signal.setitimer(signal.ITIMER_REAL, self._cancel_after)
+
+    def _waiting(self, job_id: str, decision: Decision) -> None:
+        if decision.limit == "prefect_limit":
+            self.recorder.count("prefect_limit_waits")
+
+    def _admitted(self, admission: Admission) -> None:
+        self._in_admit = False
+        self._disarm()
+
+    def _disarm(self) -> None:
+        self._armed = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def _on_alarm(self, signum: int, frame: Any) -> None:
+        if self._armed:
+            self._armed = False
+            raise Cancelled
+
+    def _on_stop(self, signum: int, frame: Any) -> None:
+        if self._in_admit:
+            self._in_admit = False
+            raise Stuck
+
+    def sample(self) -> dict[str, Any]:
+        pool = self.ledger.engine.pool
+        return {
+            "t": time.time(),
+            **process_sample(),
+            "pool_idle": pool.checkedin(),
+            "pool_out": pool.checkedout(),
+        }
+
+    def warm_up(self) -> None:
+        """One job through the whole path before the clock starts (imports, pools, limits),
+        and the ledger's pool filled to its steady size, so that connections the pool opens
+        lazily later are not taken for a leak."""
+        pool = self.ledger.engine.pool
+        held = [self.ledger.engine.connect() for _ in range(pool.size())]
+        for conn in held:
+            conn.close()
+        admission = self.gate.admit(self.job("warm-up", None), self.cfg.scope)
+        self.gate.started(admission, time.time())
+        self.gate.settle(admission, ended_at=time.time(), outcome="warm-up")
+
+    def job(self, kind: str, max_wait: float | None) -> GpuJob:
+        return GpuJob(
+            instance_type=INSTANCE,
+            max_runtime=MAX_RUNTIME_S,
+            kill_grace=KILL_GRACE_S,
+            max_wait=max_wait,
+            name=f"soak-{kind}",
+        )
+
+    def run(self, start: float, end: float) -> None:
+        stop = threading.Event()
+
+        def monitor() -> None:
+            while not stop.wait(self.cfg.sample_s):
+                self.recorder.flush(self.sample())
+
+        time.sleep(max(0.0, start - time.time()))
+        self.recorder.flush(self.sample())
+        watcher = threading.Thread(target=monitor, name="soak-monitor", daemon=True)
+        watcher.start()
+        stopper = threading.Timer(
+            end + DRAIN_S - time.time(), os.kill, (os.getpid(), signal.SIGUSR1)
+        )
+        stopper.start()
+        self.finisher.start()
+        while time.time() < end:
+            if self.finisher.running() >= IN_FLIGHT:
+                self.finisher.wait_below(IN_FLIGHT, end)
+                continue
+            try:
+                self.submit()
+            except (Exception, Cancelled) as exc:  # count and go on: a soak reports errors
+                self.recorder.error(exc)
+                time.sleep(0.5)
+            time.sleep(self.rng.uniform(*THINK_S))
+        stopper.cancel()
+        self.finisher.close()
+        stop.set()
+        watcher.join()
+        self.recorder.flush(self.sample(), final=True)
+        self.recorder.close()
+
+    def submit(self) -> None:
+        mix = self.cfg.mix
+        kind = self.rng.choices(list(mix), weights=list(mix.values()))[0]
+        max_wait = round(self.rng.uniform(0.1, 0.6), 2) if kind == "impatient" else None
+        self._cancel_after = self.rng.uniform(0.05, 0.6) if kind == "interrupt" else None
+        self._waited = False
+        self.recorder.count("submitted")
+        began = time.perf_counter()
+        self._in_admit = True
+        try:
+            admission = self.gate.admit(self.job(kind, max_wait), self.cfg.scope)
+        except Cancelled:
+            self.recorder.count("interrupted")
+            return
+        except Stuck:
+            self.recorder.count("stuck")
+            return
+        except AdmissionRefused as refused:
+            if refused.state_name != "AdmissionTimeout":
+                self.recorder.count("rejected")
+            else:
+                self.recorder.count("timed_out" if kind == "impatient" else "starved")
+            return
+        finally:
+            self._in_admit = False
+            self._disarm()
+        elapsed = time.perf_counter() - began
+        self.recorder.count("admitted")
+        if self._waited:
+            self.recorder.count("admitted_after_wait")
+            self.recorder.latency("wake", time.perf_counter() - self.ledger.admitted_at)
+        else:
+            self.recorder.latency("admit", elapsed)
+        if kind == "withdraw":
+            self.gate.settle(admission, ended_at=time.time(), outcome="withdrawn")
+            self.recorder.count("withdrawn")
+            return
+        self.gate.started(admission, time.time())
+        self.finisher.add(time.time() + self.rng.uniform(*RUN_S), admission)
+
+
+def agent_main(raw: str) -> None:
+    cfg = AgentConfig(**json.loads(raw))
+    from prefect.client.orchestration import get_client
+
+    ledger = TimedLedger(cfg.ledger_url, create=False)
+    with get_client(sync_client=True) as client:
+        agent = Agent(cfg, ledger, TimedLimits(client))
+        agent.warm_up()
+        print("ready", flush=True)
+        start, end = map(float, sys.stdin.readline().split())
+        agent.run(start, end)
+    ledger.dispose()
+
+
+# -- parent: setup, the run, the checks --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    minutes: float
+    agents: int
+    url: str
+    warmup_s: float
+    edge: float
+    sample_s: float
+    seed: int
+    mix: dict[str, int] = field(default_factory=lambda: dict(KINDS))
+    keep: str | None = None
+
+    @property
+    def run_s(self) -> float:
+        return self.minutes * 60
+
+    def scopes(self) -> list[str]:
+        return [f"{ORG}/team-{i // AGENTS_PER_TEAM}/agent-{i}" for i in range(self.agents)]
+
+
+def budgets(cfg: Config) -> list[BudgetRule]:
+    """Hourly caps that make jobs wait at every level; period budgets that never bind."""
+    teams = Counter(s.rsplit("/", 1)[0] for s in cfg.scopes())
+    team_jobs = {team: math.ceil(1.5 * size) for team, size in teams.items()}
+    org_jobs = max(2, math.floor(0.9 * sum(team_jobs.values())))
+    reservation = RATE_CENTS * 10_000 * (MAX_RUNTIME_S + KILL_GRACE_S) / 3600
+    hours = cfg.run_s / 3600 + 0.5
+
+    def budget(jobs: int) -> int:  # 5x the most these jobs can reserve and spend in the run
+        return int(5 * jobs * (reservation + RATE_CENTS * 10_000 * hours))
+
+    common = {"max_wait_s": BUDGET_MAX_WAIT_S}
+    rules = [BudgetRule(ORG, org_jobs * RATE_CENTS, budget(org_jobs), "month", **common)]
+    rules += [
+        BudgetRule(team, jobs * RATE_CENTS, budget(jobs), "week", **common)
+        for team, jobs in team_jobs.items()
+    ]
+    rules += [
+        BudgetRule(scope, SESSION_JOBS * RATE_CENTS, budget(SESSION_JOBS), "day", **common)
+        for scope in cfg.scopes()
+    ]
+    return rules
+
+
+def ensure_database(url: str) -> None:
+    """Create the soak database if the server lacks it; raise if PostgreSQL is unreachable."""
+    server = sa.create_engine(
+        normalise_url(url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    )
+    name = url.rsplit("/", 1)[1]
+    try:
+        with server.connect() as conn:
+            found = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+            ).first()
+            if not found:
+                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    finally:
+        server.dispose()
+
+
+def fresh_ledger(cfg: Config) -> None:
+    ledger = Ledger(cfg.url, create=False)
+    try:
+        metadata.drop_all(ledger.engine)
+        ledger.create()
+        for rule in budgets(cfg):
+            ledger.set_budget(rule)
+    finally:
+        ledger.dispose()  # the parent holds no gate connection during the run
+
+
+@contextmanager
+def work_dir(keep: str | None) -> Iterator[Path]:
+    """Where the agents write their samples: `keep`, left in place, or a temporary folder."""
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        yield Path(keep)
+        return
+    with tempfile.TemporaryDirectory(prefix="gate-soak-") as name:
+        yield Path(name)
+
+
+@contextmanager
+def prefect_server(url: str, tmp: Path) -> Iterator[tuple[str, int]]:
+    """`prefect server start --no-services` on its own PostgreSQL database (`<ledger db>_prefect`,
+    created afresh): yields the API URL and the server's pid.
+
+    Without services the lease repossessor does not run, so a leaked slot stays taken and the
+    check at the end sees it; a production server would hand it back about 75 s later.
+    """
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    name = url.rsplit("/", 1)[1] + "_prefect"
+    admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"')
+    db = "postgresql+asyncpg://" + url.split("://", 1)[1].rsplit("/", 1)[0] + "/" + name
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp / "server-home"),
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": db,
+        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
+    }
+    args = ["server", "start", "--no-services", "--host", "127.0.0.1", "--port", str(port)]
+    with (tmp / "prefect-server.log").open("w") as logs:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefect", *args], stdout=logs, stderr=subprocess.STDOUT, env=env
+        )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180
+        while not healthy(api):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (tmp / "prefect-server.log").read_text().strip().splitlines()[-3:]
+                raise RuntimeError(f"Prefect server did not start: {' | '.join(tail)}")
+            time.sleep(0.5)
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            yield api, proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def healthy(api: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def admin(url: str, *statements: str) -> None:
+    """Run statements on the server's `postgres` database (creating and dropping databases)."""
+    server = sa.create_engine(
+        normalise_url(url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    )
+    try:
+        with server.connect() as conn:
+            for statement in statements:
+                conn.execute(sa.text(statement))
+    finally:
+        server.dispose()
+
+
+def rss_mib(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024
+
+
+def read_line(proc: subprocess.Popen, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return ""
+    return ""
+
+
+class Agents:
+    """The agent processes: spawned, readied, started together, awaited."""
+
+    def __init__(self, cfg: Config, api_url: str, prices: Path, tmp: Path) -> None:
+        env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_HOME": str(tmp / "home")}
+        self.outs = [tmp / f"agent-{i}.jsonl" for i in range(cfg.agents)]
+        self.logs = [tmp / f"agent-{i}.log" for i in range(cfg.agents)]
+        self.procs = []
+        for i, scope in enumerate(cfg.scopes()):
+            acfg = AgentConfig(
+                i,
+                scope,
+                cfg.url,
+                str(prices),
+                str(self.outs[i]),
+                cfg.sample_s,
+                cfg.seed + i,
+                cfg.mix,
+            )
+            with self.logs[i].open("w") as err:
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, __file__, "--agent", json.dumps(asdict(acfg))],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=err,
+                        text=True,
+                        env=env,
+                    )
+                )
+
+    def tail(self, i: int) -> str:
+        lines = self.logs[i].read_text().strip().splitlines()
+        return " | ".join(lines[-3:]) or f"exit code {self.procs[i].poll()}"
+
+    def ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for i, proc in enumerate(self.procs):
+            if read_line(proc, deadline).strip() != "ready":
+                raise RuntimeError(f"agent {i} not ready: {self.tail(i)}")
+
+    def start(self, start: float, end: float) -> None:
+        for proc in self.procs:
+            proc.stdin.write(f"{start} {end}\n")
+            proc.stdin.flush()
+
+    def dead(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
+
+    def wait(self, timeout_s: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return [p.returncode for p in self.procs]
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def gate_backends(engine: sa.Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = :app"
+                ),
+                {"app": APP_NAME},
+            ).scalar_one()
+        )
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    wall = time.perf_counter()
+    ensure_database(cfg.url)
+    fresh_ledger(cfg)
+    out: dict[str, Any] = {
+        "config": {**asdict(cfg), "url": cfg.url.split("@")[-1]},
+        "cpus": os.cpu_count(),
+        "load_avg_1m_at_start": os.getloadavg()[0],
+    }
+    monitor = sa.create_engine(
+        normalise_url(cfg.url), pool_size=1, connect_args={"application_name": "gate-soak-monitor"}
+    )
+    with work_dir(cfg.keep) as tmp:
+        prices = set_local_price("soak", PRICE_USD, gpus=1, path=tmp / "prices.csv")
+        with prefect_server(cfg.url, tmp) as (api_url, server):
+            create_limits(cfg)
+            log(f"Prefect server at {api_url}; spawning {cfg.agents} agents")
+            agents = Agents(cfg, api_url, prices, tmp)
+            try:
+                agents.ready(timeout_s=300)
+                start = time.time() + 0.5
+                end = start + cfg.run_s
+                agents.start(start, end)
+                until = time.strftime("%H:%M:%S", time.localtime(end))
+                log(f"running {cfg.minutes:g} min, until {until}")
+                parent = watch(cfg, agents, monitor, server, end)
+                codes = agents.wait(timeout_s=DRAIN_S + 90)
+            finally:
+                agents.kill()
+            out["agent_exit_codes"] = codes
+            out["agent_logs"] = {i: agents.tail(i) for i, c in enumerate(codes) if c != 0}
+            records = [load(path) for path in agents.outs]
+            out["ledger"] = check_ledger(cfg, records, start)
+            out["ledger"]["leaked_slots"] = leaked_slots(cfg)
+        out["load_avg_1m_at_end"] = os.getloadavg()[0]
+    monitor.dispose()
+    out.update(analyse(cfg, records, parent, start, end))
+    out["targets"], out["missed"] = targets(out)
+    out["wall_s"] = time.perf_counter() - wall
+    return out
+
+
+def watch(
+    cfg: Config, agents: Agents, monitor: sa.Engine, server: int | None, end: float
+) -> list[dict[str, Any]]:
+    """Sample the gate's PostgreSQL backends and the server's RSS until the run ends."""
+    samples = []
+    next_log = time.time() + 60
+    while time.time() < end:
+        samples.append(
+            {"t": time.time(), "pg": gate_backends(monitor), "server_mib": rss_mib(server)}
+        )
+        dead = agents.dead()
+        if dead:
+            raise RuntimeError(f"agent {dead[0]} died: {agents.tail(dead[0])}")
+        if time.time() > next_log:
+            log(f"{(end - time.time()) / 60:.1f} min left")
+            next_log += 60
+        time.sleep(min(cfg.sample_s, max(0.0, end - time.time())))
+    return samples
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+def check_ledger(cfg: Config, records: list[list[dict[str, Any]]], start: float) -> dict[str, Any]:
+    """What the ledger holds after the run, against what the agents counted."""
+    ledger = Ledger(cfg.url, create=False)
+    try:
+        rows = ledger.jobs(ORG)
+        status = ledger.status(ORG)
+    finally:
+        ledger.dispose()
+    problems: list[str] = []
+    by_state = Counter(r["state"] for r in rows)
+    outcomes = Counter(r["outcome"] for r in rows if r["state"] == "settled")
+    left = {s: by_state[s] for s in ("queued", "admitted", "running") if by_state[s]}
+    if left:
+        problems.append(f"left unsettled: {left}")
+    counts: Counter[str] = Counter()
+    for lines in records:
+        finals = [line for line in lines if line["final"]]
+        counts.update(finals[-1]["counts"] if finals else {})
+    expected = {
+        "rows": (len(rows), counts["submitted"] + cfg.agents),
+        "completed": (outcomes["completed"], counts["completed"]),
+        "withdrawn": (outcomes["withdrawn"], counts["withdrawn"]),
+        "timed out": (by_state["timed_out"], counts["timed_out"] + counts["starved"]),
+        "cancelled while waiting": (
+            by_state["cancelled"] + outcomes["cancelled"],
+            counts["interrupted"] + counts["stuck"],
+        ),
+        "rejected": (by_state["rejected"], counts["rejected"]),
+    }
+    problems += [
+        f"{what}: ledger {got}, agents {want}"
+        for what, (got, want) in expected.items()
+        if got != want
+    ]
+    over = [r["id"][:8] for r in rows if (r["actual_micro"] or 0) > r["reserved_micro"] > 0]
+    if over:
+        problems.append(f"{len(over)} jobs cost more than their reservation: {over[:3]}")
+    rules = {rule.scope: rule for rule in budgets(cfg)}
+    for s in status:
+        if s["reserved_micro"] or s["running"] or s["queued"]:
+            problems.append(
+                f"{s['scope']}: reserved {s['reserved_micro']}, running {s['running']}, "
+                f"queued {s['queued']} after the run"
+            )
+        rule = rules[s["scope"]]
+        total = sum(
+            share
+            for r in rows
+            if r["state"] == "settled"
+            and r["actual_micro"]
+            and (r["scope"] == rule.scope or r["scope"].startswith(rule.scope + "/"))
+            for p_start, share in periods.split(
+                r["actual_micro"], r["started_at"], r["ended_at"], rule.period, rule.timezone
+            )
+            if p_start == s["period_start"]
+        )
+        if total != s["settled_micro"]:
+            problems.append(
+                f"{s['scope']}: period spend {s['settled_micro']} != sum of jobs {total}"
+            )
+    problems += cap_excesses(rows, rules)
+    return {
+        "rows": len(rows),
+        "rows_since_start": sum(1 for r in rows if r["requested_at"] >= start),
+        "by_state": dict(by_state),
+        "settled_outcomes": dict(outcomes),
+        "spend_usd": sum(r["actual_micro"] or 0 for r in rows) / 1e6,
+        "cancelled_after_admission": {  # where a cancellation can strand a Prefect lease
+            "jobs": outcomes["cancelled"],
+            "lease_recorded": sum(
+                1 for r in rows if r["outcome"] == "cancelled" and r["lease_id"] is not None
+            ),
+        },
+        "problems": problems,
+    }
+
+
+def cap_excesses(rows: list[dict[str, Any]], rules: dict[str, BudgetRule]) -> list[str]:
+    """Promise 1 over the whole run: admitted rates never sum past a cap (releases first)."""
+    events = []
+    for r in rows:
+        if r["admitted_at"] is not None:
+            events += [(r["admitted_at"], 1, r), (r["settled_at"] or math.inf, 0, r)]
+    rate: Counter[str] = Counter()
+    found: list[str] = []
+    for at, kind, r in sorted(events, key=lambda e: (e[0], e[1])):
+        for scope in scope_path(r["scope"]):
+            rate[scope] += r["rate_cents"] if kind else -r["rate_cents"]
+            cap = rules[scope].hourly_cap_cents if scope in rules else None
+            if kind and cap is not None and rate[scope] > cap and len(found) < 5:
+                found.append(f"{scope}: {rate[scope]} cents/h admitted > cap {cap} at {at:.3f}")
+    return found
+
+
+def create_limits(cfg: Config) -> None:
+    """Create the Prefect limits once, as a deployment would, before the agents start."""
+    limits = RateLimits()
+    try:
+        limits.ensure(
+            (rule.scope, rule.hourly_cap_cents)
+            for rule in budgets(cfg)
+            if rule.hourly_cap_cents is not None
+        )
+    finally:
+        limits.close()
+
+
+def leaked_slots(cfg: Config) -> dict[str, int]:
+    """Slots still taken in the Prefect limits once everything settled (none expected)."""
+    limits = RateLimits()
+    try:
+        scopes = [rule.scope for rule in budgets(cfg) if rule.hourly_cap_cents is not None]
+        found = {scope: limits.active_slots(scope) for scope in scopes}
+    finally:
+        limits.close()
+    return {scope: slots for scope, slots in found.items() if slots}
+
+
+# -- analysis ----------------------------------------------------------------------------------
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(samples)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def window_latency(samples: list[tuple[float, float]]) -> dict[str, Any]:
+    """p95 of a window: the median of the p95s of up to 5 consecutive groups of >= 20 samples."""
+    values = [ms for _, ms in sorted(samples)]
+    groups = min(GROUPS, len(values) // MIN_GROUP)
+    if groups == 0:
+        return {"n": len(values), "groups": 0, "p95_ms": None, "p50_ms": None}
+    size = len(values) / groups
+    chunks = [values[round(i * size) : round((i + 1) * size)] for i in range(groups)]
+    return {
+        "n": len(values),
+        "groups": groups,
+        "p95_ms": statistics.median(percentile(c, 95) for c in chunks),
+        "p50_ms": percentile(values, 50),
+        "pooled_p95_ms": percentile(values, 95),
+        "max_ms": max(values),
+    }
+
+
+def within(t: float, window: tuple[float, float]) -> bool:
+    return window[0] <= t < window[1]
+
+
+def median_of(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def slope_per_min(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of (t seconds, value) in value per minute."""
+    if len(points) < 3:
+        return None
+    mean_t = statistics.fmean(t for t, _ in points)
+    mean_v = statistics.fmean(v for _, v in points)
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return None
+    return 60 * sum((t - mean_t) * (v - mean_v) for t, v in points) / var
+
+
+def analyse(
+    cfg: Config,
+    records: list[list[dict[str, Any]]],
+    parent: list[dict[str, Any]],
+    start: float,
+    end: float,
+) -> dict[str, Any]:
+    t0 = start + cfg.warmup_s
+    edge = (end - t0) * cfg.edge
+    first, last, steady = (t0, t0 + edge), (end - edge, end + 1e-3), (t0, end + 1e-3)
+    early = (t0, (t0 + end) / 2)  # connections may open lazily; they must not grow after
+    streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    counts: Counter[str] = Counter()
+    errors: list[str] = []
+    agents = []
+    for index, lines in enumerate(records):
+        for line in lines:
+            for stream, pairs in line["latency"].items():
+                streams[stream] += [tuple(p) for p in pairs]
+        finals = [line for line in lines if line["final"]]
+        if finals:
+            counts.update(finals[-1]["counts"])
+            errors += [f"agent {index}: {e}" for e in finals[-1]["errors"]]
+        agents.append(agent_figures(index, lines, (first, last, steady, early), finals))
+    latency = {}
+    for stream in STREAMS:
+        a = window_latency([p for p in streams[stream] if within(p[0], first)])
+        b = window_latency([p for p in streams[stream] if within(p[0], last)])
+        ratio = b["p95_ms"] / a["p95_ms"] if a["p95_ms"] and b["p95_ms"] else None
+        latency[stream] = {"start": a, "end": b, "ratio": ratio}
+    pg = [(s["t"], s["pg"]) for s in parent]
+    server = [(s["t"], s["server_mib"]) for s in parent if s["server_mib"] is not None]
+
+    def edges(points: list[tuple[float, float]]) -> dict[str, float | None]:
+        return {
+            "start": median_of([v for t, v in points if within(t, first)]),
+            "end": median_of([v for t, v in points if within(t, last)]),
+            "early_max": max((v for t, v in points if within(t, early)), default=None),
+            "max": max((v for t, v in points if within(t, steady)), default=None),
+        }
+
+    admitted = counts["admitted"]
+    return {
+        "windows": {
+            "warmup_s": cfg.warmup_s,
+            "start": [first[0] - start, first[1] - start],
+            "end": [last[0] - start, last[1] - start],
+        },
+        "totals": {
+            "submitted": counts["submitted"],
+            "admitted": admitted,
+            "admitted_without_wait": admitted - counts["admitted_after_wait"],
+            "completed": counts["completed"],
+            "withdrawn": counts["withdrawn"],
+            "interrupted": counts["interrupted"],
+            "timed_out": counts["timed_out"],
+            "starved": counts["starved"],
+            "stuck": counts["stuck"],
+            "rejected": counts["rejected"],
+            "prefect_limit_waits": counts["prefect_limit_waits"],
+            "errors": counts["errors"],
+            "admissions_per_s": admitted / cfg.run_s,
+        },
+        "throughput": {
+            "start_per_s": sum(1 for t, _ in streams["decide"] if within(t, first)) / edge,
+            "end_per_s": sum(1 for t, _ in streams["decide"] if within(t, last)) / edge,
+        },
+        "latency": latency,
+        "agents": agents,
+        "pg_backends": edges(pg),
+        "prefect_server_mib": edges(server),
+        "flat": flat(agents, edges(pg)),
+        "errors": errors,
+    }
+
+
+def flat(agents: list[dict[str, Any]], pg: dict[str, float | None]) -> dict[str, Any]:
+    """End-window median against first-half maximum: PostgreSQL backends of the gate, and the
+    sums over agents of pooled connections, descriptors and threads (summed, because one agent
+    opening one more keep-alive socket late in a short run is not a leak, while a leak grows in
+    every agent)."""
+    out = {"pg_backends": {"end": pg["end"], "early_max": pg["early_max"]}}
+    for key in ("pool", "fds", "threads"):
+        ends = [a[key]["end"] for a in agents]
+        highs = [a[key]["early_max"] for a in agents]
+        out[key] = {
+            "end": None if None in ends else sum(ends),
+            "early_max": None if None in highs else sum(highs),
+        }
+    for figure in out.values():
+        figure["ok"] = None not in figure.values() and figure["end"] <= figure["early_max"]
+    return out
+
+
+def agent_figures(
+    index: int,
+    lines: list[dict[str, Any]],
+    windows: tuple[tuple[float, float], ...],
+    finals: list[dict[str, Any]],
+) -> dict[str, Any]:
+    first, last, steady, early = windows
+    samples = [line for line in lines if not line["final"]]
+
+    def at(key: str, window: tuple[float, float]) -> float | None:
+        return median_of([s[key] for s in samples if within(s["t"], window)])
+
+    def most(key: str, window: tuple[float, float]) -> float | None:
+        return max((s[key] for s in samples if within(s["t"], window)), default=None)
+
+    for s in samples:
+        s["pool"] = s["pool_idle"] + s["pool_out"]
+    rss_start, rss_end = at("rss_kib", first), at("rss_kib", last)
+    final = finals[-1] if finals else None
+    return {
+        "index": index,
+        "samples": len(samples),
+        "rss_start_mib": None if rss_start is None else rss_start / 1024,
+        "rss_end_mib": None if rss_end is None else rss_end / 1024,
+        "rss_max_mib": (most("rss_kib", steady) or 0) / 1024,
+        "rss_growth_mib": None
+        if rss_start is None or rss_end is None
+        else (rss_end - rss_start) / 1024,
+        "rss_slope_kib_per_min": slope_per_min(
+            [(s["t"], s["rss_kib"]) for s in samples if within(s["t"], steady)]
+        ),
+        "threads": {
+            "start": at("threads", first),
+            "end": at("threads", last),
+            "early_max": most("threads", early),
+        },
+        "fds": {"start": at("fds", first), "end": at("fds", last), "early_max": most("fds", early)},
+        "pool": {
+            "start": at("pool", first),
+            "end": at("pool", last),
+            "early_max": most("pool", early),
+        },
+        "final": None
+        if final is None
+        else {k: final[k] for k in ("rss_kib", "threads", "fds", "pool_idle", "pool_out")},
+    }
+
+
+def targets(out: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    agents = out["agents"]
+    growth = [a["rss_growth_mib"] for a in agents]
+    ratio = out["latency"]["admit"]["ratio"]
+
+    bad = sum(out["totals"][k] for k in FAILURES)
+    found = {
+        "latency_p95_ratio": {
+            "value": ratio,
+            "target": f"<= {TARGETS['latency_p95_ratio']}",
+            "ok": ratio is not None and ratio <= TARGETS["latency_p95_ratio"],
+        },
+        "rss_growth_mib": {
+            "value": max(growth) if None not in growth and growth else None,
+            "target": f"<= {TARGETS['rss_growth_mib']} per agent",
+            "ok": bool(growth) and None not in growth and max(growth) <= TARGETS["rss_growth_mib"],
+        },
+        "connections_flat": {
+            "value": {k: [v["end"], v["early_max"]] for k, v in out["flat"].items()},
+            "target": "[end median, first-half max]: PostgreSQL backends; pool, fds, threads "
+            "summed over agents; end <= max",
+            "ok": all(v["ok"] for v in out["flat"].values()),
+        },
+        "connections_returned": {
+            "value": [a["final"]["pool_out"] if a["final"] else None for a in agents],
+            "target": "0 checked out in every agent after the run",
+            "ok": all(a["final"] and a["final"]["pool_out"] == 0 for a in agents),
+        },
+        "no_errors": {
+            "value": bad,
+            "target": f"0 of {', '.join(FAILURES)}; every agent exits 0",
+            "ok": bad == 0 and all(c == 0 for c in out["agent_exit_codes"]),
+        },
+        "ledger_consistent": {
+            "value": len(out["ledger"]["problems"]),
+            "target": "nothing left open; counts, spend and caps consistent",
+            "ok": not out["ledger"]["problems"],
+        },
+        "prefect_slots_returned": {
+            "value": out["ledger"]["leaked_slots"],
+            "target": "no slot left taken in any Prefect limit",
+            "ok": not out["ledger"]["leaked_slots"],
+        },
+    }
+    return found, [name for name, t in found.items() if not t["ok"]]
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table, padded so it also reads as plain text."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), rule, *map(line, rows)])
+
+
+def num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+LATENCY_HEADER = ["Operation", "Samples s/e", "p50 start", "p50 end", "p95 start", "p95 end"]
+AGENT_HEADER = ["Agent", "RSS start", "RSS end", "RSS max", "Growth", "KiB/min"]
+AGENT_HEADER += ["Pool s/e", "FDs s/e", "Threads s/e", "Out after"]
+
+
+def latency_rows(latency: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            STREAMS[k],
+            f"{v['start']['n']} / {v['end']['n']}",
+            *(num(v[w]["p50_ms"]) for w in ("start", "end")),
+            *(num(v[w]["p95_ms"]) for w in ("start", "end")),
+            num(v["ratio"], 2),
+        ]
+        for k, v in latency.items()
+    ]
+
+
+def agent_rows(agents: list[dict[str, Any]]) -> list[list[str]]:
+    def pair(figure: dict[str, Any]) -> str:
+        return f"{num(figure['start'], 0)} / {num(figure['end'], 0)}"
+
+    return [
+        [
+            str(a["index"]),
+            *(num(a[k]) for k in ("rss_start_mib", "rss_end_mib", "rss_max_mib")),
+            num(a["rss_growth_mib"], 2),
+            num(a["rss_slope_kib_per_min"], 0),
+            *(pair(a[k]) for k in ("pool", "fds", "threads")),
+            "-" if a["final"] is None else str(a["final"]["pool_out"]),
+        ]
+        for a in agents
+    ]
+
+
+def target_rows(found: dict[str, Any]) -> list[list[str]]:
+    def shown(value: Any) -> str:
+        return json.dumps(value) if isinstance(value, dict | list) else num(value, 2)
+
+    return [
+        [name, shown(t["value"]), t["target"], "ok" if t["ok"] else "MISSED"]
+        for name, t in found.items()
+    ]
+
+
+def report(out: dict[str, Any]) -> str:
+    cfg, tot, w, ledger = out["config"], out["totals"], out["windows"], out["ledger"]
+    pg, srv = out["pg_backends"], out["prefect_server_mib"]
+    sections = [
+        f"Soak: {cfg['minutes']:g} min, {cfg['agents']} agents (separate processes), ledger on "
+        f"PostgreSQL ({cfg['url']}), Prefect server on PostgreSQL; {out['cpus']} CPUs, 1-min "
+        f"load {out['load_avg_1m_at_start']:.2f} at start, {out['load_avg_1m_at_end']:.2f} at end; "
+        f"job mix {', '.join(f'{k} {v}' for k, v in cfg['mix'].items())}",
+        "",
+        f"Jobs: {tot['submitted']} submitted, {tot['admitted']} admitted "
+        f"({tot['admissions_per_s']:.1f}/s; {tot['admitted_without_wait']} without waiting), "
+        f"{tot['completed']} completed, "
+        f"{tot['withdrawn']} withdrawn before start, {tot['interrupted']} cancelled while "
+        f"waiting, {tot['timed_out']} timed out (own max_wait), {tot['starved']} starved, "
+        f"{tot['stuck']} stuck at the end, "
+        f"{tot['rejected']} rejected, {tot['errors']} errors; {tot['prefect_limit_waits']} waits "
+        "on Prefect limits after the ledger admitted.",
+        f"Ledger decisions per second: {out['throughput']['start_per_s']:.1f} in the start "
+        f"window, {out['throughput']['end_per_s']:.1f} in the end window.",
+        "",
+        f"Latency (ms). Start window {w['start'][0]:.0f}-{w['start'][1]:.0f} s, end window "
+        f"{w['end'][0]:.0f}-{w['end'][1]:.0f} s into the run ({w['warmup_s']:.0f} s warm-up "
+        "left out). A window's p95 is the median of the p95s of up to 5 consecutive groups of "
+        ">= 20 samples (none under 20 samples).",
+        "",
+        table([*LATENCY_HEADER, "p95 end/start"], latency_rows(out["latency"])),
+        "",
+        "admit, not waiting: Gate.admit wall time for jobs admitted at their first decision "
+        "(record + decide, Prefect limits of 3 scopes, lease recorded, heartbeat started). "
+        "admit after a wait: from the start of the decision that admitted a waiting job to "
+        "admit's return.",
+        "",
+        "Per agent: medians over the start and end windows (MiB); KiB/min: least-squares RSS "
+        "slope after warm-up; pool: the ledger's idle + checked-out connections; out after: "
+        "checked out once the run ended.",
+        "",
+        table(AGENT_HEADER, agent_rows(out["agents"])),
+        "",
+        f"Gate backends in PostgreSQL, all agents: {num(pg['start'], 0)} at the start, "
+        f"{num(pg['end'], 0)} at the end (max {num(pg['early_max'], 0)} in the first half, "
+        f"{num(pg['max'], 0)} overall). Prefect server RSS {num(srv['start'])} -> "
+        f"{num(srv['end'])} MiB.",
+        "",
+        f"Ledger after the run: {ledger['rows']} jobs {ledger['by_state']}, settled outcomes "
+        f"{ledger['settled_outcomes']}, spend ${ledger['spend_usd']:.2f}; "
+        f"{len(ledger['problems'])} problems; Prefect slots left taken: "
+        f"{ledger['leaked_slots'] or 'none'}.",
+        *[f"- {p}" for p in ledger["problems"]],
+        *[f"- {e}" for e in out["errors"]],
+        *[f"- agent {i} log: {t}" for i, t in out["agent_logs"].items()],
+        "",
+        "Targets",
+        "",
+        table(["Figure", "Value", "Target", ""], target_rows(out["targets"])),
+        "",
+        f"Total wall time {out['wall_s']:.0f} s.",
+    ]
+    return "\n".join(sections)
+
+
+def parse_mix(text: str) -> dict[str, int]:
+    """`interrupt=0,run=70` -> the default mix with those weights replaced."""
+    mix = dict(KINDS)
+    for part in filter(None, text.split(",")):
+        kind, _, weight = part.partition("=")
+        if kind not in KINDS or not weight.isdigit():
+            raise argparse.ArgumentTypeError(f"expected KIND=WEIGHT with KIND in {list(KINDS)}")
+        mix[kind] = int(weight)
+    if not any(mix.values()):
+        raise argparse.ArgumentTypeError("at least one weight must be positive")
+    return mix
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="measured run length")
+    parser.add_argument("--agents", type=int, default=8, help="agent processes")
+    parser.add_argument("--url", default=PG_URL, help="PostgreSQL ledger (its tables are dropped)")
+    parser.add_argument(
+        "--warmup", type=float, help="seconds left out at the start (default 10%%, 5-60 s)"
+    )
+    parser.add_argument(
+        "--edge", type=float, default=0.1, help="start/end window, fraction of the run"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", metavar="DIR", help="keep the agents' samples and logs here")
+    parser.add_argument(
+        "--mix",
+        type=parse_mix,
+        default=dict(KINDS),
+        help="job mix as weights, e.g. interrupt=0 (default: "
+        + ",".join(f"{k}={v}" for k, v in KINDS.items())
+        + ")",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--agent", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.agent:
+        agent_main(args.agent)
+        return
+    if args.minutes <= 0 or args.agents < 1 or not 0 < args.edge <= 0.5:
+        parser.error("--minutes and --agents must be positive, --edge in (0, 0.5]")
+    run_s = args.minutes * 60
+    warmup = args.warmup if args.warmup is not None else min(60.0, max(5.0, 0.1 * run_s))
+    if warmup >= run_s / 2:
+        parser.error("--warmup must be under half the run")
+    cfg = Config(
+        minutes=args.minutes,
+        agents=args.agents,
+        url=args.url,
+        warmup_s=warmup,
+        edge=args.edge,
+        sample_s=min(5.0, max(1.0, run_s / 150)),
+        seed=args.seed,
+        mix=args.mix,
+        keep=args.keep,
+    )
+    out = run(cfg)
+    print(json.dumps(out, indent=2, default=str) if args.json else report(out))
+    sys.exit(1 if out["missed"] else 0)
+
+
+if __name__ == "__main__":
+    main()

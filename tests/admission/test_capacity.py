@@ -13,6 +13,7 @@ from prefect_gpu_budget.admission.ledger import Ledger, NewJob
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota, add, fits_in, proportional
 from prefect_gpu_budget.job import GpuJob
+from tests.jobs import new_job
 
 NODE = (8, 192, 2048)
 
@@ -22,18 +23,14 @@ def _pool(nodes: int, **kw) -> Pool:
 
 
 def _job(scope: str, nodes: int = 1, gpus: int = 8, priority: int = 0, **kw) -> NewJob:
-    return NewJob(
-        scope=scope,
+    return new_job(
+        scope,
         name=f"{nodes}x{gpus}",
         instance_type="local:h100x8",
-        provisioning="on-demand",
         nodes=nodes,
         rate_micro_per_hour=1_000_000,
         rate_cents=100,
         priority=priority,
-        max_runtime_s=60.0,
-        expected_runtime_s=None,
-        holder="elsewhere:1:1",
         node_gpus=gpus,
         **kw,
     )

@@ -9,22 +9,11 @@ import sqlalchemy as sa
 from prefect_gpu_budget.admission.ledger import NewJob
 from prefect_gpu_budget.admission.policy import BudgetRule
 from tests.conftest import PG_URL, _fresh_pg
+from tests.jobs import new_job
 
 
 def _job(scope: str) -> NewJob:
-    return NewJob(
-        scope=scope,
-        name="j",
-        instance_type="local:box",
-        provisioning="on-demand",
-        nodes=1,
-        rate_micro_per_hour=3_600_000,
-        rate_cents=360,
-        priority=0,
-        max_runtime_s=60.0,
-        expected_runtime_s=None,
-        holder="elsewhere:1:1",
-    )
+    return new_job(scope)
 
 
 def test_a_waiter_that_stalled_is_still_decided(ledger):

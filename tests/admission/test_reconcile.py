@@ -9,13 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from prefect_gpu_budget.admission.ledger import Ledger, NewJob, jobs
+from prefect_gpu_budget.admission.ledger import Ledger, jobs
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
 from prefect_gpu_budget.units import cost_micro
 from tests.aws_server import AwsServer
+from tests.jobs import new_job
 
 SCOPE = "lab/vision/agent-7"
 RATE = 1_408_400  # ml.g5.xlarge, micro-dollars per hour
@@ -31,18 +32,13 @@ def _orphan(ledger: Ledger, launcher: SageMakerLauncher, max_runtime: float) -> 
     """A SageMaker job started by a holder on another host that has since gone silent."""
     job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime=max_runtime, name="orphan")
     job_id, decision = ledger.request(
-        NewJob(
-            scope=SCOPE,
+        new_job(
+            SCOPE,
             name="orphan",
             instance_type=job.instance_type,
-            provisioning="on-demand",
-            nodes=1,
             rate_micro_per_hour=RATE,
             rate_cents=141,
-            priority=0,
             max_runtime_s=max_runtime,
-            expected_runtime_s=None,
-            holder="another-host:1:1",
             launcher="sagemaker",
         )
     )
@@ -117,18 +113,14 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
             """Submitted by a holder that died while Vertex looked for capacity."""
             fake.script = script
             job_id, decision = ledger.request(
-                NewJob(
-                    scope=SCOPE,
+                new_job(
+                    SCOPE,
                     name="flex",
                     instance_type=job.instance_type,
                     provisioning="flex-start",
-                    nodes=1,
                     rate_micro_per_hour=quote.rate_micro_per_hour,
                     rate_cents=100,
-                    priority=0,
                     max_runtime_s=3600.0,
-                    expected_runtime_s=None,
-                    holder="another-host:1:1",
                     launcher="vertex",
                 )
             )

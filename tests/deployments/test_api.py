@@ -19,8 +19,9 @@ import urllib.request
 
 import pytest
 
-from prefect_gpu_budget.admission.ledger import Ledger, NewJob
+from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
+from tests.jobs import new_job
 
 SESSION = "acme/agents/agent-7"
 SPEC = """
@@ -326,19 +327,7 @@ def test_an_agent_spends_only_in_its_own_session(served):
 
     other = "acme/agents/agent-9"
     ledger.set_budget(BudgetRule(other, hourly_cap_cents=360))
-    job = NewJob(
-        scope=other,
-        name="theirs",
-        instance_type="local:box",
-        provisioning="on-demand",
-        nodes=1,
-        rate_micro_per_hour=3_600_000,
-        rate_cents=360,
-        priority=0,
-        max_runtime_s=60.0,
-        expected_runtime_s=None,
-        holder=f"{socket.gethostname()}:{os.getpid()}:0",
-    )
+    job = new_job(other, name="theirs", holder=f"{socket.gethostname()}:{os.getpid()}:0")
     running, _ = ledger.request(job)  # takes the cap, so the next one queues
     theirs, decision = ledger.request(job)
     assert decision.verdict == "wait"

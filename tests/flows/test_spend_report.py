@@ -10,30 +10,23 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from prefect_gpu_budget.admission.gate import Gate
-from prefect_gpu_budget.admission.ledger import NewJob
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.blocks import SpendLedger
 from prefect_gpu_budget.flows.spend_report import spend_report
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import BudgetInputError, rate_cents
+from tests.jobs import new_job
 
 
 def _queued_job(ledger, scope: str, rate_micro: int) -> str:
     """A job that asks for admission once and stays queued, with the reason it waits."""
     job_id, decision = ledger.request(
-        NewJob(
-            scope=scope,
+        new_job(
+            scope,
             name="waiter",
-            instance_type="local:box",
-            provisioning="on-demand",
-            nodes=1,
             rate_micro_per_hour=rate_micro,
             rate_cents=rate_cents(rate_micro),
-            priority=0,
-            max_runtime_s=60.0,
-            expected_runtime_s=None,
-            holder="elsewhere:1:1",
         )
     )
     assert decision.verdict == "wait"
@@ -132,20 +125,7 @@ def test_spend_report_shows_team_quotas_and_the_capacity_queue(prefect_api, tmp_
             TeamQuota("lab-a", "cap/b", proportional(pool, 8), weight=20),
         ],
     )
-    shape = {"node_gpus": 8, "nodes": 1}
-    job = NewJob(
-        scope="cap/a/s",
-        name="n",
-        instance_type="local:box",
-        provisioning="on-demand",
-        rate_micro_per_hour=1_000_000,
-        rate_cents=100,
-        priority=0,
-        max_runtime_s=60.0,
-        expected_runtime_s=None,
-        holder="elsewhere:1:1",
-        **shape,
-    )
+    job = new_job("cap/a/s", rate_micro_per_hour=1_000_000, rate_cents=100, node_gpus=8)
     ledger.request(job)
     ledger.request(job)  # borrowed from b
     waiter, decision = ledger.request(job)

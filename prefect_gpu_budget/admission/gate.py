@@ -160,10 +160,12 @@ class Gate:
         except BaseException:  # cancelled while waiting: give the place (or the admission) back
 
             def give_back() -> None:
-                if not self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
-                    self.ledger.settle(
-                        job_id, ended_at=time.time(), outcome="cancelled", scope=scope
-                    )
+                if self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
+                    return
+                lease = self.ledger.job(job_id)["lease_id"]  # admitted: slots first, as settle
+                if lease and self.limits is not None:
+                    self.limits.release(lease)
+                self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
 
             self.patiently("giving back a cancelled job", give_back, patience=60.0)
             raise

@@ -88,6 +88,7 @@ class Admission:
     on_preempt: Callable[[], None] | None = field(default=None, repr=False)
     """What stops the job when it is preempted (the task sets it to its launcher's stop)."""
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -347,9 +348,12 @@ class Gate:
             while not admission._stop.wait(self.heartbeat_s):
                 try:
                     self.ledger.heartbeat(admission.job_id)
-                    lease, limits = admission.lease_id, self.limits
-                    if lease and limits is not None and not limits.renew(lease):
-                        self._retake_limits(admission)
+                    with admission._lease_lock:  # never renew or retake while it settles
+                        lease, limits = admission.lease_id, self.limits
+                        if admission._stop.is_set() or not lease or limits is None:
+                            continue
+                        if not limits.renew(lease):
+                            self._retake_limits(admission)
                 except Exception as exc:  # keep beating: a dependency may come back
                     self.events.warning(
                         f"heartbeat of job {admission.job_id[:8]} failed: {_outage(exc)}"
@@ -429,7 +433,8 @@ class Gate:
         actual_micro: int | None = None,
     ) -> dict:
         """Write the actual cost once, then give back the rate slots. Returns the ledger row."""
-        admission._stop.set()
+        with admission._lease_lock:  # a heartbeat in flight finishes first, then stops
+            admission._stop.set()
         lease, limits = admission.lease_id, self.limits
         try:  # slots first: a crash between the two leaves an open row for reconcile to settle
             if lease and limits is not None:

@@ -291,14 +291,15 @@ def slot_mismatches(
         scopes += 1
         held += slots
         low = rate - pending
-        if low <= slots <= rate:
-            transient += rate - slots
-            unrecorded += slots - low
+        explained = min(max(slots, low), rate)
+        transient += rate - explained
+        unrecorded += explained - low
+        if slots == explained:
             continue
-        mismatch += slots - rate if slots > rate else low - slots
-        explained = f" ({pending} of it awaiting lease expiry)" if pending else ""
+        mismatch += abs(slots - explained)
+        why = f" ({pending} of it awaiting lease expiry)" if pending else ""
         messages.append(
-            f"{rule.scope}: Prefect holds {slots} slots, ledger runs {rate} cents/h{explained}"
+            f"{rule.scope}: Prefect holds {slots} slots, ledger runs {rate} cents/h{why}"
         )
     return SlotCheck(mismatch, transient, unrecorded, scopes, held, tuple(messages))
 

@@ -1,0 +1,964 @@
+"""Chaos: SIGKILL an admitter or a running job's holder at a random moment; afterwards, with
+reconcile, nothing is lost.
+
+Each run gives a fresh org a nested budget (hourly caps on the org, its team and each session,
+so Prefect concurrency slots are taken; day and month period budgets) and starts WORKERS
+admitter processes at once, each a real Gate with RateLimits against one Prefect server, each
+running its job (`sleep`) with the LocalLauncher. One of them, the victim, is SIGKILLed at a
+random moment of the run's phase (the runs cycle through PHASES):
+
+- before_reserve: just before or while its ledger request commits;
+- after_reserve: admitted by the ledger, before or while it takes and records its rate slots;
+- running: while its job runs;
+- settling: before, during or after handing the slots back, before or during the ledger
+  settlement.
+
+Every worker pauses PAUSE_S before each step of those phases (a slow machine) and tells the
+parent through a pipe when each phase begins, so a kill delay drawn over the phase's usual
+length (learned from the other workers) lands at every step. A fault counts as injected when
+SIGKILL ended the victim while its last word was the run's phase. With --park-at, more runs
+follow, each victim killed exactly at a step mark (`<acquire`: Prefect granted the lease, its
+id not yet recorded; `<release`: the slots handed back, the ledger not yet settled).
+
+After each run. Once the victim is dead, reconcile runs (as a scheduled reconcile would), the
+other workers finish, reconcile runs again, and the run's org is audited with
+`prefect_gpu_budget.admission.audit`. A victim killed between its admission and recording its
+Prefect lease may hold slots nobody can hand back: Prefect has no API to find the lease, only
+its expiry returns them. Reconcile keeps such a row open (`awaiting-lease-expiry`) so that the
+ledger counts its rate as long as Prefect may count the slots; the difference this leaves when
+Prefect never granted the lease is reported apart (`slot_mismatch_transient_cents`), not lost.
+
+At the end. Once every lease a dead worker may hold unrecorded has expired and the server's
+repossessor has returned its slots (UNRECORDED_LEASE_S after the last admission; polled, with
+END_MARGIN_S to spare), reconcile runs again and the whole ledger is audited. These are the
+figures: `orphans_left` (reservations without an owner), `double_charges` (and
+`missing_charges`), `slot_mismatch_cents` (Prefect slots in use per capped scope against the
+ledger's running rate, both 0 by then) and `invariant_violations` (promise 1 replayed over the
+ledger's timestamps, so it held throughout). The same figures after each run's reconcile are
+under `after_each_run`.
+
+Workers are forked from a preloaded fork server, so each is a fresh process (its own pid, its
+own Prefect client and database connections) without paying for the imports each time.
+
+Usage: python benchmarks/chaos.py [--runs N] [--url SQLALCHEMY_URL] [--seed S] [--json]
+                                  [--api-url PREFECT_API_URL] [--phases P1,P2]
+                                  [--park-at MARK1,MARK2]
+
+The ledger is a SQLite file in a temporary directory unless --url names one. A PostgreSQL
+database is created if missing and its gate tables are dropped and recreated: give it its own
+database (e.g. postgresql://postgres@127.0.0.1:5432/gate_chaos). The Prefect server is a
+`prefect server start` of its own (a temporary PREFECT_HOME, durable filesystem lease storage,
+its lease repossessor running) unless --api-url names a running one; that one must run the
+repossessor too (the test harness and the ephemeral server do not), or the end-state slot
+check fails. --phases limits the random runs to some phases; --park-at adds one run per step
+mark after them (--runs 0: only those).
+Progress goes to stderr; the table (or, with --json, one JSON object) to
+stdout. Exit status 1 if anything was lost.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from prefect_gpu_budget.admission.audit import (
+    SlotCheck,
+    audit,
+    awaiting_rows,
+    local_job_running,
+    slot_mismatches,
+)
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, metadata, normalise_url
+from prefect_gpu_budget.admission.limits import RateLimits
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, Reconciled, reconcile
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
+
+PHASES = ("before_reserve", "after_reserve", "running", "settling")
+PHASE_END = {
+    "before_reserve": "requested",
+    "after_reserve": "admitted",
+    "running": "settling",
+    "settling": "done",
+}
+"""The word a worker says when each phase is over."""
+STEPS = {
+    "request": "before_reserve",
+    "ensure": "after_reserve",
+    "acquire": "after_reserve",
+    "record_lease": "after_reserve",
+    "release": "settling",
+    "settle": "settling",
+}
+"""The product calls a worker marks (`>call` as it starts, `<call` once it returned), by phase,
+in the order the gate makes them."""
+WORKERS = 3
+PAUSE_S = 0.02
+"""A worker's pause before each step of a phase."""
+VICTIM_JOB_S = 0.6
+OTHER_JOB_S = (0.1, 0.3)
+MAX_WAIT = "8s"
+"""A worker gives up after waiting this long for room in its budgets."""
+STALE_S = 30.0
+REACH_S = 30.0
+"""How long the victim may take to reach its phase."""
+FINISH_S = 20.0
+"""How long the other workers may take to finish once the victim is dead (a few seconds
+normally; a worker still waiting then is stuck and counted)."""
+END_MARGIN_S = 30.0
+"""Past the latest expiry of a lease nobody recorded, how long the end waits for Prefect's slots
+to match the ledger before it measures anyway."""
+POLL_S = 1.0
+END_FIGURES = (
+    "orphans_left",
+    "double_charges",
+    "missing_charges",
+    "slot_mismatch_cents",
+    "invariant_violations",
+    "awaiting_lease_expiry_left",
+)
+"""The end state, over the whole ledger, once every lease has expired: all must be zero."""
+RUN_FIGURES = (
+    "orphans_left",
+    "double_charges",
+    "missing_charges",
+    "slot_mismatch_cents",
+    "invariant_violations",
+)
+"""After each run's reconcile (`after_each_run`): all must be zero."""
+OTHER_FIGURES = (
+    "slots_held_past_deadline_cents",
+    "second_settles_charged",
+    "jobs_outlived_holder",
+    "worker_errors",
+    "stuck_workers",
+)
+"""Counted over the runs and the end: all must be zero. `slots_held_past_deadline_cents`:
+Prefect still held slots for a row awaiting lease expiry when reconcile settled it, once its
+lease could no longer be alive (reconcile's UNRECORDED_LEASE_S too short for this server)."""
+
+
+def log(message: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def budgets(org: str) -> list[BudgetRule]:
+    """Two jobs at $3.60/h fit the team at once, one per session; the team's day budget holds
+    two reservations, so waits come from caps and from the period budget."""
+    return [
+        BudgetRule(org, hourly_cap_cents=1080, period_budget_micro=100_000, period="month"),
+        BudgetRule(f"{org}/t", hourly_cap_cents=720, period_budget_micro=25_000, period="day"),
+        BudgetRule(f"{org}/t/s1", hourly_cap_cents=360),
+        BudgetRule(f"{org}/t/s2", hourly_cap_cents=360, period_budget_micro=30_000, period="day"),
+    ]
+
+
+# -- the worker (a forked process) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str
+    api_url: str
+    prices: str
+    scope: str
+    job_s: float
+    park_at: str | None = None
+    """A step mark (e.g. `<settle`) at which this worker stops, to be killed right there."""
+
+
+def worker(spec: WorkerSpec, conn: Connection) -> None:
+    """Admit, run and settle one job, saying each phase; a pause before each step."""
+    from prefect.client.orchestration import get_client
+
+    def say(word: str) -> None:
+        conn.send((word, time.time()))
+
+    def mark(word: str) -> None:
+        say(word)
+        if word == spec.park_at:
+            time.sleep(3600)  # parked: the parent kills it here
+
+    def step(call: Callable[..., Any], before: str | None = None, after: str | None = None):
+        """`call` after a pause, marked `>name` when it starts and `<name` when it returns."""
+        name = call.__name__
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                say(before)
+            time.sleep(PAUSE_S)
+            mark(f">{name}")
+            out = call(*args, **kwargs)
+            mark(f"<{name}")
+            if after:
+                say(after)
+            return out
+
+        return wrapped
+
+    ledger = Ledger(spec.url, create=False)
+    with get_client(sync_client=True) as client:
+        if str(client.api_url).rstrip("/") != spec.api_url.rstrip("/"):
+            raise RuntimeError(f"worker talks to {client.api_url}, not {spec.api_url}")
+        limits = RateLimits(client)
+        gate = Gate(ledger, limits, catalog=Catalog.load(Path(spec.prices)))
+        # the gate calls these on its ledger and limits: each becomes a marked step
+        for target, name, before, after in [
+            (ledger, "request", "before_reserve", "requested"),
+            (limits, "ensure", "after_reserve", None),
+            (limits, "acquire", None, None),
+            (ledger, "record_lease", None, None),
+            (ledger, "settle", None, None),
+            (limits, "release", None, None),
+        ]:
+            setattr(target, name, step(getattr(target, name), before, after))
+        job = GpuJob(
+            instance_type="local:chaos",
+            max_runtime="10s",
+            kill_grace="1s",
+            max_wait=MAX_WAIT,
+            command=["sleep", f"{spec.job_s:.3f}"],
+        )
+        try:
+            admission = gate.admit(job, spec.scope)
+        except AdmissionRefused as refused:
+            say(f"refused:{refused.state_name}")
+            return
+        say("admitted")
+
+        def started(at: float, external_id: str) -> None:
+            gate.started(admission, at, external_id)
+            say("running")
+
+        result = LocalLauncher().run(job, admission.quote, on_start=started, log=lambda _: None)
+        say("settling")
+        gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+        say("done")
+
+
+# -- one run ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    proc: Any
+    conn: Connection
+    heard: list[tuple[str, float]] = field(default_factory=list)
+    closed: bool = False
+    """The worker's end of the pipe is closed: it exited or died."""
+
+    def listen(self) -> None:
+        """Read what the worker said so far (all of it once it is dead)."""
+        while not self.closed:
+            try:
+                if not self.conn.poll():
+                    return
+                self.heard.append(self.conn.recv())
+            except (EOFError, OSError):
+                self.closed = True
+
+    def words(self) -> list[tuple[str, float]]:
+        """What it said about phases, without the step marks."""
+        return [(word, at) for word, at in self.heard if word[0] not in "<>"]
+
+    def last_word(self) -> str | None:
+        words = self.words()
+        return words[-1][0] if words else None
+
+    def position(self) -> str:
+        """Where in its phase it was last heard: `>step` (in it), `<step` (just after it)."""
+        for word, _ in reversed(self.heard):
+            if word[0] in "<>":
+                return word
+            return "-"  # said its phase, no step yet
+        return "-"
+
+
+@dataclass
+class Setup:
+    ledger: Ledger
+    limits: RateLimits
+    ctx: Any
+    api_url: str
+    prices: str
+    rng: random.Random
+    tag: str
+    """Names this benchmark's orgs apart from any other on the same Prefect server."""
+    awaiting: dict[str, str] = field(default_factory=dict)
+    """Rows reconcile holds open until an unrecorded lease expires: job id -> org."""
+    late: list[str] = field(default_factory=list)
+    """Findings: Prefect still held slots when reconcile settled such a row."""
+    late_cents: int = 0
+    seen: dict[str, deque] = field(
+        default_factory=lambda: {p: deque([2 * PAUSE_S], maxlen=50) for p in PHASES}
+    )
+    """Recent lengths of each phase in the workers that were not killed."""
+
+
+@dataclass
+class RunResult:
+    org: str
+    phase: str
+    mark: str | None
+    """The step mark the victim was killed at (None: at a random moment of `phase`)."""
+    landed: str
+    position: str
+    """The victim's last step mark: `>acquire` killed in it, `<acquire` after it returned."""
+    injected: bool
+    delay_s: float
+    reconciled: list[str]
+    audit: Any
+    second_settles_charged: int
+    outlived: int
+    errors: int
+    stuck: int
+    wall_s: float
+
+    def lost(self) -> dict[str, int]:
+        """This run's figures that are not zero among those that must be."""
+        a = self.audit
+        figures = {
+            "orphans_left": a.orphans_left,
+            "double_charges": a.double_charges,
+            "missing_charges": a.missing_charges,
+            "slot_mismatch_cents": a.slot_mismatch_cents,
+            "invariant_violations": a.invariant_violations,
+            "second_settles_charged": self.second_settles_charged,
+            "jobs_outlived_holder": self.outlived,
+            "worker_errors": self.errors,
+            "stuck_workers": self.stuck,
+        }
+        return {k: v for k, v in figures.items() if v}
+
+
+def spawn(setup: Setup, scope: str, job_s: float, park_at: str | None = None) -> Worker:
+    reader, writer = setup.ctx.Pipe(duplex=False)
+    spec = WorkerSpec(setup.ledger.url, setup.api_url, setup.prices, scope, job_s, park_at)
+    proc = setup.ctx.Process(target=worker, args=(spec, writer), daemon=True)
+    proc.start()
+    writer.close()
+    return Worker(proc, reader)
+
+
+def await_word(workers: list[Worker], target: Worker, word: str, timeout: float) -> float | None:
+    """Listen to every worker until `target` says `word` (when it said it) or falls silent."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        said = [at for heard, at in target.heard if heard == word]
+        if said:
+            return said[0]
+        if target.closed:
+            return None
+        ready = wait([w.conn for w in workers if not w.closed], timeout=0.2)
+        for w in workers:
+            if w.conn in ready:
+                w.listen()
+    return None
+
+
+def phase_lengths(heard: list[tuple[str, float]]) -> Iterator[tuple[str, float]]:
+    for (word, at), (nxt, then) in zip(heard, heard[1:], strict=False):
+        if word in PHASE_END and nxt == PHASE_END[word]:
+            yield word, then - at
+
+
+def landed_in(word: str | None) -> str:
+    """The phase (or the moment between phases) a worker was in after saying `word`."""
+    if word is None:
+        return "starting"
+    if word in PHASES:
+        return word
+    return {"requested": "queued", "admitted": "launching", "done": "finished"}.get(word, word)
+
+
+def wait_jobs_gone(ledger: Ledger, org: str, timeout: float = 5.0) -> int:
+    """Wait until no active local job of a dead holder runs any more; how many still do."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = [
+            r
+            for r in ledger.orphans(stale_after=STALE_S)
+            if r["org"] == org and r["state"] in ACTIVE and local_job_running(r)
+        ]
+        if not left or time.monotonic() > deadline:
+            return len(left)
+        time.sleep(0.05)
+
+
+def one_run(setup: Setup, index: int, phase: str, mark: str | None = None) -> RunResult:
+    """One run: start the workers, kill the victim in `phase` (exactly at the step mark `mark`
+    if given), reconcile, let the others finish, reconcile again, audit the run's org."""
+    started = time.perf_counter()
+    rng = setup.rng
+    org = f"chaos-{setup.tag}-{index}"
+    rules = budgets(org)
+    for rule in rules:
+        setup.ledger.set_budget(rule)
+    # as in steady state, the limits exist already (workers racing to create them only make
+    # the server log the losers' 409s)
+    setup.limits.ensure([(r.scope, r.hourly_cap_cents) for r in rules if r.hourly_cap_cents])
+    scopes = [f"{org}/t/s1", f"{org}/t/s2", f"{org}/t/s1"]
+    rng.shuffle(scopes)
+    victim_at = rng.randrange(WORKERS)
+    workers = [
+        spawn(setup, scope, VICTIM_JOB_S, mark)
+        if i == victim_at
+        else spawn(setup, scope, rng.uniform(*OTHER_JOB_S))
+        for i, scope in enumerate(scopes)
+    ]
+    victim = workers[victim_at]
+    delay = 0.0
+    try:
+        if mark:
+            await_word(workers, victim, mark, REACH_S)
+        elif (said_at := await_word(workers, victim, phase, REACH_S)) is not None:
+            if phase == "running":
+                window = 0.9 * VICTIM_JOB_S
+            else:
+                window = statistics.median(setup.seen[phase])
+            delay = rng.uniform(0, window)
+            time.sleep(max(0.0, said_at + delay - time.time()))
+        if victim.proc.is_alive():
+            os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.join(timeout=30)
+        victim.listen()
+        landed = landed_in(victim.last_word())
+        position = victim.position()
+        injected = (
+            victim.proc.exitcode == -signal.SIGKILL
+            and victim.last_word() == phase
+            and mark in (None, position)
+        )
+        outlived = wait_jobs_gone(setup.ledger, org)
+        done = reconcile_tracked(setup)
+        others = [w for w in workers if w is not victim]
+        deadline = time.monotonic() + FINISH_S
+        for w in others:
+            w.proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        stuck = [w for w in others if w.proc.is_alive()]
+        for w in stuck:
+            os.kill(w.proc.pid, signal.SIGKILL)
+            w.proc.join(timeout=30)
+        for w in others:
+            w.listen()
+            for name, length in phase_lengths(w.words()):
+                setup.seen[name].append(length)
+        errors = sum(1 for w in others if w not in stuck and w.proc.exitcode != 0)
+        done += reconcile_tracked(setup)
+        second = settle_again(setup.ledger, org)
+        checked = audit(setup.ledger, setup.limits, scope=org, stale_after=STALE_S)
+    finally:
+        for w in workers:
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=30)
+            w.conn.close()
+    return RunResult(
+        org=org,
+        phase=phase,
+        mark=mark,
+        landed=landed,
+        position=position,
+        injected=injected,
+        delay_s=delay,
+        reconciled=list(last_actions(d for d in done if d.scope.split("/")[0] == org).values()),
+        audit=checked,
+        second_settles_charged=second,
+        outlived=outlived,
+        errors=errors,
+        stuck=len(stuck),
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def reconcile_tracked(setup: Setup) -> list[Reconciled]:
+    """Reconcile the whole ledger (as a scheduled reconcile would). When it settles a row it
+    had held open until an unrecorded lease's latest expiry, Prefect must hold no slots for
+    it any more: what Prefect still holds then in that org is counted (`late_cents`)."""
+    done = reconcile(setup.ledger, setup.limits, stale_after=STALE_S)
+    closed = set()
+    for d in done:
+        if d.action == "awaiting-lease-expiry":
+            setup.awaiting[d.job_id] = d.scope.split("/")[0]
+        elif d.job_id in setup.awaiting:
+            closed.add(setup.awaiting.pop(d.job_id))
+    if closed:
+        pending = set(setup.awaiting)
+        for check in check_slots(setup, sorted(closed), pending).values():
+            if check.mismatch_cents:
+                setup.late_cents += check.mismatch_cents
+                setup.late += [f"{m} just after reconcile's deadline" for m in check.messages]
+    return done
+
+
+def last_actions(done: Iterable[Reconciled]) -> dict[str, str]:
+    """Each job's last reconcile action, in the order the jobs first came up."""
+    out: dict[str, str] = {}
+    for d in done:
+        out[d.job_id] = d.action
+    return out
+
+
+def settle_again(ledger: Ledger, org: str | None) -> int:
+    """Settle every finished job of the run (of the ledger: None) once more: how many that
+    charged (none may)."""
+    return sum(
+        ledger.settle(row["id"], ended_at=time.time() + 3600, outcome="again") is not None
+        for row in ledger.jobs(org)
+        if row["state"] not in ACTIVE
+    )
+
+
+# -- setup and the whole benchmark ------------------------------------------------------------
+
+
+def ensure_database(url: str) -> None:
+    """Create a PostgreSQL database named in `url` if its server lacks it."""
+    url = normalise_url(url)
+    server = sa.create_engine(url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
+    name = url.rsplit("/", 1)[1]
+    try:
+        with server.connect() as conn:
+            found = conn.execute(
+                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
+            ).first()
+            if not found:
+                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    finally:
+        server.dispose()
+
+
+def fresh_ledger(url: str) -> Ledger:
+    if not url.startswith("sqlite"):
+        ensure_database(url)
+    old = Ledger(url, create=False)
+    metadata.drop_all(old.engine)
+    old.dispose()
+    return Ledger(url)
+
+
+@contextmanager
+def real_server(home: Path) -> Iterator[str]:
+    """`prefect server start` on a free port, its own PREFECT_HOME, leases in durable
+    (filesystem) storage and its lease repossessor running: yields its API URL."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_UI_ENABLED="false",
+        PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=(
+            "prefect.server.concurrency.lease_storage.filesystem"
+        ),
+    )
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+    command += ["--port", str(port)]
+    log_path = home / "server.log"
+    with log_path.open("w") as out:
+        proc = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text()[-2000:]
+                    raise RuntimeError(f"Prefect server did not start:\n{tail}") from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@contextmanager
+def prefect_server(api_url: str | None, home: Path) -> Iterator[str]:
+    """The Prefect server at `api_url`, else one of our own; its URL is exported for the
+    workers (and for this process's client)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with real_server(home) if api_url is None else _given(api_url) as url:
+        os.environ["PREFECT_API_URL"] = url
+        try:
+            with temporary_settings({PREFECT_API_URL: url}):
+                yield url
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
+
+
+@contextmanager
+def _given(url: str) -> Iterator[str]:
+    yield url
+
+
+def fork_server() -> Any:
+    """Workers fork from a server that imported Prefect and the gate once (call after the
+    Prefect API URL is in the environment: the fork server keeps the one it starts with)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(
+        [
+            "prefect.client.orchestration",
+            "prefect_gpu_budget.admission.gate",
+            "prefect_gpu_budget.launchers.local",
+            "psycopg",
+        ]
+    )
+    return ctx
+
+
+def run(
+    runs: int,
+    url: str | None,
+    seed: int,
+    api_url: str | None = None,
+    phases: tuple[str, ...] = PHASES,
+    park_at: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """`runs` runs cycling through `phases`, then one run per step mark in `park_at`; then the
+    end: every lease expired, reconcile, the whole ledger audited."""
+    wall = time.perf_counter()
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="gpu-budget-chaos-") as tmp:
+        url = url or f"sqlite:///{tmp}/ledger.db"
+        prices = set_local_price("chaos", "3.6", gpus=0, path=Path(tmp) / "prices.csv")
+        ledger = fresh_ledger(url)
+        log(f"ledger {ledger.engine.dialect.name}; Prefect server {api_url or 'starting'}")
+        home = Path(tmp) / "prefect-home"
+        home.mkdir()
+        with prefect_server(api_url, home) as served:
+            limits = RateLimits()
+            tag = uuid.uuid4().hex[:8]  # not from the seed: reruns must not share names
+            ctx = fork_server()
+            setup = Setup(ledger, limits, ctx, served, str(prices), rng, tag)
+            plan = [(phases[i % len(phases)], None) for i in range(runs)]
+            plan += [(STEPS[mark[1:]], mark) for mark in park_at]
+            results = []
+            try:
+                for i, (phase, mark) in enumerate(plan):
+                    result = one_run(setup, i, phase, mark)
+                    results.append(result)
+                    log(progress(i, len(plan), result))
+                end = end_state(setup)
+            finally:
+                limits.close()
+                ledger.dispose()
+    out = summarise(results, end)
+    out.update(
+        prefect_server="given" if api_url else "prefect server start (filesystem leases)",
+        backend=make_backend(url),
+        seed=seed,
+        workers_per_run=WORKERS,
+        cpus=os.cpu_count(),
+        wall_s=round(time.perf_counter() - wall, 1),
+    )
+    return out
+
+
+def check_slots(setup: Setup, orgs: list[str] | None, awaiting: set[str]) -> dict[str, SlotCheck]:
+    """Prefect slots against the ledger's running rate, per org (all orgs with budgets: None)."""
+    rules: dict[str, list[BudgetRule]] = defaultdict(list)
+    for rule in setup.ledger.budgets():
+        rules[rule.scope.split("/")[0]].append(rule)
+    return {
+        org: slot_mismatches(setup.limits, setup.ledger.jobs(org), rules[org], awaiting)
+        for org in (orgs if orgs is not None else sorted(rules))
+    }
+
+
+def end_state(setup: Setup) -> dict[str, Any]:
+    """Wait until every Prefect lease a dead worker may hold unrecorded has expired and been
+    repossessed, reconcile, and audit the whole ledger.
+
+    Reconcile holds the row of such a lease open until UNRECORDED_LEASE_S after its admission,
+    by when the server has returned the slots: so the wait lasts until UNRECORDED_LEASE_S
+    after the last admission, then until Prefect's slots match the ledger (at most
+    END_MARGIN_S more). Meanwhile, every POLL_S, the ledger is reconciled and the slots of the
+    orgs where anything was held are compared.
+    """
+    ledger = setup.ledger
+    started = time.time()
+    admitted = [r["admitted_at"] for r in ledger.jobs() if r["admitted_at"] is not None]
+    deadline = max(admitted, default=started) + UNRECORDED_LEASE_S
+    bound = deadline + END_MARGIN_S
+    awaiting = {r["id"] for r in awaiting_rows(ledger, stale_after=STALE_S)}
+    first = check_slots(setup, None, awaiting)
+    watch = [
+        org for org, c in first.items() if c.slots_cents or c.mismatch_cents or c.transient_cents
+    ]
+    log(
+        f"end: {len(awaiting)} rows awaiting lease expiry, Prefect holds "
+        f"{sum(c.slots_cents for c in first.values())} slots in {len(watch)} orgs; waiting up to "
+        f"{max(0.0, bound - started):.0f} s for every lease to expire"
+    )
+    actions: dict[str, str] = {}
+    returned_after = at_deadline = None
+    told = started
+    while True:
+        now = time.time()
+        actions.update(last_actions(reconcile_tracked(setup)))
+        pending = set(setup.awaiting)
+        checks = check_slots(setup, watch, pending).values()
+        held = sum(c.slots_cents for c in checks)
+        off = sum(c.mismatch_cents + c.transient_cents + c.unrecorded_cents for c in checks)
+        if held == 0 and returned_after is None:
+            returned_after = now - started
+        if now >= deadline and at_deadline is None:
+            at_deadline = off  # has the repossessor beaten reconcile's deadline?
+        if (now >= deadline and not pending and off == 0) or now >= bound:
+            waited = time.time() - started
+            break
+        if now - told >= 15:
+            told = now
+            log(f"end: {len(pending)} rows awaiting, Prefect holds {held} slots; waiting")
+        time.sleep(POLL_S)
+    actions.update(last_actions(reconcile_tracked(setup)))
+    second = settle_again(ledger, None)
+    final = audit(ledger, stale_after=STALE_S)  # the slots apart: nothing explains a difference
+    slots = check_slots(setup, None, set()).values()
+    out = {
+        "orphans_left": final.orphans_left,
+        "double_charges": final.double_charges,
+        "missing_charges": final.missing_charges,
+        "slot_mismatch_cents": sum(c.mismatch_cents for c in slots),
+        "invariant_violations": final.invariant_violations,
+        "awaiting_lease_expiry_left": final.awaiting_lease_expiry,
+        "second_settles_charged": second,
+        "jobs": final.jobs,
+        "capped_scopes_checked": sum(c.scopes for c in slots),
+        "prefect_slots_held": sum(c.slots_cents for c in slots),
+        "ledger_running_rate_cents": sum(
+            r["rate_cents"] for r in ledger.jobs() if r["state"] in ACTIVE
+        ),
+        "wait": {
+            "waited_s": round(waited, 1),
+            "deadline_after_s": round(max(0.0, deadline - started), 1),
+            "awaiting_rows_at_start": len(awaiting),
+            "prefect_slots_held_at_start": sum(c.slots_cents for c in first.values()),
+            "unrecorded_lease_slots_at_start": sum(c.unrecorded_cents for c in first.values()),
+            "slots_returned_after_s": None if returned_after is None else round(returned_after, 1),
+            "slot_difference_at_deadline_cents": at_deadline,
+            "reconciled": dict(Counter(actions.values())),
+        },
+        "slots_held_past_deadline_cents": setup.late_cents,
+        "messages": [*setup.late, *final.messages][:40],
+    }
+    slot_messages = [m for c in slots for m in c.messages]
+    out["messages"] += [m for m in slot_messages if m not in out["messages"]][:40]
+    log(
+        f"end: waited {out['wait']['waited_s']} s; "
+        + ", ".join(f"{k} {out[k]}" for k in END_FIGURES)
+    )
+    return out
+
+
+def make_backend(url: str) -> str:
+    return "sqlite" if url.startswith("sqlite") else "postgresql"
+
+
+def progress(i: int, runs: int, r: RunResult) -> str:
+    lost = r.lost()
+    verdict = "ok" if not lost else f"LOST {lost}: " + "; ".join(r.audit.messages[:3])
+    how = f"at {r.mark}" if r.mark else f"after {r.delay_s * 1000:4.0f} ms"
+    transient = r.audit.slot_transient_cents
+    return (
+        f"run {i + 1}/{runs}: {r.phase:<14} killed {how} in {r.landed} at {r.position:<14} "
+        f"reconcile {','.join(r.reconciled) or '-':<17} "
+        f"{verdict}{f' (transient {transient})' if transient else ''} ({r.wall_s:.1f} s)"
+    )
+
+
+def summarise(results: list[RunResult], end: dict[str, Any]) -> dict[str, Any]:
+    audits = [r.audit for r in results]
+    faults = Counter(r.phase for r in results if r.injected)
+    random_faults = Counter(r.phase for r in results if r.injected and r.mark is None)
+    out: dict[str, Any] = {
+        "runs": len(results),
+        "faults_injected": sum(faults.values()),
+        "faults_by_phase": {p: faults.get(p, 0) for p in PHASES},
+        "random_faults_by_phase": {p: random_faults.get(p, 0) for p in PHASES},
+        "kills_landed": dict(Counter(r.landed for r in results)),
+        "kill_points": dict(Counter(f"{r.landed} {r.position}" for r in results)),
+        **{k: end[k] for k in END_FIGURES},
+        "slot_mismatch_transient_cents": sum(a.slot_transient_cents or 0 for a in audits),
+        "slots_held_past_deadline_cents": end["slots_held_past_deadline_cents"],
+        "second_settles_charged": sum(r.second_settles_charged for r in results)
+        + end["second_settles_charged"],
+        "jobs_outlived_holder": sum(r.outlived for r in results),
+        "worker_errors": sum(r.errors for r in results),
+        "stuck_workers": sum(r.stuck for r in results),
+        "after_each_run": {
+            **{k: sum(getattr(a, k) or 0 for a in audits) for k in RUN_FIGURES},
+            "slot_mismatch_transient_cents": sum(a.slot_transient_cents or 0 for a in audits),
+            "unrecorded_lease_slots_cents": sum(a.slot_unrecorded_cents or 0 for a in audits),
+            "awaiting_lease_expiry": sum(a.awaiting_lease_expiry for a in audits),
+        },
+        "end": {k: v for k, v in end.items() if k not in END_FIGURES and k != "messages"},
+        "reconciled": dict(Counter(action for r in results for action in r.reconciled)),
+        "jobs": end["jobs"],
+        "run_s_median": round(statistics.median(r.wall_s for r in results), 2) if results else None,
+        "messages": [
+            f"run {i + 1} ({r.phase}, killed in {r.landed} at {r.position}): {m}"
+            for i, r in enumerate(results)
+            if r.lost()
+            for m in [f"lost {r.lost()}", *r.audit.messages]
+        ][:40]
+        + [f"end: {m}" for m in end["messages"]],
+    }
+    lost = {k: out[k] for k in (*END_FIGURES, *OTHER_FIGURES) if out[k]}
+    lost.update({f"after_each_run.{k}": out["after_each_run"][k] for k in RUN_FIGURES})
+    out["lost"] = {k: v for k, v in lost.items() if v}
+    out["by_run"] = [
+        {
+            "phase": r.phase,
+            "mark": r.mark,
+            "injected": r.injected,
+            "landed": r.landed,
+            "position": r.position,
+            "delay_ms": round(r.delay_s * 1000, 1),
+            "reconciled": r.reconciled,
+            "awaiting_lease_expiry": r.audit.awaiting_lease_expiry,
+            "slot_transient_cents": r.audit.slot_transient_cents,
+            "unrecorded_lease_slots_cents": r.audit.slot_unrecorded_cents,
+            "lost": r.lost(),
+        }
+        for r in results
+    ]
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table, padded so it also reads as plain text."""
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(header), rule, *map(line, rows)])
+
+
+def report(out: dict[str, Any]) -> str:
+    phases = [[p, str(out["faults_by_phase"][p])] for p in PHASES]
+    landed = [[k, str(v)] for k, v in sorted(out["kill_points"].items())]
+    end, each, wait_ = out["end"], out["after_each_run"], out["end"]["wait"]
+    figures = [[k, str(out[k])] for k in ("runs", "faults_injected", *END_FIGURES, *OTHER_FIGURES)]
+    figures += [
+        ["capped scopes checked at the end", str(end["capped_scopes_checked"])],
+        [
+            "Prefect slots held / ledger running rate at the end",
+            f"{end['prefect_slots_held']} / {end['ledger_running_rate_cents']}",
+        ],
+    ]
+    per_run = [[k, str(v)] for k, v in each.items()]
+    waited = [
+        ["waited (s)", str(wait_["waited_s"])],
+        ["rows awaiting lease expiry when the runs ended", str(wait_["awaiting_rows_at_start"])],
+        ["Prefect slots held then", str(wait_["prefect_slots_held_at_start"])],
+        ["of them under leases nobody recorded", str(wait_["unrecorded_lease_slots_at_start"])],
+        ["all slots back after (s)", str(wait_["slots_returned_after_s"])],
+        [
+            "slots vs ledger at reconcile's deadline (cents)",
+            str(wait_["slot_difference_at_deadline_cents"]),
+        ],
+    ]
+    reconciled = [[k, str(v)] for k, v in sorted(out["reconciled"].items())]
+    reconciled += [[f"{k} (at the end)", str(v)] for k, v in sorted(wait_["reconciled"].items())]
+    sections = [
+        f"Chaos: {out['runs']} runs of {out['workers_per_run']} admitters on {out['backend']}, "
+        f"one SIGKILLed per run (Prefect server: {out['prefect_server']}; seed {out['seed']}, "
+        f"{out['cpus']} CPUs, {out['wall_s']:.0f} s, median run {out['run_s_median']} s)",
+        "",
+        table(["Phase chosen", "Faults injected"], phases),
+        "",
+        table(["Where the kill landed (phase, last step mark)", "Kills"], landed),
+        "",
+        table(["Reconcile action", "Jobs"], reconciled or [["-", "0"]]),
+        "",
+        table(["After each run's reconcile", "Sum"], per_run),
+        "",
+        table(["Waiting for every lease to expire", "Value"], waited),
+        "",
+        table(["End state (whole ledger)", "Value"], figures),
+    ]
+    if out["messages"]:
+        sections += ["", "Findings", "", *[f"- {m}" for m in out["messages"]]]
+    sections += ["", "Nothing lost." if not out["lost"] else f"LOST: {out['lost']}"]
+    return "\n".join(sections)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200, help="runs, one random kill each")
+    parser.add_argument("--url", help="SQLAlchemy URL of the ledger (default: SQLite, temp)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--api-url",
+        help="a running Prefect server with its lease repossessor (default: start one)",
+    )
+    parser.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset")
+    marks = [f"{side}{call}" for call in STEPS for side in "><"]
+    parser.add_argument(
+        "--park-at",
+        default="",
+        help=f"after the random runs, one run per step mark, of {','.join(marks)}",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    args = parser.parse_args()
+    phases = tuple(args.phases.split(","))
+    if not phases or not set(phases) <= set(PHASES):
+        parser.error(f"--phases: a comma-separated subset of {','.join(PHASES)}")
+    park_at = tuple(m for m in args.park_at.split(",") if m)
+    if not set(park_at) <= set(marks):
+        parser.error(f"--park-at: comma-separated marks of {','.join(marks)}")
+    if args.runs < 0 or args.runs + len(park_at) == 0:
+        parser.error("nothing to run: --runs N (N > 0) or --park-at")
+    out = run(args.runs, args.url, args.seed, args.api_url, phases, park_at)
+    print(json.dumps(out, indent=2) if args.json else report(out))
+    sys.exit(1 if out["lost"] else 0)
+
+
+if __name__ == "__main__":
+    main()

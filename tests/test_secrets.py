@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 from prefect import flow
 from prefect.client.orchestration import get_client
@@ -115,16 +116,22 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
         state = cloud_flow(return_state=True)
     assert state.is_completed()
     flow_run_id = state.state_details.flow_run_id
+    deadline = time.monotonic() + 60
     with get_client(sync_client=True) as client:
-        logs = client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
-        )
+        while True:  # run logs reach the server in batches: wait for them
+            logs = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+            )
+            if any("GPU job not launched" in log.message for log in logs):
+                break
+            assert time.monotonic() < deadline, [log.message for log in logs]
+            time.sleep(1)
         task_runs = client.read_task_runs()
         artifacts = client.read_artifacts()
     events = httpx.post(f"{prefect_api}/events/filter", json={"limit": 200}, timeout=30).text
     seen = [log.message for log in logs] + [str(a.data) for a in artifacts] + [events]
     seen += [f"{t.state.name}: {t.state.message}" for t in task_runs if t.state]
-    assert any("price of sagemaker:ml.g5.xlarge" in text for text in seen)  # logs were read
+    assert any("GPU job not launched" in text for text in seen)  # the logs were read
     assert [r["outcome"] for r in ledger.jobs()] == ["completed"]  # one ran, one never reserved
     assert any("role" in text and "LaunchConfigError" in text for text in seen)
     status = _cli(ledger.url, "status", "--json")

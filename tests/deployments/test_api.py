@@ -14,14 +14,15 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from tests.jobs import new_job
+from tests.prefect_server import free_port as _free_port
+from tests.prefect_server import http as _http
+from tests.prefect_server import wait_for as _wait_for
 
 SESSION = "acme/agents/agent-7"
 SPEC = """
@@ -33,42 +34,6 @@ grid: {lr: [0.1, 0.3, 0.9]}
 parallelism: 3
 results_dir: results
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _http(url: str, body: dict | None = None) -> dict:
-    """One JSON call; a 503 (the server's SQLite is busy) is retried, as Prefect's client does."""
-    data = None if body is None else json.dumps(body).encode()
-    for attempt in range(10):
-        request = urllib.request.Request(
-            url, data=data, headers={"Content-Type": "application/json"}
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return json.loads(response.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            if exc.code != 503 or attempt == 9:
-                raise
-            time.sleep(1.0)
-    raise AssertionError("unreachable")
-
-
-def _wait_for(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception:  # not up yet
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ ledger counts its rate as long as Prefect may count the slots; the difference th
 Prefect never granted the lease is reported apart (`slot_mismatch_transient_cents`), not lost.
 
 At the end. Once every lease a dead worker may hold unrecorded has expired and the server's
-repossessor has returned its slots (UNRECORDED_LEASE_S after the last admission; polled, with
+repossessor has returned its slots (UNRECORDED_LEASE_S after the last stamp of such a row; polled, with
 END_MARGIN_S to spare), reconcile runs again and the whole ledger is audited. These are the
 figures: `orphans_left` (reservations without an owner), `double_charges` (and
 `missing_charges`), `slot_mismatch_cents` (Prefect slots in use per capped scope against the
@@ -709,16 +709,20 @@ def end_state(setup: Setup) -> dict[str, Any]:
     """Wait until every Prefect lease a dead worker may hold unrecorded has expired and been
     repossessed, reconcile, and audit the whole ledger.
 
-    Reconcile holds the row of such a lease open until UNRECORDED_LEASE_S after its admission,
-    by when the server has returned the slots: so the wait lasts until UNRECORDED_LEASE_S
-    after the last admission, then until Prefect's slots match the ledger (at most
+    Reconcile holds the row of such a lease open until UNRECORDED_LEASE_S after its last stamp
+    (its admission, or a stamp while it asked for slots), by when the server has returned the
+    slots: so the wait lasts until UNRECORDED_LEASE_S after the last such stamp, then until Prefect's slots match the ledger (at most
     END_MARGIN_S more). Meanwhile, every POLL_S, the ledger is reconciled and the slots of the
     orgs where anything was held are compared.
     """
     ledger = setup.ledger
     started = time.time()
-    admitted = [r["admitted_at"] for r in ledger.jobs() if r["admitted_at"] is not None]
-    deadline = max(admitted, default=started) + UNRECORDED_LEASE_S
+    stamps = [  # an unrecorded lease's latest grant is near its row's last stamp
+        max(r["admitted_at"], r["heartbeat_at"])
+        for r in ledger.jobs()
+        if r["admitted_at"] is not None and r["lease_id"] is None
+    ]
+    deadline = max(stamps, default=started) + UNRECORDED_LEASE_S
     bound = deadline + END_MARGIN_S
     awaiting = {r["id"] for r in awaiting_rows(ledger, stale_after=STALE_S)}
     first = check_slots(setup, None, awaiting)

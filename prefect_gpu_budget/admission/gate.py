@@ -8,6 +8,7 @@ admitted well within a second of headroom appearing, without Prefect's Retry-Aft
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -30,6 +31,11 @@ log = logging.getLogger("prefect_gpu_budget.gate")
 
 LIMIT_RETRY_S = 3.0
 """How long an admitted job retries Prefect limits still held by a job that just settled."""
+
+LIVENESS_S = 5.0
+"""While a request for Prefect slots is outstanding (a slow or returning Prefect API), the job's
+ledger row is stamped this often: reconcile counts a lease that a crashed admission may have
+been granted but not recorded from the last stamp (`reconcile.UNRECORDED_LEASE_S`)."""
 
 REQUEST_PATIENCE_S = 300.0
 """How long a new request waits for a ledger that does not answer before it fails."""
@@ -325,9 +331,9 @@ class Gate:
         worker = threading.Thread(target=take, name=f"gpu-budget-take-{job_id[:8]}", daemon=True)
         worker.start()
         try:
-            worker.join()
+            self._join_stamping(worker, job_id)
         except BaseException:
-            worker.join()
+            self._join_stamping(worker, job_id)
             for lease in got:
                 self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
             raise
@@ -336,6 +342,14 @@ class Gate:
                 self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
             raise failed[0]
         return got[0] if got else None
+
+    def _join_stamping(self, worker: threading.Thread, job_id: str) -> None:
+        """Wait for `worker`, stamping the job's row every LIVENESS_S while it still runs."""
+        worker.join(LIVENESS_S)
+        while worker.is_alive():
+            with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
+                self.ledger.heartbeat(job_id)
+            worker.join(LIVENESS_S)
 
     def _limit_reason(self, scope: str) -> str:
         return (

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prefect_gpu_budget.admission.gate import LIMIT_RETRY_S
+from prefect_gpu_budget.admission.gate import LIMIT_RETRY_S, LIVENESS_S
 from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
 from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
 from prefect_gpu_budget.launchers.base import Launcher, Probe
@@ -31,9 +31,11 @@ from prefect_gpu_budget.launchers.registry import launcher_for
 HEARTBEAT_S = LEASE_S / 4
 REPOSSESS_S = 15.0
 """How late a Prefect server's repossessor may return the slots of an expired lease."""
-UNRECORDED_LEASE_S = LIMIT_RETRY_S + LEASE_S + REPOSSESS_S
-"""After its admission, how long a crashed job may still hold Prefect slots under a lease it
-took but did not live to record: the ledger keeps counting its rate until then."""
+UNRECORDED_LEASE_S = LIMIT_RETRY_S + LIVENESS_S + LEASE_S + REPOSSESS_S
+"""After its row's last stamp (admission, or the stamps of a slow request for slots), how long a
+crashed job may still hold Prefect slots under a lease it took but did not live to record: the
+ledger keeps counting its rate until then. The gate asks for slots only within LIMIT_RETRY_S of
+admission or LIVENESS_S of a stamp, and a lease lives LEASE_S past its grant."""
 log = logging.getLogger("prefect_gpu_budget.reconcile")
 
 
@@ -70,7 +72,7 @@ def awaiting_lease_expiry(ledger: Ledger, row: dict, now: float) -> bool:
     return (
         row["lease_id"] is None
         and row["admitted_at"] is not None
-        and now < row["admitted_at"] + UNRECORDED_LEASE_S
+        and now < max(row["admitted_at"], row["heartbeat_at"]) + UNRECORDED_LEASE_S
         and any(rule.hourly_cap_cents is not None for rule in ledger.path_budgets(row["scope"]))
     )
 

@@ -255,3 +255,48 @@ def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, 
     status = ledger.status("crash")[0]
     assert status["reserved_micro"] == 0
     assert status["settled_micro"] == settled["actual_micro"]
+
+
+class _SlowLimits:
+    """Prefect limits answering a request for slots only after `delay` seconds (a Prefect API
+    coming back from an outage): the gate's side of the conversation, nothing else."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay, self.released = delay, []
+
+    def ensure(self, caps) -> None:
+        pass
+
+    def acquire(self, scopes: list[str], slots: int) -> str:
+        time.sleep(self.delay)
+        return "lease-1"
+
+    def renew(self, lease_id: str) -> bool:
+        return True
+
+    def release(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeypatch):
+    """Reconcile counts a lease a crashed admission may have taken unrecorded from the row's
+    last stamp: while the request is outstanding the row is stamped, so a grant that comes late
+    is still inside that window."""
+    from prefect_gpu_budget.admission import gate as gate_module
+    from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, awaiting_lease_expiry
+
+    monkeypatch.setattr(gate_module, "LIVENESS_S", 0.05)
+    ledger.set_budget(BudgetRule("slow", hourly_cap_cents=720))
+    limits = _SlowLimits(delay=0.6)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    admission = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "slow/t")
+    (row,) = ledger.jobs("slow")
+    assert row["lease_id"] == "lease-1"
+    assert row["heartbeat_at"] - row["admitted_at"] >= 0.4
+
+    row = {**row, "lease_id": None}  # as if it had died before recording the lease
+    late = row["admitted_at"] + UNRECORDED_LEASE_S + 0.3  # past the window of admission alone
+    assert awaiting_lease_expiry(ledger, row, late)
+    assert not awaiting_lease_expiry(ledger, row, row["heartbeat_at"] + UNRECORDED_LEASE_S + 1)
+    gate.settle(admission, ended_at=time.time(), outcome="completed")
+    assert limits.released == ["lease-1"]

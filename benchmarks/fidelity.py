@@ -19,10 +19,16 @@ import time
 from pathlib import Path
 
 from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.simulate import POLICIES, SimResult, simulate, synthetic_trace
+from prefect_gpu_budget.simulate import (
+    POLICIES,
+    TRACE_KINDS,
+    SimResult,
+    simulate,
+    synthetic_trace,
+)
 
 START = 1_798_761_600.0  # 2027-01-01 00:00 UTC
-TRACES = ("lognormal", "heavy-tail")
+TRACES = TRACE_KINDS
 
 
 def budgets(jobs: int) -> list[BudgetRule]:

@@ -354,6 +354,15 @@ def _charge(
                 spent[(path_scope, p_start)] += share
 
 
+TRACE_KINDS = ("lognormal", "heavy-tail", "overrun-tail")
+
+
+def _bounded_pareto(rng: random.Random, alpha: float, low: float, high: float) -> float:
+    """A draw from the Pareto law of index `alpha` truncated to [low, high] (inverse CDF)."""
+    tail = 1.0 - (low / high) ** alpha
+    return low / (1.0 - rng.random() * tail) ** (1.0 / alpha)
+
+
 def synthetic_trace(
     jobs: int = 10_000,
     seed: int = 0,
@@ -366,26 +375,34 @@ def synthetic_trace(
 ) -> list[SimJob]:
     """A month of GPU jobs whose runtimes miss their estimates.
 
-    `lognormal`: true / expected is log-normal with median 1 (sigma 0.25), and 10% of jobs run
-    1-3x their estimate. `heavy-tail`: true / expected is Pareto (alpha 1.5), scaled so its
-    median is 1: about 9.6% of jobs need more than 3x their estimate, so a policy that stops
-    jobs at max_runtime never finishes them (they take about 22% of what it spends). max_runtime
-    is `max_factor` times the estimate; prices are catalog-like.
+    `lognormal`: estimates are log-uniform from 10 min to 4 h; true / expected is log-normal
+    with median 1 (sigma 0.25), and 10% of jobs run 1-3x their estimate. `heavy-tail`: the same
+    errors, on job sizes that are heavy-tailed: estimates follow a Pareto law (alpha 1.1)
+    bounded to 15 min - 24 h, so the largest 1% of jobs hold about 15% of the GPU hours (3% in
+    the first trace).
+    `overrun-tail`: the first trace's sizes, with errors that are heavy-tailed: true / expected
+    is Pareto (alpha 1.5) scaled to a median of 1, so about 9.6% of jobs need more than 3x
+    their estimate and a policy that stops jobs at max_runtime never finishes them (they take
+    about 22% of what it spends). max_runtime is `max_factor` times the estimate; prices are
+    catalog-like.
     """
     rng = random.Random(seed)
     rates = [1_006_000, 4_601_600, 5_672_000, 21_958_000, 27_447_000]
     out = []
     for i in range(jobs):
         arrival = start + rng.uniform(0, days * 86400)
-        expected = math.exp(rng.uniform(math.log(600), math.log(4 * 3600)))
-        if kind == "lognormal":
+        if kind == "heavy-tail":
+            expected = _bounded_pareto(rng, 1.1, 900.0, 86400.0)
+        else:
+            expected = math.exp(rng.uniform(math.log(600), math.log(4 * 3600)))
+        if kind in ("lognormal", "heavy-tail"):
             ratio = rng.lognormvariate(0, 0.25)
             if rng.random() < 0.10:
                 ratio = rng.uniform(1.0, 3.0)
-        elif kind == "heavy-tail":
+        elif kind == "overrun-tail":
             ratio = rng.paretovariate(1.5) / 2 ** (1 / 1.5)
         else:
-            raise ValueError(f"kind must be lognormal or heavy-tail, got {kind!r}")
+            raise ValueError(f"kind must be one of {', '.join(TRACE_KINDS)}; got {kind!r}")
         team = rng.randrange(teams)
         out.append(
             SimJob(

@@ -18,12 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.audit import audit, promise1_violations
-from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id, period_spend
+from prefect_gpu_budget.admission.ledger import Ledger, holder_id, period_spend
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, reconcile
+from tests.jobs import new_job
+from tests.postgres import require_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAOS_PG_URL = os.environ.get(
@@ -65,18 +66,6 @@ RATE_ON_PATH = 3 * 360
 TIMEOUT_S = 420
 
 
-def _postgres_reachable() -> None:
-    server = CHAOS_PG_URL.replace("postgresql://", "postgresql+psycopg://").rsplit("/", 1)[0]
-    engine = sa.create_engine(server + "/postgres")
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-    except sa.exc.OperationalError as exc:
-        pytest.fail(f"PostgreSQL is required at {server}: {str(exc).splitlines()[0]}")
-    finally:
-        engine.dispose()
-
-
 @pytest.fixture(scope="module")
 def chaos_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, str]]:
     """Both backends' short runs at once, each with its own Prefect server: (exit status,
@@ -115,7 +104,7 @@ def test_random_and_exact_kills_lose_nothing(
     backend: str, chaos_runs: dict[str, tuple[int, str, str]]
 ) -> None:
     if backend == "postgresql":
-        _postgres_reachable()
+        require_postgres(CHAOS_PG_URL)
     returncode, stdout, stderr = chaos_runs[backend]
     assert stdout.strip(), f"chaos crashed (exit {returncode}):\n{stderr[-4000:]}"
     out = json.loads(stdout)
@@ -173,22 +162,6 @@ def test_random_and_exact_kills_lose_nothing(
 # -- the audit ---------------------------------------------------------------------------------
 
 
-def _job(scope: str, holder: str) -> NewJob:
-    return NewJob(
-        scope=scope,
-        name="j",
-        instance_type="local:box",
-        provisioning="on-demand",
-        nodes=1,
-        rate_micro_per_hour=3_600_000,
-        rate_cents=360,
-        priority=0,
-        max_runtime_s=60.0,
-        expected_runtime_s=None,
-        holder=holder,
-    )
-
-
 def _row(job_id: str, admitted: float, settled: float | None, **extra: object) -> dict:
     """A ledger row as `Ledger.jobs` returns it: $3.60/h for a minute, reserved $0.06."""
     return {
@@ -231,7 +204,7 @@ def test_promise1_replay_finds_over_admission() -> None:
 def test_audit_finds_orphans_and_double_charges(tmp_path: Path) -> None:
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     ledger.set_budget(BudgetRule("au", hourly_cap_cents=720, period_budget_micro=10**6))
-    job_id, decision = ledger.request(_job("au/t", holder_id()))
+    job_id, decision = ledger.request(new_job("au/t", holder=holder_id()))
     assert decision.verdict == "admit"
     ledger.mark_started(job_id, time.time() - 10)
     ledger.settle(job_id, ended_at=time.time(), outcome="completed")
@@ -248,7 +221,7 @@ def test_audit_finds_orphans_and_double_charges(tmp_path: Path) -> None:
     assert "ledger holds $0.0200, its settled jobs cost $0.0100" in found.messages[0]
 
     dead = f"{os.uname().nodename}:{2**22 + 7}:1"  # above pid_max: never alive
-    ledger.request(_job("au/t", dead))
+    ledger.request(new_job("au/t", holder=dead))
     found = audit(ledger, scope="au/t")  # in a capped scope, no lease recorded: it may hold one
     assert (found.orphans_left, found.awaiting_lease_expiry) == (0, 1)
     later = time.time() + UNRECORDED_LEASE_S + 1  # that lease's latest expiry is past
@@ -265,7 +238,7 @@ def test_audit_compares_prefect_slots_with_the_ledger(prefect_api: str, tmp_path
     ledger.set_budget(BudgetRule("sl", hourly_cap_cents=720))
     limits = RateLimits()
     limits.ensure([("sl", 720)])
-    job_id, _ = ledger.request(_job("sl/t", holder_id()))
+    job_id, _ = ledger.request(new_job("sl/t", holder=holder_id()))
     lease = limits.acquire(["sl"], 360)
     assert lease is not None
     ledger.record_lease(job_id, lease)
@@ -292,7 +265,7 @@ def test_audit_counts_rows_awaiting_lease_expiry_apart(prefect_api: str, tmp_pat
     limits = RateLimits()
     limits.ensure([("aw", 720)])
     dead = f"{os.uname().nodename}:{2**22 + 9}:1"  # above pid_max: never alive
-    job_id, decision = ledger.request(_job("aw/t", dead))
+    job_id, decision = ledger.request(new_job("aw/t", holder=dead))
     assert decision.verdict == "admit"
 
     def slots(found) -> tuple[int | None, int | None, int | None]:

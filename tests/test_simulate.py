@@ -14,7 +14,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold, overrun_factors
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from prefect_gpu_budget.simulate import OverrunWindows, SimJob, simulate
+from prefect_gpu_budget.simulate import OverrunWindows, SimJob, simulate, synthetic_trace
 
 RATE = 3_600_000  # local:box, $3.60/h
 BUDGETS = [
@@ -188,3 +188,25 @@ def test_a_scope_whose_jobs_overran_reserves_more_in_estimate_mode():
     assert [r.admitted_at for r in fresh.records] == [start, start + 1]
     overran = simulate(jobs, [rule], "estimate-metered", history=[("o/a", 2.0)] * 20)
     assert [r.admitted_at for r in overran.records] == [start, start + 1800]
+
+
+def test_synthetic_traces_have_the_shapes_they_claim():
+    """The benchmark's traces: `heavy-tail` is heavy-tailed in job size with every job fitting
+    its max_runtime; `overrun-tail` is heavy-tailed in estimate error, about 10% of its jobs
+    needing more than their max_runtime."""
+
+    def top_share(trace: list[SimJob]) -> float:
+        sizes = sorted((j.expected_s for j in trace), reverse=True)
+        return sum(sizes[: len(sizes) // 100]) / sum(sizes)
+
+    def over_max(trace: list[SimJob]) -> float:
+        return sum(j.true_s > j.max_runtime_s for j in trace) / len(trace)
+
+    lognormal, heavy, overrun = (
+        synthetic_trace(5000, seed=3, kind=kind)
+        for kind in ("lognormal", "heavy-tail", "overrun-tail")
+    )
+    assert top_share(lognormal) < 0.05 < 0.10 < top_share(heavy)
+    assert max(j.expected_s for j in heavy) <= 86400 and min(j.expected_s for j in heavy) >= 900
+    assert over_max(lognormal) == over_max(heavy) == 0.0
+    assert 0.08 < over_max(overrun) < 0.12

@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
+
+from tests.postgres import require_postgres
 
 PG_URL = os.environ.get("GATE_SOAK_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_soak")
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
@@ -26,22 +27,9 @@ RSS_GROWTH_MIB = 2.0
 50 KiB per job would pass it."""
 
 
-def _postgres_reachable() -> None:
-    """Fail (never skip) when PostgreSQL is not there: the soak is about the shared ledger."""
-    server = PG_URL.replace("postgresql://", "postgresql+psycopg://").rsplit("/", 1)[0]
-    engine = sa.create_engine(server + "/postgres")
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-    except sa.exc.OperationalError as exc:
-        pytest.fail(f"PostgreSQL is required at {server}: {str(exc).splitlines()[0]}")
-    finally:
-        engine.dispose()
-
-
 @pytest.mark.timeout(300)
 def test_short_soak_stays_flat_and_consistent() -> None:
-    _postgres_reachable()
+    require_postgres(PG_URL)
     args = ["--minutes", "0.6", "--agents", "5", "--edge", "0.25", "--url", PG_URL, "--json"]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own server
     proc = subprocess.run(

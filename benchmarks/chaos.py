@@ -85,7 +85,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import sqlalchemy as sa
+from _shared import ensure_database, table
 
 from prefect_gpu_budget.admission.audit import (
     SlotCheck,
@@ -95,7 +95,7 @@ from prefect_gpu_budget.admission.audit import (
     slot_mismatches,
 )
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
-from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, metadata, normalise_url
+from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, metadata
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, Reconciled, reconcile
@@ -541,22 +541,6 @@ def settle_again(ledger: Ledger, org: str | None) -> int:
 # -- setup and the whole benchmark ------------------------------------------------------------
 
 
-def ensure_database(url: str) -> None:
-    """Create a PostgreSQL database named in `url` if its server lacks it."""
-    url = normalise_url(url)
-    server = sa.create_engine(url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
-    name = url.rsplit("/", 1)[1]
-    try:
-        with server.connect() as conn:
-            found = conn.execute(
-                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
-            ).first()
-            if not found:
-                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    finally:
-        server.dispose()
-
-
 def fresh_ledger(url: str) -> Ledger:
     if not url.startswith("sqlite"):
         ensure_database(url)
@@ -871,17 +855,6 @@ def summarise(results: list[RunResult], end: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- report ------------------------------------------------------------------------------------
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table, padded so it also reads as plain text."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), rule, *map(line, rows)])
 
 
 def report(out: dict[str, Any]) -> str:

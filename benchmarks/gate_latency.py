@@ -25,6 +25,7 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import queue
@@ -43,6 +44,7 @@ from typing import Any
 from uuid import UUID
 
 import sqlalchemy as sa
+from _shared import ensure_database, table
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Gate
@@ -144,21 +146,8 @@ def fresh_ledger(url: str) -> Ledger:
 
 def postgres_available(url: str) -> bool:
     """Reachable (creating the benchmark's own database if the server lacks it)?"""
-    server = sa.create_engine(
-        normalise_url(url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
-    )
-    name = url.rsplit("/", 1)[1]
-    try:
-        with server.connect() as conn:
-            exists = conn.execute(
-                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
-            ).first()
-            if not exists:
-                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    except sa.exc.SQLAlchemyError:
-        pass
-    finally:
-        server.dispose()
+    with contextlib.suppress(sa.exc.SQLAlchemyError):
+        ensure_database(url)
     engine = sa.create_engine(normalise_url(url))
     try:
         with engine.connect() as conn:
@@ -574,17 +563,6 @@ def ratios(out: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- report ------------------------------------------------------------------------------------
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table, padded so it also reads as plain text."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), rule, *map(line, rows)])
 
 
 def ms(value: float | None) -> str:

@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from _shared import ensure_database, table
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
@@ -165,12 +166,15 @@ class Recorder:
             if len(self.errors) < 5:
                 self.errors.append(f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
 
-    def flush(self, sample: dict[str, Any], final: bool = False) -> None:
+    def flush(
+        self, sample: dict[str, Any], final: bool = False, unreleased: list[str] | None = None
+    ) -> None:
         with self._lock:
             latency, self._latency = self._latency, defaultdict(list)
             line = {**sample, "latency": latency, "counts": dict(self.counts), "final": final}
             if final:
                 line["errors"] = self.errors
+                line["unreleased"] = unreleased or []
             self._file.write(json.dumps(line) + "\n")
 
     def close(self) -> None:
@@ -200,15 +204,27 @@ class TimedLedger(Ledger):
 
 
 class TimedLimits(RateLimits):
-    """The Prefect limits, timing each acquisition (granted or refused)."""
+    """The Prefect limits, timing each acquisition (granted or refused) and keeping the leases
+    granted but not yet released, with the thread that took each: a slot left taken at the end
+    is then either a lease the gate never released (named here) or one it never saw."""
 
     recorder: Recorder
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.held: dict[str, str] = {}
 
     def acquire(self, *args: Any, **kwargs: Any) -> str | None:
         began = time.perf_counter()
         out = super().acquire(*args, **kwargs)
         self.recorder.latency("acquire", time.perf_counter() - began)
+        if out is not None:
+            self.held[out] = f"{threading.current_thread().name} at {time.time():.3f}"
         return out
+
+    def release(self, lease_id: str) -> None:
+        super().release(lease_id)
+        self.held.pop(lease_id, None)
 
 
 def process_sample() -> dict[str, int]:
@@ -391,7 +407,10 @@ class Agent:
         self.finisher.close()
         stop.set()
         watcher.join()
-        self.recorder.flush(self.sample(), final=True)
+        held = self.gate.limits.held if isinstance(self.gate.limits, TimedLimits) else {}
+        self.recorder.flush(
+            self.sample(), final=True, unreleased=[f"{k} ({v})" for k, v in held.items()]
+        )
         self.recorder.close()
 
     def submit(self) -> None:
@@ -494,23 +513,6 @@ def budgets(cfg: Config) -> list[BudgetRule]:
         for scope in cfg.scopes()
     ]
     return rules
-
-
-def ensure_database(url: str) -> None:
-    """Create the soak database if the server lacks it; raise if PostgreSQL is unreachable."""
-    server = sa.create_engine(
-        normalise_url(url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
-    )
-    name = url.rsplit("/", 1)[1]
-    try:
-        with server.connect() as conn:
-            found = conn.execute(
-                sa.text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}
-            ).first()
-            if not found:
-                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    finally:
-        server.dispose()
 
 
 def fresh_ledger(cfg: Config) -> None:
@@ -954,6 +956,7 @@ def analyse(
     streams: dict[str, list[tuple[float, float]]] = defaultdict(list)
     counts: Counter[str] = Counter()
     errors: list[str] = []
+    unreleased: list[str] = []
     agents = []
     for index, lines in enumerate(records):
         for line in lines:
@@ -963,6 +966,7 @@ def analyse(
         if finals:
             counts.update(finals[-1]["counts"])
             errors += [f"agent {index}: {e}" for e in finals[-1]["errors"]]
+            unreleased += [f"agent {index}: {u}" for u in finals[-1].get("unreleased", [])]
         agents.append(agent_figures(index, lines, (first, last, steady, early), finals))
     latency = {}
     for stream in STREAMS:
@@ -1003,6 +1007,7 @@ def analyse(
             "errors": counts["errors"],
             "admissions_per_s": admitted / cfg.run_s,
         },
+        "leases_unreleased": unreleased,
         "throughput": {
             "start_per_s": sum(1 for t, _ in streams["decide"] if within(t, first)) / edge,
             "end_per_s": sum(1 for t, _ in streams["decide"] if within(t, last)) / edge,
@@ -1130,17 +1135,6 @@ def targets(out: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 
 
 # -- report ------------------------------------------------------------------------------------
-
-
-def table(header: list[str], rows: list[list[str]]) -> str:
-    """A markdown table, padded so it also reads as plain text."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
-
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    return "\n".join([line(header), rule, *map(line, rows)])
 
 
 def num(value: float | None, digits: int = 1) -> str:

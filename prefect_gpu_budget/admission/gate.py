@@ -60,6 +60,11 @@ class AdmissionRefused(Exception):
         super().__init__(f"{state_name}: {reason}")
 
 
+class AdmissionGone(RuntimeError):
+    """The job's ledger row was settled (by reconcile, or a cancellation) while it was being
+    admitted: the slots it had just taken were handed back."""
+
+
 @dataclass
 class GateEvents:
     """What the gate tells the outside world; the Prefect task fills these in."""
@@ -310,9 +315,16 @@ class Gate:
         """Take the slots and record the lease in the ledger, as one step that an interruption
         (a cancelled run: KeyboardInterrupt, a signal) cannot split: it runs in a thread of its
         own, and an interrupted caller waits for it and hands back whatever lease it got.
-        (A SIGKILL can still split it: reconcile then waits for the lease to expire.)"""
+        (A SIGKILL can still split it: reconcile then waits for the lease to expire.)
+
+        The caller waits on an event the thread sets, not on `Thread.join`: a join interrupted
+        by a signal marks a thread that still runs as stopped (CPython 3.11, bpo-45274), and the
+        lease it took later would be left to nobody."""
         assert self.limits is not None
-        limits, got, failed = self.limits, [], []
+        limits, done = self.limits, threading.Event()
+        got: list[str] = []  # taken and not recorded: only this thread can hand it back
+        recorded: list[str] = []  # the ledger names it: whoever settles the job releases it
+        failed: list[BaseException] = []
 
         def take() -> None:
             try:
@@ -321,35 +333,34 @@ class Gate:
                 )
                 if lease is not None:
                     got.append(lease)
-                    self.patiently(
+                    if not self.patiently(
                         "recording the lease",
                         functools.partial(self.ledger.record_lease, job_id, lease),
-                    )
-            except Exception as exc:  # raised again in the caller's thread
+                    ):
+                        raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
+                    recorded.append(got.pop())
+            except BaseException as exc:  # raised again in the caller's thread
                 failed.append(exc)
+            finally:
+                done.set()
 
         worker = threading.Thread(target=take, name=f"gpu-budget-take-{job_id[:8]}", daemon=True)
         worker.start()
         try:
-            self._join_stamping(worker, job_id)
-        except BaseException:
-            self._join_stamping(worker, job_id)
+            self._wait_stamping(done, job_id)
+        finally:  # interrupted (the admission's give-back releases a recorded lease) or failed
+            self._wait_stamping(done, job_id)
             for lease in got:
                 self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
-            raise
         if failed:
-            for lease in got:  # taken but not recorded: hand it back before failing
-                self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
             raise failed[0]
-        return got[0] if got else None
+        return recorded[0] if recorded else None
 
-    def _join_stamping(self, worker: threading.Thread, job_id: str) -> None:
-        """Wait for `worker`, stamping the job's row every LIVENESS_S while it still runs."""
-        worker.join(LIVENESS_S)
-        while worker.is_alive():
+    def _wait_stamping(self, done: threading.Event, job_id: str) -> None:
+        """Wait for `done`, stamping the job's row every LIVENESS_S until it is set."""
+        while not done.wait(LIVENESS_S):
             with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
                 self.ledger.heartbeat(job_id)
-            worker.join(LIVENESS_S)
 
     def _limit_reason(self, scope: str) -> str:
         return (
@@ -412,8 +423,10 @@ class Gate:
                 "the ledger still counts it"
             )
             return
+        if not self.ledger.record_lease(admission.job_id, lease):  # settled meanwhile
+            self.limits.release(lease)
+            return
         admission.lease_id = lease
-        self.ledger.record_lease(admission.job_id, lease)
         self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")
 
     def submitted(self, admission: Admission, external_id: str) -> None:

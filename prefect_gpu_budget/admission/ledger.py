@@ -892,10 +892,19 @@ class Ledger:
             )
 
     @_reconnecting
-    def record_lease(self, job_id: str, lease_id: str) -> None:
-        """Remember the Prefect lease an admission holds, so reconcile can hand it back."""
+    def record_lease(self, job_id: str, lease_id: str) -> bool:
+        """Remember the Prefect lease an admission holds, so reconcile can hand it back; False
+        (nothing written) when the job is no longer admitted or running: its holder must then
+        release the lease itself, as nobody else will."""
         with self.engine.begin() as conn:
-            conn.execute(jobs.update().where(jobs.c.id == job_id).values(lease_id=lease_id))
+            return (
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id, jobs.c.state.in_(ACTIVE))
+                    .values(lease_id=lease_id)
+                ).rowcount
+                == 1
+            )
 
     @_reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:

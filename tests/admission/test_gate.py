@@ -27,6 +27,7 @@ from prefect_gpu_budget.admission.reconcile import reconcile
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import scope_path
+from tests.jobs import new_job
 
 RACE_SCOPES = ["race/a/s1", "race/a/s2", "race/b/s1", "race/b/s2"]
 RACE_BUDGETS = [
@@ -262,14 +263,15 @@ class _SlowLimits:
     coming back from an outage): the gate's side of the conversation, nothing else."""
 
     def __init__(self, delay: float) -> None:
-        self.delay, self.released = delay, []
+        self.delay, self.taken, self.released = delay, [], []
 
     def ensure(self, caps) -> None:
         pass
 
     def acquire(self, scopes: list[str], slots: int) -> str:
         time.sleep(self.delay)
-        return "lease-1"
+        self.taken.append(f"lease-{len(self.taken) + 1}")
+        return self.taken[-1]
 
     def renew(self, lease_id: str) -> bool:
         return True
@@ -300,3 +302,43 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     assert not awaiting_lease_expiry(ledger, row, row["heartbeat_at"] + UNRECORDED_LEASE_S + 1)
     gate.settle(admission, ended_at=time.time(), outcome="completed")
     assert limits.released == ["lease-1"]
+
+
+class _Interrupted(BaseException):
+    """What a signal handler raises in the main thread (as Ctrl-C or a cancelled run does)."""
+
+
+def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices):
+    """The main thread waits for the thread taking the slots; a signal that interrupts that wait
+    must not let it go on as if that thread had ended (a plain `Thread.join` does, on CPython
+    3.11), or the lease taken a moment later would be recorded on a settled row and never
+    released."""
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    ledger.set_budget(BudgetRule("intr", hourly_cap_cents=720))
+    limits = _SlowLimits(delay=0.6)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(_Interrupted):
+            gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "intr/t")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    time.sleep(1.0)  # a thread still taking slots would have taken them by now
+    assert limits.taken == ["lease-1"]
+    assert limits.released == ["lease-1"]
+    (row,) = ledger.jobs("intr")
+    assert (row["state"], row["outcome"]) == ("settled", "cancelled")
+
+
+def test_a_lease_is_recorded_only_on_an_active_job(ledger):
+    ledger.set_budget(BudgetRule("rec", hourly_cap_cents=720))
+    job_id, decision = ledger.request(new_job("rec/t"))
+    assert decision.verdict == "admit"
+    assert ledger.record_lease(job_id, "lease-a")
+    ledger.settle(job_id, ended_at=time.time(), outcome="cancelled")
+    assert not ledger.record_lease(job_id, "lease-b")
+    assert ledger.job(job_id)["lease_id"] == "lease-a"

@@ -178,6 +178,9 @@ class Gate:
                 if lease and self.limits is not None:
                     self.limits.release(lease)
                 self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
+                late = self.ledger.job(job_id)["lease_id"]  # recorded between read and settle
+                if late and late != lease and self.limits is not None:
+                    self.limits.release(late)
 
             self.patiently("giving back a cancelled job", give_back, patience=60.0)
             raise
@@ -312,18 +315,19 @@ class Gate:
     def _take_and_record(
         self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
     ) -> str | None:
-        """Take the slots and record the lease in the ledger, as one step that an interruption
-        (a cancelled run: KeyboardInterrupt, a signal) cannot split: it runs in a thread of its
-        own, and an interrupted caller waits for it and hands back whatever lease it got.
-        (A SIGKILL can still split it: reconcile then waits for the lease to expire.)
+        """Take the slots and record the lease in the ledger, in a thread of its own that owns
+        the lease until the ledger names it: if recording fails, or the job was settled
+        meanwhile (its admission cancelled), that thread releases the lease itself. So an
+        interruption of the caller (a cancelled run: KeyboardInterrupt, a signal), wherever it
+        lands, cannot strand a lease: the admission's give-back releases a recorded lease, the
+        thread an unrecorded one. (A SIGKILL can still split them: reconcile then waits for the
+        lease to expire.)
 
-        The caller waits on an event the thread sets, not on `Thread.join`: a join interrupted
-        by a signal marks a thread that still runs as stopped (CPython 3.11, bpo-45274), and the
-        lease it took later would be left to nobody."""
+        The caller waits on an event, not on `Thread.join`: a join interrupted by a signal
+        marks a thread that still runs as stopped (CPython 3.11, bpo-45274)."""
         assert self.limits is not None
         limits, done = self.limits, threading.Event()
-        got: list[str] = []  # taken and not recorded: only this thread can hand it back
-        recorded: list[str] = []  # the ledger names it: whoever settles the job releases it
+        taken: list[str] = []
         failed: list[BaseException] = []
 
         def take() -> None:
@@ -332,13 +336,8 @@ class Gate:
                     "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
                 )
                 if lease is not None:
-                    got.append(lease)
-                    if not self.patiently(
-                        "recording the lease",
-                        functools.partial(self.ledger.record_lease, job_id, lease),
-                    ):
-                        raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
-                    recorded.append(got.pop())
+                    self._record_or_release(job_id, lease)
+                    taken.append(lease)
             except BaseException as exc:  # raised again in the caller's thread
                 failed.append(exc)
             finally:
@@ -348,13 +347,27 @@ class Gate:
         worker.start()
         try:
             self._wait_stamping(done, job_id)
-        finally:  # interrupted (the admission's give-back releases a recorded lease) or failed
+        except BaseException:  # let it finish first: the give-back then sees its lease
             self._wait_stamping(done, job_id)
-            for lease in got:
-                self.patiently("releasing Prefect limits", lambda: limits.release(lease))  # noqa: B023
+            raise
         if failed:
             raise failed[0]
-        return recorded[0] if recorded else None
+        return taken[0] if taken else None
+
+    def _record_or_release(self, job_id: str, lease: str) -> None:
+        """Record a lease just taken; release it if that fails or the job is no longer active
+        (raising AdmissionGone then)."""
+        assert self.limits is not None
+        limits, recorded = self.limits, False
+        try:
+            recorded = self.patiently(
+                "recording the lease", functools.partial(self.ledger.record_lease, job_id, lease)
+            )
+        finally:
+            if not recorded:
+                self.patiently("releasing Prefect limits", lambda: limits.release(lease))
+        if not recorded:
+            raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
 
     def _wait_stamping(self, done: threading.Event, job_id: str) -> None:
         """Wait for `done`, stamping the job's row every LIVENESS_S until it is set."""
@@ -423,8 +436,9 @@ class Gate:
                 "the ledger still counts it"
             )
             return
-        if not self.ledger.record_lease(admission.job_id, lease):  # settled meanwhile
-            self.limits.release(lease)
+        try:
+            self._record_or_release(admission.job_id, lease)
+        except AdmissionGone:  # settled meanwhile: the new lease went back
             return
         admission.lease_id = lease
         self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.audit import promise1_violations
-from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.gate import AdmissionGone, AdmissionRefused, Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
@@ -342,3 +342,47 @@ def test_a_lease_is_recorded_only_on_an_active_job(ledger):
     ledger.settle(job_id, ended_at=time.time(), outcome="cancelled")
     assert not ledger.record_lease(job_id, "lease-b")
     assert ledger.job(job_id)["lease_id"] == "lease-a"
+
+
+def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
+    """A cancellation can settle the job while its slots are still being taken (it may land
+    before the caller even waits for the thread taking them): that thread then finds the job
+    no longer active, records nothing and releases the lease itself."""
+    ledger.set_budget(BudgetRule("gone", hourly_cap_cents=720))
+    limits = _SlowLimits(delay=0.6)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+
+    def settle_meanwhile() -> None:
+        (row,) = ledger.jobs("gone")
+        ledger.settle(row["id"], ended_at=time.time(), outcome="cancelled")
+
+    threading.Timer(0.3, settle_meanwhile).start()
+    with pytest.raises(AdmissionGone):
+        gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "gone/t")
+    assert limits.taken == limits.released == ["lease-1"]
+    (row,) = ledger.jobs("gone")
+    assert (row["state"], row["lease_id"]) == ("settled", None)
+
+
+def test_an_interrupt_as_the_taking_thread_starts_leaves_no_lease(ledger, prices, monkeypatch):
+    """A signal can land inside `Thread.start`, after the thread taking the slots has begun but
+    before the caller waits for it: the give-back and that thread between them release the
+    lease, whichever of them comes second."""
+    from prefect_gpu_budget.admission import gate as gate_module
+
+    class StartThenInterrupted(threading.Thread):
+        def start(self) -> None:
+            super().start()
+            if self.name.startswith("gpu-budget-take-"):
+                raise _Interrupted
+
+    monkeypatch.setattr(gate_module.threading, "Thread", StartThenInterrupted)
+    ledger.set_budget(BudgetRule("start", hourly_cap_cents=720))
+    for delay in (0.0, 0.5):  # the lease recorded before the give-back, or after it settled
+        limits = _SlowLimits(delay=delay)
+        gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+        with pytest.raises(_Interrupted):
+            gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "start/t")
+        time.sleep(delay + 0.5)
+        assert limits.taken == limits.released == ["lease-1"]
+    assert {r["state"] for r in ledger.jobs("start")} == {"settled"}

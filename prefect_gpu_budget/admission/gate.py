@@ -124,6 +124,9 @@ class Gate:
         self.recheck_s = recheck_s
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
+        self._taking: dict[str, tuple[threading.Thread, threading.Event]] = {}
+        """Per job being admitted, its thread taking Prefect slots and the event it sets when it
+        ends (see _take_and_record)."""
 
     def quote(self, job: GpuJob) -> Quote:
         return (self.catalog or default_catalog()).quote(
@@ -172,6 +175,9 @@ class Gate:
         except BaseException:  # cancelled while waiting: give the place (or the admission) back
 
             def give_back() -> None:
+                taking = self._taking.pop(job_id, None)
+                if taking is not None:  # let it finish: its lease is then recorded or released
+                    self._await_taker(*taking, job_id)
                 if self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
                     return
                 lease = self.ledger.job(job_id)["lease_id"]  # admitted: slots first, as settle
@@ -297,8 +303,10 @@ class Gate:
         """Lease id, None when no scope on the path has an hourly cap, False when full."""
         if self.limits is None or not caps:
             return None
-        limits = self.limits
+        limits, began = self.limits, time.monotonic()
         self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
+        if time.monotonic() - began > LIVENESS_S:  # a slow Prefect API: restart the window
+            self.patiently("stamping the job", lambda: self.ledger.heartbeat(job_id))
         deadline = time.monotonic() + LIMIT_RETRY_S
         while True:
             lease = self._take_and_record(job_id, caps, slots)
@@ -344,30 +352,40 @@ class Gate:
                 done.set()
 
         worker = threading.Thread(target=take, name=f"gpu-budget-take-{job_id[:8]}", daemon=True)
+        self._taking[job_id] = (worker, done)  # the give-back waits for it, wherever a signal lands
         worker.start()
-        try:
-            self._wait_stamping(done, job_id)
-        except BaseException:  # let it finish first: the give-back then sees its lease
-            self._wait_stamping(done, job_id)
-            raise
+        self._wait_stamping(done, job_id)
+        del self._taking[job_id]
         if failed:
             raise failed[0]
         return taken[0] if taken else None
 
-    def _record_or_release(self, job_id: str, lease: str) -> None:
+    def _record_or_release(self, job_id: str, lease: str, patience: float | None = None) -> None:
         """Record a lease just taken; release it if that fails or the job is no longer active
         (raising AdmissionGone then)."""
         assert self.limits is not None
         limits, recorded = self.limits, False
         try:
             recorded = self.patiently(
-                "recording the lease", functools.partial(self.ledger.record_lease, job_id, lease)
+                "recording the lease",
+                functools.partial(self.ledger.record_lease, job_id, lease),
+                patience=patience,
             )
         finally:
             if not recorded:
                 self.patiently("releasing Prefect limits", lambda: limits.release(lease))
         if not recorded:
             raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
+
+    def _await_taker(self, worker: threading.Thread, done: threading.Event, job_id: str) -> None:
+        """Wait for a job's thread taking slots, unless a signal in `start` kept it from ever
+        running (it then has no ident: a thread that runs sets its own within microseconds)."""
+        deadline = time.monotonic() + 1.0
+        while worker.ident is None:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
+        self._wait_stamping(done, job_id)
 
     def _wait_stamping(self, done: threading.Event, job_id: str) -> None:
         """Wait for `done`, stamping the job's row every LIVENESS_S until it is set."""
@@ -436,8 +454,8 @@ class Gate:
                 "the ledger still counts it"
             )
             return
-        try:
-            self._record_or_release(admission.job_id, lease)
+        try:  # bounded: settle waits for this heartbeat (its lock) before it releases
+            self._record_or_release(admission.job_id, lease, patience=self.heartbeat_s)
         except AdmissionGone:  # settled meanwhile: the new lease went back
             return
         admission.lease_id = lease

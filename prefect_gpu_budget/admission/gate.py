@@ -8,6 +8,7 @@ admitted well within a second of headroom appearing, without Prefect's Retry-Aft
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import functools
 import logging
@@ -58,6 +59,28 @@ class AdmissionRefused(Exception):
         self.reason = reason
         self.job_id = job_id
         super().__init__(f"{state_name}: {reason}")
+
+
+class _Done:
+    """Set once by a worker thread, awaited by others. Unlike `threading.Event` (and
+    `Thread.join`), a signal's exception landing in a waiter at any bytecode cannot leave it
+    locked or lying: the flag is read first and the wait is one C call on a plain lock."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        self.flag = True
+        self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        if self.flag:
+            return True
+        if self._lock.acquire(timeout=timeout):
+            self._lock.release()
+        return self.flag
 
 
 class AdmissionGone(RuntimeError):
@@ -124,9 +147,9 @@ class Gate:
         self.recheck_s = recheck_s
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
-        self._taking: dict[str, tuple[threading.Thread, threading.Event]] = {}
-        """Per job being admitted, its thread taking Prefect slots and the event it sets when it
-        ends (see _take_and_record)."""
+        self._taking: dict[str, tuple[_Done, _Done]] = {}
+        """Per job being admitted, when its thread taking Prefect slots began and ended (see
+        _take_and_record)."""
 
     def quote(self, job: GpuJob) -> Quote:
         return (self.catalog or default_catalog()).quote(
@@ -331,14 +354,16 @@ class Gate:
         thread an unrecorded one. (A SIGKILL can still split them: reconcile then waits for the
         lease to expire.)
 
-        The caller waits on an event, not on `Thread.join`: a join interrupted by a signal
-        marks a thread that still runs as stopped (CPython 3.11, bpo-45274)."""
+        The thread is started and awaited without `threading.Thread`: a `join` interrupted by a
+        signal marks a thread that still runs as stopped (CPython 3.11, bpo-45274), and an
+        interrupted `Event.wait` (inside `start` too) can leave the event's lock held (`_Done`)."""
         assert self.limits is not None
-        limits, done = self.limits, threading.Event()
+        limits, begun, done = self.limits, _Done(), _Done()
         taken: list[str] = []
         failed: list[BaseException] = []
 
         def take() -> None:
+            begun.set()
             try:
                 lease = self.patiently(
                     "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
@@ -351,9 +376,8 @@ class Gate:
             finally:
                 done.set()
 
-        worker = threading.Thread(target=take, name=f"gpu-budget-take-{job_id[:8]}", daemon=True)
-        self._taking[job_id] = (worker, done)  # the give-back waits for it, wherever a signal lands
-        worker.start()
+        self._taking[job_id] = (begun, done)  # the give-back waits for it, wherever a signal lands
+        _thread.start_new_thread(take, ())  # one C call: no wait inside for a signal to break
         self._wait_stamping(done, job_id)
         del self._taking[job_id]
         if failed:
@@ -377,17 +401,13 @@ class Gate:
         if not recorded:
             raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
 
-    def _await_taker(self, worker: threading.Thread, done: threading.Event, job_id: str) -> None:
-        """Wait for a job's thread taking slots, unless a signal in `start` kept it from ever
-        running (it then has no ident: a thread that runs sets its own within microseconds)."""
-        deadline = time.monotonic() + 1.0
-        while worker.ident is None:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.01)
-        self._wait_stamping(done, job_id)
+    def _await_taker(self, begun: _Done, done: _Done, job_id: str) -> None:
+        """Wait for a job's thread taking slots, unless a signal kept it from ever starting
+        (a thread that starts says so within microseconds)."""
+        if begun.wait(1.0):
+            self._wait_stamping(done, job_id)
 
-    def _wait_stamping(self, done: threading.Event, job_id: str) -> None:
+    def _wait_stamping(self, done: _Done, job_id: str) -> None:
         """Wait for `done`, stamping the job's row every LIVENESS_S until it is set."""
         while not done.wait(LIVENESS_S):
             with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands

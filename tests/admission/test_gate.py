@@ -365,20 +365,22 @@ def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
 
 
 def test_an_interrupt_as_the_taking_thread_starts_leaves_no_lease(ledger, prices, monkeypatch):
-    """A signal can land inside `Thread.start`, after the thread taking the slots has begun but
-    before the caller waits for it: the give-back and that thread between them release the
-    lease, whichever of them comes second."""
+    """A signal can land just after the thread taking the slots has started, before the caller
+    waits for it: the give-back waits for that thread, then releases the lease it recorded (or
+    that thread, finding the job settled, releases it itself)."""
+    import _thread
+
     from prefect_gpu_budget.admission import gate as gate_module
 
-    class StartThenInterrupted(threading.Thread):
-        def start(self) -> None:
-            super().start()
-            if self.name.startswith("gpu-budget-take-"):
-                raise _Interrupted
+    start = _thread.start_new_thread
 
-    monkeypatch.setattr(gate_module.threading, "Thread", StartThenInterrupted)
+    def start_then_interrupted(function, args):
+        start(function, args)
+        raise _Interrupted
+
+    monkeypatch.setattr(gate_module._thread, "start_new_thread", start_then_interrupted)
     ledger.set_budget(BudgetRule("start", hourly_cap_cents=720))
-    for delay in (0.0, 0.5):  # the lease recorded before the give-back, or after it settled
+    for delay in (0.0, 0.5):  # a quick and a slow Prefect API
         limits = _SlowLimits(delay=delay)
         gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
         with pytest.raises(_Interrupted):

@@ -60,6 +60,7 @@ os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import argparse
+import faulthandler
 import heapq
 import itertools
 import json
@@ -111,6 +112,9 @@ BUDGET_MAX_WAIT_S = 120.0
 """A job with no max_wait of its own times out after this: it counts as starved."""
 DRAIN_S = 30.0
 """A job still waiting this long after the run ended is cancelled and counted as stuck."""
+SILENT_S = 30.0
+"""An agent whose samples stop this long has hung: its threads' stacks go to its log."""
+DUMP_SIGNAL = signal.SIGUSR2
 TARGETS = {"latency_p95_ratio": 1.2, "rss_growth_mib": 8.0}
 GROUPS, MIN_GROUP = 5, 20
 STREAMS = {
@@ -456,6 +460,7 @@ class Agent:
 
 def agent_main(raw: str) -> None:
     cfg = AgentConfig(**json.loads(raw))
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     from prefect.client.orchestration import get_client
 
     ledger = TimedLedger(cfg.ledger_url, create=False)
@@ -632,6 +637,7 @@ class Agents:
         self.outs = [tmp / f"agent-{i}.jsonl" for i in range(cfg.agents)]
         self.logs = [tmp / f"agent-{i}.log" for i in range(cfg.agents)]
         self.procs = []
+        self.dumped: set[int] = set()
         for i, scope in enumerate(cfg.scopes()):
             acfg = AgentConfig(
                 i,
@@ -673,12 +679,27 @@ class Agents:
     def dead(self) -> list[int]:
         return [i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)]
 
+    def dump_silent(self, now: float) -> None:
+        """Write the stacks of every agent whose samples stopped `SILENT_S` ago into its log,
+        once, so that a hang can be read after the run."""
+        for i, proc in enumerate(self.procs):
+            try:
+                silent = now - self.outs[i].stat().st_mtime
+            except OSError:
+                continue
+            if silent > SILENT_S and i not in self.dumped and proc.poll() is None:
+                self.dumped.add(i)
+                log(f"agent {i} silent for {silent:.0f} s; its stacks go to {self.logs[i].name}")
+                proc.send_signal(DUMP_SIGNAL)
+
     def wait(self, timeout_s: float) -> list[int | None]:
         deadline = time.monotonic() + timeout_s
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                proc.send_signal(DUMP_SIGNAL)
+                time.sleep(1)
                 proc.kill()
                 proc.wait()
         return [p.returncode for p in self.procs]
@@ -758,6 +779,7 @@ def watch(
         dead = agents.dead()
         if dead:
             raise RuntimeError(f"agent {dead[0]} died: {agents.tail(dead[0])}")
+        agents.dump_silent(time.time())
         if time.time() > next_log:
             log(f"{(end - time.time()) / 60:.1f} min left")
             next_log += 60

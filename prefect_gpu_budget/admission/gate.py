@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import contextvars
 import functools
 import logging
 import threading
@@ -17,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 import sqlalchemy as sa
 
@@ -40,6 +41,10 @@ been granted but not recorded from the last stamp (`reconcile.UNRECORDED_LEASE_S
 
 REQUEST_PATIENCE_S = 300.0
 """How long a new request waits for a ledger that does not answer before it fails."""
+
+GIVE_BACK_S = 60.0
+"""How long a cancelled admission keeps trying to give the job back (the ledger or the Prefect
+API down), and how long its caller waits for that before it re-raises."""
 
 SETTLE_PATIENCE_S = 900.0
 """How long settlement keeps trying while the ledger is down before it gives up (the record
@@ -83,8 +88,64 @@ class _Done:
         return self.flag
 
 
+class _Handoff(Generic[T]):
+    """A call run in a thread of its own (with the caller's context variables) for a caller
+    that only waits for it, so that an exception a signal raises in the caller (or another
+    thread injects) lands in that wait and nowhere else.
+
+    `claim` settles a race once: the first to claim (the caller, cancelled; or the thread, done)
+    decides who cleans up. List appends are atomic, so no lock is taken that a signal could
+    leave held."""
+
+    def __init__(self) -> None:
+        self.begun, self.done = _Done(), _Done()
+        self.claims: list[str] = []
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+    def start(self, call: Callable[[], T]) -> None:
+        def run() -> None:
+            self.begun.set()
+            try:
+                self.result = call()
+            except BaseException as exc:  # raised again in the caller's thread
+                self.error = exc
+            finally:
+                self.done.set()
+
+        _thread.start_new_thread(contextvars.copy_context().run, (run,))
+
+    def run(self, call: Callable[[], T], patience: float) -> T:
+        """`call()` in the thread, awaited. On an exception in the caller (a signal's), claim
+        "cancelled", wait up to `patience` s for the thread to end, then let it go on."""
+        try:
+            self.start(call)
+            while not self.done.wait(1.0):
+                pass
+            if self.error is not None:
+                raise self.error
+            return self.result  # type: ignore[return-value]
+        except BaseException:
+            self.claim("cancelled")
+            if self.begun.wait(1.0):  # (a thread that never began does nothing)
+                self.done.wait(patience)
+            raise
+
+    def claim(self, who: str) -> bool:
+        self.claims.append(who)
+        return self.claims[0] == who
+
+    @property
+    def cancelled(self) -> bool:
+        return bool(self.claims) and self.claims[0] == "cancelled"
+
+
+class _Cancelled(BaseException):
+    """Raised in the admission thread when its caller was cancelled."""
+
+
 class AdmissionGone(RuntimeError):
-    """The job's ledger row was settled (by reconcile, or a cancellation) while it was being
+    """The job's ledger row was settled (by reconcile, say) while it was being
     admitted: the slots it had just taken were handed back."""
 
 
@@ -147,9 +208,6 @@ class Gate:
         self.recheck_s = recheck_s
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
-        self._taking: dict[str, tuple[_Done, _Done]] = {}
-        """Per job being admitted, when its thread taking Prefect slots began and ended (see
-        _take_and_record)."""
 
     def quote(self, job: GpuJob) -> Quote:
         return (self.catalog or default_catalog()).quote(
@@ -159,7 +217,15 @@ class Gate:
     def admit(
         self, job: GpuJob, scope: str, *, flow_run_id: str | None = None, launcher: str = "local"
     ) -> Admission:
-        """Block until the job is admitted; raise `AdmissionRefused` on rejection or time-out."""
+        """Block until the job is admitted; raise `AdmissionRefused` on rejection or time-out.
+
+        The admission runs in a thread of its own, and the caller only waits for it. A caller's
+        cancellation (Ctrl-C, a task's time-out: an exception a signal raises in it, or another
+        thread injects) can land at any bytecode; inside code that holds a lock (SQLAlchemy's
+        pool, the HTTP client) it would leave that lock held and hang every other thread of the
+        process. Here it lands only in the wait: the admission thread hears of it, gives the job
+        back (its place in the queue, or its reservation and slots) and ends, and the caller
+        re-raises once it has, or after `GIVE_BACK_S`."""
         validate_scope(scope)
         quote = self.quote(job)
         new = NewJob(
@@ -183,7 +249,31 @@ class Gate:
             node_vcpu=quote.row.vcpu,
             node_memory_gib=quote.row.memory_gib,
         )
-        started = time.time()
+        handoff: _Handoff[Admission] = _Handoff()
+
+        def admit_here() -> Admission:
+            admission = self._admit_here(new, job, quote, handoff)
+            if not handoff.claim("admitted"):  # the caller was cancelled a moment before
+                self.settle(admission, ended_at=time.time(), outcome="cancelled")
+            return admission
+
+        try:
+            return handoff.run(admit_here, GIVE_BACK_S)
+        except BaseException:  # refused; or cancelled, and the job was given back, unless
+            if handoff.claims[:1] == ["admitted"] and handoff.result is not None:
+                # it was admitted just before the cancellation: that admission goes back here
+                self.settle(handoff.result, ended_at=time.time(), outcome="cancelled")
+            raise
+
+    def _admit_here(
+        self, new: NewJob, job: GpuJob, quote: Quote, handoff: _Handoff[Admission]
+    ) -> Admission:
+        """Record the request and wait for admission, in the admission thread. When the caller
+        is cancelled, the job is given back: its place in the queue, or its reservation and
+        slots."""
+        if handoff.cancelled:  # cancelled before this thread began: nothing to give back
+            raise _Cancelled
+        scope, started = new.scope, time.time()
         job_id = str(uuid.uuid4())  # fixed before any retry: a retried request records once
         _, decision = self.patiently(  # a ledger that never answers (a wrong URL) fails in time
             "recording the request",
@@ -191,27 +281,23 @@ class Gate:
             patience=REQUEST_PATIENCE_S,
         )
         try:
-            return self._wait(job_id, scope, job, quote, new.rate_cents, (decision, started))
+            return self._wait(
+                job_id, scope, job, quote, new.rate_cents, (decision, started), handoff
+            )
         except AdmissionRefused as refused:
             self.events.refused(job_id, refused)
             raise
         except BaseException:  # cancelled while waiting: give the place (or the admission) back
 
             def give_back() -> None:
-                taking = self._taking.pop(job_id, None)
-                if taking is not None:  # let it finish: its lease is then recorded or released
-                    self._await_taker(*taking, job_id)
                 if self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
                     return
                 lease = self.ledger.job(job_id)["lease_id"]  # admitted: slots first, as settle
                 if lease and self.limits is not None:
                     self.limits.release(lease)
                 self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
-                late = self.ledger.job(job_id)["lease_id"]  # recorded between read and settle
-                if late and late != lease and self.limits is not None:
-                    self.limits.release(late)
 
-            self.patiently("giving back a cancelled job", give_back, patience=60.0)
+            self.patiently("giving back a cancelled job", give_back, patience=GIVE_BACK_S)
             raise
 
     def patiently(self, what: str, call: Callable[[], T], patience: float | None = None) -> T:
@@ -247,6 +333,7 @@ class Gate:
         quote: Quote,
         slots: int,
         first: tuple[Decision, float],
+        handoff: _Handoff[Admission],
     ) -> Admission:
         decision, started = first
         org = scope.split("/")[0]
@@ -254,6 +341,8 @@ class Gate:
         told = False
         last_block: tuple[str | None, str | None] = (None, None)
         while True:
+            if handoff.cancelled:
+                raise _Cancelled
             if decision.verdict == "reject":
                 raise AdmissionRefused("OverBudget", decision.reason, job_id)
             if decision.verdict == "timeout":
@@ -301,7 +390,7 @@ class Gate:
                 self.events.waiting(job_id, decision)
             last_block = (decision.limit, decision.scope)
             if seen is not None:  # the first wait re-decides at once, with the version known
-                self._sleep_until_change(org, seen)
+                self._sleep_until_change(org, seen, handoff)
             # read before deciding: no change slips between
             seen = self.patiently("polling the ledger", lambda: self.ledger.version(org))
             decision = self.patiently("deciding", lambda: self.ledger.try_admit(job_id, scope))
@@ -313,9 +402,9 @@ class Gate:
         rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
         return rules[-1].max_wait_s if rules else 0.0
 
-    def _sleep_until_change(self, org: str, seen: int) -> None:
+    def _sleep_until_change(self, org: str, seen: int, handoff: _Handoff) -> None:
         deadline = time.monotonic() + self.recheck_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not handoff.cancelled:
             time.sleep(self.poll_s)
             if self.patiently("polling the ledger", lambda: self.ledger.version(org)) != seen:
                 return
@@ -346,43 +435,27 @@ class Gate:
     def _take_and_record(
         self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
     ) -> str | None:
-        """Take the slots and record the lease in the ledger, in a thread of its own that owns
-        the lease until the ledger names it: if recording fails, or the job was settled
-        meanwhile (its admission cancelled), that thread releases the lease itself. So an
-        interruption of the caller (a cancelled run: KeyboardInterrupt, a signal), wherever it
-        lands, cannot strand a lease: the admission's give-back releases a recorded lease, the
-        thread an unrecorded one. (A SIGKILL can still split them: reconcile then waits for the
-        lease to expire.)
-
-        The thread is started and awaited without `threading.Thread`: a `join` interrupted by a
-        signal marks a thread that still runs as stopped (CPython 3.11, bpo-45274), and an
-        interrupted `Event.wait` (inside `start` too) can leave the event's lock held (`_Done`)."""
+        """Take the slots and record the lease in the ledger; while the request is outstanding
+        (a slow Prefect API) another thread stamps the job's row. If recording fails, or the job
+        was settled meanwhile (by reconcile), the lease goes back at once."""
         assert self.limits is not None
-        limits, begun, done = self.limits, _Done(), _Done()
-        taken: list[str] = []
-        failed: list[BaseException] = []
+        limits, taken = self.limits, threading.Event()
 
-        def take() -> None:
-            begun.set()
-            try:
-                lease = self.patiently(
-                    "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
-                )
-                if lease is not None:
-                    self._record_or_release(job_id, lease)
-                    taken.append(lease)
-            except BaseException as exc:  # raised again in the caller's thread
-                failed.append(exc)
-            finally:
-                done.set()
+        def stamp() -> None:
+            while not taken.wait(LIVENESS_S):
+                with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
+                    self.ledger.heartbeat(job_id)
 
-        self._taking[job_id] = (begun, done)  # the give-back waits for it, wherever a signal lands
-        _thread.start_new_thread(take, ())  # one C call: no wait inside for a signal to break
-        self._wait_stamping(done, job_id)
-        del self._taking[job_id]
-        if failed:
-            raise failed[0]
-        return taken[0] if taken else None
+        threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
+        try:
+            lease = self.patiently(
+                "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
+            )
+            if lease is not None:
+                self._record_or_release(job_id, lease)
+            return lease
+        finally:
+            taken.set()
 
     def _record_or_release(self, job_id: str, lease: str, patience: float | None = None) -> None:
         """Record a lease just taken; release it if that fails or the job is no longer active
@@ -400,18 +473,6 @@ class Gate:
                 self.patiently("releasing Prefect limits", lambda: limits.release(lease))
         if not recorded:
             raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
-
-    def _await_taker(self, begun: _Done, done: _Done, job_id: str) -> None:
-        """Wait for a job's thread taking slots, unless a signal kept it from ever starting
-        (a thread that starts says so within microseconds)."""
-        if begun.wait(1.0):
-            self._wait_stamping(done, job_id)
-
-    def _wait_stamping(self, done: _Done, job_id: str) -> None:
-        """Wait for `done`, stamping the job's row every LIVENESS_S until it is set."""
-        while not done.wait(LIVENESS_S):
-            with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
-                self.ledger.heartbeat(job_id)
 
     def _limit_reason(self, scope: str) -> str:
         return (
@@ -483,20 +544,24 @@ class Gate:
 
     def submitted(self, admission: Admission, external_id: str) -> None:
         """Record the cloud's id of a job that may still wait for capacity."""
-        self.patiently(
-            "recording the submission",
-            lambda: self.ledger.record_submission(admission.job_id, external_id),
-            patience=SETTLE_PATIENCE_S,
+        _off_thread(
+            lambda: self.patiently(
+                "recording the submission",
+                lambda: self.ledger.record_submission(admission.job_id, external_id),
+                patience=SETTLE_PATIENCE_S,
+            )
         )
 
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
         """Record that the launcher started the job; refuse if it is no longer admitted."""
-        if not self.patiently(
-            "recording the start",
-            lambda: self.ledger.mark_started(admission.job_id, started_at, external_id),
-            patience=SETTLE_PATIENCE_S,
+        if not _off_thread(
+            lambda: self.patiently(
+                "recording the start",
+                lambda: self.ledger.mark_started(admission.job_id, started_at, external_id),
+                patience=SETTLE_PATIENCE_S,
+            )
         ):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
@@ -511,7 +576,20 @@ class Gate:
         billed_seconds: float | None = None,
         actual_micro: int | None = None,
     ) -> dict:
-        """Write the actual cost once, then give back the rate slots. Returns the ledger row."""
+        """Write the actual cost once, then give back the rate slots. Returns the ledger row.
+        (In a thread of its own, as `admit`: a cancellation of the caller cannot break it.)"""
+        return _off_thread(
+            lambda: self._settle(admission, ended_at, outcome, billed_seconds, actual_micro)
+        )
+
+    def _settle(
+        self,
+        admission: Admission,
+        ended_at: float,
+        outcome: str,
+        billed_seconds: float | None,
+        actual_micro: int | None,
+    ) -> dict:
         with admission._lease_lock:  # a heartbeat in flight finishes first, then stops
             admission._stop.set()
         lease, limits = admission.lease_id, self.limits
@@ -538,6 +616,11 @@ class Gate:
         self.events.settled(admission, row)
         log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
         return row
+
+
+def _off_thread(call: Callable[[], T]) -> T:
+    """`call()` in a thread of its own, run to its end even if the caller is cancelled."""
+    return _Handoff().run(call, SETTLE_PATIENCE_S)
 
 
 def _outage(exc: BaseException) -> str:

@@ -364,27 +364,117 @@ def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
     assert (row["state"], row["lease_id"]) == ("settled", None)
 
 
-def test_an_interrupt_as_the_taking_thread_starts_leaves_no_lease(ledger, prices, monkeypatch):
-    """A signal can land just after the thread taking the slots has started, before the caller
-    waits for it: the give-back waits for that thread, then releases the lease it recorded (or
-    that thread, finding the job settled, releases it itself)."""
+def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, prices, monkeypatch):
+    """A signal can land just after the admission thread has started, before the caller waits
+    for it: that thread hears of it and gives the job back, wherever it had got to."""
     import _thread
 
     from prefect_gpu_budget.admission import gate as gate_module
 
     start = _thread.start_new_thread
+    calls: list[int] = []
 
     def start_then_interrupted(function, args):
         start(function, args)
-        raise _Interrupted
+        calls.append(1)
+        if len(calls) == 1:  # the admission thread; not the settlement's after it
+            raise _Interrupted
 
     monkeypatch.setattr(gate_module._thread, "start_new_thread", start_then_interrupted)
     ledger.set_budget(BudgetRule("start", hourly_cap_cents=720))
     for delay in (0.0, 0.5):  # a quick and a slow Prefect API
+        calls.clear()
         limits = _SlowLimits(delay=delay)
         gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
         with pytest.raises(_Interrupted):
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "start/t")
-        time.sleep(delay + 0.5)
-        assert limits.taken == limits.released == ["lease-1"]
-    assert {r["state"] for r in ledger.jobs("start")} == {"settled"}
+        assert limits.taken == limits.released
+    # the thread may not have recorded the request yet when it heard: then there is no row
+    assert {r["state"] for r in ledger.jobs("start")} <= {"settled", "cancelled"}
+    assert all(s["reserved_micro"] == 0 for s in ledger.status("start"))
+
+
+def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
+    """A cancellation can land at any bytecode of the thread that calls `admit`; inside the
+    ledger's pool or the HTTP client it could leave a lock held that every other thread then
+    waits on for good. So that thread only waits: every connection checkout and every Prefect
+    call of an admission that waits, is admitted, and of one cancelled while waiting happens
+    in another thread."""
+    import sqlalchemy as sa
+
+    caller = threading.get_ident()
+    seen: list[tuple[str, int]] = []
+
+    class _Watched(_SlowLimits):
+        def acquire(self, scopes, slots):
+            seen.append(("prefect", threading.get_ident()))
+            return super().acquire(scopes, slots)
+
+        def release(self, lease_id):
+            seen.append(("prefect", threading.get_ident()))
+            super().release(lease_id)
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    ledger.set_budget(BudgetRule("who", hourly_cap_cents=360))  # one job at a time
+    sa.event.listen(
+        ledger.engine, "checkout", lambda *a: seen.append(("ledger", threading.get_ident()))
+    )
+    limits = _Watched(delay=0.0)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    job = GpuJob(instance_type="local:box", max_runtime="1m")
+    first = gate.admit(job, "who/t")
+    threading.Timer(
+        0.3, gate.settle, (first,), {"ended_at": time.time(), "outcome": "done"}
+    ).start()
+    second = gate.admit(job, "who/t")  # waits for the first, then is admitted
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(_Interrupted):
+            gate.admit(job, "who/t")  # waits behind the second, is cancelled
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    gate.started(second, time.time())
+    gate.settle(second, ended_at=time.time(), outcome="done")
+    assert {kind for kind, _ in seen} == {"ledger", "prefect"}
+    assert [kind for kind, ident in seen if ident == caller] == []
+    assert sorted(r["state"] for r in ledger.jobs("who")) == ["cancelled", "settled", "settled"]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_as_the_job_is_admitted_gives_it_back(ledger, prices, monkeypatch, when):
+    """The cancellation and the admission race: whichever is claimed first, the admission goes
+    back (settled by the admission thread, or by the caller once it has heard)."""
+    from prefect_gpu_budget.admission import gate as gate_module
+
+    claim = gate_module._Handoff.claim
+
+    def claim_with_interrupt(self, who):
+        if who == "admitted" and when == "before":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)  # the caller's wait hears it and claims first
+        won = claim(self, who)
+        if who == "admitted" and when == "after":
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.2)
+        return won
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    monkeypatch.setattr(gate_module._Handoff, "claim", claim_with_interrupt)
+    ledger.set_budget(BudgetRule("race-in", hourly_cap_cents=720))
+    limits = _SlowLimits(delay=0.0)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with pytest.raises(_Interrupted):
+            gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "race-in/t")
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    (row,) = ledger.jobs("race-in")
+    assert (row["state"], row["outcome"]) == ("settled", "cancelled")
+    assert limits.taken == limits.released == ["lease-1"]
+    assert ledger.status("race-in")[0]["reserved_micro"] == 0

@@ -412,50 +412,49 @@ class Gate:
     def _take_limits(
         self, job_id: str, scope: str, slots: int, caps: tuple[tuple[str, int], ...]
     ) -> str | None | bool:
-        """Lease id, None when no scope on the path has an hourly cap, False when full."""
+        """Lease id, None when no scope on the path has an hourly cap, False when full. While
+        this talks to Prefect (slow when its API is), another thread stamps the job's row."""
         if self.limits is None or not caps:
             return None
-        limits, began = self.limits, time.monotonic()
-        self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
-        if time.monotonic() - began > LIVENESS_S:  # a slow Prefect API: restart the window
-            self.patiently("stamping the job", lambda: self.ledger.heartbeat(job_id))
-        deadline = time.monotonic() + LIMIT_RETRY_S
-        while True:
-            lease = self._take_and_record(job_id, caps, slots)
-            if lease is not None:
-                return lease
-            if time.monotonic() > deadline:
-                self.patiently(
-                    "giving the admission back",
-                    lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
-                )
-                return False
-            time.sleep(0.02)
-
-    def _take_and_record(
-        self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
-    ) -> str | None:
-        """Take the slots and record the lease in the ledger; while the request is outstanding
-        (a slow Prefect API) another thread stamps the job's row. If recording fails, or the job
-        was settled meanwhile (by reconcile), the lease goes back at once."""
-        assert self.limits is not None
-        limits, taken = self.limits, threading.Event()
+        limits, done = self.limits, threading.Event()
 
         def stamp() -> None:
-            while not taken.wait(LIVENESS_S):
+            while not done.wait(LIVENESS_S):
                 with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
                     self.ledger.heartbeat(job_id)
 
         threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
         try:
-            lease = self.patiently(
-                "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
-            )
-            if lease is not None:
-                self._record_or_release(job_id, lease)
-            return lease
+            self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
+            deadline = time.monotonic() + LIMIT_RETRY_S
+            while True:
+                lease = self._take_and_record(job_id, caps, slots)
+                if lease is not None:
+                    return lease
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
         finally:
-            taken.set()
+            done.set()
+        self.patiently(
+            "giving the admission back",
+            lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
+        )
+        return False
+
+    def _take_and_record(
+        self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
+    ) -> str | None:
+        """Take the slots and record the lease in the ledger. If recording fails, or the job
+        was settled meanwhile (by reconcile), the lease goes back at once."""
+        assert self.limits is not None
+        limits = self.limits
+        lease = self.patiently(
+            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
+        )
+        if lease is not None:
+            self._record_or_release(job_id, lease)
+        return lease
 
     def _record_or_release(self, job_id: str, lease: str, patience: float | None = None) -> None:
         """Record a lease just taken; release it if that fails or the job is no longer active

@@ -308,19 +308,20 @@ class _Interrupted(BaseException):
     """What a signal handler raises in the main thread (as Ctrl-C or a cancelled run does)."""
 
 
+def _interrupt(signum, frame):
+    raise _Interrupted
+
+
 def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices):
     """The main thread waits for the thread taking the slots; a signal that interrupts that wait
     must not let it go on as if that thread had ended (a plain `Thread.join` does, on CPython
     3.11), or the lease taken a moment later would be recorded on a settled row and never
     released."""
 
-    def interrupt(signum, frame):
-        raise _Interrupted
-
     ledger.set_budget(BudgetRule("intr", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.6)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
-    previous = signal.signal(signal.SIGUSR1, interrupt)
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
         with pytest.raises(_Interrupted):
@@ -414,9 +415,6 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
             seen.append(("prefect", threading.get_ident()))
             super().release(lease_id)
 
-    def interrupt(signum, frame):
-        raise _Interrupted
-
     ledger.set_budget(BudgetRule("who", hourly_cap_cents=360))  # one job at a time
     sa.event.listen(
         ledger.engine, "checkout", lambda *a: seen.append(("ledger", threading.get_ident()))
@@ -429,7 +427,7 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
         0.3, gate.settle, (first,), {"ended_at": time.time(), "outcome": "done"}
     ).start()
     second = gate.admit(job, "who/t")  # waits for the first, then is admitted
-    previous = signal.signal(signal.SIGUSR1, interrupt)
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
         with pytest.raises(_Interrupted):
@@ -461,14 +459,11 @@ def test_an_interrupt_as_the_job_is_admitted_gives_it_back(ledger, prices, monke
             time.sleep(0.2)
         return won
 
-    def interrupt(signum, frame):
-        raise _Interrupted
-
     monkeypatch.setattr(gate_module._Handoff, "claim", claim_with_interrupt)
     ledger.set_budget(BudgetRule("race-in", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.0)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
-    previous = signal.signal(signal.SIGUSR1, interrupt)
+    previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
         with pytest.raises(_Interrupted):
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "race-in/t")

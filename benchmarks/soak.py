@@ -552,9 +552,9 @@ def prefect_server(url: str, tmp: Path) -> Iterator[tuple[str, int]]:
     """
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    name = url.rsplit("/", 1)[1] + "_prefect"
+    name = prefect_db(url).rsplit("/", 1)[1]
     admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"')
-    db = "postgresql+asyncpg://" + url.split("://", 1)[1].rsplit("/", 1)[0] + "/" + name
+    db = "postgresql+asyncpg://" + prefect_db(url).split("://", 1)[1]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -775,13 +775,16 @@ def watch(
     A server with autovacuum off (some test machines) lets dead rows pile up in the ledger's
     tables, and every decision slows with them (seen: 45,000 dead rows in 30 minutes, the
     decision's median 6.7 -> 22 ms); production servers vacuum by default, so here the parent
-    then vacuums the gate's tables once a minute, as autovacuum would (`vacuums` in the JSON)."""
+    then vacuums the gate's tables and the Prefect server's database once a minute, as
+    autovacuum would (`vacuums` in the JSON)."""
     samples = []
     next_log = time.time() + 60
     with monitor.connect() as conn:
         vacuum = conn.execute(sa.text("SHOW autovacuum")).scalar_one() == "off"
     if vacuum:
-        log("autovacuum is off on this server: vacuuming the gate's tables once a minute")
+        log(
+            "autovacuum is off on this server: vacuuming the gate's and Prefect's tables each minute"
+        )
     while time.time() < end:
         samples.append(
             {"t": time.time(), "pg": gate_backends(monitor), "server_mib": rss_mib(server)}
@@ -794,21 +797,29 @@ def watch(
             log(f"{(end - time.time()) / 60:.1f} min left")
             next_log += 60
             if vacuum:
-                vacuum_gate_tables(cfg.url)
+                vacuum_tables(cfg.url)
                 samples[-1]["vacuum"] = True
         time.sleep(min(cfg.sample_s, max(0.0, end - time.time())))
     return samples
 
 
-def vacuum_gate_tables(url: str) -> None:
-    engine = sa.create_engine(
-        normalise_url(url), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
-    )
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text(f"VACUUM (ANALYZE) {', '.join(metadata.tables)}"))
-    finally:
-        engine.dispose()
+def vacuum_tables(url: str) -> None:
+    """`VACUUM (ANALYZE)` the gate's tables in the ledger's database, and the whole of the Prefect
+    server's database (its concurrency-limit rows change on every acquire and release)."""
+    for db, tables in ((url, ", ".join(metadata.tables)), (prefect_db(url), "")):
+        engine = sa.create_engine(
+            normalise_url(db), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
+        )
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text(f"VACUUM (ANALYZE) {tables}"))
+        finally:
+            engine.dispose()
+
+
+def prefect_db(url: str) -> str:
+    """The Prefect server's own database beside the ledger's: `<ledger db>_prefect`."""
+    return f"{url}_prefect"
 
 
 def load(path: Path) -> list[dict[str, Any]]:

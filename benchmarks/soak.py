@@ -979,6 +979,22 @@ def window_latency(samples: list[tuple[float, float]]) -> dict[str, Any]:
     }
 
 
+def per_minute_p95(samples: list[tuple[float, float]], t0: float, end: float) -> dict[str, Any]:
+    """p95 of each whole minute after warm-up, and their least-squares trend over the run as a
+    percentage of their mean: a leak climbs steadily, while a one-off step or a noisy minute
+    (another tenant on the host) moves the start/end ratio but hardly the trend."""
+    by_minute: dict[int, list[float]] = defaultdict(list)
+    for t, ms in samples:
+        if t0 <= t < end:
+            by_minute[int((t - t0) // 60)].append(ms)
+    whole = int((end - t0) // 60)
+    points = [(60.0 * m, percentile(by_minute[m], 95)) for m in range(whole) if by_minute[m]]
+    slope = slope_per_min(points)
+    mean = statistics.fmean(v for _, v in points) if points else 0.0
+    trend = None if slope is None or not mean else 100 * slope * (whole - 1) / mean
+    return {"per_minute_p95_ms": [round(v, 1) for _, v in points], "trend_pct": trend}
+
+
 def within(t: float, window: tuple[float, float]) -> bool:
     return window[0] <= t < window[1]
 
@@ -1030,7 +1046,8 @@ def analyse(
         a = window_latency([p for p in streams[stream] if within(p[0], first)])
         b = window_latency([p for p in streams[stream] if within(p[0], last)])
         ratio = b["p95_ms"] / a["p95_ms"] if a["p95_ms"] and b["p95_ms"] else None
-        latency[stream] = {"start": a, "end": b, "ratio": ratio}
+        minutes = per_minute_p95(streams[stream], t0, end)
+        latency[stream] = {"start": a, "end": b, "ratio": ratio, **minutes}
     pg = [(s["t"], s["pg"]) for s in parent]
     server = [(s["t"], s["server_mib"]) for s in parent if s["server_mib"] is not None]
 

@@ -71,3 +71,22 @@ def test_short_soak_stays_flat_and_consistent() -> None:
     # measured, not judged: enough samples at both ends for the figure to mean something
     admit = out["latency"]["admit"]
     assert admit["start"]["n"] >= 20 and admit["end"]["n"] >= 20
+
+
+def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
+    sys.path.insert(0, str(SOAK.parent))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(SOAK.parent))
+
+    def run(p95_of_minute: list[float]) -> dict:
+        samples = [(60.0 * m + s, ms) for m, ms in enumerate(p95_of_minute) for s in range(60)]
+        return soak.per_minute_p95(samples, 0.0, 60.0 * len(p95_of_minute))
+
+    climb = run([40.0 + m for m in range(30)])  # +1 ms a minute: a leak
+    noisy = run([40.0] * 12 + [100.0] + [40.0] * 17)  # one bad minute on the host
+    assert climb["per_minute_p95_ms"][:2] == [40.0, 41.0]
+    assert climb["trend_pct"] == pytest.approx(100 * 29 / 54.5)
+    assert abs(noisy["trend_pct"]) < 10
+    assert run([40.0] * 30)["trend_pct"] == 0

@@ -19,6 +19,7 @@ from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
 from prefect_gpu_budget.units import fmt_usd
 
 DEMO_SCOPE = "demo-lab/sweeps/agent-1"
+SERVER_START_TIMEOUT_S = 180
 LEARNING_RATES = [0.05, 0.2, 0.5, 1.0]
 WIDTHS = [4, 16, 64]
 
@@ -68,11 +69,33 @@ def demo_spec(out: Path, trials: int, seconds: float) -> SweepSpec:
     )
 
 
+def start_temporary_server() -> None:
+    """Start Prefect's temporary server here, unless a server is configured.
+
+    Prefect starts it on first use and waits `PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`
+    (20 s) for it; a first start migrates a new database, which takes about 15 s on two idle
+    cores and longer on a busy machine. Starting the same instance here, with a longer wait, lets
+    the sweep reuse it.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
+
+    if PREFECT_API_URL.value():
+        return
+    print("starting a temporary Prefect server (the first start sets up its database)", flush=True)
+    wait = max(SERVER_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    SubprocessASGIServer().start(timeout=wait)
+
+
 def run_demo(
     out_dir: str = "gpu-budget-demo", seconds: float = 2.5, trials: int = 12
 ) -> pd.DataFrame:
     out = Path(out_dir).resolve()
     url = prepare(out)
+    start_temporary_server()
     started = time.time()
     df = gpu_sweep(demo_spec(out, trials, seconds), ledger=SpendLedger(database_url=url))
     status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().status()}[DEMO_SCOPE]

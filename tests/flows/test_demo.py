@@ -15,7 +15,13 @@ from prefect_gpu_budget.admission.ledger import Ledger
 @pytest.mark.timeout(300)
 def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path / "home"), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env.update(
+        PREFECT_HOME=str(tmp_path / "home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # Prefect's own wait for a temporary server; the demo must not depend on it, as a first
+        # start on a busy machine takes longer than its 20 s default.
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1",
+    )
     out = tmp_path / "out"
     done = subprocess.run(
         [

@@ -27,7 +27,9 @@ Measured:
 - per agent every 1-5 s: RSS (VmRSS), OS threads, open file descriptors and the ledger's
   SQLAlchemy pool (idle + checked out, filled to its steady size before the clock starts); from
   the parent: PostgreSQL backends with application_name `prefect-gpu-budget` in the soak
-  database, and the Prefect server's RSS.
+  database, and the Prefect server's RSS; each minute, the host's CPU steal and the rows
+  PostgreSQL read per committed transaction in each database (`host_and_db`), to tell a gate
+  whose queries do more work over time from a host that slows under it.
 - start and end windows: the first and last `--edge` fraction (default 10%) of the run after a
   warm-up (10% of the run, 5-60 s). A window's p95 is the median of the p95s of up to 5
   consecutive groups of at least 20 samples, so one noisy burst moves the figure little.
@@ -724,6 +726,31 @@ def gate_backends(engine: sa.Engine) -> int:
         )
 
 
+def host_cpu() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs since boot, from /proc/stat; (0, 0) where unreadable."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0, 0
+    return fields[7], sum(fields)
+
+
+def db_work(engine: sa.Engine, url: str) -> dict[str, list[int]]:
+    """Per database (the ledger's and the Prefect server's): cumulative committed transactions
+    and rows read (returned + fetched), from `pg_stat_database`."""
+    names = [u.rsplit("/", 1)[1] for u in (url, prefect_db(url))]
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT datname, xact_commit, tup_returned + tup_fetched FROM pg_stat_database "
+                "WHERE datname = ANY(:names)"
+            ),
+            {"names": names},
+        )
+        found = {name: [int(x), int(r)] for name, x, r in rows}
+    return {"ledger": found.get(names[0], [0, 0]), "prefect": found.get(names[1], [0, 0])}
+
+
 def run(cfg: Config) -> dict[str, Any]:
     wall = time.perf_counter()
     ensure_database(cfg.url)
@@ -777,7 +804,7 @@ def watch(
     decision's median 6.7 -> 22 ms); production servers vacuum by default, so here the parent
     then vacuums the gate's tables and the Prefect server's database once a minute, as
     autovacuum would (`vacuums` in the JSON)."""
-    samples = []
+    samples: list[dict[str, Any]] = []
     next_log = time.time() + 60
     with monitor.connect() as conn:
         vacuum = conn.execute(sa.text("SHOW autovacuum")).scalar_one() == "off"
@@ -789,6 +816,8 @@ def watch(
         samples.append(
             {"t": time.time(), "pg": gate_backends(monitor), "server_mib": rss_mib(server)}
         )
+        if len(samples) == 1:
+            samples[0].update(cpu=host_cpu(), db=db_work(monitor, cfg.url))
         dead = agents.dead()
         if dead:
             raise RuntimeError(f"agent {dead[0]} died: {agents.tail(dead[0])}")
@@ -796,6 +825,7 @@ def watch(
         if time.time() > next_log:
             log(f"{(end - time.time()) / 60:.1f} min left")
             next_log += 60
+            samples[-1].update(cpu=host_cpu(), db=db_work(monitor, cfg.url))
             if vacuum:
                 vacuum_tables(cfg.url)
                 samples[-1]["vacuum"] = True
@@ -989,10 +1019,34 @@ def per_minute_p95(samples: list[tuple[float, float]], t0: float, end: float) ->
             by_minute[int((t - t0) // 60)].append(ms)
     whole = int((end - t0) // 60)
     points = [(60.0 * m, percentile(by_minute[m], 95)) for m in range(whole) if by_minute[m]]
-    slope = slope_per_min(points)
-    mean = statistics.fmean(v for _, v in points) if points else 0.0
-    trend = None if slope is None or not mean else 100 * slope * (whole - 1) / mean
+    trend = trend_pct(points, whole - 1)
     return {"per_minute_p95_ms": [round(v, 1) for _, v in points], "trend_pct": trend}
+
+
+def host_and_db(parent: list[dict[str, Any]], t0: float) -> dict[str, Any]:
+    """Each minute after warm-up: the host's CPU steal (%), and rows PostgreSQL read per
+    committed transaction in the ledger's and the Prefect server's databases, with each one's
+    trend (`trend_pct`). Latency that climbs while rows per transaction stay flat is not
+    the queries doing more work; climbing with the steal, it is the host."""
+    marks = [s for s in parent if "cpu" in s]
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for a, b in itertools.pairwise(marks):
+        if b["t"] <= t0:
+            continue
+        total = b["cpu"][1] - a["cpu"][1]
+        if total > 0:
+            series["steal_pct"].append((b["t"], 100 * (b["cpu"][0] - a["cpu"][0]) / total))
+        for db in ("ledger", "prefect"):
+            xacts = b["db"][db][0] - a["db"][db][0]
+            if xacts > 0:
+                series[f"{db}_rows_per_xact"].append(
+                    (b["t"], (b["db"][db][1] - a["db"][db][1]) / xacts)
+                )
+    out = {}
+    for name, points in series.items():
+        trend = trend_pct(points, (points[-1][0] - points[0][0]) / 60)
+        out[name] = {"per_minute": [round(v, 2) for _, v in points], "trend_pct": trend}
+    return out
 
 
 def within(t: float, window: tuple[float, float]) -> bool:
@@ -1013,6 +1067,15 @@ def slope_per_min(points: list[tuple[float, float]]) -> float | None:
     if var == 0:
         return None
     return 60 * sum((t - mean_t) * (v - mean_v) for t, v in points) / var
+
+
+def trend_pct(points: list[tuple[float, float]], minutes: float) -> float | None:
+    """The least-squares change over `minutes`, as a percentage of the points' mean."""
+    slope = slope_per_min(points)
+    if slope is None:
+        return None
+    mean = statistics.fmean(v for _, v in points)
+    return 100 * slope * minutes / mean if mean else None
 
 
 def analyse(
@@ -1090,6 +1153,7 @@ def analyse(
         "agents": agents,
         "pg_backends": edges(pg),
         "prefect_server_mib": edges(server),
+        "host_and_db": host_and_db(parent, t0),
         "flat": flat(agents, edges(pg)),
         "errors": errors,
     }
@@ -1211,8 +1275,8 @@ def targets(out: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 # -- report ------------------------------------------------------------------------------------
 
 
-def num(value: float | None, digits: int = 1) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+def num(value: float | None, digits: int = 1, unit: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
 
 
 LATENCY_HEADER = ["Operation", "Samples s/e", "p50 start", "p50 end", "p95 start", "p95 end"]
@@ -1302,6 +1366,14 @@ def report(out: dict[str, Any]) -> str:
         f"{num(pg['end'], 0)} at the end (max {num(pg['early_max'], 0)} in the first half, "
         f"{num(pg['max'], 0)} overall). Prefect server RSS {num(srv['start'])} -> "
         f"{num(srv['end'])} MiB.",
+        "Per minute, trend over the run: "
+        + "; ".join(
+            f"{name} {num(v['per_minute'][0] if v['per_minute'] else None)} -> "
+            f"{num(v['per_minute'][-1] if v['per_minute'] else None)} "
+            f"(trend {num(v['trend_pct'], 0, '%')})"
+            for name, v in out["host_and_db"].items()
+        )
+        + ".",
         "",
         f"Ledger after the run: {ledger['rows']} jobs {ledger['by_state']}, settled outcomes "
         f"{ledger['settled_outcomes']}, spend ${ledger['spend_usd']:.2f}; "

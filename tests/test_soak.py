@@ -90,3 +90,32 @@ def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
     assert climb["trend_pct"] == pytest.approx(100 * 29 / 54.5)
     assert abs(noisy["trend_pct"]) < 10
     assert run([40.0] * 30)["trend_pct"] == 0
+
+
+def test_host_and_db_figures_are_per_minute_deltas() -> None:
+    sys.path.insert(0, str(SOAK.parent))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(SOAK.parent))
+
+    def mark(minute: int) -> dict:
+        # cumulative counters: 100 jiffies a minute, 3 of them stolen from minute 5 on; 1,000
+        # ledger transactions a minute, each reading one row more than the minute before;
+        # Prefect flat at 25 rows
+        steal = 3 * max(0, minute - 4)
+        ledger = [1000 * minute, sum(1000 * (20 + k) for k in range(minute))]
+        return {
+            "t": 60.0 * minute,
+            "cpu": (steal, 100 * minute),
+            "db": {"ledger": ledger, "prefect": [500 * minute, 500 * 25 * minute]},
+        }
+
+    parent = [mark(m) for m in range(11)]
+    parent.insert(3, {"t": 150.0, "pg": 16})  # a plain sample in between is skipped
+    out = soak.host_and_db(parent, t0=60.0)  # the first minute is warm-up
+    assert out["steal_pct"]["per_minute"] == [0, 0, 0, 3, 3, 3, 3, 3, 3]
+    assert out["ledger_rows_per_xact"]["per_minute"] == [21 + k for k in range(9)]
+    assert out["ledger_rows_per_xact"]["trend_pct"] == pytest.approx(100 * 8 / 25)
+    assert out["prefect_rows_per_xact"]["per_minute"] == [25] * 9
+    assert out["prefect_rows_per_xact"]["trend_pct"] == 0

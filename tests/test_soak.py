@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -25,6 +26,16 @@ SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 RSS_GROWTH_MIB = 2.0
 """Per agent, start window to end window (~25 s, ~40 jobs): about 0.3 MiB is seen; a leak of
 50 KiB per job would pass it."""
+
+
+def load_soak() -> ModuleType:
+    """`benchmarks/soak.py` as a module, for its pure functions."""
+    sys.path.insert(0, str(SOAK.parent))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(SOAK.parent))
+    return soak
 
 
 @pytest.mark.timeout(300)
@@ -74,11 +85,7 @@ def test_short_soak_stays_flat_and_consistent() -> None:
 
 
 def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
-    sys.path.insert(0, str(SOAK.parent))
-    try:
-        import soak
-    finally:
-        sys.path.remove(str(SOAK.parent))
+    soak = load_soak()
 
     def run(p95_of_minute: list[float]) -> dict:
         samples = [(60.0 * m + s, ms) for m, ms in enumerate(p95_of_minute) for s in range(60)]
@@ -93,11 +100,7 @@ def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
 
 
 def test_host_and_db_figures_are_per_minute_deltas() -> None:
-    sys.path.insert(0, str(SOAK.parent))
-    try:
-        import soak
-    finally:
-        sys.path.remove(str(SOAK.parent))
+    soak = load_soak()
 
     def mark(minute: int) -> dict:
         # cumulative counters: 100 jiffies a minute, 3 of them stolen from minute 5 on; 1,000

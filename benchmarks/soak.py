@@ -1368,8 +1368,7 @@ def report(out: dict[str, Any]) -> str:
         f"{num(srv['end'])} MiB.",
         "Per minute, trend over the run: "
         + "; ".join(
-            f"{name} {num(v['per_minute'][0] if v['per_minute'] else None)} -> "
-            f"{num(v['per_minute'][-1] if v['per_minute'] else None)} "
+            f"{name} {num(v['per_minute'][0])} -> {num(v['per_minute'][-1])} "
             f"(trend {num(v['trend_pct'], 0, '%')})"
             for name, v in out["host_and_db"].items()
         )

@@ -1,22 +1,70 @@
-"""prefect-gpu-budget: spend bounds around agent-launched GPU experiments, for Prefect 3."""
+"""prefect-gpu-budget: spend bounds around agent-launched GPU experiments, for Prefect 3.
 
-from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
-from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.blocks import CapacityPool, GpuBudget, SpendLedger
-from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.tasks import JobResult, admit, run_gpu_job, settle
+The public names load on first use (PEP 562), so that a trial, a launcher's subprocess or a
+ledger command of the CLI pays only for what it uses: `import prefect_gpu_budget` imports
+neither Prefect nor pandas. Prefect's collection loader imports `prefect_gpu_budget.blocks`;
+`prefect block register -m prefect_gpu_budget` finds every block, launchers included.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_PUBLIC = {
+    "Admission": "prefect_gpu_budget.admission.gate",
+    "AdmissionRefused": "prefect_gpu_budget.admission.gate",
+    "CapacityPool": "prefect_gpu_budget.blocks",
+    "DeploymentLauncher": "prefect_gpu_budget.launchers.deployment",
+    "Gate": "prefect_gpu_budget.admission.gate",
+    "GpuBudget": "prefect_gpu_budget.blocks",
+    "GpuJob": "prefect_gpu_budget.job",
+    "JobResult": "prefect_gpu_budget.tasks",
+    "Ledger": "prefect_gpu_budget.admission.ledger",
+    "SageMakerLauncher": "prefect_gpu_budget.launchers.sagemaker",
+    "SpendLedger": "prefect_gpu_budget.blocks",
+    "VertexLauncher": "prefect_gpu_budget.launchers.vertex",
+    "admit": "prefect_gpu_budget.tasks",
+    "run_gpu_job": "prefect_gpu_budget.tasks",
+    "settle": "prefect_gpu_budget.tasks",
+}
 
 __all__ = [
     "Admission",
     "AdmissionRefused",
     "CapacityPool",
+    "DeploymentLauncher",
     "Gate",
     "GpuBudget",
     "GpuJob",
     "JobResult",
     "Ledger",
+    "SageMakerLauncher",
     "SpendLedger",
+    "VertexLauncher",
     "admit",
     "run_gpu_job",
     "settle",
 ]
+
+if TYPE_CHECKING:
+    from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.blocks import CapacityPool, GpuBudget, SpendLedger
+    from prefect_gpu_budget.job import GpuJob
+    from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
+    from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
+    from prefect_gpu_budget.launchers.vertex import VertexLauncher
+    from prefect_gpu_budget.tasks import JobResult, admit, run_gpu_job, settle
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'prefect_gpu_budget' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

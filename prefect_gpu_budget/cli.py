@@ -13,9 +13,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
-from pydantic import ValidationError
-from rich.console import Console
-from rich.table import Table
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.units import BudgetInputError, fmt_usd, micro_to_usd, to_decimal_usd
@@ -34,7 +31,28 @@ app.add_typer(prices_app, name="prices")
 app.add_typer(agent_app, name="agent")
 pool_app = typer.Typer(help="Capacity pools and team quotas.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
-console = Console()
+
+
+class _Console:
+    """rich's console, loaded on first print: `--json` output never imports rich."""
+
+    _rich: Any = None
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        if self._rich is None:
+            from rich.console import Console
+
+            _Console._rich = Console()
+        self._rich.print(*args, **kwargs)
+
+
+def _table(*columns: str) -> Any:
+    from rich.table import Table
+
+    return Table(*columns)
+
+
+console = _Console()
 _state: dict[str, Any] = {"ledger_url": None}
 
 
@@ -44,9 +62,10 @@ def fail(message: str, code: int = 2) -> NoReturn:
 
 
 def _ledger():
-    from prefect_gpu_budget.blocks.ledger import SpendLedger
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.admission.ledger import open_ledger
 
-    return SpendLedger(database_url=_state["ledger_url"]).ledger()
+    return open_ledger(settings.ledger_url(_state["ledger_url"]))
 
 
 def _iso(t: float | None) -> str | None:
@@ -96,14 +115,14 @@ def budget_set(
     ),
 ) -> None:
     """Create or change a scope's budget (options not given keep their current values)."""
-    from prefect_gpu_budget.blocks.budget import GpuBudget
+    from prefect_gpu_budget.models import BudgetSettings
 
     ledger = _ledger()
     existing = ledger.session_templates() if session_template else ledger.budgets()
     current = {r.scope: r for r in existing}.get(scope)
     fields: dict[str, Any] = {"scope": scope}
     if current is not None:
-        fields.update(GpuBudget.fields_of(current))
+        fields.update(BudgetSettings.fields_of(current))
     for key, value in (
         ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
         ("period_budget_usd", _optional_usd(period_budget, "period_budget")),
@@ -121,7 +140,7 @@ def budget_set(
     fields.update({k: v for k, v in given.items() if v is not None})
     if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
         fail("budget: give --hourly-cap, --period-budget or both")
-    block = GpuBudget(**fields)
+    block = BudgetSettings(**fields)
     if session_template:
         ledger.set_session_template(block.rule())
         console.print(f"session template set for [bold]{scope}/*[/]: {_describe(block.rule())}")
@@ -155,7 +174,7 @@ def budget_show(
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in rules], indent=2))
         return
-    table = Table("scope", "budget")
+    table = _table("scope", "budget")
     for rule in rules:
         table.add_row(rule.scope, _describe(rule))
     for rule in _ledger().session_templates():
@@ -192,7 +211,7 @@ def status(
             )
         )
         return
-    table = Table(
+    table = _table(
         "scope", "rate / cap", "period", "settled", "reserved", "remaining", "running", "queued"
     )
     for r in rows:
@@ -223,7 +242,7 @@ def _res(r: tuple[int, int, int], model: str = "") -> str:
 
 
 def _print_pool(pool: dict) -> None:
-    table = Table("team", "quota", "used", "borrowed", "lent", "borrow / lend / weight")
+    table = _table("team", "quota", "used", "borrowed", "lent", "borrow / lend / weight")
     for t in pool["teams"]:
         table.add_row(
             t["team"],
@@ -276,11 +295,11 @@ def pool_set(
     backfill: bool = typer.Option(False, help="Let small jobs pass a blocked big one."),
 ) -> None:
     """Create or replace a capacity pool; its team quotas stay as they are."""
-    from prefect_gpu_budget.blocks.capacity import CapacityPool
+    from prefect_gpu_budget.models import PoolSettings
 
     ledger = _ledger()
     _, quotas = ledger.capacity(org)
-    block = CapacityPool(
+    block = PoolSettings(
         org=org,
         name=name,
         nodes=nodes,
@@ -308,7 +327,7 @@ def pool_quota(
     weight: int = typer.Option(50),
 ) -> None:
     """Set one team's quota in a pool (HyperPod-style: vCPU and memory follow the GPUs)."""
-    from prefect_gpu_budget.blocks.capacity import TeamShare
+    from prefect_gpu_budget.models import TeamShare
     from prefect_gpu_budget.units import validate_scope
 
     org = validate_scope(team, "team").split("/")[0]
@@ -368,7 +387,7 @@ def ledger_cmd(
     if as_json:
         typer.echo(json.dumps(out, indent=2))
         return
-    table = Table("id", "scope", "instance", "rate/h", "reserved", "actual", "state", "requested")
+    table = _table("id", "scope", "instance", "rate/h", "reserved", "actual", "state", "requested")
     for r in out:
         table.add_row(
             r["id"][:8],
@@ -468,7 +487,7 @@ def prices_list() -> None:
     """The catalog rows, with their sources and dates."""
     from prefect_gpu_budget.pricing.catalog import default_catalog
 
-    table = Table("instance", "provisioning", "GPUs", "USD/h", "as of", "source")
+    table = _table("instance", "provisioning", "GPUs", "USD/h", "as of", "source")
     for row in default_catalog().rows():
         table.add_row(
             row.key,
@@ -617,29 +636,37 @@ def deploy(
 
 def _limits_if_configured():
     """Prefect limits only when a server is configured; never start a temporary one for this."""
-    from prefect.settings import PREFECT_API_URL
+    from prefect_gpu_budget.settings import prefect_api_url
 
-    if not PREFECT_API_URL.value():
+    if not prefect_api_url():
         return None
     from prefect_gpu_budget.admission.limits import RateLimits
 
     return RateLimits()
 
 
+def _user_error(exc: BaseException) -> bool:
+    """Bad input: ours, or pydantic's (never raised unless pydantic was imported)."""
+    pydantic = sys.modules.get("pydantic")
+    return isinstance(exc, BudgetInputError) or (
+        pydantic is not None and isinstance(exc, pydantic.ValidationError)
+    )
+
+
 def main() -> None:
     """Console entry point: one-line errors with exit code 2 for bad input."""
     try:
         code = app(standalone_mode=False)
-    except (BudgetInputError, ValidationError) as exc:
-        from prefect_gpu_budget.job import one_line
-
-        typer.echo(f"error: {one_line(exc)}", err=True)
-        sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(1)
     except Exception as exc:  # usage errors from the option parser, and anything unexpected
+        if _user_error(exc):
+            from prefect_gpu_budget.job import one_line
+
+            typer.echo(f"error: {one_line(exc)}", err=True)
+            sys.exit(2)
         if hasattr(exc, "format_message"):
             param = getattr(getattr(exc, "param", None), "name", None)
             message = exc.format_message().splitlines()[0]

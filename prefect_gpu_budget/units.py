@@ -13,9 +13,6 @@ import re
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
-from typing import Annotated
-
-from pydantic import BeforeValidator
 
 MICRO_PER_USD = 1_000_000
 MICRO_PER_CENT = 10_000
@@ -178,10 +175,3 @@ def scope_path(scope: str) -> tuple[str, ...]:
     """`a/b/c` -> `('a', 'a/b', 'a/b/c')` (the scopes whose budgets a job must fit)."""
     segments = scope.split("/")
     return tuple("/".join(segments[: i + 1]) for i in range(len(segments)))
-
-
-def _scope_validator(value: object) -> str:
-    return validate_scope(value)
-
-
-Scope = Annotated[str, BeforeValidator(_scope_validator)]

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import os
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -188,9 +189,22 @@ versions = sa.Table(
 
 
 def default_url() -> str:
-    from prefect.settings import PREFECT_HOME
+    from prefect_gpu_budget.settings import default_ledger_url
 
-    return f"sqlite:///{Path(PREFECT_HOME.value()) / 'gpu-budget' / 'ledger.db'}"
+    return default_ledger_url()
+
+
+_open: dict[str, Ledger] = {}
+_opening = threading.Lock()
+
+
+def open_ledger(url: str) -> Ledger:
+    """The one open ledger of this process for `url` (its engine pools the connections of every
+    job in the process), built once even when many threads ask for it at the same moment."""
+    with _opening:
+        if url not in _open:
+            _open[url] = Ledger(url)
+        return _open[url]
 
 
 def normalise_url(url: str) -> str:

@@ -56,21 +56,31 @@ class RateLimits:
     """Prefect global concurrency limits for hourly caps, through the raw client API (~9 ms)."""
 
     def __init__(self, client: Any | None = None) -> None:
-        if client is None:
-            from prefect.client.orchestration import get_client
-
-            client = get_client(sync_client=True)
-            client.__enter__()
-            self._owns = True
-        else:
-            self._owns = False
-        self._client = client
+        self._given = client
+        self._owned: Any | None = None
         self._applied: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._opening = threading.Lock()
+
+    @property
+    def _client(self) -> Any:
+        """The client handed in, else Prefect's own, opened on first use: a reconcile with
+        nothing to release never imports Prefect."""
+        if self._given is not None:
+            return self._given
+        with self._opening:
+            if self._owned is None:
+                from prefect.client.orchestration import get_client
+
+                client = get_client(sync_client=True)
+                client.__enter__()
+                self._owned = client
+            return self._owned
 
     def close(self) -> None:
-        if self._owns:
-            self._client.__exit__(None, None, None)
+        if self._owned is not None:
+            self._owned.__exit__(None, None, None)
+            self._owned = None
 
     def ensure(self, caps: Iterable[tuple[str, int]]) -> None:
         """Create or resize the limit of each (scope, cap in cents) (cached per process)."""

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 from prefect.blocks.core import Block
 from pydantic import Field, SecretStr
 
-from prefect_gpu_budget.admission.ledger import Ledger, default_url
-
-_open: dict[str, Ledger] = {}
-
-LEDGER_URL_ENV = "PREFECT_GPU_BUDGET_LEDGER_URL"
+from prefect_gpu_budget import settings
+from prefect_gpu_budget.admission.ledger import Ledger, open_ledger
 
 
 class SpendLedger(Block):
@@ -33,13 +28,9 @@ class SpendLedger(Block):
     )
 
     def url(self) -> str:
-        if self.database_url is not None:
-            return self.database_url.get_secret_value()
-        return os.environ.get(LEDGER_URL_ENV) or default_url()
+        explicit = None if self.database_url is None else self.database_url.get_secret_value()
+        return settings.ledger_url(explicit)
 
     def ledger(self) -> Ledger:
         """One open ledger per URL and process (engines pool their connections)."""
-        url = self.url()
-        if url not in _open:
-            _open[url] = Ledger(url)
-        return _open[url]
+        return open_ledger(self.url())

@@ -37,10 +37,10 @@ from prefect_gpu_budget.flows import plots
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
+from prefect_gpu_budget.models import Scope
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
     BudgetInputError,
-    Scope,
     fmt_duration,
     fmt_usd,
     micro_to_usd,

@@ -8,7 +8,6 @@ An unknown instance type is an error, never a zero price.
 from __future__ import annotations
 
 import csv
-import os
 from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
@@ -78,12 +77,9 @@ class Quote:
 
 def refreshed_dir() -> Path:
     """Where `prices refresh` writes dated catalogs (`catalog-YYYY-MM-DD.csv`)."""
-    explicit = os.environ.get("PREFECT_GPU_BUDGET_CATALOG_DIR")
-    if explicit:
-        return Path(explicit)
-    from prefect.settings import PREFECT_HOME
+    from prefect_gpu_budget import settings
 
-    return Path(PREFECT_HOME.value()) / "gpu-budget" / "catalogs"
+    return settings.catalog_dir()
 
 
 def latest_refresh() -> Path | None:
@@ -94,12 +90,9 @@ def latest_refresh() -> Path | None:
 
 
 def user_prices_path() -> Path:
-    explicit = os.environ.get("PREFECT_GPU_BUDGET_PRICES")
-    if explicit:
-        return Path(explicit)
-    from prefect.settings import PREFECT_HOME
+    from prefect_gpu_budget import settings
 
-    return Path(PREFECT_HOME.value()) / "gpu-budget" / "prices.csv"
+    return settings.prices_path()
 
 
 def _parse_row(raw: dict[str, str], where: str) -> PriceRow:

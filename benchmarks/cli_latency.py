@@ -1,0 +1,155 @@
+"""Wall time of the ledger and catalog commands of `prefect-gpu-budget`, side by side with
+`python -c pass` and `prefect version`, on a 1,000-row SQLite ledger and on PostgreSQL.
+
+    .venv/bin/python benchmarks/cli_latency.py            # --runs 5 --json --pg-url URL
+
+Each command runs as a whole new process (what an admin or an agent's script pays), `--runs`
+times in turn with the others, and the median, minimum and maximum are printed; the ratio column
+is the median against `python -c pass` measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCHMARKS))
+
+from _shared import ensure_database, table  # noqa: E402
+
+BIN = Path(sys.executable).parent
+CLI = str(BIN / "prefect-gpu-budget")
+TARGET_S = 0.5
+
+
+def fill(url: str, rows: int) -> None:
+    """A budget tree and `rows` settled jobs, written through the ledger's own API."""
+    from prefect_gpu_budget.admission.ledger import Ledger, NewJob
+    from prefect_gpu_budget.admission.policy import BudgetRule
+
+    ledger = Ledger(url)
+    for scope, cap in (("bench", 100_000), ("bench/team", 50_000), ("bench/team/s", 10_000)):
+        ledger.set_budget(
+            BudgetRule(scope=scope, hourly_cap_cents=cap, period_budget_micro=10**12)
+        )
+    job = NewJob(
+        scope="bench/team/s",
+        name="j",
+        instance_type="aws:g5.xlarge",
+        provisioning="on-demand",
+        nodes=1,
+        rate_micro_per_hour=1_006_000,
+        rate_cents=101,
+        priority=0,
+        max_runtime_s=60.0,
+        expected_runtime_s=None,
+        holder="elsewhere:1:1",
+    )
+    t0 = time.time() - rows * 60
+    for i in range(rows):
+        now = t0 + i * 60
+        job_id, decision = ledger.request(job, now=now)
+        ledger.mark_started(job_id, now)
+        ledger.settle(job_id, ended_at=now + 30, outcome="completed", now=now + 30)
+    ledger.dispose()
+
+
+def commands() -> dict[str, list[str]]:
+    return {
+        "python -c pass": [sys.executable, "-c", "pass"],
+        "prefect version": [str(BIN / "prefect"), "version"],
+        "status --json": [CLI, "status", "--json"],
+        "ledger --json --limit 20": [CLI, "ledger", "--json", "--limit", "20"],
+        "quote aws:g5.xlarge": [CLI, "quote", "aws:g5.xlarge", "--hours", "2"],
+        "budget show": [CLI, "budget", "show"],
+        "budget set": [CLI, "budget", "set", "bench/team", "--hourly-cap", "500"],
+        "capacity bench": [CLI, "capacity", "bench"],
+        "agent revoke": [CLI, "agent", "revoke", "bench/team/s"],
+        "import prefect_gpu_budget": [sys.executable, "-c", "import prefect_gpu_budget"],
+    }
+
+
+def measure(env: dict[str, str], runs: int, only: set[str] | None) -> dict[str, list[float]]:
+    cmds = {k: v for k, v in commands().items() if only is None or k in only}
+    times: dict[str, list[float]] = {k: [] for k in cmds}
+    for _ in range(runs):
+        for name, argv in cmds.items():
+            start = time.perf_counter()
+            done = subprocess.run(argv, env=env, capture_output=True, text=True)
+            times[name].append(time.perf_counter() - start)
+            if done.returncode not in (0,):
+                raise SystemExit(f"{name}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=1000)
+    parser.add_argument("--pg-url", default="postgresql://postgres@127.0.0.1:5432/gpu_budget_cli")
+    parser.add_argument("--no-pg", action="store_true", help="SQLite only.")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="cli-latency-"))
+    ledgers = {"sqlite": f"sqlite:///{home / 'ledger.db'}"}
+    if not args.no_pg:
+        ensure_database(args.pg_url)
+        ledgers["postgresql"] = args.pg_url
+    base = {
+        **os.environ,
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_GPU_BUDGET_PRICES": str(home / "prices.csv"),
+        "COLUMNS": "200",
+    }
+    base.pop("PREFECT_API_URL", None)
+    report: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, url in ledgers.items():
+        fill(url, args.rows)
+        env = {**base, "PREFECT_GPU_BUDGET_LEDGER_URL": url}
+        only = None if kind == "sqlite" else {k for k in commands() if "-c" not in commands()[k]}
+        times = measure(env, args.runs, only if kind != "sqlite" else None)
+        report[kind] = {
+            name: {
+                "median_s": statistics.median(t),
+                "min_s": min(t),
+                "max_s": max(t),
+            }
+            for name, t in times.items()
+        }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    floor = report["sqlite"]["python -c pass"]["median_s"]
+    rows = []
+    for kind, found in report.items():
+        for name, f in found.items():
+            target = "" if name in ("python -c pass", "prefect version") else f"<= {TARGET_S}"
+            if name == "import prefect_gpu_budget":
+                target = ""
+            met = "" if not target else ("ok" if f["median_s"] <= TARGET_S else "MISSED")
+            rows.append(
+                [
+                    kind,
+                    name,
+                    f"{f['median_s']:.3f}",
+                    f"{f['min_s']:.3f}",
+                    f"{f['max_s']:.3f}",
+                    f"{f['median_s'] / floor:.1f}x",
+                    f"{target} {met}".strip(),
+                ]
+            )
+    print(f"{args.runs} runs each, {args.rows}-row ledgers; load {os.getloadavg()[0]:.2f}")
+    print(table(["ledger", "command", "median s", "min s", "max s", "vs python", "target"], rows))
+
+
+if __name__ == "__main__":
+    main()

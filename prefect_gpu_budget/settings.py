@@ -1,0 +1,97 @@
+"""The settings this package reads, in one place, without importing Prefect where it can.
+
+Prefect's own settings (PREFECT_HOME, PREFECT_API_URL) come from the environment, the active
+profile in `profiles.toml`, or a `prefect.toml`, `.env` or `pyproject.toml` in the working
+directory. Importing `prefect.settings` to read them costs seconds, which the ledger and catalog
+commands of the CLI must not pay. So: the environment and the profile are read here directly;
+only when the working directory holds a file that Prefect would also read is Prefect asked.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+LEDGER_URL_ENV = "PREFECT_GPU_BUDGET_LEDGER_URL"
+PRICES_ENV = "PREFECT_GPU_BUDGET_PRICES"
+CATALOG_DIR_ENV = "PREFECT_GPU_BUDGET_CATALOG_DIR"
+
+
+def _prefect_reads_cwd() -> bool:
+    """Whether the working directory has a settings file of Prefect's own."""
+    cwd = Path.cwd()
+    if (cwd / "prefect.toml").is_file() or (cwd / ".env").is_file():
+        return True
+    pyproject = cwd / "pyproject.toml"
+    try:
+        return pyproject.is_file() and "[tool.prefect" in pyproject.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def prefect_home() -> Path:
+    """PREFECT_HOME: the environment's, else Prefect's default `~/.prefect`."""
+    explicit = os.environ.get("PREFECT_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    if _prefect_reads_cwd():
+        from prefect.settings import PREFECT_HOME
+
+        return Path(PREFECT_HOME.value())
+    return Path("~/.prefect").expanduser()
+
+
+def _profile_setting(name: str) -> str | None:
+    """A setting of the active profile in `profiles.toml`, or None."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: let Prefect read its own file
+        return _from_prefect(name)
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH") or prefect_home() / "profiles.toml")
+    try:
+        data = tomllib.loads(path.expanduser().read_text())
+    except (OSError, ValueError):
+        return None
+    active = os.environ.get("PREFECT_PROFILE") or data.get("active") or "ephemeral"
+    value = data.get("profiles", {}).get(active, {}).get(name)
+    return None if value in (None, "") else str(value)
+
+
+def _from_prefect(name: str) -> str | None:
+    import prefect.settings
+
+    value = getattr(prefect.settings, name).value()
+    return None if value in (None, "") else str(value)
+
+
+def prefect_api_url() -> str | None:
+    """PREFECT_API_URL, or None when no Prefect server is configured (Prefect would start a
+    temporary one)."""
+    explicit = os.environ.get("PREFECT_API_URL")
+    if explicit is not None:
+        return explicit or None
+    if _prefect_reads_cwd():
+        return _from_prefect("PREFECT_API_URL")
+    return _profile_setting("PREFECT_API_URL")
+
+
+def default_ledger_url() -> str:
+    """The SQLite file under PREFECT_HOME that holds the ledger when no URL is given."""
+    return f"sqlite:///{prefect_home() / 'gpu-budget' / 'ledger.db'}"
+
+
+def ledger_url(explicit: str | None = None) -> str:
+    """The ledger's URL: the one given, else PREFECT_GPU_BUDGET_LEDGER_URL, else the default."""
+    return explicit or os.environ.get(LEDGER_URL_ENV) or default_ledger_url()
+
+
+def prices_path() -> Path:
+    """The local prices CSV (PREFECT_GPU_BUDGET_PRICES, default under PREFECT_HOME)."""
+    explicit = os.environ.get(PRICES_ENV)
+    return Path(explicit) if explicit else prefect_home() / "gpu-budget" / "prices.csv"
+
+
+def catalog_dir() -> Path:
+    """Where refreshed catalogs are written (PREFECT_GPU_BUDGET_CATALOG_DIR)."""
+    explicit = os.environ.get(CATALOG_DIR_ENV)
+    return Path(explicit) if explicit else prefect_home() / "gpu-budget" / "catalogs"

@@ -24,6 +24,17 @@ def ensure_database(url: str) -> None:
         server.dispose()
 
 
+def drop_database(url: str) -> None:
+    """Drop the PostgreSQL database named in `url`: only for one its caller created."""
+    url = normalise_url(url)
+    server = sa.create_engine(url.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with server.connect() as conn:
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
+    finally:
+        server.dispose()
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     """A markdown table, padded so it also reads as plain text."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

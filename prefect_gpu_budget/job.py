@@ -9,13 +9,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from prefect_gpu_budget.settings import METRICS_ENV as METRICS_ENV
 from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
 
 PRIORITY_CLASSES = {"high": 100, "normal": 0, "low": -100}
 PRIORITY_CLASSES_ENV = "PREFECT_GPU_BUDGET_PRIORITY_CLASSES"
 """More named classes, e.g. `urgent=500,scavenger=-500` (values in -1000..1000)."""
-METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
-"""Names the JSON-lines file a job may write its metrics to."""
 
 
 def _runtime(value: object) -> float:

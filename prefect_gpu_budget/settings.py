@@ -15,6 +15,8 @@ from pathlib import Path
 LEDGER_URL_ENV = "PREFECT_GPU_BUDGET_LEDGER_URL"
 PRICES_ENV = "PREFECT_GPU_BUDGET_PRICES"
 CATALOG_DIR_ENV = "PREFECT_GPU_BUDGET_CATALOG_DIR"
+METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
+"""Set in a trial's environment: the file it appends its JSON lines of metrics to."""
 
 
 def _prefect_reads_cwd() -> bool:

@@ -1,9 +1,22 @@
-"""Flows: sweeps with results and plots, the spend report, reconcile, and the demo."""
+"""Flows: sweeps with results and plots, the spend report, reconcile, and the demo.
 
-from prefect_gpu_budget.flows.agent import agent_cancel, agent_sweep
-from prefect_gpu_budget.flows.reconcile import reconcile_flow
-from prefect_gpu_budget.flows.spend_report import spend_report
-from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+The flows load on first use (PEP 562), so that a trial run as `python -m
+prefect_gpu_budget.flows.trial` or `.demo_trial` never imports Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_PUBLIC = {
+    "SweepSpec": "prefect_gpu_budget.flows.sweep",
+    "agent_cancel": "prefect_gpu_budget.flows.agent",
+    "agent_sweep": "prefect_gpu_budget.flows.agent",
+    "gpu_sweep": "prefect_gpu_budget.flows.sweep",
+    "reconcile_flow": "prefect_gpu_budget.flows.reconcile",
+    "spend_report": "prefect_gpu_budget.flows.spend_report",
+}
 
 __all__ = [
     "SweepSpec",
@@ -13,3 +26,21 @@ __all__ = [
     "reconcile_flow",
     "spend_report",
 ]
+
+if TYPE_CHECKING:
+    from prefect_gpu_budget.flows.agent import agent_cancel, agent_sweep
+    from prefect_gpu_budget.flows.reconcile import reconcile_flow
+    from prefect_gpu_budget.flows.spend_report import spend_report
+    from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'prefect_gpu_budget.flows' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

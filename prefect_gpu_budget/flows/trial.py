@@ -1,7 +1,8 @@
 """Run a Python callable as a sweep trial: `python -m prefect_gpu_budget.flows.trial mod:fn '{"lr": 0.1}'`.
 
 The callable gets the parameters as keyword arguments and may call `report(step=..., loss=...)`
-as it goes; the mapping it returns becomes the trial's final metrics.
+as it goes; the mapping it returns becomes the trial's final metrics. A trial runs inside a job's
+time limit, so this module imports only the standard library (never Prefect).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from prefect_gpu_budget.job import METRICS_ENV
+from prefect_gpu_budget.settings import METRICS_ENV
 
 
 def report(**metrics: Any) -> None:

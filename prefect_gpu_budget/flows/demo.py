@@ -90,17 +90,39 @@ def start_temporary_server() -> None:
     SubprocessASGIServer().start(timeout=wait)
 
 
+def remove_demo_limits() -> None:
+    """Delete the Prefect limits the demo's scopes made: a demo leaves nothing in the user's
+    Prefect database (its ledger lives in its own folder)."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_gpu_budget.admission.limits import limit_name
+
+    prefix = limit_name(DEMO_SCOPE.split("/")[0])
+    with get_client(sync_client=True) as client:
+        found, offset = [], 0
+        while page := client.read_global_concurrency_limits(limit=200, offset=offset):
+            found += [x.name for x in page if x.name == prefix or x.name.startswith(prefix + ":")]
+            offset += len(page)
+        for name in found:
+            client.delete_global_concurrency_limit_by_name(name)
+
+
 def run_demo(
     out_dir: str = "gpu-budget-demo", seconds: float = 2.5, trials: int = 12
 ) -> pd.DataFrame:
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from a demo
     out = Path(out_dir).resolve()
     url = prepare(out)
     start_temporary_server()
     started = time.time()
-    df = gpu_sweep(demo_spec(out, trials, seconds), ledger=SpendLedger(database_url=url))
+    try:
+        df = gpu_sweep(demo_spec(out, trials, seconds), ledger=SpendLedger(database_url=url))
+    finally:
+        remove_demo_limits()
     status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().status()}[DEMO_SCOPE]
-    run_dir = next(out.glob("demo-*"))
-    shown = df[["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "wait_s"]]
+    run_dir = df.attrs["results_dir"]
+    columns = ["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "wait_s"]
+    shown = df[[c for c in columns if c in df.columns]]  # a trial that never ran has no metrics
     print(shown.to_string(index=False))
     print(
         f"\nspent {fmt_usd(status['settled_micro'])} of the {fmt_usd(status['period_budget_micro'])} "

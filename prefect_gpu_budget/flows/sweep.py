@@ -331,6 +331,7 @@ def gpu_sweep(
     df.to_parquet(out / "trials.parquet", index=False)
     _publish(spec, df, curves, list(rows_by_name.values()), led, out)
     logger.info("sweep %s: results in %s", spec.name, out.resolve())
+    df.attrs["results_dir"] = str(out.resolve())
     return df
 
 

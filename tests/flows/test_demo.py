@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 import subprocess
 import sys
 
@@ -44,6 +45,14 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "day budget of demo-lab/sweeps/agent-1" in done.stdout
     [run_dir] = out.glob("demo-*")
+    assert f"results: {run_dir.resolve()}/trials.csv" in done.stdout
+    # nothing of the demo is left in the user's Prefect database
+    prefect_db = sqlite3.connect(tmp_path / "home" / "prefect.db")
+    left = prefect_db.execute(
+        "SELECT name FROM concurrency_limit_v2 WHERE name LIKE 'gpu-budget:demo-lab%'"
+    ).fetchall()
+    prefect_db.close()
+    assert left == []
     trials = pd.read_csv(run_dir / "trials.csv")
     assert len(trials) == 6 and (trials["state"] == "Completed").sum() >= 2
     for plot in ("spend.png", "metric_vs_params.png", "learning_curves.png"):

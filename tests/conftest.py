@@ -1,7 +1,8 @@
 """Shared fixtures: a real Prefect server (once per session), SQLite and PostgreSQL ledgers.
 
-PostgreSQL is expected at 127.0.0.1:5432 (database `test`, trust auth; override with
-GPU_BUDGET_TEST_PG_URL). When it is missing the PostgreSQL tests fail: they never skip.
+PostgreSQL is expected at 127.0.0.1:5432 (trust auth); the databases the suite creates there,
+and the variables that name others, are listed in tests/postgres.py. When it is missing the
+PostgreSQL tests fail: they never skip.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import pytest  # noqa: E402
 
-PG_URL = os.environ.get("GPU_BUDGET_TEST_PG_URL", "postgresql://postgres@127.0.0.1:5432/test")
+from tests.postgres import database_url, drop_created, require_postgres  # noqa: E402
+
+PG_URL = database_url("test", "GPU_BUDGET_TEST_PG_URL")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    drop_created()
 
 
 @pytest.fixture(scope="session")
@@ -51,8 +58,10 @@ def prices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _fresh_pg() -> str:
+    """This run's PostgreSQL ledger database, its tables dropped."""
     from prefect_gpu_budget.admission.ledger import Ledger, metadata
 
+    require_postgres(PG_URL)
     ledger = Ledger(PG_URL, create=False)
     try:
         metadata.drop_all(ledger.engine)

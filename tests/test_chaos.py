@@ -4,7 +4,7 @@
 and the ledger audit those runs rely on finds what it should.
 
 The two backends' runs go at once (each ends by waiting ~80 s for every lease to expire). The
-PostgreSQL run uses its own database `gate_chaos` (override with GPU_BUDGET_CHAOS_PG_URL),
+PostgreSQL run uses a database of its own (see tests/postgres.py),
 created if missing; without a PostgreSQL server it fails, it never skips.
 """
 
@@ -24,12 +24,10 @@ from prefect_gpu_budget.admission.ledger import Ledger, holder_id, period_spend
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, reconcile
 from tests.jobs import new_job
-from tests.postgres import require_postgres
+from tests.postgres import database_url, require_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
-CHAOS_PG_URL = os.environ.get(
-    "GPU_BUDGET_CHAOS_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_chaos"
-)
+CHAOS_PG_URL = database_url("chaos", "GPU_BUDGET_CHAOS_PG_URL")
 PHASES = ("before_reserve", "after_reserve", "running", "settling")
 END_FIGURES = (
     "orphans_left",

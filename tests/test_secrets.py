@@ -12,9 +12,11 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
 from prefect_gpu_budget.admission.ledger import Ledger, metadata
+from tests.conftest import PG_URL
+from tests.postgres import require_postgres
 
 SECRET = "hunter2-not-a-real-password"
-URL = f"postgresql://postgres:{SECRET}@127.0.0.1:5432/test"  # trust auth ignores it
+URL = PG_URL.replace("postgres@", f"postgres:{SECRET}@", 1)  # trust auth ignores it
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -27,6 +29,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_secret_stays_out_of_everything_a_person_sees(prefect_api, prices):
+    require_postgres(PG_URL)
     fresh = Ledger(URL, create=False)
     metadata.drop_all(fresh.engine)
     fresh.dispose()

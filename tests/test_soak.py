@@ -1,7 +1,7 @@
 """The soak benchmark, short: agent processes submit, cancel and finish jobs for half a minute.
 
-`benchmarks/soak.py` runs as a subprocess: 5 agent processes, the ledger on PostgreSQL (database
-`gate_soak`, or GATE_SOAK_PG_URL), a real Prefect server on PostgreSQL. Asserted: no errors,
+`benchmarks/soak.py` runs as a subprocess: 5 agent processes, the ledger on PostgreSQL (a database
+of this run, see tests/postgres.py), a real Prefect server on PostgreSQL. Asserted: no errors,
 the ledger consistent and every Prefect slot given back, memory flat, connections, descriptors
 and threads not growing, every connection returned. The latency ratio is reported but not
 asserted: half a minute on a shared machine says nothing about p95 drift; the long run
@@ -19,9 +19,9 @@ from types import ModuleType
 
 import pytest
 
-from tests.postgres import require_postgres
+from tests.postgres import created_by_this_run, database_url, require_postgres
 
-PG_URL = os.environ.get("GATE_SOAK_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_soak")
+PG_URL = database_url("soak", "GATE_SOAK_PG_URL")
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 RSS_GROWTH_MIB = 2.0
 """Per agent, start window to end window (~25 s, ~40 jobs): about 0.3 MiB is seen; a leak of
@@ -41,6 +41,7 @@ def load_soak() -> ModuleType:
 @pytest.mark.timeout(300)
 def test_short_soak_stays_flat_and_consistent() -> None:
     require_postgres(PG_URL)
+    created_by_this_run(PG_URL + "_prefect")  # the soak makes its Prefect server's database
     args = ["--minutes", "0.6", "--agents", "5", "--edge", "0.25", "--url", PG_URL, "--json"]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own server
     proc = subprocess.run(

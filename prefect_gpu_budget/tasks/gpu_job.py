@@ -16,9 +16,11 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import StateType
 from prefect.context import TaskRunContext
 from prefect.events import emit_event
-from prefect.states import Failed
+from prefect.states import Failed, Running, State
+from prefect.utilities.engine import emit_task_run_state_change_event
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
@@ -78,15 +80,41 @@ def _notify_once(rules: list[BudgetRule], body: str, subject: str) -> None:
     block.notify(body=body, subject=subject)
 
 
+AWAITING_BUDGET = "AwaitingBudget"
+"""The state a task run shows while its job waits at the gate (as Prefect shows
+`AwaitingConcurrencySlot`): a Scheduled-type state whose message is the reason."""
+
+
+def _show_state(ctx: TaskRunContext | None, state: State) -> None:
+    """Show `state` on the task run in the UI while its body goes on (the task engine keeps its
+    own state: it still ends the run Completed or Failed, later and so on top)."""
+    if ctx is None:
+        return
+    emit_task_run_state_change_event(
+        task_run=ctx.task_run, initial_state=ctx.task_run.state, validated_state=state
+    )
+
+
 def prefect_events(scope: str, job: GpuJob) -> GateEvents:
     """Gate events as Prefect logs, events and notifications for the current run."""
     logger = get_run_logger()
+    ctx = TaskRunContext.get()
+    shown_waiting: list[bool] = []
 
     def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
         resumes = ""
         if decision.resumes_at:
             resumes = f" (resets {periods.fmt_instant(decision.resumes_at, 'UTC')})"
         logger.warning("GPU job %s queued in %s: %s%s", job_id[:8], scope, decision.reason, resumes)
+        shown_waiting.append(True)
+        _show_state(
+            ctx,
+            State(
+                type=StateType.SCHEDULED,
+                name=AWAITING_BUDGET,
+                message=f"waiting for budget: {decision.reason}{resumes}",
+            ),
+        )
         emit_event(
             event="gpu-budget.job.queued",
             resource=_resource(job_id, scope),
@@ -111,6 +139,8 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
         logger.info("GPU job %s still waiting: %s", job_id[:8], decision.reason)
 
     def admitted(admission: Admission) -> None:
+        if shown_waiting:
+            _show_state(ctx, Running(message=f"admitted after {fmt_duration(admission.waited_s)}"))
         logger.info(
             "GPU job %s admitted in %s after %s: %s",
             admission.job_id[:8],

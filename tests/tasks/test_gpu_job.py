@@ -140,3 +140,38 @@ def test_researcher_is_told_once_when_a_job_starts_waiting(prefect_api, prices, 
     server.shutdown()
     assert len(received) == 1
     assert "is waiting: blocked by hourly cap of lab" in received[0]["text"]
+
+
+def test_a_waiting_job_shows_awaiting_budget_then_running(prefect_api, prices, tmp_path):
+    """While its job waits at the gate the task run is in `AwaitingBudget` (the reason as its
+    message), then Running once admitted, and it ends Completed."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    GpuBudget(scope="wait", hourly_cap_usd="3.6").apply(Ledger(url))
+    block = SpendLedger(database_url=url)
+
+    @flow
+    def two_jobs():
+        a = run_gpu_job.submit(_job(2.5, max_runtime="1m"), scope="wait/s", ledger=block)
+        time.sleep(1.0)  # the first job takes the whole cap
+        b = run_gpu_job.submit(_job(0.1, max_runtime="1m"), scope="wait/s", ledger=block)
+        return str(b.task_run_id), a.result().outcome, b.result().outcome
+
+    waiter, *outcomes = two_jobs()
+    assert outcomes == ["completed", "completed"]
+    names: list[str] = []
+    with get_client(sync_client=True) as client:
+        for _ in range(60):  # the server records task-run states from events, a moment later
+            states = sorted(client.read_task_run_states(waiter), key=lambda s: s.timestamp)
+            names = [s.name for s in states]
+            if names and names[-1] == "Completed":
+                break
+            time.sleep(0.5)
+    assert "AwaitingBudget" in names, names
+    waiting = next(s for s in states if s.name == "AwaitingBudget")
+    assert "blocked by hourly cap of wait" in waiting.message
+    after = names[names.index("AwaitingBudget") + 1 :]
+    assert after[0] == "Running" and after[-1] == "Completed", names

@@ -25,27 +25,69 @@ def _pyplot():
     return plt
 
 
-def metric_vs_params(df: pd.DataFrame, params: list[str], metric: str, path: Path) -> Path | None:
-    """One panel per swept parameter: the final metric of every finished trial."""
+def _log_scale(values: pd.Series) -> bool:
+    """A positive numeric parameter spread over more than 1.5 decades reads best on a log axis."""
+    return bool(
+        pd.api.types.is_numeric_dtype(values)
+        and len(values)
+        and (values > 0).all()
+        and values.max() / values.min() > 30
+    )
+
+
+def metric_vs_params(
+    df: pd.DataFrame,
+    params: list[str],
+    metric: str,
+    path: Path,
+    *,
+    log_params: Iterable[str] = (),
+    goal: str = "min",
+) -> Path | None:
+    """One panel per swept parameter: the final metric of every finished trial, coloured by
+    another parameter, the best trial marked; log-sampled parameters on log axes."""
     done = df[df["state"] == "Completed"] if "state" in df else df
-    if done.empty or metric not in done or not params:
+    if done.empty or metric not in done or not params or done[metric].isna().all():
         return None
+    done = done.dropna(subset=[metric])
+    best = done[metric].idxmin() if goal == "min" else done[metric].idxmax()
+    log_params = set(log_params)
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(params), figsize=(4.2 * len(params), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(params), figsize=(4.4 * len(params), 3.8), squeeze=False)
     for ax, param in zip(axes[0], params, strict=True):
-        values = done[[param, metric]].dropna()
-        ax.scatter(values[param], values[metric], color="tab:blue")
-        numeric = pd.api.types.is_numeric_dtype(values[param])
-        if (
-            numeric
-            and (values[param] > 0).all()
-            and values[param].max() / max(values[param].min(), 1e-300) > 50
-        ):
+        other = next((p for p in params if p != param), None)
+        colour = done[other] if other and pd.api.types.is_numeric_dtype(done[other]) else None
+        points = ax.scatter(
+            done[param],
+            done[metric],
+            c=colour,
+            cmap="viridis",
+            norm="log"
+            if other in log_params or (colour is not None and _log_scale(colour))
+            else None,
+            color=None if colour is not None else "tab:blue",
+            zorder=2,
+        )
+        if colour is not None:
+            fig.colorbar(points, ax=ax, label=other, pad=0.02)
+        ax.scatter(
+            [done.at[best, param]],
+            [done.at[best, metric]],
+            marker="*",
+            s=260,
+            facecolor="none",
+            edgecolor="tab:red",
+            linewidth=1.6,
+            zorder=3,
+            label=f"best: {metric} {done.at[best, metric]:.4g}",
+        )
+        if param in log_params or _log_scale(done[param]):
             ax.set_xscale("log")
-        ax.set_xlabel(param)
+        ax.set_xlabel(param + (" (log)" if ax.get_xscale() == "log" else ""))
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{metric} by parameter")
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{metric} by parameter ({goal}imum is best)")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -53,9 +95,13 @@ def metric_vs_params(df: pd.DataFrame, params: list[str], metric: str, path: Pat
 
 
 def learning_curves(
-    curves: dict[str, list[dict[str, Any]]], metric: str, path: Path
+    curves: dict[str, list[dict[str, Any]]],
+    metric: str,
+    path: Path,
+    labels: dict[str, str] | None = None,
 ) -> Path | None:
-    """`metric` against `step` for every trial that reported steps."""
+    """`metric` against `step` for every trial that reported steps; the legend, beside the
+    axes, names each trial by its parameters (`labels`)."""
     series = {
         name: [p for p in points if "step" in p and metric in p] for name, points in curves.items()
     }
@@ -63,19 +109,47 @@ def learning_curves(
     if not series:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4))
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
     for name, points in series.items():
-        ax.plot([p["step"] for p in points], [p[metric] for p in points], label=name, linewidth=1.2)
+        label = (labels or {}).get(name, name)
+        ax.plot([p["step"] for p in points], [p[metric] for p in points], label=label, lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
     ax.set_title("learning curves")
-    if len(series) <= 12:
-        ax.legend(fontsize=7)
+    if len(series) <= 16:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
+
+
+def _time_axis(seconds: float) -> tuple[float, str]:
+    """Divisor and label for a span: minutes up to 3 h, hours up to 3 days, else days."""
+    if seconds <= 3 * 3600:
+        return 60.0, "minutes"
+    if seconds <= 3 * 86400:
+        return 3600.0, "hours"
+    return 86400.0, "days"
+
+
+def _limit_line(ax: Any, value: float, top: float, colour: str, label: str, unit: str) -> None:
+    """A limit as a dashed line when it is near the data; far above it (the axis would flatten
+    the data), as a note at the top of the axes instead."""
+    if value <= 3 * max(top, 1e-9):
+        ax.axhline(value, color=colour, linestyle="--", label=label)
+    else:
+        share = 100 * top / value if value else 0.0
+        ax.annotate(
+            f"{label} ${value:,.2f}{unit}, off the axis (peak {share:.2g}% of it)",
+            xy=(0.99, 0.96),
+            xycoords="axes fraction",
+            ha="right",
+            va="top",
+            fontsize=8,
+            color=colour,
+        )
 
 
 def spend_over_time(
@@ -87,7 +161,8 @@ def spend_over_time(
     title: str = "spend",
 ) -> Path | None:
     """Top: settled and settled-plus-reserved spend against the period budget.
-    Bottom: the running rate against the hourly cap."""
+    Bottom: the running rate against the hourly cap. Axes fit the data, so the plot reads at
+    any budget; a limit far above the data is named rather than drawn."""
     rows = [r for r in rows if r.get("admitted_at") is not None]
     if not rows:
         return None
@@ -101,37 +176,37 @@ def spend_over_time(
             actual = r["actual_micro"] or 0
             money.append((r["settled_at"], actual, actual - r["reserved_micro"]))
             rate.append((r["ended_at"] or r["settled_at"], -r["rate_micro_per_hour"]))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 5.6), sharex=True)
+    span = max(t for t, *_ in money + rate) - t0
+    unit_s, unit = _time_axis(span)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 5.8), sharex=True)
     xs, settled, committed, s_total, c_total = [0.0], [0.0], [0.0], 0, 0
     for t, d_settled, d_committed in sorted(money):
         s_total, c_total = s_total + d_settled, c_total + d_committed
-        xs.append((t - t0) / 60)
+        xs.append((t - t0) / unit_s)
         settled.append(micro_to_usd(s_total))
         committed.append(micro_to_usd(c_total))
     top.step(xs, committed, where="post", color="tab:purple", alpha=0.6, label="settled + reserved")
     top.step(xs, settled, where="post", color="tab:blue", label="settled")
     if budget_micro is not None:
-        top.axhline(
-            micro_to_usd(budget_micro), color="tab:red", linestyle="--", label="period budget"
-        )
+        _limit_line(top, micro_to_usd(budget_micro), max(committed), "tab:red", "period budget", "")
     top.set_ylabel("USD")
     top.set_title(title)
-    top.legend(fontsize=8, loc="upper left")
     rx, ry, total = [0.0], [0.0], 0
     for t, delta in sorted(rate):
         total += delta
-        rx.append((t - t0) / 60)
+        rx.append((t - t0) / unit_s)
         ry.append(micro_to_usd(total))
     bottom.step(rx, ry, where="post", color="tab:green", label="running rate")
     if cap_micro_per_hour is not None:
-        bottom.axhline(
-            micro_to_usd(cap_micro_per_hour), color="tab:orange", linestyle="--", label="hourly cap"
+        _limit_line(
+            bottom, micro_to_usd(cap_micro_per_hour), max(ry), "tab:orange", "hourly cap", "/h"
         )
     bottom.set_ylabel("USD per hour")
-    bottom.set_xlabel("minutes since first admission")
-    bottom.legend(fontsize=8, loc="upper left")
+    bottom.set_xlabel(f"{unit} since first admission")
     for ax in (top, bottom):
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -13,6 +13,7 @@ import json
 import math
 import random
 import re
+import secrets
 import string
 import sys
 from pathlib import Path
@@ -123,7 +124,12 @@ class SweepSpec(BaseModel):
     grid: dict[str, list[Scalar]] = Field(default_factory=dict)
     random: dict[str, RandomParam] = Field(default_factory=dict)
     samples: int = Field(0, ge=0, le=MAX_TRIALS)
-    seed: int = 0
+    seed: int | None = Field(
+        None,
+        ge=0,
+        description="Seed of the random draws; by default a new one per spec, so that runs "
+        "explore different points (the seed drawn is kept on the spec and in the summary).",
+    )
     parallelism: int = Field(4, ge=1, le=256)
     metric: str = "loss"
     goal: Literal["min", "max"] = "min"
@@ -137,6 +143,8 @@ class SweepSpec(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> SweepSpec:
+        if self.seed is None:
+            self.seed = secrets.randbelow(2**31)
         if (self.command is None) == (self.callable is None):
             raise BudgetInputError("command", "give exactly one of command or callable")
         if self.callable is not None and not re.match(r"^[\w.]+:\w+$", self.callable):
@@ -327,6 +335,8 @@ def gpu_sweep(
             }
         )
     df = pd.DataFrame(records)
+    if spec.metric not in df or df[spec.metric].isna().all():
+        logger.warning("sweep %s: %s", spec.name, _no_metric(spec))
     df.to_csv(out / "trials.csv", index=False)
     df.to_parquet(out / "trials.parquet", index=False)
     _publish(spec, df, curves, list(rows_by_name.values()), led, out)
@@ -338,6 +348,15 @@ def gpu_sweep(
 def _waited(row: dict) -> float:
     """Request to start: the gate's queue plus any wait for cloud capacity after admission."""
     return (row["started_at"] or row["admitted_at"] or row["ended_at"]) - row["requested_at"]
+
+
+def _no_metric(spec: SweepSpec) -> str:
+    return f"no trial reported {spec.metric!r}"
+
+
+def _short(value: object) -> str:
+    """A parameter value as a legend shows it: floats to 4 significant digits."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _publish(
@@ -354,8 +373,23 @@ def _publish(
     budget = next((s for s in path_status if s["period_budget_micro"] is not None), None)
     cap = next((s for s in path_status if s["hourly_cap_micro"] is not None), None)
     pictures = [
-        plots.metric_vs_params(df, spec.params(), spec.metric, out / "metric_vs_params.png"),
-        plots.learning_curves(curves, spec.metric, out / "learning_curves.png"),
+        plots.metric_vs_params(
+            df,
+            spec.params(),
+            spec.metric,
+            out / "metric_vs_params.png",
+            log_params=[name for name, dim in spec.random.items() if dim.log],
+            goal=spec.goal,
+        ),
+        plots.learning_curves(
+            curves,
+            spec.metric,
+            out / "learning_curves.png",
+            labels={
+                f"{int(r['trial']):04d}": ", ".join(f"{p}={_short(r[p])}" for p in spec.params())
+                for r in df.to_dict("records")
+            },
+        ),
         plots.spend_over_time(
             rows,
             out / "spend.png",
@@ -407,10 +441,14 @@ def _summary(spec: SweepSpec, df: pd.DataFrame, budget: dict | None) -> str:
         best = done.loc[
             done[spec.metric].idxmin() if spec.goal == "min" else done[spec.metric].idxmax()
         ]
-        params = ", ".join(f"{p}={best[p]}" for p in spec.params())
+        params = ", ".join(f"{p}={_short(best[p])}" for p in spec.params())
         lines.append(
-            f"- best trial {int(best['trial'])}: {spec.metric} {best[spec.metric]} ({params})"
+            f"- best trial {int(best['trial'])}: {spec.metric} {best[spec.metric]:.4g} ({params})"
         )
+    else:
+        lines.append(f"- warning: {_no_metric(spec)}")
+    if spec.random:
+        lines.append(f"- random draws from seed {spec.seed} (give `seed` to repeat them)")
     spent = int(round(df["cost_usd"].sum() * 1_000_000))
     if budget is not None:
         lines.append(

@@ -125,3 +125,12 @@ def test_yaml_spec(tmp_path):
     path.write_text("name: [unclosed\n")
     with pytest.raises(Exception, match="not valid YAML"):
         SweepSpec.from_yaml(path)
+
+
+def test_random_draws_differ_per_spec_unless_seeded(tmp_path):
+    dims = {"lr": {"low": 1e-4, "high": 1e-1, "log": True}, "width": {"choices": [4, 8]}}
+    one, two = (_spec(tmp_path, grid={}, random=dims, samples=4) for _ in range(2))
+    assert one.seed is not None and one.seed != two.seed  # 2**31 seeds: equal by chance ~never
+    assert one.trials() != two.trials()
+    again = _spec(tmp_path, grid={}, random=dims, samples=4, seed=one.seed)
+    assert again.trials() == one.trials()

@@ -1,7 +1,9 @@
 """What a sweep will do before it spends anything: the simulator run from the ledger's state.
 
 Each trial is taken to run for its expected runtime (or its max runtime if no estimate is
-given); at most `parallelism` trials ask for admission at once, as in the sweep itself.
+given); at most `parallelism` trials ask for admission at once, as in the sweep itself; a trial
+that would wait past its `max_wait`, or meet a limit with `on_limit: reject`, ends unadmitted
+as the gate would end it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class Forecast:
     stopped_by: str | None
     """The period budget that leaves trials unadmitted within the horizon, and when it resets."""
     result: SimResult
+    timed_out: int = 0
+    rejected: int = 0
+    max_wait_s: float = 0.0
+    """The max wait that times trials out (0: they wait as long as it takes)."""
 
     def describe(self) -> str:
         lines = [
@@ -39,6 +45,13 @@ class Forecast:
             f"spend {fmt_usd(self.spend_micro)}; makespan {fmt_duration(self.makespan_s)}",
             f"{self.waiting} trials wait (mean {fmt_duration(self.mean_wait_s)})",
         ]
+        if self.timed_out:
+            lines.append(
+                f"{self.timed_out} trials will time out after {fmt_duration(self.max_wait_s)} "
+                "(max_wait)"
+            )
+        if self.rejected:
+            lines.append(f"{self.rejected} trials will be rejected (on_limit: reject)")
         if self.stopped_by:
             lines.append(f"stopped by {self.stopped_by}")
         return "\n".join(lines)
@@ -72,6 +85,8 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
                 true_s=runtime,
                 max_runtime_s=job.reserve_runtime_s,
                 priority=job.priority,
+                on_limit=job.on_limit,
+                max_wait_s=job.max_wait,
             )
         )
     rules = _rules(ledger, spec.scope)
@@ -91,6 +106,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         settled=settled,
         holds=holds,
         in_flight=spec.parallelism,
+        limits=True,
     )
     admitted = [r for r in result.records if r.admitted_at is not None]
     waits = [r.wait_s for r in admitted if r.wait_s and r.wait_s > 1e-3]  # not ties of the clock
@@ -110,6 +126,9 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
             f"{len(late)} trials wait until it resets "
             f"{periods.fmt_instant(resumes, rule.timezone) if resumes else 'later'}"
         )
+    path = [rules[s] for s in scope_path(spec.scope) if s in rules]
+    own_wait = spec.job_for(trials[0], spec.name).max_wait if trials else None
+    max_wait = own_wait if own_wait is not None else path[-1].max_wait_s if path else 0.0
     return Forecast(
         trials=len(trials),
         admitted=len(admitted),
@@ -119,6 +138,9 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         mean_wait_s=sum(waits) / len(waits) if waits else 0.0,
         stopped_by=stopped_by,
         result=result,
+        timed_out=sum(r.refused == "timeout" for r in result.records),
+        rejected=sum(r.refused == "reject" for r in result.records),
+        max_wait_s=max_wait,
     )
 
 
@@ -151,12 +173,20 @@ def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None
         for r in result.result.records
         if r.admitted_at is not None
     ]
+    resets = []
+    if budget is not None and rows:
+        first, last = rows[0]["admitted_at"], max(r["ended_at"] or 0 for r in rows)
+        at = periods.bounds(budget.period, budget.timezone, first)[1]
+        while at <= last and len(resets) < 100:
+            resets.append(at)
+            at = periods.bounds(budget.period, budget.timezone, at)[1]
     return spend_over_time(
         rows,
         path,
+        resets=resets,
         budget_micro=budget.period_budget_micro if budget else None,
         cap_micro_per_hour=budget.hourly_cap_cents * 10_000
         if budget and budget.hourly_cap_cents
         else None,
-        title="forecast: spend of the sweep",
+        title="forecast: spend of the sweep in each period",
     )

@@ -74,6 +74,10 @@ class SimJob:
     true_s: float
     max_runtime_s: float
     priority: int = 0
+    on_limit: str | None = None
+    """The job's own `queue`/`reject` (None: its deepest budget's); used with `limits=True`."""
+    max_wait_s: float | None = None
+    """The job's own max wait (None: its deepest budget's); used with `limits=True`."""
 
 
 @dataclass
@@ -89,6 +93,9 @@ class SimRecord:
     """When it asked for admission: its arrival, or later if it waited for a sweep slot."""
     blocked: tuple[str | None, str | None, float | None] | None = None
     """The last (limit, scope, resumes at) that made it wait, if it ever waited."""
+    refused: str | None = None
+    """`reject` or `timeout` when the gate would end it unadmitted (with `limits=True`)."""
+    refused_at: float | None = None
 
     @property
     def wait_s(self) -> float | None:
@@ -179,17 +186,22 @@ def simulate(
     holds: Sequence[Hold] = (),
     in_flight: int | None = None,
     history: Iterable[tuple[str, float]] = (),
+    limits: bool = False,
 ) -> SimResult:
     """Run `jobs` against `budgets` from the first arrival until all end (or `until`).
 
     `settled`, `holds` and `history` start the simulation from a ledger's current state (a
     forecast); `history` is (scope, actual / expected runtime) of settled jobs, most recent first,
     as `policy.overrun_factors` takes it. `in_flight` releases at most that many jobs at once, as
-    a sweep's parallelism bound does.
+    a sweep's parallelism bound does. `limits` keeps each budget's (and job's) `on_limit` and
+    `max_wait`, so that jobs end rejected or timed out as the gate would end them (a forecast);
+    without it every job waits as long as it takes (the fidelity experiments).
     """
     pol = POLICIES[policy] if isinstance(policy, str) else policy
     rules = {
-        r.scope: replace(r, reservation_mode=pol.reservation_mode, max_wait_s=0.0, on_limit="queue")
+        r.scope: replace(r, reservation_mode=pol.reservation_mode)
+        if limits
+        else replace(r, reservation_mode=pol.reservation_mode, max_wait_s=0.0, on_limit="queue")
         for r in budgets
     }
     records = {job.job_id: SimRecord(job) for job in jobs}
@@ -213,7 +225,8 @@ def simulate(
         can_release = next_arrival < len(arrivals) and released < limit
         t_arrival = arrivals[next_arrival].arrival if can_release else math.inf
         t_event = events[0][0] if events else math.inf
-        now = min(t_arrival, t_event)
+        # a job held back by `in_flight` is released when a slot frees, never back in time
+        now = max(now, min(t_arrival, t_event))
         if now > horizon or now == math.inf:
             break
         while events and events[0][0] <= now:
@@ -245,6 +258,8 @@ def simulate(
                 expected_runtime_s=job.expected_s,
                 priority=job.priority,
                 requested_at=now,
+                on_limit=job.on_limit if limits else None,
+                max_wait_s=job.max_wait_s if limits else None,
             )
         if not queue:
             continue
@@ -278,13 +293,17 @@ def simulate(
                     run = min(run, job.max_runtime_s)
                 ends[job_id] = now + run
                 heapq.heappush(events, (now + run, 0, job_id))
-            elif decision.verdict == "reject":
+            elif decision.verdict in ("reject", "timeout"):
                 del queue[job_id]
                 released -= 1
+                records[job_id].refused, records[job_id].refused_at = decision.verdict, now
+                records[job_id].blocked = (decision.limit, decision.scope, decision.resumes_at)
             else:
                 records[job_id].blocked = (decision.limit, decision.scope, decision.resumes_at)
                 if decision.resumes_at is not None:
                     wake = min(wake, decision.resumes_at)
+                if limits:  # re-decide when its max wait runs out
+                    wake = min(wake, _wait_ends(queue[job_id], rules))
         if wake < math.inf and not any(e[1] == 1 and e[0] == wake for e in events):
             heapq.heappush(events, (wake, 1, ""))
 
@@ -292,6 +311,13 @@ def simulate(
     for job_id, finish in ends.items():  # still running at the horizon: what they spent so far
         _settle(records[job_id], min(finish, end), rules, spent)
     return SimResult(pol, rules, list(records.values()), horizon=end, order=order)
+
+
+def _wait_ends(req: Request, rules: dict[str, BudgetRule]) -> float:
+    """When a waiting request's max wait runs out (its own, else its deepest budget's)."""
+    path = [rules[s] for s in scope_path(req.scope) if s in rules]
+    max_wait = req.max_wait_s if req.max_wait_s is not None else path[-1].max_wait_s if path else 0
+    return req.requested_at + max_wait if max_wait > 0 else math.inf
 
 
 class OverrunWindows:

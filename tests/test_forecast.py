@@ -99,3 +99,35 @@ def test_forecast_command(tmp_path, prices):
     assert out["admitted"] == 4 and out["waiting"] == 1 and out["stopped_by"] is None
     assert out["spend_usd"] == pytest.approx(4 * 3.6 * 1.5 / 3600, rel=1e-3)
     assert (tmp_path / "forecast.png").stat().st_size > 1000
+
+
+def test_forecast_counts_the_trials_max_wait_will_time_out(prefect_api, prices, tmp_path):
+    """A job elsewhere holds the team's whole cap for an hour: every trial waits its max_wait
+    out, in the forecast as in the run."""
+    from tests.jobs import new_job
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="fc", hourly_cap_usd="3.6", period_budget_usd=100).apply(ledger)
+    _, held = ledger.request(new_job("fc/other", max_runtime_s=3600.0))
+    assert held.verdict == "admit"
+    fields = _spec(tmp_path, 4).model_dump()
+    spec = SweepSpec.model_validate({**fields, "job": {**fields["job"], "max_wait": "2s"}})
+    predicted = forecast(spec, ledger)
+    assert predicted.admitted == 0 and predicted.timed_out == 4
+    assert "4 trials will time out after 2s (max_wait)" in predicted.describe()
+
+    df = gpu_sweep(spec, ledger=SpendLedger(database_url=url))
+    assert (df["state"] == "AdmissionTimeout").sum() == predicted.timed_out
+
+
+def test_forecast_counts_rejections(prices, tmp_path):
+    from tests.jobs import new_job
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", hourly_cap_usd="7.2", on_limit="reject").apply(ledger)
+    _, held = ledger.request(new_job("fc/other", max_runtime_s=3600.0))
+    assert held.verdict == "admit"
+    predicted = forecast(_spec(tmp_path, 5), ledger)  # room for one trial at a time
+    assert predicted.rejected >= 1 and predicted.admitted + predicted.rejected == 5
+    assert "will be rejected (on_limit: reject)" in predicted.describe()

@@ -159,10 +159,13 @@ def spend_over_time(
     budget_micro: int | None = None,
     cap_micro_per_hour: int | None = None,
     title: str = "spend",
+    resets: Iterable[float] = (),
 ) -> Path | None:
     """Top: settled and settled-plus-reserved spend against the period budget.
     Bottom: the running rate against the hourly cap. Axes fit the data, so the plot reads at
-    any budget; a limit far above the data is named rather than drawn."""
+    any budget; a limit far above the data is named rather than drawn. `resets` are the instants
+    at which the period budget starts again: the spend shown starts from zero there, as the
+    budget does."""
     rows = [r for r in rows if r.get("admitted_at") is not None]
     if not rows:
         return None
@@ -180,7 +183,14 @@ def spend_over_time(
     unit_s, unit = _time_axis(span)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 5.8), sharex=True)
     xs, settled, committed, s_total, c_total = [0.0], [0.0], [0.0], 0, 0
+    pending = sorted(resets)
     for t, d_settled, d_committed in sorted(money):
+        while pending and pending[0] <= t:  # a new period: its budget counts from zero
+            at = pending.pop(0)
+            xs.append((at - t0) / unit_s)
+            s_total, c_total = 0, c_total - s_total
+            settled.append(0.0)
+            committed.append(micro_to_usd(c_total))
         s_total, c_total = s_total + d_settled, c_total + d_committed
         xs.append((t - t0) / unit_s)
         settled.append(micro_to_usd(s_total))
@@ -203,6 +213,10 @@ def spend_over_time(
         )
     bottom.set_ylabel("USD per hour")
     bottom.set_xlabel(f"{unit} since first admission")
+    for i, at in enumerate(t for t in sorted(resets) if t0 < t <= t0 + span):
+        top.axvline(
+            (at - t0) / unit_s, color="grey", linestyle=":", label=None if i else "budget resets"
+        )
     for ax in (top, bottom):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)

@@ -50,3 +50,32 @@ def test_time_axis_uses_minutes_hours_or_days():
     assert plots._time_axis(600) == (60.0, "minutes")
     assert plots._time_axis(20 * 3600) == (3600.0, "hours")
     assert plots._time_axis(50 * 3600 * 24) == (86400.0, "days")
+
+
+def test_spend_plot_draws_period_resets_and_counts_each_period_from_zero(tmp_path, monkeypatch):
+    figures = []
+    plt = plots._pyplot()
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    day = 86400.0
+    rows = [  # one $10 job a day for three days
+        {
+            "admitted_at": i * day + 3600,
+            "started_at": i * day + 3600,
+            "ended_at": i * day + 7200,
+            "settled_at": i * day + 7200,
+            "reserved_micro": 10_000_000,
+            "actual_micro": 10_000_000,
+            "rate_micro_per_hour": 10_000_000,
+        }
+        for i in range(3)
+    ]
+    path = plots.spend_over_time(
+        rows, tmp_path / "s.png", budget_micro=15_000_000, resets=[day, 2 * day]
+    )
+    assert path is not None
+    top = figures[0].axes[0]
+    dotted = [line for line in top.get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 2
+    settled = next(line for line in top.get_lines() if line.get_label() == "settled")
+    assert max(settled.get_ydata()) == 10.0  # never the $30 of all three days
+    assert figures[0].axes[1].get_xlabel() == "hours since first admission"  # 50 h

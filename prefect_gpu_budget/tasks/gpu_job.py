@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -51,15 +50,33 @@ class JobResult:
     detail: str = ""
 
 
-@lru_cache(maxsize=4)
-def _gate(ledger_url: str | None) -> Gate:
-    """One gate per process and ledger: its engine and Prefect client are reused by every job."""
-    ledger = SpendLedger(database_url=ledger_url).ledger()
-    from prefect.client.orchestration import get_client
+_warned: set[str] = set()
 
-    client = get_client(sync_client=True, httpx_settings={"timeout": 30})
-    client.__enter__()
-    return Gate(ledger, RateLimits(client))
+
+def _refresh_hint(admission: Admission) -> str:
+    cloud = admission.quote.row.key.split(":")[0]
+    if cloud in ("aws", "gcp"):
+        return f" (refresh with `prefect-gpu-budget prices refresh --{cloud}`)"
+    return " (set it with `prefect-gpu-budget prices set-local`)"
+
+
+_gates: dict[str | None, Gate] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(ledger_url: str | None) -> Gate:
+    """One gate per process and ledger: its engine, Prefect client and limit cache are shared by
+    every job of the process, and built once even when many task threads start at the same
+    moment (otherwise each built its own and they raced to create the same Prefect limits)."""
+    with _gates_lock:
+        if ledger_url not in _gates:
+            ledger = SpendLedger(database_url=ledger_url).ledger()
+            from prefect.client.orchestration import get_client
+
+            client = get_client(sync_client=True, httpx_settings={"timeout": 30})
+            client.__enter__()
+            _gates[ledger_url] = Gate(ledger, RateLimits(client))
+        return _gates[ledger_url]
 
 
 def _resource(job_id: str, scope: str) -> dict[str, str]:
@@ -149,7 +166,9 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             admission.reason,
         )
         for warning in admission.quote.warnings:
-            logger.warning("price warning: %s", warning)
+            if warning not in _warned:  # once per process, not once per trial
+                _warned.add(warning)
+                logger.warning("price warning: %s%s", warning, _refresh_hint(admission))
         emit_event(
             event="gpu-budget.job.admitted",
             resource=_resource(admission.job_id, scope),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 from prefect import flow
@@ -175,3 +176,52 @@ def test_a_waiting_job_shows_awaiting_budget_then_running(prefect_api, prices, t
     assert "blocked by hourly cap of wait" in waiting.message
     after = names[names.index("AwaitingBudget") + 1 :]
     assert after[0] == "Running" and after[-1] == "Completed", names
+
+
+_PARALLEL_FLOW = """
+import subprocess
+import sys
+from prefect import flow
+from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
+from prefect_gpu_budget.admission.ledger import Ledger
+
+url = sys.argv[1]
+for scope in ("par", "par/team"):
+    GpuBudget(scope=scope, hourly_cap_usd=100).apply(Ledger(url))
+job = GpuJob(instance_type="local:box", max_runtime="1m", command=[sys.executable, "-c", "0"])
+
+
+@flow
+def many():
+    block = SpendLedger(database_url=url)
+    futures = [run_gpu_job.submit(job, scope="par/team/s", ledger=block) for _ in range(8)]
+    return [f.result().outcome for f in futures]
+
+
+print(many())
+"""
+
+
+def test_parallel_jobs_in_a_new_scope_raise_no_server_tracebacks(tmp_path, prices):
+    """Eight task threads start at once in a scope whose Prefect limits do not exist yet: the
+    limits are created once, and the server logs no error (it logged a long traceback ending in
+    `UNIQUE constraint failed: concurrency_limit_v2.name` for each racing create)."""
+    from tests.prefect_server import PrefectServer
+
+    server = PrefectServer(tmp_path / "home").start()
+    try:
+        script = tmp_path / "many.py"
+        script.write_text(_PARALLEL_FLOW)
+        done = subprocess.run(
+            [sys.executable, str(script), f"sqlite:///{tmp_path / 'ledger.db'}"],
+            env=server.client_env(PREFECT_GPU_BUDGET_PRICES=str(prices)),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().endswith(str(["completed"] * 8)), done.stdout[-2000:]
+    finally:
+        server.stop()
+    log = (tmp_path / "server-1.log").read_text()
+    assert "Traceback" not in log and "UNIQUE constraint" not in log, log[-3000:]

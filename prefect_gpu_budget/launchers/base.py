@@ -91,7 +91,8 @@ class StartRecord:
     (DESIGN promise 9). The launcher instead starts its timer at once, calls `check` while it
     waits for the job, and stops the job when `check` raises: the start was refused (the job
     is no longer admitted) or could not be recorded within `patience` seconds (the job's kill
-    grace). Before it returns, the launcher calls `finish`, so that the gate settles only
+    grace) of the launcher learning of the start (for a cloud job, a poll after the cloud's
+    reported start, from which max_runtime is timed all the same). Before it returns, the launcher calls `finish`, so that the gate settles only
     after the start is on record (else a job that ran would settle as never started, at $0).
 
     The thread is the gate's `_Handoff`: an exception a signal raises in the launcher lands
@@ -103,6 +104,7 @@ class StartRecord:
     ) -> None:
         self.started_at = started_at
         self.patience = patience
+        self.deadline = time.time() + patience
         self._handoff: _Handoff[None] = _Handoff()
         self._handoff.start(functools.partial(on_start, started_at, external_id))
 
@@ -117,7 +119,7 @@ class StartRecord:
                 raise self._handoff.error
             return
         now = time.time() if now is None else now
-        if now >= self.started_at + self.patience:
+        if now >= self.deadline:
             raise StartNotRecorded(
                 f"the job's start could not be recorded within {self.patience:.0f}s "
                 "(the ledger is locked or down): stopped so that nothing runs unmetered"

@@ -78,7 +78,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 
 class LocalLauncher:
-    """Runs the job's command on this machine; its external id is `pid:start-ticks`."""
+    """Runs the job's command on this machine, under a job holder (`_reaper.py`); its external
+    id is the holder's `pid:start-ticks`."""
 
     kind: ClassVar[str] = "local"
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -167,6 +168,43 @@ def test_stop_by_external_id_stops_the_whole_tree(quote):
     launcher.stop(ids[0], grace=1.0)
     runner.join(timeout=30)
     assert results and results[0].runtime_s < 60
+    assert _marked(mark) == []
+
+
+HOLDER_SCRIPT = """
+import sys
+from pathlib import Path
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.pricing.catalog import Catalog
+
+quote = Catalog.load(Path(sys.argv[1])).quote("local:box", 1, "on-demand")
+job = GpuJob(
+    instance_type="local:box",
+    command=["sh", "-c", "setsid sleep 60 >/dev/null 2>&1 & nohup sleep 60 >/dev/null 2>&1 & sleep 60"],
+    env={"TEST_TREE": sys.argv[2]},
+    max_runtime="5m",
+)
+LocalLauncher().run(job, quote, log=lambda line: None)
+"""
+
+
+def test_the_whole_tree_dies_with_the_process_that_launched_it(prices):
+    """The launching process is SIGKILLed (no cleanup runs): the job's tree, escaped children
+    included, goes with it rather than running on unmetered."""
+    mark = uuid.uuid4().hex
+    launching = subprocess.Popen([sys.executable, "-c", HOLDER_SCRIPT, str(prices), mark])
+    try:
+        deadline = time.time() + 60
+        while len(_marked(mark)) < 4 and time.time() < deadline:  # holder, sh, two children
+            time.sleep(0.1)
+        assert len(_marked(mark)) >= 4, "the job never started"
+    finally:
+        launching.kill()
+        launching.wait()
+    deadline = time.time() + 15
+    while _marked(mark) and time.time() < deadline:
+        time.sleep(0.1)
     assert _marked(mark) == []
 
 

@@ -108,9 +108,11 @@ def _state_line(flow_run: FlowRun) -> str:
 class DeploymentLauncher(Block):
     """Runs each GPU job as a flow run of a Prefect deployment, on whatever its work pool is.
 
-    The job reaches the flow as a dict in the parameter named by `job_parameter`. The flow
-    run's start and end times (Running to its final state) are what the job is billed for; it
-    is cancelled at the job's max_runtime, and when the calling run is cancelled.
+    The job reaches the flow as a dict in the parameter named by `job_parameter`. It is billed
+    from the flow run's start until its worker reports the run's process ended (a final state
+    alone is client-settable and is not enough: see the module's docstring); it is cancelled at
+    the job's max_runtime, and when the calling run is cancelled. Deployments served by
+    `flow.serve` (a runner, not a worker) send no such report: their jobs bill to max_runtime.
     """
 
     _block_type_name = "GPU Deployment Launcher"

@@ -28,6 +28,21 @@ its expiry returns them. Reconcile keeps such a row open (`awaiting-lease-expiry
 ledger counts its rate as long as Prefect may count the slots; the difference this leaves when
 Prefect never granted the lease is reported apart (`slot_mismatch_transient_cents`), not lost.
 
+Faults that are not kills (--faults stall,escape; each run once per --fault-repeat): one job,
+admitted by a Gate in this process, with max_runtime FAULT_MAX_RUNTIME_S and kill grace
+FAULT_GRACE_S, its process tree watched from outside (by a marker in its environment):
+
+- stall: another connection locks the ledger (SQLite `BEGIN IMMEDIATE`, PostgreSQL
+  `LOCK TABLE gpu_jobs IN EXCLUSIVE MODE`) when the job starts, for longer than max_runtime plus
+  grace; the job's start cannot be recorded, and it must still be stopped in time;
+- escape: the job's command starts `nohup` and `setsid` children that outlive it and its
+  max_runtime; they must be billed and stopped with the job.
+
+For each: `overshoot_micro`, what its processes really ran (rate x their watched life) beyond
+what it had reserved (guaranteed mode: max_runtime plus grace), and `unmetered_micro`, what
+they ran beyond what was billed. Both must be 0; the tree must be gone afterwards
+(`jobs_outlived_holder`).
+
 At the end. Once every lease a dead worker may hold unrecorded has expired and the server's
 repossessor has returned its slots (UNRECORDED_LEASE_S after the last stamp of such a row; polled, with
 END_MARGIN_S to spare), reconcile runs again and the whole ledger is audited. These are the
@@ -42,7 +57,8 @@ own Prefect client and database connections) without paying for the imports each
 
 Usage: python benchmarks/chaos.py [--runs N] [--url SQLALCHEMY_URL] [--seed S] [--json]
                                   [--api-url PREFECT_API_URL] [--phases P1,P2]
-                                  [--park-at MARK1,MARK2]
+                                  [--park-at MARK1,MARK2] [--faults stall,escape]
+                                  [--fault-repeat R]
 
 The ledger is a SQLite file in a temporary directory unless --url names one. A PostgreSQL
 database is created if missing and its gate tables are dropped and recreated: give it its own
@@ -70,10 +86,12 @@ import multiprocessing as mp
 import random
 import signal
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 import uuid
@@ -102,6 +120,7 @@ from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, Reconcile
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
+from prefect_gpu_budget.units import cost_micro
 
 PHASES = ("before_reserve", "after_reserve", "running", "settling")
 PHASE_END = {
@@ -155,14 +174,35 @@ RUN_FIGURES = (
     "invariant_violations",
 )
 """After each run's reconcile (`after_each_run`): all must be zero."""
+FAULTS = ("stall", "escape")
+"""Faults that are not kills: a ledger locked when a job starts; children escaping the job."""
+FAULT_MAX_RUNTIME_S = 2.0
+FAULT_GRACE_S = 1.0
+STALL_EXTRA_S = 3.0
+"""The stall lasts max_runtime plus grace plus this: past any moment the job may still run."""
+FAULT_MARK_ENV = "CHAOS_TREE"
+ESCAPE_SCRIPT = (
+    "nohup sleep 30 >/dev/null 2>&1 &"
+    " setsid sleep 30 >/dev/null 2>&1 &"
+    " setsid sh -c 'trap \"\" TERM; sleep 30' >/dev/null 2>&1 &"
+    " exit 0"
+)
+"""Children in the job's group, in a new session, and one ignoring SIGTERM; the command exits."""
+ESCAPED_WATCH_S = 40.0
+"""How long processes that outlive their job are watched (their whole life: `sleep 30`)."""
+WATCH_SLACK_S = 0.25
+"""What watching a process tree every 50 ms may add to its life as seen from outside."""
 OTHER_FIGURES = (
+    "overshoot_micro",
+    "unmetered_micro",
     "slots_held_past_deadline_cents",
     "second_settles_charged",
     "jobs_outlived_holder",
     "worker_errors",
     "stuck_workers",
 )
-"""Counted over the runs and the end: all must be zero. `slots_held_past_deadline_cents`:
+"""Counted over the runs and the end: all must be zero. `overshoot_micro` (the money bound
+of guaranteed mode) and `unmetered_micro`: over the fault runs. `slots_held_past_deadline_cents`:
 Prefect still held slots for a row awaiting lease expiry when reconcile settled it, once its
 lease could no longer be alive (reconcile's UNRECORDED_LEASE_S too short for this server)."""
 
@@ -342,6 +382,11 @@ class RunResult:
     errors: int
     stuck: int
     wall_s: float
+    overshoot_micro: int = 0
+    """Fault runs: real spend (rate x the tree's watched life) beyond the reservation."""
+    unmetered_micro: int = 0
+    """Fault runs: real spend beyond what was billed."""
+    fault: str | None = None
 
     def lost(self) -> dict[str, int]:
         """This run's figures that are not zero among those that must be."""
@@ -356,6 +401,8 @@ class RunResult:
             "jobs_outlived_holder": self.outlived,
             "worker_errors": self.errors,
             "stuck_workers": self.stuck,
+            "overshoot_micro": self.overshoot_micro,
+            "unmetered_micro": self.unmetered_micro,
         }
         return {k: v for k, v in figures.items() if v}
 
@@ -500,6 +547,159 @@ def one_run(setup: Setup, index: int, phase: str, mark: str | None = None) -> Ru
     )
 
 
+# -- faults that are not kills ------------------------------------------------------------------
+
+
+def marked(value: str) -> list[int]:
+    """Live processes whose environment carries FAULT_MARK_ENV=value."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                env = handle.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                gone = handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        except (OSError, IndexError):
+            continue
+        if f"{FAULT_MARK_ENV}={value}".encode() in env and not gone:
+            found.append(int(entry))
+    return found
+
+
+class TreeWatch:
+    """How long any process of a marked tree lives, watched from outside every 50 ms."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+        self.first: float | None = None
+        self.last: float | None = None
+        self.most = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            alive = marked(self.value)
+            if alive:
+                now = time.time()
+                self.first = self.first or now
+                self.last = now
+                self.most = max(self.most, len(alive))
+            time.sleep(0.05)
+
+    def stop(self) -> float:
+        """The tree's life in seconds (0 if it was never seen)."""
+        self._stop.set()
+        self._thread.join()
+        return 0.0 if self.first is None or self.last is None else self.last - self.first
+
+
+def hold_ledger_lock(url: str, seconds: float, held: threading.Event) -> None:
+    """Lock the jobs table against writers from a connection of its own for `seconds`."""
+    if url.startswith("sqlite"):
+        conn = sqlite3.connect(url.split("///", 1)[1], isolation_level=None, timeout=60)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            held.set()
+            time.sleep(seconds)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+        return
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("LOCK TABLE gpu_jobs IN EXCLUSIVE MODE"))
+            held.set()
+            time.sleep(seconds)
+    finally:
+        engine.dispose()
+
+
+def fault_run(setup: Setup, index: int, fault: str) -> RunResult:
+    """One job under `fault` (stall or escape), admitted, run and settled by a Gate in this
+    process; its tree's life watched from outside; the run's org audited."""
+    started = time.perf_counter()
+    org = f"chaos-{setup.tag}-{index}"
+    rules = budgets(org)
+    for rule in rules:
+        setup.ledger.set_budget(rule)
+    setup.limits.ensure([(r.scope, r.hourly_cap_cents) for r in rules if r.hourly_cap_cents])
+    gate = Gate(setup.ledger, setup.limits, catalog=Catalog.load(Path(setup.prices)))
+    value = uuid.uuid4().hex
+    command = ["sleep", "30"] if fault == "stall" else ["sh", "-c", ESCAPE_SCRIPT]
+    job = GpuJob(
+        instance_type="local:chaos",
+        max_runtime=FAULT_MAX_RUNTIME_S,
+        kill_grace=FAULT_GRACE_S,
+        max_wait=MAX_WAIT,
+        command=command,
+        env={FAULT_MARK_ENV: value},
+    )
+    admission = gate.admit(job, f"{org}/t/s1")
+    locker, held = None, threading.Event()
+    if fault == "stall":
+        hold_s = FAULT_MAX_RUNTIME_S + FAULT_GRACE_S + STALL_EXTRA_S
+        locker = threading.Thread(
+            target=hold_ledger_lock, args=(setup.ledger.url, hold_s, held), daemon=True
+        )
+        locker.start()
+        held.wait(60)
+    watch = TreeWatch(value)
+    errors = 0
+    try:
+        result = LocalLauncher().run(
+            job,
+            admission.quote,
+            on_start=lambda at, ext: gate.started(admission, at, ext),
+            log=lambda _: None,
+        )
+        row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+    except Exception as exc:  # counted: the fault broke the job's bookkeeping
+        log(f"fault run {fault}: {type(exc).__name__}: {exc}")
+        errors, row, result = 1, setup.ledger.job(admission.job_id), None
+    left = len(marked(value))  # what outlived the job
+    gone_by = time.monotonic() + ESCAPED_WATCH_S
+    while marked(value) and time.monotonic() < gone_by:  # its real life, to bill it against
+        time.sleep(0.2)
+    lived = watch.stop()
+    if locker is not None:
+        locker.join(timeout=60)
+    rate = admission.quote.rate_micro_per_hour
+    real = cost_micro(rate, max(0.0, lived - WATCH_SLACK_S), round_up=False)
+    billed = row.get("actual_micro") or 0
+    injected = (
+        held.is_set() and result is not None and "could not be recorded" in result.detail
+        if fault == "stall"
+        else watch.most >= 3  # the children ran on their own
+    )
+    checked = audit(setup.ledger, setup.limits, scope=org, stale_after=STALE_S)
+    return RunResult(
+        org=org,
+        phase=fault,
+        mark=None,
+        landed=fault,
+        position=result.outcome if result is not None else "error",
+        injected=injected,
+        delay_s=0.0,
+        reconciled=[],
+        audit=checked,
+        second_settles_charged=settle_again(setup.ledger, org),
+        outlived=left,
+        errors=errors,
+        stuck=0,
+        wall_s=time.perf_counter() - started,
+        overshoot_micro=max(0, real - (row.get("reserved_micro") or 0)),
+        unmetered_micro=max(0, real - billed),
+        fault=fault,
+    )
+
+
 def reconcile_tracked(setup: Setup) -> list[Reconciled]:
     """Reconcile the whole ledger (as a scheduled reconcile would). When it settles a row it
     had held open until an unrecorded lease's latest expiry, Prefect must hold no slots for
@@ -637,9 +837,12 @@ def run(
     api_url: str | None = None,
     phases: tuple[str, ...] = PHASES,
     park_at: tuple[str, ...] = (),
+    faults: tuple[str, ...] = (),
+    fault_repeat: int = 1,
 ) -> dict[str, Any]:
-    """`runs` runs cycling through `phases`, then one run per step mark in `park_at`; then the
-    end: every lease expired, reconcile, the whole ledger audited."""
+    """`runs` runs cycling through `phases`, then one run per step mark in `park_at`, then
+    `fault_repeat` runs of each fault in `faults`; then the end: every lease expired,
+    reconcile, the whole ledger audited."""
     wall = time.perf_counter()
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="gpu-budget-chaos-") as tmp:
@@ -656,17 +859,22 @@ def run(
             setup = Setup(ledger, limits, ctx, served, str(prices), rng, tag)
             plan = [(phases[i % len(phases)], None) for i in range(runs)]
             plan += [(STEPS[mark[1:]], mark) for mark in park_at]
-            results = []
+            results, fault_results = [], []
+            fault_plan = [fault for _ in range(fault_repeat) for fault in faults]
             try:
                 for i, (phase, mark) in enumerate(plan):
                     result = one_run(setup, i, phase, mark)
                     results.append(result)
                     log(progress(i, len(plan), result))
+                for j, fault in enumerate(fault_plan):
+                    result = fault_run(setup, len(plan) + j, fault)
+                    fault_results.append(result)
+                    log(fault_progress(j, len(fault_plan), result))
                 end = end_state(setup)
             finally:
                 limits.close()
                 ledger.dispose()
-    out = summarise(results, end)
+    out = summarise(results, end, fault_results)
     out.update(
         prefect_server="given" if api_url else "prefect server start (filesystem leases)",
         backend=make_backend(url),
@@ -795,8 +1003,22 @@ def progress(i: int, runs: int, r: RunResult) -> str:
     )
 
 
-def summarise(results: list[RunResult], end: dict[str, Any]) -> dict[str, Any]:
+def fault_progress(j: int, runs: int, r: RunResult) -> str:
+    lost = r.lost()
+    verdict = "ok" if not lost else f"LOST {lost}: " + "; ".join(r.audit.messages[:3])
+    return (
+        f"fault {j + 1}/{runs}: {r.phase:<7} {'injected' if r.injected else 'NOT injected'}, "
+        f"job {r.position}, overshoot {r.overshoot_micro} micro-USD, unmetered "
+        f"{r.unmetered_micro}, processes left {r.outlived}: {verdict} ({r.wall_s:.1f} s)"
+    )
+
+
+def summarise(
+    results: list[RunResult], end: dict[str, Any], fault_results: list[RunResult] = ()
+) -> dict[str, Any]:
+    fault_results = list(fault_results)
     audits = [r.audit for r in results]
+    fault_audits = [r.audit for r in fault_results]
     faults = Counter(r.phase for r in results if r.injected)
     random_faults = Counter(r.phase for r in results if r.injected and r.mark is None)
     out: dict[str, Any] = {
@@ -811,11 +1033,19 @@ def summarise(results: list[RunResult], end: dict[str, Any]) -> dict[str, Any]:
         "slots_held_past_deadline_cents": end["slots_held_past_deadline_cents"],
         "second_settles_charged": sum(r.second_settles_charged for r in results)
         + end["second_settles_charged"],
-        "jobs_outlived_holder": sum(r.outlived for r in results),
-        "worker_errors": sum(r.errors for r in results),
+        "jobs_outlived_holder": sum(r.outlived for r in [*results, *fault_results]),
+        "worker_errors": sum(r.errors for r in [*results, *fault_results]),
+        "fault_runs": len(fault_results),
+        "faults_by_kind": {
+            f: sum(r.injected for r in fault_results if r.fault == f)
+            for f in FAULTS
+            if any(r.fault == f for r in fault_results)
+        },
+        "overshoot_micro": sum(r.overshoot_micro for r in fault_results),
+        "unmetered_micro": sum(r.unmetered_micro for r in fault_results),
         "stuck_workers": sum(r.stuck for r in results),
         "after_each_run": {
-            **{k: sum(getattr(a, k) or 0 for a in audits) for k in RUN_FIGURES},
+            **{k: sum(getattr(a, k) or 0 for a in [*audits, *fault_audits]) for k in RUN_FIGURES},
             "slot_mismatch_transient_cents": sum(a.slot_transient_cents or 0 for a in audits),
             "unrecorded_lease_slots_cents": sum(a.slot_unrecorded_cents or 0 for a in audits),
             "awaiting_lease_expiry": sum(a.awaiting_lease_expiry for a in audits),
@@ -835,6 +1065,27 @@ def summarise(results: list[RunResult], end: dict[str, Any]) -> dict[str, Any]:
     lost = {k: out[k] for k in (*END_FIGURES, *OTHER_FIGURES) if out[k]}
     lost.update({f"after_each_run.{k}": out["after_each_run"][k] for k in RUN_FIGURES})
     out["lost"] = {k: v for k, v in lost.items() if v}
+    out["by_fault_run"] = [
+        {
+            "fault": r.fault,
+            "injected": r.injected,
+            "outcome": r.position,
+            "overshoot_micro": r.overshoot_micro,
+            "unmetered_micro": r.unmetered_micro,
+            "processes_left": r.outlived,
+            "lost": r.lost(),
+        }
+        for r in fault_results
+    ]
+    out["messages"] = (
+        out["messages"][:40]
+        + [
+            f"fault run {i + 1} ({r.fault}): {m}"
+            for i, r in enumerate(fault_results)
+            if r.lost()
+            for m in [f"lost {r.lost()}", *r.audit.messages]
+        ][:40]
+    )
     out["by_run"] = [
         {
             "phase": r.phase,
@@ -881,6 +1132,13 @@ def report(out: dict[str, Any]) -> str:
             str(wait_["slot_difference_at_deadline_cents"]),
         ],
     ]
+    fault_rows = [
+        [k, str(out["faults_by_kind"].get(k, 0))] for k in FAULTS if k in out["faults_by_kind"]
+    ]
+    fault_rows += [
+        ["overshoot past the reservations (micro-USD)", str(out["overshoot_micro"])],
+        ["ran unmetered (micro-USD)", str(out["unmetered_micro"])],
+    ]
     reconciled = [[k, str(v)] for k, v in sorted(out["reconciled"].items())]
     reconciled += [[f"{k} (at the end)", str(v)] for k, v in sorted(wait_["reconciled"].items())]
     sections = [
@@ -900,6 +1158,14 @@ def report(out: dict[str, Any]) -> str:
         "",
         table(["End state (whole ledger)", "Value"], figures),
     ]
+    if out["fault_runs"]:
+        sections += [
+            "",
+            f"{out['fault_runs']} fault runs, guaranteed mode (max_runtime "
+            f"{FAULT_MAX_RUNTIME_S:.0f} s, grace {FAULT_GRACE_S:.0f} s)",
+            "",
+            table(["Fault", "Injected"], fault_rows),
+        ]
     if out["messages"]:
         sections += ["", "Findings", "", *[f"- {m}" for m in out["messages"]]]
     sections += ["", "Nothing lost." if not out["lost"] else f"LOST: {out['lost']}"]
@@ -922,6 +1188,10 @@ def main() -> None:
         default="",
         help=f"after the random runs, one run per step mark, of {','.join(marks)}",
     )
+    parser.add_argument(
+        "--faults", default="", help=f"after the kills, runs of each of {','.join(FAULTS)}"
+    )
+    parser.add_argument("--fault-repeat", type=int, default=1, help="runs of each fault")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = parser.parse_args()
     phases = tuple(args.phases.split(","))
@@ -930,9 +1200,14 @@ def main() -> None:
     park_at = tuple(m for m in args.park_at.split(",") if m)
     if not set(park_at) <= set(marks):
         parser.error(f"--park-at: comma-separated marks of {','.join(marks)}")
-    if args.runs < 0 or args.runs + len(park_at) == 0:
-        parser.error("nothing to run: --runs N (N > 0) or --park-at")
-    out = run(args.runs, args.url, args.seed, args.api_url, phases, park_at)
+    faults = tuple(f for f in args.faults.split(",") if f)
+    if not set(faults) <= set(FAULTS) or args.fault_repeat < 1:
+        parser.error(f"--faults: comma-separated kinds of {','.join(FAULTS)}; --fault-repeat >= 1")
+    if args.runs < 0 or args.runs + len(park_at) + len(faults) == 0:
+        parser.error("nothing to run: --runs N (N > 0), --park-at or --faults")
+    out = run(
+        args.runs, args.url, args.seed, args.api_url, phases, park_at, faults, args.fault_repeat
+    )
     print(json.dumps(out, indent=2) if args.json else report(out))
     sys.exit(1 if out["lost"] else 0)
 

@@ -41,8 +41,11 @@ END_FIGURES = (
     "jobs_outlived_holder",
     "worker_errors",
     "stuck_workers",
+    "overshoot_micro",
+    "unmetered_micro",
 )
-"""Figures that must be zero: the end state, once every lease expired, over the whole ledger."""
+"""Figures that must be zero: the end state, once every lease expired, over the whole ledger;
+overshoot and unmetered spend over the fault runs (guaranteed mode: the money bound)."""
 RUN_FIGURES = (
     "orphans_left",
     "double_charges",
@@ -61,6 +64,9 @@ settled; both done; last, Prefect's lease granted but its id never recorded, so 
 slots are still held when the end starts waiting for lease expiry."""
 RATE_ON_PATH = 3 * 360
 """A victim's rate in every capped scope on its path (org, team, session) in cents/h."""
+FAULTS = ("stall", "escape")
+"""One run of each fault that is not a kill: a ledger locked as a job starts, and children
+that escape their job."""
 TIMEOUT_S = 420
 
 
@@ -75,7 +81,7 @@ def chaos_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
     for backend, url in urls.items():
         command = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--json"]
         command += ["--runs", str(RUNS), "--park-at", ",".join(POINTS)]
-        command += ["--url", url, "--seed", "7"]
+        command += ["--faults", ",".join(FAULTS), "--url", url, "--seed", "7"]
         out, err = (tmp / f"{backend}.json").open("w"), (tmp / f"{backend}.log").open("w")
         procs[backend] = subprocess.Popen(command, stdout=out, stderr=err, cwd=ROOT, env=env)
         out.close()
@@ -121,6 +127,8 @@ def test_random_and_exact_kills_lose_nothing(
     assert all(out["faults_by_phase"][p] >= 1 for p in PHASES), out["kill_points"]
     assert out["faults_injected"] == sum(out["faults_by_phase"].values())
     assert out["faults_injected"] == random_faults + len(POINTS)
+    assert out["fault_runs"] == len(FAULTS)
+    assert out["faults_by_kind"] == dict.fromkeys(FAULTS, 1), out["by_fault_run"]
 
     # nothing lost: the end state over the whole ledger, and after each run's reconcile
     lost = {k: out[k] for k in END_FIGURES}
@@ -133,7 +141,8 @@ def test_random_and_exact_kills_lose_nothing(
     # ... and that was checked, not assumed
     end, wait = out["end"], out["end"]["wait"]
     assert out["jobs"] == end["jobs"] >= 2 * out["runs"]  # the others' rows at least
-    assert end["capped_scopes_checked"] == 4 * out["runs"]  # every run's org, team, sessions
+    # every run's org, team and sessions
+    assert end["capped_scopes_checked"] == 4 * (out["runs"] + out["fault_runs"])
     assert end["prefect_slots_held"] == end["ledger_running_rate_cents"] == 0
     by_point = dict(zip(POINTS, exact_runs, strict=True))
     # admitted, no lease: the ledger keeps counting what Prefect never granted (transient)

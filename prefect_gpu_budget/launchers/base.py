@@ -9,10 +9,13 @@ with a one-line reason and leaves the ledger untouched.
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from prefect_gpu_budget.admission.gate import _Handoff
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Quote
 
@@ -73,6 +76,62 @@ waits for capacity is then known to the ledger, so reconcile can cancel it if it
 
 def ignore_submission(external_id: str) -> None:
     """The default SubmitHook: nothing to record."""
+
+
+class StartNotRecorded(RuntimeError):
+    """The job's start could not be recorded in time (the ledger stalled or is down)."""
+
+
+class StartRecord:
+    """`on_start(started_at, external_id)` told in a thread of its own, so that the job's
+    max_runtime clock runs from its real start whatever the ledger does.
+
+    The gate's `on_start` writes to the ledger and retries while the ledger is locked or down;
+    a launcher that waited for it would start the max_runtime timer late by the whole stall
+    (DESIGN promise 9). The launcher instead starts its timer at once, calls `check` while it
+    waits for the job, and stops the job when `check` raises: the start was refused (the job
+    is no longer admitted) or could not be recorded within `patience` seconds (the job's kill
+    grace) of the launcher learning of the start (for a cloud job, a poll after the cloud's
+    reported start, from which max_runtime is timed all the same). Before it returns, the launcher calls `finish`, so that the gate settles only
+    after the start is on record (else a job that ran would settle as never started, at $0).
+
+    The thread is the gate's `_Handoff`: an exception a signal raises in the launcher lands
+    in the launcher's wait, never inside the ledger call.
+    """
+
+    def __init__(
+        self, on_start: StartHook, started_at: float, external_id: str, patience: float
+    ) -> None:
+        self.started_at = started_at
+        self.patience = patience
+        self.deadline = time.time() + patience
+        self._handoff: _Handoff[None] = _Handoff()
+        self._handoff.start(functools.partial(on_start, started_at, external_id))
+
+    @property
+    def done(self) -> bool:
+        return self._handoff.done.flag
+
+    def check(self, now: float | None = None) -> None:
+        """Raise the start hook's error, or `StartNotRecorded` once `patience` has run out."""
+        if self.done:
+            if self._handoff.error is not None:
+                raise self._handoff.error
+            return
+        now = time.time() if now is None else now
+        if now >= self.deadline:
+            raise StartNotRecorded(
+                f"the job's start could not be recorded within {self.patience:.0f}s "
+                "(the ledger is locked or down): stopped so that nothing runs unmetered"
+            )
+
+    def finish(self) -> None:
+        """Wait for the start hook to end (the job is no longer running by now); raise its
+        error, if it failed."""
+        while not self._handoff.done.wait(1.0):
+            pass
+        if self._handoff.error is not None:
+            raise self._handoff.error
 
 
 @runtime_checkable

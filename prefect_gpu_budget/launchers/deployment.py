@@ -5,10 +5,26 @@ vertex-ai, ecs, kubernetes pools in a cloud). The launcher creates the flow run 
 `run_deployment`, passes it the job, watches it through the Prefect API, and reports the flow
 run's own start and end times, which the gate then settles from. Stopping a flow run means
 setting it to Cancelling, as `prefect flow-run cancel` does; its worker or runner ends it.
+
+A flow run's state is client-settable: anyone with API access can force it to Completed while
+its process runs on. So a final state alone never ends billing. The launcher settles only when
+the infrastructure reports that the run's process ended, and the strongest such evidence a
+Prefect worker gives is its `prefect.worker.executed-flow-run` event: the worker emits it once
+its own `run()` has returned, i.e. once the process it started has exited (the event names the
+flow run as a related resource, with the process's identifier and exit code). The other
+candidates are weaker: `infrastructure_pid` says where the process was started, not that it
+ended (and can be checked only on the worker's host); state history and the
+`prefect.flow-run.*` events record every state change but not who asked for it (a forced
+`set_state` looks like the run's own). Events can be emitted by API clients too, but forging
+one takes a deliberate second step, and the worker's event carries its worker resource.
+A final state with no such event is metered on until the event arrives or max_runtime passes;
+then it is billed to max_runtime, logged as suspicious, and set to Cancelling so that its
+worker kills the process if it still runs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -28,11 +44,18 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
+    StartNotRecorded,
+    StartRecord,
     SubmitHook,
     ignore_submission,
 )
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
+
+logger = logging.getLogger("prefect_gpu_budget.launchers.deployment")
+
+PROCESS_ENDED_EVENT = "prefect.worker.executed-flow-run"
+"""What a worker emits once the process of a flow run it started has exited."""
 
 OUTCOME_OF = {
     StateType.COMPLETED: "completed",
@@ -85,9 +108,11 @@ def _state_line(flow_run: FlowRun) -> str:
 class DeploymentLauncher(Block):
     """Runs each GPU job as a flow run of a Prefect deployment, on whatever its work pool is.
 
-    The job reaches the flow as a dict in the parameter named by `job_parameter`. The flow
-    run's start and end times (Running to its final state) are what the job is billed for; it
-    is cancelled at the job's max_runtime, and when the calling run is cancelled.
+    The job reaches the flow as a dict in the parameter named by `job_parameter`. It is billed
+    from the flow run's start until its worker reports the run's process ended (a final state
+    alone is client-settable and is not enough: see the module's docstring); it is cancelled at
+    the job's max_runtime, and when the calling run is cancelled. Deployments served by
+    `flow.serve` (a runner, not a worker) send no such report: their jobs bill to max_runtime.
     """
 
     _block_type_name = "GPU Deployment Launcher"
@@ -219,12 +244,15 @@ class DeploymentLauncher(Block):
             now = time.time()
             detail = f"could not create a flow run of {self.deployment}: {_first_line(exc)}"
             return LaunchResult("launch_error", now, now, detail=detail)
-        noted: list[float] = []  # the start time, once on_start has been told
+        noted: list[StartRecord] = []  # the start, once on_start has been told
 
-        def note_start(seen: FlowRun) -> None:
+        def note_start(seen: FlowRun) -> StartRecord | None:
+            """Tell `on_start` in a thread of its own (a stalled ledger never delays the
+            max_runtime clock); the record, once there is one."""
             if not noted and _ran(seen) and seen.start_time is not None:
-                noted.append(seen.start_time.timestamp())
-                on_start(noted[0], str(seen.id))
+                started = seen.start_time.timestamp()
+                noted.append(StartRecord(on_start, started, str(seen.id), job.kill_grace))
+            return noted[0] if noted else None
 
         try:  # from here on, whatever interrupts us cancels the flow run
             on_submit(str(flow_run.id))
@@ -235,7 +263,9 @@ class DeploymentLauncher(Block):
             try:
                 self._cancel(flow_run.id, "the calling run was interrupted", log)
                 last = self._wait_final(flow_run.id, job.kill_grace + self.cancel_wait_s)
-                note_start(last)  # it may have started since the last look: bill from then
+                record = note_start(last)  # it may have started since: bill from then
+                if record is not None:
+                    record.finish()
             except Exception as exc:  # keep the interruption, not this, as the error
                 log(f"could not cancel flow run {flow_run.id}: {exc}")
             raise
@@ -251,8 +281,11 @@ class DeploymentLauncher(Block):
             return Probe("unknown")
         if _over(flow_run):
             ended = _ended_at(flow_run)
-            started = _epoch(flow_run.start_time) if _ran(flow_run) else ended
-            return Probe("finished", started_at=started, ended_at=ended)
+            if not _ran(flow_run):
+                return Probe("finished", started_at=ended, ended_at=ended)
+            with get_client(sync_client=True) as client:  # its process's end, as its worker saw
+                ended = max(ended, self._process_ended(client, flow_run.id) or ended)
+            return Probe("finished", started_at=_epoch(flow_run.start_time), ended_at=ended)
         return Probe("running", started_at=_epoch(flow_run.start_time) if _ran(flow_run) else None)
 
     def stop(self, external_id: str, grace: float = 10.0) -> None:
@@ -295,14 +328,18 @@ class DeploymentLauncher(Block):
         client: SyncPrefectClient,
         flow_run: FlowRun,
         job: GpuJob,
-        note_start: Callable[[FlowRun], None],
+        note_start: Callable[[FlowRun], StartRecord | None],
         log: Callable[[str], None],
     ) -> LaunchResult:
-        """Poll until the flow run is final. An unreadable API is waited out (the job may
-        still be running and billing); only a deleted flow run ends the wait early."""
+        """Poll until the flow run is final and its process has ended (see the module's
+        docstring). An unreadable API is waited out (the job may still be running and
+        billing); only a deleted flow run ends the wait early."""
         created = _epoch(flow_run.created) or time.time()
         run_id = flow_run.id
         started: float | None = None
+        record: StartRecord | None = None
+        cancelled_until = float("inf")  # how long a run we cancelled may take to end
+        told_final = False
         stopped_for: str | None = None  # `timed_out` or `wait_expired` once we cancel it
         overdue = float("inf")  # when to say that a cancelled run has not ended
         seen: tuple[Any, ...] = ()
@@ -324,14 +361,41 @@ class DeploymentLauncher(Block):
             unreadable = False
             state = flow_run.state
             if started is None and _ran(flow_run) and flow_run.start_time is not None:
-                started = flow_run.start_time.timestamp()
-                note_start(flow_run)  # before anything else can interrupt
+                started = flow_run.start_time.timestamp()  # max_runtime counts from here
+                record = note_start(flow_run)  # before anything else can interrupt
             if state is not None and (state.type, state.name, state.message) != seen:
                 seen = (state.type, state.name, state.message)
                 log(_state_line(flow_run))
-            if _over(flow_run):
-                return self._result(flow_run, created, started, stopped_for)
             now = time.time()
+            if _over(flow_run) and started is None:  # it never ran: nothing to meter
+                return self._result(flow_run, created, started, stopped_for)
+            if _over(flow_run):
+                assert started is not None
+                ended = self._process_ended(client, run_id)
+                until = started + job.max_runtime if stopped_for is None else cancelled_until
+                if ended is not None or now >= until:
+                    if record is not None:
+                        record.finish()  # on record before the gate settles
+                    if ended is not None:
+                        return self._result(
+                            flow_run, created, started, stopped_for, ended=max(ended, started)
+                        )
+                    return self._unproven(client, flow_run, job, created, started, log)
+                if not told_final:
+                    told_final = True
+                    log(
+                        f"flow run {run_id} is {state.name if state else '?'} but its worker "
+                        "has not reported its process ended: still metered"
+                    )
+                time.sleep(self.poll_s)
+                continue
+            if record is not None and stopped_for is None:
+                try:
+                    record.check(now)
+                except StartNotRecorded as late:
+                    stopped_for = "cancelled"
+                    self._cancel(run_id, str(late), log)
+                    cancelled_until = now + job.kill_grace + self.cancel_wait_s
             why = None
             if stopped_for is None and started is not None and now >= started + job.max_runtime:
                 stopped_for, why = "timed_out", f"max_runtime {job.max_runtime:.0f}s reached"
@@ -346,6 +410,7 @@ class DeploymentLauncher(Block):
                 try:
                     self._cancel(run_id, why, log)
                     overdue = now + job.kill_grace + self.cancel_wait_s
+                    cancelled_until = overdue
                 except Exception as exc:  # try again on the next poll
                     log(f"could not cancel flow run {run_id}, retrying: {_first_line(exc)}")
                     stopped_for = None
@@ -354,11 +419,71 @@ class DeploymentLauncher(Block):
                 log(f"flow run {run_id} has not ended since it was cancelled; still metered")
             time.sleep(self.poll_s)
 
-    def _result(
-        self, flow_run: FlowRun, created: float, started: float | None, stopped_for: str | None
+    def _process_ended(self, client: SyncPrefectClient, flow_run_id: UUID) -> float | None:
+        """When the worker reported the flow run's process ended (its executed-flow-run
+        event), or None while it has not (or the events cannot be read)."""
+        from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+        wanted = EventFilter(
+            event=EventNameFilter(name=[PROCESS_ENDED_EVENT]),
+            related=EventRelatedFilter(
+                resources_in_roles=[(f"prefect.flow-run.{flow_run_id}", "flow-run")]
+            ),
+        )
+        try:
+            page = client.read_events(filter=wanted, limit=5)
+        except Exception:  # the API is down: no evidence yet, keep metering
+            return None
+        times = [event.occurred.timestamp() for event in page.events]
+        return min(times) if times else None
+
+    def _unproven(
+        self,
+        client: SyncPrefectClient,
+        flow_run: FlowRun,
+        job: GpuJob,
+        created: float,
+        started: float,
+        log: Callable[[str], None],
     ) -> LaunchResult:
+        """A final state with no report from the infrastructure that the process ended, by
+        max_runtime: billed to max_runtime, said loudly, and its worker asked to stop it."""
         assert flow_run.state is not None
-        ended = _ended_at(flow_run)
+        warning = (
+            f"suspicious final state: flow run {flow_run.name} ({flow_run.id}) is "
+            f"{flow_run.state.name}, but its worker never reported its process ended; the "
+            "state may have been set through the API while the job ran on. Billed to "
+            f"max_runtime {job.max_runtime:.0f}s"
+        )
+        logger.warning("%s", warning)
+        log(warning)
+        try:  # the worker's cancellation kills the process by its infrastructure_pid
+            client.set_flow_run_state(
+                flow_run.id, Cancelling(message="Cancelled: unproven final state"), force=True
+            )
+        except Exception as exc:  # billed to max_runtime either way
+            log(f"could not cancel flow run {flow_run.id}: {_first_line(exc)}")
+        result = self._result(flow_run, created, started, "timed_out", ended=started)
+        return LaunchResult(
+            "timed_out",
+            started,
+            started + job.max_runtime,
+            detail=warning,
+            external_id=result.external_id,
+            capacity_wait_s=result.capacity_wait_s,
+        )
+
+    def _result(
+        self,
+        flow_run: FlowRun,
+        created: float,
+        started: float | None,
+        stopped_for: str | None,
+        ended: float | None = None,
+    ) -> LaunchResult:
+        """`ended`: when its process ended, as its worker reported; else its end time."""
+        assert flow_run.state is not None
+        ended = _ended_at(flow_run) if ended is None else max(ended, _ended_at(flow_run))
         outcome = OUTCOME_OF.get(flow_run.state.type, "failed")
         if outcome != "completed" and stopped_for == "timed_out":
             outcome = "timed_out"

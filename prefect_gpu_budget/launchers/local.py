@@ -7,9 +7,12 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar
 
 from prefect_gpu_budget.admission.ledger import process_start_ticks
@@ -19,10 +22,19 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
+    StartNotRecorded,
+    StartRecord,
     SubmitHook,
     ignore_submission,
 )
 from prefect_gpu_budget.pricing.catalog import Quote
+
+REAPER = str(Path(__file__).with_name("_reaper.py"))
+"""The job holder each local job runs under: stdlib only, started as a file (fast)."""
+JOB_MARK_ENV = "GPU_BUDGET_JOB_MARK"
+"""Set, unique, in each local job's environment: what finds a process that left its tree."""
+HOLDER_SLACK_S = 5.0
+"""How long past the kill grace the holder may take to stop the tree before it is SIGKILLed."""
 
 _granted: set[int] = set()
 _granted_lock = threading.Lock()
@@ -66,7 +78,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 
 class LocalLauncher:
-    """Runs the job's command on this machine; its external id is `pid:start-ticks`."""
+    """Runs the job's command on this machine, under a job holder (`_reaper.py`); its external
+    id is the holder's `pid:start-ticks`."""
 
     kind: ClassVar[str] = "local"
 
@@ -85,10 +98,21 @@ class LocalLauncher:
         on_submit: SubmitHook = ignore_submission,
     ) -> LaunchResult:
         """Run the command; stream its output to `log`; SIGTERM at max_runtime, SIGKILL after grace.
-        (A local process starts when it is submitted: `on_start` says all there is.)"""
+
+        The job is the whole process tree the command starts: it runs under a job holder
+        (`_reaper.py`) that adopts every orphaned descendant, `setsid` ones included, and ends
+        only when the last of them has ended, so billing covers them all and max_runtime stops
+        them all. The max_runtime clock starts when the process starts; the start is recorded
+        meanwhile (`StartRecord`), and the job is stopped if that fails or takes longer than
+        its kill grace. (A local process starts when it is submitted: `on_start` says all
+        there is.)"""
         if not job.command:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail="job has no command to run")
+        missing = _not_runnable(job.command[0])
+        if missing:
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail=f"could not start: {missing}")
         wanted = quote.row.gpus * job.nodes
         gpus = _grant(wanted)
         if len(gpus) < wanted and visible_gpus():  # a GPU machine, but not enough free GPUs
@@ -97,13 +121,16 @@ class LocalLauncher:
             return LaunchResult(
                 "launch_error", now, now, detail=f"fewer than {wanted} GPUs free here"
             )
-        child_env = {**os.environ, **job.env, **(env or {})}
+        mark = uuid.uuid4().hex
+        child_env = {**os.environ, **job.env, **(env or {}), JOB_MARK_ENV: mark}
         if gpus:
             child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        holder = [sys.executable, "-I", "-S", REAPER, "--grace", str(job.kill_grace)]
+        holder += ["--holder", str(os.getpid()), "--", *job.command]
         try:
             try:
                 proc = subprocess.Popen(
-                    job.command,
+                    holder,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
@@ -118,20 +145,20 @@ class LocalLauncher:
             started = time.time()
             reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
             reader.start()
+            external_id = f"{proc.pid}:{process_start_ticks(proc.pid)}"
             try:
-                external_id = f"{proc.pid}:{process_start_ticks(proc.pid)}"
-                on_start(started, external_id)
-                code = proc.wait(timeout=job.max_runtime)
-                outcome = "completed" if code == 0 else "failed"
-                detail = "" if code == 0 else f"exit code {code}"
-            except subprocess.TimeoutExpired:
-                code = _stop(proc, job.kill_grace)
-                outcome, detail = "timed_out", f"stopped at max_runtime {job.max_runtime:.0f}s"
+                record = StartRecord(
+                    on_start, started, external_id, min(job.kill_grace, job.max_runtime)
+                )
+                code, outcome, detail = _wait(proc, job, record)
             except BaseException:
                 _stop(proc, job.kill_grace)
                 raise
+            finally:
+                _sweep(mark)  # anything that escaped the holder (it was SIGKILLed, say)
             ended = time.time()
             reader.join(timeout=2)
+            record.finish()  # the start is on record before the gate settles
             return LaunchResult(
                 outcome, started, ended, exit_code=code, detail=detail, external_id=external_id
             )
@@ -157,6 +184,56 @@ def _live_pid(external_id: str) -> int | None:
     return int(pid)
 
 
+def _wait(proc: subprocess.Popen, job: GpuJob, record: StartRecord) -> tuple[int | None, str, str]:
+    """Wait for the job's last process, timing max_runtime from its real start; stop it at
+    max_runtime, or when its start cannot be recorded (`record.check`)."""
+    deadline = record.started_at + job.max_runtime
+    while True:
+        now = time.time()
+        try:
+            record.check(now)
+        except StartNotRecorded as late:
+            return _stop(proc, job.kill_grace), "cancelled", str(late)
+        if now >= deadline:
+            code = _stop(proc, job.kill_grace)
+            return code, "timed_out", f"stopped at max_runtime {job.max_runtime:.0f}s"
+        step = deadline - now if record.done else min(deadline - now, 0.2)
+        try:
+            code = proc.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            continue
+        return (
+            code,
+            ("completed" if code == 0 else "failed"),
+            ("" if code == 0 else f"exit code {code}"),
+        )
+
+
+def _not_runnable(program: str) -> str:
+    """Why `program` cannot be started (the holder would only report exit code 127)."""
+    if os.sep in program:
+        if not os.path.isfile(program) or not os.access(program, os.X_OK):
+            return f"[Errno 2] No such file or directory or not executable: {program!r}"
+        return ""
+    return "" if shutil.which(program) else f"[Errno 2] No such file or directory: {program!r}"
+
+
+def _sweep(mark: str) -> None:
+    """SIGKILL any process still carrying this job's mark in its environment: one that
+    escaped the holder's tree (the holder was killed outright, or a descendant re-parented
+    itself away). Processes of other users cannot be read, and were not ours to start."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if f"{JOB_MARK_ENV}={mark}".encode() not in handle.read().split(b"\0"):
+                    continue
+            os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+
+
 def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -164,8 +241,9 @@ def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:
 
 
 def _stop(proc: subprocess.Popen, grace: float) -> int | None:
-    """SIGTERM the job's process group, wait `grace` seconds, then SIGKILL it."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+    """SIGTERM the job's process group (its holder then stops the whole tree: SIGTERM, grace,
+    SIGKILL); SIGKILL the group if the holder has not ended `HOLDER_SLACK_S` after that."""
+    for sig, wait in ((signal.SIGTERM, grace + HOLDER_SLACK_S), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
@@ -184,7 +262,7 @@ def stop_pid(pid: int, grace: float = 10.0) -> None:
             os.killpg(pid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + grace
+        deadline = time.monotonic() + grace + HOLDER_SLACK_S
         while time.monotonic() < deadline:
             try:
                 os.kill(pid, 0)

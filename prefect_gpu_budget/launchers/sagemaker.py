@@ -18,6 +18,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import boto3
@@ -33,6 +34,8 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
+    StartNotRecorded,
+    StartRecord,
     SubmitHook,
     ignore_submission,
 )
@@ -306,8 +309,9 @@ class SageMakerLauncher(Block):
         limit = math.ceil(job.max_runtime) + job.kill_grace
         deadline = time.time() + limit + self.spot_max_wait if spot else None
         seen: tuple[str, str] | None = None
-        started = False
+        record: StartRecord | None = None  # the start, being recorded meanwhile
         stopped_here = False
+        unrecorded = ""  # why we stopped it, when its start could not be recorded
         errors = 0
         while True:
             try:
@@ -326,13 +330,24 @@ class SageMakerLauncher(Block):
                 seen = (status, secondary)
                 log(f"SageMaker training job {name}: {status} ({secondary}){_message(described)}")
             start = _seconds(described.get("TrainingStartTime"))
-            if start is not None and not started:
-                started = True
-                on_start(start, name)
-                if not spot:
+            if start is not None and record is None:
+                record = StartRecord(on_start, start, name, job.kill_grace)
+                if not spot:  # max_runtime counts from the start, whatever the ledger does
                     deadline = start + limit
             if status in FINISHED:
-                return self._result(described, quote, stopped_here)
+                if record is not None:
+                    record.finish()  # on record before the gate settles
+                result = self._result(described, quote, stopped_here)
+                if unrecorded and result.outcome != "completed":
+                    result = replace(result, outcome="cancelled", detail=unrecorded)
+                return result
+            if record is not None and not stopped_here and not unrecorded:
+                try:
+                    record.check()
+                except StartNotRecorded as late:
+                    unrecorded = str(late)
+                    log(f"SageMaker training job {name}: {late}")
+                    self._stop_quietly(client, name, log)
             if not stopped_here and deadline is not None and time.time() > deadline:
                 log(f"SageMaker training job {name} passed max_runtime plus grace: stopping it")
                 self._stop_quietly(client, name, log)

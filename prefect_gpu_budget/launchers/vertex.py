@@ -40,6 +40,8 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
+    StartNotRecorded,
+    StartRecord,
     SubmitHook,
     ignore_submission,
 )
@@ -365,6 +367,7 @@ class VertexLauncher(Block):
         log: Callable[[str], None],
     ) -> LaunchResult:
         started: float | None = None
+        record: StartRecord | None = None  # the start, being recorded meanwhile
         stopped: str | None = None  # the outcome, when we cancelled it at a limit
         last, told = "", 0.0
         while True:
@@ -373,13 +376,21 @@ class VertexLauncher(Block):
             created = _seconds(current.create_time) or now
             start = _seconds(current.start_time)
             if started is None and start is not None:
-                started = start
-                on_start(start, name)
+                started = start  # max_runtime counts from here, whatever the ledger does
+                record = StartRecord(on_start, start, name, job.kill_grace)
             if state != last or (state in WAITING and now - told >= WAIT_LOG_S):
                 log(self._describe(current, job, now))
                 last, told = state, now
             if state in ENDED:
+                if record is not None:
+                    record.finish()  # on record before the gate settles
                 return self._result(current, job, stopped)
+            if stopped is None and record is not None:
+                try:
+                    record.check(now)
+                except StartNotRecorded as late:
+                    stopped = "cancelled"
+                    self._cancel(client, name, log, str(late))
             if stopped is None:
                 wait_deadline = self._wait_deadline(created, job)
                 if started is not None and now > started + job.max_runtime + job.kill_grace / 2:

@@ -222,7 +222,9 @@ def test_a_job_runs_as_a_flow_run_and_is_billed_for_its_real_times(pool, gate, t
     assert parent.flow_run_id == caller_id  # linked as a subflow of the calling run
     assert parent.task_key.endswith("run_deployment.gpu-target-sweep")
     assert row["started_at"] == flow_run.start_time.timestamp() == result.started_at
-    assert row["ended_at"] == flow_run.end_time.timestamp() == result.ended_at
+    # billed until its worker saw the process end: a moment after its final state
+    assert row["ended_at"] == result.ended_at
+    assert flow_run.end_time.timestamp() <= row["ended_at"] < flow_run.end_time.timestamp() + 15
     assert 1.0 <= result.runtime_s < 30
     assert abs(row["actual_micro"] - 1000 * (row["ended_at"] - row["started_at"])) <= 1  # $3.6/h
     assert result.capacity_wait_s == pytest.approx(
@@ -262,7 +264,7 @@ def test_max_runtime_cancels_the_flow_run_and_bills_only_what_ran(pool, gate, tm
     assert flow_run.state.type == StateType.CANCELLED
     assert not _alive(_record(tmp_path / "out", row["external_id"])["pid"])
     assert row["started_at"] == flow_run.start_time.timestamp()
-    assert row["ended_at"] == flow_run.end_time.timestamp()
+    assert flow_run.end_time.timestamp() <= row["ended_at"] < flow_run.end_time.timestamp() + 15
     assert 4.0 <= row["billed_seconds"] < 60  # stopped after max_runtime, long before its sleep
     probe = launcher.probe(row["external_id"])
     assert (probe.state, probe.started_at, probe.ended_at) == (
@@ -270,6 +272,46 @@ def test_max_runtime_cancels_the_flow_run_and_bills_only_what_ran(pool, gate, tm
         row["started_at"],
         row["ended_at"],
     )
+
+
+@pytest.mark.timeout(240)
+def test_a_forged_final_state_is_billed_to_max_runtime_and_called_suspicious(
+    pool, gate, tmp_path, caplog
+):
+    """Someone with API access forces the job's flow run to Completed while its process runs
+    on: billing does not end there, but at max_runtime, with a warning naming the run."""
+    out = tmp_path / "out"
+    launcher = _launcher(out, seconds=60.0)
+    job = GpuJob(instance_type="local:box", max_runtime="10s", kill_grace="2s")
+    done: list[tuple[LaunchResult | None, dict]] = []
+    run = contextvars.copy_context().run
+    runner = threading.Thread(target=run, args=(lambda: done.append(_run(gate, launcher, job)),))
+    with caplog.at_level("WARNING", logger="prefect_gpu_budget.launchers.deployment"):
+        runner.start()
+        try:
+            [live] = _wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a start")
+            run_id = live["external_id"]
+            _wait_for(lambda: (out / f"{run_id}.json").exists(), 30, "the target's record")
+            forged = urllib.request.Request(
+                f"{pool['api']}/flow_runs/{run_id}/set_state",
+                data=json.dumps({"state": {"type": "COMPLETED"}, "force": True}).encode(),
+                headers={"Content-Type": "application/json"},
+                method="POST",
+            )
+            with urllib.request.urlopen(forged, timeout=30) as response:
+                assert json.loads(response.read())["status"] == "ACCEPT"
+            assert _flow_run(run_id).state.type == StateType.COMPLETED
+        finally:
+            runner.join(timeout=180)
+    [(result, row)] = done
+
+    assert result is not None and result.outcome == "timed_out", result
+    assert "suspicious" in result.detail and run_id in result.detail
+    assert row["billed_seconds"] >= 10.0 - 0.01, row  # to max_runtime, not to the forged end
+    assert row["actual_micro"] <= row["reserved_micro"]
+    assert any("suspicious" in r.getMessage() and run_id in r.getMessage() for r in caplog.records)
+    pid = _record(out, run_id)["pid"]  # its worker was asked to kill it: it does
+    _wait_for(lambda: not _alive(pid), 45, "the forged run's process to be stopped")
 
 
 class Interrupted(BaseException):

@@ -338,3 +338,24 @@ def test_training_job_names_are_valid_and_unique() -> None:
 
 def test_it_is_a_launcher() -> None:
     assert isinstance(SageMakerLauncher(), Launcher)
+
+
+def test_a_start_the_ledger_cannot_record_in_time_stops_the_job(aws: AwsServer, gate: Gate) -> None:
+    """A stalled ledger (an `on_start` that takes 6 s) does not hold up the launcher: once
+    the kill grace has passed with the start unrecorded, the training job is stopped."""
+    aws.set_training_pace(1.0)
+    aws.behaviour.enforce_max_runtime = False
+    job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="30s", kill_grace="1s")
+    told: list[float] = []
+
+    def stalled(at: float, name: str) -> None:
+        time.sleep(6)
+        told.append(at)
+
+    launched = time.monotonic()
+    result = _launcher(aws).run(job, gate.quote(job), on_start=stalled, log=print)
+    assert result.outcome == "cancelled" and "could not be recorded" in result.detail, result
+    assert aws.behaviour.stop_calls == [result.external_id]
+    assert result.runtime_s < 5.0  # stopped at the grace, not after the stall
+    assert time.monotonic() - launched < 30  # not at max_runtime either
+    assert told == [result.started_at]

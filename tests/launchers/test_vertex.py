@@ -426,3 +426,23 @@ def test_preflight_passes_with_one_read(
     job = _job(provisioning="flex-start")
     launcher.preflight(job, catalog.quote(job.instance_type, 1, "flex-start"))
     assert fake.calls == [("GET", "/v1/projects/demo-project/locations/us-central1/customJobs")]
+
+
+def test_a_start_the_ledger_cannot_record_in_time_stops_the_job(
+    fake: FakeVertex, launcher: VertexLauncher, catalog: Catalog
+) -> None:
+    """A stalled ledger (here: an `on_start` that takes 6 s) neither delays the job's clock nor
+    lets it run unrecorded: the custom job is cancelled once its kill grace has passed."""
+    fake.script = Script(run_s=30, honor_timeout=False)
+    job = _job(max_runtime="10s", kill_grace="1s")
+    told: list[float] = []
+
+    def stalled(at: float, name: str) -> None:
+        time.sleep(6)
+        told.append(at)
+
+    result = launcher.run(job, catalog.quote(job.instance_type), on_start=stalled, log=print)
+    assert result.outcome == "cancelled", result
+    assert fake.cancelled == [fake.job().name]
+    assert result.runtime_s < 5.0  # cancelled at the grace, not after the stall
+    assert told == [result.started_at]  # and recorded once the ledger answered

@@ -1,0 +1,148 @@
+"""The job holder: a tiny process between the launcher and the job's command.
+
+A local job is the whole process tree its command starts, not just the command: a command that
+starts `nohup train &` or `setsid train &` and exits at once must not be settled at $0 while
+its children go on using the GPUs. This holder
+
+- makes itself a child subreaper (Linux `PR_SET_CHILD_SUBREAPER`), so every orphaned descendant,
+  even one in a new session or process group, is reparented to it rather than to init;
+- starts the command, reaps every process that ends under it, and exits only when none is
+  left, with the command's exit status (its exit code, or the signal that killed it);
+- on SIGTERM (or SIGINT) stops the whole tree: SIGTERM to every descendant, then SIGKILL to any
+  still there after the grace period;
+- kills the whole tree at once when the launcher's thread dies (parent-death signal).
+
+It runs as a file, `python -I -S _reaper.py --grace S --holder PID -- command...`, and imports
+only the standard library, so it starts in milliseconds. The subreaper setting stays in this
+process; the launcher's own process (and its other jobs) is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""Blocked and taken with sigtimedwait: no handler ever runs at an awkward moment."""
+HOLDER_GONE = signal.SIGUSR1
+"""This process's parent-death signal: the launcher's thread died, kill everything now."""
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: no subreaper, direct children only
+        return False
+    return prctl(option, value, 0, 0, 0) == 0
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below `root`, from /proc (parents before children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, ()))
+    return found
+
+
+def _signal_tree(sig: int) -> None:
+    for pid in descendants(os.getpid()):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def _spawn(command: list[str], mask: set[int]) -> int:
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            os.execvp(command[0], command)
+        except BaseException as exc:  # noqa: BLE001 - report and leave, whatever it was
+            os.write(2, f"could not start {command[0]!r}: {exc}\n".encode())
+        os._exit(127)
+    return pid
+
+
+def hold(command: list[str], grace: float, holder: int | None) -> int:
+    """Run `command` and everything it starts to the end; return the command's wait status."""
+    subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_PDEATHSIG, HOLDER_GONE)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
+    status: int | None = None
+    kill_at: float | None = None  # set once a stop is asked for
+    now_kill = holder is not None and os.getppid() != holder  # the launcher died already
+    pid = _spawn(command, mask)
+    if not subreaper:
+        print("job holder: no child subreaper here; only direct children are waited for")
+    while True:
+        try:
+            while True:
+                done, wait_status = os.waitpid(-1, os.WNOHANG)
+                if done == 0:
+                    break
+                if done == pid:
+                    status = wait_status
+        except ChildProcessError:  # nothing left under us
+            break
+        now = time.monotonic()
+        if now_kill or (kill_at is not None and now >= kill_at):
+            _signal_tree(signal.SIGKILL)
+            timeout = 0.1
+        elif kill_at is not None:
+            timeout = max(0.01, kill_at - now)
+        else:
+            timeout = 1.0
+        info = signal.sigtimedwait(WATCHED, timeout)
+        if info is None or info.si_signo == signal.SIGCHLD:
+            continue
+        if info.si_signo == HOLDER_GONE:
+            now_kill = True
+        elif kill_at is None:  # SIGTERM or SIGINT: stop the whole tree, gracefully
+            kill_at = time.monotonic() + grace
+            _signal_tree(signal.SIGTERM)
+    return 0 if status is None else status
+
+
+def main(argv: list[str]) -> None:
+    grace, holder = 10.0, None
+    while argv and argv[0] != "--":
+        flag, value, *argv = argv
+        if flag == "--grace":
+            grace = float(value)
+        elif flag == "--holder":
+            holder = int(value)
+    command = argv[1:]
+    if not command:
+        sys.exit("usage: _reaper.py [--grace S] [--holder PID] -- command...")
+    status = hold(command, grace, holder)
+    sys.stdout.flush()
+    if os.WIFSIGNALED(status):  # die of the same signal, so the launcher sees what it saw
+        sig = os.WTERMSIG(status)
+        if sig != signal.SIGKILL:  # (SIGKILL cannot be caught, so needs no reset)
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    os._exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

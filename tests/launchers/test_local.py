@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,8 +25,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.pricing.catalog import Catalog
-from tests.conftest import PG_URL
-from tests.postgres import require_postgres
+from tests.conftest import _fresh_pg
 
 SLACK_S = 5.0
 """What a busy 2-core machine may add to any bound here."""
@@ -212,20 +210,9 @@ def test_the_whole_tree_dies_with_the_process_that_launched_it(prices):
 
 
 @pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A PostgreSQL database of this test's own, dropped afterwards (it created it)."""
-    require_postgres(PG_URL)
-    server_url = normalise_url(PG_URL).rsplit("/", 1)[0]
-    name = f"gpu_budget_launch_{uuid.uuid4().hex[:12]}"
-    admin = sa.create_engine(server_url + "/postgres", isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield f"{server_url}/{name}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+def pg_url() -> str:
+    """This run's PostgreSQL ledger database, its tables dropped (see tests/postgres.py)."""
+    return _fresh_pg()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -38,12 +39,15 @@ class _Console:
 
     _rich: Any = None
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
+    def rich(self) -> Any:
         if self._rich is None:
             from rich.console import Console
 
             _Console._rich = Console()
-        self._rich.print(*args, **kwargs)
+        return self._rich
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.rich().print(*args, **kwargs)
 
 
 def _table(*columns: str) -> Any:
@@ -553,6 +557,96 @@ def demo(
     from prefect_gpu_budget.flows.demo import run_demo
 
     run_demo(out, seconds=seconds, trials=trials)
+
+
+@app.command()
+def sweep(
+    spec_path: str = typer.Argument(..., metavar="SWEEP", help="The sweep spec YAML."),
+    scope: str = typer.Option(None, help="Run it under this scope instead of the spec's."),
+) -> None:
+    """Run a sweep from its YAML spec: progress as trials finish, the results table at the end,
+    and the run's page in the Prefect UI."""
+    import threading
+
+    from prefect_gpu_budget.flows.demo import start_temporary_server
+    from prefect_gpu_budget.flows.sweep import gpu_sweep, load_spec
+
+    spec = load_spec(spec_path, scope)  # a bad spec fails here, before any server starts
+    start_temporary_server()
+    ledger = _ledger()
+    total, started = len(spec.trials()), time.time()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["state"] = gpu_sweep(
+                spec,
+                ledger=_spend_ledger(),
+                return_state=True,
+            )
+        except BaseException as exc:  # shown below, after the progress bar
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="sweep", daemon=True)
+    worker.start()
+    _show_progress(worker, ledger, spec, total, started)
+    if "error" in outcome:
+        raise outcome["error"]
+    state = outcome["state"]
+    df = state.result(raise_on_failure=False)
+    if not hasattr(df, "to_string"):
+        fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
+    columns = [c for c in df.columns if c not in ("job_id", "runtime_s")]
+    typer.echo(df[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    typer.echo(f"results: {df.attrs.get('results_dir')}")
+    from prefect_gpu_budget.settings import prefect_api_url
+
+    if prefect_api_url():
+        from prefect.settings import PREFECT_UI_URL
+
+        ui = PREFECT_UI_URL.value()
+        if ui:
+            typer.echo(f"run: {ui}/runs/flow-run/{state.state_details.flow_run_id}")
+
+
+def _spend_ledger():
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.blocks.ledger import SpendLedger
+
+    return SpendLedger(database_url=settings.ledger_url(_state["ledger_url"]))
+
+
+def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: float) -> None:
+    """A progress bar of the sweep's trials that have ended, read from the ledger."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from prefect_gpu_budget.admission.ledger import ACTIVE
+
+    prefix = f"{spec.name}/"
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console.rich(),
+        transient=False,
+    ) as bar:
+        task = bar.add_task(f"sweep {spec.name}", total=total)
+        while worker.is_alive():
+            worker.join(timeout=1.0)
+            rows = [
+                r
+                for r in ledger.jobs(spec.scope)
+                if r["name"] and r["name"].startswith(prefix) and r["requested_at"] >= started
+            ]
+            ended = sum(r["state"] not in ("queued", *ACTIVE) for r in rows)
+            waiting = sum(r["state"] == "queued" for r in rows)
+            bar.update(
+                task,
+                completed=min(ended, total),
+                description=f"sweep {spec.name}" + (f" ({waiting} waiting)" if waiting else ""),
+            )
+        bar.update(task, completed=total)
 
 
 @app.command()

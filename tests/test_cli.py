@@ -145,3 +145,52 @@ def test_collection_loader_registers_the_blocks() -> None:
         timeout=180,
     )
     assert done.stdout.split() == ["GpuBudget", "SpendLedger"], done.stderr[-2000:]
+
+
+_TRIAL = """
+import json, os, sys, time
+time.sleep(0.2)
+with open(os.environ["GPU_BUDGET_METRICS_FILE"], "a") as out:
+    out.write(json.dumps({"summary": True, "loss": float(sys.argv[1])}) + "\\n")
+"""
+
+
+def test_sweep_command_runs_a_yaml_sweep_and_prints_its_table(prefect_api, prices, tmp_path):
+    (tmp_path / "trial.py").write_text(_TRIAL)
+    spec = {
+        "name": "cli",
+        "scope": "clisweep/team/a",
+        "job": {"instance_type": "local:box", "max_runtime": "30s", "kill_grace": "1s"},
+        "command": [sys.executable, str(tmp_path / "trial.py"), "{lr}"],
+        "grid": {"lr": [0.5, 0.25, 0.125]},
+        "parallelism": 3,
+        "results_dir": str(tmp_path / "results"),
+    }
+    (tmp_path / "sweep.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url, "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
+    subprocess.run([*cli, "budget", "set", "clisweep", "--hourly-cap", "100"], env=env, check=True)
+    done = subprocess.run(
+        [*cli, "sweep", str(tmp_path / "sweep.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["trial", "lr"])
+    assert "state" in header and "cost_usd" in header
+    rows = [line.split() for line in lines[lines.index(header) + 1 :] if line[:1] == " "]
+    assert [r[0] for r in rows] == ["0", "1", "2"] and all("Completed" in r for r in rows), lines
+    [results] = [line for line in lines if line.startswith("results: ")]
+    assert (Path(results.split(": ", 1)[1]) / "trials.csv").is_file()
+
+    bad = subprocess.run(
+        [*cli, "sweep", str(tmp_path / "missing.yaml")], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        f"error: spec: cannot read {tmp_path / 'missing.yaml'}: No such file or directory"
+    ]

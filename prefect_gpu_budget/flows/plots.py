@@ -57,18 +57,18 @@ def metric_vs_params(
     for ax, param in zip(axes[0], params, strict=True):
         other = next((p for p in params if p != param), None)
         colour = done[other] if other and pd.api.types.is_numeric_dtype(done[other]) else None
-        points = ax.scatter(
-            done[param],
-            done[metric],
-            c=colour,
-            cmap="viridis",
-            norm="log"
-            if other in log_params or (colour is not None and _log_scale(colour))
-            else None,
-            color=None if colour is not None else "tab:blue",
-            zorder=2,
-        )
-        if colour is not None:
+        if colour is None:
+            ax.scatter(done[param], done[metric], color="tab:blue", zorder=2)
+        else:
+            log_colour = other in log_params or _log_scale(colour)
+            points = ax.scatter(
+                done[param],
+                done[metric],
+                c=colour,
+                cmap="viridis",
+                norm="log" if log_colour else None,
+                zorder=2,
+            )
             fig.colorbar(points, ax=ax, label=other, pad=0.02)
         ax.scatter(
             [done.at[best, param]],

@@ -181,6 +181,8 @@ class SweepSpec(BaseModel):
     def from_yaml(cls, path: str | Path) -> SweepSpec:
         try:
             data = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise BudgetInputError("spec", f"cannot read {path}: {exc.strerror}") from None
         except yaml.YAMLError as exc:
             raise BudgetInputError(
                 "spec", f"{path} is not valid YAML: {str(exc).splitlines()[0]}"

@@ -95,21 +95,21 @@ def budget_set(
         help="For a team: the budget each of its sessions gets when it first runs a job.",
     ),
 ) -> None:
-    """Create or change a scope's budget (options not given keep their current values)."""
-    from prefect_gpu_budget.blocks.budget import GpuBudget
+    """Create or change a scope's budget (options not given keep their current values).
 
-    ledger = _ledger()
-    existing = ledger.session_templates() if session_template else ledger.budgets()
-    current = {r.scope: r for r in existing}.get(scope)
-    fields: dict[str, Any] = {"scope": scope}
-    if current is not None:
-        fields.update(GpuBudget.fields_of(current))
+    Only the options given change, inside the transaction that holds the org's lock: two
+    concurrent changes to different fields both survive, and a bad value writes nothing."""
+    from prefect_gpu_budget.blocks.budget import GpuBudget
+    from prefect_gpu_budget.units import validate_scope
+
+    validate_scope(scope)
+    changes: dict[str, Any] = {}
     for key, value in (
         ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
         ("period_budget_usd", _optional_usd(period_budget, "period_budget")),
     ):
         if value != "keep":
-            fields[key] = value
+            changes[key] = value
     given = {
         "period": period,
         "timezone": tz,
@@ -118,16 +118,24 @@ def budget_set(
         "reservation_mode": reservation_mode,
         "notify_block": notify,
     }
-    fields.update({k: v for k, v in given.items() if v is not None})
-    if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
-        fail("budget: give --hourly-cap, --period-budget or both")
-    block = GpuBudget(**fields)
+    changes.update({k: v for k, v in given.items() if v is not None})
+    if "hourly_cap_usd" in changes:  # one line before opening the ledger
+        GpuBudget(scope=scope, hourly_cap_usd=changes["hourly_cap_usd"])
+
+    def merge(current):
+        fields: dict[str, Any] = {"scope": scope}
+        if current is not None:
+            fields.update(GpuBudget.fields_of(current))
+        fields.update(changes)
+        if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
+            raise BudgetInputError("budget", "give --hourly-cap, --period-budget or both")
+        return GpuBudget(**fields).rule()
+
+    rule = _ledger().update_budget(scope, merge, template=session_template)
     if session_template:
-        ledger.set_session_template(block.rule())
-        console.print(f"session template set for [bold]{scope}/*[/]: {_describe(block.rule())}")
+        console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
         return
-    ledger.set_budget(block.rule())
-    console.print(f"budget set for [bold]{scope}[/]: {_describe(block.rule())}")
+    console.print(f"budget set for [bold]{scope}[/]: {_describe(rule)}")
 
 
 def _describe(rule) -> str:
@@ -278,8 +286,6 @@ def pool_set(
     """Create or replace a capacity pool; its team quotas stay as they are."""
     from prefect_gpu_budget.blocks.capacity import CapacityPool
 
-    ledger = _ledger()
-    _, quotas = ledger.capacity(org)
     block = CapacityPool(
         org=org,
         name=name,
@@ -292,7 +298,7 @@ def pool_set(
         kind=kind,
         backfill=backfill,
     )
-    ledger.set_pool(block.pool(), [q for q in quotas if q.pool == name])
+    _ledger().set_pool(block.pool())  # its quotas stay: a concurrent `pool quota` survives
     console.print(f"pool {org}/{name}: {nodes} x {gpus_per_node} {gpu_model}".rstrip())
 
 
@@ -312,11 +318,6 @@ def pool_quota(
     from prefect_gpu_budget.units import validate_scope
 
     org = validate_scope(team, "team").split("/")[0]
-    ledger = _ledger()
-    found, quotas = ledger.capacity(org)
-    [target] = [p for p in found if p.name == pool] or [None]
-    if target is None:
-        raise BudgetInputError("pool", f"no capacity pool {pool!r} in {org}")
     share = TeamShare(
         team=team,
         gpus=gpus,
@@ -328,15 +329,19 @@ def pool_quota(
     )
     from prefect_gpu_budget.admission.quota import TeamQuota, proportional
 
-    new = TeamQuota(
-        pool,
-        team,
-        proportional(target, gpus, share.vcpu, share.memory_gib),
-        borrow_pct,
-        lend_pct,
-        weight,
-    )
-    ledger.set_pool(target, [q for q in quotas if q.pool == pool and q.team != team] + [new])
+    def make(target):
+        return TeamQuota(
+            pool,
+            team,
+            proportional(target, gpus, share.vcpu, share.memory_gib),
+            borrow_pct,
+            lend_pct,
+            weight,
+        )
+
+    # read, change and write in one locked transaction: a concurrent change to another team's
+    # quota, or to the pool, survives
+    target, new = _ledger().set_team_quota(org, pool, make)
     console.print(f"{team} in {org}/{pool}: {_res(new.quota, target.gpu_model)}")
 
 

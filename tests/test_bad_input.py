@@ -166,3 +166,19 @@ def test_gate_refuses_unknown_price_before_writing(tmp_path):
             gate.admit(job, scope)
         assert "\n" not in str(exc.value)
     assert ledger.jobs() == []
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_a_cap_prefect_cannot_hold_is_refused_in_one_line(template, tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    before = (ledger.budgets(), ledger.session_templates())
+    argv = ["budget", "set", "acme/vision", "--hourly-cap", "25000000"]
+    argv += ["--session-template"] if template else []
+    monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err, err
+    assert err.startswith("error: hourly_cap_usd: must be at most $21,474,836.47/h"), err
+    assert (ledger.budgets(), ledger.session_templates()) == before

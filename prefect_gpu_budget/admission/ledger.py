@@ -47,7 +47,14 @@ from prefect_gpu_budget.admission.quota import (
     proportional,
     team_of,
 )
-from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path, validate_scope
+from prefect_gpu_budget.units import (
+    MAX_CAP_CENTS,
+    MAX_CAP_RULE,
+    BudgetInputError,
+    cost_micro,
+    scope_path,
+    validate_scope,
+)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -204,7 +211,7 @@ def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
     """One-line errors for a pool or quota that cannot be right."""
     from prefect_gpu_budget.units import SEGMENT_RE
 
-    if not SEGMENT_RE.match(pool.org) or not SEGMENT_RE.match(pool.name):
+    if not SEGMENT_RE.fullmatch(pool.org) or not SEGMENT_RE.fullmatch(pool.name):
         raise BudgetInputError(
             "pool", f"org and name must be 1-48 of a-z 0-9 - _, got {pool.name!r}"
         )
@@ -221,6 +228,12 @@ def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
             )
         if not 0 <= q.weight <= 100:
             raise BudgetInputError("weight", f"{q.team}: must be 0-100, got {q.weight}")
+
+
+def check_rule(rule: BudgetRule) -> None:
+    """A budget the Prefect edge can hold: its hourly cap fits a Prefect concurrency limit."""
+    if rule.hourly_cap_cents is not None and rule.hourly_cap_cents > MAX_CAP_CENTS:
+        raise BudgetInputError("hourly_cap", MAX_CAP_RULE)
 
 
 def _token_hash(token: object) -> str:
@@ -360,6 +373,7 @@ class Ledger:
         """Create or replace a scope's budget, and rebuild its current period's settled spend."""
         now = time.time() if now is None else now
         org = rule.scope.split("/")[0]
+        check_rule(rule)
         with self._write(org) as conn:
             _upsert_rule(conn, budgets, rule, now)
             self._rebuild_period(conn, rule, now)
@@ -373,9 +387,45 @@ class Ledger:
             raise BudgetInputError(
                 "scope", f"a session template belongs to a team 'org/team', got {rule.scope!r}"
             )
+        check_rule(rule)
         now = time.time() if now is None else now
         with self._write(rule.scope.split("/")[0]) as conn:
             _upsert_rule(conn, templates, rule, now)
+
+    @_reconnecting
+    def update_budget(
+        self,
+        scope: str,
+        merge: Callable[[BudgetRule | None], BudgetRule],
+        *,
+        template: bool = False,
+        now: float | None = None,
+    ) -> BudgetRule:
+        """Change a scope's budget (or a team's session template) field-wise and atomically.
+
+        `merge` gets the rule as it stands (None if there is none) and returns the new one; it
+        runs inside the transaction that holds the org's lock, so concurrent changes to
+        different fields all survive. Whatever `merge` raises (a bad value) writes nothing.
+        """
+        validate_scope(scope)
+        if template and scope.count("/") != 1:
+            raise BudgetInputError(
+                "scope", f"a session template belongs to a team 'org/team', got {scope!r}"
+            )
+        table = templates if template else budgets
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
+            row = conn.execute(sa.select(table).where(table.c.scope == scope)).mappings().first()
+            rule = merge(None if row is None else _rule(row))
+            if rule.scope != scope:
+                raise BudgetInputError("scope", f"a change to {scope!r} named {rule.scope!r}")
+            check_rule(rule)
+            _upsert_rule(conn, table, rule, now)
+            if not template:
+                self._rebuild_period(conn, rule, now)
+                self._bump(conn, org)
+        return rule
 
     @_reconnecting
     def session_templates(self) -> list[BudgetRule]:
@@ -734,6 +784,49 @@ class Ledger:
                         )
                     )
             self._bump(conn, pool.org)
+
+    @_reconnecting
+    def set_team_quota(
+        self,
+        org: str,
+        pool_name: str,
+        make: Callable[[Pool], TeamQuota],
+        now: float | None = None,
+    ) -> tuple[Pool, TeamQuota]:
+        """Create or replace one team's quota in a pool, leaving the pool and the other teams'
+        quotas as they are. `make` builds the quota from the pool as it stands, inside the
+        transaction that holds the org's lock; what it raises writes nothing."""
+        with self._write(org) as conn:
+            now = time.time() if now is None else now
+            found = [p for p in _load_pools(conn, org) if p.name == pool_name]
+            if not found:
+                raise BudgetInputError("pool", f"no capacity pool {pool_name!r} in {org}")
+            pool = found[0]
+            quota = make(pool)
+            check_pool(pool, [quota])
+            conn.execute(
+                team_quotas.delete().where(
+                    team_quotas.c.org == org,
+                    team_quotas.c.pool == pool_name,
+                    team_quotas.c.team == quota.team,
+                )
+            )
+            conn.execute(
+                team_quotas.insert().values(
+                    org=org,
+                    pool=pool_name,
+                    team=quota.team,
+                    gpus=quota.quota[0],
+                    vcpu=quota.quota[1],
+                    memory_gib=quota.quota[2],
+                    borrow_pct=quota.borrow_pct,
+                    lend_pct=quota.lend_pct,
+                    weight=quota.weight,
+                    updated_at=now,
+                )
+            )
+            self._bump(conn, org)
+        return pool, quota
 
     @_reconnecting
     def capacity(self, org: str) -> tuple[list[Pool], list[TeamQuota]]:

@@ -96,3 +96,25 @@ def test_estimate_mode_learns_how_far_a_scope_overruns(ledger):
     _, decision = fresh.request(job, now=t)
     assert decision.reserve_seconds == 20.0 and "estimate x2.00, as in lrn/a" in decision.reason
     fresh.dispose()
+
+
+def test_a_zero_cap_admits_no_job_however_cheap(ledger):
+    from prefect_gpu_budget.blocks import GpuBudget
+
+    ledger.set_budget(GpuBudget(scope="zc", hourly_cap_usd=0, on_limit="reject").rule())
+    _, decision = ledger.request(new_job("zc/a", rate_micro_per_hour=10_000, rate_cents=1))
+    assert decision.verdict == "reject", decision
+    assert [j["state"] for j in ledger.jobs("zc")] == ["rejected"]
+
+
+def test_a_cap_beyond_what_a_prefect_limit_holds_is_refused_and_not_written(ledger):
+    import pytest
+
+    from prefect_gpu_budget.units import BudgetInputError
+
+    for write in (ledger.set_budget, ledger.set_session_template):
+        with pytest.raises(BudgetInputError, match="^hourly_cap: must be at most"):
+            write(BudgetRule("big/team", hourly_cap_cents=2**31))
+    assert ledger.budgets() == [] and ledger.session_templates() == []
+    ledger.set_budget(BudgetRule("big", hourly_cap_cents=2**31 - 1))
+    assert [r.hourly_cap_cents for r in ledger.budgets()] == [2**31 - 1]

@@ -1326,11 +1326,55 @@ def _decision_of(row: Any) -> Decision:
     return Decision("reject", row["reason"] or state)
 
 
+class LedgerFileReplaced(RuntimeError):
+    """The SQLite ledger file this process opened was replaced or removed: writing on would
+    split the ledger in two (this process on the old inode, new processes on a new file)."""
+
+
+class _FileIdentity:
+    """The (st_dev, st_ino) of a SQLite ledger file, taken on first connect and checked at
+    every transaction's begin (one `stat`, about a microsecond)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: tuple[int, int] | None = None
+
+    def before_first_connect(self) -> None:
+        """A missing file whose write-ahead log is still there was removed under a live
+        process: opening it would fail later with a bare `disk I/O error`."""
+        if self.seen is None and not os.path.exists(self.path):
+            left = [s for s in ("-wal", "-shm") if os.path.exists(self.path + s)]
+            if left:
+                raise LedgerFileReplaced(
+                    f"the ledger file {self.path} was removed while a process had it open "
+                    f"({self.path}{left[0]} remains); stop the processes using it, then restore "
+                    "the file or remove its -wal and -shm files"
+                )
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if self.seen is None and now is not None:
+            self.seen = now
+        elif now != self.seen:
+            raise LedgerFileReplaced(
+                f"the ledger file {self.path} was replaced or removed while this process used "
+                "it; refusing to admit against a copy no other process sees (restart this "
+                "process once the ledger file is back in place)"
+            )
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
+        identity = None
+        if path and path != ":memory:" and not path.startswith("file:"):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            identity = _FileIdentity(os.path.abspath(path))
+            identity.before_first_connect()
         engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
         @sa.event.listens_for(engine, "connect")
@@ -1341,9 +1385,13 @@ def _make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA busy_timeout=60000")
             cursor.close()
+            if identity is not None:
+                identity.check()
 
         @sa.event.listens_for(engine, "begin")
         def _begin(conn: Connection) -> None:
+            if identity is not None:
+                identity.check()
             read = conn.get_execution_options().get("gpu_budget_read")
             conn.exec_driver_sql("BEGIN DEFERRED" if read else "BEGIN IMMEDIATE")
 

@@ -118,3 +118,53 @@ def test_a_cap_beyond_what_a_prefect_limit_holds_is_refused_and_not_written(ledg
     assert ledger.budgets() == [] and ledger.session_templates() == []
     ledger.set_budget(BudgetRule("big", hourly_cap_cents=2**31 - 1))
     assert [r.hourly_cap_cents for r in ledger.budgets()] == [2**31 - 1]
+
+
+def _sqlite_ledger(path):
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    ledger = Ledger(f"sqlite:///{path}")
+    ledger.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
+    assert ledger.request(_job("rf/a"))[1].verdict == "admit"
+    return ledger
+
+
+def test_a_removed_ledger_file_fails_closed_in_the_process_using_it(tmp_path):
+    import pytest
+
+    from prefect_gpu_budget.admission.ledger import Ledger, LedgerFileReplaced
+
+    path = tmp_path / "ledger.db"
+    ledger = _sqlite_ledger(path)
+    path.unlink()
+    with pytest.raises(LedgerFileReplaced, match="was replaced or removed") as exc:
+        ledger.request(_job("rf/a"))
+    assert str(path) in str(exc.value) and "\n" not in str(exc.value)
+    # a new process sees the orphaned write-ahead log and says so, not `disk I/O error`
+    assert (tmp_path / "ledger.db-wal").exists()  # the live process still holds it open
+    with pytest.raises(LedgerFileReplaced, match="was removed while a process had it open"):
+        Ledger(f"sqlite:///{path}")
+    ledger.dispose()
+
+
+def test_a_replaced_ledger_file_fails_closed_and_admits_nothing(tmp_path):
+    import pytest
+
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.admission.ledger import Ledger, LedgerFileReplaced
+    from prefect_gpu_budget.job import GpuJob
+    from prefect_gpu_budget.pricing.catalog import Catalog
+
+    path = tmp_path / "ledger.db"
+    ledger = _sqlite_ledger(path)
+    other = Ledger(f"sqlite:///{tmp_path / 'other.db'}")
+    other.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
+    other.dispose()
+    (tmp_path / "other.db").replace(path)  # e.g. a backup restored over the live file
+    gate = Gate(ledger, catalog=Catalog.load())
+    with pytest.raises(LedgerFileReplaced, match="was replaced or removed"):
+        gate.admit(GpuJob(instance_type="aws:g5.xlarge", max_runtime="1h"), "rf/a")
+    ledger.dispose()
+    fresh = Ledger(f"sqlite:///{path}")  # the file now in place never saw this request
+    assert [j for j in fresh.jobs() if j["instance_type"] == "aws:g5.xlarge"] == []
+    fresh.dispose()

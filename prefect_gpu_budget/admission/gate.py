@@ -23,7 +23,7 @@ from typing import Generic, TypeVar
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id
-from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, RateLimits
+from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, PrefectRefused, RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
@@ -348,7 +348,7 @@ class Gate:
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
-                lease = self._take_limits(job_id, scope, slots, decision.caps)
+                lease = self._take_limits(job_id, scope, slots, decision.caps, (job, started))
                 if lease is not False:
                     admission = Admission(
                         job_id=job_id,
@@ -410,13 +410,28 @@ class Gate:
                 return
 
     def _take_limits(
-        self, job_id: str, scope: str, slots: int, caps: tuple[tuple[str, int], ...]
+        self,
+        job_id: str,
+        scope: str,
+        slots: int,
+        caps: tuple[tuple[str, int], ...],
+        asked: tuple[GpuJob, float] | None = None,
     ) -> str | None | bool:
         """Lease id, None when no scope on the path has an hourly cap, False when full. While
-        this talks to Prefect (slow when its API is), another thread stamps the job's row."""
+        this talks to Prefect (slow when its API is), another thread stamps the job's row.
+
+        A Prefect outage is retried until the job's max wait (from `asked`: the job and when it
+        asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
+        way the admission is given back and the job ends with the reason."""
         if self.limits is None or not caps:
             return None
         limits, done = self.limits, threading.Event()
+        max_wait = self._max_wait(asked[0], scope) if asked else 0.0
+
+        def left() -> float | None:
+            return (
+                None if not asked or max_wait <= 0 else max(0.0, asked[1] + max_wait - time.time())
+            )
 
         def stamp() -> None:
             while not done.wait(LIVENESS_S):
@@ -425,15 +440,20 @@ class Gate:
 
         threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
         try:
-            self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
+            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left())
             deadline = time.monotonic() + LIMIT_RETRY_S
             while True:
-                lease = self._take_and_record(job_id, caps, slots)
+                lease = self._take_and_record(job_id, caps, slots, left())
                 if lease is not None:
                     return lease
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
+        except PrefectRefused as exc:
+            self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
+        except DependencyDown as exc:  # still down when the max wait ran out
+            reason = f"max wait {fmt_duration(max_wait)} ran out: {_outage(exc)}"
+            self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
         finally:
             done.set()
         self.patiently(
@@ -442,15 +462,30 @@ class Gate:
         )
         return False
 
+    def _end_admission(self, job_id: str, scope: str, state: str, name: str, reason: str) -> None:
+        """Give an admission whose Prefect limits cannot be taken back, end the job in `state`
+        and raise AdmissionRefused(`name`, `reason`)."""
+
+        def give_back() -> None:
+            self.ledger.unadmit(job_id, scope, reason)
+            self.ledger.cancel_queued(job_id, scope, reason, state=state)
+
+        self.patiently("giving the admission back", give_back, patience=GIVE_BACK_S)
+        raise AdmissionRefused(name, reason, job_id)
+
     def _take_and_record(
-        self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
+        self,
+        job_id: str,
+        caps: tuple[tuple[str, int], ...],
+        slots: int,
+        patience: float | None = None,
     ) -> str | None:
         """Take the slots and record the lease in the ledger. If recording fails, or the job
         was settled meanwhile (by reconcile), the lease goes back at once."""
         assert self.limits is not None
         limits = self.limits
         lease = self.patiently(
-            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
+            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots), patience
         )
         if lease is not None:
             self._record_or_release(job_id, lease)

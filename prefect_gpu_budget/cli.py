@@ -352,7 +352,9 @@ def ledger_cmd(
     limit: int = typer.Option(200, help="Newest N jobs."),
 ) -> None:
     """Every job from request to settlement."""
-    rows = _ledger().jobs(scope)[-limit:]
+    if limit <= 0:
+        fail(f"limit: must be at least 1 (the newest N jobs), got {limit}")
+    rows = _ledger().jobs(scope, limit=limit)
     out = [
         {
             "id": r["id"],
@@ -500,7 +502,12 @@ def agent_revoke(
     scope: str = typer.Argument(..., help="The session whose tokens to revoke."),
 ) -> None:
     """Revoke every token granted for a session."""
-    console.print(f"{_ledger().revoke_agent(scope)} token(s) revoked for {scope}")
+    from prefect_gpu_budget.units import validate_scope
+
+    revoked = _ledger().revoke_agent(validate_scope(scope))
+    if not revoked:
+        fail(f"scope: no live agent token for {scope!r} (unknown session, or revoked already)")
+    console.print(f"{revoked} token(s) revoked for {scope}")
 
 
 @app.command("reconcile")
@@ -652,9 +659,10 @@ def main() -> None:
                 message = f"{param}: {message}"
             typer.echo(f"error: {message}", err=True)
             sys.exit(2)
-        typer.echo(
-            f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True
-        )
+        from prefect_gpu_budget.units import redact_urls
+
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        typer.echo(f"error: {type(exc).__name__}: {redact_urls(first)}", err=True)
         sys.exit(1)
     if isinstance(code, int) and code:
         sys.exit(code)

@@ -30,6 +30,15 @@ def shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_URL_CREDENTIALS_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"<>]*@")
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the credentials of every URL in it (all between `://` and the URL's LAST
+    `@`, so a password with an unencoded `@` goes whole) written as `***`."""
+    return _URL_CREDENTIALS_RE.sub(r"\1***@", text)
+
+
 class BudgetInputError(ValueError):
     """Bad input from a user: its message is one line naming the field and the rule."""
 

@@ -27,7 +27,13 @@ from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, Prefect
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, rate_cents, validate_scope
+from prefect_gpu_budget.units import (
+    fmt_duration,
+    fmt_usd,
+    rate_cents,
+    redact_urls,
+    validate_scope,
+)
 
 log = logging.getLogger("prefect_gpu_budget.gate")
 
@@ -660,7 +666,7 @@ def _off_thread(call: Callable[[], T]) -> T:
 def _outage(exc: BaseException) -> str:
     """One line naming what is down, without connection strings (they may hold credentials)."""
     if isinstance(exc, DependencyDown):
-        return str(exc)
+        return redact_urls(str(exc))
     orig = getattr(exc, "orig", None) or exc
-    text = str(orig).strip().splitlines()[0] if str(orig).strip() else ""
+    text = redact_urls(str(orig).strip().splitlines()[0]) if str(orig).strip() else ""
     return f"the ledger's database is unreachable ({type(orig).__name__}: {text[:160]})"

@@ -133,6 +133,8 @@ jobs = sa.Table(
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
     sa.Index("ix_gpu_jobs_org_settled", "org", "state", "settled_at"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
+    sa.Index("ix_gpu_jobs_requested", "requested_at"),
+    sa.Index("ix_gpu_jobs_flow_run", "flow_run_id"),
 )
 
 period_spend = sa.Table(
@@ -201,9 +203,22 @@ def default_url() -> str:
 
 
 def normalise_url(url: str) -> str:
-    """Plain `postgresql://` URLs use the psycopg (v3) driver that this package installs."""
+    """Plain `postgresql://` URLs use the psycopg (v3) driver that this package installs.
+
+    A user name or password with an unencoded `@` (or `/`, `:`) is percent-encoded: the
+    credentials run to the LAST `@`, never into the host name (where a connection error would
+    show the password's tail)."""
     if url.startswith("postgresql://") or url.startswith("postgres://"):
-        return "postgresql+psycopg://" + url.split("://", 1)[1]
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    scheme, sep, rest = url.partition("://")
+    if sep and rest.count("@") > 1:
+        from urllib.parse import quote
+
+        userinfo, _, location = rest.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        safe = "!$&'()*+,;=%-._~"  # keep what needs no encoding, and escapes already made
+        userinfo = quote(user, safe=safe) + colon + quote(password, safe=safe)
+        url = f"{scheme}://{userinfo}@{location}"
     return url
 
 
@@ -1098,9 +1113,24 @@ class Ledger:
 
     @_reconnecting
     def jobs(
-        self, scope: str | None = None, states: tuple[str, ...] | None = None
+        self,
+        scope: str | None = None,
+        states: tuple[str, ...] | None = None,
+        *,
+        limit: int | None = None,
+        flow_run_id: str | None = None,
     ) -> list[dict[str, Any]]:
+        """Jobs in `scope` (and below) in request order; with `limit`, only the newest that
+        many, and with `flow_run_id`, only that run's (both chosen in SQL, not in memory)."""
         query = sa.select(jobs).order_by(jobs.c.requested_at)
+        if limit is not None:
+            query = (
+                sa.select(jobs)
+                .order_by(jobs.c.requested_at.desc(), jobs.c.id.desc())
+                .limit(max(0, limit))
+            )
+        if flow_run_id is not None:
+            query = query.where(jobs.c.flow_run_id == flow_run_id)
         if scope:
             query = query.where(
                 sa.or_(jobs.c.scope == scope, jobs.c.scope.startswith(scope + "/", autoescape=True))
@@ -1108,7 +1138,8 @@ class Ledger:
         if states:
             query = query.where(jobs.c.state.in_(states))
         with self._read() as conn:
-            return [dict(row) for row in conn.execute(query).mappings()]
+            found = [dict(row) for row in conn.execute(query).mappings()]
+        return found[::-1] if limit is not None else found
 
     @_reconnecting
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:

@@ -168,3 +168,24 @@ def test_a_replaced_ledger_file_fails_closed_and_admits_nothing(tmp_path):
     fresh = Ledger(f"sqlite:///{path}")  # the file now in place never saw this request
     assert [j for j in fresh.jobs() if j["instance_type"] == "aws:g5.xlarge"] == []
     fresh.dispose()
+
+
+def test_the_newest_jobs_are_chosen_in_sql(ledger):
+    ledger.set_budget(BudgetRule("nw", period_budget_micro=10**9))
+    ids = [ledger.request(_job("nw/a"), now=1_000_000.0 + i)[0] for i in range(5)]
+    ledger.request(new_job("nw/a", flow_run_id="run-1"), now=1_000_010.0)
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, *args):
+        statements.append(statement)
+
+    sa.event.listen(ledger.engine, "before_cursor_execute", seen)
+    try:
+        newest = ledger.jobs("nw", limit=3)
+        of_run = ledger.jobs("nw", flow_run_id="run-1")
+    finally:
+        sa.event.remove(ledger.engine, "before_cursor_execute", seen)
+    assert [j["id"] for j in newest[:2]] == ids[3:] and newest[2]["flow_run_id"] == "run-1"
+    assert [j["flow_run_id"] for j in of_run] == ["run-1"]
+    selects = [s for s in statements if "FROM gpu_jobs" in s]
+    assert "LIMIT" in selects[0] and "flow_run_id =" in selects[1], selects

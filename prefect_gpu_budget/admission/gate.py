@@ -306,9 +306,15 @@ class Gate:
             self.patiently("giving back a cancelled job", give_back, patience=GIVE_BACK_S)
             raise
 
-    def patiently(self, what: str, call: Callable[[], T], patience: float | None = None) -> T:
+    def patiently(
+        self,
+        what: str,
+        call: Callable[[], T],
+        patience: float | Callable[[], float | None] | None = None,
+    ) -> T:
         """`call()`, retried while the ledger's database or the Prefect API is down, with a
-        clear message every 10 s; after `patience` seconds of outage the error is raised."""
+        clear message every 10 s; after `patience` seconds of outage the error is raised
+        (a callable `patience` is asked only once an outage begins)."""
         delay, down_since, told = 0.2, None, 0.0
         while True:
             try:
@@ -316,6 +322,8 @@ class Gate:
             except OUTAGES as exc:
                 now = time.monotonic()
                 down_since = down_since or now
+                if callable(patience):
+                    patience = patience()
                 if patience is not None and now - down_since > patience:
                     raise
                 if now - told >= 10.0:
@@ -432,12 +440,13 @@ class Gate:
         if self.limits is None or not caps:
             return None
         limits, done = self.limits, threading.Event()
-        max_wait = self._max_wait(asked[0], scope) if asked else 0.0
+        max_wait = [0.0]
 
-        def left() -> float | None:
-            return (
-                None if not asked or max_wait <= 0 else max(0.0, asked[1] + max_wait - time.time())
-            )
+        def left() -> float | None:  # asked only in an outage: no read on the way to admission
+            if not asked:
+                return None
+            max_wait[0] = self._max_wait(asked[0], scope)
+            return None if max_wait[0] <= 0 else max(0.0, asked[1] + max_wait[0] - time.time())
 
         def stamp() -> None:
             while not done.wait(LIVENESS_S):
@@ -446,10 +455,10 @@ class Gate:
 
         threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
         try:
-            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left())
+            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left)
             deadline = time.monotonic() + LIMIT_RETRY_S
             while True:
-                lease = self._take_and_record(job_id, caps, slots, left())
+                lease = self._take_and_record(job_id, caps, slots, left)
                 if lease is not None:
                     return lease
                 if time.monotonic() > deadline:
@@ -458,7 +467,7 @@ class Gate:
         except PrefectRefused as exc:
             self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
         except DependencyDown as exc:  # still down when the max wait ran out
-            reason = f"max wait {fmt_duration(max_wait)} ran out: {_outage(exc)}"
+            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {_outage(exc)}"
             self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
         finally:
             done.set()
@@ -484,7 +493,7 @@ class Gate:
         job_id: str,
         caps: tuple[tuple[str, int], ...],
         slots: int,
-        patience: float | None = None,
+        patience: Callable[[], float | None] | None = None,
     ) -> str | None:
         """Take the slots and record the lease in the ledger. If recording fails, or the job
         was settled meanwhile (by reconcile), the lease goes back at once."""

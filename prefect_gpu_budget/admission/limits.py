@@ -20,9 +20,14 @@ LEASE_S = 60.0
 """The shortest lease Prefect grants; the heartbeat renews it every `LEASE_S / 4` seconds."""
 
 
-REPEATED_5XX = 4
-"""The same request answered with a 5xx this many times in a row is refused, not an outage (a
-server that cannot hold a value answers 503 to it for ever)."""
+REPEATED_5XX = 3
+"""The same request answered with a 5xx this many times in a row (each after the Prefect
+client's own retries) is refused, not an outage: a server that cannot hold a value answers 503
+to it for ever."""
+
+
+BUSY = (408, 429)
+"""4xx answers that mean "not now" (a timeout, too many requests): an outage, not a refusal."""
 
 
 class DependencyDown(RuntimeError):
@@ -73,11 +78,11 @@ def _prefect_call(
         status = exc.response.status_code
         if status in passes:
             raise
-        if status < 500:
+        if status < 500 and status not in BUSY:
             raise PrefectRefused(
                 f"the Prefect API refused {what} ({status}: {_detail(exc)})"
             ) from None
-        if failures is not None:
+        if failures is not None and status >= 500:
             failures[key] = failures.get(key, 0) + 1
             if failures[key] >= REPEATED_5XX:
                 del failures[key]

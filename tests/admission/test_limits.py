@@ -73,10 +73,18 @@ def test_a_4xx_fails_the_request_at_once(ledger, prices):
     _given_back(ledger, "rejected")
 
 
-def test_an_outage_is_retried_only_until_the_max_wait_runs_out(ledger, prices):
-    client = _FailingClient(httpx.ConnectError("connection refused"))
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (httpx.ConnectError("connection refused"), "the Prefect API is unreachable"),
+        (_http_error(429, "slow down"), "the Prefect API answered 429"),
+    ],
+    ids=["unreachable", "too-many-requests"],
+)
+def test_an_outage_is_retried_only_until_the_max_wait_runs_out(ledger, prices, error, said):
+    client = _FailingClient(error)
     refused = _admit(ledger, prices, client, max_wait="1s")
     assert refused.state_name == "AdmissionTimeout"
-    assert refused.reason.startswith("max wait 1s ran out: the Prefect API is unreachable")
+    assert refused.reason.startswith(f"max wait 1s ran out: {said}"), refused.reason
     assert client.creates >= 2  # an outage is retried, unlike a refusal
     _given_back(ledger, "timed_out")

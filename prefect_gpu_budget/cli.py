@@ -118,21 +118,21 @@ def budget_set(
         help="For a team: the budget each of its sessions gets when it first runs a job.",
     ),
 ) -> None:
-    """Create or change a scope's budget (options not given keep their current values)."""
-    from prefect_gpu_budget.models import BudgetSettings
+    """Create or change a scope's budget (options not given keep their current values).
 
-    ledger = _ledger()
-    existing = ledger.session_templates() if session_template else ledger.budgets()
-    current = {r.scope: r for r in existing}.get(scope)
-    fields: dict[str, Any] = {"scope": scope}
-    if current is not None:
-        fields.update(BudgetSettings.fields_of(current))
+    Only the options given change, inside the transaction that holds the org's lock: two
+    concurrent changes to different fields both survive, and a bad value writes nothing."""
+    from prefect_gpu_budget.models import BudgetSettings
+    from prefect_gpu_budget.units import validate_scope
+
+    validate_scope(scope)
+    changes: dict[str, Any] = {}
     for key, value in (
         ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
         ("period_budget_usd", _optional_usd(period_budget, "period_budget")),
     ):
         if value != "keep":
-            fields[key] = value
+            changes[key] = value
     given = {
         "period": period,
         "timezone": tz,
@@ -141,16 +141,24 @@ def budget_set(
         "reservation_mode": reservation_mode,
         "notify_block": notify,
     }
-    fields.update({k: v for k, v in given.items() if v is not None})
-    if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
-        fail("budget: give --hourly-cap, --period-budget or both")
-    block = BudgetSettings(**fields)
+    changes.update({k: v for k, v in given.items() if v is not None})
+    if "hourly_cap_usd" in changes:  # one line before opening the ledger
+        BudgetSettings(scope=scope, hourly_cap_usd=changes["hourly_cap_usd"])
+
+    def merge(current):
+        fields: dict[str, Any] = {"scope": scope}
+        if current is not None:
+            fields.update(BudgetSettings.fields_of(current))
+        fields.update(changes)
+        if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
+            raise BudgetInputError("budget", "give --hourly-cap, --period-budget or both")
+        return BudgetSettings(**fields).rule()
+
+    rule = _ledger().update_budget(scope, merge, template=session_template)
     if session_template:
-        ledger.set_session_template(block.rule())
-        console.print(f"session template set for [bold]{scope}/*[/]: {_describe(block.rule())}")
+        console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
         return
-    ledger.set_budget(block.rule())
-    console.print(f"budget set for [bold]{scope}[/]: {_describe(block.rule())}")
+    console.print(f"budget set for [bold]{scope}[/]: {_describe(rule)}")
 
 
 def _describe(rule) -> str:
@@ -301,8 +309,6 @@ def pool_set(
     """Create or replace a capacity pool; its team quotas stay as they are."""
     from prefect_gpu_budget.models import PoolSettings
 
-    ledger = _ledger()
-    _, quotas = ledger.capacity(org)
     block = PoolSettings(
         org=org,
         name=name,
@@ -315,7 +321,7 @@ def pool_set(
         kind=kind,
         backfill=backfill,
     )
-    ledger.set_pool(block.pool(), [q for q in quotas if q.pool == name])
+    _ledger().set_pool(block.pool())  # its quotas stay: a concurrent `pool quota` survives
     console.print(f"pool {org}/{name}: {nodes} x {gpus_per_node} {gpu_model}".rstrip())
 
 
@@ -335,11 +341,6 @@ def pool_quota(
     from prefect_gpu_budget.units import validate_scope
 
     org = validate_scope(team, "team").split("/")[0]
-    ledger = _ledger()
-    found, quotas = ledger.capacity(org)
-    [target] = [p for p in found if p.name == pool] or [None]
-    if target is None:
-        raise BudgetInputError("pool", f"no capacity pool {pool!r} in {org}")
     share = TeamShare(
         team=team,
         gpus=gpus,
@@ -351,15 +352,19 @@ def pool_quota(
     )
     from prefect_gpu_budget.admission.quota import TeamQuota, proportional
 
-    new = TeamQuota(
-        pool,
-        team,
-        proportional(target, gpus, share.vcpu, share.memory_gib),
-        borrow_pct,
-        lend_pct,
-        weight,
-    )
-    ledger.set_pool(target, [q for q in quotas if q.pool == pool and q.team != team] + [new])
+    def make(target):
+        return TeamQuota(
+            pool,
+            team,
+            proportional(target, gpus, share.vcpu, share.memory_gib),
+            borrow_pct,
+            lend_pct,
+            weight,
+        )
+
+    # read, change and write in one locked transaction: a concurrent change to another team's
+    # quota, or to the pool, survives
+    target, new = _ledger().set_team_quota(org, pool, make)
     console.print(f"{team} in {org}/{pool}: {_res(new.quota, target.gpu_model)}")
 
 
@@ -370,7 +375,9 @@ def ledger_cmd(
     limit: int = typer.Option(200, help="Newest N jobs."),
 ) -> None:
     """Every job from request to settlement."""
-    rows = _ledger().jobs(scope)[-limit:]
+    if limit <= 0:
+        fail(f"limit: must be at least 1 (the newest N jobs), got {limit}")
+    rows = _ledger().jobs(scope, limit=limit)
     out = [
         {
             "id": r["id"],
@@ -518,7 +525,12 @@ def agent_revoke(
     scope: str = typer.Argument(..., help="The session whose tokens to revoke."),
 ) -> None:
     """Revoke every token granted for a session."""
-    console.print(f"{_ledger().revoke_agent(scope)} token(s) revoked for {scope}")
+    from prefect_gpu_budget.units import validate_scope
+
+    revoked = _ledger().revoke_agent(validate_scope(scope))
+    if not revoked:
+        fail(f"scope: no live agent token for {scope!r} (unknown session, or revoked already)")
+    console.print(f"{revoked} token(s) revoked for {scope}")
 
 
 @app.command("reconcile")
@@ -768,9 +780,10 @@ def main() -> None:
                 message = f"{param}: {message}"
             typer.echo(f"error: {message}", err=True)
             sys.exit(2)
-        typer.echo(
-            f"error: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}", err=True
-        )
+        from prefect_gpu_budget.units import redact_urls
+
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        typer.echo(f"error: {type(exc).__name__}: {redact_urls(first)}", err=True)
         sys.exit(1)
     if isinstance(code, int) and code:
         sys.exit(code)

@@ -16,9 +16,12 @@ from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.units import (
+    MAX_CAP_CENTS,
+    MAX_CAP_RULE,
     MICRO_PER_USD,
+    BudgetInputError,
+    cap_cents,
     parse_duration,
-    rate_cents,
     shown,
     to_decimal_usd,
     usd_to_micro,
@@ -70,6 +73,13 @@ class BudgetSettings(BaseModel):
         description="Notification block to tell when a job starts waiting, as 'type-slug/name'.",
     )
 
+    @field_validator("hourly_cap_usd")
+    @classmethod
+    def _cap(cls, value: Decimal | None) -> Decimal | None:
+        if value is not None and cap_cents(usd_to_micro(value)) > MAX_CAP_CENTS:
+            raise BudgetInputError("hourly_cap_usd", MAX_CAP_RULE)
+        return value
+
     @field_validator("timezone")
     @classmethod
     def _zone(cls, value: str) -> str:
@@ -89,7 +99,7 @@ class BudgetSettings(BaseModel):
             scope=self.scope,
             hourly_cap_cents=None
             if self.hourly_cap_usd is None
-            else rate_cents(usd_to_micro(self.hourly_cap_usd)),
+            else cap_cents(usd_to_micro(self.hourly_cap_usd)),
             period_budget_micro=None
             if self.period_budget_usd is None
             else usd_to_micro(self.period_budget_usd),

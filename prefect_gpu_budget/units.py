@@ -27,6 +27,15 @@ def shown(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_URL_CREDENTIALS_RE = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^\s'\"<>]*@")
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the credentials of every URL in it (all between `://` and the URL's LAST
+    `@`, so a password with an unencoded `@` goes whole) written as `***`."""
+    return _URL_CREDENTIALS_RE.sub(r"\1***@", text)
+
+
 class BudgetInputError(ValueError):
     """Bad input from a user: its message is one line naming the field and the rule."""
 
@@ -76,6 +85,21 @@ def rate_cents(rate_micro_per_hour: int) -> int:
     return max(1, -(-rate_micro_per_hour // MICRO_PER_CENT))
 
 
+MAX_CAP_CENTS = 2**31 - 1
+"""Largest hourly cap, in cents per hour: a Prefect concurrency limit on a PostgreSQL-backed
+server is a 32-bit integer."""
+MAX_CAP_RULE = (
+    f"must be at most ${Decimal(MAX_CAP_CENTS) / 100:,}/h, the largest hourly cap a Prefect "
+    "concurrency limit can hold (2^31 - 1 cents per hour)"
+)
+
+
+def cap_cents(cap_micro_per_hour: int) -> int:
+    """Concurrency-limit slots for an hourly cap: whole cents per hour, rounded DOWN (a cap is
+    never over-counted: $0/h admits nothing, $0.019/h admits a $0.01/h job)."""
+    return cap_micro_per_hour // MICRO_PER_CENT
+
+
 def cost_micro(rate_micro_per_hour: int, seconds: float, *, round_up: bool) -> int:
     """Cost of running at a rate for some seconds, in micro-dollars.
 
@@ -109,7 +133,7 @@ def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> fl
         and re.fullmatch(r"\s*\d+(\.\d+)?\s*", value)
     ):
         seconds = float(value)
-    elif isinstance(value, str) and _DURATION_FULL_RE.match(value.lower()):
+    elif isinstance(value, str) and _DURATION_FULL_RE.fullmatch(value.lower()):
         seconds = sum(float(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(value.lower()))
     else:
         raise BudgetInputError(
@@ -161,7 +185,7 @@ def validate_scope(value: object, field: str = "scope") -> str:
             f"must have 1 to {MAX_SCOPE_DEPTH} segments like 'org/team/session', got {shown(value)}",
         )
     for segment in segments:
-        if not SEGMENT_RE.match(segment):
+        if not SEGMENT_RE.fullmatch(segment):
             raise BudgetInputError(
                 field,
                 "segments must be 1-48 of a-z 0-9 - _ starting with a letter or digit, "

@@ -10,6 +10,7 @@ tests share their server with other work, so they create their own databases (na
 | `GPU_BUDGET_TEST_PG_URL` | `<server>/gpu_budget_test_<run>` | the ledger tests |
 | `GPU_BUDGET_CHAOS_PG_URL` | `<server>/gpu_budget_chaos_<run>` | tests/test_chaos.py |
 | `GATE_SOAK_PG_URL` | `<server>/gpu_budget_soak_<run>` (and `..._prefect`) | tests/test_soak.py |
+| - | `<server>/gpu_budget_own_<run>_<id>` | `fresh_database()`: one test's own, dropped after it |
 
 A database named by a variable is used as it is, and never dropped.
 """
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import sqlalchemy as sa
@@ -77,3 +81,23 @@ def drop_created() -> None:
         finally:
             engine.dispose()
     _created.clear()
+
+
+@contextmanager
+def fresh_database(url: str) -> Iterator[str]:
+    """A database of its own on the server of `url`, for this test only: created with a unique
+    name, dropped afterwards (only the one created here). Fails when the server is missing."""
+    require_postgres(url)
+    server = url.replace("postgresql://", "postgresql+psycopg://").rsplit("/", 1)[0]
+    name = f"gpu_budget_own_{RUN}_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(server + "/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        try:
+            yield f"{server}/{name}"
+        finally:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    finally:
+        admin.dispose()

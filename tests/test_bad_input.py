@@ -78,6 +78,15 @@ CLI_CASES = [
     (["agent", "grant", "acme/vision/Agent 7"], "scope"),
     (["agent", "grant", "acme/vision/\u0430gent"], "scope"),  # a Cyrillic look-alike
     (["capacity", "ACME"], "org"),
+    (["budget", "set", "acme\n", "--hourly-cap", "5"], "scope"),
+    (["agent", "grant", "acme/agents/agent-7\n"], "scope"),
+    (["agent", "revoke", "acme/agents/nobody"], "acme/agents/nobody"),
+    (["ledger", "--limit", "0"], "limit"),
+    (["ledger", "--limit", "-3"], "limit"),
+    (["prices", "set-local", "box\n", "--usd-per-hour", "2"], "name"),
+    (["prices", "set-local", "box", "--usd-per-hour", "0"], "usd_per_hour"),
+    (["prices", "set-local", "box", "--usd-per-hour", "2", "--gpus", "-8"], "gpus"),
+    (["prices", "set-local", "box", "--usd-per-hour", "2", "--gpus", "1" + "0" * 19], "gpus"),
 ]
 
 
@@ -166,3 +175,58 @@ def test_gate_refuses_unknown_price_before_writing(tmp_path):
             gate.admit(job, scope)
         assert "\n" not in str(exc.value)
     assert ledger.jobs() == []
+
+
+@pytest.mark.parametrize("template", [False, True])
+def test_a_cap_prefect_cannot_hold_is_refused_in_one_line(template, tmp_path, monkeypatch, capsys):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    before = (ledger.budgets(), ledger.session_templates())
+    argv = ["budget", "set", "acme/vision", "--hourly-cap", "25000000"]
+    argv += ["--session-template"] if template else []
+    monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and "\n" not in err, err
+    assert err.startswith("error: hourly_cap_usd: must be at most $21,474,836.47/h"), err
+    assert (ledger.budgets(), ledger.session_templates()) == before
+
+
+GOOD_ROW = "local,box,on-demand,local GPU,1,0,0,3.6,priced by user,2026-01-01,yes\n"
+PRICE_FILES = [
+    ("gpus=-8", GOOD_ROW.replace(",1,0,0,", ",-8,0,0,").encode()),
+    ("20-digit GPUs", GOOD_ROW.replace(",1,0,0,", f",{'9' * 20},0,0,").encode()),
+    ("a $0 cloud price", b"aws,g5.xlarge,on-demand,A10G,1,4,16,0,mine,2026-01-01,yes\n"),
+    ("a $0 local price", GOOD_ROW.replace(",3.6,", ",0,").encode()),
+    ("a name with a newline", GOOD_ROW.replace("local,box,", 'local,"box\n",').encode()),
+    ("bytes that are not UTF-8", GOOD_ROW.encode() + b"local,b\xff\xfe,on-demand\n"),
+]
+
+
+@pytest.mark.parametrize(("what", "body"), PRICE_FILES, ids=[w for w, _ in PRICE_FILES])
+def test_a_bad_prices_file_is_refused_in_one_line(what, body, tmp_path, monkeypatch, capsys):
+    from prefect_gpu_budget.pricing.catalog import COLUMNS, default_catalog
+
+    prices = tmp_path / "prices.csv"
+    prices.write_bytes(",".join(COLUMNS).encode() + b"\n" + body)
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
+    default_catalog.cache_clear()
+    argv = ["prefect-gpu-budget", "quote", "aws:g5.xlarge"]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main()
+    finally:
+        default_catalog.cache_clear()
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2, err
+    assert "\n" not in err and err.startswith("error: prices: ") and str(prices) in err, err
+
+
+def test_a_zero_price_never_overrides_a_cloud_price(tmp_path):
+    from prefect_gpu_budget.pricing.catalog import set_local_price
+
+    with pytest.raises(BudgetInputError, match="^usd_per_hour: must be above"):
+        set_local_price("box", "0", path=tmp_path / "prices.csv")
+    assert not (tmp_path / "prices.csv").exists()

@@ -141,3 +141,44 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
     seen += [status.stdout, status.stderr, repr(launcher), repr(creds), str(ledger.jobs())]
     for secret in (AWS_SECRET, token):
         assert not [text for text in seen if secret in text]
+
+
+AT_SECRET = "hunter2@tail-of-the-secret"
+AT_URL = f"postgresql://postgres:{AT_SECRET}@127.0.0.1:1/test"  # nothing listens on port 1
+
+
+def test_a_password_with_an_unencoded_at_stays_whole_and_out_of_errors():
+    import sqlalchemy as sa
+
+    from prefect_gpu_budget.admission.ledger import normalise_url
+
+    url = sa.engine.make_url(normalise_url(AT_URL))
+    assert (url.host, url.port, url.password) == ("127.0.0.1", 1, AT_SECRET)
+    done = _cli(AT_URL, "status")
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and len(done.stderr.strip().splitlines()) == 1, out
+    assert "tail-of-the-secret" not in out and "hunter2" not in out, out
+
+
+def test_the_gates_outage_warnings_carry_no_url_credentials():
+    import sqlalchemy as sa
+
+    from prefect_gpu_budget.admission.gate import _outage
+    from prefect_gpu_budget.admission.limits import DependencyDown
+
+    orig = Exception(f"connection to postgresql://postgres:{AT_SECRET}@db:5432/test failed")
+    for exc in (sa.exc.OperationalError("SELECT 1", {}, orig), DependencyDown(str(orig))):
+        text = _outage(exc)
+        assert "hunter2" not in text and "tail-of-the-secret" not in text, text
+        assert "://***@db:5432/test" in text, text
+
+
+def test_credentials_in_an_endpoint_url_stay_out_of_launch_errors():
+    from prefect_gpu_budget.launchers.sagemaker import _one_line as sagemaker_line
+    from prefect_gpu_budget.launchers.vertex import _one_line as vertex_line
+    from prefect_gpu_budget.units import redact_urls
+
+    error = 'Could not connect to the endpoint URL: "https://admin:s3cr@t-key@aws.local:9/"'
+    for text in (sagemaker_line(Exception(error)), vertex_line(error), redact_urls(error)):
+        assert "s3cr" not in text and "t-key" not in text, text
+        assert 'endpoint URL: "https://***@aws.local:9/"' in text, text

@@ -23,11 +23,17 @@ from typing import Generic, TypeVar
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id
-from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, RateLimits
+from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, PrefectRefused, RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, rate_cents, validate_scope
+from prefect_gpu_budget.units import (
+    fmt_duration,
+    fmt_usd,
+    rate_cents,
+    redact_urls,
+    validate_scope,
+)
 
 log = logging.getLogger("prefect_gpu_budget.gate")
 
@@ -300,9 +306,15 @@ class Gate:
             self.patiently("giving back a cancelled job", give_back, patience=GIVE_BACK_S)
             raise
 
-    def patiently(self, what: str, call: Callable[[], T], patience: float | None = None) -> T:
+    def patiently(
+        self,
+        what: str,
+        call: Callable[[], T],
+        patience: float | Callable[[], float | None] | None = None,
+    ) -> T:
         """`call()`, retried while the ledger's database or the Prefect API is down, with a
-        clear message every 10 s; after `patience` seconds of outage the error is raised."""
+        clear message every 10 s; after `patience` seconds of outage the error is raised
+        (a callable `patience` is asked only once an outage begins)."""
         delay, down_since, told = 0.2, None, 0.0
         while True:
             try:
@@ -310,6 +322,8 @@ class Gate:
             except OUTAGES as exc:
                 now = time.monotonic()
                 down_since = down_since or now
+                if callable(patience):
+                    patience = patience()
                 if patience is not None and now - down_since > patience:
                     raise
                 if now - told >= 10.0:
@@ -348,7 +362,7 @@ class Gate:
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
-                lease = self._take_limits(job_id, scope, slots, decision.caps)
+                lease = self._take_limits(job_id, scope, slots, decision.caps, (job, started))
                 if lease is not False:
                     admission = Admission(
                         job_id=job_id,
@@ -410,13 +424,29 @@ class Gate:
                 return
 
     def _take_limits(
-        self, job_id: str, scope: str, slots: int, caps: tuple[tuple[str, int], ...]
+        self,
+        job_id: str,
+        scope: str,
+        slots: int,
+        caps: tuple[tuple[str, int], ...],
+        asked: tuple[GpuJob, float] | None = None,
     ) -> str | None | bool:
         """Lease id, None when no scope on the path has an hourly cap, False when full. While
-        this talks to Prefect (slow when its API is), another thread stamps the job's row."""
+        this talks to Prefect (slow when its API is), another thread stamps the job's row.
+
+        A Prefect outage is retried until the job's max wait (from `asked`: the job and when it
+        asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
+        way the admission is given back and the job ends with the reason."""
         if self.limits is None or not caps:
             return None
         limits, done = self.limits, threading.Event()
+        max_wait = [0.0]
+
+        def left() -> float | None:  # asked only in an outage: no read on the way to admission
+            if not asked:
+                return None
+            max_wait[0] = self._max_wait(asked[0], scope)
+            return None if max_wait[0] <= 0 else max(0.0, asked[1] + max_wait[0] - time.time())
 
         def stamp() -> None:
             while not done.wait(LIVENESS_S):
@@ -425,15 +455,20 @@ class Gate:
 
         threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
         try:
-            self.patiently("creating Prefect limits", lambda: limits.ensure(caps))
+            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left)
             deadline = time.monotonic() + LIMIT_RETRY_S
             while True:
-                lease = self._take_and_record(job_id, caps, slots)
+                lease = self._take_and_record(job_id, caps, slots, left)
                 if lease is not None:
                     return lease
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.02)
+        except PrefectRefused as exc:
+            self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
+        except DependencyDown as exc:  # still down when the max wait ran out
+            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {_outage(exc)}"
+            self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
         finally:
             done.set()
         self.patiently(
@@ -442,15 +477,30 @@ class Gate:
         )
         return False
 
+    def _end_admission(self, job_id: str, scope: str, state: str, name: str, reason: str) -> None:
+        """Give an admission whose Prefect limits cannot be taken back, end the job in `state`
+        and raise AdmissionRefused(`name`, `reason`)."""
+
+        def give_back() -> None:
+            self.ledger.unadmit(job_id, scope, reason)
+            self.ledger.cancel_queued(job_id, scope, reason, state=state)
+
+        self.patiently("giving the admission back", give_back, patience=GIVE_BACK_S)
+        raise AdmissionRefused(name, reason, job_id)
+
     def _take_and_record(
-        self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int
+        self,
+        job_id: str,
+        caps: tuple[tuple[str, int], ...],
+        slots: int,
+        patience: Callable[[], float | None] | None = None,
     ) -> str | None:
         """Take the slots and record the lease in the ledger. If recording fails, or the job
         was settled meanwhile (by reconcile), the lease goes back at once."""
         assert self.limits is not None
         limits = self.limits
         lease = self.patiently(
-            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots)
+            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots), patience
         )
         if lease is not None:
             self._record_or_release(job_id, lease)
@@ -625,7 +675,7 @@ def _off_thread(call: Callable[[], T]) -> T:
 def _outage(exc: BaseException) -> str:
     """One line naming what is down, without connection strings (they may hold credentials)."""
     if isinstance(exc, DependencyDown):
-        return str(exc)
+        return redact_urls(str(exc))
     orig = getattr(exc, "orig", None) or exc
-    text = str(orig).strip().splitlines()[0] if str(orig).strip() else ""
+    text = redact_urls(str(orig).strip().splitlines()[0]) if str(orig).strip() else ""
     return f"the ledger's database is unreachable ({type(orig).__name__}: {text[:160]})"

@@ -48,7 +48,14 @@ from prefect_gpu_budget.admission.quota import (
     proportional,
     team_of,
 )
-from prefect_gpu_budget.units import BudgetInputError, cost_micro, scope_path, validate_scope
+from prefect_gpu_budget.units import (
+    MAX_CAP_CENTS,
+    MAX_CAP_RULE,
+    BudgetInputError,
+    cost_micro,
+    scope_path,
+    validate_scope,
+)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -127,6 +134,8 @@ jobs = sa.Table(
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
     sa.Index("ix_gpu_jobs_org_settled", "org", "state", "settled_at"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
+    sa.Index("ix_gpu_jobs_requested", "requested_at"),
+    sa.Index("ix_gpu_jobs_flow_run", "flow_run_id"),
 )
 
 period_spend = sa.Table(
@@ -208,9 +217,22 @@ def open_ledger(url: str) -> Ledger:
 
 
 def normalise_url(url: str) -> str:
-    """Plain `postgresql://` URLs use the psycopg (v3) driver that this package installs."""
+    """Plain `postgresql://` URLs use the psycopg (v3) driver that this package installs.
+
+    A user name or password with an unencoded `@` (or `/`, `:`) is percent-encoded: the
+    credentials run to the LAST `@`, never into the host name (where a connection error would
+    show the password's tail)."""
     if url.startswith("postgresql://") or url.startswith("postgres://"):
-        return "postgresql+psycopg://" + url.split("://", 1)[1]
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    scheme, sep, rest = url.partition("://")
+    if sep and rest.count("@") > 1:
+        from urllib.parse import quote
+
+        userinfo, _, location = rest.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        safe = "!$&'()*+,;=%-._~"  # keep what needs no encoding, and escapes already made
+        userinfo = quote(user, safe=safe) + colon + quote(password, safe=safe)
+        url = f"{scheme}://{userinfo}@{location}"
     return url
 
 
@@ -218,7 +240,7 @@ def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
     """One-line errors for a pool or quota that cannot be right."""
     from prefect_gpu_budget.units import SEGMENT_RE
 
-    if not SEGMENT_RE.match(pool.org) or not SEGMENT_RE.match(pool.name):
+    if not SEGMENT_RE.fullmatch(pool.org) or not SEGMENT_RE.fullmatch(pool.name):
         raise BudgetInputError(
             "pool", f"org and name must be 1-48 of a-z 0-9 - _, got {pool.name!r}"
         )
@@ -235,6 +257,12 @@ def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
             )
         if not 0 <= q.weight <= 100:
             raise BudgetInputError("weight", f"{q.team}: must be 0-100, got {q.weight}")
+
+
+def check_rule(rule: BudgetRule) -> None:
+    """A budget the Prefect edge can hold: its hourly cap fits a Prefect concurrency limit."""
+    if rule.hourly_cap_cents is not None and rule.hourly_cap_cents > MAX_CAP_CENTS:
+        raise BudgetInputError("hourly_cap", MAX_CAP_RULE)
 
 
 def _token_hash(token: object) -> str:
@@ -374,6 +402,7 @@ class Ledger:
         """Create or replace a scope's budget, and rebuild its current period's settled spend."""
         now = time.time() if now is None else now
         org = rule.scope.split("/")[0]
+        check_rule(rule)
         with self._write(org) as conn:
             _upsert_rule(conn, budgets, rule, now)
             self._rebuild_period(conn, rule, now)
@@ -387,9 +416,45 @@ class Ledger:
             raise BudgetInputError(
                 "scope", f"a session template belongs to a team 'org/team', got {rule.scope!r}"
             )
+        check_rule(rule)
         now = time.time() if now is None else now
         with self._write(rule.scope.split("/")[0]) as conn:
             _upsert_rule(conn, templates, rule, now)
+
+    @_reconnecting
+    def update_budget(
+        self,
+        scope: str,
+        merge: Callable[[BudgetRule | None], BudgetRule],
+        *,
+        template: bool = False,
+        now: float | None = None,
+    ) -> BudgetRule:
+        """Change a scope's budget (or a team's session template) field-wise and atomically.
+
+        `merge` gets the rule as it stands (None if there is none) and returns the new one; it
+        runs inside the transaction that holds the org's lock, so concurrent changes to
+        different fields all survive. Whatever `merge` raises (a bad value) writes nothing.
+        """
+        validate_scope(scope)
+        if template and scope.count("/") != 1:
+            raise BudgetInputError(
+                "scope", f"a session template belongs to a team 'org/team', got {scope!r}"
+            )
+        table = templates if template else budgets
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
+            row = conn.execute(sa.select(table).where(table.c.scope == scope)).mappings().first()
+            rule = merge(None if row is None else _rule(row))
+            if rule.scope != scope:
+                raise BudgetInputError("scope", f"a change to {scope!r} named {rule.scope!r}")
+            check_rule(rule)
+            _upsert_rule(conn, table, rule, now)
+            if not template:
+                self._rebuild_period(conn, rule, now)
+                self._bump(conn, org)
+        return rule
 
     @_reconnecting
     def session_templates(self) -> list[BudgetRule]:
@@ -750,6 +815,49 @@ class Ledger:
             self._bump(conn, pool.org)
 
     @_reconnecting
+    def set_team_quota(
+        self,
+        org: str,
+        pool_name: str,
+        make: Callable[[Pool], TeamQuota],
+        now: float | None = None,
+    ) -> tuple[Pool, TeamQuota]:
+        """Create or replace one team's quota in a pool, leaving the pool and the other teams'
+        quotas as they are. `make` builds the quota from the pool as it stands, inside the
+        transaction that holds the org's lock; what it raises writes nothing."""
+        with self._write(org) as conn:
+            now = time.time() if now is None else now
+            found = [p for p in _load_pools(conn, org) if p.name == pool_name]
+            if not found:
+                raise BudgetInputError("pool", f"no capacity pool {pool_name!r} in {org}")
+            pool = found[0]
+            quota = make(pool)
+            check_pool(pool, [quota])
+            conn.execute(
+                team_quotas.delete().where(
+                    team_quotas.c.org == org,
+                    team_quotas.c.pool == pool_name,
+                    team_quotas.c.team == quota.team,
+                )
+            )
+            conn.execute(
+                team_quotas.insert().values(
+                    org=org,
+                    pool=pool_name,
+                    team=quota.team,
+                    gpus=quota.quota[0],
+                    vcpu=quota.quota[1],
+                    memory_gib=quota.quota[2],
+                    borrow_pct=quota.borrow_pct,
+                    lend_pct=quota.lend_pct,
+                    weight=quota.weight,
+                    updated_at=now,
+                )
+            )
+            self._bump(conn, org)
+        return pool, quota
+
+    @_reconnecting
     def capacity(self, org: str) -> tuple[list[Pool], list[TeamQuota]]:
         with self._read() as conn:
             return _load_pools(conn, org), _load_quotas(conn, org)
@@ -1019,9 +1127,24 @@ class Ledger:
 
     @_reconnecting
     def jobs(
-        self, scope: str | None = None, states: tuple[str, ...] | None = None
+        self,
+        scope: str | None = None,
+        states: tuple[str, ...] | None = None,
+        *,
+        limit: int | None = None,
+        flow_run_id: str | None = None,
     ) -> list[dict[str, Any]]:
+        """Jobs in `scope` (and below) in request order; with `limit`, only the newest that
+        many, and with `flow_run_id`, only that run's (both chosen in SQL, not in memory)."""
         query = sa.select(jobs).order_by(jobs.c.requested_at)
+        if limit is not None:
+            query = (
+                sa.select(jobs)
+                .order_by(jobs.c.requested_at.desc(), jobs.c.id.desc())
+                .limit(max(0, limit))
+            )
+        if flow_run_id is not None:
+            query = query.where(jobs.c.flow_run_id == flow_run_id)
         if scope:
             query = query.where(
                 sa.or_(jobs.c.scope == scope, jobs.c.scope.startswith(scope + "/", autoescape=True))
@@ -1029,7 +1152,8 @@ class Ledger:
         if states:
             query = query.where(jobs.c.state.in_(states))
         with self._read() as conn:
-            return [dict(row) for row in conn.execute(query).mappings()]
+            found = [dict(row) for row in conn.execute(query).mappings()]
+        return found[::-1] if limit is not None else found
 
     @_reconnecting
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
@@ -1247,11 +1371,55 @@ def _decision_of(row: Any) -> Decision:
     return Decision("reject", row["reason"] or state)
 
 
+class LedgerFileReplaced(RuntimeError):
+    """The SQLite ledger file this process opened was replaced or removed: writing on would
+    split the ledger in two (this process on the old inode, new processes on a new file)."""
+
+
+class _FileIdentity:
+    """The (st_dev, st_ino) of a SQLite ledger file, taken on first connect and checked at
+    every transaction's begin (one `stat`, about a microsecond)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: tuple[int, int] | None = None
+
+    def before_first_connect(self) -> None:
+        """A missing file whose write-ahead log is still there was removed under a live
+        process: opening it would fail later with a bare `disk I/O error`."""
+        if self.seen is None and not os.path.exists(self.path):
+            left = [s for s in ("-wal", "-shm") if os.path.exists(self.path + s)]
+            if left:
+                raise LedgerFileReplaced(
+                    f"the ledger file {self.path} was removed while a process had it open "
+                    f"({self.path}{left[0]} remains); stop the processes using it, then restore "
+                    "the file or remove its -wal and -shm files"
+                )
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if self.seen is None and now is not None:
+            self.seen = now
+        elif now != self.seen:
+            raise LedgerFileReplaced(
+                f"the ledger file {self.path} was replaced or removed while this process used "
+                "it; refusing to admit against a copy no other process sees (restart this "
+                "process once the ledger file is back in place)"
+            )
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
+        identity = None
+        if path and path != ":memory:" and not path.startswith("file:"):
             Path(path).parent.mkdir(parents=True, exist_ok=True)
+            identity = _FileIdentity(os.path.abspath(path))
+            identity.before_first_connect()
         engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
         @sa.event.listens_for(engine, "connect")
@@ -1262,9 +1430,13 @@ def _make_engine(url: str) -> Engine:
             cursor.execute("PRAGMA synchronous=NORMAL")
             cursor.execute("PRAGMA busy_timeout=60000")
             cursor.close()
+            if identity is not None:
+                identity.check()
 
         @sa.event.listens_for(engine, "begin")
         def _begin(conn: Connection) -> None:
+            if identity is not None:
+                identity.check()
             read = conn.get_execution_options().get("gpu_budget_read")
             conn.exec_driver_sql("BEGIN DEFERRED" if read else "BEGIN IMMEDIATE")
 

@@ -20,13 +20,48 @@ LEASE_S = 60.0
 """The shortest lease Prefect grants; the heartbeat renews it every `LEASE_S / 4` seconds."""
 
 
+REPEATED_5XX = 3
+"""The same request answered with a 5xx this many times in a row (each after the Prefect
+client's own retries) is refused, not an outage: a server that cannot hold a value answers 503
+to it for ever."""
+
+
+BUSY = (408, 429)
+"""4xx answers that mean "not now" (a timeout, too many requests): an outage, not a refusal."""
+
+
 class DependencyDown(RuntimeError):
     """The Prefect API did not answer (down, restarting, or overloaded)."""
 
 
+class PrefectRefused(RuntimeError):
+    """The Prefect API refused a request (a 4xx, or the same 5xx again and again): retrying it
+    will not help, so the request fails with this one-line reason."""
+
+
+def _detail(exc: Exception) -> str:
+    """The server's one-line reason for an HTTP error, cut short."""
+    response = exc.response  # type: ignore[attr-defined]
+    try:
+        detail = response.json().get("detail", "")
+    except Exception:  # not JSON
+        detail = response.text
+    text = " ".join(str(detail).split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
 @contextlib.contextmanager
-def _prefect_call(what: str) -> Iterator[None]:
-    """Turn transport failures and 5xx answers into DependencyDown, with a one-line reason.
+def _prefect_call(
+    what: str,
+    *,
+    passes: tuple[int, ...] = (),
+    failures: dict[str, int] | None = None,
+    key: str = "",
+) -> Iterator[None]:
+    """Turn transport failures and 5xx answers into DependencyDown, and 4xx answers (but the
+    statuses in `passes`, which the caller handles) into PrefectRefused, with a one-line reason.
+    With `failures`, the same request (`key`) answered 5xx `REPEATED_5XX` times in a row is
+    PrefectRefused too.
 
     Prefect's client has already retried by then (it retries a dropped connection with back-off).
     """
@@ -40,11 +75,24 @@ def _prefect_call(what: str) -> Iterator[None]:
             f"the Prefect API is unreachable while {what} ({type(exc).__name__})"
         ) from None
     except PrefectHTTPStatusError as exc:
-        if exc.response.status_code < 500:
+        status = exc.response.status_code
+        if status in passes:
             raise
-        raise DependencyDown(
-            f"the Prefect API answered {exc.response.status_code} while {what}"
-        ) from None
+        if status < 500 and status not in BUSY:
+            raise PrefectRefused(
+                f"the Prefect API refused {what} ({status}: {_detail(exc)})"
+            ) from None
+        if failures is not None and status >= 500:
+            failures[key] = failures.get(key, 0) + 1
+            if failures[key] >= REPEATED_5XX:
+                del failures[key]
+                raise PrefectRefused(
+                    f"the Prefect API answered {status} {REPEATED_5XX} times in a row while "
+                    f"{what}: not an outage, the request itself fails ({_detail(exc)})"
+                ) from None
+        raise DependencyDown(f"the Prefect API answered {status} while {what}") from None
+    if failures is not None:
+        failures.pop(key, None)
 
 
 def limit_name(scope: str) -> str:
@@ -59,6 +107,8 @@ class RateLimits:
         self._given = client
         self._owned: Any | None = None
         self._applied: dict[str, int] = {}
+        self._failures: dict[str, int] = {}
+        """Per request, how many 5xx answers in a row it got."""
         self._lock = threading.Lock()
         self._opening = threading.Lock()
 
@@ -94,7 +144,14 @@ class RateLimits:
             name, cap = limit_name(scope), max(1, cents)
             if self._applied.get(name) == cap:
                 continue
-            with self._lock, _prefect_call("creating concurrency limits"):
+            with (
+                self._lock,
+                _prefect_call(
+                    f"setting concurrency limit {name} to {cap}",
+                    failures=self._failures,
+                    key=f"ensure {name} {cap}",
+                ),
+            ):
                 if self._applied.get(name) == cap:
                     continue
                 try:
@@ -119,7 +176,12 @@ class RateLimits:
         from prefect.exceptions import PrefectHTTPStatusError
 
         try:
-            with _prefect_call("taking concurrency slots"):
+            with _prefect_call(
+                "taking concurrency slots",
+                passes=(423,),
+                failures=self._failures,
+                key=f"acquire {','.join(sorted(scopes))} {slots}",
+            ):
                 response = self._client.increment_concurrency_slots_with_lease(
                     names=[limit_name(s) for s in scopes],
                     slots=slots,
@@ -137,7 +199,7 @@ class RateLimits:
         from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
         try:
-            with _prefect_call("renewing a lease"):
+            with _prefect_call("renewing a lease", passes=(404, 410)):
                 self._client.renew_concurrency_lease(UUID(lease_id), lease_duration=LEASE_S)
         except ObjectNotFound:
             return False

@@ -45,6 +45,7 @@ from prefect_gpu_budget.units import (
     fmt_duration,
     fmt_usd,
     micro_to_usd,
+    redact_urls,
     scope_path,
     shown,
 )
@@ -147,13 +148,13 @@ class SweepSpec(BaseModel):
             self.seed = secrets.randbelow(2**31)
         if (self.command is None) == (self.callable is None):
             raise BudgetInputError("command", "give exactly one of command or callable")
-        if self.callable is not None and not re.match(r"^[\w.]+:\w+$", self.callable):
+        if self.callable is not None and not re.fullmatch(r"[\w.]+:\w+", self.callable):
             raise BudgetInputError(
                 "callable", f"must be 'module:function', got {shown(self.callable)}"
             )
         names = [*self.grid, *self.random]
         for name in names:
-            if not _PARAM_RE.match(name):
+            if not _PARAM_RE.fullmatch(name):
                 raise BudgetInputError(
                     "grid", f"parameter names must be identifiers, got {shown(name)}"
                 )
@@ -167,13 +168,21 @@ class SweepSpec(BaseModel):
         size = math.prod(len(v) for v in self.grid.values()) * max(1, self.samples)
         if size > MAX_TRIALS:
             raise BudgetInputError("grid", f"{size} trials; at most {MAX_TRIALS}")
-        if self.command is not None:
-            used = {
-                f for part in self.command for _, f, _, _ in string.Formatter().parse(part) if f
-            }
-            unknown = used - set(names)
-            if unknown:
-                raise BudgetInputError("command", f"unknown placeholders {sorted(unknown)}")
+        for part in self.command or []:
+            try:
+                used = [f for _, f, _, _ in string.Formatter().parse(part) if f is not None]
+            except ValueError as exc:
+                raise BudgetInputError(
+                    "command", f"{exc} in {shown(part)} (write {{{{ and }}}} for literal braces)"
+                ) from None
+            for field in used:  # `{}`, `{0}`, `{lr.real}`: only a parameter's name fills in
+                if field not in names:
+                    raise BudgetInputError(
+                        "command",
+                        f"unknown placeholder {{{field}}} in {shown(part)}; placeholders name "
+                        f"parameters ({', '.join(names) or 'none given'}), "
+                        "and {{ }} write literal braces",
+                    )
         self.job_for({name: 0 for name in names}, "check")  # the job shape validates now
         return self
 
@@ -314,7 +323,7 @@ def gpu_sweep(
         finished += 1
         update_progress_artifact(progress, 100.0 * finished / len(trials))
 
-    rows_by_name = {r["name"]: r for r in led.jobs(spec.scope) if r["flow_run_id"] == run_id}
+    rows_by_name = {r["name"]: r for r in led.jobs(spec.scope, flow_run_id=run_id)}
     records, curves = [], {}
     for index, params, name, metrics, future in futures:
         state = future.state
@@ -327,7 +336,7 @@ def gpu_sweep(
                 **params,
                 **_final(points),
                 "state": state.name,
-                "reason": "" if state.is_completed() else (state.message or ""),
+                "reason": "" if state.is_completed() else redact_urls(state.message or ""),
                 "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
                 "wait_s": round(_waited(row), 3) if row else None,
                 "runtime_s": round(row["ended_at"] - row["started_at"], 3)

@@ -40,7 +40,7 @@ from prefect_gpu_budget.launchers.base import (
     ignore_submission,
 )
 from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.units import cost_micro, shown
+from prefect_gpu_budget.units import cost_micro, redact_urls, shown
 
 _MODEL = botocore.session.get_session().get_service_model("sagemaker")
 TRAINING_INSTANCE_TYPES = frozenset(_MODEL.shape_for("TrainingInstanceType").enum)
@@ -67,7 +67,9 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _first_line(text: str) -> str:
-    text = text.strip()
+    """The first line of `text`, without the credentials of any URL in it (an endpoint_url
+    may carry them)."""
+    text = redact_urls(text).strip()
     return text.splitlines()[0] if text else ""
 
 

@@ -46,7 +46,7 @@ from prefect_gpu_budget.launchers.base import (
     ignore_submission,
 )
 from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.units import fmt_duration, parse_duration
+from prefect_gpu_budget.units import fmt_duration, parse_duration, redact_urls
 
 VERTEX_TRAINING_REGIONS = frozenset(
     {
@@ -142,7 +142,8 @@ _POLL_RETRY = api_retry.Retry(
 
 
 def _one_line(text: str, limit: int = 300) -> str:
-    line = " ".join(str(text).split())
+    """One line of at most `limit` characters, without the credentials of any URL in it."""
+    line = " ".join(redact_urls(str(text)).split())
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 

@@ -8,6 +8,7 @@ An unknown instance type is an error, never a zero price.
 from __future__ import annotations
 
 import csv
+import re
 from dataclasses import dataclass
 from datetime import date
 from decimal import Decimal
@@ -15,6 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from prefect_gpu_budget.units import (
+    SEGMENT_RE,
     BudgetInputError,
     fmt_usd,
     shown,
@@ -95,28 +97,66 @@ def user_prices_path() -> Path:
     return settings.prices_path()
 
 
+MAX_GPUS = 64
+"""Most accelerators one machine (one node of a job) has."""
+MAX_VCPU = 4096
+MAX_MEMORY_GIB = 65536
+_INSTANCE_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,119}")
+
+
+def _count(raw: dict[str, str], field: str, most: int) -> int:
+    text = (raw.get(field) or "0").strip()
+    if not text.isdigit() or int(text) > most:
+        raise ValueError(f"{field} must be a whole number from 0 to {most}, got {shown(text)}")
+    return int(text)
+
+
 def _parse_row(raw: dict[str, str], where: str) -> PriceRow:
     try:
+        cloud, instance_type = raw["cloud"], raw["instance_type"]
+        if not re.fullmatch(r"[a-z][a-z0-9-]{0,31}", cloud or ""):
+            raise ValueError(f"cloud must be a lower-case name, got {shown(cloud)}")
+        name_ok = (
+            SEGMENT_RE.fullmatch(instance_type or "")
+            if cloud == "local"
+            else _INSTANCE_RE.fullmatch(instance_type or "")
+        )
+        if not name_ok:  # no spaces, control characters or a final newline: one name, one row
+            raise ValueError(f"instance_type is not a valid name, got {shown(instance_type)}")
+        price = to_decimal_usd(raw["usd_per_hour"], "usd_per_hour")
+        if price <= 0:
+            raise ValueError("usd_per_hour must be above $0 (a price is never zero)")
         return PriceRow(
-            cloud=raw["cloud"].strip(),
-            instance_type=raw["instance_type"].strip(),
+            cloud=cloud,
+            instance_type=instance_type,
             provisioning=raw["provisioning"].strip(),
             gpu_model=raw.get("gpu_model", "").strip(),
-            gpus=int(raw.get("gpus") or 0),
-            vcpu=int(raw.get("vcpu") or 0),
-            memory_gib=int(raw.get("memory_gib") or 0),
-            usd_per_hour=to_decimal_usd(raw["usd_per_hour"], "usd_per_hour"),
+            gpus=_count(raw, "gpus", MAX_GPUS),
+            vcpu=_count(raw, "vcpu", MAX_VCPU),
+            memory_gib=_count(raw, "memory_gib", MAX_MEMORY_GIB),
+            usd_per_hour=price,
             source=raw.get("source", "").strip(),
             as_of=date.fromisoformat(raw["as_of"].strip()),
             verified=raw.get("verified", "no").strip().lower() in ("yes", "true", "1"),
         )
-    except (KeyError, ValueError, AttributeError) as exc:
-        raise BudgetInputError("prices", f"bad row in {where}: {raw} ({exc})") from None
+    except (KeyError, ValueError, AttributeError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise BudgetInputError(
+            "prices",
+            f"bad row {raw.get('cloud')}:{shown(raw.get('instance_type'))} in {where}: {first}",
+        ) from None
 
 
 def _read(path: Path) -> list[PriceRow]:
-    with path.open(newline="") as handle:
-        return [_parse_row(raw, str(path)) for raw in csv.DictReader(handle)]
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            return [_parse_row(raw, str(path)) for raw in csv.DictReader(handle)]
+    except UnicodeDecodeError as exc:
+        raise BudgetInputError(
+            "prices", f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from None
+    except csv.Error as exc:
+        raise BudgetInputError("prices", f"{path} is not a prices CSV ({exc})") from None
 
 
 class Catalog:
@@ -188,13 +228,13 @@ def set_local_price(
     name: str, usd_per_hour: object, gpus: int = 1, path: Path | None = None
 ) -> Path:
     """Price a `local:<name>` machine in the user's price file (replacing an older row)."""
-    from prefect_gpu_budget.units import SEGMENT_RE
-
-    if not SEGMENT_RE.match(name):
+    if not isinstance(name, str) or not SEGMENT_RE.fullmatch(name):
         raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {shown(name)}")
     price = to_decimal_usd(usd_per_hour, "usd_per_hour")
-    if gpus < 0 or gpus > 64:
-        raise BudgetInputError("gpus", f"must be between 0 and 64, got {gpus}")
+    if price <= 0:
+        raise BudgetInputError("usd_per_hour", "must be above $0 (a price is never zero)")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= MAX_GPUS:
+        raise BudgetInputError("gpus", f"must be between 0 and {MAX_GPUS}, got {shown(gpus)}")
     path = path or user_prices_path()
     rows = _read(path) if path.exists() else []
     rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]

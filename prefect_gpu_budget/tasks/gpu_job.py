@@ -30,7 +30,7 @@ from prefect_gpu_budget.job import METRICS_ENV, GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.launchers.registry import launcher_ref
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, redact_urls
 
 
 @dataclass(frozen=True)
@@ -349,8 +349,8 @@ def run_gpu_job(
     try:
         launcher.preflight(job, gate.quote(job))
     except LaunchConfigError as bad:
-        logger.error("GPU job not launched: %s", bad)
-        return Failed(name="LaunchConfigError", message=str(bad))  # type: ignore[return-value]
+        logger.error("GPU job not launched: %s", redact_urls(str(bad)))
+        return Failed(name="LaunchConfigError", message=redact_urls(str(bad)))  # type: ignore[return-value]
     env = {METRICS_ENV: metrics_file} if metrics_file else {}
     while True:
         try:
@@ -380,9 +380,11 @@ def run_gpu_job(
         rate_usd_per_hour=micro_to_usd(admission.quote.rate_micro_per_hour),
         reserved_usd=micro_to_usd(row["reserved_micro"]),
         actual_usd=micro_to_usd(row["actual_micro"] or 0),
-        detail=result.detail,
+        detail=redact_urls(result.detail),
     )
     if result.outcome != "completed":
-        message = f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
+        message = redact_urls(
+            f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
+        )
         return Failed(name="GpuJobFailed", message=message)  # type: ignore[return-value]
     return out

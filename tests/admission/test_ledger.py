@@ -96,3 +96,96 @@ def test_estimate_mode_learns_how_far_a_scope_overruns(ledger):
     _, decision = fresh.request(job, now=t)
     assert decision.reserve_seconds == 20.0 and "estimate x2.00, as in lrn/a" in decision.reason
     fresh.dispose()
+
+
+def test_a_zero_cap_admits_no_job_however_cheap(ledger):
+    from prefect_gpu_budget.blocks import GpuBudget
+
+    ledger.set_budget(GpuBudget(scope="zc", hourly_cap_usd=0, on_limit="reject").rule())
+    _, decision = ledger.request(new_job("zc/a", rate_micro_per_hour=10_000, rate_cents=1))
+    assert decision.verdict == "reject", decision
+    assert [j["state"] for j in ledger.jobs("zc")] == ["rejected"]
+
+
+def test_a_cap_beyond_what_a_prefect_limit_holds_is_refused_and_not_written(ledger):
+    import pytest
+
+    from prefect_gpu_budget.units import BudgetInputError
+
+    for write in (ledger.set_budget, ledger.set_session_template):
+        with pytest.raises(BudgetInputError, match="^hourly_cap: must be at most"):
+            write(BudgetRule("big/team", hourly_cap_cents=2**31))
+    assert ledger.budgets() == [] and ledger.session_templates() == []
+    ledger.set_budget(BudgetRule("big", hourly_cap_cents=2**31 - 1))
+    assert [r.hourly_cap_cents for r in ledger.budgets()] == [2**31 - 1]
+
+
+def _sqlite_ledger(path):
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    ledger = Ledger(f"sqlite:///{path}")
+    ledger.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
+    assert ledger.request(_job("rf/a"))[1].verdict == "admit"
+    return ledger
+
+
+def test_a_removed_ledger_file_fails_closed_in_the_process_using_it(tmp_path):
+    import pytest
+
+    from prefect_gpu_budget.admission.ledger import Ledger, LedgerFileReplaced
+
+    path = tmp_path / "ledger.db"
+    ledger = _sqlite_ledger(path)
+    path.unlink()
+    with pytest.raises(LedgerFileReplaced, match="was replaced or removed") as exc:
+        ledger.request(_job("rf/a"))
+    assert str(path) in str(exc.value) and "\n" not in str(exc.value)
+    # a new process sees the orphaned write-ahead log and says so, not `disk I/O error`
+    assert (tmp_path / "ledger.db-wal").exists()  # the live process still holds it open
+    with pytest.raises(LedgerFileReplaced, match="was removed while a process had it open"):
+        Ledger(f"sqlite:///{path}")
+    ledger.dispose()
+
+
+def test_a_replaced_ledger_file_fails_closed_and_admits_nothing(tmp_path):
+    import pytest
+
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.admission.ledger import Ledger, LedgerFileReplaced
+    from prefect_gpu_budget.job import GpuJob
+    from prefect_gpu_budget.pricing.catalog import Catalog
+
+    path = tmp_path / "ledger.db"
+    ledger = _sqlite_ledger(path)
+    other = Ledger(f"sqlite:///{tmp_path / 'other.db'}")
+    other.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
+    other.dispose()
+    (tmp_path / "other.db").replace(path)  # e.g. a backup restored over the live file
+    gate = Gate(ledger, catalog=Catalog.load())
+    with pytest.raises(LedgerFileReplaced, match="was replaced or removed"):
+        gate.admit(GpuJob(instance_type="aws:g5.xlarge", max_runtime="1h"), "rf/a")
+    ledger.dispose()
+    fresh = Ledger(f"sqlite:///{path}")  # the file now in place never saw this request
+    assert [j for j in fresh.jobs() if j["instance_type"] == "aws:g5.xlarge"] == []
+    fresh.dispose()
+
+
+def test_the_newest_jobs_are_chosen_in_sql(ledger):
+    ledger.set_budget(BudgetRule("nw", period_budget_micro=10**9))
+    ids = [ledger.request(_job("nw/a"), now=1_000_000.0 + i)[0] for i in range(5)]
+    ledger.request(new_job("nw/a", flow_run_id="run-1"), now=1_000_010.0)
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, *args):
+        statements.append(statement)
+
+    sa.event.listen(ledger.engine, "before_cursor_execute", seen)
+    try:
+        newest = ledger.jobs("nw", limit=3)
+        of_run = ledger.jobs("nw", flow_run_id="run-1")
+    finally:
+        sa.event.remove(ledger.engine, "before_cursor_execute", seen)
+    assert [j["id"] for j in newest[:2]] == ids[3:] and newest[2]["flow_run_id"] == "run-1"
+    assert [j["flow_run_id"] for j in of_run] == ["run-1"]
+    selects = [s for s in statements if "FROM gpu_jobs" in s]
+    assert "LIMIT" in selects[0] and "flow_run_id =" in selects[1], selects

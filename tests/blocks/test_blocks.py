@@ -39,7 +39,22 @@ def test_collection_entry_point_registers_the_blocks():
 
 def test_budget_rule_is_exact():
     rule = GpuBudget(scope="acme", hourly_cap_usd="21.958", period_budget_usd="0.000001").rule()
-    assert rule.hourly_cap_cents == 2196 and rule.period_budget_micro == 1
+    # a cap rounds down to whole cents (never over-counted), a budget's micro-dollars are exact
+    assert rule.hourly_cap_cents == 2195 and rule.period_budget_micro == 1
+
+
+def test_a_zero_cap_is_zero_cents_and_a_cap_prefect_cannot_hold_is_refused():
+    from pydantic import ValidationError
+
+    from prefect_gpu_budget.job import one_line
+
+    assert GpuBudget(scope="acme", hourly_cap_usd=0).rule().hourly_cap_cents == 0
+    top = GpuBudget(scope="acme", hourly_cap_usd="21474836.47").rule()
+    assert top.hourly_cap_cents == 2**31 - 1
+    with pytest.raises(ValidationError) as exc:
+        GpuBudget(scope="acme", hourly_cap_usd="25000000")
+    message = one_line(exc.value)
+    assert message.startswith("hourly_cap_usd: must be at most $21,474,836.47/h"), message
 
 
 def test_ledger_url_stays_secret():

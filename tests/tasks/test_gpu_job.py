@@ -225,3 +225,49 @@ def test_parallel_jobs_in_a_new_scope_raise_no_server_tracebacks(tmp_path, price
         server.stop()
     log = (tmp_path / "server-1.log").read_text()
     assert "Traceback" not in log and "UNIQUE constraint" not in log, log[-3000:]
+
+
+class _EndpointDown:
+    """A launcher whose cloud endpoint (with credentials in its URL) cannot be reached."""
+
+    kind = "sagemaker"
+    ENDPOINT = "https://admin:s3cr@t-key@aws.internal:9443/"
+
+    def preflight(self, job, quote) -> None:
+        pass
+
+    def run(self, job, quote, *, on_start, log, env=None, on_submit=None):
+        import time
+
+        from prefect_gpu_budget.launchers.base import LaunchResult
+
+        now = time.time()
+        detail = f'Could not connect to the endpoint URL: "{self.ENDPOINT}api"'
+        return LaunchResult("launch_error", now, now, detail=detail)
+
+    def probe(self, external_id):
+        raise AssertionError("not orphaned")
+
+    def stop(self, external_id, grace=10.0) -> None:
+        pass
+
+
+def test_credentials_in_an_endpoint_url_stay_out_of_the_task_state(prefect_api, prices, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    GpuBudget(scope="ep", hourly_cap_usd="3.6").apply(Ledger(url))
+
+    @flow
+    def experiment():
+        state = run_gpu_job(
+            _job(0, max_runtime="1m"),
+            scope="ep/a",
+            ledger=SpendLedger(database_url=url),
+            launcher=_EndpointDown(),
+            return_state=True,
+        )
+        return state.name, state.message
+
+    name, message = experiment()
+    assert name == "GpuJobFailed"
+    assert "s3cr" not in message and "t-key" not in message, message
+    assert 'endpoint URL: "https://***@aws.internal:9443/api"' in message, message

@@ -1,0 +1,90 @@
+"""The Prefect edge: an answer that is not an outage fails the request, gives the reservation
+back and never retries past the job's max wait."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.limits import REPEATED_5XX, RateLimits
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog
+
+
+def _http_error(status: int, detail: str) -> PrefectHTTPStatusError:
+    request = httpx.Request("POST", "http://prefect.invalid/api/v2/concurrency_limits/")
+    response = httpx.Response(status, json={"detail": detail}, request=request)
+    return PrefectHTTPStatusError.from_httpx_error(
+        httpx.HTTPStatusError(detail, request=request, response=response)
+    )
+
+
+class _FailingClient:
+    """A Prefect client whose every attempt to create a concurrency limit fails with `error`."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.creates = 0
+
+    def read_global_concurrency_limit_by_name(self, name: str):
+        raise ObjectNotFound(http_exc=Exception(name))
+
+    def create_global_concurrency_limit(self, limit) -> None:
+        self.creates += 1
+        raise self.error
+
+    def increment_concurrency_slots_with_lease(self, **kwargs):
+        raise AssertionError("no slots without a limit")
+
+
+def _admit(ledger, prices, client: _FailingClient, **job: object) -> AdmissionRefused:
+    ledger.set_budget(BudgetRule("pf", hourly_cap_cents=720, period_budget_micro=10**8))
+    gate = Gate(ledger, RateLimits(client), catalog=Catalog.load(prices))
+    with pytest.raises(AdmissionRefused) as refused:
+        gate.admit(GpuJob(instance_type="local:box", max_runtime="1h", **job), "pf/t")
+    return refused.value
+
+
+def _given_back(ledger, state: str) -> None:
+    (row,) = ledger.jobs("pf")
+    assert row["state"] == state and row["reserved_micro"] == 0 and row["lease_id"] is None
+    assert [s["reserved_micro"] for s in ledger.status("pf")] == [0]
+
+
+def test_a_5xx_that_repeats_for_the_same_request_fails_it(ledger, prices):
+    client = _FailingClient(_http_error(503, "integer out of range"))
+    refused = _admit(ledger, prices, client, max_wait="1h")
+    assert refused.state_name == "PrefectRefused"
+    assert f"answered 503 {REPEATED_5XX} times in a row" in refused.reason
+    assert "integer out of range" in refused.reason and "\n" not in refused.reason
+    assert client.creates == REPEATED_5XX
+    _given_back(ledger, "rejected")
+
+
+def test_a_4xx_fails_the_request_at_once(ledger, prices):
+    client = _FailingClient(_http_error(422, "limit: value is not a valid integer"))
+    refused = _admit(ledger, prices, client, max_wait="1h")
+    assert refused.state_name == "PrefectRefused" and "422" in refused.reason
+    assert "value is not a valid integer" in refused.reason
+    assert client.creates == 1
+    _given_back(ledger, "rejected")
+
+
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (httpx.ConnectError("connection refused"), "the Prefect API is unreachable"),
+        (_http_error(429, "slow down"), "the Prefect API answered 429"),
+    ],
+    ids=["unreachable", "too-many-requests"],
+)
+def test_an_outage_is_retried_only_until_the_max_wait_runs_out(ledger, prices, error, said):
+    client = _FailingClient(error)
+    refused = _admit(ledger, prices, client, max_wait="1s")
+    assert refused.state_name == "AdmissionTimeout"
+    assert refused.reason.startswith(f"max wait 1s ran out: {said}"), refused.reason
+    assert client.creates >= 2  # an outage is retried, unlike a refusal
+    _given_back(ledger, "timed_out")

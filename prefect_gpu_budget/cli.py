@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import typer
 
 from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.units import BudgetInputError, fmt_usd, micro_to_usd, to_decimal_usd
 
 app = typer.Typer(
@@ -467,6 +468,10 @@ def prices_refresh(
 
     if not (aws or gcp):
         fail("choose --aws and/or --gcp")
+    if gcp:
+        from prefect_gpu_budget.pricing import gcp as gcp_prices
+
+        gcp_prices._sdk()  # a missing extra before any prices are read
     rows = []
     if aws:
         from prefect_aws import AwsCredentials
@@ -752,9 +757,10 @@ def _limits_if_configured():
 
 
 def _user_error(exc: BaseException) -> bool:
-    """Bad input: ours, or pydantic's (never raised unless pydantic was imported)."""
+    """Bad input: ours, pydantic's (never raised unless pydantic was imported), or a feature
+    whose extra is not installed."""
     pydantic = sys.modules.get("pydantic")
-    return isinstance(exc, BudgetInputError) or (
+    return isinstance(exc, (BudgetInputError, MissingExtra)) or (
         pydantic is not None and isinstance(exc, pydantic.ValidationError)
     )
 

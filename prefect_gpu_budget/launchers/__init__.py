@@ -6,6 +6,7 @@ from typing import Any
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
     Launcher,
+    LauncherNeedsExtra,
     LaunchResult,
     Probe,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "LaunchConfigError",
     "LaunchResult",
     "Launcher",
+    "LauncherNeedsExtra",
     "LocalLauncher",
     "Probe",
     "SageMakerLauncher",

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from prefect_gpu_budget.admission.gate import _Handoff
+from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Quote
 
@@ -29,6 +30,19 @@ class LaunchConfigError(ValueError):
         self.launcher = launcher
         self.reason = reason
         super().__init__(f"{launcher} launcher: {reason}")
+
+
+class LauncherNeedsExtra(MissingExtra, LaunchConfigError):
+    """The launcher's cloud SDK is not installed. Raised when the launcher is used (preflight
+    first, so the job fails before anything is reserved), never when it is imported or built."""
+
+    def __init__(self, launcher: str, what: str, extra: str, *, name: str | None = None) -> None:
+        MissingExtra.__init__(self, what, extra, name=name)
+        self.launcher = launcher
+        self.reason = str(self)
+
+    def __reduce__(self):
+        return (type(self), (self.launcher, self.what, self.extra), {"name": self.name})
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ scheduling strategy of the job's provisioning (on-demand STANDARD, spot SPOT, fl
 FLEX_START with `maxWaitDuration`) and `scheduling.timeout` = the job's max_runtime, never a
 default.
 
+google-cloud-aiplatform comes with the `vertex` extra and is imported when the launcher is used
+(preflight, run, probe, stop): the block itself imports, registers and loads without it.
+
 It polls the job, logs its state changes (and, while it waits for capacity, how long so far),
 reports the start to the gate when Vertex sets the job's start time, and returns the real start
 and end times. While a FLEX_START or SPOT job waits for capacity it holds its reservation but is
@@ -23,12 +26,12 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import datetime
-from typing import Annotated, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 from google.api_core import exceptions as api_errors
 from google.api_core import retry as api_retry
 from google.auth import exceptions as auth_errors
-from google.cloud import aiplatform_v1 as vertex
 from google.protobuf import duration_pb2
 from prefect.blocks.core import Block
 from prefect_gcp import GcpCredentials
@@ -37,6 +40,7 @@ from pydantic import BeforeValidator, Field
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
+    LauncherNeedsExtra,
     LaunchResult,
     Probe,
     StartHook,
@@ -47,6 +51,9 @@ from prefect_gpu_budget.launchers.base import (
 )
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import fmt_duration, parse_duration, redact_urls
+
+if TYPE_CHECKING:
+    from google.cloud import aiplatform_v1 as vertex
 
 VERTEX_TRAINING_REGIONS = frozenset(
     {
@@ -141,6 +148,17 @@ _POLL_RETRY = api_retry.Retry(
 """Reads and cancels ride out passing errors for 5 minutes; a create is never retried."""
 
 
+def _sdk() -> ModuleType:
+    """google-cloud-aiplatform's Vertex AI client, or a one-line error naming the extra."""
+    try:
+        from google.cloud import aiplatform_v1
+    except ImportError as exc:
+        raise LauncherNeedsExtra(
+            "vertex", "the Vertex AI launcher", "vertex", name="google.cloud.aiplatform_v1"
+        ) from exc
+    return aiplatform_v1
+
+
 def _one_line(text: str, limit: int = 300) -> str:
     """One line of at most `limit` characters, without the credentials of any URL in it."""
     line = " ".join(redact_urls(str(text)).split())
@@ -164,7 +182,7 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 
 
 def _state(job: vertex.CustomJob) -> str:
-    return vertex.JobState(job.state).name
+    return _sdk().JobState(job.state).name
 
 
 class VertexLauncher(Block):
@@ -223,6 +241,7 @@ class VertexLauncher(Block):
         return f"projects/{self._project()}/locations/{self.region}"
 
     def _client(self) -> vertex.JobServiceClient:
+        vertex = _sdk()
         endpoint = self.api_endpoint or f"{self.region}-aiplatform.googleapis.com"
         return vertex.JobServiceClient(
             credentials=self.gcp_credentials.get_credentials_from_service_account(),
@@ -261,6 +280,7 @@ class VertexLauncher(Block):
         flex-start 7-day limit, and, with one read-only list call, that the credentials may
         use Vertex AI in this project and region.
         """
+        _sdk()  # a missing `vertex` extra first: no setting can be right without it
         if self.region not in VERTEX_TRAINING_REGIONS:
             raise self._error(f"region: {self.region!r} is not a Vertex AI training region")
         self._machine(quote)
@@ -291,6 +311,7 @@ class VertexLauncher(Block):
         self, job: GpuJob, quote: Quote, env: dict[str, str] | None = None
     ) -> vertex.CustomJob:
         """The CustomJob this launcher submits for `job`."""
+        vertex = _sdk()
         machine, accelerator = self._machine(quote)
         container = vertex.ContainerSpec(
             image_uri=self.image_uri or "",

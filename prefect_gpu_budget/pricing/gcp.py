@@ -14,6 +14,8 @@ GPUs x GPU SKU + vCPU x core SKU + GiB x RAM SKU, keeping the machine's shape fr
 A provisioning model gets a row only when all three of its SKUs are published for the region.
 These are Compute Engine prices: Vertex AI training bills the same machines under its own
 (Vertex AI service) SKUs.
+
+google-cloud-billing comes with the `vertex` extra and is imported when prices are read.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import re
 from collections.abc import Iterable
 from datetime import date
 from decimal import ROUND_UP, Decimal
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from google.api_core import exceptions as api_errors
-from google.cloud import billing_v1
-from google.cloud.billing_v1 import Sku
 
+from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.pricing.catalog import PriceRow, default_catalog
 
 if TYPE_CHECKING:
+    from google.cloud import billing_v1
+    from google.cloud.billing_v1 import Sku
     from prefect_gcp import GcpCredentials
 
 log = logging.getLogger("prefect_gpu_budget.pricing")
@@ -77,6 +81,17 @@ UNITS = {"gpu": "h", "Core": "h", "Ram": "GiBy.h"}
 
 class PriceRefreshError(RuntimeError):
     """The catalog could not be read; the message is one line."""
+
+
+def _sdk() -> ModuleType:
+    """google-cloud-billing's catalog client, or a one-line error naming the extra."""
+    try:
+        from google.cloud import billing_v1
+    except ImportError as exc:
+        raise MissingExtra(
+            "the GCP price refresh", "vertex", name="google.cloud.billing_v1"
+        ) from exc
+    return billing_v1
 
 
 def _usd_per_unit(sku: Sku) -> Decimal | None:
@@ -132,6 +147,7 @@ def price_machine(row: PriceRow, provisioning: str, skus: list[Sku]) -> Decimal 
 
 
 def _client(credentials: GcpCredentials, api_endpoint: str | None) -> billing_v1.CloudCatalogClient:
+    billing_v1 = _sdk()
     return billing_v1.CloudCatalogClient(
         credentials=credentials.get_credentials_from_service_account(),
         transport="rest",

@@ -7,6 +7,7 @@ key; the stand-in accepts only JWTs signed with that key.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +28,7 @@ from prefect_gpu_budget.pricing.catalog import Catalog, PriceRow, Quote
 from prefect_gpu_budget.units import cost_micro
 from tests.gcp_server import service_account_info, serving
 from tests.launchers.fake_vertex import ACCELERATORS, STRATEGIES, FakeVertex, Script, enum_name
+from tests.without_extra import VERTEX_MODULES, run_without
 
 SCOPE = "acme/vision/agent-1"
 IMAGE = "us-docker.pkg.dev/demo-project/train/trainer:1"
@@ -446,3 +448,71 @@ def test_a_start_the_ledger_cannot_record_in_time_stops_the_job(
     assert fake.cancelled == [fake.job().name]
     assert result.runtime_s < 5.0  # cancelled at the grace, not after the stall
     assert told == [result.started_at]  # and recorded once the ledger answered
+
+
+VERTEX_EXTRA = (
+    "the Vertex AI launcher needs the 'vertex' extra: pip install 'prefect-gpu-budget[vertex]'"
+)
+
+
+def test_without_the_vertex_extra_the_block_loads_and_use_says_which_extra(
+    tmp_path: Path, key: tuple[dict, str]
+) -> None:
+    """Without google-cloud-aiplatform the block still imports, registers and builds (`prefect
+    block register -m prefect_gpu_budget` resolves it); preflight, run, probe and stop raise one
+    line naming the extra, a LaunchConfigError (the job fails before anything is reserved) that
+    is also an ImportError."""
+    done = run_without(
+        VERTEX_MODULES,
+        """
+        import inspect, json, os, pickle, sys
+        from prefect.blocks.core import Block
+        from prefect_gcp import GcpCredentials
+
+        import prefect_gpu_budget
+        from prefect_gpu_budget.job import GpuJob
+        from prefect_gpu_budget.launchers import LaunchConfigError, LauncherNeedsExtra
+        from prefect_gpu_budget.launchers.vertex import VertexLauncher
+        from prefect_gpu_budget.pricing.catalog import Catalog
+
+        blocks = sorted(n for n, c in inspect.getmembers(prefect_gpu_budget) if Block.is_block_class(c))
+        launcher = VertexLauncher(
+            gcp_credentials=GcpCredentials(service_account_info=json.loads(os.environ["KEY"])),
+            image_uri="trainer:1",
+        )
+        job = GpuJob(instance_type="gcp:a2-highgpu-1g", max_runtime="60s")
+        quote = Catalog.load().quote(job.instance_type)
+        uses = {
+            "preflight": lambda: launcher.preflight(job, quote),
+            "run": lambda: launcher.run(job, quote, on_start=lambda *a: None, log=print),
+            "probe": lambda: launcher.probe("projects/p/locations/l/customJobs/1"),
+            "stop": lambda: launcher.stop("projects/p/locations/l/customJobs/1"),
+        }
+        errors = {}
+        for use, call in uses.items():
+            try:
+                call()
+            except LauncherNeedsExtra as exc:
+                assert isinstance(exc, LaunchConfigError) and isinstance(exc, ImportError)
+                again = pickle.loads(pickle.dumps(exc))
+                assert type(again) is LauncherNeedsExtra and str(again) == str(exc)
+                errors[use] = str(exc)
+        print(json.dumps({
+            "blocks": blocks,
+            "errors": errors,
+            "schema": sorted(VertexLauncher.model_json_schema()["properties"]),
+            "imported": [m for m in sys.modules if m.startswith("google.cloud.aiplatform")],
+        }))
+        """,
+        env={
+            "PREFECT_HOME": str(tmp_path / "home"),
+            "PREFECT_GPU_BUDGET_PRICES": str(tmp_path / "none.csv"),
+            "KEY": json.dumps(key[0]),
+        },
+    )
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "VertexLauncher" in found["blocks"] and "SageMakerLauncher" in found["blocks"]
+    assert found["errors"] == dict.fromkeys(["preflight", "run", "probe", "stop"], VERTEX_EXTRA)
+    assert "image_uri" in found["schema"]
+    assert found["imported"] == []

@@ -7,6 +7,7 @@ reproduce the shipped catalog's a2-highgpu-1g rows (on-demand 3.673, flex-start 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from datetime import date
 from decimal import ROUND_UP, Decimal
@@ -18,6 +19,7 @@ from prefect_gcp import GcpCredentials
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.pricing.gcp import PriceRefreshError, refresh_gcp
 from tests.gcp_server import FakeBillingCatalog, service_account_info, serving, sku
+from tests.without_extra import VERTEX_MODULES, run_without
 
 # (description, USD per unit, usage type, unit, regions)
 US = ("us-central1", "us-east1", "us-west1")
@@ -164,3 +166,56 @@ def test_refresh_with_a_key_the_api_refuses_says_so_in_one_line(
     with pytest.raises(PriceRefreshError) as refused:
         refresh_gcp(GcpCredentials(service_account_info=other), api_endpoint=billing.url)
     assert "\n" not in str(refused.value) and "authentication" in str(refused.value)
+
+
+GCP_EXTRA = (
+    "the GCP price refresh needs the 'vertex' extra: pip install 'prefect-gpu-budget[vertex]'"
+)
+
+
+def test_without_the_vertex_extra_refresh_says_which_extra(
+    tmp_path: Path, key: tuple[dict, str]
+) -> None:
+    """Without google-cloud-billing the module imports; a refresh raises one line naming the
+    extra (an ImportError), and `prices refresh --gcp` prints it and exits 2, writing nothing."""
+    env = {
+        "PREFECT_HOME": str(tmp_path / "home"),
+        "PREFECT_GPU_BUDGET_PRICES": str(tmp_path / "prices.csv"),
+        "PREFECT_GPU_BUDGET_CATALOG_DIR": str(tmp_path / "catalogs"),
+        "KEY": json.dumps(key[0]),
+    }
+    done = run_without(
+        VERTEX_MODULES,
+        """
+        import json, os, sys
+        from prefect_gcp import GcpCredentials
+
+        from prefect_gpu_budget.extras import MissingExtra
+        from prefect_gpu_budget.pricing.gcp import refresh_gcp
+
+        try:
+            refresh_gcp(GcpCredentials(service_account_info=json.loads(os.environ["KEY"])))
+        except MissingExtra as exc:
+            assert isinstance(exc, ImportError)
+            print(exc)
+        assert not [m for m in sys.modules if m.startswith("google.cloud.billing")]
+        """,
+        env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == GCP_EXTRA
+
+    done = run_without(
+        VERTEX_MODULES,
+        """
+        import sys
+        from prefect_gpu_budget.cli import main
+
+        sys.argv = ["prefect-gpu-budget", "prices", "refresh", "--gcp"]
+        main()
+        """,
+        env,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"error: {GCP_EXTRA}"
+    assert list(tmp_path.rglob("*.csv")) == []

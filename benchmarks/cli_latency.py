@@ -71,7 +71,7 @@ def commands() -> dict[str, list[str]]:
         "budget show": [CLI, "budget", "show"],
         "budget set": [CLI, "budget", "set", "bench/team", "--hourly-cap", "500"],
         "capacity bench": [CLI, "capacity", "bench"],
-        "agent revoke": [CLI, "agent", "revoke", "bench/team/s"],
+        "agent grant": [CLI, "agent", "grant", "bench/team/s"],
         "import prefect_gpu_budget": [sys.executable, "-c", "import prefect_gpu_budget"],
     }
 

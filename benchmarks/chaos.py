@@ -118,7 +118,7 @@ from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, Reconciled, reconcile
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
 from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
 from prefect_gpu_budget.units import cost_micro
 
@@ -552,20 +552,7 @@ def one_run(setup: Setup, index: int, phase: str, mark: str | None = None) -> Ru
 
 def marked(value: str) -> list[int]:
     """Live processes whose environment carries FAULT_MARK_ENV=value."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                env = handle.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                gone = handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-        except (OSError, IndexError):
-            continue
-        if f"{FAULT_MARK_ENV}={value}".encode() in env and not gone:
-            found.append(int(entry))
-    return found
+    return marked_processes(FAULT_MARK_ENV, value)
 
 
 class TreeWatch:

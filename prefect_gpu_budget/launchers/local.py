@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -218,20 +219,33 @@ def _not_runnable(program: str) -> str:
     return "" if shutil.which(program) else f"[Errno 2] No such file or directory: {program!r}"
 
 
-def _sweep(mark: str) -> None:
-    """SIGKILL any process still carrying this job's mark in its environment: one that
-    escaped the holder's tree (the holder was killed outright, or a descendant re-parented
-    itself away). Processes of other users cannot be read, and were not ours to start."""
+def marked_processes(name: str, value: str) -> list[int]:
+    """Live (not zombie) processes whose environment carries `name=value`: how a process that
+    left its job's tree is found. Processes of other users cannot be read."""
+    found, wanted = [], f"{name}={value}".encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/environ", "rb") as handle:
-                if f"{JOB_MARK_ENV}={mark}".encode() not in handle.read().split(b"\0"):
+                if wanted not in handle.read().split(b"\0"):
                     continue
-            os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError):
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                if handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+        except (OSError, IndexError):
             continue
+        found.append(int(entry))
+    return found
+
+
+def _sweep(mark: str) -> None:
+    """SIGKILL any process still carrying this job's mark in its environment: one that
+    escaped the holder's tree (the holder was killed outright, or a descendant re-parented
+    itself away)."""
+    for pid in marked_processes(JOB_MARK_ENV, mark):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:

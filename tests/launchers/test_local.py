@@ -7,7 +7,6 @@ and PostgreSQL. Timing bounds are generous: the test machine is small and busy.
 
 from __future__ import annotations
 
-import os
 import sqlite3
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger, normalise_url
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
 from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.conftest import _fresh_pg
 
@@ -45,20 +44,7 @@ def _tree_job(script: str, **kw) -> tuple[GpuJob, str]:
 
 def _marked(mark: str) -> list[int]:
     """Live processes whose environment carries TEST_TREE=mark."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                env = handle.read().split(b"\0")
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                zombie = handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-        except OSError:
-            continue
-        if f"TEST_TREE={mark}".encode() in env and not zombie:
-            found.append(int(entry))
-    return found
+    return marked_processes("TEST_TREE", mark)
 
 
 class _Lifetime:

@@ -6,6 +6,7 @@ User errors print one line on stderr and exit with code 2, writing nothing.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -44,7 +45,9 @@ class _Console:
         if self._rich is None:
             from rich.console import Console
 
-            _Console._rich = Console()
+            # piped output is read by scripts and agents: never wrap it at 80 columns
+            wide = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200)
+            _Console._rich = Console(width=wide)
         return self._rich
 
     def print(self, *args: Any, **kwargs: Any) -> None:
@@ -118,6 +121,9 @@ def budget_set(
         "--session-template",
         help="For a team: the budget each of its sessions gets when it first runs a job.",
     ),
+    new: bool = typer.Option(
+        False, "--new", help="Create a new org or team even if its name is close to a known one."
+    ),
 ) -> None:
     """Create or change a scope's budget (options not given keep their current values).
 
@@ -127,6 +133,9 @@ def budget_set(
     from prefect_gpu_budget.units import validate_scope
 
     validate_scope(scope)
+    known = {r.scope for r in _ledger().budgets()}
+    if not new:
+        _refuse_near_miss(scope, known)
     changes: dict[str, Any] = {}
     for key, value in (
         ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
@@ -156,10 +165,72 @@ def budget_set(
         return BudgetSettings(**fields).rule()
 
     rule = _ledger().update_budget(scope, merge, template=session_template)
+    _warn_parent_binds(rule)
     if session_template:
         console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
         return
     console.print(f"budget set for [bold]{scope}[/]: {_describe(rule)}")
+
+
+def _budgeted_under(scope: str) -> bool:
+    return any(r.scope == scope or r.scope.startswith(scope + "/") for r in _ledger().budgets())
+
+
+def _no_such_scope(command: str, scope: str) -> NoReturn:
+    """A scope with no budget and no jobs: exit 2, naming the known scopes nearby."""
+    from prefect_gpu_budget.units import near
+
+    known = {r.scope for r in _ledger().budgets()}
+    close = near(scope, known) or sorted(k for k in known if k.count("/") == scope.count("/"))[:5]
+    hint = f"; did you mean {close[0]}?" if near(scope, known) else ""
+    if not hint and close:
+        hint = f"; known: {', '.join(close)}"
+    fail(f"{command}: no budget and no jobs in {scope}{hint}")
+
+
+def _refuse_near_miss(scope: str, known: set[str]) -> None:
+    """A typo makes a new org or team: `acme/visoin/agent-7` beside `acme/vision`. A scope
+    whose org or team has no budget yet, and whose name is close to a known one, is refused
+    with what it may have meant (`--new` creates it all the same)."""
+    from prefect_gpu_budget.units import near, scope_path
+
+    if scope in known:
+        return
+    for path in scope_path(scope)[:2]:  # the org, then the team
+        if path in known:
+            continue
+        peers = {k for k in known if k.count("/") == path.count("/")}
+        close = near(path, peers)
+        if close:
+            fail(f"scope: {path} has no budget; did you mean {close[0]}? (--new creates it)")
+
+
+def _warn_parent_binds(rule) -> None:
+    """A cap or budget above its parent's is allowed, but the parent binds: say so."""
+    from prefect_gpu_budget.units import scope_path
+
+    for parent in reversed(_ledger().path_budgets(rule.scope)):
+        if parent.scope == rule.scope or parent.scope not in scope_path(rule.scope):
+            continue
+        mine, theirs = rule.hourly_cap_cents, parent.hourly_cap_cents
+        if mine is not None and theirs is not None and mine > theirs:
+            typer.echo(
+                f"warning: the cap {fmt_usd(mine * 10_000)}/h of {rule.scope} is above the "
+                f"{fmt_usd(theirs * 10_000)}/h of {parent.scope}, which binds",
+                err=True,
+            )
+        mine, theirs = rule.period_budget_micro, parent.period_budget_micro
+        if (
+            mine is not None
+            and theirs is not None
+            and mine > theirs
+            and rule.period == parent.period
+        ):
+            typer.echo(
+                f"warning: the {rule.period} budget {fmt_usd(mine)} of {rule.scope} is above "
+                f"the {fmt_usd(theirs)} of {parent.scope}, which binds",
+                err=True,
+            )
 
 
 def _describe(rule) -> str:
@@ -201,6 +272,8 @@ def status(
 ) -> None:
     """Per scope: hourly cap and running rate, period spend, running and queued jobs."""
     rows = _ledger().status(scope)
+    if scope is not None and not rows:
+        _no_such_scope("status", scope)
     if as_json:
         typer.echo(
             json.dumps(
@@ -379,6 +452,8 @@ def ledger_cmd(
     if limit <= 0:
         fail(f"limit: must be at least 1 (the newest N jobs), got {limit}")
     rows = _ledger().jobs(scope, limit=limit)
+    if scope is not None and not rows and not _budgeted_under(scope):
+        _no_such_scope("ledger", scope)
     out = [
         {
             "id": r["id"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from functools import lru_cache
@@ -199,3 +200,20 @@ def scope_path(scope: str) -> tuple[str, ...]:
     """`a/b/c` -> `('a', 'a/b', 'a/b/c')` (the scopes whose budgets a job must fit)."""
     segments = scope.split("/")
     return tuple("/".join(segments[: i + 1]) for i in range(len(segments)))
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest one-character inserts, deletes or changes from a to b."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def near(value: str, known: Iterable[str], most: int = 2) -> list[str]:
+    """The known names within `most` edits of `value`, closest first: what "did you mean"
+    offers."""
+    found = sorted((edit_distance(value, k), k) for k in set(known) if k != value)
+    return [k for d, k in found if d <= most]

@@ -332,3 +332,55 @@ def test_a_bad_value_in_the_merged_rule_writes_nothing(tmp_path: Path, monkeypat
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and err.startswith("error: budget:") and "\n" not in err
     assert ledger.budgets() == before
+
+
+def _cli_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_mistakes_are_caught_with_did_you_mean(tmp_path):
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
+    assert _cli_run(env, "budget", "set", "acme", "--hourly-cap", "60").returncode == 0
+    assert _cli_run(env, "budget", "set", "acme/vision", "--hourly-cap", "20").returncode == 0
+    typo = _cli_run(env, "budget", "set", "acme/visoin/agent-7", "--hourly-cap", "5")
+    assert typo.returncode == 2
+    assert typo.stderr.strip() == (
+        "error: scope: acme/visoin has no budget; did you mean acme/vision? (--new creates it)"
+    )
+    assert {r.scope for r in Ledger(env["PREFECT_GPU_BUDGET_LEDGER_URL"]).budgets()} == {
+        "acme",
+        "acme/vision",
+    }  # nothing written
+    org_typo = _cli_run(env, "budget", "set", "acne", "--hourly-cap", "5")
+    assert org_typo.returncode == 2 and "did you mean acme?" in org_typo.stderr
+    forced = _cli_run(env, "budget", "set", "acme/visoin/agent-7", "--hourly-cap", "5", "--new")
+    assert forced.returncode == 0, forced.stderr
+    # a session of a known team, and a new team far from any other, need no --new
+    assert (
+        _cli_run(env, "budget", "set", "acme/vision/agent-8", "--hourly-cap", "5").returncode == 0
+    )
+    assert _cli_run(env, "budget", "set", "acme/robotics", "--hourly-cap", "5").returncode == 0
+
+    status = _cli_run(env, "status", "acme/visio")
+    assert status.returncode == 2
+    assert status.stderr.strip().endswith("in acme/visio; did you mean acme/vision?")
+    ledger = _cli_run(env, "ledger", "zzz")
+    assert ledger.returncode == 2 and "known: acme" in ledger.stderr
+    assert _cli_run(env, "status", "acme/vision").returncode == 0
+
+
+def test_a_child_cap_above_its_parents_is_set_with_a_warning(tmp_path):
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
+    assert _cli_run(env, "budget", "set", "acme", "--hourly-cap", "60").returncode == 0
+    done = _cli_run(env, "budget", "set", "acme/vision", "--hourly-cap", "500")
+    assert done.returncode == 0
+    assert done.stderr.strip() == (
+        "warning: the cap $500.00/h of acme/vision is above the $60.00/h of acme, which binds"
+    )
+    assert "budget set for acme/vision: cap $500.00/h" in done.stdout  # one line when piped

@@ -236,6 +236,22 @@ def normalise_url(url: str) -> str:
     return url
 
 
+def _quota_row(pool: Pool, quota: TeamQuota, now: float) -> dict[str, Any]:
+    """A team's quota in a pool as a `team_quotas` row."""
+    return {
+        "org": pool.org,
+        "pool": pool.name,
+        "team": quota.team,
+        "gpus": quota.quota[0],
+        "vcpu": quota.quota[1],
+        "memory_gib": quota.quota[2],
+        "borrow_pct": quota.borrow_pct,
+        "lend_pct": quota.lend_pct,
+        "weight": quota.weight,
+        "updated_at": now,
+    }
+
+
 def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
     """One-line errors for a pool or quota that cannot be right."""
     from prefect_gpu_budget.units import SEGMENT_RE
@@ -798,20 +814,7 @@ class Ledger:
                     )
                 )
                 for q in quotas:
-                    conn.execute(
-                        team_quotas.insert().values(
-                            org=pool.org,
-                            pool=pool.name,
-                            team=q.team,
-                            gpus=q.quota[0],
-                            vcpu=q.quota[1],
-                            memory_gib=q.quota[2],
-                            borrow_pct=q.borrow_pct,
-                            lend_pct=q.lend_pct,
-                            weight=q.weight,
-                            updated_at=now,
-                        )
-                    )
+                    conn.execute(team_quotas.insert().values(**_quota_row(pool, q, now)))
             self._bump(conn, pool.org)
 
     @_reconnecting
@@ -840,20 +843,7 @@ class Ledger:
                     team_quotas.c.team == quota.team,
                 )
             )
-            conn.execute(
-                team_quotas.insert().values(
-                    org=org,
-                    pool=pool_name,
-                    team=quota.team,
-                    gpus=quota.quota[0],
-                    vcpu=quota.quota[1],
-                    memory_gib=quota.quota[2],
-                    borrow_pct=quota.borrow_pct,
-                    lend_pct=quota.lend_pct,
-                    weight=quota.weight,
-                    updated_at=now,
-                )
-            )
+            conn.execute(team_quotas.insert().values(**_quota_row(pool, quota, now)))
             self._bump(conn, org)
         return pool, quota
 

@@ -8,8 +8,9 @@ neither Prefect nor pandas. Prefect's collection loader imports `prefect_gpu_bud
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefect_gpu_budget._lazy import lazy_exports
 
 _PUBLIC = {
     "Admission": "prefect_gpu_budget.admission.gate",
@@ -58,13 +59,4 @@ if TYPE_CHECKING:
     from prefect_gpu_budget.tasks import JobResult, admit, run_gpu_job, settle
 
 
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'prefect_gpu_budget' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

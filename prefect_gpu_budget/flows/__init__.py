@@ -6,8 +6,9 @@ prefect_gpu_budget.flows.trial` or `.demo_trial` never imports Prefect.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from prefect_gpu_budget._lazy import lazy_exports
 
 _PUBLIC = {
     "SweepSpec": "prefect_gpu_budget.flows.sweep",
@@ -34,13 +35,4 @@ if TYPE_CHECKING:
     from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
 
 
-def __getattr__(name: str) -> Any:
-    if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'prefect_gpu_budget.flows' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

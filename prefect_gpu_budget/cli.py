@@ -29,9 +29,13 @@ app = typer.Typer(
 budget_app = typer.Typer(help="Set and show budgets.", no_args_is_help=True)
 prices_app = typer.Typer(help="The price catalog.", no_args_is_help=True)
 app.add_typer(budget_app, name="budget")
-agent_app = typer.Typer(help="Tokens that bind an agent to its own session.", no_args_is_help=True)
+agent_app = typer.Typer(
+    help="Agents: tokens that bind each to its own session, their limits, and their gateway.",
+    no_args_is_help=True,
+)
 app.add_typer(prices_app, name="prices")
 app.add_typer(agent_app, name="agent")
+app.add_typer(agent_app, name="agents", hidden=True)  # `agents serve` reads better
 pool_app = typer.Typer(help="Capacity pools and team quotas.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
 
@@ -595,8 +599,9 @@ def prices_list() -> None:
 def agent_grant(
     scope: str = typer.Argument(..., help="The agent's session, org/team/session."),
 ) -> None:
-    """Print a new token for an agent: with it, the agent-sweep and agent-cancel deployments
-    spend and cancel in this session only. Shown once; only its hash is stored."""
+    """Print a new token for an agent: with it, the agent gateway lets it run sweeps and cancel
+    jobs in this session only. Shown once; only its hash is stored. The session needs a budget
+    of its own or its team's session template."""
     typer.echo(_ledger().grant_agent(scope))
 
 
@@ -604,13 +609,72 @@ def agent_grant(
 def agent_revoke(
     scope: str = typer.Argument(..., help="The session whose tokens to revoke."),
 ) -> None:
-    """Revoke every token granted for a session."""
+    """Revoke every token granted for a session and cancel its queued jobs at once; its
+    running sweeps admit nothing more (running jobs finish)."""
     from prefect_gpu_budget.units import validate_scope
 
-    revoked = _ledger().revoke_agent(validate_scope(scope))
+    revoked, cancelled = _ledger().revoke_agent(validate_scope(scope))
     if not revoked:
         fail(f"scope: no live agent token for {scope!r} (unknown session, or revoked already)")
-    console.print(f"{revoked} token(s) revoked for {scope}")
+    console.print(f"{revoked} token(s) revoked for {scope}; {cancelled} queued job(s) cancelled")
+
+
+@agent_app.command("limits")
+def agent_limits_cmd(
+    team: str = typer.Argument(..., help="The team, org/team, whose sessions' agents to bound."),
+    launcher: list[str] = typer.Option(
+        None, help="A launcher agents may name: 'local' or 'kind:block' (repeat; default local)."
+    ),
+    callable_: list[str] = typer.Option(
+        None, "--callable", help="A 'module:function' trial agents may call (repeat)."
+    ),
+    max_priority: int = typer.Option(None, help="Highest priority an agent's job may ask for."),
+    max_wait: str = typer.Option(None, help="Longest max_wait an agent's job may ask for."),
+    max_sweeps: int = typer.Option(None, help="Sweeps a session may run at once."),
+    max_queued: int = typer.Option(None, help="Jobs a session may have queued at once."),
+    max_trials: int = typer.Option(None, help="Trials in one sweep."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Show, or change, the ceilings on what a team's agents may ask for (the defaults until
+    set: local launcher only, no callables, priority 0, max_wait 1h, 2 sweeps, 16 queued jobs,
+    100 trials a sweep)."""
+    from prefect_gpu_budget.models import AgentLimits
+    from prefect_gpu_budget.units import validate_scope
+
+    led = _ledger()
+    team = validate_scope(team)
+    given = {
+        "launchers": launcher or None,
+        "callables": callable_ or None,
+        "max_priority": max_priority,
+        "max_wait": max_wait,
+        "max_sweeps": max_sweeps,
+        "max_queued": max_queued,
+        "max_trials": max_trials,
+    }
+    changes = {k: v for k, v in given.items() if v is not None}
+    limits = AgentLimits(team=team, **{**(led.agent_limits(team) or {}), **changes})
+    if changes:
+        led.set_agent_limits(team, limits.stored())
+    if as_json:
+        typer.echo(json.dumps(limits.model_dump(mode="json")))
+        return
+    for key, value in limits.model_dump(mode="json").items():
+        console.print(f"{key}: {', '.join(value) if isinstance(value, list) else value}")
+
+
+@agent_app.command("serve")
+def agents_serve(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8080, help="Port to listen on."),
+) -> None:
+    """Run the agent gateway: the HTTP API agents use with their token (OpenAPI at /docs).
+    It starts sweeps on the Prefect API of this process's settings, which agents must not
+    reach: close that server with PREFECT_SERVER_API_AUTH_STRING and give this process
+    PREFECT_API_AUTH_STRING."""
+    from prefect_gpu_budget.gateway import serve as serve_gateway
+
+    serve_gateway(host, port)
 
 
 @app.command("reconcile")

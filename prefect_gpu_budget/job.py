@@ -92,6 +92,11 @@ class GpuJob(BaseModel):
         None, description="The capacity pool to run in; default: the pool serving its type."
     )
     requeue: bool = Field(True, description="Queue again after being preempted.")
+    grant: str | None = Field(
+        None,
+        description="The agent grant (its id, never the token) this job spends under: set by "
+        "the agent sweep; the job queues only while the grant is live.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> GpuJob:

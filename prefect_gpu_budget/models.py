@@ -7,6 +7,7 @@ are these models plus Prefect's `Block` (saving, loading, the UI's forms).
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 from typing import Annotated, Literal
 
@@ -198,3 +199,53 @@ class PoolSettings(BaseModel):
             )
             for t in self.teams
         ]
+
+
+class AgentLimits(BaseModel):
+    """An admin's ceilings on what the agents of a team's sessions may ask for (set per team,
+    beside its session template; without it these defaults apply)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    team: Scope = Field(description="'org/team' whose sessions' agents these bound.")
+    launchers: list[str] = Field(
+        default_factory=lambda: ["local"],
+        description="Launchers agents may name: 'local' (sandboxed processes) or saved "
+        "blocks as 'sagemaker:NAME', 'vertex:NAME', 'deployment:NAME'.",
+    )
+    callables: list[str] = Field(
+        default_factory=list, description="'module:function' trials agents may call."
+    )
+    max_priority: int = Field(0, ge=-1000, le=1000, description="Highest priority an agent sets.")
+    max_wait: Annotated[float, BeforeValidator(lambda v: parse_duration(v, "max_wait"))] = Field(
+        default=3600.0,
+        description="Longest max_wait an agent sets (an agent job never waits "
+        "forever), in seconds or like '1h'.",
+    )
+    max_sweeps: int = Field(2, ge=0, le=1000, description="Sweeps a session runs at once.")
+    max_queued: int = Field(16, ge=0, le=100_000, description="Jobs a session has queued at once.")
+    max_trials: int = Field(100, ge=1, le=10_000, description="Trials in one sweep.")
+
+    @field_validator("launchers")
+    @classmethod
+    def _launchers(cls, value: list[str]) -> list[str]:
+        for ref in value:
+            if ref != "local" and not re.fullmatch(
+                r"(vertex|sagemaker|deployment):[a-z0-9][a-z0-9-]{0,99}", ref
+            ):
+                raise BudgetInputError(
+                    "launchers", f"'local' or 'kind:block-name', got {shown(ref)}"
+                )
+        return value
+
+    @field_validator("callables")
+    @classmethod
+    def _callables(cls, value: list[str]) -> list[str]:
+        for ref in value:
+            if not re.fullmatch(r"[\w.]+:\w+", ref):
+                raise BudgetInputError("callables", f"must be 'module:function', got {shown(ref)}")
+        return value
+
+    def stored(self) -> dict[str, object]:
+        """What the ledger keeps (the team is its key)."""
+        return self.model_dump(mode="json", exclude={"team"})

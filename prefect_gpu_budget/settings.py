@@ -97,3 +97,13 @@ def catalog_dir() -> Path:
     """Where refreshed catalogs are written (PREFECT_GPU_BUDGET_CATALOG_DIR)."""
     explicit = os.environ.get(CATALOG_DIR_ENV)
     return Path(explicit) if explicit else prefect_home() / "gpu-budget" / "catalogs"
+
+
+AGENT_RESULTS_ENV = "PREFECT_GPU_BUDGET_AGENT_RESULTS"
+
+
+def agent_results_root() -> Path:
+    """The one folder agents' sweeps write results under, one subfolder per session
+    (PREFECT_GPU_BUDGET_AGENT_RESULTS, default `gpu-budget-results/agents` in the working dir)."""
+    explicit = os.environ.get(AGENT_RESULTS_ENV)
+    return Path(explicit or "gpu-budget-results/agents").resolve()

@@ -3,6 +3,7 @@ repossessor, durable (filesystem) lease storage, the UI, and being stopped and s
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -21,13 +22,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(url: str, body: dict | None = None) -> dict:
-    """One JSON call; a 503 (the server's SQLite is busy) is retried, as Prefect's client does."""
+def http(url: str, body: dict | None = None, auth: str | None = None) -> dict:
+    """One JSON call (with `auth`, a server's basic-auth string); a 503 (the server's SQLite is
+    busy) is retried, as Prefect's client does."""
     data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
     for attempt in range(10):
-        request = urllib.request.Request(
-            url, data=data, headers={"Content-Type": "application/json"}
-        )
+        request = urllib.request.Request(url, data=data, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=30) as response:
                 return json.loads(response.read() or b"null")
@@ -54,8 +57,10 @@ def wait_for(check, timeout: float, what: str):
 class PrefectServer:
     """`prefect server start` on a free port with its own PREFECT_HOME and durable leases."""
 
-    def __init__(self, home: Path, ui: bool = False) -> None:
+    def __init__(self, home: Path, ui: bool = False, auth: str | None = None) -> None:
         self.home = home
+        self.auth = auth
+        """The basic-auth string that closes the API to everyone else."""
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.api = f"{self.base}/api"
@@ -70,6 +75,8 @@ class PrefectServer:
                 "prefect.server.concurrency.lease_storage.filesystem"
             ),
         }
+        if auth is not None:
+            self.env["PREFECT_SERVER_API_AUTH_STRING"] = auth
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -99,4 +106,7 @@ class PrefectServer:
 
     def client_env(self, **extra: str) -> dict[str, str]:
         """The environment for a process that talks to this server."""
-        return {**self.env, "PREFECT_API_URL": self.api, **extra}
+        auth = {} if self.auth is None else {"PREFECT_API_AUTH_STRING": self.auth}
+        server_only = ("PREFECT_SERVER_API_AUTH_STRING",)
+        env = {k: v for k, v in self.env.items() if k not in server_only}
+        return {**env, "PREFECT_API_URL": self.api, **auth, **extra}

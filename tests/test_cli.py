@@ -54,7 +54,9 @@ COMMANDS = [
     ["pool", "set", "acme", "lab", "--nodes", "2", "--gpus-per-node", "8"],
     ["pool", "quota", "acme/vision", "--pool", "lab", "--gpus", "4"],
     ["capacity", "acme"],
+    ["budget", "set", "acme/vision", "--session-template", "--hourly-cap", "5"],
     ["agent", "grant", "acme/vision/agent-7"],
+    ["agent", "limits", "acme/vision", "--max-sweeps", "3"],
     ["agent", "revoke", "acme/vision/agent-7"],
     ["reconcile"],
     ["budget", "set", "acme", "--hourly-cap", "-1"],  # a refusal takes the same path

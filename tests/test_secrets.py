@@ -12,6 +12,7 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
 from prefect_gpu_budget.admission.ledger import Ledger, metadata
+from prefect_gpu_budget.admission.policy import BudgetRule
 from tests.conftest import PG_URL
 from tests.postgres import require_postgres
 
@@ -90,6 +91,7 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     GpuBudget(scope="sec2", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)
+    ledger.set_session_template(BudgetRule("sec2/agents", hourly_cap_cents=360))
     token = ledger.grant_agent("sec2/agents/a1")
     block = SpendLedger(database_url=ledger.url)
     with AwsServer() as aws:

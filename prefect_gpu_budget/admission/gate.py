@@ -254,6 +254,7 @@ class Gate:
             node_gpus=quote.row.gpus,
             node_vcpu=quote.row.vcpu,
             node_memory_gib=quote.row.memory_gib,
+            grant=job.grant,
         )
         handoff: _Handoff[Admission] = _Handoff()
 

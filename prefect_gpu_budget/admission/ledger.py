@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
 import secrets
 import threading
@@ -48,6 +49,7 @@ from prefect_gpu_budget.admission.quota import (
     proportional,
     team_of,
 )
+from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
@@ -187,7 +189,19 @@ agent_grants = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Column("revoked_at", sa.Float),
 )
-"""An agent's token (only its hash is kept) binds it to one session scope."""
+"""An agent's token (only its hash is kept) binds it to one session scope. The hash is the
+grant's id: what an agent's sweep carries instead of the token."""
+
+agent_limits = sa.Table(
+    "gpu_agent_limits",
+    metadata,
+    sa.Column("team", sa.String(120), primary_key=True),
+    sa.Column("org", sa.String(48), nullable=False),
+    sa.Column("limits", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""Keyed by a team scope, like the session template: an admin's ceilings (JSON, validated by
+`models.AgentLimits`) on what the agents of the team's sessions may ask for."""
 
 versions = sa.Table(
     "gpu_versions",
@@ -313,6 +327,8 @@ class NewJob:
     node_gpus: int = 0
     node_vcpu: int = 0
     node_memory_gib: int = 0
+    grant: str | None = None
+    """An agent's grant id: the job queues only while the grant is live (see `revoke_agent`)."""
 
 
 def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
@@ -558,6 +574,7 @@ class Ledger:
             if done is not None:  # committed before the connection dropped
                 return _decision_of(done)
             self._ensure_session_budget(conn, job.scope, now)
+            refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
             conn.execute(
                 jobs.insert().values(
                     id=job_id,
@@ -569,9 +586,26 @@ class Ledger:
                     reserved_micro=0,
                     reserve_seconds=0.0,
                     team=team_of(job.scope),
-                    **self._in_pool(conn, org, job).__dict__,
+                    **{
+                        k: v
+                        for k, v in self._in_pool(conn, org, job).__dict__.items()
+                        if k != "grant"
+                    },
                 )
             )
+            if refusal:  # on record like any refusal, and nothing reserved
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id)
+                    .values(
+                        state="rejected",
+                        ended_at=now,
+                        settled_at=now,
+                        actual_micro=0,
+                        reason=refusal,
+                    )
+                )
+                return Decision("reject", refusal, limit="agent")
             return self._decide(conn, job_id, org, now, reason="")
 
     def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
@@ -932,10 +966,25 @@ class Ledger:
     @_reconnecting
     def grant_agent(self, scope: str, now: float | None = None) -> str:
         """A new token that lets an agent spend in session `scope` only. Shown once: only its
-        hash is stored."""
+        hash is stored. Refused for a session with no budget of its own and no team session
+        template: an agent is never bounded by its org's budget alone."""
         if validate_scope(scope).count("/") != 2:
             raise BudgetInputError(
                 "scope", f"an agent is granted one session 'org/team/session', got {scope!r}"
+            )
+        team = scope.rsplit("/", 1)[0]
+        with self._read() as conn:
+            bounded = (
+                conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first()
+                or conn.execute(
+                    sa.select(templates.c.scope).where(templates.c.scope == team)
+                ).first()
+            )
+        if not bounded:
+            raise BudgetInputError(
+                "scope",
+                f"{scope} has no budget and {team} no session template: set one first "
+                f"(`budget set {scope} ...` or `budget set {team} --session-template ...`)",
             )
         token = "gpub_" + secrets.token_urlsafe(32)
         with self.engine.begin() as conn:
@@ -949,27 +998,92 @@ class Ledger:
         return token
 
     @_reconnecting
-    def revoke_agent(self, scope: str, now: float | None = None) -> int:
-        """Revoke every token granted for `scope`; returns how many."""
-        with self.engine.begin() as conn:
-            return conn.execute(
+    def revoke_agent(self, scope: str, now: float | None = None) -> tuple[int, int]:
+        """Revoke every token granted for `scope` and cancel the session's queued jobs, in one
+        transaction under the org's lock: no job of the session is admitted after it (its
+        running jobs go on). Returns (tokens revoked, queued jobs cancelled)."""
+        org = validate_scope(scope).split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now
+            revoked = conn.execute(
                 agent_grants.update()
                 .where(agent_grants.c.scope == scope, agent_grants.c.revoked_at.is_(None))
-                .values(revoked_at=time.time() if now is None else now)
+                .values(revoked_at=now)
             ).rowcount
+            cancelled = conn.execute(
+                jobs.update()
+                .where(jobs.c.scope == scope, jobs.c.state == "queued")
+                .values(
+                    state="cancelled",
+                    ended_at=now,
+                    settled_at=now,
+                    actual_micro=0,
+                    reason="its agent's grant was revoked",
+                )
+            ).rowcount
+            self._bump(conn, org)
+        return revoked, cancelled
 
     @_reconnecting
+    def agent_grant(self, token: str) -> tuple[str, str]:
+        """(session scope, grant id) of a live token; BudgetInputError otherwise."""
+        grant = _token_hash(token)
+        scope = self.grant_scope(grant)
+        if scope is None:
+            raise BudgetInputError("agent_token", "unknown or revoked token")
+        return scope, grant
+
     def agent_scope(self, token: str) -> str:
         """The session scope a live token was granted; BudgetInputError otherwise."""
+        return self.agent_grant(token)[0]
+
+    @_reconnecting
+    def grant_scope(self, grant: str) -> str | None:
+        """The session of a live grant (by id); None when unknown or revoked."""
         with self._read() as conn:
-            row = conn.execute(
-                sa.select(agent_grants.c.scope, agent_grants.c.revoked_at).where(
-                    agent_grants.c.token_sha256 == _token_hash(token)
+            return _live_grant(conn, grant)
+
+    @_reconnecting
+    def set_agent_limits(self, team: str, limits: dict[str, Any], now: float | None = None) -> None:
+        """Store an admin's ceilings for the agents of `team`'s sessions (validated by the
+        caller, `models.AgentLimits`)."""
+        if validate_scope(team).count("/") != 1:
+            raise BudgetInputError(
+                "team", f"agent limits belong to a team 'org/team', got {team!r}"
+            )
+        org = team.split("/")[0]
+        with self._write(org) as conn:
+            conn.execute(agent_limits.delete().where(agent_limits.c.team == team))
+            conn.execute(
+                agent_limits.insert().values(
+                    team=team,
+                    org=org,
+                    limits=json.dumps(limits, sort_keys=True),
+                    updated_at=time.time() if now is None else now,
                 )
-            ).one_or_none()
-        if row is None or row.revoked_at is not None:
-            raise BudgetInputError("agent_token", "unknown or revoked token")
-        return row.scope
+            )
+
+    @_reconnecting
+    def agent_limits(self, team: str) -> dict[str, Any] | None:
+        """The ceilings an admin set for `team`'s agents; None: the defaults apply."""
+        with self._read() as conn:
+            return _limits_of(conn, team)
+
+    def _grant_refusal(self, conn: Connection, job: NewJob) -> str:
+        """Why an agent's job may not even queue: its grant is gone, or its session already
+        has as many queued jobs as its team's agents may."""
+        if _live_grant(conn, job.grant or "") != job.scope:
+            return "its agent's grant was revoked"
+        team = job.scope.rsplit("/", 1)[0]
+        most = AgentLimits(team=team, **(_limits_of(conn, team) or {})).max_queued
+        queued = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(jobs)
+            .where(jobs.c.scope == job.scope, jobs.c.state == "queued")
+        ).scalar_one()
+        if queued >= most:
+            return f"{job.scope} has {queued} queued jobs, the most its agents may have queued"
+        return ""
 
     # -- running and settlement -----------------------------------------------------------
 
@@ -1326,6 +1440,22 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
         row["rate_micro_per_hour"],
         start + row["max_runtime_s"],
     )
+
+
+def _live_grant(conn: Connection, grant: str) -> str | None:
+    row = conn.execute(
+        sa.select(agent_grants.c.scope).where(
+            agent_grants.c.token_sha256 == grant, agent_grants.c.revoked_at.is_(None)
+        )
+    ).first()
+    return None if row is None else row.scope
+
+
+def _limits_of(conn: Connection, team: str) -> dict[str, Any] | None:
+    text = conn.execute(
+        sa.select(agent_limits.c.limits).where(agent_limits.c.team == team)
+    ).scalar_one_or_none()
+    return None if text is None else json.loads(text)
 
 
 def _within(scope: str, parent: str | None) -> bool:

@@ -160,7 +160,8 @@ class Decision:
     verdict: Verdict
     reason: str = ""
     limit: str | None = None
-    """`hourly_cap`, `period_budget`, `queue` or `no_budget`: what blocks, for logs and events."""
+    """`hourly_cap`, `period_budget`, `queue`, `no_budget` or `agent` (its grant): what blocks,
+    for logs and events."""
     scope: str | None = None
     resumes_at: float | None = None
     reserved_micro: int = 0

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect.schedules import Cron, Interval
 
-from prefect_gpu_budget.flows.agent import agent_cancel, agent_sweep
+from prefect_gpu_budget.flows.agent import agent_sweep
 from prefect_gpu_budget.flows.reconcile import reconcile_flow
 from prefect_gpu_budget.flows.spend_report import spend_report
 from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
@@ -33,7 +33,6 @@ def _flows(from_source: bool) -> tuple[Any, ...]:
         (spend_report, "spend_report.py:spend_report"),
         (reconcile_flow, "reconcile.py:reconcile_flow"),
         (agent_sweep, "agent.py:agent_sweep"),
-        (agent_cancel, "agent.py:agent_cancel"),
     )
     if not from_source:
         return tuple(flow for flow, _ in flows)
@@ -52,25 +51,22 @@ def deployments(
 ) -> list[Any]:
     """The deployments, ready for `prefect.serve` (or, `from_source`, for a work pool).
 
-    The sweep's schedule carries its own parameters (the spec). Agents call `agent-sweep/agents`
-    and `agent-cancel/agents` with their token: the token, not a parameter, picks the session.
+    The sweep's schedule carries its own parameters (the spec). `agent-sweep/agents` is started
+    by the agent gateway with the agent's session and grant (agents hold no Prefect access).
     """
     spec = SweepSpec.from_yaml(sweep_spec).model_dump(mode="json")
-    sweep, report, reconcile, agent_run, agent_stop = _flows(from_source)
+    sweep, report, reconcile, agent_run = _flows(from_source)
     return [
         sweep.to_deployment(
             name=SWEEP,
             parameters={"spec": spec},
             schedules=[Cron(sweep_cron, timezone="UTC", parameters={"spec": spec})],
-            description="A GPU sweep under budget; agents trigger it with their session as `scope`.",
+            description="A GPU sweep under budget, for admins and schedules (agents use the gateway).",
         ),
         report.to_deployment(name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
         reconcile.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
         agent_run.to_deployment(
-            name=AGENT, description="A GPU sweep in the calling agent's session (by its token)."
-        ),
-        agent_stop.to_deployment(
-            name=AGENT, description="Cancel one of the calling agent's queued GPU jobs."
+            name=AGENT, description="A GPU sweep in an agent's session, started by the gateway."
         ),
     ]
 

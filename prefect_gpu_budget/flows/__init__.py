@@ -12,7 +12,6 @@ from prefect_gpu_budget._lazy import lazy_exports
 
 _PUBLIC = {
     "SweepSpec": "prefect_gpu_budget.flows.sweep",
-    "agent_cancel": "prefect_gpu_budget.flows.agent",
     "agent_sweep": "prefect_gpu_budget.flows.agent",
     "gpu_sweep": "prefect_gpu_budget.flows.sweep",
     "reconcile_flow": "prefect_gpu_budget.flows.reconcile",
@@ -21,7 +20,6 @@ _PUBLIC = {
 
 __all__ = [
     "SweepSpec",
-    "agent_cancel",
     "agent_sweep",
     "gpu_sweep",
     "reconcile_flow",
@@ -29,7 +27,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from prefect_gpu_budget.flows.agent import agent_cancel, agent_sweep
+    from prefect_gpu_budget.flows.agent import agent_sweep
     from prefect_gpu_budget.flows.reconcile import reconcile_flow
     from prefect_gpu_budget.flows.spend_report import spend_report
     from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep

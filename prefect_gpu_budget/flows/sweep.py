@@ -52,6 +52,8 @@ from prefect_gpu_budget.units import (
 
 Scalar = str | int | float | bool
 MAX_TRIALS = 10_000
+MAX_FORMAT_WIDTH = 64
+"""Largest width or precision a placeholder's format spec may ask for (`{lr:.6g}` is fine)."""
 _NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 _PARAM_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
@@ -170,11 +172,21 @@ class SweepSpec(BaseModel):
             raise BudgetInputError("grid", f"{size} trials; at most {MAX_TRIALS}")
         for part in self.command or []:
             try:
-                used = [f for _, f, _, _ in string.Formatter().parse(part) if f is not None]
+                parsed = [(f, spec) for _, f, spec, _ in string.Formatter().parse(part)]
             except ValueError as exc:
                 raise BudgetInputError(
                     "command", f"{exc} in {shown(part)} (write {{{{ and }}}} for literal braces)"
                 ) from None
+            used = [field for field, _ in parsed if field is not None]
+            for _, spec in parsed:  # `{lr:>400000000}` would build a 400 MB argument
+                if spec and (
+                    "{" in spec or any(int(n) > MAX_FORMAT_WIDTH for n in re.findall(r"\d+", spec))
+                ):
+                    raise BudgetInputError(
+                        "command",
+                        f"format spec {shown(spec)} in {shown(part)}: no nested fields, and "
+                        f"widths and precisions at most {MAX_FORMAT_WIDTH}",
+                    )
             for field in used:  # `{}`, `{0}`, `{lr.real}`: only a parameter's name fills in
                 if field not in names:
                     raise BudgetInputError(
@@ -217,7 +229,7 @@ class SweepSpec(BaseModel):
             for _ in range(self.samples)
         ]
 
-    def job_for(self, params: dict[str, Scalar], name: str) -> GpuJob:
+    def job_for(self, params: dict[str, Scalar], name: str, grant: str | None = None) -> GpuJob:
         if self.command is not None:
             command = [part.format(**params) for part in self.command]
         else:
@@ -228,7 +240,9 @@ class SweepSpec(BaseModel):
                 str(self.callable),
                 json.dumps(params),
             ]
-        return GpuJob(**self.job.model_dump(exclude_none=True), command=command, name=name)
+        return GpuJob(
+            **self.job.model_dump(exclude_none=True), command=command, name=name, grant=grant
+        )
 
 
 def load_spec(spec: SweepSpec | dict[str, Any] | str, scope: str | None = None) -> SweepSpec:
@@ -282,12 +296,24 @@ def gpu_sweep(
     `launcher` runs the trials (a Vertex AI, SageMaker or deployment launcher block; local
     processes by default).
     """
-    spec = load_spec(spec, scope)
+    return run_sweep(load_spec(spec, scope), ledger, launcher)
+
+
+def run_sweep(
+    spec: SweepSpec,
+    ledger: SpendLedger | None = None,
+    launcher: Launcher | None = None,
+    *,
+    grant: str | None = None,
+    results_root: Path | None = None,
+) -> pd.DataFrame:
+    """The body of a sweep flow (`gpu_sweep`, or an agent's `agent_sweep` with its `grant` and
+    its results kept under `results_root`)."""
     logger = get_run_logger()
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
     run_name = ctx.flow_run.name if ctx and ctx.flow_run else "local"
-    out = Path(spec.results_dir) / f"{spec.name}-{run_name}"
+    out = (results_root or Path()) / spec.results_dir / f"{spec.name}-{run_name}"
     out.mkdir(parents=True, exist_ok=True)
     trials = spec.trials()
     logger.info(
@@ -315,7 +341,7 @@ def gpu_sweep(
         name = f"{spec.name}/{index:04d}"
         metrics = out / f"trial-{index:04d}.jsonl"
         future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(
-            spec.job_for(params, name), spec.scope, ledger, str(metrics.resolve()), launcher
+            spec.job_for(params, name, grant), spec.scope, ledger, str(metrics.resolve()), launcher
         )
         futures.append((index, params, name, metrics, future))
         in_flight.append(future)

@@ -462,12 +462,16 @@ def ledger_cmd(
         {
             "id": r["id"],
             "scope": r["scope"],
+            "name": r["name"],
             "instance_type": r["instance_type"],
             "nodes": r["nodes"],
             "rate_usd_per_hour": _usd(r["rate_micro_per_hour"]),
             "reserved_usd": _usd(r["reserved_micro"]),
             "actual_usd": _usd(r["actual_micro"]),
             "state": r["state"],
+            "outcome": r["outcome"],
+            "reason": r["reason"],
+            "flow_run_id": r["flow_run_id"],
             "requested_at": _iso(r["requested_at"]),
             "admitted_at": _iso(r["admitted_at"]),
             "ended_at": _iso(r["ended_at"]),
@@ -478,17 +482,30 @@ def ledger_cmd(
     if as_json:
         typer.echo(json.dumps(out, indent=2))
         return
-    table = _table("id", "scope", "instance", "rate/h", "reserved", "actual", "state", "requested")
+    table = _table(
+        "id",
+        "scope",
+        "job",
+        "instance",
+        "rate/h",
+        "reserved",
+        "actual",
+        "state",
+        "requested",
+        "run",
+    )
     for r in out:
         table.add_row(
             r["id"][:8],
             r["scope"],
+            r["name"],
             f"{r['instance_type']} x{r['nodes']}",
             f"${r['rate_usd_per_hour']:.4f}",
             f"${r['reserved_usd']:.4f}",
             "-" if r["actual_usd"] is None else f"${r['actual_usd']:.4f}",
-            r["state"],
+            r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
             (r["requested_at"] or "")[:19],
+            (r["flow_run_id"] or "")[:8],
         )
     console.print(table)
 
@@ -928,6 +945,11 @@ def main() -> None:
         from prefect_gpu_budget.units import redact_urls
 
         first = str(exc).splitlines()[0] if str(exc) else ""
+        from prefect_gpu_budget.settings import NO_SERVER
+
+        if "ephemeral Prefect API server" in first or first == NO_SERVER:
+            typer.echo(f"error: {NO_SERVER}", err=True)
+            sys.exit(1)
         typer.echo(f"error: {type(exc).__name__}: {redact_urls(first)}", err=True)
         sys.exit(1)
     if isinstance(code, int) and code:

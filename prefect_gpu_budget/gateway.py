@@ -98,14 +98,13 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
 
     @app.middleware("http")
     async def bounded_body(request: Request, call_next):  # noqa: ANN001, ANN202
-        if request.method in ("POST", "PUT", "PATCH"):
-            size = request.headers.get("content-length")
-            if size is None or not size.isdigit():
-                return JSONResponse({"detail": "a body needs a Content-Length"}, status_code=411)
-            if int(size) > MAX_BODY_BYTES:
-                return JSONResponse(
-                    {"detail": f"body: at most {MAX_BODY_BYTES} bytes"}, status_code=413
-                )
+        size = request.headers.get("content-length")
+        if size is None and "transfer-encoding" in request.headers:
+            return JSONResponse({"detail": "a body needs a Content-Length"}, status_code=411)
+        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+            return JSONResponse(
+                {"detail": f"body: at most {MAX_BODY_BYTES} bytes"}, status_code=413
+            )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

@@ -15,6 +15,13 @@ from pathlib import Path
 LEDGER_URL_ENV = "PREFECT_GPU_BUDGET_LEDGER_URL"
 PRICES_ENV = "PREFECT_GPU_BUDGET_PRICES"
 CATALOG_DIR_ENV = "PREFECT_GPU_BUDGET_CATALOG_DIR"
+NO_SERVER = (
+    "no Prefect server is configured and a temporary one did not start in time (a busy "
+    "machine?): run `prefect server start` in another terminal, then `export "
+    "PREFECT_API_URL=http://127.0.0.1:4200/api` (or give the temporary one longer with "
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=120)"
+)
+"""What the CLI says, in one line, when it needed a temporary Prefect server and got none."""
 METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
 """Set in a trial's environment: the file it appends its JSON lines of metrics to."""
 

@@ -198,6 +198,21 @@ def test_sweep_command_runs_a_yaml_sweep_and_prints_its_table(prefect_api, price
     [results] = [line for line in lines if line.startswith("results: ")]
     assert (Path(results.split(": ", 1)[1]) / "trials.csv").is_file()
 
+    listed = subprocess.run(
+        [*cli, "ledger", "--json"], env=env, capture_output=True, text=True, check=True
+    )
+    jobs = json.loads(listed.stdout)
+    assert sorted(j["name"] for j in jobs) == [f"{spec['name']}/000{i}" for i in range(3)]
+    assert {j["outcome"] for j in jobs} == {"completed"} and all(j["flow_run_id"] for j in jobs)
+    table = subprocess.run([*cli, "ledger"], env=env, capture_output=True, text=True, check=True)
+    assert table.stdout.count("settled (completed)") == 3, table.stdout
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(json.dumps({**spec, "paralelism": 2}))
+    bad = subprocess.run([*cli, "sweep", str(typo)], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: paralelism: unknown field; did you mean parallelism?"
+
     bad = subprocess.run(
         [*cli, "sweep", str(tmp_path / "missing.yaml")], env=env, capture_output=True, text=True
     )

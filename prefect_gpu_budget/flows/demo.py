@@ -16,6 +16,7 @@ import pandas as pd
 from prefect_gpu_budget.blocks import GpuBudget, SpendLedger
 from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
 from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+from prefect_gpu_budget.settings import NO_SERVER
 from prefect_gpu_budget.units import fmt_usd
 
 DEMO_SCOPE = "demo-lab/sweeps/agent-1"
@@ -86,8 +87,16 @@ def start_temporary_server() -> None:
     if PREFECT_API_URL.value():
         return
     print("starting a temporary Prefect server (the first start sets up its database)", flush=True)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from it
     wait = max(SERVER_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
-    SubprocessASGIServer().start(timeout=wait)
+    server = SubprocessASGIServer()
+    try:
+        server.start(timeout=wait)
+    except RuntimeError as exc:
+        if "ephemeral Prefect API server" not in str(exc):
+            raise
+        server.stop()
+        raise RuntimeError(NO_SERVER) from None
 
 
 def remove_demo_limits() -> None:
@@ -110,7 +119,6 @@ def remove_demo_limits() -> None:
 def run_demo(
     out_dir: str = "gpu-budget-demo", seconds: float = 2.5, trials: int = 12
 ) -> pd.DataFrame:
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from a demo
     out = Path(out_dir).resolve()
     url = prepare(out)
     start_temporary_server()

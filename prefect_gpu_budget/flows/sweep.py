@@ -45,6 +45,7 @@ from prefect_gpu_budget.units import (
     fmt_duration,
     fmt_usd,
     micro_to_usd,
+    near,
     redact_urls,
     scope_path,
     shown,
@@ -58,10 +59,30 @@ _NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 _PARAM_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
+def _known_keys(model: type[BaseModel], data: object) -> object:
+    """Refuse a key the model does not have, naming the nearest one (a YAML typo)."""
+    if isinstance(data, dict):
+        for key in data:
+            if key not in model.model_fields:
+                close = near(str(key), model.model_fields, most=3)
+                hint = (
+                    f"did you mean {close[0]}?"
+                    if close
+                    else "known: " + ", ".join(model.model_fields)
+                )
+                raise BudgetInputError(str(key)[:64], f"unknown field; {hint}")
+    return data
+
+
 class JobShape(BaseModel):
     """The GPU job every trial runs as (see `GpuJob`)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, data: object) -> object:
+        return _known_keys(cls, data)
 
     instance_type: str
     max_runtime: str | float
@@ -116,6 +137,11 @@ class SweepSpec(BaseModel):
     """What to sweep, how each trial runs, and under which budget scope."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys(cls, data: object) -> object:
+        return _known_keys(cls, data)
 
     name: str = Field(pattern=_NAME_RE)
     scope: Scope
@@ -352,6 +378,7 @@ def run_sweep(
     rows_by_name = {r["name"]: r for r in led.jobs(spec.scope, flow_run_id=run_id)}
     records, curves = [], {}
     for index, params, name, metrics, future in futures:
+        future.wait()  # the final state from the task itself: the API's copy may lag behind
         state = future.state
         row = rows_by_name.get(name, {})
         points = _read_metrics(metrics)

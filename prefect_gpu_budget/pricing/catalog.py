@@ -19,6 +19,7 @@ from prefect_gpu_budget.units import (
     SEGMENT_RE,
     BudgetInputError,
     fmt_usd,
+    near,
     shown,
     to_decimal_usd,
     usd_to_micro,
@@ -197,10 +198,15 @@ class Catalog:
                 if instance_type.startswith("local:")
                 else ""
             )
+            close = near(instance_type, known, most=3)
+            listed = (
+                f"did you mean {close[0]}?"
+                if close
+                else f"known: {', '.join(known[:12])}{' ...' if len(known) > 12 else ''}"
+            )
             raise BudgetInputError(
                 "instance_type",
-                f"no {provisioning} price for {shown(instance_type)}{hint}; known: "
-                f"{', '.join(known[:12])}{' ...' if len(known) > 12 else ''}",
+                f"no {provisioning} price for {shown(instance_type)}{hint}; {listed}",
             )
         return found
 

@@ -60,3 +60,31 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     ledger = Ledger(f"sqlite:///{out / 'ledger.db'}")
     charged = sum(r["actual_micro"] or 0 for r in ledger.jobs())
     assert charged == round(trials["cost_usd"].fillna(0).sum() * 1_000_000)
+
+
+def test_no_server_and_no_temporary_one_is_one_line_saying_what_to_run(tmp_path):
+    """A temporary server that cannot start in time (here: given one second, less than its
+    import takes) ends the command with one line naming what to run, and no traceback."""
+    from prefect_gpu_budget.settings import NO_SERVER
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(
+        PREFECT_HOME=str(tmp_path / "home"),
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1",
+    )
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text(
+        "name: s\nscope: acme/t\njob: {instance_type: 'aws:g5.xlarge', max_runtime: 1m}\n"
+        "command: ['true']\ngrid: {lr: [0.1]}\n"
+    )
+    short_wait = (
+        "import sys, prefect_gpu_budget.flows.demo as demo; demo.SERVER_START_TIMEOUT_S = 1; "
+        "from prefect_gpu_budget.cli import main; sys.argv = ['prefect-gpu-budget', 'sweep', "
+        f"{str(spec)!r}]; main()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", short_wait], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == f"error: {NO_SERVER}"
+    assert "Traceback" not in done.stderr

@@ -133,6 +133,9 @@ jobs = sa.Table(
     sa.Column("node_memory_gib", sa.Integer),
     sa.Column("placement", sa.String(400)),
     sa.Column("preempt_at", sa.Float),
+    sa.Column("wait_key", sa.String(200)),
+    sa.Column("wait_since", sa.Float),
+    sa.Column("waits", sa.Text),
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
     sa.Index("ix_gpu_jobs_org_settled", "org", "state", "settled_at"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
@@ -606,7 +609,7 @@ class Ledger:
                     )
                 )
                 return Decision("reject", refusal, limit="agent")
-            return self._decide(conn, job_id, org, now, reason="")
+            return self._decide(conn, job_id, org, now, reason="", waited=None)
 
     def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
         """The job with the pool it runs in (named, or serving its instance type) and its
@@ -635,13 +638,16 @@ class Ledger:
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if row["state"] != "queued":
                 return _decision_of(row)
-            return self._decide(conn, job_id, org, now, reason=row["reason"])
+            return self._decide(conn, job_id, org, now, reason=row["reason"], waited=row)
 
-    def _decide(self, conn: Connection, job_id: str, org: str, now: float, reason: str) -> Decision:
-        """Run the policy for a queued job and write what it says, heartbeat included."""
+    def _decide(
+        self, conn: Connection, job_id: str, org: str, now: float, reason: str, waited: Any
+    ) -> Decision:
+        """Run the policy for a queued job and write what it says, heartbeat included, and what
+        held it for how long (`waited`: the job's row as it stood, None for a new job)."""
         state, queue = self._load(conn, org, now, job_id)
         decision = decide(state, queue, job_id)
-        values: dict[str, Any] = {"heartbeat_at": now}
+        values: dict[str, Any] = {"heartbeat_at": now, **_wait_tally(waited, decision, now)}
         if decision.verdict == "admit":
             values.update(
                 state="admitted",
@@ -1440,6 +1446,34 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
         row["rate_micro_per_hour"],
         start + row["max_runtime_s"],
     )
+
+
+def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
+    """The columns that say what held a queued job and for how long: the limit and scope
+    holding it now (`wait_key`) since when, and seconds per limit and scope that held it before
+    (`waits`, JSON). Only a change of what holds it writes anything."""
+    old = row["wait_key"] if row is not None else None
+    key = None
+    if decision.verdict == "wait":
+        key = f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
+    if key == old and row is not None:
+        return {}
+    out: dict[str, Any] = {"wait_key": key, "wait_since": now if key else None}
+    if old is not None:
+        waits = json.loads(row["waits"] or "{}")
+        waits[old] = round(waits.get(old, 0.0) + now - (row["wait_since"] or now), 3)
+        out["waits"] = json.dumps(waits)
+    return out
+
+
+def wait_spans(row: dict[str, Any]) -> dict[str, float]:
+    """Seconds a job was held, per limit and scope that held it (`hourly_cap acme/vision`,
+    `period_budget acme`, `queue` behind an earlier job, ...); empty for a job nothing held."""
+    waits = json.loads(row.get("waits") or "{}")
+    if row.get("wait_key") and row.get("wait_since"):
+        end = row.get("admitted_at") or row.get("ended_at") or time.time()
+        waits[row["wait_key"]] = waits.get(row["wait_key"], 0.0) + end - row["wait_since"]
+    return {key: round(seconds, 3) for key, seconds in waits.items()}
 
 
 def _live_grant(conn: Connection, grant: str) -> str | None:

@@ -33,6 +33,7 @@ from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from prefect_gpu_budget.admission.ledger import wait_spans
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows import plots
 from prefect_gpu_budget.job import GpuJob
@@ -383,6 +384,7 @@ def run_sweep(
         row = rows_by_name.get(name, {})
         points = _read_metrics(metrics)
         curves[f"{index:04d}"] = points
+        spans = wait_spans(row) if row else {}
         records.append(
             {
                 "trial": index,
@@ -391,7 +393,9 @@ def run_sweep(
                 "state": state.name,
                 "reason": "" if state.is_completed() else redact_urls(state.message or ""),
                 "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
-                "wait_s": round(_waited(row), 3) if row else None,
+                "waited_s": round(_waited(row), 3) if row else None,
+                "blocked_by": max(spans, key=spans.__getitem__) if spans else "",
+                "blocked_s": round(sum(spans.values()), 3),
                 "runtime_s": round(row["ended_at"] - row["started_at"], 3)
                 if row.get("started_at")
                 else 0.0,
@@ -521,10 +525,16 @@ def _summary(spec: SweepSpec, df: pd.DataFrame, budget: dict | None) -> str:
         )
     else:
         lines.append(f"- spent {fmt_usd(spent)}")
-    waited = df["wait_s"].fillna(0)
-    lines.append(
-        f"- time spent waiting on budget: {fmt_duration(waited.sum())} in all, longest {fmt_duration(waited.max())}"
-    )
+    held = df[df["blocked_by"] != ""]
+    if held.empty:
+        lines.append("- no trial waited on a budget, quota or queue")
+    else:
+        longest = held.loc[held["blocked_s"].idxmax()]
+        lines.append(
+            f"- {len(held)} trials waited on limits, {fmt_duration(held['blocked_s'].sum())} in "
+            f"all; longest trial {int(longest['trial'])}, {fmt_duration(longest['blocked_s'])}, "
+            f"mostly on {longest['blocked_by']}"
+        )
     refused = df[df["state"] != "Completed"]
     for _, row in refused.head(5).iterrows():
         lines.append(f"- trial {int(row['trial'])} {row['state']}: {row['reason'][:200]}")

@@ -189,3 +189,18 @@ def test_the_newest_jobs_are_chosen_in_sql(ledger):
     assert [j["flow_run_id"] for j in of_run] == ["run-1"]
     selects = [s for s in statements if "FROM gpu_jobs" in s]
     assert "LIMIT" in selects[0] and "flow_run_id =" in selects[1], selects
+
+
+def test_a_job_says_what_held_it_and_for_how_long(ledger):
+    from prefect_gpu_budget.admission.ledger import wait_spans
+
+    ledger.set_budget(BudgetRule("wt", hourly_cap_cents=360))
+    ledger.set_budget(BudgetRule("wt/a", hourly_cap_cents=10_000))
+    first, _ = ledger.request(_job("wt/a"), now=1000.0)
+    second, waiting = ledger.request(_job("wt/a"), now=1000.0)
+    assert waiting.verdict == "wait"
+    assert ledger.try_admit(second, "wt/a", now=1010.0).verdict == "wait"
+    assert wait_spans(ledger.job(second)) and wait_spans(ledger.job(first)) == {}
+    ledger.settle(first, ended_at=1020.0, outcome="completed", scope="wt/a")
+    assert ledger.try_admit(second, "wt/a", now=1025.0).verdict == "admit"
+    assert wait_spans(ledger.job(second)) == {"hourly_cap wt": 25.0}

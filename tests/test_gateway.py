@@ -1,0 +1,368 @@
+"""The hostile agent, through the gateway only, against the house as the README deploys it.
+
+A real `prefect server start` closed with an auth string, `prefect-gpu-budget serve` running the
+agent deployment with the auth string and the admin's secrets in its environment, the gateway
+(`prefect-gpu-budget agents serve`) likewise, and a PostgreSQL ledger whose URL carries a
+password. The agent holds a token and the gateway's URL: every attack is refused or harmless,
+and the planted secrets appear in no log, artifact, event, parameter, state or response.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.models import AgentLimits
+from tests.postgres import database_url, fresh_database
+from tests.prefect_server import PrefectServer, free_port, wait_for
+from tests.prefect_server import http as prefect_http
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="agent jobs switch to user nobody")
+
+MARK = secrets.token_hex(6)
+AUTH = f"admin:planted-auth-{MARK}"
+PASSWORD = f"planted-pw-{MARK}"
+AWS_SECRET = f"planted-aws-{MARK}"
+PLANTED = (AUTH, PASSWORD, AWS_SECRET, f"planted-auth-{MARK}")
+SESSION, OTHER, SLOW = "acme/agents/agent-7", "acme/agents/agent-8", "acme/slow/agent-9"
+REPORT = """echo '{"summary": true, "loss": 0.5}' >> "$GPU_BUDGET_METRICS_FILE" """
+"""A trial's report in shell: the sandbox user may not reach this machine's Python (under a
+home folder closed to it), and a shell is all these probes need."""
+
+
+class Gateway:
+    """HTTP calls to the gateway, as `curl` would make them."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        self.seen: list[str] = []
+        """Every response body: searched for planted secrets at the end."""
+
+    def call(
+        self, method: str, path: str, token: str | None = None, body: object = None, raw=None
+    ) -> tuple[int, dict]:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        request = urllib.request.Request(
+            self.base + path, data=data, headers=headers, method=method
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                code, text = response.status, response.read().decode()
+        except urllib.error.HTTPError as exc:
+            code, text = exc.code, exc.read().decode()
+        self.seen.append(text)
+        return code, (json.loads(text) if text.startswith("{") else {"text": text})
+
+    def sweep_until_done(self, token: str, run_id: str, timeout: float = 240) -> dict:
+        def done() -> dict | None:
+            code, run = self.call("GET", f"/v1/sweeps/{run_id}", token)
+            assert code == 200, run
+            return run if run["state"] in ("Completed", "Failed", "Crashed") else None
+
+        return wait_for(done, timeout, f"sweep {run_id}")
+
+
+def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+
+
+def _spec(**changes: object) -> dict:
+    spec = {
+        "name": "probe",
+        "job": {"instance_type": "local:box", "max_runtime": "60s", "kill_grace": "1s"},
+        "command": ["sh", "-c", REPORT],
+        "grid": {"lr": [0.1]},
+        "parallelism": 2,
+    }
+    return {**spec, **changes}
+
+
+@pytest.fixture(scope="module")
+def house(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("house")
+    with fresh_database(database_url("gateway", "GPU_BUDGET_TEST_PG_URL")) as plain:
+        url = plain.replace("//postgres@", f"//postgres:{PASSWORD}@")  # trust auth ignores it
+        from prefect_gpu_budget.pricing.catalog import set_local_price
+
+        prices = set_local_price("box", "3.6", path=tmp / "prices.csv")
+        ledger = Ledger(url)
+        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10**8))
+        for team in ("acme/agents", "acme/slow"):
+            ledger.set_session_template(
+                BudgetRule(team, hourly_cap_cents=360, period_budget_micro=5 * 10**6, period="day")
+            )
+        ledger.set_agent_limits(
+            "acme/slow", AgentLimits(team="acme/slow", max_sweeps=1, max_queued=8).stored()
+        )
+        server = PrefectServer(tmp / "home", auth=AUTH).start()
+        port = free_port()
+        env = server.client_env(
+            PREFECT_GPU_BUDGET_LEDGER_URL=url,
+            PREFECT_GPU_BUDGET_PRICES=str(prices),
+            AWS_ACCESS_KEY_ID="AKIAPLANTEDEXAMPLE",
+            AWS_SECRET_ACCESS_KEY=AWS_SECRET,
+            PREFECT_GPU_BUDGET_AGENT_USER="nobody",
+            PREFECT_GPU_BUDGET_AGENT_RESULTS=str(tmp / "agent-results"),
+        )
+        procs = []
+        try:
+            for name, args in (
+                ("serve", ["serve"]),
+                ("gateway", ["agents", "serve", "--port", str(port)]),
+            ):
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
+                        env=env,
+                        cwd=tmp,
+                        stdout=(tmp / f"{name}.log").open("w"),
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+            wait_for(
+                lambda: prefect_http(
+                    f"{server.api}/deployments/name/agent-sweep/agents", auth=AUTH
+                ),
+                180,
+                "the agent deployment",
+            )
+            gateway = Gateway(f"http://127.0.0.1:{port}")
+            wait_for(lambda: gateway.call("GET", "/openapi.json")[0] == 200, 120, "the gateway")
+            tokens = {}
+            for session in (SESSION, OTHER, SLOW):
+                granted = _cli(env, "agent", "grant", session)
+                assert granted.returncode == 0, granted.stderr
+                tokens[session] = granted.stdout.strip()
+            yield {
+                "tmp": tmp,
+                "ledger": ledger,
+                "server": server,
+                "gateway": gateway,
+                "tokens": tokens,
+                "env": env,
+                "procs": procs,
+            }
+        finally:
+            for proc in procs:
+                os.killpg(proc.pid, signal.SIGTERM)
+            for proc in procs:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+            server.stop()
+            ledger.dispose()
+
+
+def _admin(house, path: str, body: dict | None = None) -> object:
+    return prefect_http(f"{house['server'].api}{path}", body, auth=AUTH)
+
+
+def _every(house, path: str) -> list:
+    """All rows a filter endpoint has, page by page."""
+    rows: list = []
+    while True:
+        page = _admin(house, path, {"limit": 200, "offset": len(rows)})
+        rows += page
+        if len(page) < 200:
+            return rows
+
+
+def test_the_prefect_api_is_closed_to_anyone_without_the_auth_string(house):
+    api = house["server"].api
+    attacks = [
+        ("/flow_runs/filter", {}),
+        ("/block_documents/filter", {"include_secrets": True}),
+        (
+            "/v2/concurrency_limits/increment-with-lease",
+            {"names": ["gpu-budget:acme"], "slots": 10000},
+        ),
+        ("/deployments/filter", {}),
+    ]
+    for path, body in attacks:
+        for auth in (None, "admin:guess"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                prefect_http(api + path, body, auth=auth)
+            assert refused.value.code == 401, path
+    assert isinstance(_admin(house, "/flow_runs/filter", {}), list)  # the admin's string works
+
+
+def test_a_token_opens_its_own_session_and_nothing_else(house):
+    gw, token = house["gateway"], house["tokens"][SESSION]
+    for header_token in (None, "", "gpub_forged", token + "x", "' OR 1=1 --"):
+        code, body = gw.call("GET", "/v1/status", header_token)
+        assert code == 401 and body["detail"] == "unknown or revoked token", header_token
+    code, status = gw.call("GET", "/v1/status", token)
+    assert code == 200 and status["session"] == SESSION
+    assert status["budget"]["hourly_cap_usd"] == 3.6  # the team's template, nothing above it
+    code, docs = gw.call("GET", "/openapi.json")
+    assert code == 200 and {"/v1/sweeps", "/v1/status"} <= set(docs["paths"])
+
+
+def test_an_agent_job_runs_sandboxed_and_cannot_reach_the_admins_keys(house):
+    gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
+    attack = (
+        "env; id -u; pwd; echo ledger=$PREFECT_GPU_BUDGET_LEDGER_URL; "
+        "cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n' | grep -i -e secret -e ledger; "
+        f"{sys.executable} -m prefect_gpu_budget.cli budget set acme --hourly-cap 1000000; "
+        f"{sys.executable} -m prefect_gpu_budget.cli agent grant acme/agents/agent-x; "
+        f"echo $$ > {house['tmp']}/escaped; " + REPORT
+    )
+    code, started = gw.call("POST", "/v1/sweeps", token, _spec(command=["sh", "-c", attack]))
+    assert code == 201, started
+    run = gw.sweep_until_done(token, started["run_id"])
+    assert run["state"] == "Completed", run
+    [trial] = run["trials"]
+    assert trial["state"] == "settled" and run["spent_usd"] > 0
+
+    [budget] = [b for b in ledger.budgets() if b.scope == "acme"]
+    assert budget.hourly_cap_cents == 2000, "an agent's job changed the org's budget"
+    assert not [s for s in ledger.session_templates() if "agent-x" in s.scope]
+    assert not (house["tmp"] / "escaped").exists(), "the job could write into the admin's folder"
+
+    logs = _every(house, "/logs/filter")
+    lines = [log["message"] for log in logs]
+    assert any("65534" in line for line in lines), "the job did not run as nobody"
+    assert not any("PREFECT_GPU_BUDGET_LEDGER_URL=" in line for line in lines)
+    params = [r["parameters"] for r in _admin(house, "/flow_runs/filter", {})]
+    assert params and not any("token" in json.dumps(p) for p in params)
+    assert house["tokens"][SESSION] not in json.dumps(params)
+
+
+REFUSED = {
+    "another scope": (_spec(scope="acme/agents"), "may spend only in"),
+    "a budget in the spec": (_spec(hourly_cap_usd=999), "hourly_cap_usd"),
+    "a callable not allowed": (
+        {**{k: v for k, v in _spec().items() if k != "command"}, "callable": "os:system"},
+        "callable",
+    ),
+    "another team's launcher": (_spec(launcher="sagemaker:nlp-team"), "launcher"),
+    "a deployment launcher": (_spec(launcher="deployment:anything"), "launcher"),
+    "top priority": (_spec(job={**_spec()["job"], "priority": 1000}), "job.priority"),
+    "waiting forever": (_spec(job={**_spec()["job"], "max_wait": 0}), "job.max_wait"),
+    "waiting a month": (_spec(job={**_spec()["job"], "max_wait": "30d"}), "job.max_wait"),
+    "a huge format spec": (_spec(command=["echo", "{lr:>400000000}"]), "command"),
+    "an absolute results dir": (_spec(results_dir="/etc/cron.d"), "results_dir"),
+    "a results dir above its root": (_spec(results_dir="../../admin"), "results_dir"),
+    "too many trials": (_spec(grid={"lr": list(range(101))}), "grid"),
+    "a malformed grid": (_spec(grid="lr=1"), "grid"),
+    "not a mapping": ([1, 2], "body"),
+}
+
+
+@pytest.mark.parametrize("attack", REFUSED)
+def test_a_spec_beyond_the_agents_limits_is_a_422_and_reserves_nothing(house, attack):
+    gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
+    spec, field = REFUSED[attack]
+    before = (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {})))
+    code, body = gw.call("POST", "/v1/sweeps", token, spec)
+    assert code == 422, body
+    assert "\n" not in body["detail"] and field in body["detail"], body
+    assert (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
+
+
+def test_big_or_unsized_bodies_are_refused_before_parsing(house):
+    gw, token = house["gateway"], house["tokens"][SESSION]
+    code, _ = gw.call("POST", "/v1/sweeps", token, raw=b"[" + b"1," * 40_000 + b"1]")
+    assert code == 413
+    code, _ = gw.call("POST", "/v1/sweeps", token, raw=b"{not json")
+    assert code == 422
+
+
+def test_another_sessions_runs_and_jobs_look_like_absent_ones(house):
+    gw, ledger = house["gateway"], house["ledger"]
+    mine, theirs = house["tokens"][SESSION], house["tokens"][OTHER]
+    [run] = [
+        r
+        for r in _admin(house, "/flow_runs/filter", {})
+        if r["parameters"].get("session") == SESSION
+    ][:1]
+    job = ledger.jobs(SESSION)[0]["id"]
+    absent = gw.call("GET", f"/v1/sweeps/{uuid.uuid4()}", theirs)
+    other = gw.call("GET", f"/v1/sweeps/{run['id']}", theirs)
+    assert absent[0] == other[0] == 404
+    assert gw.call("GET", "/v1/sweeps/not-a-uuid", theirs)[0] == 404
+    assert gw.call("GET", f"/v1/sweeps/{run['id']}", mine)[0] == 200
+    for job_id in (job, str(uuid.uuid4()), "../x"):
+        code, _ = gw.call("POST", f"/v1/jobs/{job_id}/cancel", theirs, raw=b"")
+        assert code == 404, job_id
+    assert ledger.job(job)["state"] == "settled"
+
+
+def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
+    """A session capped at one job at a time runs a 4-trial sweep; a second sweep is past its
+    limit (429); revoking the token cancels the queued trials at once and admits none later."""
+    gw, token, ledger = house["gateway"], house["tokens"][SLOW], house["ledger"]
+    spec = _spec(
+        command=["sh", "-c", f"sleep 8; {REPORT}"], grid={"lr": [1, 2, 3, 4]}, parallelism=4
+    )
+    code, started = gw.call("POST", "/v1/sweeps", token, spec)
+    assert code == 201, started
+    code, body = gw.call("POST", "/v1/sweeps", token, spec)
+    assert code == 429 and "at most 1" in body["detail"], body
+    wait_for(
+        lambda: sum(j["state"] == "queued" for j in ledger.jobs(SLOW)) >= 2, 120, "queued trials"
+    )
+    revoked = _cli(house["env"], "agent", "revoke", SLOW)
+    assert revoked.returncode == 0, revoked.stderr
+    assert not [j for j in ledger.jobs(SLOW) if j["state"] == "queued"]
+    assert gw.call("GET", "/v1/status", token)[0] == 401
+    wait_for(
+        lambda: (
+            all(j["state"] in ("settled", "cancelled", "rejected") for j in ledger.jobs(SLOW))
+            and len(ledger.jobs(SLOW)) == 4
+        ),
+        180,
+        "the revoked sweep to end",
+    )
+    started_jobs = [j for j in ledger.jobs(SLOW) if j["started_at"]]
+    assert len(started_jobs) == 1, "a trial was admitted after its grant was revoked"
+
+
+def test_no_planted_secret_reached_any_log_artifact_event_state_or_response(house):
+    found = {
+        "logs": _every(house, "/logs/filter"),
+        "artifacts": _every(house, "/artifacts/filter"),
+        "flow runs": _every(house, "/flow_runs/filter"),
+        "task runs": _every(house, "/task_runs/filter"),
+        "events": _admin(house, "/events/filter", {"limit": 200}),
+        "gateway responses": house["gateway"].seen,
+    }
+    for where, items in found.items():
+        text = json.dumps(items)
+        for secret in PLANTED:
+            assert secret not in text, f"a planted secret reached the {where}"
+
+
+def test_results_stay_under_the_agents_root(house):
+    root = Path(house["tmp"]) / "agent-results"
+    assert list(root.glob("acme/agents/agent-7/*/probe-*/trials.csv"))
+
+
+def test_guessing_tokens_is_rate_limited(house):
+    """Last in this module: it locks this client address out for a minute."""
+    gw = house["gateway"]
+    codes = [gw.call("GET", "/v1/status", f"gpub_guess{i}")[0] for i in range(15)]
+    assert codes[0] == 401 and codes[-1] == 429
+    assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 429

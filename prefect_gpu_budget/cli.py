@@ -399,6 +399,12 @@ def pool_set(
         kind=kind,
         backfill=backfill,
     )
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    catalog = default_catalog()
+    for instance in instance_type:  # a job of an unpriced type could never be quoted
+        if not any(row.key == instance for row in catalog.rows()):  # any provisioning will do
+            catalog.row(instance)  # says why, with the nearest priced type
     _ledger().set_pool(block.pool())  # its quotas stay: a concurrent `pool quota` survives
     console.print(f"pool {org}/{name}: {nodes} x {gpus_per_node} {gpu_model}".rstrip())
 

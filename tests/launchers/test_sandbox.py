@@ -177,6 +177,54 @@ def test_the_job_cannot_kill_its_holder(sandbox, quote) -> None:
 
 
 @as_root
+def test_the_holder_stays_root_with_none_of_the_jobs_variables(sandbox, quote) -> None:
+    """The holder is root: a variable the job sets (LD_PRELOAD) must never reach it."""
+    job, mark = _job('echo "preload=$LD_PRELOAD"; sleep 30', env={"LD_PRELOAD": "/no/such/lib.so"})
+    ids: list[str] = []
+    seen: dict[str, object] = {}
+    launcher = LocalLauncher(sandbox)
+
+    def look(started: float, external_id: str) -> None:
+        ids.append(external_id)
+
+    lines: list[str] = []
+    runner = threading.Thread(
+        target=lambda: launcher.run(job, quote, log=lines.append, on_start=look)
+    )
+    runner.start()
+    deadline = time.time() + 30
+    while not (ids and _marked(mark)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert ids and _marked(mark), "the job never started"
+    holder = int(ids[0].split(":")[0])
+    with open(f"/proc/{holder}/environ", "rb") as handle:
+        seen["names"] = {item.split(b"=", 1)[0] for item in handle.read().split(b"\0") if item}
+    seen["uid"] = _uid_of(holder)
+    launcher.stop(ids[0], grace=1.0)
+    runner.join(timeout=30)
+    assert seen["uid"] == 0
+    assert seen["names"] <= {JOB_MARK_ENV.encode(), b"LD_LIBRARY_PATH"}, seen
+    assert "preload=/no/such/lib.so" in lines  # the job itself has what it asked for
+    assert _marked(mark) == []
+
+
+@as_root
+def test_gpu_assignment_reaches_the_sandboxed_job(
+    monkeypatch: pytest.MonkeyPatch, sandbox, quote
+) -> None:
+    """CUDA_VISIBLE_DEVICES: the GPUs granted to the job on a GPU machine, else the worker's."""
+    from prefect_gpu_budget.launchers.local import visible_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    job, _ = _job('echo "gpus=$CUDA_VISIBLE_DEVICES"')
+    lines: list[str] = []
+    result = LocalLauncher(sandbox).run(job, quote, log=lines.append)
+    assert result.outcome == "completed", (result, lines)
+    shown = next(x[5:] for x in lines if x.startswith("gpus="))
+    assert len(shown.split(",")) == 1 and (visible_gpus() or shown == "0"), shown
+
+
+@as_root
 def test_a_metrics_file_swapped_for_a_link_is_not_followed(sandbox, quote, base) -> None:
     """The job replaces its metrics file with a link to a file only root may read: the worker
     (root) copies nothing of it."""

@@ -366,12 +366,19 @@ def test_a_worker_that_is_not_root_cannot_switch_user(base, quote) -> None:
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="runs as the worker's own user only when not root")
 def test_a_worker_that_is_not_root_runs_jobs_as_itself_with_a_warning(
-    planted, base, quote, caplog
+    planted, base, quote, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from prefect_gpu_budget.launchers import sandbox as module
+
+    monkeypatch.setattr(module, "_warned_own_user", False)  # once per process: this one
     job, _ = _job('echo "uid=$(id -u) aws=$AWS_SECRET_ACCESS_KEY"')
     lines: list[str] = []
-    result = LocalLauncher(Sandbox(root=base / "jobs")).run(job, quote, log=lines.append)
-    assert result.outcome == "completed" and f"uid={os.geteuid()} aws=" in lines
+    with caplog.at_level("WARNING", logger=module.__name__):
+        for _ in range(2):
+            result = LocalLauncher(Sandbox(root=base / "jobs")).run(job, quote, log=lines.append)
+            assert result.outcome == "completed" and f"uid={os.geteuid()} aws=" in lines
+    warned = [r for r in caplog.records if "can write whatever that user can" in r.getMessage()]
+    assert len(warned) == 1, caplog.records
 
 
 # -- the job's whole tree, as nobody ------------------------------------------------------

@@ -106,7 +106,42 @@ def catalog_dir() -> Path:
     return Path(explicit) if explicit else prefect_home() / "gpu-budget" / "catalogs"
 
 
+# -- the sandbox agents' jobs run in (`launchers/sandbox.py`) ---------------------------------
+
+AGENT_USER_ENV = "PREFECT_GPU_BUDGET_AGENT_USER"
+"""The unprivileged user agents' local jobs run as."""
+AGENT_ALLOW_ROOT_ENV = "PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT"
+"""`1` or `true`: an admin's opt-in to running agents' jobs as root."""
+AGENT_ENV_ENV = "PREFECT_GPU_BUDGET_AGENT_ENV"
+"""More names (or `fnmatch` patterns) of the worker's environment that agents' jobs get."""
+AGENT_ROOT_ENV = "PREFECT_GPU_BUDGET_AGENT_ROOT"
+"""The folder under which each agent job gets a fresh working directory."""
 AGENT_RESULTS_ENV = "PREFECT_GPU_BUDGET_AGENT_RESULTS"
+"""The folder agents' sweeps keep their results under."""
+
+
+def agent_user() -> str | None:
+    """PREFECT_GPU_BUDGET_AGENT_USER, or None when unset or blank."""
+    return os.environ.get(AGENT_USER_ENV, "").strip() or None
+
+
+def agent_allow_root() -> bool:
+    """Whether PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT opts in (`1`, `true`, `yes`, `on`)."""
+    return os.environ.get(AGENT_ALLOW_ROOT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def agent_env_extra() -> tuple[str, ...]:
+    """The comma-separated names and patterns of PREFECT_GPU_BUDGET_AGENT_ENV."""
+    text = os.environ.get(AGENT_ENV_ENV, "")
+    return tuple(name for name in (part.strip() for part in text.split(",")) if name)
+
+
+def agent_jobs_root() -> Path:
+    """PREFECT_GPU_BUDGET_AGENT_ROOT, default `gpu-budget-agent-jobs` in the system temp dir."""
+    import tempfile
+
+    explicit = os.environ.get(AGENT_ROOT_ENV, "").strip()
+    return Path(explicit) if explicit else Path(tempfile.gettempdir()) / "gpu-budget-agent-jobs"
 
 
 def agent_results_root() -> Path:

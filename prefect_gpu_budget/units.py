@@ -37,6 +37,11 @@ def redact_urls(text: str) -> str:
     return _URL_CREDENTIALS_RE.sub(r"\1***@", text)
 
 
+def url_credentials(text: str) -> list[str]:
+    """The credentials (`user:password`) of every URL in `text`: what `redact_urls` hides."""
+    return [m.group(0)[len(m.group(1)) : -1] for m in _URL_CREDENTIALS_RE.finditer(text)]
+
+
 class BudgetInputError(ValueError):
     """Bad input from a user: its message is one line naming the field and the rule."""
 

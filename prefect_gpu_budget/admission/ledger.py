@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -1566,6 +1566,14 @@ class _FileIdentity:
             )
 
 
+def _create_private(path: str) -> None:
+    """Create a new SQLite ledger file readable by its owner only (SQLite gives its -wal and
+    -shm files the same mode), so other users (agents' jobs) cannot read the rows of other
+    sessions. An existing file keeps its mode."""
+    with suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
 def _make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
@@ -1574,6 +1582,7 @@ def _make_engine(url: str) -> Engine:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             identity = _FileIdentity(os.path.abspath(path))
             identity.before_first_connect()
+            _create_private(path)
         engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
         @sa.event.listens_for(engine, "connect")

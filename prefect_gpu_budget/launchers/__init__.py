@@ -11,6 +11,7 @@ from prefect_gpu_budget.launchers.base import (
     Probe,
 )
 from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.launchers.sandbox import Sandbox
 
 _LAZY = {
     "DeploymentLauncher": "prefect_gpu_budget.launchers.deployment",
@@ -36,5 +37,6 @@ __all__ = [
     "LocalLauncher",
     "Probe",
     "SageMakerLauncher",
+    "Sandbox",
     "VertexLauncher",
 ]

@@ -15,6 +15,13 @@ its children go on using the GPUs. This holder
 It runs as a file, `python -I -S _reaper.py --grace S --holder PID -- command...`, and imports
 only the standard library, so it starts in milliseconds. The subreaper setting stays in this
 process; the launcher's own process (and its other jobs) is untouched.
+
+For an agent's job (`sandbox.py`) the holder stays with the launcher's user (root, so that the
+job cannot kill or trace it) and starts the command as another: `--user UID:GID` (no
+supplementary groups), `--umask 077`, `--cwd DIR` (entered after the switch). `--env-stdin`
+reads the command's environment from stdin (`NAME=value` entries, NUL-separated, until EOF):
+the holder itself then runs with the launcher's minimal environment, never one the job chose
+(`LD_PRELOAD` in a root process), and stdin is /dev/null for the command.
 """
 
 from __future__ import annotations
@@ -68,20 +75,69 @@ def _signal_tree(sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _spawn(command: list[str], mask: set[int]) -> int:
+class Child:
+    """How the command is started: as whom, where, with which environment (None: the holder's
+    own, as it is)."""
+
+    def __init__(
+        self,
+        user: tuple[int, int] | None = None,
+        umask: int | None = None,
+        cwd: str | None = None,
+        env: dict[bytes, bytes] | None = None,
+    ) -> None:
+        self.user, self.umask, self.cwd, self.env = user, umask, cwd, env
+
+
+def _exec_with(command: list[str], env: dict[bytes, bytes]) -> None:  # pragma: no cover
+    """`os.execvpe`, looked up on `env`'s PATH, without the imports `os.execvpe` makes (after
+    a switch of user the standard library may be out of reach)."""
+    name = os.fsencode(command[0])
+    if b"/" in name:
+        os.execve(name, command, env)
+    error: OSError = FileNotFoundError(2, "No such file or directory", command[0])
+    for folder in env.get(b"PATH", os.defpath.encode()).split(b":"):
+        try:
+            os.execve(os.path.join(folder or b".", name), command, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError as exc:  # e.g. permission denied: remembered, as execvp does
+            error = exc
+    raise error
+
+
+def _spawn(command: list[str], mask: set[int], child: Child) -> int:
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         try:
+            if child.user is not None:
+                uid, gid = child.user
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                if os.getuid() != uid or os.geteuid() != uid or os.getegid() != gid:
+                    raise PermissionError(f"could not switch to uid {uid}, gid {gid}")
+            if child.umask is not None:
+                os.umask(child.umask)
+            if child.cwd is not None:
+                os.chdir(child.cwd)
+            # After the switch: a change of user clears the parent-death signal.
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if os.getppid() != parent:  # the holder died before that took effect
+                os._exit(137)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-            os.execvp(command[0], command)
+            if child.env is None:
+                os.execvp(command[0], command)
+            else:
+                _exec_with(command, child.env)
         except BaseException as exc:  # noqa: BLE001 - report and leave, whatever it was
             os.write(2, f"could not start {command[0]!r}: {exc}\n".encode())
         os._exit(127)
     return pid
 
 
-def hold(command: list[str], grace: float, holder: int | None) -> int:
+def hold(command: list[str], grace: float, holder: int | None, child: Child | None = None) -> int:
     """Run `command` and everything it starts to the end; return the command's wait status."""
     subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, HOLDER_GONE)
@@ -89,7 +145,7 @@ def hold(command: list[str], grace: float, holder: int | None) -> int:
     status: int | None = None
     kill_at: float | None = None  # set once a stop is asked for
     now_kill = holder is not None and os.getppid() != holder  # the launcher died already
-    pid = _spawn(command, mask)
+    pid = _spawn(command, mask, child or Child())
     if not subreaper:
         print("job holder: no child subreaper here; only direct children are waited for")
     while True:
@@ -121,18 +177,61 @@ def hold(command: list[str], grace: float, holder: int | None) -> int:
     return 0 if status is None else status
 
 
+def _read_env() -> dict[bytes, bytes]:
+    """The command's environment from stdin (NUL-separated `NAME=value`); stdin is then
+    /dev/null, so the command reads nothing of the launcher's."""
+    chunks = []
+    while True:
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    env = {}
+    for item in b"".join(chunks).split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if name and sep:
+            env[name] = value
+    return env
+
+
+USAGE = (
+    "usage: _reaper.py [--grace S] [--holder PID] [--user UID:GID] [--umask OCTAL] [--cwd DIR]"
+    " [--env-stdin] -- command..."
+)
+
+
 def main(argv: list[str]) -> None:
-    grace, holder = 10.0, None
+    grace, holder, child, env_stdin = 10.0, None, Child(), False
     while argv and argv[0] != "--":
-        flag, value, *argv = argv
+        flag, *argv = argv
+        if flag == "--env-stdin":
+            env_stdin = True
+            continue
+        if not argv:
+            sys.exit(USAGE)
+        value, *argv = argv
         if flag == "--grace":
             grace = float(value)
         elif flag == "--holder":
             holder = int(value)
+        elif flag == "--user":
+            uid, _, gid = value.partition(":")
+            child.user = (int(uid), int(gid or uid))
+        elif flag == "--umask":
+            child.umask = int(value, 8)
+        elif flag == "--cwd":
+            child.cwd = value
+        else:
+            sys.exit(USAGE)
     command = argv[1:]
     if not command:
-        sys.exit("usage: _reaper.py [--grace S] [--holder PID] -- command...")
-    status = hold(command, grace, holder)
+        sys.exit(USAGE)
+    if env_stdin:
+        child.env = _read_env()
+    status = hold(command, grace, holder, child)
     sys.stdout.flush()
     if os.WIFSIGNALED(status):  # die of the same signal, so the launcher sees what it saw
         sig = os.WTERMSIG(status)

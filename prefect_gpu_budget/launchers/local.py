@@ -13,6 +13,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,6 +29,7 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
+from prefect_gpu_budget.launchers.sandbox import Sandbox, SandboxedJob
 from prefect_gpu_budget.pricing.catalog import Quote
 
 REAPER = str(Path(__file__).with_name("_reaper.py"))
@@ -78,15 +80,25 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         _PRCTL(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+@dataclass(frozen=True)
 class LocalLauncher:
     """Runs the job's command on this machine, under a job holder (`_reaper.py`); its external
-    id is the holder's `pid:start-ticks`."""
+    id is the holder's `pid:start-ticks`.
 
+    Without a `sandbox` (an admin's own jobs) the command gets the worker's environment and
+    runs as the worker's user. With one (agents' jobs: `Sandbox.from_env()`) it runs as the
+    sandbox's user, in a fresh folder, with a stripped environment and redacted output; a
+    sandbox that cannot run the job (root with no agent user, say) refuses it in `preflight`,
+    and `run` reports it as a `launch_error`."""
+
+    sandbox: Sandbox | None = None
     kind: ClassVar[str] = "local"
 
     def preflight(self, job: GpuJob, quote: Quote) -> None:
         if not job.command:
             raise LaunchConfigError(self.kind, "job has no command to run")
+        if self.sandbox is not None:
+            self.sandbox.check(job)
 
     def run(
         self,
@@ -110,10 +122,17 @@ class LocalLauncher:
         if not job.command:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail="job has no command to run")
-        missing = _not_runnable(job.command[0])
-        if missing:
-            now = time.time()
-            return LaunchResult("launch_error", now, now, detail=f"could not start: {missing}")
+        if self.sandbox is not None:
+            try:
+                self.sandbox.check(job)
+            except LaunchConfigError as refused:
+                now = time.time()
+                return LaunchResult("launch_error", now, now, detail=refused.reason)
+        else:
+            missing = _not_runnable(job.command[0])
+            if missing:
+                now = time.time()
+                return LaunchResult("launch_error", now, now, detail=f"could not start: {missing}")
         wanted = quote.row.gpus * job.nodes
         gpus = _grant(wanted)
         if len(gpus) < wanted and visible_gpus():  # a GPU machine, but not enough free GPUs
@@ -123,26 +142,44 @@ class LocalLauncher:
                 "launch_error", now, now, detail=f"fewer than {wanted} GPUs free here"
             )
         mark = uuid.uuid4().hex
-        child_env = {**os.environ, **job.env, **(env or {}), JOB_MARK_ENV: mark}
+        extra = {**(env or {}), JOB_MARK_ENV: mark}
         if gpus:
-            child_env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+            extra["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         holder = [sys.executable, "-I", "-S", REAPER, "--grace", str(job.kill_grace)]
-        holder += ["--holder", str(os.getpid()), "--", *job.command]
+        holder += ["--holder", str(os.getpid())]
+        sandboxed: SandboxedJob | None = None
         try:
+            if self.sandbox is None:
+                holder_env, stdin = {**os.environ, **job.env, **extra}, None
+            else:
+                try:
+                    sandboxed = self.sandbox.prepare(job, extra)
+                except (LaunchConfigError, OSError) as refused:
+                    now = time.time()
+                    reason = getattr(refused, "reason", None) or f"sandbox: {refused}"
+                    return LaunchResult("launch_error", now, now, detail=reason)
+                holder += sandboxed.holder_args()
+                holder_env, stdin = _holder_env(mark), subprocess.PIPE
+                log = _redacting(log, sandboxed)
+            holder += ["--", *job.command]
             try:
                 proc = subprocess.Popen(
                     holder,
+                    stdin=stdin,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
                     errors="replace",
-                    env=child_env,
+                    env=holder_env,
+                    cwd="/" if sandboxed is not None else None,
                     start_new_session=True,
                     preexec_fn=_die_with_parent,
                 )
             except OSError as exc:
                 now = time.time()
                 return LaunchResult("launch_error", now, now, detail=f"could not start: {exc}")
+            if sandboxed is not None:
+                _send_env(proc, sandboxed)
             started = time.time()
             reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
             reader.start()
@@ -165,6 +202,8 @@ class LocalLauncher:
             )
         finally:
             _release(gpus)
+            if sandboxed is not None:
+                sandboxed.finish()
 
     def probe(self, external_id: str) -> Probe:
         """`running` when the same process (pid and start time) still runs here; `unknown`
@@ -208,6 +247,29 @@ def _wait(proc: subprocess.Popen, job: GpuJob, record: StartRecord) -> tuple[int
             ("completed" if code == 0 else "failed"),
             ("" if code == 0 else f"exit code {code}"),
         )
+
+
+def _holder_env(mark: str) -> dict[str, str]:
+    """A sandboxed job's holder runs with this, none of the job's variables: it may be root,
+    and `LD_PRELOAD` from a job's env would run the job's code in it."""
+    env = {JOB_MARK_ENV: mark}
+    if "LD_LIBRARY_PATH" in os.environ:  # the worker's (an interpreter may need it to start)
+        env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+    return env
+
+
+def _send_env(proc: subprocess.Popen, sandboxed: SandboxedJob) -> None:
+    """Hand the job's environment to its holder (`--env-stdin`), then close its stdin."""
+    assert proc.stdin is not None
+    with contextlib.suppress(BrokenPipeError):  # the holder is gone already: its exit tells
+        proc.stdin.buffer.write(sandboxed.env_bytes())
+        proc.stdin.buffer.flush()
+    with contextlib.suppress(BrokenPipeError):
+        proc.stdin.close()
+
+
+def _redacting(log: Callable[[str], None], sandboxed: SandboxedJob) -> Callable[[str], None]:
+    return lambda line: log(sandboxed.redact(line))
 
 
 def _not_runnable(program: str) -> str:

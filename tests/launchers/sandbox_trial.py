@@ -1,0 +1,22 @@
+"""A trial callable for the sandbox tests (`python -m prefect_gpu_budget.flows.trial
+tests.launchers.sandbox_trial:train '{"lr": 0.5}'`): standard library only, so any Python the
+sandbox's user can run imports it."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from prefect_gpu_budget.flows.trial import report
+
+
+def train(lr: float) -> dict[str, Any]:
+    """Reports one step, and returns what the sandbox looks like from inside."""
+    report(step=1, loss=lr)
+    return {
+        "loss": lr / 2,
+        "uid": os.getuid(),
+        "cwd": os.getcwd(),
+        "home": os.environ.get("HOME"),
+        "names": sorted(os.environ),
+    }

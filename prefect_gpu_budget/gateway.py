@@ -252,6 +252,23 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
             for row in ledger.status(scope)
             if row["scope"] == scope
         ]
+        if not budgets:  # no job yet: the team's template is what its first job will get
+            team = scope.rsplit("/", 1)[0]
+            budgets = [
+                {
+                    "scope": scope,
+                    "from_template": team,
+                    "hourly_cap_usd": None
+                    if rule.hourly_cap_cents is None
+                    else rule.hourly_cap_cents / 100,
+                    "period_budget_usd": micro_to_usd(rule.period_budget_micro)
+                    if rule.period_budget_micro is not None
+                    else None,
+                    "period": rule.period,
+                }
+                for rule in ledger.session_templates()
+                if rule.scope == team
+            ]
         live = [_trial(r) for r in ledger.jobs(scope, limit=500) if r["state"] not in FINAL]
         return {"session": scope, "budget": budgets[0] if budgets else None, "jobs": live}
 

@@ -37,9 +37,10 @@ PASSWORD = f"planted-pw-{MARK}"
 AWS_SECRET = f"planted-aws-{MARK}"
 PLANTED = (AUTH, PASSWORD, AWS_SECRET, f"planted-auth-{MARK}")
 SESSION, OTHER, SLOW = "acme/agents/agent-7", "acme/agents/agent-8", "acme/slow/agent-9"
-REPORT = """echo '{"summary": true, "loss": 0.5}' >> "$GPU_BUDGET_METRICS_FILE" """
+REPORT = """echo '{{"summary": true, "loss": 0.5}}' >> "$GPU_BUDGET_METRICS_FILE" """
 """A trial's report in shell: the sandbox user may not reach this machine's Python (under a
-home folder closed to it), and a shell is all these probes need."""
+home folder closed to it), and a shell is all these probes need. Braces are doubled: a command's
+`{name}` is a placeholder."""
 
 
 class Gateway:
@@ -123,6 +124,7 @@ def house(tmp_path_factory):
             AWS_SECRET_ACCESS_KEY=AWS_SECRET,
             PREFECT_GPU_BUDGET_AGENT_USER="nobody",
             PREFECT_GPU_BUDGET_AGENT_RESULTS=str(tmp / "agent-results"),
+            PREFECT_LOGGING_LEVEL="INFO",  # the job's output reaches the run logs (searched below)
         )
         procs = []
         try:
@@ -189,6 +191,17 @@ def _every(house, path: str) -> list:
             return rows
 
 
+def _events(house) -> list:
+    """Every event of the last hour (the server's default window), page by page."""
+    page = _admin(house, "/events/filter", {"limit": 50})
+    events = list(page["events"])
+    while page.get("next_page"):
+        page = prefect_http(page["next_page"], auth=AUTH)
+        events += page["events"]
+    assert events, "no events at all: the search below would prove nothing"
+    return events
+
+
 def test_the_prefect_api_is_closed_to_anyone_without_the_auth_string(house):
     api = house["server"].api
     attacks = [
@@ -241,9 +254,12 @@ def test_an_agent_job_runs_sandboxed_and_cannot_reach_the_admins_keys(house):
     assert not [s for s in ledger.session_templates() if "agent-x" in s.scope]
     assert not (house["tmp"] / "escaped").exists(), "the job could write into the admin's folder"
 
-    logs = _every(house, "/logs/filter")
-    lines = [log["message"] for log in logs]
-    assert any("65534" in line for line in lines), "the job did not run as nobody"
+    def job_output() -> list[str]:  # run logs reach the server in batches
+        lines = [log["message"] for log in _every(house, "/logs/filter")]
+        return lines if any(line.startswith("| ") for line in lines) else []
+
+    lines = wait_for(job_output, 60, "the job's output in the run logs")
+    assert "| 65534" in lines, f"the job did not run as nobody: {lines}"
     assert not any("PREFECT_GPU_BUDGET_LEDGER_URL=" in line for line in lines)
     params = [r["parameters"] for r in _admin(house, "/flow_runs/filter", {})]
     assert params and not any("token" in json.dumps(p) for p in params)
@@ -346,7 +362,7 @@ def test_no_planted_secret_reached_any_log_artifact_event_state_or_response(hous
         "artifacts": _every(house, "/artifacts/filter"),
         "flow runs": _every(house, "/flow_runs/filter"),
         "task runs": _every(house, "/task_runs/filter"),
-        "events": _admin(house, "/events/filter", {"limit": 200}),
+        "events": _events(house),
         "gateway responses": house["gateway"].seen,
     }
     for where, items in found.items():

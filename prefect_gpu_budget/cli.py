@@ -469,13 +469,14 @@ def ledger_cmd(
             "id": r["id"],
             "scope": r["scope"],
             "name": r["name"],
+            **_sweep_trial(r["name"]),
             "instance_type": r["instance_type"],
             "nodes": r["nodes"],
             "rate_usd_per_hour": _usd(r["rate_micro_per_hour"]),
             "reserved_usd": _usd(r["reserved_micro"]),
             "actual_usd": _usd(r["actual_micro"]),
             "state": r["state"],
-            "outcome": r["outcome"],
+            "outcome": r["outcome"] or _UNRUN.get(r["state"]),
             "reason": r["reason"],
             "flow_run_id": r["flow_run_id"],
             "requested_at": _iso(r["requested_at"]),
@@ -500,20 +501,32 @@ def ledger_cmd(
         "requested",
         "run",
     )
-    for r in out:
+    for raw, r in zip(rows, out, strict=True):
         table.add_row(
             r["id"][:8],
             r["scope"],
             r["name"],
             f"{r['instance_type']} x{r['nodes']}",
-            f"${r['rate_usd_per_hour']:.4f}",
-            f"${r['reserved_usd']:.4f}",
-            "-" if r["actual_usd"] is None else f"${r['actual_usd']:.4f}",
+            fmt_usd(raw["rate_micro_per_hour"]),
+            fmt_usd(raw["reserved_micro"]),
+            "-" if raw["actual_micro"] is None else fmt_usd(raw["actual_micro"]),
             r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
             (r["requested_at"] or "")[:19],
             (r["flow_run_id"] or "")[:8],
         )
     console.print(table)
+
+
+_UNRUN = {"rejected": "refused", "timed_out": "timed_out", "cancelled": "cancelled"}
+"""The outcome of a job that ended without running, by its state."""
+
+
+def _sweep_trial(name: str) -> dict[str, Any]:
+    """A sweep's trial is named `SWEEP/NNNN`: the ledger's link back to the trials table."""
+    sweep_name, _, index = name.rpartition("/")
+    if sweep_name and len(index) == 4 and index.isdigit():
+        return {"sweep": sweep_name, "trial": int(index)}
+    return {"sweep": None, "trial": None}
 
 
 @app.command()

@@ -81,9 +81,14 @@ def micro_to_usd(micro: int) -> float:
 
 
 def fmt_usd(micro: int) -> str:
-    """`$12.34`, or four decimals for amounts under a dollar so that small demo jobs show."""
+    """`$12.34` from a dollar up; below it four significant digits, so that small jobs show
+    (`$0.0085`, `$0.1235`, `$0.50`)."""
     usd = Decimal(micro) / MICRO_PER_USD
-    return f"${usd:,.4f}" if abs(micro) < MICRO_PER_USD else f"${usd:,.2f}"
+    if abs(micro) >= MICRO_PER_USD or micro == 0:
+        return f"${usd:,.2f}"
+    digits = min(6, 3 - usd.copy_abs().adjusted())  # a micro-dollar is the ledger's unit
+    whole, _, frac = f"{usd:.{digits}f}".rstrip("0").partition(".")
+    return f"${whole}.{frac.ljust(2, '0')}"
 
 
 def rate_cents(rate_micro_per_hour: int) -> int:

@@ -225,7 +225,7 @@ def test_audit_finds_orphans_and_double_charges(tmp_path: Path) -> None:
         )
     found = audit(ledger)
     assert (found.double_charges, found.missing_charges) == (1, 0)
-    assert "ledger holds $0.0200, its settled jobs cost $0.0100" in found.messages[0]
+    assert "ledger holds $0.02, its settled jobs cost $0.01" in found.messages[0]
 
     dead = f"{os.uname().nodename}:{2**22 + 7}:1"  # above pid_max: never alive
     ledger.request(new_job("au/t", holder=dead))

@@ -204,6 +204,7 @@ def test_sweep_command_runs_a_yaml_sweep_and_prints_its_table(prefect_api, price
     jobs = json.loads(listed.stdout)
     assert sorted(j["name"] for j in jobs) == [f"{spec['name']}/000{i}" for i in range(3)]
     assert {j["outcome"] for j in jobs} == {"completed"} and all(j["flow_run_id"] for j in jobs)
+    assert sorted((j["sweep"], j["trial"]) for j in jobs) == [(spec["name"], i) for i in range(3)]
     table = subprocess.run([*cli, "ledger"], env=env, capture_output=True, text=True, check=True)
     assert table.stdout.count("settled (completed)") == 3, table.stdout
 
@@ -401,3 +402,24 @@ def test_a_child_cap_above_its_parents_is_set_with_a_warning(tmp_path):
         "warning: the cap $500.00/h of acme/vision is above the $60.00/h of acme, which binds"
     )
     assert "budget set for acme/vision: cap $500.00/h" in done.stdout  # one line when piped
+
+
+def test_the_ledger_names_why_a_job_that_never_ran_ended(tmp_path, monkeypatch, capsys):
+    from prefect_gpu_budget.cli import main
+    from tests.jobs import new_job
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100, on_limit="reject"))
+    refused, decision = ledger.request(new_job("acme/t", name="nightly/0007"))
+    assert decision.verdict == "reject"
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_LEDGER_URL", url)
+    monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "ledger", "--json"])
+    main()
+    [row] = json.loads(capsys.readouterr().out)
+    assert (row["id"], row["outcome"], row["sweep"], row["trial"]) == (
+        refused,
+        "refused",
+        "nightly",
+        7,
+    )

@@ -74,3 +74,22 @@ def test_priority_classes_are_named_and_configurable(monkeypatch):
     monkeypatch.setenv(PRIORITY_CLASSES_ENV, "urgent=5000")
     with pytest.raises(ValueError, match="-1000..1000"):
         GpuJob(**job, priority="urgent")
+
+
+@pytest.mark.parametrize(
+    ("micro", "shown_as"),
+    [
+        (0, "$0.00"),
+        (1, "$0.000001"),
+        (8_500, "$0.0085"),
+        (123_456, "$0.1235"),
+        (500_000, "$0.50"),
+        (1_000_000, "$1.00"),
+        (12_345_678, "$12.35"),
+        (123_456_789_000, "$123,456.79"),
+    ],
+)
+def test_dollars_show_cents_from_a_dollar_up_and_four_significant_digits_below(micro, shown_as):
+    from prefect_gpu_budget.units import fmt_usd
+
+    assert fmt_usd(micro) == shown_as

@@ -15,6 +15,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -70,12 +71,15 @@ class Gateway:
         return code, (json.loads(text) if text.startswith("{") else {"text": text})
 
     def sweep_until_done(self, token: str, run_id: str, timeout: float = 240) -> dict:
-        def done() -> dict | None:
+        """Poll as an agent would: every 2 s, well within the gateway's calls per minute."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             code, run = self.call("GET", f"/v1/sweeps/{run_id}", token)
             assert code == 200, run
-            return run if run["state"] in ("Completed", "Failed", "Crashed") else None
-
-        return wait_for(done, timeout, f"sweep {run_id}")
+            if run["state"] in ("Completed", "Failed", "Crashed"):
+                return run
+            time.sleep(2.0)
+        raise AssertionError(f"sweep {run_id} still {run['state']} after {timeout:.0f}s")
 
 
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -282,6 +286,7 @@ REFUSED = {
     "an absolute results dir": (_spec(results_dir="/etc/cron.d"), "results_dir"),
     "a results dir above its root": (_spec(results_dir="../../admin"), "results_dir"),
     "too many trials": (_spec(grid={"lr": list(range(101))}), "grid"),
+    "more at once than may queue": (_spec(parallelism=64), "parallelism"),
     "a malformed grid": (_spec(grid="lr=1"), "grid"),
     "not a mapping": ([1, 2], "body"),
 }

@@ -60,6 +60,12 @@ def agent_spec(spec: SweepSpec | dict[str, Any], scope: str, limits: AgentLimits
         raise BudgetInputError(
             "grid", f"{trials} trials; agents of {limits.team} may run at most {limits.max_trials}"
         )
+    if loaded.parallelism > max(1, limits.max_queued):
+        raise BudgetInputError(
+            "parallelism",
+            f"at most {limits.max_queued} for agents of {limits.team} (the jobs a session may "
+            f"have queued), got {loaded.parallelism}",
+        )
     job = loaded.job_for({name: 0 for name in loaded.params()}, "check")
     if job.priority > limits.max_priority:
         raise BudgetInputError(

@@ -86,6 +86,7 @@ def _job(**changes: object) -> dict:
         (_job(max_wait=0), "job.max_wait"),
         (_job(max_wait="2h"), "job.max_wait"),
         ({**SPEC, "grid": {"lr": list(range(101))}}, "grid"),
+        ({**SPEC, "parallelism": 17}, "parallelism"),
         ({**SPEC, "results_dir": "/etc"}, "results_dir"),
         ({**SPEC, "results_dir": "a/../../b"}, "results_dir"),
         ({**SPEC, "command": ["echo", "{lr:>400000000}"]}, "command"),

@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.ledger import AGENT_MAX_QUEUED
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.units import (
@@ -223,7 +224,9 @@ class AgentLimits(BaseModel):
         "forever), in seconds or like '1h'.",
     )
     max_sweeps: int = Field(2, ge=0, le=1000, description="Sweeps a session runs at once.")
-    max_queued: int = Field(16, ge=0, le=100_000, description="Jobs a session has queued at once.")
+    max_queued: int = Field(
+        AGENT_MAX_QUEUED, ge=0, le=100_000, description="Jobs a session has queued at once."
+    )
     max_trials: int = Field(100, ge=1, le=10_000, description="Trials in one sweep.")
 
     @field_validator("launchers")

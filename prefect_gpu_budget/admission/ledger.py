@@ -49,7 +49,6 @@ from prefect_gpu_budget.admission.quota import (
     proportional,
     team_of,
 )
-from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
@@ -63,6 +62,8 @@ P = ParamSpec("P")
 T = TypeVar("T")
 ACTIVE = ("admitted", "running")
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
+AGENT_MAX_QUEUED = 16
+"""Jobs an agent session may have queued at once unless its team's `AgentLimits` say."""
 STALE_WAITER_S = 30.0
 """A queued job whose waiter has not polled for this long no longer holds its place."""
 
@@ -212,6 +213,23 @@ versions = sa.Table(
     sa.Column("org", sa.String(48), primary_key=True),
     sa.Column("version", sa.BigInteger, nullable=False),
 )
+
+
+schema = sa.Table("gpu_schema", metadata, sa.Column("digest", sa.String(64), primary_key=True))
+"""The digests of the schemas this ledger has been brought up to."""
+SCHEMA = hashlib.sha256(
+    repr(
+        sorted(
+            (
+                t.name,
+                sorted((c.name, str(c.type)) for c in t.columns),
+                sorted(i.name for i in t.indexes),
+            )
+            for t in metadata.sorted_tables
+        )
+    ).encode()
+).hexdigest()
+"""This version's schema, as a digest: its tables, columns and indexes."""
 
 
 def default_url() -> str:
@@ -365,15 +383,30 @@ class Ledger:
             self.create()
 
     def create(self) -> None:
+        """Make the tables, and the columns an earlier version lacked, unless the ledger says it
+        has this version's schema already (one query instead of an inspection per table: the
+        CLI opens the ledger on every command)."""
+        if self._schema_is_current():
+            return
         for attempt in range(5):
             try:
                 metadata.create_all(self.engine)
                 self._add_new_columns()
+                with self.engine.begin() as conn:
+                    if not conn.execute(schema.select().where(schema.c.digest == SCHEMA)).first():
+                        conn.execute(schema.insert().values(digest=SCHEMA))
                 return
             except sa.exc.DBAPIError:  # another process created the same table at once
                 if attempt == 4:
                     raise
                 time.sleep(0.1 * (attempt + 1))
+
+    def _schema_is_current(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                return bool(conn.execute(schema.select().where(schema.c.digest == SCHEMA)).first())
+        except sa.exc.DBAPIError:  # no such table yet: a new ledger, or an older one
+            return False
 
     def _add_new_columns(self) -> None:
         """A ledger made by an earlier version lacks the newer (nullable) columns and indexes."""
@@ -1080,8 +1113,8 @@ class Ledger:
         has as many queued jobs as its team's agents may."""
         if _live_grant(conn, job.grant or "") != job.scope:
             return "its agent's grant was revoked"
-        team = job.scope.rsplit("/", 1)[0]
-        most = AgentLimits(team=team, **(_limits_of(conn, team) or {})).max_queued
+        limits = _limits_of(conn, job.scope.rsplit("/", 1)[0]) or {}
+        most = int(limits.get("max_queued", AGENT_MAX_QUEUED))
         queued = conn.execute(
             sa.select(sa.func.count())
             .select_from(jobs)

@@ -204,3 +204,29 @@ def test_a_job_says_what_held_it_and_for_how_long(ledger):
     ledger.settle(first, ended_at=1020.0, outcome="completed", scope="wt/a")
     assert ledger.try_admit(second, "wt/a", now=1025.0).verdict == "admit"
     assert wait_spans(ledger.job(second)) == {"hourly_cap wt": 25.0}
+
+
+def test_a_ledger_of_an_earlier_version_gets_the_new_columns_and_a_current_one_one_query(tmp_path):
+    import sqlalchemy as sa
+
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    Ledger(url).dispose()
+    old = sa.create_engine(url)
+    with old.begin() as conn:  # as an earlier version left it: no `waits`, no schema stamp
+        conn.exec_driver_sql("ALTER TABLE gpu_jobs DROP COLUMN waits")
+        conn.exec_driver_sql("DROP TABLE gpu_schema")
+    old.dispose()
+    reopened = Ledger(url)
+    columns = {c["name"] for c in sa.inspect(reopened.engine).get_columns("gpu_jobs")}
+    assert "waits" in columns
+    reopened.dispose()
+
+    statements: list[str] = []
+    current = Ledger(url, create=False)
+    sa.event.listen(current.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    current.create()
+    queries = [s for s in statements if not s.startswith("BEGIN")]
+    assert len(queries) == 1 and "gpu_schema" in queries[0], statements
+    current.dispose()

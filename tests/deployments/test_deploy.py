@@ -12,7 +12,7 @@ def test_deploy_to_a_process_work_pool(prefect_api):
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="gpu-test", type="process"))
     ids = deploy("gpu-test", sweep_cron="30 1 * * *")
-    assert len(ids) == 5
+    assert len(ids) == 4
     with get_client(sync_client=True) as client:
         found = {d.name: d for d in client.read_deployments() if d.work_pool_name == "gpu-test"}
     assert set(found) == {"sweep", "daily", "every-5-minutes", "agents"}

@@ -83,7 +83,7 @@ CLI_CASES = [
             "--gpus-per-node",
             "8",
             "--instance-type",
-            "local:h100x8",
+            "local:priced-nowhere-x8",
         ],
         "instance_type",
     ),

@@ -54,6 +54,18 @@ def wait_for(check, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def stop_groups(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
+    """SIGTERM every process group at once; SIGKILL what has not ended `grace` s later."""
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 class PrefectServer:
     """`prefect server start` on a free port with its own PREFECT_HOME and durable leases."""
 

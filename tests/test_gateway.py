@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.models import AgentLimits
 from tests.postgres import database_url, fresh_database
-from tests.prefect_server import PrefectServer, free_port, wait_for
+from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for
 from tests.prefect_server import http as prefect_http
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="agent jobs switch to user nobody")
@@ -170,13 +169,7 @@ def house(tmp_path_factory):
                 "procs": procs,
             }
         finally:
-            for proc in procs:
-                os.killpg(proc.pid, signal.SIGTERM)
-            for proc in procs:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+            stop_groups(procs, grace=30)
             server.stop()
             ledger.dispose()
 

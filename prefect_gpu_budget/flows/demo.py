@@ -129,9 +129,10 @@ def run_demo(
         remove_demo_limits()
     status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().status()}[DEMO_SCOPE]
     run_dir = df.attrs["results_dir"]
-    columns = ["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "wait_s"]
+    columns = ["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "waited_s"]
     shown = df[[c for c in columns if c in df.columns]]  # a trial that never ran has no metrics
-    print(shown.to_string(index=False))
+    shown = shown.assign(held_by=df["blocked_by"].str.split(" ").str[0])  # the limit, not scope
+    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print(
         f"\nspent {fmt_usd(status['settled_micro'])} of the {fmt_usd(status['period_budget_micro'])} "
         f"day budget of {DEMO_SCOPE} in {time.time() - started:.0f}s; "

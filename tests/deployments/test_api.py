@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from tests.prefect_server import free_port as _free_port
 from tests.prefect_server import http as _http
+from tests.prefect_server import stop_groups
 from tests.prefect_server import wait_for as _wait_for
 
 SESSION = "acme/agents/agent-7"
@@ -125,13 +125,7 @@ def served(tmp_path_factory):
         )
         yield {"base": base, "run": final, "ledger": ledger, "tmp": tmp}
     finally:
-        for proc in reversed(procs):
-            os.killpg(proc.pid, signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+        stop_groups(list(reversed(procs)))
 
 
 @pytest.mark.timeout(600)

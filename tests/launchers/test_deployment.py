@@ -9,7 +9,6 @@ import contextvars
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import METRICS_ENV, GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
 from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
+from tests.prefect_server import stop_groups
 
 POOL = "gpu-process"
 IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start
@@ -62,18 +62,6 @@ def _wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
             pass
         time.sleep(0.3)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM every process group at once; SIGKILL what has not ended 20 s later."""
-    for proc in procs:
-        os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +123,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             yield {"api": api, "tmp": tmp}
             EventsWorker.drain_all(timeout=10)  # send this process's events while the server runs
     finally:
-        _stop(procs)
+        stop_groups(procs)
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ import pytest
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.models import AgentLimits
-from tests.postgres import database_url, fresh_database
+from tests.conftest import PG_URL
+from tests.postgres import fresh_database
 from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for
 from tests.prefect_server import http as prefect_http
 
@@ -104,7 +105,7 @@ def _spec(**changes: object) -> dict:
 @pytest.fixture(scope="module")
 def house(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("house")
-    with fresh_database(database_url("gateway", "GPU_BUDGET_TEST_PG_URL")) as plain:
+    with fresh_database(PG_URL) as plain:
         url = plain.replace("//postgres@", f"//postgres:{PASSWORD}@")  # trust auth ignores it
         from prefect_gpu_budget.pricing.catalog import set_local_price
 

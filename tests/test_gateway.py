@@ -326,11 +326,12 @@ def test_another_sessions_runs_and_jobs_look_like_absent_ones(house):
 
 
 def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
-    """A session capped at one job at a time runs a 4-trial sweep; a second sweep is past its
-    limit (429); revoking the token cancels the queued trials at once and admits none later."""
+    """A session capped at one job at a time runs a 6-trial sweep, 4 at once; a second sweep is
+    past its limit (429); revoking the token cancels the queued trials at once, admits none
+    later, and the sweep starts none of its last two."""
     gw, token, ledger = house["gateway"], house["tokens"][SLOW], house["ledger"]
     spec = _spec(
-        command=["sh", "-c", f"sleep 8; {REPORT}"], grid={"lr": [1, 2, 3, 4]}, parallelism=4
+        command=["sh", "-c", f"sleep 15; {REPORT}"], grid={"lr": [1, 2, 3, 4, 5, 6]}, parallelism=4
     )
     code, started = gw.call("POST", "/v1/sweeps", token, spec)
     assert code == 201, started
@@ -343,14 +344,20 @@ def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
     assert revoked.returncode == 0, revoked.stderr
     assert not [j for j in ledger.jobs(SLOW) if j["state"] == "queued"]
     assert gw.call("GET", "/v1/status", token)[0] == 401
-    wait_for(
+    code, _ = gw.call("GET", f"/v1/sweeps/{started['run_id']}", house["tokens"][SESSION])
+    assert code == 404  # another agent still cannot look
+    run = wait_for(
         lambda: (
-            all(j["state"] in ("settled", "cancelled", "rejected") for j in ledger.jobs(SLOW))
-            and len(ledger.jobs(SLOW)) == 4
+            (r := _admin(house, f"/flow_runs/{started['run_id']}"))["state_type"]
+            in ("COMPLETED", "FAILED", "CRASHED")
+            and r
         ),
         180,
         "the revoked sweep to end",
     )
+    assert run["state_type"] == "COMPLETED", run["state"]
+    assert len(ledger.jobs(SLOW)) == 4, "the sweep started trials after its grant was revoked"
+    assert all(j["state"] in ("settled", "cancelled") for j in ledger.jobs(SLOW))
     started_jobs = [j for j in ledger.jobs(SLOW) if j["started_at"]]
     assert len(started_jobs) == 1, "a trial was admitted after its grant was revoked"
 

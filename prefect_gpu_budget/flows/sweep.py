@@ -365,6 +365,13 @@ def run_sweep(
             in_flight.remove(done)
             finished += 1
             update_progress_artifact(progress, 100.0 * finished / len(trials))
+        if grant is not None and led.grant_scope(grant) is None:
+            logger.warning(
+                "sweep %s: its agent's grant was revoked; %d trials not started",
+                spec.name,
+                len(trials) - index,
+            )
+            break
         name = f"{spec.name}/{index:04d}"
         metrics = out / f"trial-{index:04d}.jsonl"
         future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(

@@ -18,6 +18,7 @@ from collections import defaultdict, deque
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httpx
 from fastapi import Body, Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -113,6 +114,10 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
         return JSONResponse({"detail": f"{where}: {err.get('msg', 'invalid')}"}, status_code=422)
 
+    @app.exception_handler(httpx.HTTPError)
+    async def prefect_down(_: Request, exc: httpx.HTTPError) -> JSONResponse:
+        return JSONResponse({"detail": "the Prefect API is unavailable"}, status_code=503)
+
     @app.exception_handler(Exception)
     async def internal(_: Request, exc: Exception) -> JSONResponse:  # never a traceback or a URL
         return JSONResponse({"detail": f"internal error ({type(exc).__name__})"}, status_code=500)
@@ -175,8 +180,13 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
             checked = agent_spec(spec, scope, limits)
         except (BudgetInputError, ValidationError, ValueError) as exc:
             raise _refuse(422, one_line(exc)) from None
+        from prefect.exceptions import ObjectNotFound
+
         client = prefect(request)
-        target = client.read_deployment_by_name(deployment)
+        try:
+            target = client.read_deployment_by_name(deployment)
+        except ObjectNotFound:
+            raise _refuse(503, f"{deployment} is not deployed: is its worker serving?") from None
         with session_locks[scope]:  # one start at a time: the count holds
             running = active_sweeps(client, scope, target.id, limits.max_sweeps)
             if running >= limits.max_sweeps:

@@ -388,3 +388,23 @@ def test_guessing_tokens_is_rate_limited(house):
     codes = [gw.call("GET", "/v1/status", f"gpub_guess{i}")[0] for i in range(15)]
     assert codes[0] == 401 and codes[-1] == 429
     assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 429
+
+
+def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path):
+    from fastapi.testclient import TestClient
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from prefect_gpu_budget.gateway import create_app
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+    token = ledger.grant_agent(SESSION)
+    down = {PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}
+    with temporary_settings(updates=down), TestClient(create_app(ledger.url)) as client:
+        answer = client.post(
+            "/v1/sweeps", json=_spec(), headers={"Authorization": f"Bearer {token}"}
+        )
+        assert answer.status_code == 503, answer.text
+        assert answer.json() == {"detail": "the Prefect API is unavailable"}
+        mine = client.get("/v1/status", headers={"Authorization": f"Bearer {token}"})
+        assert mine.status_code == 200 and mine.json()["session"] == SESSION  # the ledger answers

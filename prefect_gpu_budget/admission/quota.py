@@ -143,6 +143,18 @@ def _gpus(res: Res, model: str) -> str:
     return f"{res[0]} {model}".strip() if res[0] else f"{res[1]} vCPU"
 
 
+def _binding(need: Res, room: Res) -> int:
+    """Which resource binds: the first (GPUs, vCPU, memory) that `need` exceeds `room` in."""
+    return next((i for i in range(3) if need[i] > room[i]), 0)
+
+
+def _amount(res: Res, which: int, model: str) -> str:
+    """One resource of `res`, with its unit: `2 H100`, `48 vCPU`, `512 GiB of memory`."""
+    if which == 0:
+        return f"{res[0]} {model or 'GPUs'}"
+    return f"{res[1]} vCPU" if which == 1 else f"{res[2]} GiB of memory"
+
+
 @dataclass
 class Capacity:
     """Usage of an org's pools while the decision walks its queue."""
@@ -236,7 +248,12 @@ class Capacity:
             if shape.nodes > pool.nodes:
                 return f"{shape.nodes} nodes asked, pool {pool.name} has {pool.nodes}"
             if not fits_in(shape.per_node, pool.node):
-                return f"one node of this job is bigger than a machine of pool {pool.name}"
+                i = _binding(shape.per_node, pool.node)
+                return (
+                    f"one node of this job needs {_amount(shape.per_node, i, pool.gpu_model)}, "
+                    f"more than a machine of pool {pool.name} has "
+                    f"({_amount(pool.node, i, pool.gpu_model)})"
+                )
         elif not fits_in(shape.total, pool.total):
             return f"needs more than all of pool {pool.name}"
         teams = self._teams(pool.name)
@@ -245,10 +262,11 @@ class Capacity:
             if quota is None:
                 return f"team {shape.team} has no quota in pool {pool.name}"
             if not fits_in(shape.total, quota.ceiling):
+                i, model = _binding(shape.total, quota.ceiling), pool.gpu_model
+                borrow = f" plus its borrow limit {quota.borrow_pct}%" if quota.borrow_pct else ""
                 return (
-                    f"needs {_gpus(shape.total, pool.gpu_model)}, more than team {quota.team}'s "
-                    f"quota {_gpus(quota.quota, pool.gpu_model)} plus its borrow limit "
-                    f"{quota.borrow_pct}% in pool {pool.name}"
+                    f"needs {_amount(shape.total, i, model)}, more than team {quota.team}'s "
+                    f"quota of {_amount(quota.quota, i, model)}{borrow} in pool {pool.name}"
                 )
         return None
 
@@ -294,11 +312,12 @@ class Capacity:
         if quota is not None:
             used = self.team_used(pool.name, quota.team)
             if not fits_in(add(used, shape.total), quota.ceiling):
+                i, model = _binding(add(used, shape.total), quota.ceiling), pool.gpu_model
                 return Fit(
                     False,
-                    f"team {quota.team} uses {_gpus(used, pool.gpu_model)} of its quota "
-                    f"{_gpus(quota.quota, pool.gpu_model)} (+{quota.borrow_pct}% borrow limit) "
-                    f"in pool {pool.name}; this job needs {_gpus(shape.total, pool.gpu_model)}",
+                    f"team {quota.team} uses {_amount(used, i, model)} of its quota "
+                    f"{_amount(quota.quota, i, model)} (+{quota.borrow_pct}% borrow limit) "
+                    f"in pool {pool.name}; this job needs {_amount(shape.total, i, model)}",
                     holds=(f"team:{pool.name}:{quota.team}",),
                 )
         placement = self._place(pool, shape, frozenset())

@@ -125,3 +125,29 @@ def test_a_team_with_no_quota_in_a_governed_pool_never_fits():
     cap = _capacity(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 8))])
     assert "no quota" in cap.never_fits(_job("acme/z", 1))
     assert "nodes asked" in cap.never_fits(_job("acme/a", 8, nodes=2))
+
+
+def test_a_refusal_names_the_resource_that_binds_with_the_amounts():
+    """Quota 2 GPUs and 10 vCPU: a 2-GPU job that needs 48 vCPU is refused for its vCPU."""
+    pool = _pool(nodes=2)
+    team = TeamQuota("lab-a", "acme/a", proportional(pool, 2, vcpu=10))
+    cap = _capacity(pool, [team])
+    needs_cpu = Shape("lab-a", "acme/a", (2, 48, 256), 1)
+    assert cap.never_fits(needs_cpu) == (
+        "needs 48 vCPU, more than team acme/a's quota of 10 vCPU in pool lab-a"
+    )
+    needs_gpus = Shape("lab-a", "acme/a", (4, 8, 256), 1)
+    assert cap.never_fits(needs_gpus).startswith(
+        "needs 4 H100, more than team acme/a's quota of 2 H100"
+    )
+    needs_memory = Shape("lab-a", "acme/a", (1, 4, 1000), 1)
+    assert "needs 1000 GiB of memory, more than" in cap.never_fits(needs_memory)
+    too_big = Shape("lab-a", "acme/a", (1, 4, 4000), 1)
+    assert cap.never_fits(too_big) == (
+        "one node of this job needs 4000 GiB of memory, more than a machine of pool lab-a has "
+        "(2048 GiB of memory)"
+    )
+    assert _admit(cap, "small", Shape("lab-a", "acme/a", (0, 8, 64), 1))
+    fit = cap.check(Shape("lab-a", "acme/a", (0, 4, 64), 1), 0)  # 8 + 4 vCPU > 10
+    assert not fit.ok and "uses 8 vCPU of its quota 10 vCPU" in fit.reason
+    assert "this job needs 4 vCPU" in fit.reason

@@ -325,7 +325,7 @@ def plan(
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
     for req in _walk(ordered, capacity):
-        if stop_at is None and any(key in held for key in _keys(req)):
+        if stop_at is None and any(key in held for key in _keys(req, capacity)):
             out[req.job_id] = _BEHIND  # cannot be admitted this round; details on request
             continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
@@ -336,12 +336,31 @@ def plan(
     return out
 
 
-def _keys(req: Request) -> list[str]:
-    """What a job queues behind: its scopes, and its pool and team quota if it has a shape."""
+def _keys(req: Request, capacity: Capacity | None) -> list[str]:
+    """What a job queues behind: its scopes, and, with a shape, its pool and its team's quota;
+    and other borrowers, if it needs to borrow (a job within its team's quota never waits
+    behind another team's borrower, as a Kueue ClusterQueue admits within its nominal quota)."""
     keys = scope_path(req.scope)
     if req.shape is None:
         return list(keys)
-    return [*keys, f"pool:{req.shape.pool}", f"team:{req.shape.pool}:{req.shape.team}"]
+    pool = req.shape.pool
+    keys = [*keys, f"pool:{pool}", f"team:{pool}:{req.shape.team}"]
+    if capacity is None or not capacity.within_quota(req.shape):
+        keys.append(f"borrow:{pool}")
+    return keys
+
+
+def _held(key: str) -> str:
+    """A hold (`_keys`) as a reason names it: a scope, `pool X`, a team's quota, borrowing."""
+    kind, _, rest = key.partition(":")
+    if kind == "pool":
+        return f"pool {rest}"
+    if kind == "team":
+        pool, _, team = rest.partition(":")
+        return f"the quota of team {team} in pool {pool}"
+    if kind == "borrow":
+        return f"idle capacity to borrow in pool {rest}"
+    return key
 
 
 def _walk(ordered: list[Request], capacity: Capacity | None) -> Iterator[Request]:
@@ -413,14 +432,14 @@ def _decide_one(
     if never:
         return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
 
-    for key in _keys(req) if shape else scope_path(req.scope):
+    for key in _keys(req, capacity) if shape else scope_path(req.scope):
         ahead = held.get(key)
         if ahead is not None:
             behind = Decision(
                 "wait",
                 f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
                 f"{fmt_duration(state.now - ahead.requested_at)} ago) for "
-                f"{key.replace('pool:', 'pool ').replace('team:', 'the quota of ')}",
+                f"{_held(key)}",
                 limit="queue",
                 scope=key,
             )

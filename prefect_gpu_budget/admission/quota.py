@@ -298,7 +298,8 @@ class Capacity:
             lendable = add(lendable, low(pos(sub(q.quota, used)), pct(q.quota, q.lend_pct)))
         return fits_in(borrowed, lendable)
 
-    def _within_quota(self, shape: Shape) -> bool:
+    def within_quota(self, shape: Shape) -> bool:
+        """Whether the job fits in its team's own quota (needs to borrow nothing)."""
         quota = self.quotas.get((shape.pool, shape.team or ""))
         if quota is None:
             return True
@@ -324,7 +325,7 @@ class Capacity:
         borrow_ok = self._borrow_ok(pool, shape, frozenset())
         if placement is not None and borrow_ok:
             return Fit(True, placement=placement)
-        within = self._within_quota(shape)
+        within = self.within_quota(shape)
         if not borrow_ok and not within:
             assert quota is not None
             return Fit(
@@ -334,7 +335,12 @@ class Capacity:
                 holds=(f"team:{pool.name}:{quota.team}",),
             )
         reason = self._capacity_reason(pool, shape)
-        holds = () if pool.backfill else (f"pool:{pool.name}",)
+        if pool.backfill:
+            holds: tuple[str, ...] = ()
+        elif within or quota is None:
+            holds = (f"pool:{pool.name}",)
+        else:  # a borrower holds other borrowers and its own team, never a team's own quota
+            holds = (f"borrow:{pool.name}", f"team:{pool.name}:{quota.team}")
         victims = self._victims(pool, shape, priority) if within and quota is not None else ()
         if victims:
             names = ", ".join(v[:8] for v in victims)

@@ -188,3 +188,31 @@ def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, m
     first, second = sorted(ledger.jobs(), key=lambda r: r["admitted_at"])
     assert second["admitted_at"] >= first["settled_at"]  # 2 + 2 nodes never fit in 3 at once
     assert second["admitted_at"] - second["requested_at"] > 0.2  # it waited, holding nothing
+
+
+def test_a_borrowers_wait_never_holds_another_teams_guaranteed_quota(ledger):
+    """Kueue's ClusterQueue admits within its nominal quota whatever waits to borrow: team A
+    waiting to borrow two whole nodes does not hold team B's own quota; within team A, and for
+    other borrowers, the hold stays (no starvation)."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(3)  # 3 x 8 GPUs
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 12), borrow_pct=50),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 12), lend_pct=100),
+        ],
+    )
+    b_running, admitted = ledger.request(_job("acme/b/s", nodes=2, gpus=4))
+    assert admitted.verdict == "admit"  # 8 of B's 12, 4 on each of two machines
+    a_big, waits = ledger.request(_job("acme/a/s", nodes=2, gpus=8))  # 16 > A's 12: borrows
+    assert waits.verdict == "wait" and "1 node free" in waits.reason
+    b_more, decision = ledger.request(_job("acme/b/s", nodes=1, gpus=4))
+    assert decision.verdict == "admit", decision.reason  # within B's quota: never held
+    a_small, behind = ledger.request(_job("acme/a/s", nodes=1, gpus=4))
+    assert behind.verdict == "wait" and f"waiting behind job {a_big[:8]}" in behind.reason
+    assert "the quota of team acme/a in pool lab-a" in behind.reason
+    for job_id, scope in ((a_small, "acme/a/s"), (a_big, "acme/a/s")):
+        ledger.cancel_queued(job_id, scope, "test over")
+    for job_id in (b_running, b_more):
+        ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope="acme/b/s")

@@ -174,6 +174,25 @@ def budget_set(
         console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
         return
     console.print(f"budget set for [bold]{scope}[/]: {_describe(rule)}")
+    _resize_prefect_limit(rule)
+
+
+def _resize_prefect_limit(rule: Any) -> None:
+    """Show a new cap in the Prefect UI now, not at the scope's next admission."""
+    from prefect_gpu_budget.settings import prefect_api_auth, prefect_api_url
+
+    api = prefect_api_url()
+    if rule.hourly_cap_cents is None or not api:
+        return
+    from prefect_gpu_budget.admission.limits import limit_name, resize_over_http
+
+    why = resize_over_http(rule.scope, rule.hourly_cap_cents, api, prefect_api_auth())
+    if why:
+        typer.echo(
+            f"warning: Prefect's limit {limit_name(rule.scope)} keeps its old cap until the "
+            f"next admission in {rule.scope}: {why}",
+            err=True,
+        )
 
 
 def _budgeted_under(scope: str) -> bool:

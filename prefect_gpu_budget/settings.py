@@ -70,6 +70,8 @@ def _from_prefect(name: str) -> str | None:
     import prefect.settings
 
     value = getattr(prefect.settings, name).value()
+    if hasattr(value, "get_secret_value"):  # the auth string is a pydantic secret
+        value = value.get_secret_value()
     return None if value in (None, "") else str(value)
 
 
@@ -82,6 +84,17 @@ def prefect_api_url() -> str | None:
     if _prefect_reads_cwd():
         return _from_prefect("PREFECT_API_URL")
     return _profile_setting("PREFECT_API_URL")
+
+
+def prefect_api_auth() -> str | None:
+    """PREFECT_API_AUTH_STRING (a server closed with basic auth), from the environment or the
+    active profile."""
+    explicit = os.environ.get("PREFECT_API_AUTH_STRING")
+    if explicit is not None:
+        return explicit or None
+    if _prefect_reads_cwd():
+        return _from_prefect("PREFECT_API_AUTH_STRING")
+    return _profile_setting("PREFECT_API_AUTH_STRING")
 
 
 def default_ledger_url() -> str:

@@ -88,3 +88,52 @@ def test_an_outage_is_retried_only_until_the_max_wait_runs_out(ledger, prices, e
     assert refused.reason.startswith(f"max wait 1s ran out: {said}"), refused.reason
     assert client.creates >= 2  # an outage is retried, unlike a refusal
     _given_back(ledger, "timed_out")
+
+
+def test_a_cap_change_shows_in_prefect_at_once_without_importing_prefect(prefect_api, tmp_path):
+    """`budget set --hourly-cap` resizes the scope's Prefect limit itself (one plain HTTP call):
+    the Concurrency page does not show the old cap until the scope's next admission."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from prefect.client.orchestration import get_client
+
+    from prefect_gpu_budget.admission.limits import limit_name
+
+    limits = RateLimits()
+    limits.ensure([("capchg", 300)])  # as the scope's first admission left it
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
+    probe = (
+        "import json, sys; from prefect_gpu_budget.cli import main; sys.argv = "
+        "['prefect-gpu-budget', 'budget', 'set', 'capchg', '--hourly-cap', '1.5']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(json.dumps('prefect' in sys.modules))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(done.stdout.strip().splitlines()[-1]) is False, "budget set imported Prefect"
+    assert "warning" not in done.stderr, done.stderr
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(limit_name("capchg")).limit == 150
+    limits.close()
+
+    down = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "prefect_gpu_budget.cli",
+            "budget",
+            "set",
+            "capchg",
+            "--hourly-cap",
+            "2",
+        ],
+        env={**env, "PREFECT_API_URL": "http://127.0.0.1:9/api"},
+        capture_output=True,
+        text=True,
+    )
+    assert down.returncode == 0  # the ledger holds the cap; Prefect catches up at admission
+    assert "keeps its old cap until the next admission in capchg" in down.stderr

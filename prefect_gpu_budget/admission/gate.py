@@ -363,7 +363,18 @@ class Gate:
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
-                lease = self._take_limits(job_id, scope, slots, decision.caps, (job, started))
+                preempted, watched = threading.Event(), threading.Event()
+                if decision.pool is not None:  # borrowed capacity may be reclaimed at once
+                    threading.Thread(
+                        target=self._watch_while_taking_slots,
+                        args=(job_id, preempted, watched),
+                        name=f"gpu-budget-preempt-early-{job_id[:8]}",
+                        daemon=True,
+                    ).start()
+                try:
+                    lease = self._take_limits(job_id, scope, slots, decision.caps, (job, started))
+                finally:
+                    watched.set()
                 if lease is not False:
                     admission = Admission(
                         job_id=job_id,
@@ -377,6 +388,7 @@ class Gate:
                         caps=decision.caps,
                         slots=slots,
                         pool=decision.pool,
+                        preempted=preempted,
                     )
                     try:
                         self._start_heartbeat(admission)
@@ -557,6 +569,19 @@ class Gate:
                 name=f"gpu-budget-preempt-{admission.job_id[:8]}",
                 daemon=True,
             ).start()
+
+    def _watch_while_taking_slots(
+        self, job_id: str, preempted: threading.Event, done: threading.Event
+    ) -> None:
+        """From the moment of admission until its Prefect slots are taken (seconds, on a busy
+        machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts."""
+        while not done.wait(self.preempt_poll_s):
+            try:
+                if self.ledger.preempt_requested(job_id):
+                    preempted.set()
+                    return
+            except Exception:  # an outage: the heartbeat reports it
+                continue
 
     def _watch_preemption(self, admission: Admission) -> None:
         while not admission._stop.wait(self.preempt_poll_s):

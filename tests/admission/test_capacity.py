@@ -216,3 +216,59 @@ def test_a_borrowers_wait_never_holds_another_teams_guaranteed_quota(ledger):
         ledger.cancel_queued(job_id, scope, "test over")
     for job_id in (b_running, b_more):
         ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope="acme/b/s")
+
+
+class _SlowSlots:
+    """Prefect's limits on a busy machine: taking slots takes seconds (all else is instant)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def ensure(self, caps) -> None:
+        pass
+
+    def acquire(self, scopes, slots) -> str:
+        time.sleep(self.seconds)
+        return "lease"
+
+    def renew(self, lease_id) -> bool:
+        return True
+
+    def release(self, lease_id) -> None:
+        pass
+
+
+def test_a_reclaim_asked_while_a_borrower_takes_its_slots_is_seen_at_once(
+    ledger, tmp_path, monkeypatch
+):
+    """The borrower's watch starts at admission, not once its Prefect slots are taken."""
+    import threading
+
+    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+
+    prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
+    default_catalog.cache_clear()
+    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    pool = _pool(1)  # one machine of 8 GPUs, 4 guaranteed to each team
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 4)),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 4), borrow_pct=100),
+        ],
+    )
+    gate = Gate(ledger, limits=_SlowSlots(3.0), poll_s=0.02, preempt_poll_s=0.1)
+    borrower = GpuJob(instance_type="local:h100x8", max_runtime="60s", priority="low")
+    admitted: list = []
+    taking = threading.Thread(target=lambda: admitted.append(gate.admit(borrower, "acme/b/s")))
+    taking.start()
+    while not ledger.jobs("acme/b", states=("admitted",)):
+        time.sleep(0.05)
+    owner, decision = ledger.request(_job("acme/a/s", gpus=4, priority=100))
+    assert decision.verdict == "wait" and decision.preempt  # a's own quota, lent to b
+    taking.join(timeout=30)
+    [admission] = admitted
+    assert admission.preempted.is_set()  # already when admit returns: the job stops as it starts
+    gate.settle(admission, ended_at=time.time(), outcome="preempted")
+    ledger.cancel_queued(owner, "acme/a/s", "test over")

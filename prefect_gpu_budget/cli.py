@@ -577,11 +577,13 @@ def prices_set_local(
     name: str = typer.Argument(..., help="The NAME in local:NAME."),
     usd_per_hour: str = typer.Option(..., help="What an hour of this machine costs you."),
     gpus: int = typer.Option(1, help="GPUs the machine has."),
+    vcpu: int = typer.Option(0, help="vCPU a job on it takes of a pool's machine (0: unknown)."),
+    memory_gib: int = typer.Option(0, help="Memory a job on it takes, GiB (0: unknown)."),
 ) -> None:
     """Price a local machine so jobs on `local:NAME` can be admitted."""
     from prefect_gpu_budget.pricing.catalog import set_local_price
 
-    path = set_local_price(name, usd_per_hour, gpus)
+    path = set_local_price(name, usd_per_hour, gpus, vcpu=vcpu, memory_gib=memory_gib)
     console.print(f"local:{name} priced at ${usd_per_hour}/h in {path}")
 
 

@@ -45,8 +45,8 @@ from prefect_gpu_budget.admission.quota import (
     Pool,
     Shape,
     TeamQuota,
+    job_share,
     pool_for,
-    proportional,
     team_of,
 )
 from prefect_gpu_budget.units import (
@@ -646,14 +646,15 @@ class Ledger:
 
     def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
         """The job with the pool it runs in (named, or serving its instance type) and its
-        per-node shape; vCPU and memory left at 0 take the pool's proportional default."""
+        per-node shape (`job_share`: vCPU and memory left at 0 take the pool's proportional
+        default; a job that names no GPUs, vCPU or memory takes a whole machine)."""
         found = pool_for(_load_pools(conn, org), job.instance_type, job.pool)
         if job.pool is not None and found is None:
             raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
         if found is None:
             return replace(job, pool=None)
         vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
-        res = proportional(found, job.node_gpus, vcpu, memory)
+        res = job_share(found, job.node_gpus, vcpu, memory)
         return replace(
             job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2]
         )

@@ -80,6 +80,15 @@ def proportional(pool: Pool, gpus: int, vcpu: int | None = None, memory: int | N
     )
 
 
+def job_share(pool: Pool, gpus: int, vcpu: int | None, memory: int | None) -> Res:
+    """What one node of a job takes of a machine: `proportional`, except that a job that names
+    no accelerators, vCPU or memory (a CPU machine type priced without them) takes a whole
+    machine: a job never consumes nothing."""
+    if not gpus and vcpu is None and memory is None:
+        return (0, pool.node[1], pool.node[2])
+    return proportional(pool, gpus, vcpu, memory)
+
+
 @dataclass(frozen=True)
 class TeamQuota:
     pool: str

@@ -231,9 +231,15 @@ class Catalog:
 
 
 def set_local_price(
-    name: str, usd_per_hour: object, gpus: int = 1, path: Path | None = None
+    name: str,
+    usd_per_hour: object,
+    gpus: int = 1,
+    path: Path | None = None,
+    vcpu: int = 0,
+    memory_gib: int = 0,
 ) -> Path:
-    """Price a `local:<name>` machine in the user's price file (replacing an older row)."""
+    """Price a `local:<name>` machine in the user's price file (replacing an older row); its
+    vCPU and memory (0: unknown) are what one job on it takes of a capacity pool's machine."""
     if not isinstance(name, str) or not SEGMENT_RE.fullmatch(name):
         raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {shown(name)}")
     price = to_decimal_usd(usd_per_hour, "usd_per_hour")
@@ -241,6 +247,12 @@ def set_local_price(
         raise BudgetInputError("usd_per_hour", "must be above $0 (a price is never zero)")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 0 <= gpus <= MAX_GPUS:
         raise BudgetInputError("gpus", f"must be between 0 and {MAX_GPUS}, got {shown(gpus)}")
+    for field, value, most in (
+        ("vcpu", vcpu, MAX_VCPU),
+        ("memory_gib", memory_gib, MAX_MEMORY_GIB),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
+            raise BudgetInputError(field, f"must be between 0 and {most}, got {shown(value)}")
     path = path or user_prices_path()
     rows = _read(path) if path.exists() else []
     rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
@@ -248,10 +260,10 @@ def set_local_price(
         "local",
         name,
         "on-demand",
-        "local GPU",
+        "local GPU" if gpus else "local CPU",
         gpus,
-        0,
-        0,
+        vcpu,
+        memory_gib,
         price,
         "priced by user",
         date.today(),

@@ -272,3 +272,37 @@ def test_a_reclaim_asked_while_a_borrower_takes_its_slots_is_seen_at_once(
     assert admission.preempted.is_set()  # already when admit returns: the job stops as it starts
     gate.settle(admission, ended_at=time.time(), outcome="preempted")
     ledger.cancel_queued(owner, "acme/a/s", "test over")
+
+
+def test_cpu_only_jobs_take_their_vcpu_of_a_cpu_pool_and_never_nothing(ledger, tmp_path):
+    """HyperPod allocates CPU partitions down to vCPU: a pool of CPU machines with a team quota
+    of 16 vCPU admits four 4-vCPU jobs and queues the fifth; a CPU type priced without its vCPU
+    takes a whole machine, more than the quota, and is refused naming the vCPU."""
+    from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
+
+    prices = set_local_price(
+        "cpu-box", "0.2", gpus=0, path=tmp_path / "p.csv", vcpu=4, memory_gib=16
+    )
+    row = Catalog.load(prices).row("local:cpu-box")
+    assert (row.gpus, row.vcpu, row.memory_gib) == (0, 4, 16)
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = Pool("acme", "cpu", 4, (0, 64, 256), ("local:cpu-box", "local:cpu-any"), "")
+    ledger.set_pool(pool, [TeamQuota("cpu", "acme/ide", proportional(pool, 0, vcpu=16, memory=64))])
+
+    def cpu_job(instance: str, vcpu: int, memory: int) -> NewJob:
+        return new_job(
+            "acme/ide/s",
+            instance_type=instance,
+            rate_micro_per_hour=200_000,
+            rate_cents=20,
+            node_gpus=0,
+            node_vcpu=vcpu,
+            node_memory_gib=memory,
+        )
+
+    verdicts = [ledger.request(cpu_job("local:cpu-box", 4, 16))[1] for _ in range(5)]
+    assert [d.verdict for d in verdicts] == ["admit"] * 4 + ["wait"]
+    assert "uses 16 vCPU of its quota 16 vCPU" in verdicts[-1].reason
+    whole = ledger.request(cpu_job("local:cpu-any", 0, 0))[1]
+    assert whole.verdict == "reject"
+    assert "needs 64 vCPU, more than team acme/ide's quota of 16 vCPU" in whole.reason

@@ -75,26 +75,26 @@ def _from_prefect(name: str) -> str | None:
     return None if value in (None, "") else str(value)
 
 
+def _prefect_setting(name: str) -> str | None:
+    """A Prefect setting from the environment, else the working directory's settings files
+    (asking Prefect), else the active profile; None when unset or blank."""
+    explicit = os.environ.get(name)
+    if explicit is not None:
+        return explicit or None
+    if _prefect_reads_cwd():
+        return _from_prefect(name)
+    return _profile_setting(name)
+
+
 def prefect_api_url() -> str | None:
     """PREFECT_API_URL, or None when no Prefect server is configured (Prefect would start a
     temporary one)."""
-    explicit = os.environ.get("PREFECT_API_URL")
-    if explicit is not None:
-        return explicit or None
-    if _prefect_reads_cwd():
-        return _from_prefect("PREFECT_API_URL")
-    return _profile_setting("PREFECT_API_URL")
+    return _prefect_setting("PREFECT_API_URL")
 
 
 def prefect_api_auth() -> str | None:
-    """PREFECT_API_AUTH_STRING (a server closed with basic auth), from the environment or the
-    active profile."""
-    explicit = os.environ.get("PREFECT_API_AUTH_STRING")
-    if explicit is not None:
-        return explicit or None
-    if _prefect_reads_cwd():
-        return _from_prefect("PREFECT_API_AUTH_STRING")
-    return _profile_setting("PREFECT_API_AUTH_STRING")
+    """PREFECT_API_AUTH_STRING, for a server closed with basic auth."""
+    return _prefect_setting("PREFECT_API_AUTH_STRING")
 
 
 def default_ledger_url() -> str:

@@ -43,31 +43,32 @@ ACTIVE_RUN_STATES = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
 
 class Window:
     """Events per key in a sliding window: `hit` records one and says whether it is one too
-    many; `full` only asks."""
+    many; `full` only asks. Keys with nothing in the window are forgotten."""
 
     def __init__(self, most: int, per_s: float) -> None:
         self.most, self.per_s = most, per_s
-        self._seen: dict[str, deque[float]] = defaultdict(deque)
+        self._seen: dict[str, deque[float]] = {}
         self._lock = threading.Lock()
 
-    def _trim(self, key: str, now: float) -> deque[float]:
-        seen = self._seen[key]
+    def _live(self, key: str, now: float) -> int:
+        seen = self._seen.get(key)
         while seen and seen[0] <= now - self.per_s:
             seen.popleft()
         if not seen:
-            del self._seen[key]  # the map holds only keys seen within the window
-            seen = self._seen[key]
-        return seen
+            self._seen.pop(key, None)
+            return 0
+        return len(seen)
 
     def full(self, key: str) -> bool:
         with self._lock:
-            return len(self._trim(key, time.monotonic())) >= self.most
+            return self._live(key, time.monotonic()) >= self.most
 
     def hit(self, key: str) -> bool:
         with self._lock:
-            seen = self._trim(key, time.monotonic())
-            seen.append(time.monotonic())
-            return len(seen) > self.most
+            now = time.monotonic()
+            count = self._live(key, now) + 1
+            self._seen.setdefault(key, deque()).append(now)
+            return count > self.most
 
 
 def _refuse(status: int, detail: str, **headers: str) -> HTTPException:

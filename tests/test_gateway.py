@@ -408,3 +408,15 @@ def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path):
         assert answer.json() == {"detail": "the Prefect API is unavailable"}
         mine = client.get("/v1/status", headers={"Authorization": f"Bearer {token}"})
         assert mine.status_code == 200 and mine.json()["session"] == SESSION  # the ledger answers
+
+
+def test_the_rate_window_counts_within_its_span_and_forgets_idle_keys():
+    from prefect_gpu_budget.gateway import Window
+
+    window = Window(2, 60.0)
+    assert [window.hit("10.0.0.1") for _ in range(3)] == [False, False, True]
+    assert window.full("10.0.0.1") and not window.full("10.0.0.2")
+    brief = Window(1, 0.05)
+    brief.hit("a")
+    time.sleep(0.1)
+    assert not brief.full("a") and not brief._seen  # nothing kept for a key gone quiet

@@ -73,10 +73,10 @@ def test_short_soak_stays_flat_and_consistent() -> None:
         assert agent["rss_growth_mib"] is not None
         assert agent["rss_growth_mib"] <= RSS_GROWTH_MIB, agent
         assert agent["final"]["pool_out"] == 0, agent
-    # the end window's median does not pass the first half's maximum (pool, fds, threads
-    # summed over agents)
+    # the end window's median does not pass the first half's maximum by one per agent (pool,
+    # fds, threads summed over agents; the gate's PostgreSQL backends exactly)
     for name, figure in out["flat"].items():
-        assert figure["end"] is not None and figure["end"] <= figure["early_max"], (name, figure)
+        assert figure["end"] is not None and figure["ok"], (name, figure)
     assert out["flat"]["pg_backends"]["end"] > 0  # the count is real: agents hold connections
 
     assert set(out["missed"]) <= {"latency_p95_ratio"}

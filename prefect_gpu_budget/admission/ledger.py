@@ -633,13 +633,7 @@ class Ledger:
                 conn.execute(
                     jobs.update()
                     .where(jobs.c.id == job_id)
-                    .values(
-                        state="rejected",
-                        ended_at=now,
-                        settled_at=now,
-                        actual_micro=0,
-                        reason=refusal,
-                    )
+                    .values(**_ended_unrun("rejected", refusal, now))
                 )
                 return Decision("reject", refusal, limit="agent")
             return self._decide(conn, job_id, org, now, reason="", waited=None)
@@ -692,13 +686,8 @@ class Ledger:
                 placement=",".join(map(str, decision.placement)),
             )
         elif decision.verdict in ("reject", "timeout"):
-            values.update(
-                state="rejected" if decision.verdict == "reject" else "timed_out",
-                ended_at=now,
-                settled_at=now,
-                actual_micro=0,
-                reason=decision.reason,
-            )
+            ended = "rejected" if decision.verdict == "reject" else "timed_out"
+            values.update(_ended_unrun(ended, decision.reason, now))
         elif decision.reason != reason:
             values["reason"] = decision.reason
         conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
@@ -852,7 +841,7 @@ class Ledger:
             done = conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "queued")
-                .values(state=state, ended_at=now, settled_at=now, actual_micro=0, reason=reason)
+                .values(**_ended_unrun(state, reason, now))
             ).rowcount
             self._bump(conn, org)
         return bool(done)
@@ -1053,13 +1042,7 @@ class Ledger:
             cancelled = conn.execute(
                 jobs.update()
                 .where(jobs.c.scope == scope, jobs.c.state == "queued")
-                .values(
-                    state="cancelled",
-                    ended_at=now,
-                    settled_at=now,
-                    actual_micro=0,
-                    reason="its agent's grant was revoked",
-                )
+                .values(**_ended_unrun("cancelled", "its agent's grant was revoked", now))
             ).rowcount
             self._bump(conn, org)
         return revoked, cancelled
@@ -1480,6 +1463,12 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
         row["rate_micro_per_hour"],
         start + row["max_runtime_s"],
     )
+
+
+def _ended_unrun(state: str, reason: str, now: float) -> dict[str, Any]:
+    """The columns of a job that ends without running (rejected, timed out, cancelled): settled
+    at once, at no cost."""
+    return {"state": state, "ended_at": now, "settled_at": now, "actual_micro": 0, "reason": reason}
 
 
 def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:

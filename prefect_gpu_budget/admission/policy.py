@@ -325,7 +325,7 @@ def plan(
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
     for req in _walk(ordered, capacity):
-        if stop_at is None and any(key in held for key in _keys(req, capacity)):
+        if stop_at is None and _ahead(req, req.shape, held, capacity) is not None:
             out[req.job_id] = _BEHIND  # cannot be admitted this round; details on request
             continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
@@ -336,18 +336,25 @@ def plan(
     return out
 
 
-def _keys(req: Request, capacity: Capacity | None) -> list[str]:
-    """What a job queues behind: its scopes, and, with a shape, its pool and its team's quota;
-    and other borrowers, if it needs to borrow (a job within its team's quota never waits
-    behind another team's borrower, as a Kueue ClusterQueue admits within its nominal quota)."""
-    keys = scope_path(req.scope)
-    if req.shape is None:
-        return list(keys)
-    pool = req.shape.pool
-    keys = [*keys, f"pool:{pool}", f"team:{pool}:{req.shape.team}"]
-    if capacity is None or not capacity.within_quota(req.shape):
-        keys.append(f"borrow:{pool}")
-    return keys
+def _ahead(
+    req: Request, shape: Shape | None, held: dict[str, Request], capacity: Capacity | None
+) -> tuple[str, Request] | None:
+    """The first hold the job waits behind, with the job holding it: its scopes, and with a
+    shape its pool and its team's quota. A waiting borrower holds `borrow:<pool>`, which only
+    other borrowers wait behind: a job within its team's quota never does, as a Kueue
+    ClusterQueue admits within its nominal quota (checked only when such a hold exists, so the
+    walk stays linear)."""
+    keys = list(scope_path(req.scope))
+    if shape is not None:
+        keys += [f"pool:{shape.pool}", f"team:{shape.pool}:{shape.team}"]
+    for key in keys:
+        if key in held:
+            return key, held[key]
+    if shape is None or f"borrow:{shape.pool}" not in held:
+        return None
+    if capacity is None or not capacity.within_quota(shape):
+        return f"borrow:{shape.pool}", held[f"borrow:{shape.pool}"]
+    return None
 
 
 def _held(key: str) -> str:
@@ -432,18 +439,17 @@ def _decide_one(
     if never:
         return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
 
-    for key in _keys(req, capacity) if shape else scope_path(req.scope):
-        ahead = held.get(key)
-        if ahead is not None:
-            behind = Decision(
-                "wait",
-                f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
-                f"{fmt_duration(state.now - ahead.requested_at)} ago) for "
-                f"{_held(key)}",
-                limit="queue",
-                scope=key,
-            )
-            return _wait_or_end(state, req, rules, behind)
+    found = _ahead(req, shape, held, capacity)
+    if found is not None:
+        key, ahead = found
+        behind = Decision(
+            "wait",
+            f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
+            f"{fmt_duration(state.now - ahead.requested_at)} ago) for {_held(key)}",
+            limit="queue",
+            scope=key,
+        )
+        return _wait_or_end(state, req, rules, behind)
 
     blockers = _blockers(req, rules, must_fit, usage, this_job)
     fit = capacity.check(shape, req.priority) if capacity is not None and shape else None

@@ -56,29 +56,40 @@ def test_simulator_and_live_gate_agree(tmp_path, prices):
         BUDGETS,
         "guaranteed",
     )
-    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    for rule in BUDGETS:
-        ledger.set_budget(rule)
-    gate = Gate(ledger, catalog=Catalog.load(prices), poll_s=0.01)
-    order: list[str] = []
-    lock = threading.Lock()
-    t0 = time.monotonic() + 0.5
 
-    def run(i: int) -> None:
-        scope, at, runtime, _ = SCENARIO[i]
-        time.sleep(max(0.0, t0 + at - time.monotonic()))
-        admission = gate.admit(jobs[i], scope)
-        with lock:
-            order.append(str(i))
-        gate.started(admission, time.time())
-        time.sleep(runtime)
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+    def live(attempt: int) -> tuple[list[str], Ledger]:
+        """The scenario on the live gate, in threads; the admission order and the ledger."""
+        ledger = Ledger(f"sqlite:///{tmp_path / f'ledger-{attempt}.db'}")
+        for rule in BUDGETS:
+            ledger.set_budget(rule)
+        gate = Gate(ledger, catalog=Catalog.load(prices), poll_s=0.01)
+        order: list[str] = []
+        lock = threading.Lock()
+        t0 = time.monotonic() + 0.5
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(SCENARIO))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+        def run(i: int) -> None:
+            scope, at, runtime, _ = SCENARIO[i]
+            time.sleep(max(0.0, t0 + at - time.monotonic()))
+            admission = gate.admit(jobs[i], scope)
+            with lock:
+                order.append(str(i))
+            gate.started(admission, time.time())
+            time.sleep(runtime)
+            gate.settle(admission, ended_at=time.time(), outcome="completed")
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(SCENARIO))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return order, ledger
+
+    # A stalled thread on a busy machine can move one event past its neighbour (0.42 s apart);
+    # a wrong decision gives the wrong order every time, so the live run gets three tries.
+    for attempt in range(3):
+        order, ledger = live(attempt)
+        if order == sim.order:
+            break
     times = sorted([r.job.arrival for r in sim.records] + [r.ended_at for r in sim.records])
     assert min(b - a for a, b in zip(times, times[1:], strict=False)) > 0.14  # the premise
     assert order == sim.order

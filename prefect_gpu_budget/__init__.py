@@ -20,6 +20,7 @@ _PUBLIC = {
     "Gate": "prefect_gpu_budget.admission.gate",
     "GpuBudget": "prefect_gpu_budget.blocks",
     "GpuJob": "prefect_gpu_budget.job",
+    "GpuPriorityClass": "prefect_gpu_budget.blocks",
     "JobResult": "prefect_gpu_budget.tasks",
     "Ledger": "prefect_gpu_budget.admission.ledger",
     "SageMakerLauncher": "prefect_gpu_budget.launchers.sagemaker",
@@ -38,6 +39,7 @@ __all__ = [
     "Gate",
     "GpuBudget",
     "GpuJob",
+    "GpuPriorityClass",
     "JobResult",
     "Ledger",
     "SageMakerLauncher",
@@ -51,7 +53,7 @@ __all__ = [
 if TYPE_CHECKING:
     from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.blocks import CapacityPool, GpuBudget, SpendLedger
+    from prefect_gpu_budget.blocks import CapacityPool, GpuBudget, GpuPriorityClass, SpendLedger
     from prefect_gpu_budget.job import GpuJob
     from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
     from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher

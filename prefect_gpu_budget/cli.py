@@ -38,6 +38,8 @@ app.add_typer(agent_app, name="agent")
 app.add_typer(agent_app, name="agents", hidden=True)  # `agents serve` reads better
 pool_app = typer.Typer(help="Capacity pools and team quotas.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
+priority_app = typer.Typer(help="An org's own priority classes.", no_args_is_help=True)
+app.add_typer(priority_app, name="priority")
 
 
 class _Console:
@@ -380,7 +382,8 @@ def capacity(
     """Per capacity pool: each team's quota, used, borrowed and lent, and the queue."""
     from prefect_gpu_budget.units import validate_scope
 
-    pools = _ledger().capacity_status(validate_scope(org, "org"))
+    ledger = _ledger()
+    pools = ledger.capacity_status(validate_scope(org, "org"))
     if as_json:
         typer.echo(json.dumps(pools, indent=2))
         return
@@ -388,6 +391,45 @@ def capacity(
         _print_pool(pool)
     if not pools:
         console.print(f"no capacity pools in {org}")
+    classes = ledger.priority_classes(org)
+    console.print("priority classes: " + ", ".join(f"{c['name']}={c['value']}" for c in classes))
+
+
+@priority_app.command("set")
+def priority_set(
+    org: str = typer.Argument(...),
+    name: str = typer.Argument(..., help="The class's name, as jobs give it in `priority`."),
+    value: int = typer.Option(..., help="-1000..1000: higher is admitted first."),
+    description: str = typer.Option("", help="What the class is for."),
+) -> None:
+    """Define (or redefine) a priority class of an org; jobs recorded from now on that name it
+    get its value."""
+    _ledger().set_priority_class(org, name, value, description)
+    console.print(f"priority class {name} of {org}: {value}")
+
+
+@priority_app.command("remove")
+def priority_remove(org: str = typer.Argument(...), name: str = typer.Argument(...)) -> None:
+    """Remove an org's own class (jobs already recorded keep their priority)."""
+    if not _ledger().remove_priority_class(org, name):
+        fail(f"name: {org} has no priority class {name!r} of its own")
+    console.print(f"priority class {name} of {org} removed")
+
+
+@priority_app.command("list")
+def priority_list(
+    org: str = typer.Argument(...), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """Every class a job of the org may name, highest first, and who defined it."""
+    from prefect_gpu_budget.units import validate_scope
+
+    classes = _ledger().priority_classes(validate_scope(org, "org"))
+    if as_json:
+        typer.echo(json.dumps(classes, indent=2))
+        return
+    for c in classes:
+        line = f"{c['value']:>6}  {c['name']:<24} {c['defined_by']}"
+        console.print(f"{line}  {c['description']}".rstrip())
 
 
 @pool_app.command("set")
@@ -554,8 +596,11 @@ def quote(
     nodes: int = typer.Option(1, min=1, max=1024),
     hours: str = typer.Option("1", help="Runtime in hours (or a duration like '90m')."),
     provisioning: str = typer.Option("on-demand", help="on-demand, spot or flex-start."),
+    gpus: int = typer.Option(None, help="A part of each machine: its GPUs."),
+    vcpu: int = typer.Option(None, help="A part of each machine: its vCPU."),
+    memory_gib: int = typer.Option(None, help="A part of each machine: its memory, GiB."),
 ) -> None:
-    """Price a job shape from the dated catalog."""
+    """Price a job shape from the dated catalog (a whole machine, or a part of one)."""
     from prefect_gpu_budget.pricing.catalog import default_catalog
     from prefect_gpu_budget.units import cost_micro, parse_duration
 
@@ -563,8 +608,24 @@ def quote(
         hours if not hours.replace(".", "", 1).isdigit() else f"{hours}h", "hours"
     )
     q = default_catalog().quote(instance_type, nodes, provisioning)
+    per_node = f"{q.row.gpus}x {q.row.gpu_model} per node"
+    if gpus is not None or vcpu is not None or memory_gib is not None:
+        from dataclasses import replace
+
+        from prefect_gpu_budget.job import GpuJob
+
+        part = GpuJob(
+            instance_type=instance_type,
+            max_runtime=seconds,
+            gpus=gpus,
+            vcpu=vcpu,
+            memory_gib=memory_gib,
+        ).share_of(q.row)
+        if not part.whole:
+            q = replace(q, rate_micro_per_hour=part.price(q.rate_micro_per_hour))
+            per_node = f"{part.fraction} of each node's price (of {per_node})"
     console.print(
-        f"{q.describe()}  {q.row.gpus}x {q.row.gpu_model} per node\n"
+        f"{q.describe()}  {per_node}\n"
         f"{seconds / 3600:g} h: {fmt_usd(cost_micro(q.rate_micro_per_hour, seconds, round_up=True))}"
         f"  (price from {q.row.source}, {q.row.as_of})"
     )

@@ -17,6 +17,7 @@ from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, hold_of
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold
 from prefect_gpu_budget.flows.sweep import SweepSpec
 from prefect_gpu_budget.pricing.catalog import default_catalog
+from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, scope_path
 
@@ -71,6 +72,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     now = time.time() if now is None else now
     quote = default_catalog().quote(spec.job.instance_type, spec.job.nodes, spec.job.provisioning)
     trials = spec.trials()
+    classes = ledger.priority_values(spec.scope)
     jobs = []
     for index, params in enumerate(trials):
         job = spec.job_for(params, f"{spec.name}/{index:04d}")
@@ -84,7 +86,9 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
                 expected_s=runtime,
                 true_s=runtime,
                 max_runtime_s=job.reserve_runtime_s,
-                priority=job.priority,
+                priority=job.priority
+                if isinstance(job.priority, int)
+                else resolve(job.priority, classes, spec.scope.split("/")[0]),
                 on_limit=job.on_limit,
                 max_wait_s=job.max_wait,
             )

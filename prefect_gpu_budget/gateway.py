@@ -178,7 +178,7 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
         scope, grant = caller
         limits = limits_for(ledger, scope)
         try:
-            checked = agent_spec(spec, scope, limits)
+            checked = agent_spec(spec, scope, limits, ledger.priority_values(scope))
         except (BudgetInputError, ValidationError, ValueError) as exc:
             raise _refuse(422, one_line(exc)) from None
         from prefect.exceptions import ObjectNotFound

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import re
-from functools import lru_cache
-from typing import Annotated, Literal
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
+from prefect_gpu_budget.priorities import HIGHEST, LOWEST, NAME_RE, priority_classes
+from prefect_gpu_budget.priorities import PRIORITY_CLASSES as PRIORITY_CLASSES
+from prefect_gpu_budget.priorities import PRIORITY_CLASSES_ENV as PRIORITY_CLASSES_ENV
 from prefect_gpu_budget.settings import METRICS_ENV as METRICS_ENV
 from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
 
-PRIORITY_CLASSES = {"high": 100, "normal": 0, "low": -100}
-PRIORITY_CLASSES_ENV = "PREFECT_GPU_BUDGET_PRIORITY_CLASSES"
-"""More named classes, e.g. `urgent=500,scavenger=-500` (values in -1000..1000)."""
+if TYPE_CHECKING:
+    from prefect_gpu_budget.pricing.catalog import PriceRow
 
 
 def _runtime(value: object) -> float:
@@ -25,44 +27,45 @@ def _wait(value: object) -> float | None:
     return None if value is None else parse_duration(value, "max_wait", allow_zero=True)
 
 
-def priority_classes() -> dict[str, int]:
-    """The named priority classes: high, normal, low, plus those the environment defines."""
-    return {**PRIORITY_CLASSES, **_parse_classes(os.environ.get(PRIORITY_CLASSES_ENV, ""))}
-
-
-@lru_cache(maxsize=8)
-def _parse_classes(text: str) -> dict[str, int]:
-    found = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        name, _, value = item.partition("=")
-        name = name.strip()
-        try:
-            number = int(value)
-        except ValueError:
-            number = None
-        if not re.fullmatch(r"[a-z][a-z0-9_-]{0,31}", name) or number is None:
-            raise BudgetInputError(
-                PRIORITY_CLASSES_ENV, f"expected name=integer, got {shown(item)}"
-            )
-        if not -1000 <= number <= 1000:
-            raise BudgetInputError(PRIORITY_CLASSES_ENV, f"{name}: must be in -1000..1000")
-        found[name] = number
-    return found
-
-
-def _priority(value: object) -> int:
+def _priority(value: object) -> int | str:
+    """An integer in -1000..1000, or a class: built-in and environment classes resolve here;
+    another well-formed name is an org's own class, resolved when the job is recorded."""
     classes = priority_classes()
     if isinstance(value, str) and value in classes:
         return classes[value]
-    if isinstance(value, int) and not isinstance(value, bool) and -1000 <= value <= 1000:
+    if isinstance(value, int) and not isinstance(value, bool) and LOWEST <= value <= HIGHEST:
+        return value
+    if isinstance(value, str) and NAME_RE.fullmatch(value):
         return value
     names = ", ".join(sorted(classes, key=lambda n: -classes[n]))
     raise BudgetInputError(
-        "priority", f"must be one of {names} or an integer in -1000..1000, got {shown(value)}"
+        "priority",
+        f"must be one of {names}, an org's own class, or an integer in -1000..1000, "
+        f"got {shown(value)}",
     )
 
 
 Duration = Annotated[float, BeforeValidator(_runtime)]
+
+
+@dataclass(frozen=True)
+class NodeShare:
+    """What each node of a job takes of its machine, and the part of the machine's price it
+    pays: all of it for a whole machine; for a part (`gpus`, `vcpu`, `memory_gib`), the largest
+    of the parts it asks, as a dominant-resource share."""
+
+    gpus: int
+    vcpu: int
+    """0: the pool's proportional default (k of G GPUs bring k/G of the vCPU)."""
+    memory_gib: int
+    """0: the pool's proportional default."""
+    fraction: Fraction
+    whole: bool = False
+    """A whole machine per node; a part runs only on a capacity pool's machines."""
+
+    def price(self, rate_micro_per_hour: int) -> int:
+        """The job's rate: its part of the machines' rate, rounded up to a micro-dollar."""
+        return math.ceil(rate_micro_per_hour * self.fraction)
 
 
 class GpuJob(BaseModel):
@@ -81,7 +84,9 @@ class GpuJob(BaseModel):
     nodes: int = Field(1, ge=1, le=1024, description="Machines started together.")
     provisioning: Literal["on-demand", "spot", "flex-start"] = "on-demand"
     expected_runtime: Duration | None = Field(None, description="Used by estimate mode.")
-    priority: Annotated[int, BeforeValidator(_priority)] = 0
+    priority: Annotated[int | str, BeforeValidator(_priority)] = Field(
+        0, description="An integer in -1000..1000 or a priority class (see `priorities`)."
+    )
     command: list[str] | None = Field(None, description="What the local launcher runs.")
     env: dict[str, str] = Field(default_factory=dict)
     name: str | None = Field(None, max_length=200)
@@ -92,6 +97,22 @@ class GpuJob(BaseModel):
         None, description="The capacity pool to run in; default: the pool serving its type."
     )
     requeue: bool = Field(True, description="Queue again after being preempted.")
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=1024,
+        description="GPUs of each machine the job takes (default: all). With `vcpu` and "
+        "`memory_gib`, a part of a capacity pool's machine, priced in proportion.",
+    )
+    vcpu: int | None = Field(
+        None, ge=0, le=100_000, description="vCPU of each machine (default: in proportion)."
+    )
+    memory_gib: int | None = Field(
+        None,
+        ge=0,
+        le=1_000_000,
+        description="Memory of each machine, GiB (default: in proportion).",
+    )
     grant: str | None = Field(
         None,
         description="The agent grant (its id, never the token) this job spends under: set by "
@@ -110,6 +131,44 @@ class GpuJob(BaseModel):
                 f"must be 'cloud:type' like 'aws:g5.xlarge', got {shown(self.instance_type)}",
             )
         return self
+
+    def share_of(self, row: PriceRow) -> NodeShare:
+        """What each node takes of a machine of `row`'s shape: the whole machine unless the job
+        asks for less (`gpus`, `vcpu`, `memory_gib`); a part that asks more than the machine
+        has, or that cannot be priced, is a one-line `BudgetInputError`."""
+        whole = NodeShare(row.gpus, row.vcpu, row.memory_gib, Fraction(1), whole=True)
+        if self.gpus is None and self.vcpu is None and self.memory_gib is None:
+            return whole
+        asked = {"gpus": self.gpus, "vcpu": self.vcpu, "memory_gib": self.memory_gib}
+        has = {"gpus": row.gpus, "vcpu": row.vcpu, "memory_gib": row.memory_gib}
+        unit = {"gpus": "GPUs", "vcpu": "vCPU", "memory_gib": "GiB"}
+        parts = []
+        for field, value in asked.items():
+            if value is None:
+                continue
+            if not has[field]:
+                if value and field == "gpus":
+                    raise BudgetInputError(field, f"{row.key} has no GPUs")
+                if value:
+                    raise BudgetInputError(
+                        field,
+                        f"the price of {row.key} records no {unit[field]} per machine, so a "
+                        "part of it cannot be priced; ask for gpus, or record the machine's "
+                        "shape (`prices set-local --vcpu --memory-gib`)",
+                    )
+                continue
+            if value > has[field]:
+                raise BudgetInputError(
+                    field, f"asks {value} {unit[field]}, but {row.key} has {has[field]}"
+                )
+            parts.append(Fraction(value, has[field]))
+        if not any(parts):
+            raise BudgetInputError(
+                "gpus", "a part of a machine must ask for some GPUs, vCPU or memory"
+            )
+        if max(parts) == 1 and self.gpus in (None, row.gpus):
+            return whole  # all of a machine, asked field by field
+        return NodeShare(self.gpus or 0, self.vcpu or 0, self.memory_gib or 0, max(parts))
 
     @property
     def reserve_runtime_s(self) -> float:

@@ -252,3 +252,14 @@ class AgentLimits(BaseModel):
     def stored(self) -> dict[str, object]:
         """What the ledger keeps (the team is its key)."""
         return self.model_dump(mode="json", exclude={"team"})
+
+
+class PriorityClassSettings(BaseModel):
+    """One of an org's own priority classes (see `priorities`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    org: Scope = Field(description="The org whose jobs may name it.")
+    name: str = Field(description="What jobs give as `priority`.")
+    value: int = Field(description="-1000..1000: higher is admitted first, and may preempt.")
+    description: str = Field("", max_length=200)

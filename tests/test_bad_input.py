@@ -47,9 +47,9 @@ JOB_CASES = [
         {"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "expected_runtime": "2h"},
         "expected_runtime",
     ),
-    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "priority": "urgent"}, "priority"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "priority": "Urgent!"}, "priority"),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "command": []}, "command"),
-    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "gpus": 3}, "gpus"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "gpus": -1}, "gpus"),
 ]
 
 CLI_CASES = [
@@ -66,6 +66,8 @@ CLI_CASES = [
     (["quote", "aws:g5.xlarge", "--provisioning", "gratis"], "provisioning"),
     (["quote", "aws:g5.xlarge", "--hours", "-3"], "hours"),
     (["quote", "aws:g5.xlarge", "--nodes", "0"], "nodes"),
+    (["quote", "aws:p5.48xlarge", "--gpus", "9"], "gpus"),
+    (["quote", "aws:g5.xlarge", "--vcpu", "-1"], "vcpu"),
     (["prices", "set-local", "My Box", "--usd-per-hour", "2"], "name"),
     (["prices", "set-local", "box", "--usd-per-hour", "-2"], "usd_per_hour"),
     (["pool", "set", "acme", "Lab A", "--nodes", "2", "--gpus-per-node", "8"], "name"),

@@ -133,6 +133,7 @@ def test_block_register_finds_every_block() -> None:
         "CapacityPool",
         "DeploymentLauncher",
         "GpuBudget",
+        "GpuPriorityClass",
         "SageMakerLauncher",
         "SpendLedger",
         "VertexLauncher",
@@ -423,3 +424,15 @@ def test_the_ledger_names_why_a_job_that_never_ran_ended(tmp_path, monkeypatch, 
         "nightly",
         7,
     )
+
+
+def test_quote_prices_a_part_of_a_machine_by_its_largest_share() -> None:
+    env = dict(os.environ)
+    out = _cli_run(env, "quote", "aws:p5.48xlarge", "--gpus", "2", "--vcpu", "96")
+    assert out.returncode == 0, out.stderr
+    assert "$27.52/h  1/2 of each node's price" in out.stdout  # 96 of 192 vCPU binds
+    whole = _cli_run(env, "quote", "aws:p5.48xlarge", "--gpus", "8")
+    assert "$55.04/h  8x H100 80GB per node" in whole.stdout
+    too_big = _cli_run(env, "quote", "aws:p5.48xlarge", "--gpus", "9")
+    assert too_big.returncode == 2
+    assert too_big.stderr.strip() == "error: gpus: asks 9 GPUs, but aws:p5.48xlarge has 8"

@@ -70,7 +70,8 @@ def test_priority_classes_are_named_and_configurable(monkeypatch):
     assert GpuJob(**job, priority="urgent").priority == 500
     assert GpuJob(**job, priority="scavenger").priority < GpuJob(**job, priority="low").priority
     with pytest.raises(ValueError, match="urgent, high, normal, low, scavenger"):
-        GpuJob(**job, priority="whenever")
+        GpuJob(**job, priority="Whenever!")
+    assert GpuJob(**job, priority="whenever").priority == "whenever"  # an org's own, maybe
     monkeypatch.setenv(PRIORITY_CLASSES_ENV, "urgent=5000")
     with pytest.raises(ValueError, match="-1000..1000"):
         GpuJob(**job, priority="urgent")

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar
 
 import sqlalchemy as sa
@@ -216,9 +216,14 @@ class Gate:
         self.preempt_poll_s = preempt_poll_s
 
     def quote(self, job: GpuJob) -> Quote:
-        return (self.catalog or default_catalog()).quote(
+        """The job's price: its machines', or its part of them (`GpuJob.share_of`)."""
+        quote = (self.catalog or default_catalog()).quote(
             job.instance_type, job.nodes, job.provisioning
         )
+        share = job.share_of(quote.row)
+        if share.fraction == 1:
+            return quote
+        return replace(quote, rate_micro_per_hour=share.price(quote.rate_micro_per_hour))
 
     def admit(
         self, job: GpuJob, scope: str, *, flow_run_id: str | None = None, launcher: str = "local"
@@ -234,6 +239,7 @@ class Gate:
         re-raises once it has, or after `GIVE_BACK_S`."""
         validate_scope(scope)
         quote = self.quote(job)
+        share = job.share_of(quote.row)
         new = NewJob(
             scope=scope,
             name=job.name or job.instance_type,
@@ -242,7 +248,8 @@ class Gate:
             nodes=job.nodes,
             rate_micro_per_hour=quote.rate_micro_per_hour,
             rate_cents=rate_cents(quote.rate_micro_per_hour),
-            priority=job.priority,
+            priority=job.priority if isinstance(job.priority, int) else 0,
+            priority_class=job.priority if isinstance(job.priority, str) else None,
             max_runtime_s=job.reserve_runtime_s,
             expected_runtime_s=job.expected_runtime,
             holder=holder_id(),
@@ -251,9 +258,10 @@ class Gate:
             max_wait_s=job.max_wait,
             flow_run_id=flow_run_id,
             pool=job.pool,
-            node_gpus=quote.row.gpus,
-            node_vcpu=quote.row.vcpu,
-            node_memory_gib=quote.row.memory_gib,
+            node_gpus=share.gpus,
+            node_vcpu=share.vcpu,
+            node_memory_gib=share.memory_gib,
+            partial=not share.whole,
             grant=job.grant,
         )
         handoff: _Handoff[Admission] = _Handoff()

@@ -26,6 +26,7 @@ from typing import Any, ParamSpec, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
+from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.policy import (
     OVERRUN_WINDOW,
@@ -207,6 +208,18 @@ agent_limits = sa.Table(
 """Keyed by a team scope, like the session template: an admin's ceilings (JSON, validated by
 `models.AgentLimits`) on what the agents of the team's sessions may ask for."""
 
+priority_classes = sa.Table(
+    "gpu_priority_classes",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("name", sa.String(32), primary_key=True),
+    sa.Column("value", sa.Integer, nullable=False),
+    sa.Column("description", sa.String(200), nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""An org's own priority classes, as Kueue's WorkloadPriorityClass objects: a job naming one
+gets its value when it is recorded (see `priorities`)."""
+
 versions = sa.Table(
     "gpu_versions",
     metadata,
@@ -350,6 +363,10 @@ class NewJob:
     node_memory_gib: int = 0
     grant: str | None = None
     """An agent's grant id: the job queues only while the grant is live (see `revoke_agent`)."""
+    partial: bool = False
+    """The job asks for a part of each machine (`GpuJob.gpus`...): it needs a capacity pool."""
+    priority_class: str | None = None
+    """An org's own class the job names: `priority` is set from it when it is recorded."""
 
 
 def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
@@ -610,6 +627,9 @@ class Ledger:
             if done is not None:  # committed before the connection dropped
                 return _decision_of(done)
             self._ensure_session_budget(conn, job.scope, now)
+            if job.priority_class is not None:
+                value = priorities.resolve(job.priority_class, _classes_of(conn, org), org)
+                job = replace(job, priority=value)
             refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
             conn.execute(
                 jobs.insert().values(
@@ -625,7 +645,7 @@ class Ledger:
                     **{
                         k: v
                         for k, v in self._in_pool(conn, org, job).__dict__.items()
-                        if k != "grant"
+                        if k not in ("grant", "partial", "priority_class")
                     },
                 )
             )
@@ -645,6 +665,12 @@ class Ledger:
         found = pool_for(_load_pools(conn, org), job.instance_type, job.pool)
         if job.pool is not None and found is None:
             raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
+        if found is None and job.partial:
+            raise BudgetInputError(
+                "gpus",
+                f"a part of a machine runs only in a capacity pool, and no pool of {org} "
+                f"serves {job.instance_type}",
+            )
         if found is None:
             return replace(job, pool=None)
         vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
@@ -1092,6 +1118,71 @@ class Ledger:
         with self._read() as conn:
             return _limits_of(conn, team)
 
+    @_reconnecting
+    def set_priority_class(
+        self, org: str, name: str, value: int, description: str = "", now: float | None = None
+    ) -> None:
+        """Define (or redefine) one of `org`'s own priority classes; jobs recorded from now on
+        that name it get `value` (queued and running jobs keep theirs, as in Kueue)."""
+        if validate_scope(org).count("/"):
+            raise BudgetInputError("org", f"priority classes belong to an org, got {org!r}")
+        name, value = priorities.check_class(name, value)
+        with self._write(org) as conn:
+            conn.execute(
+                priority_classes.delete().where(
+                    priority_classes.c.org == org, priority_classes.c.name == name
+                )
+            )
+            conn.execute(
+                priority_classes.insert().values(
+                    org=org,
+                    name=name,
+                    value=value,
+                    description=description[:200],
+                    updated_at=time.time() if now is None else now,
+                )
+            )
+
+    @_reconnecting
+    def remove_priority_class(self, org: str, name: str) -> bool:
+        """Remove one of `org`'s own classes; False if it had none of that name."""
+        with self._write(org) as conn:
+            gone = conn.execute(
+                priority_classes.delete().where(
+                    priority_classes.c.org == org, priority_classes.c.name == name
+                )
+            )
+            return gone.rowcount > 0
+
+    @_reconnecting
+    def priority_classes(self, org: str) -> list[dict[str, Any]]:
+        """Every class a job of `org` may name, highest first: `org`'s own and the built-in
+        and environment ones (`defined_by`: org, built-in or environment)."""
+        with self._read() as conn:
+            rows = conn.execute(
+                sa.select(priority_classes).where(priority_classes.c.org == org)
+            ).mappings()
+            own = {r["name"]: (r["value"], r["description"]) for r in rows}
+        builtin = priorities.PRIORITY_CLASSES
+        found = [
+            {
+                "name": name,
+                "value": value,
+                "defined_by": "built-in" if builtin.get(name) == value else "environment",
+                "description": "",
+            }
+            for name, value in priorities.priority_classes().items()
+        ]
+        found += [
+            {"name": n, "value": v, "defined_by": org, "description": d}
+            for n, (v, d) in own.items()
+        ]
+        return sorted(found, key=lambda c: (-c["value"], c["name"]))
+
+    def priority_values(self, scope: str) -> dict[str, int]:
+        """The value of every class a job in `scope`'s org may name."""
+        return {c["name"]: c["value"] for c in self.priority_classes(scope.split("/")[0])}
+
     def _grant_refusal(self, conn: Connection, job: NewJob) -> str:
         """Why an agent's job may not even queue: its grant is gone, or its session already
         has as many queued jobs as its team's agents may."""
@@ -1506,6 +1597,15 @@ def _live_grant(conn: Connection, grant: str) -> str | None:
         )
     ).first()
     return None if row is None else row.scope
+
+
+def _classes_of(conn: Connection, org: str) -> dict[str, int]:
+    rows = conn.execute(
+        sa.select(priority_classes.c.name, priority_classes.c.value).where(
+            priority_classes.c.org == org
+        )
+    )
+    return {name: value for name, value in rows}
 
 
 def _limits_of(conn: Connection, team: str) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ Trials run sandboxed (`launchers.sandbox`), and each one queues only while the g
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -22,6 +23,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows.sweep import SweepSpec, load_spec, run_sweep
 from prefect_gpu_budget.models import AgentLimits
+from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.settings import agent_results_root
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, shown
 
@@ -32,9 +34,15 @@ def limits_for(ledger: Ledger, session: str) -> AgentLimits:
     return AgentLimits(team=team, **(ledger.agent_limits(team) or {}))
 
 
-def agent_spec(spec: SweepSpec | dict[str, Any], scope: str, limits: AgentLimits) -> SweepSpec:
-    """The agent's spec homed in its session and held to its team's limits; anything else is
-    refused with the field and the rule (`BudgetInputError`), before anything is reserved."""
+def agent_spec(
+    spec: SweepSpec | dict[str, Any],
+    scope: str,
+    limits: AgentLimits,
+    classes: Mapping[str, int] | None = None,
+) -> SweepSpec:
+    """The agent's spec homed in its session and held to its team's limits (`classes`: its
+    org's priority classes by value, `Ledger.priority_values`); anything else is refused with the field and the
+    rule (`BudgetInputError`), before anything is reserved."""
     if isinstance(spec, dict) and "scope" not in spec:
         spec = {**spec, "scope": scope}
     if isinstance(spec, dict) and isinstance(spec.get("job"), dict):
@@ -67,7 +75,10 @@ def agent_spec(spec: SweepSpec | dict[str, Any], scope: str, limits: AgentLimits
             f"have queued), got {loaded.parallelism}",
         )
     job = loaded.job_for({name: 0 for name in loaded.params()}, "check")
-    if job.priority > limits.max_priority:
+    priority = job.priority
+    if isinstance(priority, str):
+        priority = resolve(priority, classes or {}, scope.split("/")[0])
+    if priority > limits.max_priority:
         raise BudgetInputError(
             "job.priority",
             f"at most {limits.max_priority} for agents of {limits.team}, got {job.priority}",
@@ -112,7 +123,7 @@ def agent_sweep(spec: dict[str, Any], session: str, grant: str) -> pd.DataFrame:
     led = SpendLedger().ledger()
     if led.grant_scope(grant) != session:
         raise BudgetInputError("grant", f"no live agent grant for {session}")
-    checked = agent_spec(spec, session, limits_for(led, session))
+    checked = agent_spec(spec, session, limits_for(led, session), led.priority_values(session))
     return run_sweep(
         checked, None, sandboxed_launcher(checked), grant=grant, results_root=agent_results(session)
     )

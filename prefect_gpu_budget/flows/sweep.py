@@ -94,6 +94,9 @@ class JobShape(BaseModel):
     max_wait: str | float | None = None
     on_limit: Literal["queue", "reject"] | None = None
     kill_grace: str | float = 10.0
+    gpus: int | None = None
+    vcpu: int | None = None
+    memory_gib: int | None = None
 
 
 class RandomParam(BaseModel):

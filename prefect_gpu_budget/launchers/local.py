@@ -133,7 +133,7 @@ class LocalLauncher:
             if missing:
                 now = time.time()
                 return LaunchResult("launch_error", now, now, detail=f"could not start: {missing}")
-        wanted = quote.row.gpus * job.nodes
+        wanted = job.share_of(quote.row).gpus * job.nodes
         gpus = _grant(wanted)
         if len(gpus) < wanted and visible_gpus():  # a GPU machine, but not enough free GPUs
             _release(gpus)

@@ -162,6 +162,11 @@ class SageMakerLauncher(Block):
             )
         if instance not in TRAINING_INSTANCE_TYPES:
             raise self._fail(f"SageMaker training does not offer instance type {shown(instance)}")
+        if not job.share_of(quote.row).whole:
+            raise self._fail(
+                "gpus: SageMaker training runs whole instances; a part of one (gpus, vcpu, "
+                "memory_gib) is for a capacity pool's own machines"
+            )
         if (quote.row.key, quote.row.provisioning) != (job.instance_type, job.provisioning):
             raise self._fail(
                 f"the quote is for {quote.row.key} ({quote.row.provisioning}), not this job"

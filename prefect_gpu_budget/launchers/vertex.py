@@ -284,6 +284,11 @@ class VertexLauncher(Block):
         if self.region not in VERTEX_TRAINING_REGIONS:
             raise self._error(f"region: {self.region!r} is not a Vertex AI training region")
         self._machine(quote)
+        if not job.share_of(quote.row).whole:
+            raise self._error(
+                "gpus: Vertex AI runs whole machines; a part of one (gpus, vcpu, memory_gib) "
+                "is for a capacity pool's own machines"
+            )
         if not self.image_uri:
             raise self._error("image_uri: required, the container image the job runs")
         if not self._project():

@@ -306,3 +306,46 @@ def test_cpu_only_jobs_take_their_vcpu_of_a_cpu_pool_and_never_nothing(ledger, t
     whole = ledger.request(cpu_job("local:cpu-any", 0, 0))[1]
     assert whole.verdict == "reject"
     assert "needs 64 vCPU, more than team acme/ide's quota of 16 vCPU" in whole.reason
+
+
+def test_partial_node_jobs_share_a_machine_and_pay_their_part(ledger, tmp_path):
+    """HyperPod lets a task ask for k GPUs, vCPU and memory of a node: four 2-GPU jobs share one
+    8-GPU machine, each paying a quarter of its price and taking a quarter of its vCPU and
+    memory; a fifth waits for capacity; a part priced by its largest share; a part larger than
+    the machine, or outside any capacity pool, is refused with nothing written."""
+    from prefect_gpu_budget.admission.gate import AdmissionRefused
+    from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
+    from prefect_gpu_budget.units import BudgetInputError
+
+    prices = tmp_path / "p.csv"
+    set_local_price("box8", "16", gpus=8, path=prices, vcpu=64, memory_gib=256)
+    set_local_price("loose8", "16", gpus=8, path=prices, vcpu=64, memory_gib=256)
+    gate = Gate(ledger, catalog=Catalog.load(prices), poll_s=0.02)
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.set_pool(Pool("acme", "lab", 1, (8, 64, 256), ("local:box8",), "H100"))
+
+    def part(**kw) -> GpuJob:
+        return GpuJob(instance_type="local:box8", max_runtime="1h", kill_grace="1s", **kw)
+
+    admitted = [gate.admit(part(gpus=2), "acme/a/s") for _ in range(4)]
+    rows = [ledger.job(a.job_id) for a in admitted]
+    assert {(r["rate_micro_per_hour"], r["node_gpus"], r["node_vcpu"]) for r in rows} == {
+        (4_000_000, 2, 16)
+    }
+    assert {r["node_memory_gib"] for r in rows} == {64}
+    with pytest.raises(AdmissionRefused) as waited:
+        gate.admit(part(gpus=1, max_wait="1s"), "acme/a/s")
+    assert "pool lab" in waited.value.reason
+    assert gate.quote(part(gpus=1, vcpu=48)).rate_micro_per_hour == 12_000_000  # 3/4 of it
+    assert gate.quote(part(vcpu=16)).rate_micro_per_hour == 4_000_000  # a CPU part, no GPU
+
+    before = len(ledger.jobs("acme"))
+    with pytest.raises(BudgetInputError, match="asks 9 GPUs, but local:box8 has 8"):
+        gate.admit(part(gpus=9), "acme/a/s")
+    with pytest.raises(BudgetInputError, match="only in a capacity pool"):
+        gate.admit(part(gpus=2).model_copy(update={"instance_type": "local:loose8"}), "acme/a/s")
+    with pytest.raises(BudgetInputError, match="must ask for some"):
+        gate.admit(part(gpus=0), "acme/a/s")
+    assert len(ledger.jobs("acme")) == before
+    for admission in admitted:
+        gate.settle(admission, ended_at=time.time(), outcome="completed")

@@ -97,6 +97,15 @@ def test_an_agent_spec_beyond_its_teams_limits_is_refused(spec, field):
         agent_spec(spec, SESSION, LIMITS)
 
 
+def test_an_orgs_own_class_counts_at_its_value_against_the_agents_ceiling():
+    classes = {"urgent": 500, "scavenger": -500}
+    with pytest.raises(ValueError, match="job.priority: at most 0 for agents of acme/vision"):
+        agent_spec(_job(priority="urgent"), SESSION, LIMITS, classes)
+    assert agent_spec(_job(priority="scavenger"), SESSION, LIMITS, classes)
+    with pytest.raises(ValueError, match="no priority class 'urgent' in acme"):
+        agent_spec(_job(priority="urgent"), SESSION, LIMITS)
+
+
 def test_an_admin_widens_what_agents_may_ask_for():
     wide = AgentLimits(
         team="acme/vision",

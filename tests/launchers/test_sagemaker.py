@@ -307,6 +307,7 @@ G5 = "sagemaker:ml.g5.xlarge"
         ({"output_s3_uri": "lab-models/out"}, {}, "output_s3_uri must be an S3 URI"),
         ({"checkpoint_s3_uri": None}, {"provisioning": "spot"}, "spot jobs need checkpoint_s3_uri"),
         ({}, {"env": {"BAD-NAME": "1"}}, "env: 'BAD-NAME' is not a valid"),
+        ({}, {"vcpu": 2}, "gpus: SageMaker training runs whole instances"),
     ],
 )
 def test_wrong_settings_fail_before_anything_is_reserved_or_created(

@@ -464,8 +464,10 @@ def pool_set(
 
     catalog = default_catalog()
     for instance in instance_type:  # a job of an unpriced type could never be quoted
-        if not any(row.key == instance for row in catalog.rows()):  # any provisioning will do
-            catalog.row(instance)  # says why, with the nearest priced type
+        rows = [row for row in catalog.rows() if row.key == instance]
+        if not any(row.priced for row in rows):  # a price for any provisioning will do
+            # says why: the nearest known type, or the reason the catalog has no figure
+            catalog.quote(instance, provisioning=rows[0].provisioning if rows else "on-demand")
     _ledger().set_pool(block.pool())  # its quotas stay: a concurrent `pool quota` survives
     console.print(f"pool {org}/{name}: {nodes} x {gpus_per_node} {gpu_model}".rstrip())
 
@@ -706,8 +708,8 @@ def prices_list() -> None:
             row.key,
             row.provisioning,
             f"{row.gpus}x {row.gpu_model}",
-            str(row.usd_per_hour),
-            f"{row.as_of}{'' if row.verified else ' (unverified)'}",
+            "no figure" if row.usd_per_hour is None else str(row.usd_per_hour),
+            f"{row.as_of}{'' if row.verified or not row.priced else ' (unverified)'}",
             row.source,
         )
     console.print(table)

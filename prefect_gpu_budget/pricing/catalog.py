@@ -3,6 +3,11 @@
 Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by the user in a
 CSV of the same columns (`PREFECT_GPU_BUDGET_PRICES`, default `$PREFECT_HOME/gpu-budget/prices.csv`).
 An unknown instance type is an error, never a zero price.
+
+A row may carry no price (`usd_per_hour` empty) where no public figure is recorded: its `source`
+says why and how to get one. Such a row gives the machine's shape (to `prices refresh` and to
+listings) but is refused when a job is quoted, and it never hides a priced row of another file;
+a refreshed or user-set price replaces it.
 """
 
 from __future__ import annotations
@@ -52,7 +57,8 @@ class PriceRow:
     gpus: int
     vcpu: int
     memory_gib: int
-    usd_per_hour: Decimal
+    usd_per_hour: Decimal | None
+    """None: no public figure recorded; `source` says why."""
     source: str
     as_of: date
     verified: bool
@@ -60,6 +66,10 @@ class PriceRow:
     @property
     def key(self) -> str:
         return f"{self.cloud}:{self.instance_type}"
+
+    @property
+    def priced(self) -> bool:
+        return self.usd_per_hour is not None
 
 
 @dataclass(frozen=True)
@@ -124,9 +134,15 @@ def _parse_row(raw: dict[str, str], where: str) -> PriceRow:
         )
         if not name_ok:  # no spaces, control characters or a final newline: one name, one row
             raise ValueError(f"instance_type is not a valid name, got {shown(instance_type)}")
-        price = to_decimal_usd(raw["usd_per_hour"], "usd_per_hour")
-        if price <= 0:
-            raise ValueError("usd_per_hour must be above $0 (a price is never zero)")
+        source = (raw.get("source") or "").strip()
+        text = (raw["usd_per_hour"] or "").strip()
+        price: Decimal | None = None
+        if text:
+            price = to_decimal_usd(text, "usd_per_hour")
+            if price <= 0:
+                raise ValueError("usd_per_hour must be above $0 (a price is never zero)")
+        elif not source:
+            raise ValueError("usd_per_hour is empty: a row without a price says why in source")
         return PriceRow(
             cloud=cloud,
             instance_type=instance_type,
@@ -136,7 +152,7 @@ def _parse_row(raw: dict[str, str], where: str) -> PriceRow:
             vcpu=_count(raw, "vcpu", MAX_VCPU),
             memory_gib=_count(raw, "memory_gib", MAX_MEMORY_GIB),
             usd_per_hour=price,
-            source=raw.get("source", "").strip(),
+            source=source,
             as_of=date.fromisoformat(raw["as_of"].strip()),
             verified=raw.get("verified", "no").strip().lower() in ("yes", "true", "1"),
         )
@@ -162,10 +178,15 @@ def _read(path: Path) -> list[PriceRow]:
 
 class Catalog:
     """Price rows by (`cloud:instance_type`, provisioning); later files override earlier ones:
-    the shipped catalog, then the newest refreshed one, then the user's own prices."""
+    the shipped catalog, then the newest refreshed one, then the user's own prices. A row
+    without a price never replaces one with a price."""
 
     def __init__(self, rows: list[PriceRow]) -> None:
-        self._rows = {(row.key, row.provisioning): row for row in rows}
+        self._rows: dict[tuple[str, str], PriceRow] = {}
+        for row in rows:
+            earlier = self._rows.get((row.key, row.provisioning))
+            if row.priced or earlier is None or not earlier.priced:
+                self._rows[row.key, row.provisioning] = row
 
     @classmethod
     def load(cls, *extra: Path) -> Catalog:
@@ -218,6 +239,11 @@ class Catalog:
         today: date | None = None,
     ) -> Quote:
         row = self.row(instance_type, provisioning)
+        if row.usd_per_hour is None:
+            raise BudgetInputError(
+                "instance_type",
+                f"no {provisioning} price for {row.key}: {' '.join(row.source.split())}",
+            )
         warnings = []
         age = ((today or date.today()) - row.as_of).days
         if age > STALE_AFTER_DAYS:
@@ -289,7 +315,7 @@ def write_rows(path: Path, rows: list[PriceRow]) -> None:
                     r.gpus,
                     r.vcpu,
                     r.memory_gib,
-                    r.usd_per_hour,
+                    "" if r.usd_per_hour is None else r.usd_per_hour,
                     r.source,
                     r.as_of.isoformat(),
                     "yes" if r.verified else "no",

@@ -11,7 +11,11 @@ GPUs x GPU SKU + vCPU x core SKU + GiB x RAM SKU, keeping the machine's shape fr
 - flex-start (Dynamic Workload Scheduler): `... GPU attached to DWS Defined Duration VMs ...`,
   `DWS Defined Duration A2 Core ...`.
 
-A provisioning model gets a row only when all three of its SKUs are published for the region.
+A4 (B200) machines are billed per GPU slice instead: one SKU per GPU that includes its share of
+the machine's vCPU and memory (`A4 Nvidia B200 (1 gpu slice) running in Americas`, with the
+`Spot Preemptible ` and `DWS Defined Duration ` prefixes), and no core or RAM SKUs.
+
+A provisioning model gets a row only when all of its SKUs are published for the region.
 These are Compute Engine prices: Vertex AI training bills the same machines under its own
 (Vertex AI service) SKUs.
 
@@ -48,19 +52,31 @@ GPU_SKU_NAMES = {
     "A100 80GB": "A100 80GB",
     "H100 80GB": "H100 80GB",
     "H200 141GB": "H200 141GB",
+    "B200 180GB": "B200",
 }
 """Catalog GPU model -> its name in SKU descriptions (after an optional `Nvidia Tesla`)."""
 
-HOST_SKU_FAMILIES = {
-    "g2-standard": "G2",
-    "a2-highgpu": "A2",
-    "a2-ultragpu": "A2",
-    "a3-highgpu": "A3",
-    "a3-ultragpu": "A3 Ultra",
+HOST_SKU_FAMILIES: dict[str, tuple[str, ...]] = {
+    "g2-standard": ("G2",),
+    "a2-highgpu": ("A2",),
+    "a2-ultragpu": ("A2",),
+    "a3-highgpu": ("A3",),
+    "a3-ultragpu": ("A3 Ultra", "A3Ultra"),
+    "a4-highgpu": ("A4",),
 }
-"""Machine family -> the family name its core and RAM SKUs carry."""
+"""Machine family -> the family names its SKUs carry (A3 Ultra is also spelt `A3Ultra`)."""
+
+SLICE_FAMILIES = frozenset({"a4-highgpu"})
+"""Families billed per GPU slice: one SKU per GPU, vCPU and memory included."""
 
 _GPU = r"^(?:Nvidia )?(?:Tesla )?{gpu} GPU "
+_SLICE = r"^{prefix}{host} (?:Nvidia )?{gpu} \(1 gpu slice\) running in "
+SLICE_PREFIXES = {
+    "on-demand": "",
+    "spot": "Spot Preemptible ",
+    "flex-start": "DWS Defined Duration ",
+}
+"""Provisioning -> the words before a slice SKU's family name."""
 PATTERNS = {
     "on-demand": (
         _GPU + r"(?:attached to VMs )?running in ",
@@ -128,15 +144,23 @@ def price_machine(row: PriceRow, provisioning: str, skus: list[Sku]) -> Decimal 
     """The hourly price of `row`'s machine shape under `provisioning`, or None if a SKU is
     missing."""
     gpu = GPU_SKU_NAMES.get(row.gpu_model)
-    host = HOST_SKU_FAMILIES.get(row.instance_type.rsplit("-", 1)[0])
-    if gpu is None or host is None:
+    family = row.instance_type.rsplit("-", 1)[0]
+    names = HOST_SKU_FAMILIES.get(family)
+    if gpu is None or names is None:
         return None
+    host = "(?:" + "|".join(re.escape(name) for name in names) + ")"
     gpu_pattern, host_pattern = PATTERNS[provisioning]
-    parts = {
-        "gpu": (gpu_pattern.format(gpu=re.escape(gpu)), row.gpus),
-        "Core": (host_pattern.format(host=re.escape(host), part="Core"), row.vcpu),
-        "Ram": (host_pattern.format(host=re.escape(host), part="Ram"), row.memory_gib),
-    }
+    if family in SLICE_FAMILIES:
+        slice_pattern = _SLICE.format(
+            prefix=re.escape(SLICE_PREFIXES[provisioning]), host=host, gpu=re.escape(gpu)
+        )
+        parts = {"gpu": (slice_pattern, row.gpus)}
+    else:
+        parts = {
+            "gpu": (gpu_pattern.format(gpu=re.escape(gpu)), row.gpus),
+            "Core": (host_pattern.format(host=host, part="Core"), row.vcpu),
+            "Ram": (host_pattern.format(host=host, part="Ram"), row.memory_gib),
+        }
     total = Decimal(0)
     for part, (pattern, quantity) in parts.items():
         unit_price = _find(skus, pattern, UNITS[part])

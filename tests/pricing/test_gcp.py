@@ -1,8 +1,10 @@
 """`refresh_gcp` through the real google-cloud-billing client (REST transport), against a local
 stand-in of the Cloud Billing Catalog API serving Compute Engine SKUs with real-world names.
 
-The unit prices below are us-central1 list prices as published in the catalog; the A2 ones
-reproduce the shipped catalog's a2-highgpu-1g rows (on-demand 3.673, flex-start 2.0204).
+The unit prices in PRICES are us-central1 list prices as published in the catalog; the A2 ones
+reproduce the shipped catalog's a2-highgpu-1g rows (on-demand 3.673, flex-start 2.0204). Those in
+STAND_IN are made-up figures for SKUs the shipped catalog has no price for: they test the SKU
+names and the arithmetic, and are no prices of anything.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from pathlib import Path
 import pytest
 from prefect_gcp import GcpCredentials
 
-from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.pricing.catalog import PROVISIONINGS, Catalog
 from prefect_gpu_budget.pricing.gcp import PriceRefreshError, refresh_gcp
+from prefect_gpu_budget.pricing.refresh import write_refresh
+from prefect_gpu_budget.units import BudgetInputError, usd_to_micro
 from tests.gcp_server import FakeBillingCatalog, service_account_info, serving, sku
 from tests.without_extra import VERTEX_MODULES, run_without
 
@@ -79,16 +83,88 @@ PRICES = [
     ("A2 Instance Core running in Netherlands", 0.03477, "OnDemand", "h", EU),
     ("A2 Instance Ram running in Netherlands", 0.00466, "OnDemand", "GiBy.h", EU),
 ]
+P, D = "Preemptible", "OnDemand"  # Google tags DWS and the spot A4 slice OnDemand
+STAND_IN = [
+    ("Nvidia L4 GPU attached to DWS Defined Duration VMs running in Americas", 0.31, D, "h", US),
+    ("DWS Defined Duration G2 Core running in Americas", 0.013, D, "h", US),
+    ("DWS Defined Duration G2 Ram running in Americas", 0.0017, D, "GiBy.h", US),
+    (
+        "Nvidia Tesla A100 80GB GPU attached to Spot Preemptible VMs running in Americas",
+        1.7,
+        P,
+        "h",
+        US,
+    ),
+    (
+        "Nvidia Tesla A100 80GB GPU attached to DWS Defined Duration VMs running in Americas",
+        2.1,
+        D,
+        "h",
+        US,
+    ),
+    (
+        "Nvidia H100 80GB GPU attached to DWS Defined Duration VMs running in Americas",
+        4.3,
+        D,
+        "h",
+        US,
+    ),
+    ("DWS Defined Duration A3 Core running in Americas", 0.011, D, "h", US),
+    ("DWS Defined Duration A3 Ram running in Americas", 0.00097, D, "GiBy.h", US),
+    ("H200 141GB GPU running in Americas", 9.4, D, "h", US),
+    ("A3 Ultra Instance Core running in Americas", 0.03, D, "h", US),
+    ("A3 Ultra Instance Ram running in Americas", 0.0026, D, "GiBy.h", US),
+    ("H200 141GB GPU attached to Spot Preemptible VMs running in Americas", 3.5, P, "h", US),
+    ("Spot Preemptible A3 Ultra Instance Core running in Americas", 0.012, P, "h", US),
+    ("Spot Preemptible A3 Ultra Instance Ram running in Americas", 0.001, P, "GiBy.h", US),
+    (
+        "H200 141GB GPU attached to DWS Defined Duration VMs running in Americas",
+        4.6,
+        D,
+        "h",
+        US,
+    ),
+    ("DWS Defined Duration A3Ultra Core running in Americas", 0.014, D, "h", US),
+    ("DWS Defined Duration A3Ultra Ram running in Americas", 0.0012, D, "GiBy.h", US),
+    # A4 is billed per GPU slice, vCPU and memory included: no core or RAM SKUs
+    ("A4 Nvidia B200 (1 gpu slice) running in Americas", 16.5, D, "h", US),
+    ("Spot Preemptible A4 Nvidia B200 (1 gpu slice) running in Americas", 5.1, D, "h", US),
+    ("DWS Defined Duration A4 Nvidia B200 (1 gpu slice) running in Americas", 8.2, D, "h", US),
+    # traps: a variant GPU, another A3 family, calendar mode and commitments of the slice
+    ("Nvidia H100 80GB Plus GPU running in Americas", 10.5, D, "h", US),
+    ("DWS Defined Duration A3 Mega Core running in Americas", 0.02, D, "h", US),
+    ("DWS Calendar Mode A4 Nvidia B200 (1 gpu slice) running in Americas", 1.0, D, "h", US),
+    (
+        "Commitment v1: A4 Nvidia B200 (1 gpu slice) in Americas for 1 Year",
+        2.0,
+        "Commit1Yr",
+        "h",
+        US,
+    ),
+]
+SKUS = PRICES + STAND_IN
 PRICED = {
     # (machine, provisioning): the SKUs that price it, GPU then core then RAM
     ("g2-standard-4", "on-demand"): PRICES[0:3],
     ("g2-standard-4", "spot"): PRICES[3:6],
+    ("g2-standard-4", "flex-start"): STAND_IN[0:3],
     ("a2-highgpu-1g", "on-demand"): PRICES[6:9],
     ("a2-highgpu-1g", "spot"): PRICES[9:12],
     ("a2-highgpu-1g", "flex-start"): PRICES[12:15],
+    ("a2-ultragpu-1g", "on-demand"): [PRICES[21], *PRICES[7:9]],
+    ("a2-ultragpu-1g", "spot"): [STAND_IN[3], *PRICES[10:12]],
+    ("a2-ultragpu-1g", "flex-start"): [STAND_IN[4], *PRICES[13:15]],
     ("a3-highgpu-8g", "on-demand"): PRICES[15:18],
     ("a3-highgpu-8g", "spot"): PRICES[18:21],
+    ("a3-highgpu-8g", "flex-start"): STAND_IN[5:8],
+    ("a3-ultragpu-8g", "on-demand"): STAND_IN[8:11],
+    ("a3-ultragpu-8g", "spot"): STAND_IN[11:14],
+    ("a3-ultragpu-8g", "flex-start"): STAND_IN[14:17],
+    ("a4-highgpu-8g", "on-demand"): STAND_IN[17:18],
+    ("a4-highgpu-8g", "spot"): STAND_IN[18:19],
+    ("a4-highgpu-8g", "flex-start"): STAND_IN[19:20],
 }
+FAMILIES = ("g2-standard", "a2-highgpu", "a2-ultragpu", "a3-highgpu", "a3-ultragpu", "a4-highgpu")
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +174,7 @@ def key() -> tuple[dict, str]:
 
 @pytest.fixture
 def billing(key: tuple[dict, str]) -> Iterator[FakeBillingCatalog]:
-    skus = [sku(d, usd, usage_type=t, unit=u, regions=r) for d, usd, t, u, r in PRICES]
+    skus = [sku(d, usd, usage_type=t, unit=u, regions=r) for d, usd, t, u, r in SKUS]
     with serving(FakeBillingCatalog(skus, public_key=key[1], page_size=4)) as server:
         yield server
 
@@ -111,7 +187,7 @@ def shipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Catalog:
 
 def _expected(shipped: Catalog, machine: str, skus: list[tuple]) -> Decimal:
     shape = next(r for r in shipped.rows() if r.key == f"gcp:{machine}")
-    quantities = (shape.gpus, shape.vcpu, shape.memory_gib)
+    quantities = (shape.gpus, shape.vcpu, shape.memory_gib)[: len(skus)]  # a slice: GPUs only
     total = sum(Decimal(str(s[1])) * q for s, q in zip(skus, quantities, strict=True))
     return total.quantize(Decimal("0.000001"), rounding=ROUND_UP)
 
@@ -123,6 +199,9 @@ def test_refresh_prices_every_gcp_machine_where_skus_exist(
     rows = refresh_gcp(credentials, api_endpoint=billing.url)
 
     assert {(r.instance_type, r.provisioning) for r in rows} == set(PRICED)
+    assert {(m.rsplit("-", 1)[0], p) for m, p in PRICED} == {
+        (family, p) for family in FAMILIES for p in PROVISIONINGS
+    }  # every family DWS names, flex-start included
     for row in rows:
         assert row.usd_per_hour == _expected(
             shipped, row.instance_type, PRICED[row.instance_type, row.provisioning]
@@ -144,9 +223,41 @@ def test_refresh_prices_every_gcp_machine_where_skus_exist(
         assert abs(fresh["a2-highgpu-1g", provisioning] - old) < Decimal("0.001")
 
     sku_pages = [q for path, q in billing.requests if path.endswith("/skus")]
-    assert len(sku_pages) == -(-len(PRICES) // 4)  # every page, token after token
+    assert len(sku_pages) == -(-len(SKUS) // 4)  # every page, token after token
     assert all(q["currencyCode"] == ["USD"] for q in sku_pages)
     assert set(billing.callers) == {key[0]["client_email"]}
+
+
+def test_a_refresh_fills_the_rows_with_no_public_figure(
+    billing: FakeBillingCatalog,
+    key: tuple[dict, str],
+    shipped: Catalog,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shipped rows without a price are refused until `prices refresh --gcp` writes a dated
+    catalog; from then on every family quotes flex-start at its DWS SKUs."""
+    unpriced = [(m, p) for m, p in PRICED if not shipped.row(f"gcp:{m}", p).priced]
+    assert ("a4-highgpu-8g", "flex-start") in unpriced and (
+        "a3-highgpu-8g",
+        "flex-start",
+    ) in unpriced
+    for machine, provisioning in unpriced:
+        with pytest.raises(BudgetInputError, match="no public figure recorded"):
+            shipped.quote(f"gcp:{machine}", 1, provisioning)
+
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_CATALOG_DIR", str(tmp_path / "catalogs"))
+    rows = refresh_gcp(GcpCredentials(service_account_info=key[0]), api_endpoint=billing.url)
+    write_refresh(shipped, rows)
+    refreshed = Catalog.load()
+    for machine, provisioning in PRICED:
+        quote = refreshed.quote(f"gcp:{machine}", 2, provisioning)
+        expected = _expected(shipped, machine, PRICED[machine, provisioning])
+        assert quote.rate_micro_per_hour == 2 * usd_to_micro(expected)
+        assert not quote.warnings  # dated today, read from the API
+    # rows of other clouds stay as shipped, with or without a figure
+    assert refreshed.row("aws:p6-b200.48xlarge").usd_per_hour is None
+    assert refreshed.row("aws:g5.xlarge") == shipped.row("aws:g5.xlarge")
 
 
 def test_refresh_reads_the_region_asked_for(

@@ -213,8 +213,9 @@ def test_audit_finds_orphans_and_double_charges(tmp_path: Path) -> None:
     ledger.set_budget(BudgetRule("au", hourly_cap_cents=720, period_budget_micro=10**6))
     job_id, decision = ledger.request(new_job("au/t", holder=holder_id()))
     assert decision.verdict == "admit"
-    ledger.mark_started(job_id, time.time() - 10)
-    ledger.settle(job_id, ended_at=time.time(), outcome="completed")
+    started = time.time() - 10
+    ledger.mark_started(job_id, started)
+    ledger.settle(job_id, ended_at=started + 10, outcome="completed")  # exactly $0.01
     assert audit(ledger).ok
 
     with ledger.engine.begin() as conn:  # book the settlement a second time

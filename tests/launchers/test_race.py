@@ -12,7 +12,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from tests.aws_server import AwsServer
 
 CAP_CENTS = 300  # ml.g5.xlarge is 141 cents an hour: two at once
-PROCESSES, JOBS = 6, 3
+PROCESSES, JOBS = 6, 2
 
 
 def _agent(url: str, aws_url: str, index: int) -> None:

@@ -27,6 +27,8 @@ _PUBLIC = {
     "SpendLedger": "prefect_gpu_budget.blocks",
     "VertexLauncher": "prefect_gpu_budget.launchers.vertex",
     "admit": "prefect_gpu_budget.tasks",
+    "current_job": "prefect_gpu_budget.tasks",
+    "gpu_task": "prefect_gpu_budget.tasks",
     "run_gpu_job": "prefect_gpu_budget.tasks",
     "settle": "prefect_gpu_budget.tasks",
 }
@@ -46,6 +48,8 @@ __all__ = [
     "SpendLedger",
     "VertexLauncher",
     "admit",
+    "current_job",
+    "gpu_task",
     "run_gpu_job",
     "settle",
 ]
@@ -58,7 +62,14 @@ if TYPE_CHECKING:
     from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
     from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
     from prefect_gpu_budget.launchers.vertex import VertexLauncher
-    from prefect_gpu_budget.tasks import JobResult, admit, run_gpu_job, settle
+    from prefect_gpu_budget.tasks import (
+        JobResult,
+        admit,
+        current_job,
+        gpu_task,
+        run_gpu_job,
+        settle,
+    )
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

@@ -1,0 +1,139 @@
+"""`@gpu_task` in real flow runs against a real Prefect server: a cap of two never runs three
+bodies at once, a body past max_runtime pays for what it ran, refusals are final, retries are
+new admissions, settings move per task and per call, async bodies are gated alike."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from prefect import flow, unmapped
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from prefect_gpu_budget import GpuBudget, SpendLedger, current_job, gpu_task
+from prefect_gpu_budget.admission.ledger import Ledger
+
+
+def _most_at_once(spans: list[tuple[float, float]]) -> int:
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.fixture
+def lab(prefect_api, prices, tmp_path):
+    """A ledger where lab's cap holds two `local:box` jobs ($3.60/h each) at once."""
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", hourly_cap_usd="7.2", period_budget_usd=50).apply(ledger)
+    GpuBudget(scope="lab/tight", hourly_cap_usd="1", on_limit="reject").apply(ledger)
+    return ledger, SpendLedger(database_url=url)
+
+
+def test_a_cap_of_two_never_runs_three_bodies_and_each_run_settles_once(lab):
+    ledger, block = lab
+    spans: list[tuple[float, float]] = []
+    lock = threading.Lock()
+
+    @gpu_task(instance_type="local:box", scope="lab/sweep", max_runtime="1m", ledger=block)
+    def train(lr: float) -> float:
+        started = time.time()
+        job = current_job()
+        assert job.scope == "lab/sweep" and job.instance_type == "local:box"
+        time.sleep(1.0)
+        with lock:
+            spans.append((started, time.time()))
+        return lr * 2
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=5))
+    def search() -> list[float]:
+        return [f.result() for f in train.map([1.0, 2.0, 3.0, 4.0, 5.0])]
+
+    assert search() == [2.0, 4.0, 6.0, 8.0, 10.0]
+    rows = ledger.jobs("lab/sweep")
+    assert len(rows) == 5 and {r["outcome"] for r in rows} == {"completed"}
+    assert {r["launcher"] for r in rows} == {"task"}
+    assert _most_at_once(spans) <= 2  # from the bodies' own clocks
+    assert _most_at_once([(r["admitted_at"], r["ended_at"]) for r in rows]) <= 2
+    assert min(s for s, _ in spans) >= min(r["admitted_at"] for r in rows)  # never before
+    for row in rows:  # billed from the body's real start and end
+        assert 1.0 <= row["billed_seconds"] < 10
+        assert row["actual_micro"] == round(3_600_000 * row["billed_seconds"] / 3600)
+    with pytest.raises(RuntimeError, match="only inside the body"):
+        current_job()
+
+
+def test_past_max_runtime_a_body_is_stopped_and_pays_for_what_it_ran(lab):
+    ledger, block = lab
+
+    @gpu_task(
+        instance_type="local:box",
+        scope="lab/slow",
+        max_runtime="2s",
+        kill_grace="1s",
+        ledger=block,
+    )
+    def forever() -> None:
+        while True:  # a training loop: back in Python often, where the stop lands
+            time.sleep(0.05)
+
+    @flow
+    def run() -> tuple[str, str]:
+        state = forever(return_state=True)
+        return state.name, state.message
+
+    begun = time.time()
+    name, message = run()
+    assert name == "TimedOut" and "stopped at max_runtime 2s" in message
+    assert time.time() - begun < 30
+    [row] = ledger.jobs("lab/slow")
+    assert row["outcome"] == "timed_out" and 2.0 <= row["billed_seconds"] < 6
+    assert row["actual_micro"] < row["reserved_micro"]
+
+
+def test_refusals_are_final_and_retries_are_new_admissions(lab):
+    ledger, block = lab
+    tries: list[str] = []
+
+    @gpu_task(instance_type="local:box", max_runtime="1m", ledger=block, retries=2)
+    def flaky() -> str:
+        tries.append(current_job().job_id)
+        if len(tries) == 1:
+            raise ValueError("first try fails")
+        return "ok"
+
+    @flow
+    def run() -> tuple[str, str, str]:
+        refused = flaky.with_options(gpu={"scope": "lab/tight"})(return_state=True)
+        return refused.name, refused.message, flaky(gpu={"scope": "lab/retry"})
+
+    name, message, retried = run()
+    assert name == "OverBudget" and "hourly cap $1.00/h of lab/tight" in message
+    assert len(ledger.jobs("lab/tight")) == 1  # refused once, never retried into a loop
+    assert retried == "ok" and len(tries) == 2 and tries[0] != tries[1]
+    rows = {r["id"]: r["outcome"] for r in ledger.jobs("lab/retry")}
+    assert rows == {tries[0]: "failed", tries[1]: "completed"}
+
+
+def test_async_bodies_and_per_call_settings(lab):
+    ledger, block = lab
+
+    @gpu_task(instance_type="local:box", max_runtime="1m", scope="lab/a", ledger=block)
+    async def evaluate(x: int) -> str:
+        await asyncio.sleep(0.1)
+        return current_job().scope
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def run():
+        moved = evaluate.map([1, 2], gpu=unmapped({"scope": "lab/b"}))
+        return [f.result() for f in moved]
+
+    assert run() == ["lab/b", "lab/b"]
+    assert len(ledger.jobs("lab/b")) == 2 and ledger.jobs("lab/a") == []
+    with pytest.raises(ValueError, match="unknown setting 'colour'"):
+        evaluate.with_options(gpu={"colour": "red"})

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.accounting import book, period_shares, row_spend
 from prefect_gpu_budget.admission.ledger import (
     ACTIVE,
     Ledger,
@@ -82,13 +82,6 @@ def _within(scope: str, parent: str | None) -> bool:
     return parent is None or scope == parent or scope.startswith(parent + "/")
 
 
-def _spend_interval(row: Row) -> tuple[int, float, float]:
-    """(actual, start, end) exactly as settlement books it into the periods."""
-    ended = row["ended_at"] if row["ended_at"] is not None else row["settled_at"]
-    start = row["started_at"] if row["started_at"] is not None else ended
-    return row["actual_micro"] or 0, start, max(ended, start)
-
-
 # -- promise 1 ---------------------------------------------------------------------------------
 
 
@@ -119,14 +112,10 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
         path = [by_scope[s] for s in scope_path(row["scope"]) if s in by_scope]
         if kind == 0:
             del active[row["id"]]
-            amount, start, end = _spend_interval(row)
             for rule in path:
                 rate[rule.scope] -= row["rate_cents"]
-                if rule.period_budget_micro is not None:
-                    for p_start, share in periods.split(
-                        amount, start, end, rule.period, rule.timezone
-                    ):
-                        settled[(rule.scope, p_start)] += share
+            for key, share in book(row["scope"], *row_spend(row), by_scope).items():
+                settled[key] += share
             continue
         active[row["id"]] = row
         new = hold_of(row, now=at)  # as the ledger saw it then
@@ -144,9 +133,7 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
             held = [
                 hold_of(r, now=at) for r in active.values() if rule.scope in scope_path(r["scope"])
             ]
-            touched = periods.split(
-                new.reserved_micro, new.start, new.end, rule.period, rule.timezone
-            )
+            touched = period_shares(new.reserved_micro, new.start, new.end, rule)
             for p_start, _ in touched:
                 reserved = sum(share_in(*committed(h, at), rule, p_start) for h in held)
                 total = settled[(rule.scope, p_start)] + reserved
@@ -224,15 +211,11 @@ def charge_errors(
     here as a missing charge. The check is exact for budgets set before their jobs ran.
     """
     expected: dict[tuple[str, float], int] = defaultdict(int)
-    settled = [r for r in rows if r["state"] == "settled"]
-    for rule in rules:
-        if rule.period_budget_micro is None:
-            continue
-        for row in settled:
-            if rule.scope in scope_path(row["scope"]):
-                amount, start, end = _spend_interval(row)
-                for p_start, share in periods.split(amount, start, end, rule.period, rule.timezone):
-                    expected[(rule.scope, p_start)] += share
+    by_scope = {rule.scope: rule for rule in rules}
+    for row in rows:
+        if row["state"] == "settled":
+            for key, share in book(row["scope"], *row_spend(row), by_scope).items():
+                expected[key] += share
     double = missing = 0
     messages = []
     for (scope, p_start), want in sorted(expected.items()):

@@ -38,6 +38,7 @@ from prefect_gpu_budget.admission.ledger import (
 )
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.units import fmt_usd, scope_path
 
 Row = dict[str, Any]
@@ -176,7 +177,7 @@ def orphans_left(
     *,
     scope: str | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
     job_running: Callable[[Row], bool] = local_job_running,
 ) -> list[Row]:
     """Queued or active rows whose holder is gone (dead here, or silent `stale_after` seconds)
@@ -191,7 +192,7 @@ def awaiting_rows(
     *,
     scope: str | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
     job_running: Callable[[Row], bool] = local_job_running,
 ) -> list[Row]:
     """Rows of gone holders that reconcile holds open until a Prefect lease their holder may
@@ -293,7 +294,7 @@ def audit(
     *,
     scope: str | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
 ) -> Audit:
     """Every check over `scope`'s subtree (all of the ledger if None), with the budgets set
     inside it; Prefect slots are compared only when `limits` is given."""

@@ -49,6 +49,7 @@ from prefect_gpu_budget.admission.quota import (
     pool_for,
     team_of,
 )
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S, STALE_WAITER_S
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
@@ -63,8 +64,6 @@ ACTIVE = ("admitted", "running")
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
 AGENT_MAX_QUEUED = 16
 """Jobs an agent session may have queued at once unless its team's `AgentLimits` say."""
-STALE_WAITER_S = 30.0
-"""A queued job whose waiter has not polled for this long no longer holds its place."""
 
 metadata = sa.MetaData()
 
@@ -1343,7 +1342,9 @@ class Ledger:
                 )
         return out
 
-    def orphans(self, now: float | None = None, stale_after: float = 120.0) -> list[dict[str, Any]]:
+    def orphans(
+        self, now: float | None = None, stale_after: float = STALE_AFTER_S
+    ) -> list[dict[str, Any]]:
         """Active or queued jobs whose holder is gone: dead on this host, or silent too long."""
         now = time.time() if now is None else now
         found = []

@@ -89,7 +89,7 @@ from typing import Any
 import sqlalchemy as sa
 from _shared import ensure_database, table
 
-from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.accounting import row_spend, settled_in_period
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
 from prefect_gpu_budget.admission.ledger import Ledger, metadata, normalise_url
 from prefect_gpu_budget.admission.limits import RateLimits
@@ -906,16 +906,16 @@ def check_ledger(cfg: Config, records: list[list[dict[str, Any]]], start: float)
                 f"queued {s['queued']} after the run"
             )
         rule = rules[s["scope"]]
-        total = sum(
-            share
-            for r in rows
-            if r["state"] == "settled"
-            and r["actual_micro"]
-            and (r["scope"] == rule.scope or r["scope"].startswith(rule.scope + "/"))
-            for p_start, share in periods.split(
-                r["actual_micro"], r["started_at"], r["ended_at"], rule.period, rule.timezone
-            )
-            if p_start == s["period_start"]
+        total = settled_in_period(
+            (
+                row_spend(r)
+                for r in rows
+                if r["state"] == "settled"
+                and r["actual_micro"]
+                and (r["scope"] == rule.scope or r["scope"].startswith(rule.scope + "/"))
+            ),
+            rule,
+            s["period_start"],
         )
         if total != s["settled_micro"]:
             problems.append(

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 import typer
 
 from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.units import BudgetInputError, fmt_usd, micro_to_usd, to_decimal_usd
 
@@ -800,7 +801,7 @@ def agents_serve(
 @app.command("reconcile")
 def reconcile_cmd(
     stale_after: str = typer.Option(
-        "120s", help="Silence after which a holder on another host counts as gone."
+        f"{STALE_AFTER_S:g}s", help="Silence after which a holder on another host counts as gone."
     ),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.accounting import book, period_shares, settled_cost
 from prefect_gpu_budget.admission.policy import (
     OVERRUN_WINDOW,
     BudgetRule,
@@ -32,7 +33,7 @@ from prefect_gpu_budget.admission.policy import (
     overrun_factor,
     plan,
 )
-from prefect_gpu_budget.units import cost_micro, rate_cents, scope_path
+from prefect_gpu_budget.units import rate_cents, scope_path
 
 
 @dataclass(frozen=True)
@@ -119,14 +120,10 @@ class SimResult:
         for rec in self.records:
             if rec.admitted_at is None or rec.ended_at is None:
                 continue
-            for scope in scope_path(rec.job.scope):
-                rule = self.budgets.get(scope)
-                if rule is None or rule.period_budget_micro is None:
-                    continue
-                for p_start, share in periods.split(
-                    rec.actual_micro, rec.admitted_at, rec.ended_at, rule.period, rule.timezone
-                ):
-                    out[(scope, p_start)] += share
+            for key, share in book(
+                rec.job.scope, rec.actual_micro, rec.admitted_at, rec.ended_at, self.budgets
+            ).items():
+                out[key] += share
         return out
 
     def overshoot_pct(self) -> float:
@@ -160,8 +157,8 @@ class SimResult:
                 continue
             if (finished_only and not rec.finished) or scope not in scope_path(rec.job.scope):
                 continue
-            for p_start, share in periods.split(
-                rec.actual_micro, rec.admitted_at, rec.ended_at, rule.period, rule.timezone
+            for p_start, share in period_shares(
+                rec.actual_micro, rec.admitted_at, rec.ended_at, rule
             ):
                 spent[p_start] += share
         first = min(r.job.arrival for r in self.records)
@@ -355,7 +352,7 @@ def _settle(
     job = rec.job
     assert rec.admitted_at is not None
     rec.ended_at = end
-    rec.actual_micro = cost_micro(job.rate_micro_per_hour, end - rec.admitted_at, round_up=False)
+    rec.actual_micro = settled_cost(job.rate_micro_per_hour, rec.admitted_at, end)[1]
     rec.finished = end >= rec.admitted_at + job.true_s - 1e-9
     _charge(
         job.scope, job.rate_micro_per_hour, rec.admitted_at, end, rules, spent, rec.actual_micro
@@ -371,13 +368,11 @@ def _charge(
     spent: dict[tuple[str, float], int],
     amount: int | None = None,
 ) -> None:
-    """Add what a job spent over [start, end] to the periods of every budget on its path."""
-    amount = cost_micro(rate, end - start, round_up=False) if amount is None else amount
-    for path_scope in scope_path(scope):
-        rule = rules.get(path_scope)
-        if rule is not None and rule.period_budget_micro is not None:
-            for p_start, share in periods.split(amount, start, end, rule.period, rule.timezone):
-                spent[(path_scope, p_start)] += share
+    """Add what a job spent over [start, end] (by default rate x the time) to the periods of
+    every budget on its path, as the ledger books a settlement."""
+    amount = settled_cost(rate, start, end)[1] if amount is None else amount
+    for key, share in book(scope, amount, start, end, rules).items():
+        spent[key] += share
 
 
 TRACE_KINDS = ("lognormal", "heavy-tail", "overrun-tail")

@@ -29,7 +29,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.accounting import book, period_shares, row_spend
 from prefect_gpu_budget.admission.ledger import (
     ACTIVE,
     Ledger,
@@ -38,6 +38,7 @@ from prefect_gpu_budget.admission.ledger import (
 )
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.units import fmt_usd, scope_path
 
 Row = dict[str, Any]
@@ -82,13 +83,6 @@ def _within(scope: str, parent: str | None) -> bool:
     return parent is None or scope == parent or scope.startswith(parent + "/")
 
 
-def _spend_interval(row: Row) -> tuple[int, float, float]:
-    """(actual, start, end) exactly as settlement books it into the periods."""
-    ended = row["ended_at"] if row["ended_at"] is not None else row["settled_at"]
-    start = row["started_at"] if row["started_at"] is not None else ended
-    return row["actual_micro"] or 0, start, max(ended, start)
-
-
 # -- promise 1 ---------------------------------------------------------------------------------
 
 
@@ -119,14 +113,10 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
         path = [by_scope[s] for s in scope_path(row["scope"]) if s in by_scope]
         if kind == 0:
             del active[row["id"]]
-            amount, start, end = _spend_interval(row)
             for rule in path:
                 rate[rule.scope] -= row["rate_cents"]
-                if rule.period_budget_micro is not None:
-                    for p_start, share in periods.split(
-                        amount, start, end, rule.period, rule.timezone
-                    ):
-                        settled[(rule.scope, p_start)] += share
+            for key, share in book(row["scope"], *row_spend(row), by_scope).items():
+                settled[key] += share
             continue
         active[row["id"]] = row
         new = hold_of(row, now=at)  # as the ledger saw it then
@@ -144,9 +134,7 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
             held = [
                 hold_of(r, now=at) for r in active.values() if rule.scope in scope_path(r["scope"])
             ]
-            touched = periods.split(
-                new.reserved_micro, new.start, new.end, rule.period, rule.timezone
-            )
+            touched = period_shares(new.reserved_micro, new.start, new.end, rule)
             for p_start, _ in touched:
                 reserved = sum(share_in(*committed(h, at), rule, p_start) for h in held)
                 total = settled[(rule.scope, p_start)] + reserved
@@ -189,7 +177,7 @@ def orphans_left(
     *,
     scope: str | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
     job_running: Callable[[Row], bool] = local_job_running,
 ) -> list[Row]:
     """Queued or active rows whose holder is gone (dead here, or silent `stale_after` seconds)
@@ -204,7 +192,7 @@ def awaiting_rows(
     *,
     scope: str | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
     job_running: Callable[[Row], bool] = local_job_running,
 ) -> list[Row]:
     """Rows of gone holders that reconcile holds open until a Prefect lease their holder may
@@ -224,15 +212,11 @@ def charge_errors(
     here as a missing charge. The check is exact for budgets set before their jobs ran.
     """
     expected: dict[tuple[str, float], int] = defaultdict(int)
-    settled = [r for r in rows if r["state"] == "settled"]
-    for rule in rules:
-        if rule.period_budget_micro is None:
-            continue
-        for row in settled:
-            if rule.scope in scope_path(row["scope"]):
-                amount, start, end = _spend_interval(row)
-                for p_start, share in periods.split(amount, start, end, rule.period, rule.timezone):
-                    expected[(rule.scope, p_start)] += share
+    by_scope = {rule.scope: rule for rule in rules}
+    for row in rows:
+        if row["state"] == "settled":
+            for key, share in book(row["scope"], *row_spend(row), by_scope).items():
+                expected[key] += share
     double = missing = 0
     messages = []
     for (scope, p_start), want in sorted(expected.items()):
@@ -310,7 +294,7 @@ def audit(
     *,
     scope: str | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
 ) -> Audit:
     """Every check over `scope`'s subtree (all of the ledger if None), with the budgets set
     inside it; Prefect slots are compared only when `limits` is given."""

@@ -23,8 +23,19 @@ from typing import Generic, TypeVar
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id
-from prefect_gpu_budget.admission.limits import LEASE_S, DependencyDown, PrefectRefused, RateLimits
+from prefect_gpu_budget.admission.limits import DependencyDown, PrefectRefused, RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
+    GIVE_BACK_S,
+    HEARTBEAT_S,
+    LIMIT_RETRY_S,
+    LIVENESS_S,
+    RECHECK_S,
+    RELEASE_PATIENCE_S,
+    REQUEST_PATIENCE_S,
+    SETTLE_PATIENCE_S,
+)
+from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
 from prefect_gpu_budget.units import (
@@ -36,25 +47,6 @@ from prefect_gpu_budget.units import (
 )
 
 log = logging.getLogger("prefect_gpu_budget.gate")
-
-LIMIT_RETRY_S = 3.0
-"""How long an admitted job retries Prefect limits still held by a job that just settled."""
-
-LIVENESS_S = 5.0
-"""While a request for Prefect slots is outstanding (a slow or returning Prefect API), the job's
-ledger row is stamped this often: reconcile counts a lease that a crashed admission may have
-been granted but not recorded from the last stamp (`reconcile.UNRECORDED_LEASE_S`)."""
-
-REQUEST_PATIENCE_S = 300.0
-"""How long a new request waits for a ledger that does not answer before it fails."""
-
-GIVE_BACK_S = 60.0
-"""How long a cancelled admission keeps trying to give the job back (the ledger or the Prefect
-API down), and how long its caller waits for that before it re-raises."""
-
-SETTLE_PATIENCE_S = 900.0
-"""How long settlement keeps trying while the ledger is down before it gives up (the record
-then stays open for reconcile: nothing is lost)."""
 
 OUTAGES = (sa.exc.OperationalError, sa.exc.InterfaceError, DependencyDown)
 """A dependency that is down or restarting, as opposed to a bad request."""
@@ -202,8 +194,8 @@ class Gate:
         catalog: Catalog | None = None,
         events: GateEvents | None = None,
         poll_s: float = 0.05,
-        recheck_s: float = 1.0,
-        heartbeat_s: float = LEASE_S / 4,
+        recheck_s: float = RECHECK_S,
+        heartbeat_s: float = HEARTBEAT_S,
         preempt_poll_s: float = 0.5,
     ) -> None:
         self.ledger = ledger
@@ -679,7 +671,9 @@ class Gate:
         try:  # slots first: a crash between the two leaves an open row for reconcile to settle
             if lease and limits is not None:
                 self.patiently(
-                    "releasing Prefect limits", lambda: limits.release(lease), patience=120.0
+                    "releasing Prefect limits",
+                    lambda: limits.release(lease),
+                    patience=RELEASE_PATIENCE_S,
                 )
         finally:
             row = self.patiently(

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from prefect_gpu_budget import priorities
-from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission import accounting, periods
 from prefect_gpu_budget.admission.policy import (
     OVERRUN_WINDOW,
     BudgetRule,
@@ -50,11 +50,11 @@ from prefect_gpu_budget.admission.quota import (
     pool_for,
     team_of,
 )
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S, STALE_WAITER_S
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
     BudgetInputError,
-    cost_micro,
     scope_path,
     validate_scope,
 )
@@ -65,8 +65,6 @@ ACTIVE = ("admitted", "running")
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
 AGENT_MAX_QUEUED = 16
 """Jobs an agent session may have queued at once unless its team's `AgentLimits` say."""
-STALE_WAITER_S = 30.0
-"""A queued job whose waiter has not polled for this long no longer holds its place."""
 
 metadata = sa.MetaData()
 
@@ -561,7 +559,6 @@ class Ledger:
 
     def _rebuild_period(self, conn: Connection, rule: BudgetRule, now: float) -> None:
         p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
-        total = 0
         rows = conn.execute(
             sa.select(jobs.c.actual_micro, jobs.c.started_at, jobs.c.ended_at).where(
                 sa.or_(
@@ -573,12 +570,14 @@ class Ledger:
                 jobs.c.started_at < p_end,
             )
         )
-        for actual, started, ended in rows:
-            for start, share in periods.split(
-                actual or 0, started, ended, rule.period, rule.timezone
-            ):
-                if start == p_start:
-                    total += share
+        total = accounting.settled_in_period(
+            (
+                (actual or 0, *accounting.incurred_span(started, ended))
+                for actual, started, ended in rows
+            ),
+            rule,
+            p_start,
+        )
         conn.execute(
             period_spend.delete().where(
                 period_spend.c.scope == rule.scope, period_spend.c.period_start == p_start
@@ -1284,16 +1283,13 @@ class Ledger:
             job = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if job["state"] not in ACTIVE:
                 return None
-            started = job["started_at"]
-            if started is None:  # admitted but never launched: nothing was spent
-                billed, actual, started = 0.0, 0, ended_at
-            else:
-                billed = max(0.0, ended_at - started) if billed_seconds is None else billed_seconds
-                actual = (
-                    cost_micro(job["rate_micro_per_hour"], billed, round_up=False)
-                    if actual_micro is None
-                    else actual_micro
-                )
+            billed, actual = accounting.settled_cost(
+                job["rate_micro_per_hour"],
+                job["started_at"],
+                ended_at,
+                billed_seconds=billed_seconds,
+                actual_micro=actual_micro,
+            )
             values = {
                 "state": "settled",
                 "ended_at": ended_at,
@@ -1303,7 +1299,8 @@ class Ledger:
                 "outcome": outcome,
             }
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
-            self._add_spend(conn, job["scope"], actual, started, max(ended_at, started))
+            start, end = accounting.incurred_span(job["started_at"], ended_at)
+            self._add_spend(conn, job["scope"], actual, start, end)
             self._bump(conn, org)
         return {**job, **values}
 
@@ -1315,26 +1312,27 @@ class Ledger:
                 budgets.c.scope.in_(scope_path(scope)), budgets.c.period_budget_micro.is_not(None)
             )
         ).mappings()
-        for rule in map(_rule, rules):
-            for p_start, share in periods.split(actual, start, end, rule.period, rule.timezone):
-                key = (period_spend.c.scope == rule.scope) & (
-                    period_spend.c.period_start == p_start
-                )
-                updated = conn.execute(
-                    period_spend.update()
-                    .where(key)
-                    .values(settled_micro=period_spend.c.settled_micro + share)
-                )
-                if updated.rowcount == 0:
-                    p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
-                    conn.execute(
-                        period_spend.insert().values(
-                            scope=rule.scope,
-                            period_start=p_start,
-                            period_end=p_end,
-                            settled_micro=share,
-                        )
+        by_scope = {rule.scope: rule for rule in map(_rule, rules)}
+        for (budget_scope, p_start), share in accounting.book(
+            scope, actual, start, end, by_scope
+        ).items():
+            key = (period_spend.c.scope == budget_scope) & (period_spend.c.period_start == p_start)
+            updated = conn.execute(
+                period_spend.update()
+                .where(key)
+                .values(settled_micro=period_spend.c.settled_micro + share)
+            )
+            if updated.rowcount == 0:
+                rule = by_scope[budget_scope]
+                p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
+                conn.execute(
+                    period_spend.insert().values(
+                        scope=budget_scope,
+                        period_start=p_start,
+                        period_end=p_end,
+                        settled_micro=share,
                     )
+                )
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -1435,7 +1433,9 @@ class Ledger:
                 )
         return out
 
-    def orphans(self, now: float | None = None, stale_after: float = 120.0) -> list[dict[str, Any]]:
+    def orphans(
+        self, now: float | None = None, stale_after: float = STALE_AFTER_S
+    ) -> list[dict[str, Any]]:
         """Active or queued jobs whose holder is gone: dead on this host, or silent too long."""
         now = time.time() if now is None else now
         found = []

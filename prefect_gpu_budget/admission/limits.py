@@ -15,9 +15,9 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 from uuid import UUID
 
+from prefect_gpu_budget.admission.timing import LEASE_S
+
 PREFIX = "gpu-budget"
-LEASE_S = 60.0
-"""The shortest lease Prefect grants; the heartbeat renews it every `LEASE_S / 4` seconds."""
 
 
 REPEATED_5XX = 3

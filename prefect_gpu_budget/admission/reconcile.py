@@ -22,20 +22,20 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prefect_gpu_budget.admission.gate import LIMIT_RETRY_S, LIVENESS_S
 from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
-from prefect_gpu_budget.admission.limits import LEASE_S, RateLimits
+from prefect_gpu_budget.admission.limits import RateLimits
+from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
+    HEARTBEAT_S,
+    STALE_AFTER_S,
+    UNRECORDED_LEASE_S,
+)
+from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
+from prefect_gpu_budget.admission.timing import LIMIT_RETRY_S as LIMIT_RETRY_S
+from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
+from prefect_gpu_budget.admission.timing import REPOSSESS_S as REPOSSESS_S
 from prefect_gpu_budget.launchers.base import Launcher, Probe
 from prefect_gpu_budget.launchers.registry import launcher_for
 
-HEARTBEAT_S = LEASE_S / 4
-REPOSSESS_S = 15.0
-"""How late a Prefect server's repossessor may return the slots of an expired lease."""
-UNRECORDED_LEASE_S = LIMIT_RETRY_S + LIVENESS_S + LEASE_S + REPOSSESS_S
-"""After its row's last stamp (admission, or the stamps of a slow request for slots), how long a
-crashed job may still hold Prefect slots under a lease it took but did not live to record: the
-ledger keeps counting its rate until then. The gate asks for slots only within LIMIT_RETRY_S of
-admission or LIVENESS_S of a stamp, and a lease lives LEASE_S past its grant."""
 log = logging.getLogger("prefect_gpu_budget.reconcile")
 
 
@@ -83,7 +83,7 @@ def reconcile(
     *,
     launchers: Mapping[str, Launcher] | None = None,
     now: float | None = None,
-    stale_after: float = 120.0,
+    stale_after: float = STALE_AFTER_S,
 ) -> list[Reconciled]:
     """Settle or cancel every orphan; `launchers` (by kind) answer for jobs they ran, else
     saved launcher blocks named in the ledger rows are loaded."""

@@ -6,12 +6,15 @@ from prefect import flow, get_run_logger
 
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.units import fmt_usd
 
 
 @flow(name="gpu-budget-reconcile")
-def reconcile_flow(ledger: SpendLedger | None = None, stale_after_s: float = 120.0) -> list[dict]:
+def reconcile_flow(
+    ledger: SpendLedger | None = None, stale_after_s: float = STALE_AFTER_S
+) -> list[dict]:
     """Settle reservations whose holders are gone. Safe to run often and concurrently."""
     logger = get_run_logger()
     limits = RateLimits()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.units import BudgetInputError
 from tests.jobs import new_job
+from tests.test_cli import _cli_run
 
 
 def _job(priority: object, **kw) -> GpuJob:
@@ -87,13 +87,7 @@ def test_the_block_and_the_cli_define_and_show_an_orgs_classes(tmp_path):
     env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url}
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return _cli_run(env, *args)
 
     assert cli("priority", "set", "acme", "scavenger", "--value", "-500").returncode == 0
     listed = json.loads(cli("priority", "list", "acme", "--json").stdout)

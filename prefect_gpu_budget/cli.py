@@ -934,9 +934,9 @@ def forecast(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Predict a sweep's makespan, spend and waits under the current caps, budgets and ledger."""
-    from prefect_gpu_budget.flows.sweep import load_spec
     from prefect_gpu_budget.forecast import forecast as predict
     from prefect_gpu_budget.forecast import plot as draw
+    from prefect_gpu_budget.sweep_spec import load_spec
 
     spec = load_spec(sweep, scope)
     ledger = _ledger()

@@ -15,10 +15,10 @@ from pathlib import Path
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, hold_of
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold
-from prefect_gpu_budget.flows.sweep import SweepSpec
 from prefect_gpu_budget.pricing.catalog import default_catalog
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
+from prefect_gpu_budget.sweep_spec import SweepSpec
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, scope_path
 
 HORIZON_S = 7 * 86400

@@ -162,7 +162,7 @@ def _ledger_state(
 
 def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None:
     """Predicted spend over time against the period budget (the same picture as a sweep's)."""
-    from prefect_gpu_budget.flows.plots import spend_over_time
+    from prefect_gpu_budget.plots import spend_over_time
 
     rows = [
         {

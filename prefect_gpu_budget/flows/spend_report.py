@@ -25,7 +25,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from prefect_gpu_budget.blocks import SpendLedger
-from prefect_gpu_budget.flows.plots import embed, spend_over_time
+from prefect_gpu_budget.plots import embed, spend_over_time
 from prefect_gpu_budget.units import (
     BudgetInputError,
     cost_micro,

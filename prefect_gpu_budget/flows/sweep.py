@@ -25,9 +25,9 @@ from prefect.context import FlowRunContext
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from prefect_gpu_budget import plots
 from prefect_gpu_budget.admission.ledger import wait_spans
 from prefect_gpu_budget.blocks.ledger import SpendLedger
-from prefect_gpu_budget.flows import plots
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
 

@@ -1,0 +1,238 @@
+"""Plots as PNG files, and a way to show them on a run's page in the Prefect UI.
+
+Prefect's UI renders markdown artifacts; a PNG embedded as a data URI shows there without any
+file server, so every plot is both a file in the results folder and a picture on the run.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from prefect_gpu_budget.units import micro_to_usd
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log_scale(values: pd.Series) -> bool:
+    """A positive numeric parameter spread over more than 1.5 decades reads best on a log axis."""
+    return bool(
+        pd.api.types.is_numeric_dtype(values)
+        and len(values)
+        and (values > 0).all()
+        and values.max() / values.min() > 30
+    )
+
+
+def metric_vs_params(
+    df: pd.DataFrame,
+    params: list[str],
+    metric: str,
+    path: Path,
+    *,
+    log_params: Iterable[str] = (),
+    goal: str = "min",
+) -> Path | None:
+    """One panel per swept parameter: the final metric of every finished trial, coloured by
+    another parameter, the best trial marked; log-sampled parameters on log axes."""
+    done = df[df["state"] == "Completed"] if "state" in df else df
+    if done.empty or metric not in done or not params or done[metric].isna().all():
+        return None
+    done = done.dropna(subset=[metric])
+    best = done[metric].idxmin() if goal == "min" else done[metric].idxmax()
+    log_params = set(log_params)
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(params), figsize=(4.4 * len(params), 3.8), squeeze=False)
+    for ax, param in zip(axes[0], params, strict=True):
+        other = next((p for p in params if p != param), None)
+        colour = done[other] if other and pd.api.types.is_numeric_dtype(done[other]) else None
+        if colour is None:
+            ax.scatter(done[param], done[metric], color="tab:blue", zorder=2)
+        else:
+            log_colour = other in log_params or _log_scale(colour)
+            points = ax.scatter(
+                done[param],
+                done[metric],
+                c=colour,
+                cmap="viridis",
+                norm="log" if log_colour else None,
+                zorder=2,
+            )
+            fig.colorbar(points, ax=ax, label=other, pad=0.02)
+        ax.scatter(
+            [done.at[best, param]],
+            [done.at[best, metric]],
+            marker="*",
+            s=260,
+            facecolor="none",
+            edgecolor="tab:red",
+            linewidth=1.6,
+            zorder=3,
+            label=f"best: {metric} {done.at[best, metric]:.4g}",
+        )
+        if param in log_params or _log_scale(done[param]):
+            ax.set_xscale("log")
+        ax.set_xlabel(param + (" (log)" if ax.get_xscale() == "log" else ""))
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    fig.suptitle(f"{metric} by parameter ({goal}imum is best)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def learning_curves(
+    curves: dict[str, list[dict[str, Any]]],
+    metric: str,
+    path: Path,
+    labels: dict[str, str] | None = None,
+) -> Path | None:
+    """`metric` against `step` for every trial that reported steps; the legend, beside the
+    axes, names each trial by its parameters (`labels`)."""
+    series = {
+        name: [p for p in points if "step" in p and metric in p] for name, points in curves.items()
+    }
+    series = {name: points for name, points in series.items() if points}
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.4, 4.2))
+    for name, points in series.items():
+        label = (labels or {}).get(name, name)
+        ax.plot([p["step"] for p in points], [p[metric] for p in points], label=label, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.set_title("learning curves")
+    if len(series) <= 16:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _time_axis(seconds: float) -> tuple[float, str]:
+    """Divisor and label for a span: minutes up to 3 h, hours up to 3 days, else days."""
+    if seconds <= 3 * 3600:
+        return 60.0, "minutes"
+    if seconds <= 3 * 86400:
+        return 3600.0, "hours"
+    return 86400.0, "days"
+
+
+def _limit_line(ax: Any, value: float, top: float, colour: str, label: str, unit: str) -> None:
+    """A limit as a dashed line when it is near the data; far above it (the axis would flatten
+    the data), as a note at the top of the axes instead."""
+    if value <= 3 * max(top, 1e-9):
+        ax.axhline(value, color=colour, linestyle="--", label=label)
+    else:
+        share = 100 * top / value if value else 0.0
+        ax.annotate(
+            f"{label} ${value:,.2f}{unit}, off the axis (peak {share:.2g}% of it)",
+            xy=(0.99, 0.96),
+            xycoords="axes fraction",
+            ha="right",
+            va="top",
+            fontsize=8,
+            color=colour,
+        )
+
+
+def spend_over_time(
+    rows: Iterable[dict[str, Any]],
+    path: Path,
+    *,
+    budget_micro: int | None = None,
+    cap_micro_per_hour: int | None = None,
+    title: str = "spend",
+    resets: Iterable[float] = (),
+) -> Path | None:
+    """Top: settled and settled-plus-reserved spend against the period budget.
+    Bottom: the running rate against the hourly cap. Axes fit the data, so the plot reads at
+    any budget; a limit far above the data is named rather than drawn. `resets` are the instants
+    at which the period budget starts again: the spend shown starts from zero there, as the
+    budget does."""
+    rows = [r for r in rows if r.get("admitted_at") is not None]
+    if not rows:
+        return None
+    plt = _pyplot()
+    t0 = min(r["admitted_at"] for r in rows)
+    money, rate = [], []  # (time, settled delta, committed delta), (time, rate delta)
+    for r in rows:
+        money.append((r["admitted_at"], 0, r["reserved_micro"]))
+        rate.append((r["started_at"] or r["admitted_at"], r["rate_micro_per_hour"]))
+        if r["settled_at"]:
+            actual = r["actual_micro"] or 0
+            money.append((r["settled_at"], actual, actual - r["reserved_micro"]))
+            rate.append((r["ended_at"] or r["settled_at"], -r["rate_micro_per_hour"]))
+    span = max(t for t, *_ in money + rate) - t0
+    unit_s, unit = _time_axis(span)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 5.8), sharex=True)
+    xs, settled, committed, s_total, c_total = [0.0], [0.0], [0.0], 0, 0
+    pending = sorted(resets)
+    for t, d_settled, d_committed in sorted(money):
+        while pending and pending[0] <= t:  # a new period: its budget counts from zero
+            at = pending.pop(0)
+            xs.append((at - t0) / unit_s)
+            s_total, c_total = 0, c_total - s_total
+            settled.append(0.0)
+            committed.append(micro_to_usd(c_total))
+        s_total, c_total = s_total + d_settled, c_total + d_committed
+        xs.append((t - t0) / unit_s)
+        settled.append(micro_to_usd(s_total))
+        committed.append(micro_to_usd(c_total))
+    top.step(xs, committed, where="post", color="tab:purple", alpha=0.6, label="settled + reserved")
+    top.step(xs, settled, where="post", color="tab:blue", label="settled")
+    if budget_micro is not None:
+        _limit_line(top, micro_to_usd(budget_micro), max(committed), "tab:red", "period budget", "")
+    top.set_ylabel("USD")
+    top.set_title(title)
+    rx, ry, total = [0.0], [0.0], 0
+    for t, delta in sorted(rate):
+        total += delta
+        rx.append((t - t0) / unit_s)
+        ry.append(micro_to_usd(total))
+    bottom.step(rx, ry, where="post", color="tab:green", label="running rate")
+    if cap_micro_per_hour is not None:
+        _limit_line(
+            bottom, micro_to_usd(cap_micro_per_hour), max(ry), "tab:orange", "hourly cap", "/h"
+        )
+    bottom.set_ylabel("USD per hour")
+    bottom.set_xlabel(f"{unit} since first admission")
+    for i, at in enumerate(t for t in sorted(resets) if t0 < t <= t0 + span):
+        top.axvline(
+            (at - t0) / unit_s, color="grey", linestyle=":", label=None if i else "budget resets"
+        )
+    for ax in (top, bottom):
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def embed(paths: Iterable[Path | None], heading: str = "Plots") -> str:
+    """Markdown that shows PNG files inline (as data URIs) in the Prefect UI."""
+    parts = [f"## {heading}"]
+    for path in paths:
+        if path is None:
+            continue
+        data = base64.b64encode(Path(path).read_bytes()).decode()
+        parts.append(f"### {Path(path).stem}\n\n![{Path(path).stem}](data:image/png;base64,{data})")
+    return "\n\n".join(parts)

@@ -51,6 +51,9 @@ from prefect_gpu_budget.admission.quota import (
     team_of,
 )
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S, STALE_WAITER_S
+from prefect_gpu_budget.identity import holder_alive as holder_alive
+from prefect_gpu_budget.identity import holder_id as holder_id
+from prefect_gpu_budget.identity import process_start_ticks as process_start_ticks
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
@@ -1735,29 +1738,3 @@ def _make_engine(url: str) -> Engine:
         max_overflow=4,
         connect_args={"application_name": "prefect-gpu-budget"},
     )
-
-
-def holder_id() -> str:
-    """`host:pid:start-ticks` of this process, so a reused pid is never mistaken for it."""
-    return f"{os.uname().nodename}:{os.getpid()}:{process_start_ticks(os.getpid())}"
-
-
-def process_start_ticks(pid: int) -> str:
-    """The process's start time in clock ticks since boot; `?` if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            fields = handle.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return "?"
-    return "?" if fields[0] in ("Z", "X") else fields[19]
-
-
-def holder_alive(holder: str) -> bool | None:
-    """True/False for a holder on this host; None where it runs elsewhere (use heartbeats)."""
-    try:
-        host, pid, ticks = holder.rsplit(":", 2)
-    except ValueError:
-        return None
-    if host != os.uname().nodename:
-        return None
-    return process_start_ticks(int(pid)) == ticks and ticks != "?"

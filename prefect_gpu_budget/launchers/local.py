@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from prefect_gpu_budget.admission.ledger import process_start_ticks
+from prefect_gpu_budget.identity import process_start_ticks
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,

@@ -1,0 +1,37 @@
+"""Which process holds a job, and whether it still lives (the standard library only).
+
+A holder is `host:pid:start-ticks`: the start time read from `/proc` tells a reused pid from the
+process that took the job, so a crashed holder's jobs are found as orphans. The ledger stores
+holders, reconcile and the audit ask whether one is alive, and the local launcher names its
+child processes the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def holder_id() -> str:
+    """`host:pid:start-ticks` of this process, so a reused pid is never mistaken for it."""
+    return f"{os.uname().nodename}:{os.getpid()}:{process_start_ticks(os.getpid())}"
+
+
+def process_start_ticks(pid: int) -> str:
+    """The process's start time in clock ticks since boot; `?` if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return "?"
+    return "?" if fields[0] in ("Z", "X") else fields[19]
+
+
+def holder_alive(holder: str) -> bool | None:
+    """True/False for a holder on this host; None where it runs elsewhere (use heartbeats)."""
+    try:
+        host, pid, ticks = holder.rsplit(":", 2)
+    except ValueError:
+        return None
+    if host != os.uname().nodename:
+        return None
+    return process_start_ticks(int(pid)) == ticks and ticks != "?"

@@ -120,7 +120,7 @@ from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, Reconcile
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
 from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
-from prefect_gpu_budget.units import cost_micro
+from prefect_gpu_budget.units import cost_micro, org_of
 
 PHASES = ("before_reserve", "after_reserve", "running", "settling")
 PHASE_END = {
@@ -537,7 +537,7 @@ def one_run(setup: Setup, index: int, phase: str, mark: str | None = None) -> Ru
         position=position,
         injected=injected,
         delay_s=delay,
-        reconciled=list(last_actions(d for d in done if d.scope.split("/")[0] == org).values()),
+        reconciled=list(last_actions(d for d in done if org_of(d.scope) == org).values()),
         audit=checked,
         second_settles_charged=second,
         outlived=outlived,
@@ -695,7 +695,7 @@ def reconcile_tracked(setup: Setup) -> list[Reconciled]:
     closed = set()
     for d in done:
         if d.action == "awaiting-lease-expiry":
-            setup.awaiting[d.job_id] = d.scope.split("/")[0]
+            setup.awaiting[d.job_id] = org_of(d.scope)
         elif d.job_id in setup.awaiting:
             closed.add(setup.awaiting.pop(d.job_id))
     if closed:
@@ -877,7 +877,7 @@ def check_slots(setup: Setup, orgs: list[str] | None, awaiting: set[str]) -> dic
     """Prefect slots against the ledger's running rate, per org (all orgs with budgets: None)."""
     rules: dict[str, list[BudgetRule]] = defaultdict(list)
     for rule in setup.ledger.budgets():
-        rules[rule.scope.split("/")[0]].append(rule)
+        rules[org_of(rule.scope)].append(rule)
     return {
         org: slot_mismatches(setup.limits, setup.ledger.jobs(org), rules[org], awaiting)
         for org in (orgs if orgs is not None else sorted(rules))

@@ -19,7 +19,13 @@ import typer
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.extras import MissingExtra
-from prefect_gpu_budget.units import BudgetInputError, fmt_usd, micro_to_usd, to_decimal_usd
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    fmt_usd,
+    micro_to_usd,
+    org_of,
+    to_decimal_usd,
+)
 
 app = typer.Typer(
     help="Spend bounds for GPU jobs: hourly caps and period budgets, checked before jobs start.",
@@ -344,7 +350,7 @@ def status(
         console.print(
             f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: {job['reason']}"
         )
-    orgs = sorted({r["scope"].split("/")[0] for r in rows})
+    orgs = sorted({org_of(r["scope"]) for r in rows})
     for pool in (p for org in orgs for p in _ledger().capacity_status(org)):
         _print_pool(pool)
 
@@ -488,7 +494,7 @@ def pool_quota(
     from prefect_gpu_budget.models import TeamShare
     from prefect_gpu_budget.units import validate_scope
 
-    org = validate_scope(team, "team").split("/")[0]
+    org = org_of(validate_scope(team, "team"))
     share = TeamShare(
         team=team,
         gpus=gpus,

@@ -19,7 +19,7 @@ from prefect_gpu_budget.pricing.catalog import default_catalog
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
 from prefect_gpu_budget.sweep_spec import SweepSpec
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, scope_path
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, org_of, scope_path
 
 HORIZON_S = 7 * 86400
 
@@ -59,7 +59,7 @@ class Forecast:
 
 
 def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
-    rules = {r.scope: r for r in ledger.budgets(scope.split("/")[0])}
+    rules = {r.scope: r for r in ledger.budgets(org_of(scope))}
     team = scope.rsplit("/", 1)[0]
     if scope.count("/") == 2 and scope not in rules:
         template = {t.scope: t for t in ledger.session_templates()}.get(team)
@@ -88,7 +88,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
                 max_runtime_s=job.reserve_runtime_s,
                 priority=job.priority
                 if isinstance(job.priority, int)
-                else resolve(job.priority, classes, spec.scope.split("/")[0]),
+                else resolve(job.priority, classes, org_of(spec.scope)),
                 on_limit=job.on_limit,
                 max_wait_s=job.max_wait,
             )
@@ -101,7 +101,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         )
         else "estimate-metered"
     )
-    holds, settled = _ledger_state(ledger, rules, spec.scope.split("/")[0], now)
+    holds, settled = _ledger_state(ledger, rules, org_of(spec.scope), now)
     result = simulate(
         jobs,
         rules.values(),

@@ -212,6 +212,11 @@ def scope_path(scope: str) -> tuple[str, ...]:
     return tuple("/".join(segments[: i + 1]) for i in range(len(segments)))
 
 
+def org_of(scope: str) -> str:
+    """The org a scope belongs to, its first segment: `acme/vision/agent-7` -> `acme`."""
+    return scope.split("/", 1)[0]
+
+
 def edit_distance(a: str, b: str) -> int:
     """Levenshtein distance: the fewest one-character inserts, deletes or changes from a to b."""
     row = list(range(len(b) + 1))

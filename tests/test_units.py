@@ -8,6 +8,7 @@ import pytest
 from prefect_gpu_budget.units import (
     BudgetInputError,
     cost_micro,
+    org_of,
     parse_duration,
     rate_cents,
     scope_path,
@@ -48,6 +49,7 @@ def test_durations():
 
 def test_scopes():
     assert scope_path("a/b/c") == ("a", "a/b", "a/b/c")
+    assert [org_of(s) for s in ("acme", "acme/vision", "acme/vision/agent-7")] == ["acme"] * 3
     assert validate_scope("acme/vision/agent-7") == "acme/vision/agent-7"
     for bad in ("", "a/b/c/d", "A", "a//b", "../etc", "a/b/", "аcme", "a:b", "x" * 49, "a;drop"):
         with pytest.raises(BudgetInputError):

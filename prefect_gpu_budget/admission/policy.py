@@ -23,6 +23,7 @@ from prefect_gpu_budget.units import (
     cost_micro,
     fmt_duration,
     fmt_usd,
+    org_of,
     scope_path,
 )
 
@@ -319,7 +320,7 @@ def plan(
     job (nothing after it could be admitted); jobs not reached are absent from the result.
     """
     ordered = queue_order(queue)
-    orgs = {req.scope.split("/", 1)[0] for req in ordered}
+    orgs = {org_of(req.scope) for req in ordered}
     usage = _Usage(state)
     capacity = Capacity(state.pools, state.quotas, list(state.placed)) if state.pools else None
     held: dict[str, Request] = {}

@@ -25,7 +25,7 @@ from prefect_gpu_budget.flows.sweep import SweepSpec, load_spec, run_sweep
 from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.settings import agent_results_root
-from prefect_gpu_budget.units import BudgetInputError, fmt_duration, shown
+from prefect_gpu_budget.units import BudgetInputError, fmt_duration, org_of, shown
 
 
 def limits_for(ledger: Ledger, session: str) -> AgentLimits:
@@ -77,7 +77,7 @@ def agent_spec(
     job = loaded.job_for({name: 0 for name in loaded.params()}, "check")
     priority = job.priority
     if isinstance(priority, str):
-        priority = resolve(priority, classes or {}, scope.split("/")[0])
+        priority = resolve(priority, classes or {}, org_of(scope))
     if priority > limits.max_priority:
         raise BudgetInputError(
             "job.priority",

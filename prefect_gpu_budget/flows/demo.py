@@ -17,7 +17,7 @@ from prefect_gpu_budget.blocks import GpuBudget, SpendLedger
 from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
 from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
 from prefect_gpu_budget.settings import NO_SERVER
-from prefect_gpu_budget.units import fmt_usd
+from prefect_gpu_budget.units import fmt_usd, org_of
 
 DEMO_SCOPE = "demo-lab/sweeps/agent-1"
 SERVER_START_TIMEOUT_S = 180
@@ -106,7 +106,7 @@ def remove_demo_limits() -> None:
 
     from prefect_gpu_budget.admission.limits import limit_name
 
-    prefix = limit_name(DEMO_SCOPE.split("/")[0])
+    prefix = limit_name(org_of(DEMO_SCOPE))
     with get_client(sync_client=True) as client:
         found, offset = [], 0
         while page := client.read_global_concurrency_limits(limit=200, offset=offset):

@@ -32,6 +32,7 @@ from prefect_gpu_budget.units import (
     fmt_duration,
     fmt_usd,
     micro_to_usd,
+    org_of,
     validate_scope,
 )
 
@@ -277,7 +278,7 @@ def spend_report(
         description=f"The {TOP_JOBS} costliest GPU jobs of the last {hours:g} h",
     )
 
-    _publish_capacity(led, sorted({s["scope"].split("/")[0] for s in statuses}))
+    _publish_capacity(led, sorted({org_of(s["scope"]) for s in statuses}))
     plots: list[Path | None] = []
     for s in statuses:
         if s["period_budget_micro"] is None and s["hourly_cap_micro"] is None:

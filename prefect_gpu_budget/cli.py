@@ -310,7 +310,7 @@ def status(
         typer.echo(
             json.dumps(
                 [
-                    {
+                    {  # the names of these figures; the spend report and the gateway use them
                         "scope": r["scope"],
                         "hourly_cap_usd": _usd(r["hourly_cap_micro"]),
                         "running_rate_usd_per_hour": _usd(r["running_rate_micro"]),

@@ -263,6 +263,8 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
             for row in ledger.status(scope)
             if row["scope"] == scope
         ]
+        for budget in budgets:  # `running_rate_usd` is deprecated: `status --json`'s name
+            budget["running_rate_usd_per_hour"] = budget["running_rate_usd"]
         if not budgets:  # no job yet: the team's template is what its first job will get
             team = scope.rsplit("/", 1)[0]
             budgets = [

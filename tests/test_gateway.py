@@ -410,6 +410,23 @@ def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path):
         assert mine.status_code == 200 and mine.json()["session"] == SESSION  # the ledger answers
 
 
+def test_the_session_status_names_its_figures_as_status_json_does(tmp_path):
+    from fastapi.testclient import TestClient
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from prefect_gpu_budget.gateway import create_app
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    ledger.set_budget(BudgetRule(SESSION, hourly_cap_cents=360))
+    token = ledger.grant_agent(SESSION)
+    down = {PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}
+    with temporary_settings(updates=down), TestClient(create_app(ledger.url)) as client:
+        mine = client.get("/v1/status", headers={"Authorization": f"Bearer {token}"})
+    budget = mine.json()["budget"]
+    assert budget["hourly_cap_usd"] == 3.6 and budget["settled_usd"] == 0.0
+    assert budget["running_rate_usd_per_hour"] == budget["running_rate_usd"] == 0.0  # old name kept
+
+
 def test_the_rate_window_counts_within_its_span_and_forgets_idle_keys():
     from prefect_gpu_budget.gateway import Window
 

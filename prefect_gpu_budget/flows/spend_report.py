@@ -37,6 +37,13 @@ from prefect_gpu_budget.units import (
 )
 
 TOP_JOBS = 10
+STATUS_NAMES = {
+    "hourly_cap_usd_per_h": "hourly_cap_usd",
+    "running_rate_usd_per_h": "running_rate_usd_per_hour",
+    "settled_in_period_usd": "settled_usd",
+}
+"""Deprecated report column -> the name `status --json` gives the same figure. The report
+writes both for one release; the old names (keys here) then go."""
 COLUMNS = [
     "scope",
     "hourly_cap_usd_per_h",
@@ -52,6 +59,7 @@ COLUMNS = [
     "window_jobs",
     "mean_wait_s",
     "p95_wait_s",
+    *STATUS_NAMES.values(),
 ]
 
 
@@ -95,13 +103,13 @@ def _scope_row(
     status: dict[str, Any], rows: list[dict[str, Any]], since: float, now: float
 ) -> dict[str, Any]:
     waits = _waits(rows)
-    return {
+    row = {  # the three names marked deprecated are STATUS_NAMES' keys
         "scope": status["scope"],
-        "hourly_cap_usd_per_h": _usd(status["hourly_cap_micro"]),
-        "running_rate_usd_per_h": _usd(status["running_rate_micro"]),
+        "hourly_cap_usd_per_h": _usd(status["hourly_cap_micro"]),  # deprecated
+        "running_rate_usd_per_h": _usd(status["running_rate_micro"]),  # deprecated
         "period": status["period"],
         "period_budget_usd": _usd(status["period_budget_micro"]),
-        "settled_in_period_usd": _usd(status["settled_micro"]),
+        "settled_in_period_usd": _usd(status["settled_micro"]),  # deprecated
         "reserved_usd": _usd(status["reserved_micro"]),
         "remaining_usd": _usd(status["remaining_micro"]),
         "running": status["running"],
@@ -111,6 +119,7 @@ def _scope_row(
         "mean_wait_s": round(float(waits.mean()), 1) if len(waits) else None,
         "p95_wait_s": round(float(waits.quantile(0.95)), 1) if len(waits) else None,
     }
+    return {**row, **{new: row[old] for old, new in STATUS_NAMES.items()}}
 
 
 def _job_row(row: dict[str, Any], now: float) -> dict[str, Any]:

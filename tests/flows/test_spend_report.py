@@ -12,7 +12,7 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRun
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.blocks import SpendLedger
-from prefect_gpu_budget.flows.spend_report import spend_report
+from prefect_gpu_budget.flows.spend_report import STATUS_NAMES, spend_report
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import BudgetInputError, rate_cents
@@ -77,6 +77,8 @@ def test_spend_report_publishes_tables_summary_and_plots(
     assert round(row["window_spend_usd"] * 1_000_000) == charged
     assert row["running"] == 2 and row["queued"] == 1 and row["window_jobs"] == 4
     assert row["hourly_cap_usd_per_h"] == 10.0 and row["running_rate_usd_per_h"] == 7.2
+    for old_name, name in STATUS_NAMES.items():  # `status --json`'s names, beside the old ones
+        assert row[name] == row[old_name], name
     assert row["period_budget_usd"] == 5.0 and row["remaining_usd"] < 5.0 - charged / 1e6
     assert row["mean_wait_s"] >= 0 and row["p95_wait_s"] >= row["mean_wait_s"] - 1e-9
 
@@ -93,6 +95,7 @@ def test_spend_report_publishes_tables_summary_and_plots(
     table = json.loads(by_key["gpu-budget-spend-report"].data)
     assert [r["scope"] for r in table] == ["rep"]
     assert round(table[0]["settled_in_period_usd"] * 1_000_000) == charged
+    assert round(table[0]["settled_usd"] * 1_000_000) == charged
     top = json.loads(by_key["gpu-budget-top-jobs"].data)
     assert len(top) == 4 and top[0]["id"] in {a.job_id[:8] for a in (done, *running)}
     assert max(r["actual_usd"] for r in top) == top[0]["actual_usd"]

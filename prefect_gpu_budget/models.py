@@ -262,4 +262,4 @@ class PriorityClassSettings(BaseModel):
     org: Scope = Field(description="The org whose jobs may name it.")
     name: str = Field(description="What jobs give as `priority`.")
     value: int = Field(description="-1000..1000: higher is admitted first, and may preempt.")
-    description: str = Field("", max_length=200)
+    description: str = Field("", max_length=200, description="What the class is for.")

@@ -2,8 +2,9 @@
 
 The public names load on first use (PEP 562), so that a trial, a launcher's subprocess or a
 ledger command of the CLI pays only for what it uses: `import prefect_gpu_budget` imports
-neither Prefect nor pandas. Prefect's collection loader imports `prefect_gpu_budget.blocks`;
-`prefect block register -m prefect_gpu_budget` finds every block, launchers included.
+neither Prefect nor pandas. Prefect's collection loader imports `prefect_gpu_budget.collection`
+(the blocks and the worker types); `prefect block register -m prefect_gpu_budget` finds every
+block, launchers included.
 """
 
 from __future__ import annotations

@@ -1,0 +1,199 @@
+"""The `gpu-budget-process` worker type against a real `prefect server start`, a real pool of
+that type (`prefect work-pool create --type gpu-budget-process`) and a real `prefect worker
+start`: runs whose scope's cap fits one at a time run one after the other, overrides may only
+narrow the scope, max_runtime stops a run, and a worker killed mid-run leaves a job that
+reconcile settles."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.pricing.catalog import set_local_price
+from tests.prefect_server import PrefectServer, stop_groups, wait_for
+
+HERE = Path(__file__).parent
+POOL = "gpu"
+SCOPE = "lab/gpu"
+
+
+@pytest.fixture(scope="module")
+def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A server, a gated pool with two deployments (a 1 min and a 3 s max_runtime), a ledger
+    whose cap holds one `local:box` run at a time, and a worker polling the pool."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    tmp = tmp_path_factory.mktemp("gated-worker")
+    server = PrefectServer(tmp / "home").start()
+    prices = set_local_price("box", "3.6", gpus=0, path=tmp / "prices.csv")
+    url = f"sqlite:///{tmp / 'ledger.db'}"
+    Ledger(url).set_budget(BudgetRule("lab", hourly_cap_cents=360, period_budget_micro=10**8))
+    env = server.client_env(
+        PREFECT_GPU_BUDGET_LEDGER_URL=url,
+        PREFECT_GPU_BUDGET_PRICES=str(prices),
+        PREFECT_WORKER_QUERY_SECONDS="1",
+    )
+    created = subprocess.run(
+        [sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type"]
+        + ["gpu-budget-process"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert created.returncode == 0, created.stdout + created.stderr
+    procs = []
+    try:
+        with (
+            pytest.MonkeyPatch.context() as mp,
+            temporary_settings(updates={PREFECT_API_URL: server.api}),
+        ):
+            mp.setenv("PREFECT_API_URL", server.api)
+            target = flow.from_source(source=str(HERE), entrypoint="gated_target.py:target")
+            for name, runtime in (("gated", "1m"), ("slow", "3s")):
+                target.deploy(
+                    name=name,
+                    work_pool_name=POOL,
+                    job_variables={
+                        "instance_type": "local:box",
+                        "scope": SCOPE,
+                        "max_runtime": runtime,
+                    },
+                    build=False,
+                    push=False,
+                    print_next_steps=False,
+                    ignore_warnings=True,
+                )
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL],
+                env=env,
+                stdout=(tmp / "worker.log").open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            procs.append(worker)
+            yield {"ledger": Ledger(url), "worker": worker, "procs": procs}
+    finally:
+        stop_groups(procs)
+        server.stop()
+
+
+def _wait_final(flow_run_ids: list, timeout: float = 150) -> list:
+    def final():
+        with get_client(sync_client=True) as client:
+            runs = [client.read_flow_run(i) for i in flow_run_ids]
+        return runs if all(r.state and r.state.is_final() for r in runs) else None
+
+    return wait_for(final, timeout, "the flow runs to end")
+
+
+def _settled(ledger: Ledger, scope: str, count: int) -> list[dict]:
+    """The scope's rows once `count` of them are settled (the worker settles a run just after
+    its process exits, a moment after the run's final state)."""
+    return wait_for(
+        lambda: (
+            (rows := [r for r in ledger.jobs(scope) if r["state"] == "settled"])
+            and len(rows) >= count
+            and rows
+        ),
+        60,
+        "the worker to settle",
+    )
+
+
+def _states(flow_run_id) -> list[str]:
+    with get_client(sync_client=True) as client:
+        return [s.name for s in client.read_flow_run_states(flow_run_id)]
+
+
+@pytest.mark.timeout(400)
+def test_runs_whose_cap_fits_one_run_one_after_the_other(house):
+    ledger = house["ledger"]
+    runs = [
+        run_deployment("gated-target/gated", parameters={"seconds": 2}, timeout=0) for _ in range(3)
+    ]
+    ended = _wait_final([r.id for r in runs])
+    assert [r.state.name for r in ended] == ["Completed"] * 3, [r.state for r in ended]
+    rows = sorted(_settled(ledger, SCOPE, 3), key=lambda r: r["admitted_at"])
+    assert len(rows) == 3 and {r["outcome"] for r in rows} == {"completed"}
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert before["ended_at"] <= after["admitted_at"]  # never two at once
+    assert all(2.0 <= r["billed_seconds"] < 60 for r in rows)  # the process's own start and end
+    assert any("AwaitingBudget" in _states(r.id) for r in runs)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_may_only_narrow_its_scope(house):
+    ledger = house["ledger"]
+    before = len(ledger.jobs())
+    moved = run_deployment("gated-target/gated", job_variables={"scope": "other/x"}, timeout=0)
+    cheaper = run_deployment(
+        "gated-target/gated", job_variables={"instance_type": "local:free"}, timeout=0
+    )
+    narrowed = run_deployment(
+        "gated-target/gated",
+        parameters={"seconds": 0},
+        job_variables={"scope": f"{SCOPE}/a"},
+        timeout=0,
+    )
+    moved, cheaper, narrowed = _wait_final([moved.id, cheaper.id, narrowed.id])
+    assert moved.state.name == "GateRefused"
+    assert "not within the deployment's scope 'lab/gpu'" in moved.state.message
+    assert cheaper.state.name == "GateRefused" and "instance_type" in cheaper.state.message
+    assert narrowed.state.name == "Completed"
+    assert len(ledger.jobs()) == before + 1 and ledger.jobs(f"{SCOPE}/a")
+
+
+@pytest.mark.timeout(300)
+def test_max_runtime_stops_the_run_and_bills_what_ran(house):
+    ledger = house["ledger"]
+    run = run_deployment("gated-target/slow", parameters={"seconds": 60}, timeout=0)
+    [ended] = _wait_final([run.id], timeout=120)
+    assert ended.state.is_crashed() or ended.state.is_failed() or ended.state.is_cancelled()
+    row = wait_for(
+        lambda: next(
+            (
+                r
+                for r in ledger.jobs(SCOPE)
+                if r["flow_run_id"] == str(run.id) and r["state"] == "settled"
+            ),
+            None,
+        ),
+        60,
+        "the worker to settle",
+    )
+    assert row["outcome"] == "timed_out" and 3.0 <= row["billed_seconds"] < 30
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_run_leaves_a_job_reconcile_settles(house):
+    ledger = house["ledger"]
+    run = run_deployment("gated-target/gated", parameters={"seconds": 30}, timeout=0)
+
+    def admitted():
+        rows = [r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id)]
+        return rows[0] if rows and rows[0]["started_at"] else None
+
+    wait_for(admitted, 120, "the run to start")
+    os.killpg(house["worker"].pid, signal.SIGKILL)
+    house["worker"].wait()
+    house["procs"].remove(house["worker"])
+    time.sleep(1)
+    done = {r.job_id: r.action for r in reconcile(ledger)}
+    row = admitted() or next(r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id))
+    assert done.get(row["id"]) == "settled", done
+    assert ledger.job(row["id"])["state"] == "settled"

@@ -331,11 +331,13 @@ def _stop(proc: subprocess.Popen, grace: float) -> int | None:
     return proc.poll()
 
 
-def stop_pid(pid: int, grace: float = 10.0) -> None:
-    """Stop an orphaned job's process group by pid (used by reconcile)."""
+def stop_pid(pid: int, grace: float = 10.0, *, group: bool = True) -> None:
+    """Stop an orphaned job's process group by pid (used by reconcile), or with `group=False`
+    the one process: SIGTERM, then SIGKILL once the grace is over."""
+    kill = os.killpg if group else os.kill
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(pid, sig)
+            kill(pid, sig)
         except ProcessLookupError:
             return
         deadline = time.monotonic() + grace + HOLDER_SLACK_S

@@ -24,7 +24,6 @@ refused in one line with nothing reserved.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from datetime import timedelta
@@ -45,6 +44,7 @@ from pydantic import Field
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate, GateEvents
 from prefect_gpu_budget.admission.policy import Decision
 from prefect_gpu_budget.job import GpuJob, one_line
+from prefect_gpu_budget.launchers.local import stop_pid
 from prefect_gpu_budget.tasks.gpu_job import AWAITING_BUDGET, _gate
 from prefect_gpu_budget.units import BudgetInputError, validate_scope
 
@@ -259,20 +259,11 @@ def _set_state(flow_run_id: Any, state: State) -> None:
 
 
 def _stop(pid: int, grace: float, stopped: list[float]) -> None:
-    """SIGTERM the run's process group at max_runtime, SIGKILL it after the grace."""
+    """SIGTERM the run's process (its group, when it leads one) at max_runtime, SIGKILL it
+    after the grace."""
     stopped.append(time.time())
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0.0)):
-        try:
-            if os.getpgid(pid) == pid:  # its own process group: the whole tree
-                os.killpg(pid, sig)
-            else:
-                os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
+    try:
+        group = os.getpgid(pid) == pid
+    except ProcessLookupError:
+        return
+    stop_pid(pid, grace, group=group)

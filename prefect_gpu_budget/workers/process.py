@@ -13,8 +13,7 @@ its message, and the worker goes on serving other runs. A refused run ends `Over
 `kill_grace`, SIGKILL) and settled from its process's real start and end; if the worker dies,
 `reconcile` settles it from the ledger's heartbeats.
 
-A run cancelled while it waits keeps its place until it is admitted, and is then given back
-at once without starting (its place is not yet given up at the moment of cancelling).
+A run cancelled while it waits gives up its place within about a second.
 
 A flow run's own job variables may narrow the deployment's scope (to a sub-scope) and nothing
 else of the gate's: another scope, another instance type, a longer run or a higher priority is
@@ -42,6 +41,7 @@ from prefect.workers.process import (
 from pydantic import Field
 
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import Decision
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.local import stop_pid
@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
     from prefect.states import State
 
+CANCEL_POLL_S = 1.0
+"""How often a waiting run's state is read to see whether it was cancelled."""
 GATE_VARIABLES = (
     "instance_type",
     "scope",
@@ -183,13 +185,25 @@ class GpuBudgetProcessWorker(ProcessWorker):
         run_gate = Gate(
             shared.ledger, shared.limits, catalog=shared.catalog, events=GateEvents(queued=waiting)
         )
+        admitted = threading.Event()
+        watch = threading.Thread(
+            target=_give_up_when_cancelled,
+            args=(run_gate.ledger, flow_run.id, scope, admitted),
+            daemon=True,
+        )
+        watch.start()
         try:
             admission = await anyio.to_thread.run_sync(
                 lambda: run_gate.admit(job, scope, flow_run_id=str(flow_run.id), launcher="worker")
             )
         except AdmissionRefused as refused:
+            if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
+                status.started(0)  # cancelled while it waited: its place is given up
+                return ProcessWorkerResult(status_code=0, identifier="not-started")
             state = Failed(name=refused.state_name, message=refused.reason)
             return await self._end(flow_run, status, state)
+        finally:
+            admitted.set()
         if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
             await anyio.to_thread.run_sync(  # cancelled while it waited: nothing ran
                 lambda: run_gate.settle(admission, ended_at=time.time(), outcome="cancelled")
@@ -244,6 +258,23 @@ def _later() -> Any:
     from prefect.types._datetime import now
 
     return now("UTC") + timedelta(hours=1)  # never marked Late while it waits at the gate
+
+
+def _give_up_when_cancelled(
+    ledger: Ledger, flow_run_id: Any, scope: str, admitted: threading.Event
+) -> None:
+    """While the run waits at the gate, look every `CANCEL_POLL_S` whether it was cancelled,
+    and if so give its place in the queue up (the waiting admission then ends refused)."""
+    while not admitted.wait(CANCEL_POLL_S):
+        try:
+            if _still_wanted(flow_run_id):
+                continue
+            for row in ledger.jobs(flow_run_id=str(flow_run_id)):
+                if row["state"] == "queued":
+                    ledger.cancel_queued(row["id"], scope, "its flow run was cancelled")
+            return
+        except Exception:  # the API or the ledger is down: the gate's own patience applies
+            continue
 
 
 def _still_wanted(flow_run_id: Any) -> bool:

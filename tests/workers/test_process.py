@@ -19,6 +19,7 @@ import pytest
 from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
+from prefect.states import Cancelling
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
@@ -177,6 +178,27 @@ def test_max_runtime_stops_the_run_and_bills_what_ran(house):
         "the worker to settle",
     )
     assert row["outcome"] == "timed_out" and 3.0 <= row["billed_seconds"] < 30
+
+
+def _row_of(ledger: Ledger, run: Any, state: str | None = None) -> dict | None:
+    rows = [r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id)]
+    return next((r for r in rows if state is None or r["state"] == state), None)
+
+
+@pytest.mark.timeout(300)
+def test_a_run_cancelled_while_it_waits_gives_up_its_place(house):
+    ledger = house["ledger"]
+    busy = run_deployment("gated-target/gated", parameters={"seconds": 15}, timeout=0)
+    wait_for(lambda: _row_of(ledger, busy, "running"), 120, "the first run to start")
+    waiting = run_deployment("gated-target/gated", parameters={"seconds": 0}, timeout=0)
+    queued = wait_for(lambda: _row_of(ledger, waiting, "queued"), 60, "the second to queue")
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(waiting.id, Cancelling())
+    gone = wait_for(lambda: _row_of(ledger, waiting, "cancelled"), 30, "its place given up")
+    assert gone["id"] == queued["id"] and gone["started_at"] is None
+    assert _row_of(ledger, busy, "running")  # the running one goes on
+    ended, cancelled = _wait_final([busy.id, waiting.id])
+    assert ended.state.name == "Completed" and cancelled.state.is_cancelled()
 
 
 @pytest.mark.timeout(300)

@@ -160,7 +160,7 @@ class GpuBudgetProcessWorker(ProcessWorker):
         task_status: anyio.abc.TaskStatus[int] | None = None,
     ) -> ProcessWorkerResult:
         status = task_status or anyio.TASK_STATUS_IGNORED
-        refusal, deployed = "", None
+        deployed = None
         if flow_run.deployment_id:
             deployment = await self.client.read_deployment(flow_run.deployment_id)
             deployed = (deployment.job_variables or {}).get("scope") or _pool_default(
@@ -198,18 +198,16 @@ class GpuBudgetProcessWorker(ProcessWorker):
             )
         except AdmissionRefused as refused:
             if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
-                status.started(0)  # cancelled while it waited: its place is given up
-                return ProcessWorkerResult(status_code=0, identifier="not-started")
+                return await self._end(flow_run, status)  # cancelled: its place was given up
             state = Failed(name=refused.state_name, message=refused.reason)
             return await self._end(flow_run, status, state)
         finally:
             admitted.set()
         if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
-            await anyio.to_thread.run_sync(  # cancelled while it waited: nothing ran
+            await anyio.to_thread.run_sync(  # cancelled as it was admitted: nothing ran
                 lambda: run_gate.settle(admission, ended_at=time.time(), outcome="cancelled")
             )
-            status.started(0)
-            return ProcessWorkerResult(status_code=0, identifier="not-started")
+            return await self._end(flow_run, status)
         await anyio.to_thread.run_sync(
             lambda: _set_state(flow_run.id, Pending(message=f"admitted: {admission.reason}"))
         )
@@ -241,10 +239,11 @@ class GpuBudgetProcessWorker(ProcessWorker):
             )
 
     async def _end(
-        self, flow_run: FlowRun, status: anyio.abc.TaskStatus[int], state: State
+        self, flow_run: FlowRun, status: anyio.abc.TaskStatus[int], state: State | None = None
     ) -> ProcessWorkerResult:
-        """End a run that never starts in `state`."""
-        await anyio.to_thread.run_sync(lambda: _set_state(flow_run.id, state))
+        """End a run that never starts: in `state`, or as it stands (cancelled)."""
+        if state is not None:
+            await anyio.to_thread.run_sync(lambda: _set_state(flow_run.id, state))
         status.started(0)
         return ProcessWorkerResult(status_code=0, identifier="not-started")
 

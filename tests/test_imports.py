@@ -237,8 +237,8 @@ def test_the_models_below_the_flows_never_reach_up_even_lazily():
     for module in BELOW_THE_FLOWS:
         reached = {t for t in _imports(module, MODULES[module], lazy=True) if floor_of(t) in high}
         assert not reached, f"{module} imports {sorted(reached)}"
-    # The local launcher names its processes with `identity`, not the ledger. (It still loads
-    # the gate through `launchers.base`, which runs `run` on the gate's `_Handoff` thread.)
+    # The local launcher names its processes with `identity`, not the ledger, and records a
+    # start through `admission.handoff`, not the gate.
     assert not {t for t in GRAPH[f"{PACKAGE}.launchers.local"] if floor_of(t) is not None}
 
 
@@ -248,3 +248,18 @@ def test_the_spec_the_forecast_and_process_identity_load_without_prefect():
         assert "prefect" not in loads, module
     identity = MODULES[f"{PACKAGE}.identity"]
     assert _outside(identity) <= set(sys.stdlib_module_names) and not GRAPH[f"{PACKAGE}.identity"]
+
+
+def test_the_local_launcher_loads_neither_the_gate_nor_the_ledger():
+    """A launcher runs jobs; deciding and remembering are not its to load (its start goes
+    through `admission.handoff`)."""
+    import subprocess
+
+    code = (
+        "import sys, prefect_gpu_budget.launchers.local;"
+        "print(sorted(m for m in sys.modules if m.startswith('prefect_gpu_budget.admission.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    loaded = out.stdout.strip()
+    assert out.returncode == 0, out.stderr
+    assert "admission.gate" not in loaded and "admission.ledger" not in loaded, loaded

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from prefect_gpu_budget.admission.gate import _Handoff
+from prefect_gpu_budget.admission.handoff import Handoff
 from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Quote
@@ -109,7 +109,7 @@ class StartRecord:
     reported start, from which max_runtime is timed all the same). Before it returns, the launcher calls `finish`, so that the gate settles only
     after the start is on record (else a job that ran would settle as never started, at $0).
 
-    The thread is the gate's `_Handoff`: an exception a signal raises in the launcher lands
+    The thread is a `handoff.Handoff`: an exception a signal raises in the launcher lands
     in the launcher's wait, never inside the ledger call.
     """
 
@@ -119,7 +119,7 @@ class StartRecord:
         self.started_at = started_at
         self.patience = patience
         self.deadline = time.time() + patience
-        self._handoff: _Handoff[None] = _Handoff()
+        self._handoff: Handoff[None] = Handoff()
         self._handoff.start(functools.partial(on_start, started_at, external_id))
 
     @property

@@ -387,8 +387,6 @@ def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, pric
     for it: that thread hears of it and gives the job back, wherever it had got to."""
     import _thread
 
-    from prefect_gpu_budget.admission import gate as gate_module
-
     start = _thread.start_new_thread
     calls: list[int] = []
 
@@ -398,7 +396,7 @@ def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, pric
         if len(calls) == 1:  # the admission thread; not the settlement's after it
             raise _Interrupted
 
-    monkeypatch.setattr(gate_module._thread, "start_new_thread", start_then_interrupted)
+    monkeypatch.setattr(_thread, "start_new_thread", start_then_interrupted)
     ledger.set_budget(BudgetRule("start", hourly_cap_cents=720))
     for delay in (0.0, 0.5):  # a quick and a slow Prefect API
         calls.clear()

@@ -34,7 +34,9 @@ def test_collection_entry_point_registers_the_blocks():
     from importlib.metadata import entry_points
 
     [ep] = [e for e in entry_points(group="prefect.collections") if e.name == "prefect_gpu_budget"]
-    assert ep.load().GpuBudget is GpuBudget
+    collection = ep.load()  # the blocks, and the worker types
+    assert collection.blocks.GpuBudget is GpuBudget
+    assert collection.process.GpuBudgetProcessWorker.type == "gpu-budget-process"
 
 
 def test_budget_rule_is_exact():

@@ -75,6 +75,7 @@ def chaos_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
     """Both backends' short runs at once, each with its own Prefect server: (exit status,
     stdout, stderr) by backend."""
     tmp = tmp_path_factory.mktemp("chaos")
+    require_postgres(CHAOS_PG_URL)  # created here, so this run drops it at its end
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     urls = {"sqlite": f"sqlite:///{tmp / 'ledger.db'}", "postgresql": CHAOS_PG_URL}
     procs = {}

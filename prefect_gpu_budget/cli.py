@@ -619,19 +619,17 @@ def quote(
     q = default_catalog().quote(instance_type, nodes, provisioning)
     per_node = f"{q.row.gpus}x {q.row.gpu_model} per node"
     if gpus is not None or vcpu is not None or memory_gib is not None:
-        from dataclasses import replace
-
         from prefect_gpu_budget.job import GpuJob
 
-        part = GpuJob(
+        asked = GpuJob(
             instance_type=instance_type,
             max_runtime=seconds,
             gpus=gpus,
             vcpu=vcpu,
             memory_gib=memory_gib,
-        ).share_of(q.row)
+        )
+        q, part = asked.priced(q)
         if not part.whole:
-            q = replace(q, rate_micro_per_hour=part.price(q.rate_micro_per_hour))
             per_node = f"{part.fraction} of each node's price (of {per_node})"
     console.print(
         f"{q.describe()}  {per_node}\n"

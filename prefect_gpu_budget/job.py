@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -16,7 +16,7 @@ from prefect_gpu_budget.settings import METRICS_ENV as METRICS_ENV
 from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
 
 if TYPE_CHECKING:
-    from prefect_gpu_budget.pricing.catalog import PriceRow
+    from prefect_gpu_budget.pricing.catalog import PriceRow, Quote
 
 
 def _runtime(value: object) -> float:
@@ -131,6 +131,14 @@ class GpuJob(BaseModel):
                 f"must be 'cloud:type' like 'aws:g5.xlarge', got {shown(self.instance_type)}",
             )
         return self
+
+    def priced(self, quote: Quote) -> tuple[Quote, NodeShare]:
+        """The job's quote, from its machines' (`quote`): their price, or its part of it; and
+        what each node takes of a machine."""
+        share = self.share_of(quote.row)
+        if share.fraction == 1:
+            return quote, share
+        return replace(quote, rate_micro_per_hour=share.price(quote.rate_micro_per_hour)), share
 
     def share_of(self, row: PriceRow) -> NodeShare:
         """What each node takes of a machine of `row`'s shape: the whole machine unless the job

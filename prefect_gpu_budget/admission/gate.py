@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import sqlalchemy as sa
@@ -36,7 +36,7 @@ from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; 
     SETTLE_PATIENCE_S,
 )
 from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
-from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
 from prefect_gpu_budget.units import (
     fmt_duration,
@@ -133,15 +133,28 @@ class Gate:
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
 
+    def with_events(self, events: GateEvents) -> Gate:
+        """This gate (its ledger, limits, catalog and clocks) telling `events`."""
+        return Gate(
+            self.ledger,
+            self.limits,
+            catalog=self.catalog,
+            events=events,
+            poll_s=self.poll_s,
+            recheck_s=self.recheck_s,
+            heartbeat_s=self.heartbeat_s,
+            preempt_poll_s=self.preempt_poll_s,
+        )
+
     def quote(self, job: GpuJob) -> Quote:
-        """The job's price: its machines', or its part of them (`GpuJob.share_of`)."""
-        quote = (self.catalog or default_catalog()).quote(
+        """The job's price: its machines', or its part of them (`GpuJob.priced`)."""
+        return self._priced(job)[0]
+
+    def _priced(self, job: GpuJob) -> tuple[Quote, NodeShare]:
+        machines = (self.catalog or default_catalog()).quote(
             job.instance_type, job.nodes, job.provisioning
         )
-        share = job.share_of(quote.row)
-        if share.fraction == 1:
-            return quote
-        return replace(quote, rate_micro_per_hour=share.price(quote.rate_micro_per_hour))
+        return job.priced(machines)
 
     def admit(
         self, job: GpuJob, scope: str, *, flow_run_id: str | None = None, launcher: str = "local"
@@ -156,8 +169,7 @@ class Gate:
         back (its place in the queue, or its reservation and slots) and ends, and the caller
         re-raises once it has, or after `GIVE_BACK_S`."""
         validate_scope(scope)
-        quote = self.quote(job)
-        share = job.share_of(quote.row)
+        quote, share = self._priced(job)
         new = NewJob(
             scope=scope,
             name=job.name or job.instance_type,

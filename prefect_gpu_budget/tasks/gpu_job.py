@@ -220,15 +220,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
 
 
 def gate_for_run(scope: str, job: GpuJob, ledger: SpendLedger | None) -> Gate:
-    base = _gate(ledger.url() if ledger else None)
-    return Gate(
-        base.ledger,
-        base.limits,
-        catalog=base.catalog,
-        events=prefect_events(scope, job),
-        poll_s=base.poll_s,
-        recheck_s=base.recheck_s,
-    )
+    return _gate(ledger.url() if ledger else None).with_events(prefect_events(scope, job))
 
 
 def _flow_run_id() -> str | None:

@@ -40,7 +40,7 @@ from prefect.workers.process import (
 )
 from pydantic import Field
 
-from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.gate import AdmissionRefused, GateEvents
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import Decision
 from prefect_gpu_budget.job import GpuJob, one_line
@@ -181,10 +181,7 @@ class GpuBudgetProcessWorker(ProcessWorker):
                 Scheduled(scheduled_time=_later(), name=AWAITING_BUDGET, message=message),
             )
 
-        shared = _gate(None)
-        run_gate = Gate(
-            shared.ledger, shared.limits, catalog=shared.catalog, events=GateEvents(queued=waiting)
-        )
+        run_gate = _gate(None).with_events(GateEvents(queued=waiting))
         admitted = threading.Event()
         watch = threading.Thread(
             target=_give_up_when_cancelled,

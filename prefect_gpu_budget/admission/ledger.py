@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection, Engine
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission import accounting, periods
 from prefect_gpu_budget.admission.policy import (
+    NOT_REACHED,
     OVERRUN_WINDOW,
     BudgetRule,
     Decision,
@@ -38,6 +39,7 @@ from prefect_gpu_budget.admission.policy import (
     committed,
     decide,
     overrun_factors,
+    plan,
     share_in,
 )
 from prefect_gpu_budget.admission.quota import (
@@ -338,6 +340,30 @@ def _org_lock_key(org: str) -> int:
     return int.from_bytes(hashlib.blake2b(org.encode(), digest_size=8).digest(), "big", signed=True)
 
 
+NOTICE_CHANNEL = "gpu_budget_decided"
+"""The PostgreSQL channel on which a transaction that decided queued jobs names them."""
+_NOTICE_BYTES = 7900  # PostgreSQL's limit on a payload is 8000 bytes
+
+
+def notice_payloads(org: str, job_ids: Iterable[str]) -> list[str]:
+    """`org|id,id,...` notices naming the jobs decided, each under PostgreSQL's payload limit
+    (one notice, naming none, when the org changed but no job's decision did)."""
+    out, ids = [], list(job_ids)
+    while True:
+        chunk: list[str] = []
+        while ids and len(org) + sum(len(i) + 1 for i in chunk) + len(ids[0]) < _NOTICE_BYTES:
+            chunk.append(ids.pop(0))
+        out.append(f"{org}|{','.join(chunk)}")
+        if not ids:
+            return out
+
+
+def read_notice(payload: str) -> tuple[str, list[str]]:
+    """The org and the job ids of a notice (`notice_payloads`)."""
+    org, _, ids = payload.partition("|")
+    return org, [i for i in ids.split(",") if i]
+
+
 @dataclass(frozen=True)
 class NewJob:
     """What the gate records when a job asks to be admitted."""
@@ -463,12 +489,52 @@ class Ledger:
         with self.engine.connect().execution_options(gpu_budget_read=True) as conn, conn.begin():
             yield conn
 
-    def _bump(self, conn: Connection, org: str) -> None:
+    def _bump(
+        self, conn: Connection, org: str, decided: Iterable[str] = (), *, decide: bool = True
+    ) -> None:
+        """Headroom may have appeared in `org` (a job settled, left the queue, a budget or a pool
+        changed): decide its queue once, admitting every job that now fits whichever process
+        holds it, bump the org's version and notify (PostgreSQL) the jobs decided, `decided`
+        included, all in the caller's transaction. Their holders' watchers wake only them."""
+        decided = [*decided, *(self._decide_queue(conn, org, time.time()) if decide else ())]
         updated = conn.execute(
             versions.update().where(versions.c.org == org).values(version=versions.c.version + 1)
         )
         if updated.rowcount == 0:
             conn.execute(versions.insert().values(org=org, version=1))
+        if not self.is_sqlite:
+            for payload in notice_payloads(org, decided):
+                conn.execute(
+                    sa.text("SELECT pg_notify(:channel, :payload)"),
+                    {"channel": NOTICE_CHANNEL, "payload": payload},
+                )
+
+    def _decide_queue(self, conn: Connection, org: str, now: float) -> list[str]:
+        """Decide every queued job of `org` the policy reaches this round (`plan`) and write what
+        it says; the ids whose state or whatever holds them changed. Jobs it does not reach
+        (behind a job that holds what they need) are left as they are."""
+        state, queue = self._load(conn, org, now, "")
+        if not queue:
+            return []
+        reached = {k: d for k, d in plan(state, queue).items() if d is not NOT_REACHED}
+        if not reached:
+            return []
+        rows = {
+            row["id"]: row
+            for row in conn.execute(
+                sa.select(
+                    jobs.c.id, jobs.c.reason, jobs.c.wait_key, jobs.c.wait_since, jobs.c.waits
+                ).where(jobs.c.id.in_(list(reached)))
+            ).mappings()
+        }
+        decided = []
+        for job_id, decision in reached.items():
+            changed, _ = self._write_decision(
+                conn, job_id, decision, now, rows[job_id], holder=False
+            )
+            if changed:
+                decided.append(job_id)
+        return decided
 
     @_reconnecting
     def version(self, org: str) -> int:
@@ -480,6 +546,47 @@ class Ledger:
                 ).scalar_one_or_none()
                 or 0
             )
+
+    @_reconnecting
+    def versions(self, orgs: Iterable[str]) -> dict[str, int]:
+        """`version` of several orgs in one read (a watcher's poll on SQLite)."""
+        with self._read() as conn:
+            return dict(
+                conn.execute(
+                    sa.select(versions.c.org, versions.c.version).where(
+                        versions.c.org.in_(list(orgs))
+                    )
+                ).all()
+            )
+
+    @_reconnecting
+    def states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str | None]]:
+        """(state, what holds it) of each job, in one read: how a watcher learns which of the
+        jobs it waits for were decided."""
+        with self._read() as conn:
+            return _states(conn, list(job_ids))
+
+    @_reconnecting
+    def recheck(
+        self, org: str, waiting: Iterable[str], now: float | None = None
+    ) -> dict[str, tuple[str, str | None]]:
+        """A watcher's safety pass over `org`, in one transaction: stamp the rows of the jobs it
+        waits for (`waiting`: they keep their place), decide the org's queue (time alone can
+        make room: a period rolls over, a waiter elsewhere went silent), and return `states`.
+        It catches what a lost notice would have said."""
+        waiting = list(waiting)
+        with self._write(org) as conn:
+            now = time.time() if now is None else now
+            if waiting:
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id.in_(waiting), jobs.c.state == "queued")
+                    .values(heartbeat_at=now)
+                )
+            decided = self._decide_queue(conn, org, now)
+            if decided:
+                self._bump(conn, org, decided, decide=False)
+            return _states(conn, waiting)
 
     # -- budgets ------------------------------------------------------------------------
 
@@ -627,7 +734,7 @@ class Ledger:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
             if done is not None:  # committed before the connection dropped
-                return _decision_of(done)
+                return _recorded(conn, done)
             self._ensure_session_budget(conn, job.scope, now)
             if job.priority_class is not None:
                 value = priorities.resolve(job.priority_class, _classes_of(conn, org), org)
@@ -692,8 +799,10 @@ class Ledger:
         with self._write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
+            if row["state"] == "admitted":  # by another's transaction: its holder takes over
+                conn.execute(jobs.update().where(jobs.c.id == job_id).values(heartbeat_at=now))
             if row["state"] != "queued":
-                return _decision_of(row)
+                return _recorded(conn, row)
             return self._decide(conn, job_id, org, now, reason=row["reason"], waited=row)
 
     def _decide(
@@ -703,7 +812,32 @@ class Ledger:
         held it for how long (`waited`: the job's row as it stood, None for a new job)."""
         state, queue = self._load(conn, org, now, job_id)
         decision = decide(state, queue, job_id)
-        values: dict[str, Any] = {"heartbeat_at": now, **_wait_tally(waited, decision, now)}
+        _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
+        if decision.verdict != "wait" or asked:
+            self._bump(conn, org)
+        return decision
+
+    def _write_decision(
+        self,
+        conn: Connection,
+        job_id: str,
+        decision: Decision,
+        now: float,
+        waited: Any,
+        reason: str | None = None,
+        *,
+        holder: bool = True,
+    ) -> tuple[bool, bool]:
+        """Write a queued job's decision (`waited`: its row as it stood, None for a new job).
+        Returns whether its state or what holds it changed, and whether it asked borrowed jobs
+        to stop. Only its `holder` deciding stamps a waiting job's row: a job decided by
+        another's transaction must not look alive when its holder is gone (an admission stamps
+        it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
+        reason = waited["reason"] if reason is None else reason
+        tally = _wait_tally(waited, decision, now)
+        values: dict[str, Any] = dict(tally)
+        if holder or decision.verdict != "wait":
+            values["heartbeat_at"] = now
         if decision.verdict == "admit":
             values.update(
                 state="admitted",
@@ -718,7 +852,8 @@ class Ledger:
             values.update(_ended_unrun(ended, decision.reason, now))
         elif decision.reason != reason:
             values["reason"] = decision.reason
-        conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
+        if values:
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
         asked = 0
         if decision.preempt:  # borrowed work gives lent capacity back: its holders stop it
             asked = conn.execute(
@@ -730,9 +865,7 @@ class Ledger:
                 )
                 .values(preempt_at=now, reason=f"preempted for job {job_id[:8]}")
             ).rowcount
-        if decision.verdict != "wait" or asked:
-            self._bump(conn, org)
-        return decision
+        return decision.verdict != "wait" or bool(tally), bool(asked)
 
     def _load(
         self, conn: Connection, org: str, now: float, deciding: str
@@ -1593,6 +1726,13 @@ def wait_spans(row: dict[str, Any]) -> dict[str, float]:
     return {key: round(seconds, 3) for key, seconds in waits.items()}
 
 
+def _states(conn: Connection, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
+    if not job_ids:
+        return {}
+    query = sa.select(jobs.c.id, jobs.c.state, jobs.c.wait_key).where(jobs.c.id.in_(job_ids))
+    return {row.id: (row.state, row.wait_key) for row in conn.execute(query)}
+
+
 def _live_grant(conn: Connection, grant: str) -> str | None:
     row = conn.execute(
         sa.select(agent_grants.c.scope).where(
@@ -1636,15 +1776,27 @@ def _rule(row: Any) -> BudgetRule:
     )
 
 
-def _decision_of(row: Any) -> Decision:
-    """The decision already recorded for a job that is no longer queued."""
+def _recorded(conn: Connection, row: Any) -> Decision:
+    """The decision already recorded for a job that is no longer queued; an admission with what
+    its holder needs to take over (the capped scopes on its path, its pool and placement)."""
     state = row["state"]
     if state in ACTIVE or state == "settled":
+        path = scope_path(row["scope"])
+        caps = dict(
+            conn.execute(
+                sa.select(budgets.c.scope, budgets.c.hourly_cap_cents).where(
+                    budgets.c.scope.in_(path), budgets.c.hourly_cap_cents.is_not(None)
+                )
+            ).all()
+        )
         return Decision(
             "admit",
             row["reason"],
             reserved_micro=row["reserved_micro"],
             reserve_seconds=row["reserve_seconds"],
+            caps=tuple((s, caps[s]) for s in path if s in caps),
+            placement=tuple(int(i) for i in (row["placement"] or "").split(",") if i),
+            pool=row["pool"],
         )
     if state == "timed_out":
         return Decision("timeout", row["reason"])
@@ -1732,9 +1884,12 @@ def _make_engine(url: str) -> Engine:
         return engine
     # No pre-ping (a round trip per checkout on the hot path): a connection the server dropped
     # fails its first statement, the pool is invalidated, and `_reconnecting` runs the call again.
+    # One connection kept per process, a few more only while that many threads write at once
+    # (then closed): a process whose jobs only wait holds this one and its watcher's.
     return sa.create_engine(
         url,
-        pool_size=2,
-        max_overflow=4,
+        pool_size=1,
+        max_overflow=3,
+        pool_timeout=120,
         connect_args={"application_name": "prefect-gpu-budget"},
     )

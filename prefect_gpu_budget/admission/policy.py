@@ -308,7 +308,9 @@ def queue_order(queue: Iterable[Request]) -> list[Request]:
     return sorted(queue, key=lambda r: (-r.priority, r.requested_at, r.job_id))
 
 
-_BEHIND = Decision("wait", "waiting behind an earlier job", limit="queue")
+NOT_REACHED = Decision("wait", "waiting behind an earlier job", limit="queue")
+"""What `plan` says of a job it did not weigh this round (a job ahead holds what it needs): it
+waits, and its recorded reason stands."""
 
 
 def plan(
@@ -327,7 +329,7 @@ def plan(
     out: dict[str, Decision] = {}
     for req in _walk(ordered, capacity):
         if stop_at is None and _ahead(req, req.shape, held, capacity) is not None:
-            out[req.job_id] = _BEHIND  # cannot be admitted this round; details on request
+            out[req.job_id] = NOT_REACHED  # cannot be admitted this round; details on request
             continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
         for key in decision.blocks:

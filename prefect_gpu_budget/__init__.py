@@ -30,6 +30,7 @@ _PUBLIC = {
     "admit": "prefect_gpu_budget.tasks",
     "current_job": "prefect_gpu_budget.tasks",
     "gpu_task": "prefect_gpu_budget.tasks",
+    "job_defaults": "prefect_gpu_budget.tasks",
     "run_gpu_job": "prefect_gpu_budget.tasks",
     "settle": "prefect_gpu_budget.tasks",
 }
@@ -51,6 +52,7 @@ __all__ = [
     "admit",
     "current_job",
     "gpu_task",
+    "job_defaults",
     "run_gpu_job",
     "settle",
 ]
@@ -68,6 +70,7 @@ if TYPE_CHECKING:
         admit,
         current_job,
         gpu_task,
+        job_defaults,
         run_gpu_job,
         settle,
     )

@@ -206,6 +206,15 @@ def validate_scope(value: object, field: str = "scope") -> str:
 
 
 @lru_cache(maxsize=1 << 14)
+def narrowing_refusal(scope: str, outer: str | None, whose: str) -> str:
+    """Why `scope` may not stand in for `outer` ("" if it may): a run may narrow the scope it
+    was given (to `outer` itself or a sub-scope of it), never move elsewhere. `whose` names
+    the outer scope in the reason, e.g. "the deployment's"."""
+    if outer is None or scope == outer or scope.startswith(outer + "/"):
+        return ""
+    return f"scope {scope!r} is not within {whose} scope {outer!r}"
+
+
 def scope_path(scope: str) -> tuple[str, ...]:
     """`a/b/c` -> `('a', 'a/b', 'a/b/c')` (the scopes whose budgets a job must fit)."""
     segments = scope.split("/")

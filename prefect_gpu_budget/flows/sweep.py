@@ -39,6 +39,7 @@ from prefect_gpu_budget.sweep_spec import RandomParam as RandomParam
 from prefect_gpu_budget.sweep_spec import Scalar as Scalar
 from prefect_gpu_budget.sweep_spec import SweepSpec as SweepSpec
 from prefect_gpu_budget.sweep_spec import load_spec as load_spec
+from prefect_gpu_budget.tasks.defaults import job_defaults
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
     fmt_duration,
@@ -101,7 +102,22 @@ def run_sweep(
     results_root: Path | None = None,
 ) -> pd.DataFrame:
     """The body of a sweep flow (`gpu_sweep`, or an agent's `agent_sweep` with its `grant` and
-    its results kept under `results_root`)."""
+    its results kept under `results_root`).
+
+    Inside it, a `@gpu_task` that sets none of its own takes the sweep's scope (or a sub-scope
+    of it), ledger, agent grant and job shape (`job_defaults`)."""
+    shape = spec.job.model_dump(exclude_none=True)
+    with job_defaults(scope=spec.scope, ledger=ledger or SpendLedger(), grant=grant, **shape):
+        return _sweep(spec, ledger, launcher, grant, results_root)
+
+
+def _sweep(
+    spec: SweepSpec,
+    ledger: SpendLedger | None,
+    launcher: Launcher | None,
+    grant: str | None,
+    results_root: Path | None,
+) -> pd.DataFrame:
     logger = get_run_logger()
     ctx = FlowRunContext.get()
     run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"

@@ -185,6 +185,30 @@ def _state(job: vertex.CustomJob) -> str:
     return _sdk().JobState(job.state).name
 
 
+def vertex_machine(quote: Quote) -> tuple[str, str]:
+    """(machine type, accelerator type) for the quoted catalog row."""
+    row = quote.row
+    if row.cloud != "gcp":
+        raise LaunchConfigError(
+            "vertex", f"instance_type: {row.key} is not a GCP machine type (use gcp:<machine-type>)"
+        )
+    accelerator = ACCELERATORS.get(row.gpu_model)
+    family = MACHINE_FAMILIES.get(row.instance_type.rsplit("-", 1)[0])
+    if accelerator is None or family is None or row.gpus < 1:
+        raise LaunchConfigError(
+            "vertex",
+            f"instance_type: {row.key} ({row.gpu_model or 'no GPU'}) is not a GPU machine "
+            f"type Vertex AI offers here; known families: {', '.join(MACHINE_FAMILIES)}",
+        )
+    if family != accelerator:
+        raise LaunchConfigError(
+            "vertex",
+            f"instance_type: {row.key} comes with {family}, but its catalog row says "
+            f"{row.gpu_model}",
+        )
+    return row.instance_type, accelerator
+
+
 class VertexLauncher(Block):
     """Runs admitted GPU jobs as Vertex AI custom jobs (on-demand, spot or flex-start).
 
@@ -253,25 +277,7 @@ class VertexLauncher(Block):
         return LaunchConfigError(self.kind, reason)
 
     def _machine(self, quote: Quote) -> tuple[str, str]:
-        """(machine type, accelerator type) for the quoted catalog row."""
-        row = quote.row
-        if row.cloud != "gcp":
-            raise self._error(
-                f"instance_type: {row.key} is not a GCP machine type (use gcp:<machine-type>)"
-            )
-        accelerator = ACCELERATORS.get(row.gpu_model)
-        family = MACHINE_FAMILIES.get(row.instance_type.rsplit("-", 1)[0])
-        if accelerator is None or family is None or row.gpus < 1:
-            raise self._error(
-                f"instance_type: {row.key} ({row.gpu_model or 'no GPU'}) is not a GPU machine "
-                f"type Vertex AI offers here; known families: {', '.join(MACHINE_FAMILIES)}"
-            )
-        if family != accelerator:
-            raise self._error(
-                f"instance_type: {row.key} comes with {family}, but its catalog row says "
-                f"{row.gpu_model}"
-            )
-        return row.instance_type, accelerator
+        return vertex_machine(quote)
 
     def preflight(self, job: GpuJob, quote: Quote) -> None:
         """One-line `LaunchConfigError` for a setting Vertex would refuse; creates nothing.

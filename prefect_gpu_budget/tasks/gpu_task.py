@@ -14,7 +14,9 @@ runs past `max_runtime` (`timed_out`: stopped, it pays for what it ran, and the 
 
 Settings are `GpuJob`'s fields plus `scope` and `ledger` (a `SpendLedger`): given to the
 decorator, to `.with_options(gpu={...})`, or to one call as `gpu={...}` (in `.map`, wrap that
-dict in `prefect.unmapped`). Inside the body, `current_job()` says which job it is and which
+dict in `prefect.unmapped`), each winning over the one before; what none of them gives comes
+from the flow's `job_defaults(...)` (`tasks.defaults`), whose scope, ledger and agent grant
+bound the task: a task that would spend outside them ends `GateRefused`, nothing reserved. Inside the body, `current_job()` says which job it is and which
 GPUs of this machine it was given (in this process no other job is given the same ones).
 
 The body runs in the task's own process: `max_runtime` stops it by raising in its thread, so a
@@ -44,10 +46,11 @@ from prefect.utilities.timeout import timeout, timeout_async
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import _grant, _release, visible_gpus
+from prefect_gpu_budget.tasks.defaults import current_defaults
 from prefect_gpu_budget.tasks.gpu_job import _flow_run_id, gate_for_run
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, fmt_usd, validate_scope
 
-REFUSED_STATES = frozenset({"OverBudget", "AdmissionTimeout"})
+REFUSED_STATES = frozenset({"OverBudget", "AdmissionTimeout", "GateRefused"})
 SETTINGS = frozenset(GpuJob.model_fields) - {"command", "env", "grant"} | {"scope", "ledger"}
 """What `gpu_task`, `.with_options(gpu=...)` and a call's `gpu=` may set."""
 
@@ -94,24 +97,27 @@ class _GatedRun:
     """One run of a `@gpu_task`: admit, give it GPUs, settle once."""
 
     def __init__(self, settings: Mapping[str, Any], task_name: str) -> None:
-        fields = dict(settings)
+        fields, grant, self.refusal = current_defaults().apply(settings)
         scope, self.ledger = fields.pop("scope", None), fields.pop("ledger", None)
         if not scope:
             raise BudgetInputError(
                 "scope",
-                "a @gpu_task needs a scope: give it to gpu_task, .with_options(gpu=...) "
-                "or the call's gpu={...}",
+                "a @gpu_task needs a scope: give it to gpu_task, .with_options(gpu=...), "
+                "the call's gpu={...} or the flow's job_defaults(...)",
             )
         self.scope = validate_scope(scope)
-        self.job = GpuJob(**{"name": task_name, **fields})
-        self.gate = gate_for_run(self.scope, self.job, self.ledger)
+        self.job = GpuJob(**{"name": task_name, **fields, "grant": grant})
         self.admission: Admission | None = None
         self.gpus: list[int] = []
         self.started_at = 0.0
         self.row: dict[str, Any] | None = None
+        if not self.refusal:  # a refused run opens no ledger
+            self.gate = gate_for_run(self.scope, self.job, self.ledger)
 
     def admit(self) -> State | None:
         """Wait for admission; the refusal's state if refused. Then the job starts now."""
+        if self.refusal:  # settings its flow does not allow: nothing is reserved
+            return Failed(name="GateRefused", message=self.refusal)
         try:
             self.admission = self.gate.admit(
                 self.job, self.scope, flow_run_id=_flow_run_id(), launcher="task"

@@ -37,6 +37,7 @@ def test_collection_entry_point_registers_the_blocks():
     collection = ep.load()  # the blocks, and the worker types
     assert collection.blocks.GpuBudget is GpuBudget
     assert collection.process.GpuBudgetProcessWorker.type == "gpu-budget-process"
+    assert collection.vertex.GpuBudgetVertexWorker.type == "gpu-budget-vertex-ai"
 
 
 def test_budget_rule_is_exact():

@@ -1,6 +1,7 @@
 """`@gpu_task` in real flow runs against a real Prefect server: a cap of two never runs three
 bodies at once, a body past max_runtime pays for what it ran, refusals are final, retries are
-new admissions, settings move per task and per call, async bodies are gated alike."""
+new admissions, settings move per task and per call, async bodies are gated alike, and a flow's
+`job_defaults` (a sweep's, an agent's) fill what a task does not set and bound its scope."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import pytest
 from prefect import flow, unmapped
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from prefect_gpu_budget import GpuBudget, SpendLedger, current_job, gpu_task
+from prefect_gpu_budget import GpuBudget, SpendLedger, current_job, gpu_task, job_defaults
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.flows import sweep
+from prefect_gpu_budget.units import BudgetInputError
 
 
 def _most_at_once(spans: list[tuple[float, float]]) -> int:
@@ -137,3 +140,88 @@ def test_async_bodies_and_per_call_settings(lab):
     assert len(ledger.jobs("lab/b")) == 2 and ledger.jobs("lab/a") == []
     with pytest.raises(ValueError, match="unknown setting 'colour'"):
         evaluate.with_options(gpu={"colour": "red"})
+
+
+def test_a_flows_defaults_fill_what_a_task_leaves_out_and_its_scope_only_narrows(lab, tmp_path):
+    ledger, block = lab
+
+    @gpu_task(max_runtime="1m")
+    def probe() -> tuple[str, str, float]:
+        job = current_job()
+        return job.scope, job.instance_type, job.deadline - time.time()
+
+    elsewhere = probe.with_options(gpu={"scope": "other/x"})
+    own_ledger = probe.with_options(
+        gpu={"ledger": SpendLedger(database_url=f"sqlite:///{tmp_path / 'own.db'}")}
+    )
+
+    @flow
+    def run() -> dict:
+        with job_defaults(scope="lab/flow", ledger=block, instance_type="local:box"):
+            out = {
+                "inherited": probe(),
+                "narrowed": probe(gpu={"scope": "lab/flow/a"}),
+                "moved": elsewhere(return_state=True),
+                "other ledger": own_ledger(return_state=True),
+            }
+            with (
+                pytest.raises(BudgetInputError, match="not within the enclosing"),
+                job_defaults(scope="lab/wider"),
+            ):
+                pass
+            with job_defaults(scope="lab/flow/b", max_runtime="2m"):  # nests: narrows
+                out["nested"] = probe()
+        return out
+
+    out = run()
+    assert out["inherited"][:2] == ("lab/flow", "local:box")
+    assert out["inherited"][2] <= 60  # the decorator's max_runtime wins over no default
+    assert out["narrowed"][0] == "lab/flow/a"
+    assert out["nested"][0] == "lab/flow/b" and out["nested"][2] <= 60  # the task's 1m wins
+    moved, other = out["moved"], out["other ledger"]
+    assert moved.name == "GateRefused"
+    assert moved.message == "scope 'other/x' is not within its flow's scope 'lab/flow'"
+    assert other.name == "GateRefused" and "another ledger" in other.message
+    assert ledger.jobs("other/x") == [] and not (tmp_path / "own.db").exists()  # nothing held
+    assert {r["scope"] for r in ledger.jobs()} == {"lab/flow", "lab/flow/a", "lab/flow/b"}
+
+
+def test_a_sweep_gives_its_tasks_its_scope_shape_ledger_and_agent_grant(lab, monkeypatch):
+    ledger, block = lab
+    GpuBudget(scope="lab/agents/a7", hourly_cap_usd="7.2").apply(ledger)
+    _, grant = ledger.agent_grant(ledger.grant_agent("lab/agents/a7"))
+
+    @gpu_task()
+    def inside() -> str:
+        return current_job().job_id
+
+    wider = inside.with_options(gpu={"scope": "lab/elsewhere"})
+    seen: list = []
+
+    def body(*_args: object) -> None:  # what runs inside the sweep's defaults
+        seen.extend([inside(return_state=True), wider(return_state=True)])
+
+    monkeypatch.setattr(sweep, "_sweep", body)
+    spec = sweep.SweepSpec.model_validate(
+        {
+            "name": "ctx",
+            "scope": "lab/agents/a7",
+            "job": {"instance_type": "local:box", "max_runtime": "30s", "priority": 5},
+            "command": ["true"],
+        }
+    )
+
+    @flow
+    def agent_like() -> None:
+        sweep.run_sweep(spec, block, grant=grant)
+
+    agent_like()
+    ran, refused = seen
+    row = ledger.job(ran.result())
+    assert row["scope"] == "lab/agents/a7" and row["instance_type"] == "local:box"
+    assert row["outcome"] == "completed" and row["priority"] == 5
+    assert refused.name == "GateRefused" and "within its flow's scope" in refused.message
+    ledger.revoke_agent("lab/agents/a7")  # the grant is the flow's: revoked, its tasks stop
+    seen.clear()
+    agent_like()
+    assert seen[0].name != "Completed" and "grant was revoked" in seen[0].message

@@ -1,0 +1,289 @@
+"""The budget gate of the worker types, one for all: the job variables, the rule for a run's
+own overrides, the wait at the gate (`AwaitingBudget`, cancel gives its place up), the stop at
+max_runtime, and the settlement once the run's infrastructure ends.
+
+A worker type mixes `GateVariables` into its variables and `GateConfiguration` into its job
+configuration, and runs each flow run as
+
+```python
+try:
+    run = await admit_flow_run(self, flow_run, configuration)
+except RunNotStarted:
+    ...  # ended without starting: refused, or cancelled while it waited
+return await run.until_settled(super().run(...), outcome_of_the_result)
+```
+
+calling `run.started(at, external_id, stop)` when its infrastructure really starts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+from prefect.client.orchestration import get_client
+from prefect.states import Failed, Pending, Scheduled
+from pydantic import BaseModel, Field
+
+from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.job import GpuJob, one_line
+from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.pricing.catalog import Quote
+from prefect_gpu_budget.tasks.gpu_job import AWAITING_BUDGET, _gate
+from prefect_gpu_budget.units import BudgetInputError, narrowing_refusal, validate_scope
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.states import State
+
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.admission.policy import Decision
+
+R = TypeVar("R")
+CANCEL_POLL_S = 1.0
+"""How often a waiting run's state is read to see whether it was cancelled."""
+GATE_VARIABLES = (
+    "instance_type",
+    "scope",
+    "max_runtime",
+    "nodes",
+    "priority",
+    "max_wait",
+    "provisioning",
+)
+
+
+class GateVariables(BaseModel):
+    """The job variables every gated worker type adds to its pool's base job template."""
+
+    instance_type: str | None = Field(
+        default=None, description="What the run's machine is priced as, e.g. `local:a100x1`."
+    )
+    scope: str | None = Field(default=None, description="The budget scope the run spends in.")
+    max_runtime: str | None = Field(
+        default=None, description="The longest the run may take, e.g. '2h'; it is stopped then."
+    )
+    nodes: int = Field(default=1, description="Machines the run takes.")
+    priority: str | int = Field(default=0, description="A priority class or -1000..1000.")
+    max_wait: str | None = Field(
+        default=None, description="The longest the run waits at the gate (default: the budget's)."
+    )
+    provisioning: str = Field(default="on-demand", description="on-demand, spot or flex-start.")
+
+
+class GateConfiguration(BaseModel):
+    """The gate's part of a job configuration (filled from `GateVariables`)."""
+
+    instance_type: str | None = Field(default=None)
+    scope: str | None = Field(default=None)
+    max_runtime: str | None = Field(default=None)
+    nodes: int = Field(default=1)
+    priority: str | int = Field(default=0)
+    max_wait: str | None = Field(default=None)
+    provisioning: str = Field(default="on-demand")
+
+    def gpu_job(self, name: str) -> tuple[GpuJob, str]:
+        """The job and scope this run asks for; a one-line `BudgetInputError` if unusable."""
+        if not self.scope or not self.instance_type or not self.max_runtime:
+            raise BudgetInputError(
+                "job_variables",
+                "instance_type, scope and max_runtime must be set on the pool or the deployment",
+            )
+        job = GpuJob(
+            instance_type=self.instance_type,
+            max_runtime=self.max_runtime,
+            nodes=self.nodes,
+            priority=self.priority,
+            max_wait=self.max_wait,
+            provisioning=self.provisioning,
+            name=name,
+        )
+        return job, validate_scope(self.scope)
+
+    def preflight(self, job: GpuJob, quote: Quote) -> None:
+        """What a worker type checks of the job before it is admitted (`LaunchConfigError`)."""
+
+
+def overrides_refusal(run_variables: dict[str, Any], deployed_scope: str | None) -> str:
+    """Why a flow run's own job variables may not be used ("" if they may): a run may narrow
+    its deployment's scope to a sub-scope, and change nothing else of the gate's."""
+    for key in GATE_VARIABLES:
+        if key not in run_variables:
+            continue
+        if key != "scope":
+            return f"job variable {key} is the deployment's to set, not a run's"
+        if why := narrowing_refusal(
+            str(run_variables["scope"]), deployed_scope, "the deployment's"
+        ):
+            return why
+    return ""
+
+
+class RunNotStarted(Exception):
+    """The flow run ended at the gate, in the state it was given (or cancelled)."""
+
+
+class WorkerRun:
+    """One admitted flow run: its start recorded with a stop at max_runtime, settled once."""
+
+    def __init__(self, gate: Gate, admission: Admission) -> None:
+        self.gate, self.admission, self.job = gate, admission, admission.job
+        self.started_at: float | None = None
+        self.stopped: list[float] = []
+        """When it was stopped at max_runtime (empty if it was not)."""
+        self._timers: list[threading.Timer] = []
+
+    def started(self, at: float, external_id: str, stop: Callable[[], None]) -> None:
+        """Its infrastructure started at `at`: record it, and call `stop` once max_runtime
+        (counted from `at`) has run out."""
+        if self.started_at is not None:
+            return
+        self.started_at = at
+        self.gate.started(self.admission, at, external_id)
+
+        def at_limit() -> None:
+            self.stopped.append(time.time())
+            stop()
+
+        timer = threading.Timer(max(0.0, at + self.job.max_runtime - time.time()), at_limit)
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
+
+    def submitted(self, external_id: str) -> None:
+        """The cloud's id of a job that may still wait for capacity, for reconcile."""
+        self.gate.submitted(self.admission, external_id)
+
+    async def until_settled(
+        self,
+        body: Awaitable[R],
+        outcome: Callable[[R], str],
+        ended: Callable[[], tuple[float, float | None]] | None = None,
+    ) -> R:
+        """Await `body` (the worker's own run), then settle once, whatever way it ends:
+        `outcome` names how from its result ("timed_out" if it was stopped at max_runtime),
+        "failed" if it raised an error, "cancelled" if it was cancelled. `ended` gives (ended_at, billed_seconds) where the
+        infrastructure reports them (Vertex: the job's times); else now and the gate's own."""
+        how = "cancelled"
+        try:
+            result = await body
+            how = "timed_out" if self.stopped else outcome(result)
+            return result
+        except Exception:
+            how = "failed"
+            raise
+        finally:
+            for timer in self._timers:
+                timer.cancel()
+            ended_at, billed = ended() if ended else (time.time(), None)
+            await anyio.to_thread.run_sync(
+                lambda: self.gate.settle(
+                    self.admission, ended_at=ended_at, outcome=how, billed_seconds=billed
+                )
+            )
+
+
+async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> WorkerRun:
+    """Pass the gate before `worker` starts `flow_run`: refuse bad or widening variables in one
+    line with nothing reserved (`GateRefused`), wait in `AwaitingBudget` (a cancel gives the
+    place up), end `OverBudget` / `AdmissionTimeout` when refused. Raises `RunNotStarted` when
+    the run does not start (its state is set); else the run is Pending, admitted."""
+    deployed = None
+    if flow_run.deployment_id:
+        deployment = await worker.client.read_deployment(flow_run.deployment_id)
+        deployed = (deployment.job_variables or {}).get("scope") or _pool_default(worker.work_pool)
+    refusal = overrides_refusal(dict(flow_run.job_variables or {}), deployed)
+    run_gate = _gate(None)
+    try:
+        job, scope = configuration.gpu_job(flow_run.name)
+        configuration.preflight(job, run_gate.quote(job))
+    except (BudgetInputError, LaunchConfigError, ValueError) as bad:
+        refusal = refusal or one_line(bad)
+    if refusal:
+        await _end(flow_run, Failed(name="GateRefused", message=refusal))
+
+    def waiting(_job_id: str, decision: Decision, _rules: object) -> None:
+        message = f"waiting for budget: {decision.reason}"
+        _set_state(
+            flow_run.id, Scheduled(scheduled_time=_later(), name=AWAITING_BUDGET, message=message)
+        )
+
+    run_gate = run_gate.with_events(GateEvents(queued=waiting))
+    admitted = threading.Event()
+    watch = threading.Thread(
+        target=_give_up_when_cancelled,
+        args=(run_gate.ledger, flow_run.id, scope, admitted),
+        daemon=True,
+    )
+    watch.start()
+    launcher = f"worker:{worker.type}"
+    try:
+        admission = await anyio.to_thread.run_sync(
+            lambda: run_gate.admit(job, scope, flow_run_id=str(flow_run.id), launcher=launcher)
+        )
+    except AdmissionRefused as refused:
+        if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
+            await _end(flow_run)  # cancelled: its place was given up
+        await _end(flow_run, Failed(name=refused.state_name, message=refused.reason))
+    finally:
+        admitted.set()
+    if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
+        await anyio.to_thread.run_sync(  # cancelled as it was admitted: nothing ran
+            lambda: run_gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+        )
+        await _end(flow_run)
+    await anyio.to_thread.run_sync(
+        lambda: _set_state(flow_run.id, Pending(message=f"admitted: {admission.reason}"))
+    )
+    return WorkerRun(run_gate, admission)
+
+
+async def _end(flow_run: FlowRun, state: State | None = None) -> None:
+    """End a run that never starts: in `state`, or as it stands (cancelled)."""
+    if state is not None:
+        await anyio.to_thread.run_sync(lambda: _set_state(flow_run.id, state))
+    raise RunNotStarted(state.name if state else "cancelled")
+
+
+def _pool_default(work_pool: Any) -> str | None:
+    variables = (getattr(work_pool, "base_job_template", None) or {}).get("variables", {})
+    return (variables.get("properties", {}).get("scope") or {}).get("default")
+
+
+def _later() -> Any:
+    from prefect.types._datetime import now
+
+    return now("UTC") + timedelta(hours=1)  # never marked Late while it waits at the gate
+
+
+def _give_up_when_cancelled(
+    ledger: Ledger, flow_run_id: Any, scope: str, admitted: threading.Event
+) -> None:
+    """While the run waits at the gate, look every `CANCEL_POLL_S` whether it was cancelled,
+    and if so give its place in the queue up (the waiting admission then ends refused)."""
+    while not admitted.wait(CANCEL_POLL_S):
+        try:
+            if _still_wanted(flow_run_id):
+                continue
+            for row in ledger.jobs(flow_run_id=str(flow_run_id)):
+                if row["state"] == "queued":
+                    ledger.cancel_queued(row["id"], scope, "its flow run was cancelled")
+            return
+        except Exception:  # the API or the ledger is down: the gate's own patience applies
+            continue
+
+
+def _still_wanted(flow_run_id: Any) -> bool:
+    """False once the run was cancelled (or otherwise ended) while it waited at the gate."""
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+    return state is None or not (state.is_final() or state.is_cancelling())
+
+
+def _set_state(flow_run_id: Any, state: State) -> None:
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, state, force=True)

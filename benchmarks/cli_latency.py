@@ -1,7 +1,10 @@
 """Wall time of the ledger and catalog commands of `prefect-gpu-budget`, side by side with
 `python -c pass` and `prefect version`, on a 1,000-row SQLite ledger and on PostgreSQL.
 
-    .venv/bin/python benchmarks/cli_latency.py            # --runs 5 --json --pg-url URL
+    .venv/bin/python benchmarks/cli_latency.py            # --runs 5 --json --pg-server URL
+
+Another checkout's code is measured with `PYTHONPATH=that/checkout` (the console script imports
+`prefect_gpu_budget` from there; the ledgers are filled by the same code).
 
 Each command runs as a whole new process (what an admin or an agent's script pays), `--runs`
 times in turn with the others, and the median, minimum and maximum are printed; the ratio column
@@ -29,6 +32,8 @@ BIN = Path(sys.executable).parent
 CLI = str(BIN / "prefect-gpu-budget")
 TARGET_S = 0.5
 IMPORT_TARGET_S = 0.3
+TARGETED = ("status --json", "ledger --json --limit 20", "quote aws:g5.xlarge", "budget show")
+"""The commands the 0.5 s target is set for (issue 22); the others are shown beside them."""
 
 
 def fill(url: str, rows: int) -> None:
@@ -66,12 +71,15 @@ def commands() -> dict[str, list[str]]:
         "python -c pass": [sys.executable, "-c", "pass"],
         "prefect version": [str(BIN / "prefect"), "version"],
         "status --json": [CLI, "status", "--json"],
+        "status": [CLI, "status"],
         "ledger --json --limit 20": [CLI, "ledger", "--json", "--limit", "20"],
         "quote aws:g5.xlarge": [CLI, "quote", "aws:g5.xlarge", "--hours", "2"],
         "budget show": [CLI, "budget", "show"],
         "budget set": [CLI, "budget", "set", "bench/team", "--hourly-cap", "500"],
         "capacity bench": [CLI, "capacity", "bench"],
         "agent grant": [CLI, "agent", "grant", "bench/team/s"],
+        "priority list": [CLI, "priority", "list", "bench"],
+        "reconcile": [CLI, "reconcile"],
         "import prefect_gpu_budget": [sys.executable, "-c", "import prefect_gpu_budget"],
     }
 
@@ -138,7 +146,7 @@ def main() -> None:
     for kind, found in report.items():
         for name, f in found.items():
             limit = IMPORT_TARGET_S if name == "import prefect_gpu_budget" else TARGET_S
-            target = "" if name in ("python -c pass", "prefect version") else f"<= {limit}"
+            target = f"<= {limit}" if name in (*TARGETED, "import prefect_gpu_budget") else ""
             met = "" if not target else ("ok" if f["median_s"] <= limit else "MISSED")
             rows.append(
                 [

@@ -2,9 +2,12 @@
 `python -c pass` and `prefect version`, on a 1,000-row SQLite ledger and on PostgreSQL.
 
     .venv/bin/python benchmarks/cli_latency.py            # --runs 5 --json --pg-server URL
+    .venv/bin/python benchmarks/cli_latency.py --before ../other-checkout
 
-Another checkout's code is measured with `PYTHONPATH=that/checkout` (the console script imports
-`prefect_gpu_budget` from there; the ledgers are filled by the same code).
+`--before` times each command a second time with `PYTHONPATH` set to another checkout (the
+console script then imports `prefect_gpu_budget` from there), in turn with this one's, so that
+a change in the machine's load during the run falls on both alike. The ledgers are filled by
+this checkout's code.
 
 Each command runs as a whole new process (what an admin or an agent's script pays), `--runs`
 times in turn with the others, and the median, minimum and maximum are printed; the ratio column
@@ -84,16 +87,30 @@ def commands() -> dict[str, list[str]]:
     }
 
 
-def measure(env: dict[str, str], runs: int, skip: tuple[str, ...]) -> dict[str, list[float]]:
+PACKAGE_FREE = ("python -c pass", "prefect version")
+"""The commands that do not load this package: timed once, whatever `--before` says."""
+
+
+def measure(
+    env: dict[str, str], runs: int, skip: tuple[str, ...], before: dict[str, str] | None
+) -> dict[str, dict[str, list[float]]]:
+    """Wall seconds of each command, per code under test ("now", and "before" when given):
+    each run times every command under each code in turn, so load drifts hit both alike."""
     cmds = {k: v for k, v in commands().items() if k not in skip}
-    times: dict[str, list[float]] = {k: [] for k in cmds}
+    codes = {"now": env, **({"before": before} if before else {})}
+    times: dict[str, dict[str, list[float]]] = {c: {k: [] for k in cmds} for c in codes}
     for _ in range(runs):
         for name, argv in cmds.items():
-            start = time.perf_counter()
-            done = subprocess.run(argv, env=env, capture_output=True, text=True)
-            times[name].append(time.perf_counter() - start)
-            if done.returncode not in (0,):
-                raise SystemExit(f"{name}: exit {done.returncode}: {done.stderr.strip()[-300:]}")
+            for code, code_env in codes.items():
+                if code != "now" and name in PACKAGE_FREE:
+                    continue
+                start = time.perf_counter()
+                done = subprocess.run(argv, env=code_env, capture_output=True, text=True)
+                times[code][name].append(time.perf_counter() - start)
+                if done.returncode != 0:
+                    raise SystemExit(
+                        f"{name} ({code}): exit {done.returncode}: {done.stderr.strip()[-300:]}"
+                    )
     return times
 
 
@@ -108,6 +125,12 @@ def main() -> None:
     )
     parser.add_argument("--no-pg", action="store_true", help="SQLite only.")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--before",
+        metavar="CHECKOUT",
+        help="Also time each command with the package imported from this other checkout, in "
+        "turn with this one's in the same run (a 'before' column).",
+    )
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="cli-latency-"))
@@ -130,11 +153,15 @@ def main() -> None:
             env = {**base, "PREFECT_GPU_BUDGET_LEDGER_URL": url}
             # `python -c pass` and `prefect version` do not read the ledger: SQLite's run has them
             skip = () if kind == "sqlite" else ("python -c pass", "prefect version")
-            times = measure(env, args.runs, skip)
+            before = {**env, "PYTHONPATH": args.before} if args.before else None
+            times = measure(env, args.runs, skip, before)
             report[kind] = {
                 name: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
-                for name, t in times.items()
+                for name, t in times["now"].items()
             }
+            for name, t in times.get("before", {}).items():
+                if t:
+                    report[kind][name]["before_median_s"] = statistics.median(t)
     finally:
         if not args.no_pg:
             drop_database(pg_url)
@@ -157,10 +184,15 @@ def main() -> None:
                     f"{f['max_s']:.3f}",
                     f"{f['median_s'] / floor:.1f}x",
                     f"{target} {met}".strip(),
+                    *(
+                        [f"{f['before_median_s']:.3f}" if "before_median_s" in f else "-"]
+                        * bool(args.before)
+                    ),
                 ]
             )
     print(f"{args.runs} runs each, {args.rows}-row ledgers; load {os.getloadavg()[0]:.2f}")
-    print(table(["ledger", "command", "median s", "min s", "max s", "vs python", "target"], rows))
+    header = ["ledger", "command", "median s", "min s", "max s", "vs python", "target"]
+    print(table(header + ["before: median s"] * bool(args.before), rows))
 
 
 if __name__ == "__main__":

@@ -94,10 +94,10 @@ def _user_error(exc: BaseException) -> bool:
 
 def main() -> None:
     """Console entry point: one-line errors with exit code 2 for bad input."""
-    # A short command's process spends as long exiting as it did working: the collector's
-    # last pass at exit walks every object SQLAlchemy and typer made (0.1-0.2 s on this
-    # project's machine, `benchmarks/cli_latency.py`). Frozen at exit, they are not walked;
-    # nothing is left to collect then, and an in-process caller is unaffected until its own exit.
+    # A short command's process spent a quarter to a third of its time exiting: the collector's
+    # last pass at exit walked every object SQLAlchemy and typer made (0.1-0.25 s on this
+    # project's machine). Frozen at exit, they are not walked; nothing is left to collect then,
+    # and an in-process caller is unaffected until its own exit.
     atexit.unregister(gc.freeze)  # once, however often an in-process caller runs main
     atexit.register(gc.freeze)
     try:

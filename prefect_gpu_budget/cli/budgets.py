@@ -1,0 +1,258 @@
+"""`budget set`, `budget show` and `status`: the budgets and where each scope stands."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from typing import Any, NoReturn
+
+import typer
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.cli.capacity import print_pool
+from prefect_gpu_budget.cli.common import console, current_ledger, fail, iso, rich_table, usd
+from prefect_gpu_budget.units import BudgetInputError, fmt_usd, org_of, to_decimal_usd
+
+
+def _optional_usd(value: str | None, field: str) -> Decimal | None | str:
+    if value is None:
+        return "keep"
+    if value.strip().lower() == "none":
+        return None
+    return to_decimal_usd(value, field)
+
+
+def budget_set(
+    scope: str = typer.Argument(..., help="org, org/team or org/team/session."),
+    hourly_cap: str = typer.Option(None, help="USD per hour ('none' removes the cap)."),
+    period_budget: str = typer.Option(None, help="USD per period ('none' removes it)."),
+    period: str = typer.Option(None, help="day, week or month."),
+    tz: str = typer.Option(None, "--timezone", help="Time zone of the period (default UTC)."),
+    on_limit: str = typer.Option(None, help="queue or reject."),
+    max_wait: str = typer.Option(None, help="Longest wait, like '6h'; 0 waits forever."),
+    reservation_mode: str = typer.Option(None, help="guaranteed or estimate."),
+    notify: str = typer.Option(None, help="Notification block 'type-slug/name'."),
+    session_template: bool = typer.Option(
+        False,
+        "--session-template",
+        help="For a team: the budget each of its sessions gets when it first runs a job.",
+    ),
+    new: bool = typer.Option(
+        False, "--new", help="Create a new org or team even if its name is close to a known one."
+    ),
+) -> None:
+    """Create or change a scope's budget (options not given keep their current values).
+
+    Only the options given change, inside the transaction that holds the org's lock: two
+    concurrent changes to different fields both survive, and a bad value writes nothing."""
+    from prefect_gpu_budget.models import BudgetSettings
+    from prefect_gpu_budget.units import validate_scope
+
+    validate_scope(scope)
+    known = {r.scope for r in current_ledger().budgets()}
+    if not new:
+        _refuse_near_miss(scope, known)
+    changes: dict[str, Any] = {}
+    for key, value in (
+        ("hourly_cap_usd", _optional_usd(hourly_cap, "hourly_cap")),
+        ("period_budget_usd", _optional_usd(period_budget, "period_budget")),
+    ):
+        if value != "keep":
+            changes[key] = value
+    given = {
+        "period": period,
+        "timezone": tz,
+        "on_limit": on_limit,
+        "max_wait": max_wait,
+        "reservation_mode": reservation_mode,
+        "notify_block": notify,
+    }
+    changes.update({k: v for k, v in given.items() if v is not None})
+    if "hourly_cap_usd" in changes:  # one line before opening the ledger
+        BudgetSettings(scope=scope, hourly_cap_usd=changes["hourly_cap_usd"])
+
+    def merge(current):
+        fields: dict[str, Any] = {"scope": scope}
+        if current is not None:
+            fields.update(BudgetSettings.fields_of(current))
+        fields.update(changes)
+        if fields.get("hourly_cap_usd") is None and fields.get("period_budget_usd") is None:
+            raise BudgetInputError("budget", "give --hourly-cap, --period-budget or both")
+        return BudgetSettings(**fields).rule()
+
+    rule = current_ledger().update_budget(scope, merge, template=session_template)
+    _warn_parent_binds(rule)
+    if session_template:
+        console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
+        return
+    console.print(f"budget set for [bold]{scope}[/]: {_describe(rule)}")
+    _resize_prefect_limit(rule)
+
+
+def _resize_prefect_limit(rule: Any) -> None:
+    """Show a new cap in the Prefect UI now, not at the scope's next admission."""
+    from prefect_gpu_budget.settings import prefect_api_auth, prefect_api_url
+
+    api = prefect_api_url()
+    if rule.hourly_cap_cents is None or not api:
+        return
+    from prefect_gpu_budget.admission.limits import limit_name, resize_over_http
+
+    why = resize_over_http(rule.scope, rule.hourly_cap_cents, api, prefect_api_auth())
+    if why:
+        typer.echo(
+            f"warning: Prefect's limit {limit_name(rule.scope)} keeps its old cap until the "
+            f"next admission in {rule.scope}: {why}",
+            err=True,
+        )
+
+
+def budgeted_under(scope: str) -> bool:
+    return any(
+        r.scope == scope or r.scope.startswith(scope + "/") for r in current_ledger().budgets()
+    )
+
+
+def no_such_scope(command: str, scope: str) -> NoReturn:
+    """A scope with no budget and no jobs: exit 2, naming the known scopes nearby."""
+    from prefect_gpu_budget.units import near
+
+    known = {r.scope for r in current_ledger().budgets()}
+    close = near(scope, known) or sorted(k for k in known if k.count("/") == scope.count("/"))[:5]
+    hint = f"; did you mean {close[0]}?" if near(scope, known) else ""
+    if not hint and close:
+        hint = f"; known: {', '.join(close)}"
+    fail(f"{command}: no budget and no jobs in {scope}{hint}")
+
+
+def _refuse_near_miss(scope: str, known: set[str]) -> None:
+    """A typo makes a new org or team: `acme/visoin/agent-7` beside `acme/vision`. A scope
+    whose org or team has no budget yet, and whose name is close to a known one, is refused
+    with what it may have meant (`--new` creates it all the same)."""
+    from prefect_gpu_budget.units import near, scope_path
+
+    if scope in known:
+        return
+    for path in scope_path(scope)[:2]:  # the org, then the team
+        if path in known:
+            continue
+        peers = {k for k in known if k.count("/") == path.count("/")}
+        close = near(path, peers)
+        if close:
+            fail(f"scope: {path} has no budget; did you mean {close[0]}? (--new creates it)")
+
+
+def _warn_parent_binds(rule) -> None:
+    """A cap or budget above its parent's is allowed, but the parent binds: say so."""
+    from prefect_gpu_budget.units import scope_path
+
+    for parent in reversed(current_ledger().path_budgets(rule.scope)):
+        if parent.scope == rule.scope or parent.scope not in scope_path(rule.scope):
+            continue
+        mine, theirs = rule.hourly_cap_cents, parent.hourly_cap_cents
+        if mine is not None and theirs is not None and mine > theirs:
+            typer.echo(
+                f"warning: the cap {fmt_usd(mine * 10_000)}/h of {rule.scope} is above the "
+                f"{fmt_usd(theirs * 10_000)}/h of {parent.scope}, which binds",
+                err=True,
+            )
+        mine, theirs = rule.period_budget_micro, parent.period_budget_micro
+        if (
+            mine is not None
+            and theirs is not None
+            and mine > theirs
+            and rule.period == parent.period
+        ):
+            typer.echo(
+                f"warning: the {rule.period} budget {fmt_usd(mine)} of {rule.scope} is above "
+                f"the {fmt_usd(theirs)} of {parent.scope}, which binds",
+                err=True,
+            )
+
+
+def _describe(rule) -> str:
+    parts = []
+    if rule.hourly_cap_cents is not None:
+        parts.append(f"cap {fmt_usd(rule.hourly_cap_cents * 10_000)}/h")
+    if rule.period_budget_micro is not None:
+        parts.append(f"{fmt_usd(rule.period_budget_micro)} per {rule.period} ({rule.timezone})")
+    parts.append(f"on limit {rule.on_limit}")
+    parts.append("max wait forever" if rule.max_wait_s == 0 else f"max wait {rule.max_wait_s:.0f}s")
+    parts.append(rule.reservation_mode)
+    return ", ".join(parts)
+
+
+def budget_show(
+    scope: str = typer.Argument(None), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """List budgets (under SCOPE if given)."""
+    rules = [
+        r
+        for r in current_ledger().budgets()
+        if scope is None or r.scope == scope or r.scope.startswith(scope + "/")
+    ]
+    if as_json:
+        typer.echo(json.dumps([r.__dict__ for r in rules], indent=2))
+        return
+    table = rich_table("scope", "budget")
+    for rule in rules:
+        table.add_row(rule.scope, _describe(rule))
+    for rule in current_ledger().session_templates():
+        table.add_row(f"{rule.scope}/* (template)", _describe(rule))
+    console.print(table)
+
+
+def status(
+    scope: str = typer.Argument(None), as_json: bool = typer.Option(False, "--json")
+) -> None:
+    """Per scope: hourly cap and running rate, period spend, running and queued jobs."""
+    rows = current_ledger().status(scope)
+    if scope is not None and not rows:
+        no_such_scope("status", scope)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                [
+                    {  # the names of these figures; the spend report and the gateway use them
+                        "scope": r["scope"],
+                        "hourly_cap_usd": usd(r["hourly_cap_micro"]),
+                        "running_rate_usd_per_hour": usd(r["running_rate_micro"]),
+                        "period": r["period"],
+                        "period_start": iso(r["period_start"]),
+                        "period_budget_usd": usd(r["period_budget_micro"]),
+                        "settled_usd": usd(r["settled_micro"]),
+                        "reserved_usd": usd(r["reserved_micro"]),
+                        "remaining_usd": usd(r["remaining_micro"]),
+                        "running": r["running"],
+                        "queued": r["queued"],
+                    }
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
+        return
+    table = rich_table(
+        "scope", "rate / cap", "period", "settled", "reserved", "remaining", "running", "queued"
+    )
+    for r in rows:
+        cap = "-" if r["hourly_cap_micro"] is None else fmt_usd(r["hourly_cap_micro"])
+        table.add_row(
+            r["scope"],
+            f"{fmt_usd(r['running_rate_micro'])} / {cap}",
+            f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
+            fmt_usd(r["settled_micro"]),
+            fmt_usd(r["reserved_micro"]),
+            "-" if r["remaining_micro"] is None else fmt_usd(r["remaining_micro"]),
+            str(r["running"]),
+            str(r["queued"]),
+        )
+    console.print(table)
+    waiting = current_ledger().jobs(scope, states=("queued",))
+    for job in waiting:
+        console.print(
+            f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: {job['reason']}"
+        )
+    orgs = sorted({org_of(r["scope"]) for r in rows})
+    for pool in (p for org in orgs for p in current_ledger().capacity_status(org)):
+        print_pool(pool)

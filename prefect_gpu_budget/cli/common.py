@@ -1,0 +1,92 @@
+"""What the commands share: the console, one-line failures, the ledger of this invocation,
+and the figures' formats."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import datetime, timezone
+from typing import Any, NoReturn
+
+import typer
+
+from prefect_gpu_budget.units import micro_to_usd
+
+
+class _Console:
+    """rich's console, loaded on first print: `--json` output never imports rich."""
+
+    _rich: Any = None
+
+    def rich(self) -> Any:
+        if self._rich is None:
+            from rich.console import Console
+
+            # piped output is read by scripts and agents: never wrap it at 80 columns
+            wide = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200)
+            _Console._rich = Console(width=wide)
+        return self._rich
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        self.rich().print(*args, **kwargs)
+
+
+def rich_table(*columns: str) -> Any:
+    from rich.table import Table
+
+    return Table(*columns)
+
+
+console = _Console()
+_state: dict[str, Any] = {"ledger_url": None}
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def current_ledger():
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.admission.ledger import open_ledger
+
+    return open_ledger(settings.ledger_url(_state["ledger_url"]))
+
+
+def iso(t: float | None) -> str | None:
+    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
+def usd(micro: int | None) -> float | None:
+    return None if micro is None else micro_to_usd(micro)
+
+
+# the callback of the whole app: the --ledger-url option every command reads
+def set_ledger_url(
+    ledger_url: str = typer.Option(
+        None,
+        "--ledger-url",
+        envvar="PREFECT_GPU_BUDGET_LEDGER_URL",
+        help="Ledger database URL (default: SQLite under PREFECT_HOME).",
+        show_envvar=True,
+    ),
+) -> None:
+    _state["ledger_url"] = ledger_url
+
+
+def spend_ledger():
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.blocks.ledger import SpendLedger
+
+    return SpendLedger(database_url=settings.ledger_url(_state["ledger_url"]))
+
+
+def limits_if_configured():
+    """Prefect limits only when a server is configured; never start a temporary one for this."""
+    from prefect_gpu_budget.settings import prefect_api_url
+
+    if not prefect_api_url():
+        return None
+    from prefect_gpu_budget.admission.limits import RateLimits
+
+    return RateLimits()

@@ -1,0 +1,122 @@
+"""`ledger` and `reconcile`: the jobs from request to settlement, and the orphans' settling."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import typer
+
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.cli.budgets import budgeted_under, no_such_scope
+from prefect_gpu_budget.cli.common import (
+    console,
+    current_ledger,
+    fail,
+    iso,
+    limits_if_configured,
+    rich_table,
+    usd,
+)
+from prefect_gpu_budget.units import fmt_usd, micro_to_usd
+
+
+def ledger_cmd(
+    scope: str = typer.Argument(None),
+    as_json: bool = typer.Option(False, "--json"),
+    limit: int = typer.Option(200, help="Newest N jobs."),
+) -> None:
+    """Every job from request to settlement."""
+    if limit <= 0:
+        fail(f"limit: must be at least 1 (the newest N jobs), got {limit}")
+    rows = current_ledger().jobs(scope, limit=limit)
+    if scope is not None and not rows and not budgeted_under(scope):
+        no_such_scope("ledger", scope)
+    out = [
+        {
+            "id": r["id"],
+            "scope": r["scope"],
+            "name": r["name"],
+            **_sweep_trial(r["name"]),
+            "instance_type": r["instance_type"],
+            "nodes": r["nodes"],
+            "rate_usd_per_hour": usd(r["rate_micro_per_hour"]),
+            "reserved_usd": usd(r["reserved_micro"]),
+            "actual_usd": usd(r["actual_micro"]),
+            "state": r["state"],
+            "outcome": r["outcome"] or _UNRUN.get(r["state"]),
+            "reason": r["reason"],
+            "flow_run_id": r["flow_run_id"],
+            "requested_at": iso(r["requested_at"]),
+            "admitted_at": iso(r["admitted_at"]),
+            "ended_at": iso(r["ended_at"]),
+            "settled_at": iso(r["settled_at"]),
+        }
+        for r in rows
+    ]
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    table = rich_table(
+        "id",
+        "scope",
+        "job",
+        "instance",
+        "rate/h",
+        "reserved",
+        "actual",
+        "state",
+        "requested",
+        "run",
+    )
+    for raw, r in zip(rows, out, strict=True):
+        table.add_row(
+            r["id"][:8],
+            r["scope"],
+            r["name"],
+            f"{r['instance_type']} x{r['nodes']}",
+            fmt_usd(raw["rate_micro_per_hour"]),
+            fmt_usd(raw["reserved_micro"]),
+            "-" if raw["actual_micro"] is None else fmt_usd(raw["actual_micro"]),
+            r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
+            (r["requested_at"] or "")[:19],
+            (r["flow_run_id"] or "")[:8],
+        )
+    console.print(table)
+
+
+_UNRUN = {"rejected": "refused", "timed_out": "timed_out", "cancelled": "cancelled"}
+"""The outcome of a job that ended without running, by its state."""
+
+
+def _sweep_trial(name: str) -> dict[str, Any]:
+    """A sweep's trial is named `SWEEP/NNNN`: the ledger's link back to the trials table."""
+    sweep_name, _, index = name.rpartition("/")
+    if sweep_name and len(index) == 4 and index.isdigit():
+        return {"sweep": sweep_name, "trial": int(index)}
+    return {"sweep": None, "trial": None}
+
+
+def reconcile_cmd(
+    stale_after: str = typer.Option(
+        f"{STALE_AFTER_S:g}s", help="Silence after which a holder on another host counts as gone."
+    ),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Settle reservations whose holders are gone; safe to run often and concurrently."""
+    from prefect_gpu_budget.admission.reconcile import reconcile
+    from prefect_gpu_budget.units import parse_duration
+
+    done = reconcile(
+        current_ledger(),
+        limits_if_configured(),
+        stale_after=parse_duration(stale_after, "stale_after"),
+    )
+    if as_json:
+        typer.echo(
+            json.dumps([{**d.__dict__, "actual_usd": micro_to_usd(d.actual_micro)} for d in done])
+        )
+        return
+    for d in done:
+        console.print(f"{d.job_id[:8]} {d.scope}: {d.action} ({fmt_usd(d.actual_micro)})")
+    console.print(f"{len(done)} job(s) reconciled")

@@ -1,0 +1,125 @@
+"""`quote` and `prices ...`: the dated price catalog (only `prices refresh` loads a cloud SDK)."""
+
+from __future__ import annotations
+
+import typer
+
+from prefect_gpu_budget.cli.common import console, fail, rich_table
+from prefect_gpu_budget.units import fmt_usd
+
+
+def quote(
+    instance_type: str = typer.Argument(..., help="cloud:type, e.g. aws:p4d.24xlarge."),
+    nodes: int = typer.Option(1, min=1, max=1024),
+    hours: str = typer.Option("1", help="Runtime in hours (or a duration like '90m')."),
+    provisioning: str = typer.Option("on-demand", help="on-demand, spot or flex-start."),
+    gpus: int = typer.Option(None, help="A part of each machine: its GPUs."),
+    vcpu: int = typer.Option(None, help="A part of each machine: its vCPU."),
+    memory_gib: int = typer.Option(None, help="A part of each machine: its memory, GiB."),
+) -> None:
+    """Price a job shape from the dated catalog (a whole machine, or a part of one)."""
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.units import cost_micro, parse_duration
+
+    seconds = parse_duration(
+        hours if not hours.replace(".", "", 1).isdigit() else f"{hours}h", "hours"
+    )
+    q = default_catalog().quote(instance_type, nodes, provisioning)
+    per_node = f"{q.row.gpus}x {q.row.gpu_model} per node"
+    if gpus is not None or vcpu is not None or memory_gib is not None:
+        from prefect_gpu_budget.job import GpuJob
+
+        asked = GpuJob(
+            instance_type=instance_type,
+            max_runtime=seconds,
+            gpus=gpus,
+            vcpu=vcpu,
+            memory_gib=memory_gib,
+        )
+        q, part = asked.priced(q)
+        if not part.whole:
+            per_node = f"{part.fraction} of each node's price (of {per_node})"
+    console.print(
+        f"{q.describe()}  {per_node}\n"
+        f"{seconds / 3600:g} h: {fmt_usd(cost_micro(q.rate_micro_per_hour, seconds, round_up=True))}"
+        f"  (price from {q.row.source}, {q.row.as_of})"
+    )
+    for warning in q.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+
+
+def prices_set_local(
+    name: str = typer.Argument(..., help="The NAME in local:NAME."),
+    usd_per_hour: str = typer.Option(..., help="What an hour of this machine costs you."),
+    gpus: int = typer.Option(1, help="GPUs the machine has."),
+    vcpu: int = typer.Option(0, help="vCPU a job on it takes of a pool's machine (0: unknown)."),
+    memory_gib: int = typer.Option(0, help="Memory a job on it takes, GiB (0: unknown)."),
+) -> None:
+    """Price a local machine so jobs on `local:NAME` can be admitted."""
+    from prefect_gpu_budget.pricing.catalog import set_local_price
+
+    path = set_local_price(name, usd_per_hour, gpus, vcpu=vcpu, memory_gib=memory_gib)
+    console.print(f"local:{name} priced at ${usd_per_hour}/h in {path}")
+
+
+def prices_refresh(
+    aws: bool = typer.Option(False, "--aws", help="AWS Price List API and EC2 spot history."),
+    gcp: bool = typer.Option(False, "--gcp", help="GCP Cloud Billing Catalog API."),
+    aws_credentials: str = typer.Option(None, help="AwsCredentials block name (default: env)."),
+    gcp_credentials: str = typer.Option(None, help="GcpCredentials block name (default: env)."),
+    aws_region: str = typer.Option("us-east-1"),
+    gcp_region: str = typer.Option("us-central1"),
+    gcp_endpoint: str = typer.Option(None, help="Billing API endpoint, for a private one."),
+) -> None:
+    """Read current prices from the clouds, write a dated catalog over the shipped one, and
+    print what changed. Quotes use the newest refreshed catalog from then on."""
+    from prefect_gpu_budget.pricing.catalog import Catalog
+    from prefect_gpu_budget.pricing.refresh import changes, write_refresh
+
+    if not (aws or gcp):
+        fail("choose --aws and/or --gcp")
+    if gcp:
+        from prefect_gpu_budget.pricing import gcp as gcp_prices
+
+        gcp_prices._sdk()  # a missing extra before any prices are read
+    rows = []
+    if aws:
+        from prefect_aws import AwsCredentials
+
+        from prefect_gpu_budget.pricing.aws import refresh_aws
+
+        creds = AwsCredentials.load(aws_credentials) if aws_credentials else AwsCredentials()
+        rows += refresh_aws(creds, region=aws_region)
+    if gcp:
+        from prefect_gcp import GcpCredentials
+
+        from prefect_gpu_budget.pricing.gcp import PriceRefreshError, refresh_gcp
+
+        creds = GcpCredentials.load(gcp_credentials) if gcp_credentials else GcpCredentials()
+        try:
+            rows += refresh_gcp(creds, region=gcp_region, api_endpoint=gcp_endpoint)
+        except PriceRefreshError as exc:
+            fail(str(exc))
+    old = Catalog.load()
+    found = changes(old, rows)
+    path = write_refresh(old, rows)
+    for change in found:
+        console.print(change.describe())
+    console.print(f"{len(rows)} prices read, {len(found)} changed; catalog written to {path}")
+
+
+def prices_list() -> None:
+    """The catalog rows, with their sources and dates."""
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    table = rich_table("instance", "provisioning", "GPUs", "USD/h", "as of", "source")
+    for row in default_catalog().rows():
+        table.add_row(
+            row.key,
+            row.provisioning,
+            f"{row.gpus}x {row.gpu_model}",
+            "no figure" if row.usd_per_hour is None else str(row.usd_per_hour),
+            f"{row.as_of}{'' if row.verified or not row.priced else ' (unverified)'}",
+            row.source,
+        )
+    console.print(table)

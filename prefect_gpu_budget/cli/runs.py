@@ -1,0 +1,185 @@
+"""`demo`, `sweep`, `forecast`, `serve` and `deploy`: the commands that run flows; each loads
+Prefect (or pandas, matplotlib) inside itself, on use."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from prefect_gpu_budget.cli.common import console, current_ledger, fail, spend_ledger
+from prefect_gpu_budget.units import micro_to_usd
+
+
+def demo(
+    out: str = typer.Option("gpu-budget-demo", help="Folder for the CSV, plot and demo ledger."),
+    trials: int = typer.Option(
+        12, min=1, max=12, help="About this many trials (learning rates x widths)."
+    ),
+    seconds: float = typer.Option(2.5, help="Length of each trial."),
+) -> None:
+    """Run a small real sweep under a budget whose caps bite (no server or GPU needed)."""
+    from prefect_gpu_budget.flows.demo import run_demo
+
+    run_demo(out, seconds=seconds, trials=trials)
+
+
+def sweep(
+    spec_path: str = typer.Argument(..., metavar="SWEEP", help="The sweep spec YAML."),
+    scope: str = typer.Option(None, help="Run it under this scope instead of the spec's."),
+) -> None:
+    """Run a sweep from its YAML spec: progress as trials finish, the results table at the end,
+    and the run's page in the Prefect UI."""
+    import threading
+
+    from prefect_gpu_budget.flows.demo import start_temporary_server
+    from prefect_gpu_budget.flows.sweep import gpu_sweep, load_spec
+
+    spec = load_spec(spec_path, scope)  # a bad spec fails here, before any server starts
+    start_temporary_server()
+    ledger = current_ledger()
+    total, started = len(spec.trials()), time.time()
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["state"] = gpu_sweep(
+                spec,
+                ledger=spend_ledger(),
+                return_state=True,
+            )
+        except BaseException as exc:  # shown below, after the progress bar
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run, name="sweep", daemon=True)
+    worker.start()
+    _show_progress(worker, ledger, spec, total, started)
+    if "error" in outcome:
+        raise outcome["error"]
+    state = outcome["state"]
+    df = state.result(raise_on_failure=False)
+    if not hasattr(df, "to_string"):
+        fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
+    columns = [c for c in df.columns if c not in ("job_id", "runtime_s")]
+    typer.echo(df[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    typer.echo(f"results: {df.attrs.get('results_dir')}")
+    from prefect_gpu_budget.settings import prefect_api_url
+
+    if prefect_api_url():
+        from prefect.settings import PREFECT_UI_URL
+
+        ui = PREFECT_UI_URL.value()
+        if ui:
+            typer.echo(f"run: {ui}/runs/flow-run/{state.state_details.flow_run_id}")
+
+
+def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: float) -> None:
+    """A progress bar of the sweep's trials that have ended, read from the ledger."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from prefect_gpu_budget.admission.ledger import ACTIVE
+
+    prefix = f"{spec.name}/"
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console.rich(),
+        transient=False,
+    ) as bar:
+        task = bar.add_task(f"sweep {spec.name}", total=total)
+        while worker.is_alive():
+            worker.join(timeout=1.0)
+            rows = [
+                r
+                for r in ledger.jobs(spec.scope)
+                if r["name"] and r["name"].startswith(prefix) and r["requested_at"] >= started
+            ]
+            ended = sum(r["state"] not in ("queued", *ACTIVE) for r in rows)
+            waiting = sum(r["state"] == "queued" for r in rows)
+            bar.update(
+                task,
+                completed=min(ended, total),
+                description=f"sweep {spec.name}" + (f" ({waiting} waiting)" if waiting else ""),
+            )
+        bar.update(task, completed=total)
+
+
+def forecast(
+    sweep: str = typer.Argument(..., help="The sweep spec YAML."),
+    scope: str = typer.Option(None, help="Run it under this scope instead of the spec's."),
+    plot: str = typer.Option(None, help="Write the predicted spend plot (PNG) here."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Predict a sweep's makespan, spend and waits under the current caps, budgets and ledger."""
+    from prefect_gpu_budget.forecast import forecast as predict
+    from prefect_gpu_budget.forecast import plot as draw
+    from prefect_gpu_budget.sweep_spec import load_spec
+
+    spec = load_spec(sweep, scope)
+    ledger = current_ledger()
+    result = predict(spec, ledger)
+    if plot:
+        path_rules = [r for r in ledger.path_budgets(spec.scope) if r.period_budget_micro]
+        draw(result, Path(plot), path_rules[-1] if path_rules else None)
+    if as_json:
+        typer.echo(
+            json.dumps(
+                {
+                    "trials": result.trials,
+                    "admitted": result.admitted,
+                    "spend_usd": micro_to_usd(result.spend_micro),
+                    "makespan_s": round(result.makespan_s, 1),
+                    "waiting": result.waiting,
+                    "mean_wait_s": round(result.mean_wait_s, 1),
+                    "stopped_by": result.stopped_by,
+                }
+            )
+        )
+        return
+    console.print(result.describe())
+
+
+def serve(
+    sweep: str = typer.Option(
+        None, help="Sweep spec YAML for the sweep deployment (default: the example)."
+    ),
+    sweep_cron: str = typer.Option("0 2 * * *", help="When the sweep runs (UTC)."),
+    report_cron: str = typer.Option("0 7 * * *", help="When the spend report runs (UTC)."),
+    reconcile_every: int = typer.Option(300, help="Seconds between reconcile runs."),
+) -> None:
+    """Serve the sweep, spend-report and reconcile deployments from this process."""
+    from prefect_gpu_budget.deployments import EXAMPLE_SPEC
+    from prefect_gpu_budget.deployments import serve as serve_all
+
+    serve_all(
+        sweep_spec=sweep or EXAMPLE_SPEC,
+        sweep_cron=sweep_cron,
+        report_cron=report_cron,
+        reconcile_every_s=reconcile_every,
+    )
+
+
+def deploy(
+    work_pool: str = typer.Option(..., help="The work pool that runs the flows."),
+    sweep: str = typer.Option(None, help="Sweep spec YAML for the sweep deployment."),
+    sweep_cron: str = typer.Option("0 2 * * *"),
+    report_cron: str = typer.Option("0 7 * * *"),
+    reconcile_every: int = typer.Option(300),
+) -> None:
+    """Register the deployments on a work pool."""
+    from prefect_gpu_budget.deployments import EXAMPLE_SPEC
+    from prefect_gpu_budget.deployments import deploy as deploy_all
+
+    ids = deploy_all(
+        work_pool,
+        sweep_spec=sweep or EXAMPLE_SPEC,
+        sweep_cron=sweep_cron,
+        report_cron=report_cron,
+        reconcile_every_s=reconcile_every,
+    )
+    console.print(f"{len(ids)} deployments registered on work pool {work_pool}")

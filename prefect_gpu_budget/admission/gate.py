@@ -1,9 +1,12 @@
 """The gate: request -> quote -> admission (ledger, then Prefect limits) -> settlement.
 
 The ledger's decision comes first and carries the order and the reasons; the Prefect limits are
-then taken atomically for every capped scope on the path. A waiter polls the ledger's version
-every `poll_s` (a cheap read) and re-decides when it changes or every `recheck_s`, so a job is
-admitted well within a second of headroom appearing, without Prefect's Retry-After sleeps.
+then taken atomically for every capped scope on the path. A waiter does not poll: the
+transaction that frees headroom decides the org's queue, and the process's watcher
+(`admission/watcher.py`) wakes the jobs it decided, so a job is admitted well within a second of
+headroom appearing, without Prefect's Retry-After sleeps, at a cost that grows with events, not
+with waiters. A waiter re-decides its own job only when woken, at its max wait, or when the
+period that blocks it resets.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import sqlalchemy as sa
-
 from prefect_gpu_budget.admission.handoff import Handoff as _Handoff
 from prefect_gpu_budget.admission.handoff import off_thread as _off_thread
-from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id
+from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id, wait_key
 from prefect_gpu_budget.admission.limits import DependencyDown, PrefectRefused, RateLimits
+from prefect_gpu_budget.admission.outages import OUTAGES as OUTAGES
+from prefect_gpu_budget.admission.outages import describe as _outage
+from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
     GIVE_BACK_S,
@@ -34,22 +38,15 @@ from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; 
     RELEASE_PATIENCE_S,
     REQUEST_PATIENCE_S,
     SETTLE_PATIENCE_S,
+    WAKE_ANYWAY_S,
 )
 from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
+from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
-from prefect_gpu_budget.units import (
-    fmt_duration,
-    fmt_usd,
-    rate_cents,
-    redact_urls,
-    validate_scope,
-)
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, org_of, rate_cents, validate_scope
 
 log = logging.getLogger("prefect_gpu_budget.gate")
-
-OUTAGES = (sa.exc.OperationalError, sa.exc.InterfaceError, DependencyDown)
-"""A dependency that is down or restarting, as opposed to a bad request."""
 
 T = TypeVar("T")
 
@@ -220,6 +217,24 @@ class Gate:
             raise _Cancelled
         scope, started = new.scope, time.time()
         job_id = str(uuid.uuid4())  # fixed before any retry: a retried request records once
+        watcher = watcher_for(self.ledger, self.poll_s, self.recheck_s)
+        ticket = watcher.register(job_id, org_of(scope), self.events.warning)
+        handoff.on_cancel.append(ticket.changed.set)
+        try:
+            return self._request_and_wait(new, job, quote, handoff, ticket, started)
+        finally:
+            watcher.unregister(ticket)
+
+    def _request_and_wait(
+        self,
+        new: NewJob,
+        job: GpuJob,
+        quote: Quote,
+        handoff: _Handoff[Admission],
+        ticket: Ticket,
+        started: float,
+    ) -> Admission:
+        job_id, scope = ticket.job_id, new.scope
         _, decision = self.patiently(  # a ledger that never answers (a wrong URL) fails in time
             "recording the request",
             lambda: self.ledger.request(new, job_id=job_id),
@@ -227,7 +242,7 @@ class Gate:
         )
         try:
             return self._wait(
-                job_id, scope, job, quote, new.rate_cents, (decision, started), handoff
+                job_id, scope, job, quote, new.rate_cents, (decision, started), handoff, ticket
             )
         except AdmissionRefused as refused:
             self.events.refused(job_id, refused)
@@ -251,32 +266,9 @@ class Gate:
         call: Callable[[], T],
         patience: float | Callable[[], float | None] | None = None,
     ) -> T:
-        """`call()`, retried while the ledger's database or the Prefect API is down, with a
-        clear message every 10 s; after `patience` seconds of outage the error is raised
-        (a callable `patience` is asked only once an outage begins)."""
-        delay, down_since, told = 0.2, None, 0.0
-        while True:
-            try:
-                result = call()
-            except OUTAGES as exc:
-                now = time.monotonic()
-                down_since = down_since or now
-                if callable(patience):
-                    patience = patience()
-                if patience is not None and now - down_since > patience:
-                    raise
-                if now - told >= 10.0:
-                    told = now
-                    self.events.warning(
-                        f"{what}: {_outage(exc)}; retrying until it is back "
-                        f"(down {now - down_since:.0f}s)"
-                    )
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                continue
-            if down_since is not None:
-                self.events.warning(f"{what}: back after {time.monotonic() - down_since:.1f}s")
-            return result
+        """`call()`, retried while the ledger's database or the Prefect API is down, telling this
+        gate's events (`outages.patiently`)."""
+        return patiently(what, call, self.events.warning, patience)
 
     def _wait(
         self,
@@ -287,11 +279,10 @@ class Gate:
         slots: int,
         first: tuple[Decision, float],
         handoff: _Handoff[Admission],
+        ticket: Ticket,
     ) -> Admission:
         decision, started = first
-        org = scope.split("/")[0]
-        seen: int | None = None  # the ledger version the last decision saw
-        told = False
+        deadline: float | None = None  # known once the job is told it waits
         last_block: tuple[str | None, str | None] = (None, None)
         while True:
             if handoff.cancelled:
@@ -347,17 +338,22 @@ class Gate:
                     )
                     raise AdmissionRefused("AdmissionTimeout", reason, job_id)
                 decision = Decision("wait", reason, limit="prefect_limit", scope=scope)
-            if not told:
-                told = True
+            if deadline is None:
                 rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
                 self.events.queued(job_id, decision, rules)
+                max_wait = job.max_wait if job.max_wait is not None else rules[-1].max_wait_s
+                deadline = started + max_wait if max_wait > 0 else float("inf")
             elif (decision.limit, decision.scope) != last_block:
                 self.events.waiting(job_id, decision)
             last_block = (decision.limit, decision.scope)
-            if seen is not None:  # the first wait re-decides at once, with the version known
-                self._sleep_until_change(org, seen, handoff)
-            # read before deciding: no change slips between
-            seen = self.patiently("polling the ledger", lambda: self.ledger.version(org))
+            ticket.wait_key = wait_key(decision) if decision.limit != "prefect_limit" else None
+            # asleep until the ledger may have decided this job, its max wait runs out or the
+            # period that blocks it resets (or, should every notice be lost, WAKE_ANYWAY_S)
+            wake_at = min(deadline, decision.resumes_at or deadline, time.time() + WAKE_ANYWAY_S)
+            if not handoff.cancelled:
+                ticket.wait(max(0.05, wake_at - time.time()))
+            if handoff.cancelled:
+                raise _Cancelled
             decision = self.patiently("deciding", lambda: self.ledger.try_admit(job_id, scope))
 
     def _max_wait(self, job: GpuJob, scope: str) -> float:
@@ -366,13 +362,6 @@ class Gate:
             return job.max_wait
         rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
         return rules[-1].max_wait_s if rules else 0.0
-
-    def _sleep_until_change(self, org: str, seen: int, handoff: _Handoff) -> None:
-        deadline = time.monotonic() + self.recheck_s
-        while time.monotonic() < deadline and not handoff.cancelled:
-            time.sleep(self.poll_s)
-            if self.patiently("polling the ledger", lambda: self.ledger.version(org)) != seen:
-                return
 
     def _take_limits(
         self,
@@ -631,12 +620,3 @@ class Gate:
         self.events.settled(admission, row)
         log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
         return row
-
-
-def _outage(exc: BaseException) -> str:
-    """One line naming what is down, without connection strings (they may hold credentials)."""
-    if isinstance(exc, DependencyDown):
-        return redact_urls(str(exc))
-    orig = getattr(exc, "orig", None) or exc
-    text = redact_urls(str(orig).strip().splitlines()[0]) if str(orig).strip() else ""
-    return f"the ledger's database is unreachable ({type(orig).__name__}: {text[:160]})"

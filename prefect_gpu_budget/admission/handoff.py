@@ -53,6 +53,8 @@ class Handoff(Generic[T]):
     def __init__(self) -> None:
         self.begun, self.done = Done(), Done()
         self.claims: list[str] = []
+        self.on_cancel: list[Callable[[], None]] = []
+        """Called in the caller's thread once it is cancelled (to wake the thread's waits)."""
         self.result: T | None = None
         self.error: BaseException | None = None
 
@@ -80,6 +82,8 @@ class Handoff(Generic[T]):
             return self.result  # type: ignore[return-value]
         except BaseException:
             self.claim("cancelled")
+            for wake in list(self.on_cancel):
+                wake()
             if self.begun.wait(1.0):  # (a thread that never began does nothing)
                 self.done.wait(patience)
             raise

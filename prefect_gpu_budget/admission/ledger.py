@@ -1698,14 +1698,19 @@ def _ended_unrun(state: str, reason: str, now: float) -> dict[str, Any]:
     return {"state": state, "ended_at": now, "settled_at": now, "actual_micro": 0, "reason": reason}
 
 
+def wait_key(decision: Decision) -> str | None:
+    """What holds a waiting job, as its row's `wait_key` says: `limit scope` (None: nothing)."""
+    if decision.verdict != "wait":
+        return None
+    return f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
+
+
 def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
     """The columns that say what held a queued job and for how long: the limit and scope
     holding it now (`wait_key`) since when, and seconds per limit and scope that held it before
     (`waits`, JSON). Only a change of what holds it writes anything."""
     old = row["wait_key"] if row is not None else None
-    key = None
-    if decision.verdict == "wait":
-        key = f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
+    key = wait_key(decision)
     if key == old and row is not None:
         return {}
     out: dict[str, Any] = {"wait_key": key, "wait_since": now if key else None}

@@ -5,12 +5,13 @@ job also holds Prefect concurrency slots under a lease that lapses unless renewe
 below decide when silence means "gone". Each line of the argument is a test
 (tests/admission/test_timing.py).
 
-A queued job:  RECHECK_S (1 s) < STALE_WAITER_S (30 s) < STALE_AFTER_S (120 s).
+A queued job:  RECHECK_S (3 s) < STALE_WAITER_S (30 s) < STALE_AFTER_S (120 s).
 
-- A live waiter re-decides its job, stamping the row, at least every `RECHECK_S` (the gate's
-  default `recheck_s`) while the ledger answers. Only a waiter silent for `STALE_WAITER_S`, many
-  re-decisions missed, stops holding its place against the jobs behind it; it keeps its row and
-  is decided again when it comes back.
+- The watcher of a live waiter's process stamps the row at least every `RECHECK_S` (the gate's
+  default `recheck_s`) while the ledger answers; a decision made by another process's
+  transaction never stamps it. Only a waiter silent for `STALE_WAITER_S`, many rechecks missed,
+  stops holding its place against the jobs behind it (and cannot be admitted for a holder that
+  may be gone); it keeps its row and is decided again when it comes back.
 - Reconcile cancels a queued row only once its holder is dead on this host or has been silent
   for `STALE_AFTER_S` (its default `stale_after`): a waiter loses its place in the queue long
   before it loses its row.
@@ -52,9 +53,13 @@ HEARTBEAT_S = LEASE_S / 4
 """How often an admitted job's holder stamps its row and renews its lease (the gate's default
 `heartbeat_s`); reconcile charges a job gone without a record up to its last stamp plus this."""
 
-RECHECK_S = 1.0
-"""The longest a waiting job sleeps between two decisions while the ledger answers (the gate's
-default `recheck_s`); each decision stamps its row."""
+RECHECK_S = 3.0
+"""How often a process's watcher re-decides each org its jobs wait in and stamps their rows,
+whatever notices it heard (the gate's default `recheck_s`)."""
+
+WAKE_ANYWAY_S = 300.0
+"""The longest a waiting job sleeps without re-deciding itself, should its watcher never wake
+it (every notice lost and every recheck failed)."""
 
 STALE_WAITER_S = 30.0
 """A queued job whose waiter has not polled for this long no longer holds its place."""

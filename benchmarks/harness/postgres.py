@@ -25,7 +25,9 @@ def name_of(url: str) -> str:
 
 def server_of(url: str) -> str:
     """The URL of a database's server (no database), with the psycopg driver."""
-    return _driver(sa.make_url(url)).set(database=None).render_as_string(hide_password=False)
+    u = sa.make_url(url)
+    server = sa.URL.create("postgresql+psycopg", u.username, u.password, u.host, u.port)
+    return server.render_as_string(hide_password=False)
 
 
 @contextmanager
@@ -64,7 +66,7 @@ def drop_database(url: str) -> None:
 def postgres_database(prefix: str, server: str = SERVER) -> Iterator[str]:
     """A database of its own on `server`, named `<prefix>_<8 hex digits>`: created here, its
     URL (psycopg driver) yielded, dropped afterwards."""
-    url = f"{server_of(server + '/postgres')}/{prefix}_{uuid.uuid4().hex[:8]}"
+    url = f"{server_of(server)}/{prefix}_{uuid.uuid4().hex[:8]}"
     with _admin(url) as conn:
         conn.execute(sa.text(f'CREATE DATABASE "{name_of(url)}"'))
     try:

@@ -55,10 +55,10 @@ under `after_each_run`.
 Workers are forked from a preloaded fork server, so each is a fresh process (its own pid, its
 own Prefect client and database connections) without paying for the imports each time.
 
-Usage: python benchmarks/chaos.py [--runs N] [--url SQLALCHEMY_URL] [--seed S] [--json]
-                                  [--api-url PREFECT_API_URL] [--phases P1,P2]
-                                  [--park-at MARK1,MARK2] [--faults stall,escape]
-                                  [--fault-repeat R]
+Usage: python -m benchmarks.chaos [--runs N] [--url SQLALCHEMY_URL] [--seed S] [--json]
+                                 [--api-url PREFECT_API_URL] [--phases P1,P2]
+                                 [--park-at MARK1,MARK2] [--faults stall,escape]
+                                 [--fault-repeat R]
 
 The ledger is a SQLite file in a temporary directory unless --url names one. A PostgreSQL
 database is created if missing and its gate tables are dropped and recreated: give it its own
@@ -75,6 +75,11 @@ stdout. Exit status 1 if anything was lost.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/chaos.py` (and so are its workers)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
@@ -85,26 +90,21 @@ import json
 import multiprocessing as mp
 import random
 import signal
-import socket
 import sqlite3
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from pathlib import Path
 from typing import Any
 
-from _shared import ensure_database, table
-
+from benchmarks.harness import PrefectServer, ensure_database, serving
+from benchmarks.harness.report import logger, table
 from prefect_gpu_budget.admission.audit import (
     SlotCheck,
     audit,
@@ -207,8 +207,7 @@ Prefect still held slots for a row awaiting lease expiry when reconcile settled 
 lease could no longer be alive (reconcile's UNRECORDED_LEASE_S too short for this server)."""
 
 
-def log(message: str) -> None:
-    print(f"[chaos {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("chaos")
 
 
 def budgets(org: str) -> list[BudgetRule]:
@@ -738,68 +737,16 @@ def fresh_ledger(url: str) -> Ledger:
 
 
 @contextmanager
-def real_server(home: Path) -> Iterator[str]:
-    """`prefect server start` on a free port, its own PREFECT_HOME, leases in durable
-    (filesystem) storage and its lease repossessor running: yields its API URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env.update(
-        PREFECT_HOME=str(home),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_SERVER_UI_ENABLED="false",
-        PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=(
-            "prefect.server.concurrency.lease_storage.filesystem"
-        ),
-    )
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
-    command += ["--port", str(port)]
-    log_path = home / "server.log"
-    with log_path.open("w") as out:
-        proc = subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text()[-2000:]
-                    raise RuntimeError(f"Prefect server did not start:\n{tail}") from None
-                time.sleep(0.5)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@contextmanager
 def prefect_server(api_url: str | None, home: Path) -> Iterator[str]:
-    """The Prefect server at `api_url`, else one of our own; its URL is exported for the
-    workers (and for this process's client)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with real_server(home) if api_url is None else _given(api_url) as url:
-        os.environ["PREFECT_API_URL"] = url
-        try:
-            with temporary_settings({PREFECT_API_URL: url}):
-                yield url
-        finally:
-            os.environ.pop("PREFECT_API_URL", None)
-
-
-@contextmanager
-def _given(url: str) -> Iterator[str]:
-    yield url
+    """The Prefect server at `api_url`, else one of our own (`prefect server start`, its own
+    PREFECT_HOME, leases in durable filesystem storage, its lease repossessor running); its URL
+    is exported for the workers (and for this process's client)."""
+    if api_url is not None:
+        with serving(api_url) as url:
+            yield url
+        return
+    with PrefectServer(home) as server, serving(server.api) as url:
+        yield url
 
 
 def fork_server() -> Any:

@@ -26,10 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
+if not __package__:  # run as `python benchmarks/cli_latency.py`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-from _shared import drop_database, ensure_database, table  # noqa: E402
+from benchmarks.harness import drop_database, ensure_database  # noqa: E402
+from benchmarks.harness.report import table  # noqa: E402
 
 BIN = Path(sys.executable).parent
 CLI = str(BIN / "prefect-gpu-budget")

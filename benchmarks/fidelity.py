@@ -7,17 +7,23 @@ finished), budget spent (% of it spent on any job: the rest of it went to jobs s
 max_runtime or still running at the month's end, or was left idle), mean and p95 queue wait, and
 jobs completed.
 
-Usage: python benchmarks/fidelity.py [--jobs N] [--seed S] [--json] [--out DIR]
+Usage: python -m benchmarks.fidelity [--jobs N] [--seed S] [--json] [--out DIR]
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/fidelity.py`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
+from benchmarks.harness import report
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.simulate import (
     POLICIES,
@@ -76,19 +82,23 @@ def run(jobs: int, seed: int) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [
-        "| trace | policy | overshoot % | utilisation % | spent % | wait mean h | wait p95 h "
-        "| completed | sim s |",
-        "|---|---|---|---|---|---|---|---|---|",
+    header = ["trace", "policy", "overshoot %", "utilisation %", "spent %", "wait mean h"]
+    header += ["wait p95 h", "completed", "sim s"]
+    cells = [
+        [
+            r["trace"],
+            r["policy"],
+            f"{r['overshoot_pct']:.2f}",
+            f"{r['utilization_pct']:.2f}",
+            f"{r['spent_pct']:.2f}",
+            f"{r['wait_mean_s'] / 3600:.1f}",
+            f"{r['wait_p95_s'] / 3600:.1f}",
+            str(r["completed"]),
+            f"{r['sim_seconds']:.1f}",
+        ]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r['trace']} | {r['policy']} | {r['overshoot_pct']:.2f} "
-            f"| {r['utilization_pct']:.2f} | {r['spent_pct']:.2f} "
-            f"| {r['wait_mean_s'] / 3600:.1f} | {r['wait_p95_s'] / 3600:.1f} "
-            f"| {r['completed']} | {r['sim_seconds']:.1f} |"
-        )
-    return "\n".join(lines)
+    return report.table(header, cells)
 
 
 def plot(rows: list[dict], path: Path) -> None:

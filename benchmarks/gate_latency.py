@@ -1,6 +1,7 @@
 """Benchmark: the admission gate against bare Prefect global concurrency limits.
 
-Measured side by side in one run, against one throwaway Prefect server:
+Measured side by side in one run, against one throwaway Prefect server (`prefect server start
+--no-services` on SQLite, leases in memory, as Prefect's test harness serves):
 
 1. bare Prefect: acquire + release one slot of a global concurrency limit (raw client API);
 2. the gate: `admit` + `settle` uncontended, with Prefect limits in the loop, and the ledger's
@@ -9,17 +10,22 @@ Measured side by side in one run, against one throwaway Prefect server:
 3. admissions per second with 1, 4, 16 and 32 admitters in separate processes;
 4. the ledger's decision latency with 10^3 and with 10^6 settled rows in the ledger.
 
-Usage: python benchmarks/gate_latency.py [--quick] [--json]
+Usage: python -m benchmarks.gate_latency [--quick] [--json]
 
-PostgreSQL is expected at 127.0.0.1:5432; the benchmark uses its own database `gate_bench`
-(created if missing; override with GATE_BENCH_PG_URL), whose gate tables it drops and
-recreates, so it never disturbs the tests' database. It is skipped if unreachable.
+PostgreSQL is expected at 127.0.0.1:5432; the benchmark uses a database of its own
+(`gate_bench_<id>`, dropped at the end), or the one GATE_BENCH_PG_URL names (created if missing,
+its gate tables dropped and recreated, never dropped itself). It is skipped if unreachable.
 Progress goes to stderr; the table (or, with --json, one JSON object) to stdout.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/gate_latency.py` (and so are its admitters)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
@@ -30,8 +36,6 @@ import json
 import multiprocessing as mp
 import queue
 import random
-import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -44,8 +48,11 @@ from typing import Any
 from uuid import UUID
 
 import sqlalchemy as sa
-from _shared import ensure_database, table
 
+from benchmarks.harness import ensure_database, postgres_database, prefect_server
+from benchmarks.harness.postgres import SERVER
+from benchmarks.harness.report import logger, table
+from benchmarks.harness.stats import percentile, summary_ms
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import (
@@ -54,7 +61,6 @@ from prefect_gpu_budget.admission.ledger import (
     holder_id,
     jobs,
     metadata,
-    normalise_url,
 )
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule
@@ -62,7 +68,8 @@ from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote
 from prefect_gpu_budget.units import rate_cents
 
-PG_URL = os.environ.get("GATE_BENCH_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_bench")
+PG_URL = os.environ.get("GATE_BENCH_PG_URL")
+"""The PostgreSQL ledger's database; None: one of the run's own."""
 ORG = "bench"
 TEAM = f"{ORG}/team"
 SCOPE = f"{TEAM}/s1"
@@ -89,31 +96,7 @@ class Config:
         return cls(iterations=200, duration_s=3.0, small_rows=10**3, large_rows=10**6)
 
 
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-# -- statistics --------------------------------------------------------------------------------
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(samples)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def summary(seconds: list[float]) -> dict[str, float]:
-    """p50 / p95 / mean in milliseconds."""
-    ms = [s * 1000 for s in seconds]
-    return {
-        "p50_ms": percentile(ms, 50),
-        "p95_ms": percentile(ms, 95),
-        "mean_ms": statistics.fmean(ms),
-        "n": len(ms),
-    }
+log = logger("bench")
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -144,20 +127,21 @@ def fresh_ledger(url: str) -> Ledger:
     return ledger
 
 
-def postgres_available(url: str) -> bool:
-    """Reachable (creating the benchmark's own database if the server lacks it)?"""
-    with contextlib.suppress(sa.exc.SQLAlchemyError):
-        ensure_database(url)
-    engine = sa.create_engine(normalise_url(url))
-    try:
-        with engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
-        return True
-    except sa.exc.SQLAlchemyError as exc:
-        log(f"PostgreSQL unavailable, skipped: {str(exc).splitlines()[0]}")
-        return False
-    finally:
-        engine.dispose()
+@contextmanager
+def postgres_ledger() -> Iterator[str | None]:
+    """The PostgreSQL ledger's database (`PG_URL`, created if missing, else one of the run's
+    own); None when the server does not answer."""
+    with contextlib.ExitStack() as stack:
+        try:
+            if PG_URL is None:
+                url: str | None = stack.enter_context(postgres_database("gate_bench"))
+            else:
+                ensure_database(PG_URL)
+                url = PG_URL
+        except sa.exc.SQLAlchemyError as exc:
+            log(f"PostgreSQL unavailable, skipped: {str(exc).splitlines()[0]}")
+            url = None
+        yield url
 
 
 def bench_job() -> GpuJob:
@@ -179,18 +163,6 @@ def new_job(scope: str, quote: Quote) -> NewJob:
         expected_runtime_s=None,
         holder=holder_id(),
     )
-
-
-@contextmanager
-def prefect_server() -> Iterator[str]:
-    """A throwaway Prefect server; its URL is exported for the admitter processes."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        url = str(PREFECT_API_URL.value())
-        os.environ["PREFECT_API_URL"] = url
-        yield url
 
 
 # -- 1. bare Prefect ---------------------------------------------------------------------------
@@ -216,7 +188,7 @@ def bench_bare_prefect(client: Any, name: str, cfg: Config) -> dict[str, float]:
         timed(lambda: bare_acquire_release(client, name))
         for _ in range(cfg.warmup + cfg.iterations)
     ]
-    return summary(samples[cfg.warmup :])
+    return summary_ms(samples[cfg.warmup :])
 
 
 # -- 2. gate and ledger decision, uncontended --------------------------------------------------
@@ -236,9 +208,9 @@ def bench_gate(gate: Gate, cfg: Config) -> dict[str, Any]:
         totals.append(done - start)
     skip = cfg.warmup
     return {
-        **summary(totals[skip:]),
-        "admit_p50_ms": summary(admits[skip:])["p50_ms"],
-        "settle_p50_ms": summary(settles[skip:])["p50_ms"],
+        **summary_ms(totals[skip:]),
+        "admit_p50_ms": summary_ms(admits[skip:])["p50_ms"],
+        "settle_p50_ms": summary_ms(settles[skip:])["p50_ms"],
     }
 
 
@@ -257,7 +229,7 @@ def decision_samples(ledger: Ledger, quote: Quote, count: int) -> list[float]:
 
 
 def bench_decision(ledger: Ledger, quote: Quote, cfg: Config) -> dict[str, float]:
-    return summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
+    return summary_ms(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
 
 
 # -- 3. throughput: concurrent admitters in separate processes -----------------------------------
@@ -483,12 +455,16 @@ def bench_size(url: str, quote: Quote, cfg: Config, limit_s: float | None) -> di
     try:
         bulk_insert(ledger, cfg.small_rows, rng, None)
         small_rows = settled_count(ledger)
-        small = summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
+        small = summary_ms(
+            decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :]
+        )
         started = time.perf_counter()
         inserted = bulk_insert(ledger, cfg.large_rows - settled_count(ledger), rng, limit_s)
         load_s = time.perf_counter() - started
         large_rows = settled_count(ledger)
-        large = summary(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
+        large = summary_ms(
+            decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :]
+        )
     finally:
         ledger.dispose()
     note = None
@@ -517,10 +493,14 @@ def run(cfg: Config) -> dict[str, Any]:
     wall = time.perf_counter()
     catalog = Catalog.load()
     quote = catalog.quote(INSTANCE)
-    with tempfile.TemporaryDirectory(prefix="gate-bench-") as tmp, prefect_server() as api_url:
+    with (
+        tempfile.TemporaryDirectory(prefix="gate-bench-") as tmp,
+        prefect_server(services=False, durable_leases=False) as api_url,
+        postgres_ledger() as pg_url,
+    ):
         backends = {"sqlite": f"sqlite:///{tmp}/ledger.db"}
-        if postgres_available(PG_URL):
-            backends["postgresql"] = PG_URL
+        if pg_url is not None:
+            backends["postgresql"] = pg_url
         out: dict[str, Any] = {
             "config": cfg.__dict__,
             "backends": list(backends),
@@ -657,7 +637,7 @@ def report_notes(out: dict[str, Any]) -> list[str]:
         if r["errors"]
     ]
     if "postgresql" not in out["backends"]:
-        notes.append(f"PostgreSQL skipped: {PG_URL} unreachable")
+        notes.append(f"PostgreSQL skipped: {(PG_URL or SERVER).split('@')[-1]} unreachable")
     return notes
 
 

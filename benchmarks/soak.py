@@ -42,20 +42,27 @@ Measured:
 
 Exit status 0 when every target is met, 1 when one is missed (`missed` in the JSON names them).
 
-PostgreSQL is expected at 127.0.0.1:5432; the soak uses its own database `gate_soak` (created
-if missing; `--url`), whose gate tables it drops and recreates. The Prefect server is a real
-`prefect server start --no-services` on a fresh PostgreSQL database `gate_soak_prefect` (not
-SQLite: under this load a SQLite server answers "database is locked" with 503s, and Prefect's
-client backs off 2 s or more, which would be measured as gate latency). Without services it never
-repossesses expired leases, so a leaked slot stays visible at the end.
+PostgreSQL is expected at 127.0.0.1:5432. The ledger is a database of the run's own
+(`gate_soak_<id>`, dropped at the end) unless `--url` or GATE_SOAK_PG_URL names one (created if
+missing, its gate tables dropped and recreated, never dropped itself). The Prefect server is a
+real `prefect server start --no-services` on a PostgreSQL database of its own on the same server
+(`gate_soak_prefect_<id>`, dropped at the end; not SQLite: under this load a SQLite server
+answers "database is locked" with 503s, and Prefect's client backs off 2 s or more, which would
+be measured as gate latency). Without services it never repossesses expired leases, so a leaked
+slot stays visible at the end.
 
-Usage: python benchmarks/soak.py --minutes 30 [--agents 8] [--url URL] [--json] [--keep DIR]
+Usage: python -m benchmarks.soak --minutes 30 [--agents 8] [--url URL] [--json] [--keep DIR]
 Progress goes to stderr; the table (or, with --json, one JSON object) to stdout.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/soak.py` (and so are its agents)
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
@@ -71,34 +78,33 @@ import random
 import re
 import select
 import signal
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from _shared import ensure_database, table
 
-from prefect_gpu_budget.admission.accounting import row_spend, settled_in_period
+from benchmarks.harness import PrefectServer, postgres_database, serving
+from benchmarks.harness.postgres import ensure_database, server_of
+from benchmarks.harness.report import logger, table
+from benchmarks.harness.stats import percentile
+from prefect_gpu_budget.admission.audit import audit, slot_mismatches
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
 from prefect_gpu_budget.admission.ledger import Ledger, metadata, normalise_url
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
-from prefect_gpu_budget.units import scope_path
 
-PG_URL = os.environ.get("GATE_SOAK_PG_URL", "postgresql://postgres@127.0.0.1:5432/gate_soak")
+PG_URL = os.environ.get("GATE_SOAK_PG_URL")
+"""The ledger's database; None: one of the run's own."""
 ORG = "soak"
 INSTANCE = "local:soak"
 PRICE_USD = "3.60"
@@ -126,12 +132,13 @@ STREAMS = {
     "acquire": "Prefect acquire",
 }
 APP_NAME = "prefect-gpu-budget"
+MESSAGES = 10
+"""The audit's findings reported one by one; more are counted."""
 FAILURES = ("errors", "rejected", "starved", "stuck")
 """Counts that must stay 0: a job the gate failed, refused outright, or never decided."""
 
 
-def log(message: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+log = logger("soak")
 
 
 # -- agent: one process, one session scope ---------------------------------------------------
@@ -534,6 +541,18 @@ def fresh_ledger(cfg: Config) -> None:
 
 
 @contextmanager
+def ledger_database(url: str | None) -> Iterator[str]:
+    """The ledger's database: `url` (created if missing, never dropped), else one of the run's
+    own, dropped at the end."""
+    if url:
+        ensure_database(url)
+        yield url
+        return
+    with postgres_database("gate_soak") as own:
+        yield own
+
+
+@contextmanager
 def work_dir(keep: str | None) -> Iterator[Path]:
     """Where the agents write their samples: `keep`, left in place, or a temporary folder."""
     if keep:
@@ -545,70 +564,20 @@ def work_dir(keep: str | None) -> Iterator[Path]:
 
 
 @contextmanager
-def prefect_server(url: str, tmp: Path) -> Iterator[tuple[str, int]]:
-    """`prefect server start --no-services` on its own PostgreSQL database (`<ledger db>_prefect`,
-    created afresh): yields the API URL and the server's pid.
+def prefect_server(prefect_url: str, tmp: Path) -> Iterator[PrefectServer]:
+    """`prefect server start --no-services` on the PostgreSQL database `prefect_url`, served to
+    this process.
 
     Without services the lease repossessor does not run, so a leaked slot stays taken and the
     check at the end sees it; a production server would hand it back about 75 s later.
     """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    name = prefect_db(url).rsplit("/", 1)[1]
-    admin(url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)', f'CREATE DATABASE "{name}"')
-    db = "postgresql+asyncpg://" + prefect_db(url).split("://", 1)[1]
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp / "server-home"),
-        "PREFECT_SERVER_DATABASE_CONNECTION_URL": db,
-        "PREFECT_SERVER_LOGGING_LEVEL": "WARNING",
-    }
-    args = ["server", "start", "--no-services", "--host", "127.0.0.1", "--port", str(port)]
-    with (tmp / "prefect-server.log").open("w") as logs:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "prefect", *args], stdout=logs, stderr=subprocess.STDOUT, env=env
-        )
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        deadline = time.monotonic() + 180
-        while not healthy(api):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = (tmp / "prefect-server.log").read_text().strip().splitlines()[-3:]
-                raise RuntimeError(f"Prefect server did not start: {' | '.join(tail)}")
-            time.sleep(0.5)
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            yield api, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def healthy(api: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def admin(url: str, *statements: str) -> None:
-    """Run statements on the server's `postgres` database (creating and dropping databases)."""
-    server = sa.create_engine(
-        normalise_url(url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    db = "postgresql+asyncpg://" + prefect_url.split("://", 1)[1]
+    server = PrefectServer(
+        tmp / "server-home", services=False, durable_leases=False, database_url=db
     )
-    try:
-        with server.connect() as conn:
-            for statement in statements:
-                conn.execute(sa.text(statement))
-    finally:
-        server.dispose()
+    server.env["PREFECT_SERVER_LOGGING_LEVEL"] = "WARNING"
+    with server, serving(server.api):
+        yield server
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -735,10 +704,10 @@ def host_cpu() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
-def db_work(engine: sa.Engine, url: str) -> dict[str, list[int]]:
+def db_work(engine: sa.Engine, url: str, prefect_url: str) -> dict[str, list[int]]:
     """Per database (the ledger's and the Prefect server's): cumulative committed transactions
     and rows read (returned + fetched), from `pg_stat_database`."""
-    names = [u.rsplit("/", 1)[1] for u in (url, prefect_db(url))]
+    names = [u.rsplit("/", 1)[1] for u in (url, prefect_url)]
     with engine.connect() as conn:
         rows = conn.execute(
             sa.text(
@@ -753,7 +722,6 @@ def db_work(engine: sa.Engine, url: str) -> dict[str, list[int]]:
 
 def run(cfg: Config) -> dict[str, Any]:
     wall = time.perf_counter()
-    ensure_database(cfg.url)
     fresh_ledger(cfg)
     out: dict[str, Any] = {
         "config": {**asdict(cfg), "url": cfg.url.split("@")[-1]},
@@ -763,9 +731,11 @@ def run(cfg: Config) -> dict[str, Any]:
     monitor = sa.create_engine(
         normalise_url(cfg.url), pool_size=1, connect_args={"application_name": "gate-soak-monitor"}
     )
-    with work_dir(cfg.keep) as tmp:
+    prefect_db = postgres_database("gate_soak_prefect", server_of(cfg.url))
+    with work_dir(cfg.keep) as tmp, prefect_db as prefect_url:
         prices = set_local_price("soak", PRICE_USD, gpus=1, path=tmp / "prices.csv")
-        with prefect_server(cfg.url, tmp) as (api_url, server):
+        with prefect_server(prefect_url, tmp) as server:
+            api_url = server.api
             create_limits(cfg)
             log(f"Prefect server at {api_url}; spawning {cfg.agents} agents")
             agents = Agents(cfg, api_url, prices, tmp)
@@ -776,7 +746,7 @@ def run(cfg: Config) -> dict[str, Any]:
                 agents.start(start, end)
                 until = time.strftime("%H:%M:%S", time.localtime(end))
                 log(f"running {cfg.minutes:g} min, until {until}")
-                parent = watch(cfg, agents, monitor, server, end)
+                parent = watch(cfg, prefect_url, agents, monitor, server.pid, end)
                 out["vacuums"] = sum(1 for s in parent if s.get("vacuum"))
                 codes = agents.wait(timeout_s=DRAIN_S + 90)
             finally:
@@ -785,7 +755,6 @@ def run(cfg: Config) -> dict[str, Any]:
             out["agent_logs"] = {i: agents.tail(i) for i, c in enumerate(codes) if c != 0}
             records = [load(path) for path in agents.outs]
             out["ledger"] = check_ledger(cfg, records, start)
-            out["ledger"]["leaked_slots"] = leaked_slots(cfg)
         out["load_avg_1m_at_end"] = os.getloadavg()[0]
     monitor.dispose()
     out.update(analyse(cfg, records, parent, start, end))
@@ -795,7 +764,12 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def watch(
-    cfg: Config, agents: Agents, monitor: sa.Engine, server: int | None, end: float
+    cfg: Config,
+    prefect_url: str,
+    agents: Agents,
+    monitor: sa.Engine,
+    server: int | None,
+    end: float,
 ) -> list[dict[str, Any]]:
     """Sample the gate's PostgreSQL backends and the server's RSS until the run ends.
 
@@ -817,7 +791,7 @@ def watch(
             {"t": time.time(), "pg": gate_backends(monitor), "server_mib": rss_mib(server)}
         )
         if len(samples) == 1:
-            samples[0].update(cpu=host_cpu(), db=db_work(monitor, cfg.url))
+            samples[0].update(cpu=host_cpu(), db=db_work(monitor, cfg.url, prefect_url))
         dead = agents.dead()
         if dead:
             raise RuntimeError(f"agent {dead[0]} died: {agents.tail(dead[0])}")
@@ -825,18 +799,18 @@ def watch(
         if time.time() > next_log:
             log(f"{(end - time.time()) / 60:.1f} min left")
             next_log += 60
-            samples[-1].update(cpu=host_cpu(), db=db_work(monitor, cfg.url))
+            samples[-1].update(cpu=host_cpu(), db=db_work(monitor, cfg.url, prefect_url))
             if vacuum:
-                vacuum_tables(cfg.url)
+                vacuum_tables(cfg.url, prefect_url)
                 samples[-1]["vacuum"] = True
         time.sleep(min(cfg.sample_s, max(0.0, end - time.time())))
     return samples
 
 
-def vacuum_tables(url: str) -> None:
+def vacuum_tables(url: str, prefect_url: str) -> None:
     """`VACUUM (ANALYZE)` the gate's tables in the ledger's database, and the whole of the Prefect
     server's database (its concurrency-limit rows change on every acquire and release)."""
-    for db, tables in ((url, ", ".join(metadata.tables)), (prefect_db(url), "")):
+    for db, tables in ((url, ", ".join(metadata.tables)), (prefect_url, "")):
         engine = sa.create_engine(
             normalise_url(db), isolation_level="AUTOCOMMIT", poolclass=sa.NullPool
         )
@@ -845,11 +819,6 @@ def vacuum_tables(url: str) -> None:
                 conn.execute(sa.text(f"VACUUM (ANALYZE) {tables}"))
         finally:
             engine.dispose()
-
-
-def prefect_db(url: str) -> str:
-    """The Prefect server's own database beside the ledger's: `<ledger db>_prefect`."""
-    return f"{url}_prefect"
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -862,11 +831,14 @@ def load(path: Path) -> list[dict[str, Any]]:
 
 
 def check_ledger(cfg: Config, records: list[list[dict[str, Any]]], start: float) -> dict[str, Any]:
-    """What the ledger holds after the run, against what the agents counted."""
+    """What the ledger holds after the run: the audit's checks (`admission/audit.py`: no
+    orphan, no charge doubled or lost, promise 1 at every admission instant, Prefect's slots
+    against the ledger's running rate), and the counts the agents kept against the ledger's."""
     ledger = Ledger(cfg.url, create=False)
     try:
         rows = ledger.jobs(ORG)
         status = ledger.status(ORG)
+        found = audit(ledger, scope=ORG)
     finally:
         ledger.dispose()
     problems: list[str] = []
@@ -898,30 +870,15 @@ def check_ledger(cfg: Config, records: list[list[dict[str, Any]]], start: float)
     over = [r["id"][:8] for r in rows if (r["actual_micro"] or 0) > r["reserved_micro"] > 0]
     if over:
         problems.append(f"{len(over)} jobs cost more than their reservation: {over[:3]}")
-    rules = {rule.scope: rule for rule in budgets(cfg)}
     for s in status:
         if s["reserved_micro"] or s["running"] or s["queued"]:
             problems.append(
                 f"{s['scope']}: reserved {s['reserved_micro']}, running {s['running']}, "
                 f"queued {s['queued']} after the run"
             )
-        rule = rules[s["scope"]]
-        total = settled_in_period(
-            (
-                row_spend(r)
-                for r in rows
-                if r["state"] == "settled"
-                and r["actual_micro"]
-                and (r["scope"] == rule.scope or r["scope"].startswith(rule.scope + "/"))
-            ),
-            rule,
-            s["period_start"],
-        )
-        if total != s["settled_micro"]:
-            problems.append(
-                f"{s['scope']}: period spend {s['settled_micro']} != sum of jobs {total}"
-            )
-    problems += cap_excesses(rows, rules)
+    problems += found.messages[:MESSAGES]
+    if len(found.messages) > MESSAGES:
+        problems.append(f"... and {len(found.messages) - MESSAGES} more findings of the audit")
     return {
         "rows": len(rows),
         "rows_since_start": sum(1 for r in rows if r["requested_at"] >= start),
@@ -934,25 +891,15 @@ def check_ledger(cfg: Config, records: list[list[dict[str, Any]]], start: float)
                 1 for r in rows if r["outcome"] == "cancelled" and r["lease_id"] is not None
             ),
         },
+        "audit": {
+            "orphans_left": found.orphans_left,
+            "double_charges": found.double_charges,
+            "missing_charges": found.missing_charges,
+            "invariant_violations": found.invariant_violations,
+        },
         "problems": problems,
+        "leaked_slots": leaked_slots(cfg, rows),
     }
-
-
-def cap_excesses(rows: list[dict[str, Any]], rules: dict[str, BudgetRule]) -> list[str]:
-    """Promise 1 over the whole run: admitted rates never sum past a cap (releases first)."""
-    events = []
-    for r in rows:
-        if r["admitted_at"] is not None:
-            events += [(r["admitted_at"], 1, r), (r["settled_at"] or math.inf, 0, r)]
-    rate: Counter[str] = Counter()
-    found: list[str] = []
-    for at, kind, r in sorted(events, key=lambda e: (e[0], e[1])):
-        for scope in scope_path(r["scope"]):
-            rate[scope] += r["rate_cents"] if kind else -r["rate_cents"]
-            cap = rules[scope].hourly_cap_cents if scope in rules else None
-            if kind and cap is not None and rate[scope] > cap and len(found) < 5:
-                found.append(f"{scope}: {rate[scope]} cents/h admitted > cap {cap} at {at:.3f}")
-    return found
 
 
 def create_limits(cfg: Config) -> None:
@@ -968,27 +915,17 @@ def create_limits(cfg: Config) -> None:
         limits.close()
 
 
-def leaked_slots(cfg: Config) -> dict[str, int]:
-    """Slots still taken in the Prefect limits once everything settled (none expected)."""
+def leaked_slots(cfg: Config, rows: list[dict[str, Any]]) -> dict[str, int]:
+    """Per capped scope, the Prefect slots the ledger's running jobs do not explain (the audit's
+    `slot_mismatches`); once everything settled, every slot still taken (none expected)."""
     limits = RateLimits()
     try:
-        scopes = [rule.scope for rule in budgets(cfg) if rule.hourly_cap_cents is not None]
-        found = {scope: limits.active_slots(scope) for scope in scopes}
+        return dict(slot_mismatches(limits, rows, budgets(cfg)).by_scope)
     finally:
         limits.close()
-    return {scope: slots for scope, slots in found.items() if slots}
 
 
 # -- analysis ----------------------------------------------------------------------------------
-
-
-def percentile(samples: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(samples)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def window_latency(samples: list[tuple[float, float]]) -> dict[str, Any]:
@@ -1411,7 +1348,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="measured run length")
     parser.add_argument("--agents", type=int, default=8, help="agent processes")
-    parser.add_argument("--url", default=PG_URL, help="PostgreSQL ledger (its tables are dropped)")
+    parser.add_argument(
+        "--url",
+        default=PG_URL,
+        help="PostgreSQL ledger (its tables are dropped; default: a database of the run's own)",
+    )
     parser.add_argument(
         "--warmup", type=float, help="seconds left out at the start (default 10%%, 5-60 s)"
     )
@@ -1440,18 +1381,19 @@ def main() -> None:
     warmup = args.warmup if args.warmup is not None else min(60.0, max(5.0, 0.1 * run_s))
     if warmup >= run_s / 2:
         parser.error("--warmup must be under half the run")
-    cfg = Config(
-        minutes=args.minutes,
-        agents=args.agents,
-        url=args.url,
-        warmup_s=warmup,
-        edge=args.edge,
-        sample_s=min(5.0, max(1.0, run_s / 150)),
-        seed=args.seed,
-        mix=args.mix,
-        keep=args.keep,
-    )
-    out = run(cfg)
+    with ledger_database(args.url) as url:
+        cfg = Config(
+            minutes=args.minutes,
+            agents=args.agents,
+            url=url,
+            warmup_s=warmup,
+            edge=args.edge,
+            sample_s=min(5.0, max(1.0, run_s / 150)),
+            seed=args.seed,
+            mix=args.mix,
+            keep=args.keep,
+        )
+        out = run(cfg)
     print(json.dumps(out, indent=2, default=str) if args.json else report(out))
     sys.exit(1 if out["missed"] else 0)
 

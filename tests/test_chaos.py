@@ -1,7 +1,7 @@
 """Chaos: admitters and job holders SIGKILLed at random moments and at exact steps lose nothing
-(a short run of benchmarks/chaos.py on SQLite and on PostgreSQL, each against its own real
-`prefect server start`, whose lease repossessor returns the slots of leases nobody recorded),
-and the ledger audit those runs rely on finds what it should.
+(a short run of `python -m benchmarks.chaos` on SQLite and on PostgreSQL, each against its own
+real `prefect server start`, whose lease repossessor returns the slots of leases nobody
+recorded), and the ledger audit those runs rely on finds what it should.
 
 The two backends' runs go at once (each ends by waiting ~80 s for every lease to expire). The
 PostgreSQL run uses a database of its own (see tests/postgres.py),
@@ -80,7 +80,7 @@ def chaos_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int,
     urls = {"sqlite": f"sqlite:///{tmp / 'ledger.db'}", "postgresql": CHAOS_PG_URL}
     procs = {}
     for backend, url in urls.items():
-        command = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--json"]
+        command = [sys.executable, "-m", "benchmarks.chaos", "--json"]
         command += ["--runs", str(RUNS), "--park-at", ",".join(POINTS)]
         command += ["--faults", ",".join(FAULTS), "--url", url, "--seed", "7"]
         out, err = (tmp / f"{backend}.json").open("w"), (tmp / f"{backend}.log").open("w")

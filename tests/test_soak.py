@@ -1,7 +1,8 @@
 """The soak benchmark, short: agent processes submit, cancel and finish jobs for half a minute.
 
-`benchmarks/soak.py` runs as a subprocess: 5 agent processes, the ledger on PostgreSQL (a database
-of this run, see tests/postgres.py), a real Prefect server on PostgreSQL. Asserted: no errors,
+`python -m benchmarks.soak` runs as a subprocess: 5 agent processes, the ledger on PostgreSQL (a
+database of this run, see tests/postgres.py), a real Prefect server on PostgreSQL (a database of
+the soak's own, dropped at its end). Asserted: no errors,
 the ledger consistent and every Prefect slot given back, memory flat, connections, descriptors
 and threads not growing, every connection returned. The latency ratio is reported but not
 asserted: half a minute on a shared machine says nothing about p95 drift; the long run
@@ -15,37 +16,30 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.postgres import created_by_this_run, database_url, require_postgres
+from tests.postgres import database_url, require_postgres
 
 PG_URL = database_url("soak", "GATE_SOAK_PG_URL")
-SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
+ROOT = Path(__file__).resolve().parents[1]
 RSS_GROWTH_MIB = 2.0
 """Per agent, start window to end window (~25 s, ~40 jobs): about 0.3 MiB is seen; a leak of
 50 KiB per job would pass it."""
 
 
-def load_soak() -> ModuleType:
-    """`benchmarks/soak.py` as a module, for its pure functions."""
-    sys.path.insert(0, str(SOAK.parent))
-    try:
-        import soak
-    finally:
-        sys.path.remove(str(SOAK.parent))
-    return soak
-
-
 @pytest.mark.timeout(300)
 def test_short_soak_stays_flat_and_consistent() -> None:
     require_postgres(PG_URL)
-    created_by_this_run(PG_URL + "_prefect")  # the soak makes its Prefect server's database
     args = ["--minutes", "0.6", "--agents", "5", "--edge", "0.25", "--url", PG_URL, "--json"]
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # its own server
     proc = subprocess.run(
-        [sys.executable, str(SOAK), *args], capture_output=True, text=True, timeout=280, env=env
+        [sys.executable, "-m", "benchmarks.soak", *args],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.stdout.strip(), f"soak crashed (exit {proc.returncode}):\n{proc.stderr[-3000:]}"
     out = json.loads(proc.stdout)
@@ -62,6 +56,7 @@ def test_short_soak_stays_flat_and_consistent() -> None:
     assert totals["interrupted"] + totals["timed_out"] > 0
 
     assert ledger["problems"] == []
+    assert set(ledger["audit"].values()) == {0}  # the audit's checks ran, and found nothing
     assert ledger["by_state"].keys() <= {"settled", "cancelled", "timed_out"}
     assert ledger["leaked_slots"] == {}, (
         "Prefect slots still taken after every job settled; jobs settled as cancelled after "
@@ -86,7 +81,7 @@ def test_short_soak_stays_flat_and_consistent() -> None:
 
 
 def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
-    soak = load_soak()
+    from benchmarks import soak
 
     def run(p95_of_minute: list[float]) -> dict:
         samples = [(60.0 * m + s, ms) for m, ms in enumerate(p95_of_minute) for s in range(60)]
@@ -101,7 +96,7 @@ def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
 
 
 def test_host_and_db_figures_are_per_minute_deltas() -> None:
-    soak = load_soak()
+    from benchmarks import soak
 
     def mark(minute: int) -> dict:
         # cumulative counters: 100 jiffies a minute, 3 of them stolen from minute 5 on; 1,000

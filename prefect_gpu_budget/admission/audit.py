@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect_gpu_budget.admission.accounting import book, period_shares, row_spend
@@ -250,6 +250,8 @@ class SlotCheck:
     slots_cents: int
     """Prefect slots in use in those scopes."""
     messages: tuple[str, ...] = ()
+    by_scope: Mapping[str, int] = field(default_factory=dict)
+    """The mismatch per capped scope, for those that have one."""
 
 
 def slot_mismatches(
@@ -265,6 +267,7 @@ def slot_mismatches(
     running = [r for r in rows if r["state"] in ACTIVE]
     mismatch = transient = unrecorded = scopes = held = 0
     messages = []
+    by_scope: dict[str, int] = {}
     for rule in rules:
         if rule.hourly_cap_cents is None:
             continue
@@ -281,11 +284,12 @@ def slot_mismatches(
         if slots == explained:
             continue
         mismatch += abs(slots - explained)
+        by_scope[rule.scope] = abs(slots - explained)
         why = f" ({pending} of it awaiting lease expiry)" if pending else ""
         messages.append(
             f"{rule.scope}: Prefect holds {slots} slots, ledger runs {rate} cents/h{why}"
         )
-    return SlotCheck(mismatch, transient, unrecorded, scopes, held, tuple(messages))
+    return SlotCheck(mismatch, transient, unrecorded, scopes, held, tuple(messages), by_scope)
 
 
 def audit(

@@ -1,0 +1,4 @@
+"""The benchmarks, and the harness they share with the tests (`benchmarks.harness`).
+
+Each benchmark runs as `python -m benchmarks.<name>` from the repository root (or as
+`python benchmarks/<name>.py`)."""

@@ -24,7 +24,9 @@ from prefect.utilities.engine import emit_task_run_state_change_event
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
 from prefect_gpu_budget.admission.limits import RateLimits
+from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import METRICS_ENV, GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
@@ -220,7 +222,12 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
 
 
 def gate_for_run(scope: str, job: GpuJob, ledger: SpendLedger | None) -> Gate:
-    return _gate(ledger.url() if ledger else None).with_events(prefect_events(scope, job))
+    """The process's gate telling this run's events. Opening it (the ledger's engine and
+    schema check, the Prefect client) is retried while a dependency is down, as every later
+    call is: the run says so in its log and goes on once it is back."""
+    events, url = prefect_events(scope, job), ledger.url() if ledger else None
+    gate = patiently("opening the ledger", lambda: _gate(url), events.warning, REQUEST_PATIENCE_S)
+    return gate.with_events(events)
 
 
 def _flow_run_id() -> str | None:

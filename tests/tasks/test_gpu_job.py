@@ -271,3 +271,39 @@ def test_credentials_in_an_endpoint_url_stay_out_of_the_task_state(prefect_api, 
     assert name == "GpuJobFailed"
     assert "s3cr" not in message and "t-key" not in message, message
     assert 'endpoint URL: "https://***@aws.internal:9443/api"' in message, message
+
+
+def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefect_api, prices):
+    """Opening the process's gate (the ledger's engine and schema) is retried like any later
+    ledger call: here the job's PostgreSQL database appears only after the job asked."""
+    import threading
+    import time
+    import uuid
+
+    from benchmarks.harness.postgres import drop_database, ensure_database, server_of
+    from tests.conftest import PG_URL
+    from tests.postgres import require_postgres
+
+    require_postgres(PG_URL)
+    url = f"{server_of(PG_URL)}/gpu_budget_own_late_{uuid.uuid4().hex[:8]}"
+
+    def appear() -> None:
+        time.sleep(2.0)
+        ensure_database(url)
+        GpuBudget(scope="late", hourly_cap_usd="3.6", period_budget_usd=5).apply(Ledger(url))
+
+    threading.Thread(target=appear).start()
+
+    @flow
+    def experiment():
+        return run_gpu_job(
+            _job(0, max_runtime="1m"), scope="late/a", ledger=SpendLedger(database_url=url)
+        )
+
+    try:
+        result = experiment()
+        assert result.outcome == "completed"
+        (row,) = Ledger(url).jobs("late")
+        assert row["state"] == "settled" and row["id"] == result.job_id
+    finally:
+        drop_database(url)

@@ -1,0 +1,181 @@
+"""Waiting costs events, not waiters x time: a freed slot wakes the job it admitted, a process
+of waiting jobs holds two ledger connections, a lost notice is caught by the recheck, and a
+waiter's row stays stamped while it only waits (admission/watcher.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from prefect_gpu_budget.admission import ledger as ledger_module
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.conftest import _fresh_pg
+
+JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # $3.60/h: a 360-cent cap fits one
+
+
+def _until(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _counting(ledger: Ledger) -> list[str]:
+    """Count the decisions waiters make for themselves (each one a transaction)."""
+    calls: list[str] = []
+    try_admit = ledger.try_admit
+
+    def counted(job_id, scope, now=None):
+        calls.append(job_id)
+        return try_admit(job_id, scope, now)
+
+    ledger.try_admit = counted  # type: ignore[method-assign]
+    return calls
+
+
+def _queue_up(gate: Gate, ledger: Ledger, scope: str, n: int, hold_s: float) -> list[str]:
+    """`n` jobs racing for a cap that fits one; each holds it `hold_s`. Their admission order."""
+    order: list[str] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            admission = gate.admit(JOB, scope)
+            order.append(admission.job_id)
+            time.sleep(hold_s)
+            gate.settle(admission, ended_at=time.time(), outcome="completed")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    return order
+
+
+def test_a_freed_slot_wakes_the_job_it_admitted_not_every_waiter(ledger, prices):
+    """Before, every change of the org woke every waiter into a decision: n jobs through a
+    one-job cap cost about n^2 / 2 decisions. Now a waiter decides when woken for its own
+    row: when it is admitted, or when what holds it changes (it became the queue's head)."""
+    ledger.set_budget(BudgetRule("wake", hourly_cap_cents=360))
+    gate = Gate(ledger, catalog=Catalog.load(prices))
+    calls = _counting(ledger)
+    n = 16
+    order = _queue_up(gate, ledger, "wake/t", n, hold_s=0.05)
+    assert len(order) == len(set(order)) == n
+    rows = ledger.jobs("wake")
+    assert len(rows) == n and {r["state"] for r in rows} == {"settled"}
+    assert len(calls) <= 4 * n, (len(calls), n)  # polling waiters made ~n^2/2 = 128 and more
+
+
+def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices):
+    ledger = Ledger(_fresh_pg())
+    try:
+        ledger.set_budget(BudgetRule("conn", hourly_cap_cents=360))
+        gate = Gate(ledger, catalog=Catalog.load(prices))
+        held = gate.admit(JOB, "conn/t")
+        done = threading.Event()
+        waiters = [
+            threading.Thread(
+                target=lambda: gate.settle(
+                    gate.admit(JOB, "conn/t"), ended_at=time.time(), outcome="completed"
+                )
+            )
+            for _ in range(30)
+        ]
+        for thread in waiters:
+            thread.start()
+        _until(lambda: len(ledger.jobs("conn", states=("queued",))) == 30, 60, "30 queued jobs")
+        observer = sa.create_engine(ledger_module.normalise_url(ledger.url), poolclass=sa.NullPool)
+        peak = 0
+        deadline = time.monotonic() + 2.5 * gate.recheck_s  # rechecks included
+        with observer.connect() as conn:
+            while time.monotonic() < deadline:
+                count = conn.execute(
+                    sa.text(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                        " AND application_name = 'prefect-gpu-budget'"
+                    )
+                ).scalar_one()
+                peak = max(peak, count)
+                time.sleep(0.1)
+        observer.dispose()
+        assert 1 <= peak <= 2, peak  # the watcher's LISTEN and the pool's one
+        gate.settle(held, ended_at=time.time(), outcome="completed")
+        for thread in waiters:
+            thread.join(timeout=120)
+        done.set()
+        assert {r["state"] for r in ledger.jobs("conn")} == {"settled"}
+    finally:
+        ledger.dispose()
+
+
+def test_a_lost_notice_is_caught_by_the_recheck(prices, monkeypatch):
+    """PostgreSQL: a notice that never arrives (a dropped LISTEN connection) delays a waiter
+    by one recheck at most; the recheck's own decision admits it."""
+    monkeypatch.setattr(ledger_module, "notice_payloads", lambda org, ids: [])
+    ledger = Ledger(_fresh_pg())
+    try:
+        ledger.set_budget(BudgetRule("lost", hourly_cap_cents=360))
+        gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=0.5)
+        order = _queue_up(gate, ledger, "lost/t", 3, hold_s=0.05)
+        assert len(order) == 3
+    finally:
+        ledger.dispose()
+
+
+def test_a_waiting_jobs_row_is_stamped_while_it_only_waits(ledger, prices):
+    """It keeps its place (`STALE_WAITER_S`) without deciding: its watcher stamps it."""
+    ledger.set_budget(BudgetRule("stamp", hourly_cap_cents=360))
+    gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=0.3)
+    held = gate.admit(JOB, "stamp/t")
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(gate.admit(JOB, "stamp/t")))
+    waiter.start()
+    _until(lambda: ledger.jobs("stamp", states=("queued",)), 30, "the queued job")
+    (first,) = ledger.jobs("stamp", states=("queued",))
+    _until(
+        lambda: ledger.job(first["id"])["heartbeat_at"] > first["heartbeat_at"] + 0.5,
+        30,
+        "a stamp",
+    )
+    gate.settle(held, ended_at=time.time(), outcome="completed")
+    waiter.join(timeout=30)
+    gate.settle(got[0], ended_at=time.time(), outcome="completed")
+
+
+@pytest.mark.parametrize("depth", [40])
+def test_a_deep_queue_keeps_its_order_and_admits_everyone(ledger, prices, depth):
+    """Priority then arrival, through queue-wide decisions made by other jobs' settlements."""
+    ledger.set_budget(BudgetRule("deep", hourly_cap_cents=360))
+    gate = Gate(ledger, catalog=Catalog.load(prices))
+    held = gate.admit(JOB, "deep/t")
+    admitted: list[int] = []
+    threads = []
+
+    def one(priority: int) -> None:
+        job = GpuJob(instance_type="local:box", max_runtime="1m", priority=priority)
+        admission = gate.admit(job, "deep/t")
+        admitted.append(priority)
+        gate.settle(admission, ended_at=time.time(), outcome="completed")
+
+    for i in range(depth):
+        threads.append(threading.Thread(target=one, args=(i % 4,)))
+        threads[-1].start()
+    _until(lambda: len(ledger.jobs("deep", states=("queued",))) == depth, 60, "the queue")
+    gate.settle(held, ended_at=time.time(), outcome="completed")
+    for thread in threads:
+        thread.join(timeout=120)
+    assert admitted == sorted(admitted, reverse=True), admitted

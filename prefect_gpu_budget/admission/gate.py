@@ -11,7 +11,6 @@ period that blocks it resets.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
@@ -21,10 +20,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from prefect_gpu_budget.admission.errors import AdmissionGone as AdmissionGone
+from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.handoff import Handoff as _Handoff
 from prefect_gpu_budget.admission.handoff import off_thread as _off_thread
+from prefect_gpu_budget.admission.leases import SlotLeases
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id, wait_key
-from prefect_gpu_budget.admission.limits import DependencyDown, PrefectRefused, RateLimits
+from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.outages import OUTAGES as OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
 from prefect_gpu_budget.admission.outages import patiently
@@ -32,8 +34,6 @@ from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
     GIVE_BACK_S,
     HEARTBEAT_S,
-    LIMIT_RETRY_S,
-    LIVENESS_S,
     RECHECK_S,
     RELEASE_PATIENCE_S,
     REQUEST_PATIENCE_S,
@@ -41,6 +41,8 @@ from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; 
     WAKE_ANYWAY_S,
 )
 from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
+from prefect_gpu_budget.admission.timing import LIMIT_RETRY_S as LIMIT_RETRY_S
+from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
@@ -51,23 +53,8 @@ log = logging.getLogger("prefect_gpu_budget.gate")
 T = TypeVar("T")
 
 
-class AdmissionRefused(Exception):
-    """The gate said no for good: `state_name` is `OverBudget` or `AdmissionTimeout`."""
-
-    def __init__(self, state_name: str, reason: str, job_id: str) -> None:
-        self.state_name = state_name
-        self.reason = reason
-        self.job_id = job_id
-        super().__init__(f"{state_name}: {reason}")
-
-
 class _Cancelled(BaseException):
     """Raised in the admission thread when its caller was cancelled."""
-
-
-class AdmissionGone(RuntimeError):
-    """The job's ledger row was settled (by reconcile, say) while it was being
-    admitted: the slots it had just taken were handed back."""
 
 
 @dataclass
@@ -108,7 +95,9 @@ class Admission:
     _beat: threading.Thread | None = field(default=None, repr=False)
 
 
-class Gate:
+class Gate(SlotLeases):
+    """Admission (request -> wait -> slots -> heartbeat) and settlement of GPU jobs."""
+
     def __init__(
         self,
         ledger: Ledger,
@@ -363,112 +352,6 @@ class Gate:
         rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
         return rules[-1].max_wait_s if rules else 0.0
 
-    def _take_limits(
-        self,
-        job_id: str,
-        scope: str,
-        slots: int,
-        caps: tuple[tuple[str, int], ...],
-        asked: tuple[GpuJob, float] | None = None,
-    ) -> str | None | bool:
-        """Lease id, None when no scope on the path has an hourly cap, False when full. While
-        this talks to Prefect (slow when its API is), another thread stamps the job's row.
-
-        A Prefect outage is retried until the job's max wait (from `asked`: the job and when it
-        asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
-        way the admission is given back and the job ends with the reason."""
-        if self.limits is None or not caps:
-            return None
-        limits, done = self.limits, threading.Event()
-        max_wait = [0.0]
-
-        def left() -> float | None:  # asked only in an outage: no read on the way to admission
-            if not asked:
-                return None
-            max_wait[0] = self._max_wait(asked[0], scope)
-            return None if max_wait[0] <= 0 else max(0.0, asked[1] + max_wait[0] - time.time())
-
-        def stamp() -> None:
-            while not done.wait(LIVENESS_S):
-                with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
-                    self.ledger.heartbeat(job_id)
-
-        threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
-        try:
-            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left)
-            deadline = time.monotonic() + LIMIT_RETRY_S
-            while True:
-                lease = self._take_and_record(job_id, caps, slots, left)
-                if lease is not None:
-                    return lease
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-        except PrefectRefused as exc:
-            self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
-        except DependencyDown as exc:  # still down when the max wait ran out
-            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {_outage(exc)}"
-            self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
-        finally:
-            done.set()
-        self.patiently(
-            "giving the admission back",
-            lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
-        )
-        return False
-
-    def _end_admission(self, job_id: str, scope: str, state: str, name: str, reason: str) -> None:
-        """Give an admission whose Prefect limits cannot be taken back, end the job in `state`
-        and raise AdmissionRefused(`name`, `reason`)."""
-
-        def give_back() -> None:
-            self.ledger.unadmit(job_id, scope, reason)
-            self.ledger.cancel_queued(job_id, scope, reason, state=state)
-
-        self.patiently("giving the admission back", give_back, patience=GIVE_BACK_S)
-        raise AdmissionRefused(name, reason, job_id)
-
-    def _take_and_record(
-        self,
-        job_id: str,
-        caps: tuple[tuple[str, int], ...],
-        slots: int,
-        patience: Callable[[], float | None] | None = None,
-    ) -> str | None:
-        """Take the slots and record the lease in the ledger. If recording fails, or the job
-        was settled meanwhile (by reconcile), the lease goes back at once."""
-        assert self.limits is not None
-        limits = self.limits
-        lease = self.patiently(
-            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots), patience
-        )
-        if lease is not None:
-            self._record_or_release(job_id, lease)
-        return lease
-
-    def _record_or_release(self, job_id: str, lease: str, patience: float | None = None) -> None:
-        """Record a lease just taken; release it if that fails or the job is no longer active
-        (raising AdmissionGone then)."""
-        assert self.limits is not None
-        limits, recorded = self.limits, False
-        try:
-            recorded = self.patiently(
-                "recording the lease",
-                functools.partial(self.ledger.record_lease, job_id, lease),
-                patience=patience,
-            )
-        finally:
-            if not recorded:
-                self.patiently("releasing Prefect limits", lambda: limits.release(lease))
-        if not recorded:
-            raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
-
-    def _limit_reason(self, scope: str) -> str:
-        return (
-            f"blocked by Prefect concurrency limits on the path of {scope}: slots are held "
-            "outside this ledger (another tool, or a lease not yet expired)"
-        )
-
     def _start_heartbeat(self, admission: Admission) -> None:
         def beat() -> None:
             while not admission._stop.wait(self.heartbeat_s):
@@ -525,24 +408,6 @@ class Gate:
                 if admission.on_preempt is not None:
                     admission.on_preempt()
                 return
-
-    def _retake_limits(self, admission: Admission) -> None:
-        """The lease expired while Prefect was unreachable and its slots were repossessed:
-        take them again under a new lease, so Prefect's count matches the ledger again."""
-        assert self.limits is not None
-        lease = self.limits.acquire([s for s, _ in admission.caps], admission.slots)
-        if lease is None:
-            self.events.warning(
-                f"job {admission.job_id[:8]} lost its Prefect lease and the limit is full; "
-                "the ledger still counts it"
-            )
-            return
-        try:  # bounded: settle waits for this heartbeat (its lock) before it releases
-            self._record_or_release(admission.job_id, lease, patience=self.heartbeat_s)
-        except AdmissionGone:  # settled meanwhile: the new lease went back
-            return
-        admission.lease_id = lease
-        self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")
 
     def submitted(self, admission: Admission, external_id: str) -> None:
         """Record the cloud's id of a job that may still wait for capacity."""

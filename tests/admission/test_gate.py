@@ -301,10 +301,10 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     """Reconcile counts a lease a crashed admission may have taken unrecorded from the row's
     last stamp: while the request is outstanding the row is stamped, so a grant that comes late
     is still inside that window."""
-    from prefect_gpu_budget.admission import gate as gate_module
+    from prefect_gpu_budget.admission import leases
     from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, awaiting_lease_expiry
 
-    monkeypatch.setattr(gate_module, "LIVENESS_S", 0.05)
+    monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
     ledger.set_budget(BudgetRule("slow", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.6)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]

@@ -1,0 +1,18 @@
+"""How an admission ends other than with a running job."""
+
+from __future__ import annotations
+
+
+class AdmissionRefused(Exception):
+    """The gate said no for good: `state_name` is `OverBudget` or `AdmissionTimeout`."""
+
+    def __init__(self, state_name: str, reason: str, job_id: str) -> None:
+        self.state_name = state_name
+        self.reason = reason
+        self.job_id = job_id
+        super().__init__(f"{state_name}: {reason}")
+
+
+class AdmissionGone(RuntimeError):
+    """The job's ledger row was settled (by reconcile, say) while it was being
+    admitted: the slots it had just taken were handed back."""

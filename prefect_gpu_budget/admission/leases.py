@@ -1,0 +1,165 @@
+"""The Prefect lease protocol of an admission: take the rate slots of every capped scope on the
+path under one lease, record the lease in the ledger (or hand it straight back), give back an
+admission whose slots cannot be taken, and take the slots again when a lease lapsed under a
+running job. A mixin of the gate (`Gate` in admission/gate.py), which supplies `ledger`,
+`limits`, `events`, `heartbeat_s`, `patiently` and `_max_wait`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from prefect_gpu_budget.admission.errors import AdmissionGone, AdmissionRefused
+from prefect_gpu_budget.admission.limits import DependencyDown, PrefectRefused
+from prefect_gpu_budget.admission.outages import OUTAGES
+from prefect_gpu_budget.admission.outages import describe as _outage
+from prefect_gpu_budget.admission.timing import GIVE_BACK_S, LIMIT_RETRY_S, LIVENESS_S
+from prefect_gpu_budget.units import fmt_duration
+
+if TYPE_CHECKING:
+    from prefect_gpu_budget.admission.gate import Admission, GateEvents
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.admission.limits import RateLimits
+    from prefect_gpu_budget.job import GpuJob
+
+
+class SlotLeases:
+    ledger: Ledger
+    limits: RateLimits | None
+    events: GateEvents
+    heartbeat_s: float
+
+    if TYPE_CHECKING:
+
+        def patiently(self, what: str, call: Callable[[], Any], patience: Any = None) -> Any: ...
+
+        def _max_wait(self, job: GpuJob, scope: str) -> float: ...
+
+    def _take_limits(
+        self,
+        job_id: str,
+        scope: str,
+        slots: int,
+        caps: tuple[tuple[str, int], ...],
+        asked: tuple[GpuJob, float] | None = None,
+    ) -> str | None | bool:
+        """Lease id, None when no scope on the path has an hourly cap, False when full. While
+        this talks to Prefect (slow when its API is), another thread stamps the job's row.
+
+        A Prefect outage is retried until the job's max wait (from `asked`: the job and when it
+        asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
+        way the admission is given back and the job ends with the reason."""
+        if self.limits is None or not caps:
+            return None
+        limits, done = self.limits, threading.Event()
+        max_wait = [0.0]
+
+        def left() -> float | None:  # asked only in an outage: no read on the way to admission
+            if not asked:
+                return None
+            max_wait[0] = self._max_wait(asked[0], scope)
+            return None if max_wait[0] <= 0 else max(0.0, asked[1] + max_wait[0] - time.time())
+
+        def stamp() -> None:
+            while not done.wait(LIVENESS_S):
+                with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
+                    self.ledger.heartbeat(job_id)
+
+        threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
+        try:
+            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left)
+            deadline = time.monotonic() + LIMIT_RETRY_S
+            while True:
+                lease = self._take_and_record(job_id, caps, slots, left)
+                if lease is not None:
+                    return lease
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.02)
+        except PrefectRefused as exc:
+            self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
+        except DependencyDown as exc:  # still down when the max wait ran out
+            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {_outage(exc)}"
+            self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
+        finally:
+            done.set()
+        self.patiently(
+            "giving the admission back",
+            lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
+        )
+        return False
+
+    def _end_admission(self, job_id: str, scope: str, state: str, name: str, reason: str) -> None:
+        """Give an admission whose Prefect limits cannot be taken back, end the job in `state`
+        and raise AdmissionRefused(`name`, `reason`)."""
+
+        def give_back() -> None:
+            self.ledger.unadmit(job_id, scope, reason)
+            self.ledger.cancel_queued(job_id, scope, reason, state=state)
+
+        self.patiently("giving the admission back", give_back, patience=GIVE_BACK_S)
+        raise AdmissionRefused(name, reason, job_id)
+
+    def _take_and_record(
+        self,
+        job_id: str,
+        caps: tuple[tuple[str, int], ...],
+        slots: int,
+        patience: Callable[[], float | None] | None = None,
+    ) -> str | None:
+        """Take the slots and record the lease in the ledger. If recording fails, or the job
+        was settled meanwhile (by reconcile), the lease goes back at once."""
+        assert self.limits is not None
+        limits = self.limits
+        lease = self.patiently(
+            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots), patience
+        )
+        if lease is not None:
+            self._record_or_release(job_id, lease)
+        return lease
+
+    def _record_or_release(self, job_id: str, lease: str, patience: float | None = None) -> None:
+        """Record a lease just taken; release it if that fails or the job is no longer active
+        (raising AdmissionGone then)."""
+        assert self.limits is not None
+        limits, recorded = self.limits, False
+        try:
+            recorded = self.patiently(
+                "recording the lease",
+                functools.partial(self.ledger.record_lease, job_id, lease),
+                patience=patience,
+            )
+        finally:
+            if not recorded:
+                self.patiently("releasing Prefect limits", lambda: limits.release(lease))
+        if not recorded:
+            raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
+
+    def _limit_reason(self, scope: str) -> str:
+        return (
+            f"blocked by Prefect concurrency limits on the path of {scope}: slots are held "
+            "outside this ledger (another tool, or a lease not yet expired)"
+        )
+
+    def _retake_limits(self, admission: Admission) -> None:
+        """The lease expired while Prefect was unreachable and its slots were repossessed:
+        take them again under a new lease, so Prefect's count matches the ledger again."""
+        assert self.limits is not None
+        lease = self.limits.acquire([s for s, _ in admission.caps], admission.slots)
+        if lease is None:
+            self.events.warning(
+                f"job {admission.job_id[:8]} lost its Prefect lease and the limit is full; "
+                "the ledger still counts it"
+            )
+            return
+        try:  # bounded: settle waits for this heartbeat (its lock) before it releases
+            self._record_or_release(admission.job_id, lease, patience=self.heartbeat_s)
+        except AdmissionGone:  # settled meanwhile: the new lease went back
+            return
+        admission.lease_id = lease
+        self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")

@@ -11,7 +11,6 @@ period that blocks it resets.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
@@ -46,7 +45,7 @@ from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, org_of, rate_cents, validate_scope
+from prefect_gpu_budget.units import fmt_usd, org_of, rate_cents, validate_scope
 
 log = logging.getLogger("prefect_gpu_budget.gate")
 
@@ -315,18 +314,9 @@ class Gate(SlotLeases):
                         self.settle(admission, ended_at=time.time(), outcome="cancelled")
                         raise
                     return admission
-                reason = self._limit_reason(scope)
-                max_wait = self._max_wait(job, scope)
-                if max_wait > 0 and time.time() - started >= max_wait:
-                    reason = f"max wait {fmt_duration(max_wait)} ran out: {reason}"
-                    self.patiently(
-                        "timing out",
-                        functools.partial(
-                            self.ledger.cancel_queued, job_id, scope, reason, state="timed_out"
-                        ),
-                    )
-                    raise AdmissionRefused("AdmissionTimeout", reason, job_id)
-                decision = Decision("wait", reason, limit="prefect_limit", scope=scope)
+                decision = Decision(
+                    "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
+                )
             if deadline is None:
                 rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
                 self.events.queued(job_id, decision, rules)

@@ -53,7 +53,8 @@ class SlotLeases:
 
         A Prefect outage is retried until the job's max wait (from `asked`: the job and when it
         asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
-        way the admission is given back and the job ends with the reason."""
+        way the admission is given back and the job ends with the reason, as it does when the
+        limit is full and its max wait has run out. Full otherwise: the job is queued again."""
         if self.limits is None or not caps:
             return None
         limits, done = self.limits, threading.Event()
@@ -88,6 +89,9 @@ class SlotLeases:
             self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
         finally:
             done.set()
+        if left() == 0.0:  # full, and the job's max wait has run out
+            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {self._limit_reason(scope)}"
+            self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
         self.patiently(
             "giving the admission back",
             lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
@@ -95,12 +99,12 @@ class SlotLeases:
         return False
 
     def _end_admission(self, job_id: str, scope: str, state: str, name: str, reason: str) -> None:
-        """Give an admission whose Prefect limits cannot be taken back, end the job in `state`
-        and raise AdmissionRefused(`name`, `reason`)."""
+        """End an admission whose Prefect limits cannot be taken in `state`, unrun, and raise
+        AdmissionRefused(`name`, `reason`)."""
 
         def give_back() -> None:
-            self.ledger.unadmit(job_id, scope, reason)
-            self.ledger.cancel_queued(job_id, scope, reason, state=state)
+            if not self.ledger.unadmit(job_id, scope, reason, end=state):  # queued meanwhile
+                self.ledger.cancel_queued(job_id, scope, reason, state=state)
 
         self.patiently("giving the admission back", give_back, patience=GIVE_BACK_S)
         raise AdmissionRefused(name, reason, job_id)

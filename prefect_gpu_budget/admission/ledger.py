@@ -966,21 +966,30 @@ class Ledger:
         return state, queue
 
     @_reconnecting
-    def unadmit(self, job_id: str, scope: str, reason: str, now: float | None = None) -> bool:
-        """Put an admitted job that could not start back in the queue (keeping its place)."""
+    def unadmit(
+        self,
+        job_id: str,
+        scope: str,
+        reason: str,
+        now: float | None = None,
+        *,
+        end: str | None = None,
+    ) -> bool:
+        """Put an admitted job that could not start back in the queue (keeping its place), or,
+        with `end` (`rejected`, `timed_out`), end it unrun. One transaction either way: the
+        queue decision it makes could otherwise admit the job again before it ends."""
         now = time.time() if now is None else now
         org = scope.split("/")[0]
+        back = {"state": "queued", "reason": reason, "heartbeat_at": now}
         with self._write(org) as conn:
             done = conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "admitted")
                 .values(
-                    state="queued",
                     admitted_at=None,
                     reserved_micro=0,
                     reserve_seconds=0.0,
-                    reason=reason,
-                    heartbeat_at=now,
+                    **(back if end is None else _ended_unrun(end, reason, now)),
                 )
             ).rowcount
             self._bump(conn, org)

@@ -196,10 +196,11 @@ class Watcher:
     def _listen(self) -> None:
         """PostgreSQL: LISTEN on a connection of the watcher's own until there is nothing to
         watch; wake the jobs each notice names."""
-        raw = self.ledger.engine.raw_connection()
-        conn = raw.driver_connection
-        raw.detach()  # the watcher's own: not one of the pool's
+        conn = None
         try:
+            raw = self.ledger.engine.raw_connection()  # a pool's connect raises psycopg's own
+            conn = raw.driver_connection
+            raw.detach()  # the watcher's own: not one of the pool's
             conn.autocommit = True
             conn.execute(f"LISTEN {NOTICE_CHANNEL}")
             self._check_all()  # what was decided before this connection listened
@@ -217,8 +218,9 @@ class Watcher:
                 raise _as_outage(exc) from exc
             raise
         finally:
-            with contextlib.suppress(Exception):
-                conn.close()
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
 
 
 class _Idle(Exception):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import pytest
 import sqlalchemy as sa
@@ -14,9 +15,10 @@ from prefect_gpu_budget.admission import ledger as ledger_module
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from tests.conftest import _fresh_pg
+from tests.conftest import PG_URL, _fresh_pg
 
 JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # $3.60/h: a 360-cent cap fits one
 
@@ -80,13 +82,32 @@ def test_a_freed_slot_wakes_the_job_it_admitted_not_every_waiter(ledger, prices)
     assert len(calls) <= 4 * n, (len(calls), n)  # polling waiters made ~n^2/2 = 128 and more
 
 
-def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices):
+def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices, monkeypatch):
+    """Counted once all 30 jobs are asleep waiting (getting in line reads budgets too), while
+    the one that holds the cap is another process's (its own ledger, no heartbeat in the
+    window): a running job's heartbeat is not waiting."""
+    asleep, lock, wait = [0], threading.Lock(), Ticket.wait
+
+    def counted(ticket: Ticket, timeout: float) -> bool:
+        with lock:
+            asleep[0] += 1
+        try:
+            return wait(ticket, timeout)
+        finally:
+            with lock:
+                asleep[0] -= 1
+
+    monkeypatch.setattr(Ticket, "wait", counted)
     ledger = Ledger(_fresh_pg())
+    holder = Ledger(ledger.url)
     try:
         ledger.set_budget(BudgetRule("conn", hourly_cap_cents=360))
         gate = Gate(ledger, catalog=Catalog.load(prices))
-        held = gate.admit(JOB, "conn/t")
-        done = threading.Event()
+        holding = Gate(holder, catalog=Catalog.load(prices), heartbeat_s=3600)
+        held = holding.admit(JOB, "conn/t")
+        holder.dispose()  # its connection closes; settling reopens one
+        # its watcher (it listened in case the job had to wait) lingers, then closes its own
+        _until(lambda: watcher_for(holder)._thread is None, 30, "the holder's watcher to end")
         waiters = [
             threading.Thread(
                 target=lambda: gate.settle(
@@ -97,7 +118,7 @@ def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices):
         ]
         for thread in waiters:
             thread.start()
-        _until(lambda: len(ledger.jobs("conn", states=("queued",))) == 30, 60, "30 queued jobs")
+        _until(lambda: asleep[0] == 30, 60, "30 jobs asleep in their wait")
         observer = sa.create_engine(ledger_module.normalise_url(ledger.url), poolclass=sa.NullPool)
         peak = 0
         deadline = time.monotonic() + 2.5 * gate.recheck_s  # rechecks included
@@ -113,12 +134,12 @@ def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices):
                 time.sleep(0.1)
         observer.dispose()
         assert 1 <= peak <= 2, peak  # the watcher's LISTEN and the pool's one
-        gate.settle(held, ended_at=time.time(), outcome="completed")
+        holding.settle(held, ended_at=time.time(), outcome="completed")
         for thread in waiters:
             thread.join(timeout=120)
-        done.set()
         assert {r["state"] for r in ledger.jobs("conn")} == {"settled"}
     finally:
+        holder.dispose()
         ledger.dispose()
 
 
@@ -179,3 +200,19 @@ def test_a_deep_queue_keeps_its_order_and_admits_everyone(ledger, prices, depth)
     for thread in threads:
         thread.join(timeout=120)
     assert admitted == sorted(admitted, reverse=True), admitted
+
+
+def test_a_ledger_the_watcher_cannot_reach_is_told_to_its_waiters_as_an_outage():
+    """PostgreSQL: the LISTEN connection's own connect failing (here: no such database) is an
+    outage the waiting jobs hear about in one line, not a watcher error in the log."""
+    gone = sa.make_url(PG_URL).set(database=f"gpu_budget_never_{uuid.uuid4().hex[:8]}")
+    ledger = Ledger(gone.render_as_string(hide_password=False), create=False)
+    told: list[str] = []
+    ticket = watcher_for(ledger).register("job-1", "org", told.append)
+    try:
+        _until(lambda: told, 30, "an outage message")
+        assert told[0].startswith("waiting for admission: the ledger's database is unreachable")
+        assert "does not exist" in told[0] and "\n" not in told[0]
+    finally:
+        watcher_for(ledger).unregister(ticket)
+        ledger.dispose()

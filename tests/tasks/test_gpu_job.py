@@ -57,7 +57,7 @@ def test_max_runtime_stops_the_job_and_bills_what_ran(prefect_api, prices, tmp_p
     @flow
     def too_long():
         state = run_gpu_job(
-            _job(60, max_runtime="2s", kill_grace="1s"),
+            _job(60, max_runtime="2s", kill_grace="3s"),  # the start's record has 3 s
             scope="lab",
             ledger=SpendLedger(database_url=url),
             return_state=True,
@@ -68,7 +68,7 @@ def test_max_runtime_stops_the_job_and_bills_what_ran(prefect_api, prices, tmp_p
     assert name == "GpuJobFailed" and "timed_out" in message
     [row] = ledger.jobs("lab")
     assert row["outcome"] == "timed_out"
-    assert 2.0 <= row["billed_seconds"] < 4.0
+    assert 2.0 <= row["billed_seconds"] < 5.0  # stopped at 2 s (sleep dies at SIGTERM)
     assert row["actual_micro"] <= row["reserved_micro"]
 
 

@@ -11,23 +11,22 @@ refused there in one line with nothing written.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Mapping
 from functools import lru_cache
 
+from prefect_gpu_budget import settings
+from prefect_gpu_budget.settings import PRIORITY_CLASSES_ENV
 from prefect_gpu_budget.units import BudgetInputError, near, shown
 
 PRIORITY_CLASSES = {"high": 100, "normal": 0, "low": -100}
-PRIORITY_CLASSES_ENV = "PREFECT_GPU_BUDGET_PRIORITY_CLASSES"
-"""More named classes, e.g. `urgent=500,scavenger=-500` (values in -1000..1000)."""
 NAME_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 LOWEST, HIGHEST = -1000, 1000
 
 
 def priority_classes() -> dict[str, int]:
     """The named priority classes: high, normal, low, plus those the environment defines."""
-    return {**PRIORITY_CLASSES, **_parse_classes(os.environ.get(PRIORITY_CLASSES_ENV, ""))}
+    return {**PRIORITY_CLASSES, **_parse_classes(settings.priority_classes_text())}
 
 
 @lru_cache(maxsize=8)

@@ -24,6 +24,23 @@ NO_SERVER = (
 """What the CLI says, in one line, when it needed a temporary Prefect server and got none."""
 METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
 """Set in a trial's environment: the file it appends its JSON lines of metrics to."""
+PRIORITY_CLASSES_ENV = "PREFECT_GPU_BUDGET_PRIORITY_CLASSES"
+"""More named priority classes, e.g. `urgent=500,scavenger=-500` (values in -1000..1000)."""
+
+
+def metrics_file() -> str | None:
+    """The file a trial appends its metrics to (GPU_BUDGET_METRICS_FILE), if the launcher set one."""
+    return os.environ.get(METRICS_ENV) or None
+
+
+def piped_columns() -> int:
+    """How wide the CLI prints tables when its output is piped: COLUMNS, else 200."""
+    return int(os.environ.get("COLUMNS") or 200)
+
+
+def priority_classes_text() -> str:
+    """PREFECT_GPU_BUDGET_PRIORITY_CLASSES as given (parsed in priorities.py)."""
+    return os.environ.get(PRIORITY_CLASSES_ENV, "")
 
 
 def _prefect_reads_cwd() -> bool:

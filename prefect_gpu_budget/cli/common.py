@@ -3,13 +3,13 @@ and the figures' formats."""
 
 from __future__ import annotations
 
-import os
 import sys
 from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 import typer
 
+from prefect_gpu_budget import settings
 from prefect_gpu_budget.units import micro_to_usd
 
 
@@ -23,7 +23,7 @@ class _Console:
             from rich.console import Console
 
             # piped output is read by scripts and agents: never wrap it at 80 columns
-            wide = None if sys.stdout.isatty() else int(os.environ.get("COLUMNS") or 200)
+            wide = None if sys.stdout.isatty() else settings.piped_columns()
             _Console._rich = Console(width=wide)
         return self._rich
 

@@ -13,6 +13,8 @@ import time
 
 import numpy as np
 
+from prefect_gpu_budget.settings import metrics_file
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -26,7 +28,7 @@ def main() -> None:
     y = (np.sin(x[:, :1] * 2) + x[:, 1:2] ** 2 > 0.5).astype(float)
     w1 = rng.normal(scale=0.5, size=(8, args.width))
     w2 = rng.normal(scale=0.5, size=(args.width, 1))
-    out = open(os.environ.get("GPU_BUDGET_METRICS_FILE", os.devnull), "a")  # noqa: SIM115
+    out = open(metrics_file() or os.devnull, "a")  # noqa: SIM115
     pause = args.seconds / args.steps
     loss = float("nan")
     for step in range(1, args.steps + 1):

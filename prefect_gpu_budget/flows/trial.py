@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from typing import Any
 
-from prefect_gpu_budget.settings import METRICS_ENV
+from prefect_gpu_budget.settings import metrics_file
 
 
 def report(**metrics: Any) -> None:
     """Append one JSON line of metrics to the file the launcher named (if any)."""
-    path = os.environ.get(METRICS_ENV)
+    path = metrics_file()
     if path:
         with open(path, "a") as handle:
             handle.write(json.dumps(metrics) + "\n")

@@ -18,6 +18,7 @@ calling `run.started(at, external_id, stop)` when its infrastructure really star
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,6 +31,8 @@ from prefect.states import Failed, Pending, Scheduled
 from pydantic import BaseModel, Field
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.outages import patiently
+from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
     from prefect_gpu_budget.admission.policy import Decision
 
 R = TypeVar("R")
+log = logging.getLogger("prefect_gpu_budget.worker")
 CANCEL_POLL_S = 1.0
 """How often a waiting run's state is read to see whether it was cancelled."""
 GATE_VARIABLES = (
@@ -197,7 +201,7 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
         deployment = await worker.client.read_deployment(flow_run.deployment_id)
         deployed = (deployment.job_variables or {}).get("scope") or _pool_default(worker.work_pool)
     refusal = overrides_refusal(dict(flow_run.job_variables or {}), deployed)
-    run_gate = _gate(None)
+    run_gate = await anyio.to_thread.run_sync(_open_gate)
     try:
         job, scope = configuration.gpu_job(flow_run.name)
         configuration.preflight(job, run_gate.quote(job))
@@ -240,6 +244,12 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
         lambda: _set_state(flow_run.id, Pending(message=f"admitted: {admission.reason}"))
     )
     return WorkerRun(run_gate, admission)
+
+
+def _open_gate() -> Gate:
+    """The worker process's gate: opening it (the ledger's engine and schema check) is retried
+    while the ledger is down, as every later call is, saying so in the worker's log."""
+    return patiently("opening the ledger", lambda: _gate(None), log.warning, REQUEST_PATIENCE_S)
 
 
 async def _end(flow_run: FlowRun, state: State | None = None) -> None:

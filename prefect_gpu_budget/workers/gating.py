@@ -58,7 +58,9 @@ GATE_VARIABLES = (
     "priority",
     "max_wait",
     "provisioning",
+    "require_agent_token",
 )
+"""The gate's job variables a flow run may not set itself (`scope` it may narrow)."""
 
 
 class GateVariables(BaseModel):
@@ -77,6 +79,15 @@ class GateVariables(BaseModel):
         default=None, description="The longest the run waits at the gate (default: the budget's)."
     )
     provisioning: str = Field(default="on-demand", description="on-demand, spot or flex-start.")
+    require_agent_token: bool = Field(
+        default=False,
+        description="Runs must carry an agent's token (agent_token) and spend in its session.",
+    )
+    agent_token: str | None = Field(
+        default=None,
+        description="An agent's token (`prefect-gpu-budget agent grant`): the run spends in "
+        "the token's session only. Set per run, by the agent or its gateway.",
+    )
 
 
 class GateConfiguration(BaseModel):
@@ -89,6 +100,8 @@ class GateConfiguration(BaseModel):
     priority: str | int = Field(default=0)
     max_wait: str | None = Field(default=None)
     provisioning: str = Field(default="on-demand")
+    require_agent_token: bool = Field(default=False)
+    agent_token: str | None = Field(default=None)
 
     def gpu_job(self, name: str) -> tuple[GpuJob, str]:
         """The job and scope this run asks for; a one-line `BudgetInputError` if unusable."""
@@ -110,6 +123,25 @@ class GateConfiguration(BaseModel):
 
     def preflight(self, job: GpuJob, quote: Quote) -> None:
         """What a worker type checks of the job before it is admitted (`LaunchConfigError`)."""
+
+
+def bind_to_agent(
+    ledger: Ledger, token: str | None, job: GpuJob, scope: str, required: bool
+) -> tuple[GpuJob, str]:
+    """An agent's run spends in its token's session, as the agents' deployments do: the
+    session must lie within the run's scope, and the job carries the grant, so it queues only
+    while the grant is live. Without a token the run goes on as it is, unless one is
+    `required`. A one-line `BudgetInputError` otherwise (nothing reserved)."""
+    if not token:
+        if required:
+            raise BudgetInputError(
+                "agent_token", "this deployment's runs must carry an agent's token"
+            )
+        return job, scope
+    session, grant = ledger.agent_grant(token)
+    if why := narrowing_refusal(session, scope, "the run's"):
+        raise BudgetInputError("agent_token", f"the token's session: {why}")
+    return job.model_copy(update={"grant": grant}), session
 
 
 def overrides_refusal(run_variables: dict[str, Any], deployed_scope: str | None) -> str:
@@ -204,6 +236,15 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
     run_gate = await anyio.to_thread.run_sync(_open_gate)
     try:
         job, scope = configuration.gpu_job(flow_run.name)
+        job, scope = await anyio.to_thread.run_sync(
+            lambda: bind_to_agent(
+                run_gate.ledger,
+                configuration.agent_token,
+                job,
+                scope,
+                configuration.require_agent_token,
+            )
+        )
         configuration.preflight(job, run_gate.quote(job))
     except (BudgetInputError, LaunchConfigError, ValueError) as bad:
         refusal = refusal or one_line(bad)

@@ -17,7 +17,8 @@ A run cancelled while it waits gives up its place within about a second.
 
 A flow run's own job variables may narrow the deployment's scope (to a sub-scope) and nothing
 else of the gate's: another scope, another instance type, a longer run or a higher priority is
-refused in one line with nothing reserved.
+refused in one line with nothing reserved. With `require_agent_token` set on the deployment or
+pool, a run must carry an agent's token (`agent_token`) and spends in its session only.
 """
 
 from __future__ import annotations

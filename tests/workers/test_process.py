@@ -65,7 +65,11 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ):
             mp.setenv("PREFECT_API_URL", server.api)
             target = flow.from_source(source=str(HERE), entrypoint="gated_target.py:target")
-            for name, runtime in (("gated", "1m"), ("slow", "3s")):
+            for name, runtime, more in (
+                ("gated", "1m", {}),
+                ("slow", "3s", {}),
+                ("agents", "1m", {"require_agent_token": True}),
+            ):
                 target.deploy(
                     name=name,
                     work_pool_name=POOL,
@@ -73,6 +77,7 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                         "instance_type": "local:box",
                         "scope": SCOPE,
                         "max_runtime": runtime,
+                        **more,
                     },
                     build=False,
                     push=False,
@@ -157,6 +162,57 @@ def test_a_run_may_only_narrow_its_scope(house):
     assert cheaper.state.name == "GateRefused" and "instance_type" in cheaper.state.message
     assert narrowed.state.name == "Completed"
     assert len(ledger.jobs()) == before + 1 and ledger.jobs(f"{SCOPE}/a")
+
+
+@pytest.mark.timeout(300)
+def test_a_deployment_that_requires_an_agent_token_binds_the_run_to_its_session(house):
+    """Without a token, with a revoked one, or with one whose session lies outside the
+    deployment's scope: refused, nothing reserved. With the agent's own: the run spends in its
+    session, under its grant."""
+    ledger = house["ledger"]
+    ledger.set_budget(BudgetRule(f"{SCOPE}/agent-1", period_budget_micro=10**7))
+    ledger.set_budget(BudgetRule("lab/elsewhere/agent-2", period_budget_micro=10**7))
+    token = ledger.grant_agent(f"{SCOPE}/agent-1")
+    outside = ledger.grant_agent("lab/elsewhere/agent-2")
+    revoked = ledger.grant_agent(f"{SCOPE}/agent-1")
+    ledger.revoke_agent(f"{SCOPE}/agent-1")  # revokes both of that session's tokens
+    token = ledger.grant_agent(f"{SCOPE}/agent-1")
+    before = len(ledger.jobs())
+    runs = {
+        "none": run_deployment("gated-target/agents", parameters={"seconds": 0}, timeout=0),
+        "revoked": run_deployment(
+            "gated-target/agents", job_variables={"agent_token": revoked}, timeout=0
+        ),
+        "outside": run_deployment(
+            "gated-target/agents", job_variables={"agent_token": outside}, timeout=0
+        ),
+        "own": run_deployment(
+            "gated-target/agents",
+            parameters={"seconds": 0},
+            job_variables={"agent_token": token},
+            timeout=0,
+        ),
+        "unlock": run_deployment(
+            "gated-target/agents", job_variables={"require_agent_token": False}, timeout=0
+        ),
+    }
+    ended = dict(zip(runs, _wait_final([r.id for r in runs.values()]), strict=True))
+    assert ended["none"].state.name == "GateRefused"
+    assert "must carry an agent's token" in ended["none"].state.message
+    assert ended["revoked"].state.name == "GateRefused"
+    assert "unknown or revoked token" in ended["revoked"].state.message
+    assert ended["outside"].state.name == "GateRefused"
+    assert "'lab/elsewhere/agent-2' is not within the run's scope 'lab/gpu'" in (
+        ended["outside"].state.message
+    )
+    assert ended["unlock"].state.name == "GateRefused"
+    assert "require_agent_token is the deployment's to set" in ended["unlock"].state.message
+    for run in ended.values():
+        assert token not in (run.state.message or "") and outside not in (run.state.message or "")
+    assert ended["own"].state.name == "Completed", ended["own"].state
+    assert len(ledger.jobs()) == before + 1
+    [row] = _settled(ledger, f"{SCOPE}/agent-1", 1)
+    assert row["flow_run_id"] == str(runs["own"].id) and row["outcome"] == "completed"
 
 
 @pytest.mark.timeout(300)

@@ -258,6 +258,19 @@ def test_a_run_cancelled_while_it_waits_gives_up_its_place(house):
 
 
 @pytest.mark.timeout(300)
+def test_a_run_cancelled_while_it_runs_is_stopped_and_settled_for_what_ran(house):
+    ledger = house["ledger"]
+    run = run_deployment("gated-target/gated", parameters={"seconds": 45}, timeout=0)
+    wait_for(lambda: _row_of(ledger, run, "running"), 120, "the run to start")
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run.id, Cancelling())
+    [ended] = _wait_final([run.id], timeout=120)
+    assert ended.state.is_cancelled(), ended.state
+    row = wait_for(lambda: _row_of(ledger, run, "settled"), 60, "the worker to settle")
+    assert row["billed_seconds"] < 40, row  # stopped, not run out
+
+
+@pytest.mark.timeout(300)
 def test_a_worker_killed_mid_run_leaves_a_job_reconcile_settles(house):
     ledger = house["ledger"]
     run = run_deployment("gated-target/gated", parameters={"seconds": 30}, timeout=0)

@@ -9,7 +9,6 @@ import contextvars
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import threading
@@ -36,32 +35,13 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import METRICS_ENV, GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
 from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
-from tests.prefect_server import stop_groups
+from tests.prefect_server import free_port, stop_groups, wait_for
 
 POOL = "gpu-process"
 IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start
 SCOPE = "acme/vision/agent-7"
 METRICS_FILE = "/job/metrics.jsonl"  # only handed to the job's environment, never written
 HERE = Path(__file__).parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = check()
-            if value:
-                return value
-        except Exception:  # not up yet
-            pass
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +51,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     tmp = tmp_path_factory.mktemp("deployment-launcher")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")},
@@ -92,7 +72,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     )
     procs = [server]
     try:
-        _wait_for(lambda: urllib.request.urlopen(f"{api}/health", timeout=5), 120, "the server")
+        wait_for(lambda: urllib.request.urlopen(f"{api}/health", timeout=5), 120, "the server")
         with (
             pytest.MonkeyPatch.context() as mp,
             temporary_settings(updates={PREFECT_API_URL: api}),
@@ -240,7 +220,7 @@ def test_max_runtime_cancels_the_flow_run_and_bills_only_what_ran(pool, gate, tm
     runner.start()
     try:
         # (d) reconcile's view of it while it runs: running, since its real start
-        [live] = _wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a started job")
+        [live] = wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a started job")
         probe = launcher.probe(live["external_id"])
         assert probe.state == "running" and probe.started_at == live["started_at"]
     finally:
@@ -277,9 +257,9 @@ def test_a_forged_final_state_is_billed_to_max_runtime_and_called_suspicious(
     with caplog.at_level("WARNING", logger="prefect_gpu_budget.launchers.deployment"):
         runner.start()
         try:
-            [live] = _wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a start")
+            [live] = wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a start")
             run_id = live["external_id"]
-            _wait_for(lambda: (out / f"{run_id}.json").exists(), 30, "the target's record")
+            wait_for(lambda: (out / f"{run_id}.json").exists(), 30, "the target's record")
             forged = urllib.request.Request(
                 f"{pool['api']}/flow_runs/{run_id}/set_state",
                 data=json.dumps({"state": {"type": "COMPLETED"}, "force": True}).encode(),
@@ -299,7 +279,7 @@ def test_a_forged_final_state_is_billed_to_max_runtime_and_called_suspicious(
     assert row["actual_micro"] <= row["reserved_micro"]
     assert any("suspicious" in r.getMessage() and run_id in r.getMessage() for r in caplog.records)
     pid = _record(out, run_id)["pid"]  # its worker was asked to kill it: it does
-    _wait_for(lambda: not _alive(pid), 45, "the forged run's process to be stopped")
+    wait_for(lambda: not _alive(pid), 45, "the forged run's process to be stopped")
 
 
 class Interrupted(BaseException):
@@ -320,7 +300,7 @@ def test_an_interrupted_run_cancels_the_flow_run_before_reraising(pool, gate, tm
         ids.extend(re.findall(r"\(([0-9a-f-]{36})\)", line)[:1])
         if at in line:
             if at == "Running":  # let it record its pid first
-                _wait_for(lambda: (out / f"{ids[0]}.json").exists(), 30, "the target's record")
+                wait_for(lambda: (out / f"{ids[0]}.json").exists(), 30, "the target's record")
             raise Interrupted
 
     with pytest.raises(Interrupted):

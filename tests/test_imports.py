@@ -28,6 +28,12 @@ DECISION = {
     f"{PACKAGE}.units",
 }
 
+GATE = {
+    f"{PACKAGE}.admission.gate",
+    # An admitted job's life runs on the gate: the task, the benchmarks and the workers call it.
+    f"{PACKAGE}.admission.lifecycle",
+}
+
 KNOWN_UPWARD: set[tuple[str, str]] = set()
 """Upward imports let stand, each with the reason (none today: reconcile, which read the gate's
 liveness clocks, now reads them from `admission.timing`). A new one is a failure to fix, and an
@@ -123,7 +129,7 @@ def floor_of(module: str) -> str | None:
     blocks, the models, the forecast and simulator, ...)."""
     if module in DECISION:
         return "decision"
-    if module == f"{PACKAGE}.admission.gate":
+    if module in GATE:
         return "gate"
     for prefix, floor in (
         (f"{PACKAGE}.admission", "ledger"),
@@ -204,6 +210,7 @@ def test_the_floors_are_as_documented():
     assert floor_of(f"{PACKAGE}.admission.policy") == "decision"
     assert floor_of(f"{PACKAGE}.admission.ledger") == "ledger"
     assert floor_of(f"{PACKAGE}.admission.gate") == "gate"
+    assert floor_of(f"{PACKAGE}.admission.lifecycle") == "gate"
     assert floor_of(f"{PACKAGE}.tasks.gpu_job") == "tasks"
     assert floor_of(f"{PACKAGE}.flows.sweep") == "flows"
     assert floor_of(f"{PACKAGE}.cli") == "cli"

@@ -24,6 +24,8 @@ DECISION = {
     f"{PACKAGE}.admission.periods",
     f"{PACKAGE}.admission.accounting",
     f"{PACKAGE}.admission.timing",
+    # What reconcile does with one orphan (`admission/reconcile.py` carries it out).
+    f"{PACKAGE}.admission.orphans",
     f"{PACKAGE}.priorities",
     f"{PACKAGE}.units",
 }

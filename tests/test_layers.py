@@ -22,6 +22,7 @@ DECISION = [
     "prefect_gpu_budget.admission.quota",
     "prefect_gpu_budget.admission.accounting",
     "prefect_gpu_budget.admission.timing",
+    "prefect_gpu_budget.admission.orphans",
 ]
 IMPURE = {
     "prefect",

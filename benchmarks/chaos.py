@@ -114,6 +114,7 @@ from prefect_gpu_budget.admission.audit import (
 )
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, metadata
+from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, Reconciled, reconcile
@@ -235,6 +236,10 @@ class WorkerSpec:
     """A step mark (e.g. `<settle`) at which this worker stops, to be killed right there."""
 
 
+PHASE_WORDS = {"started": "running", "settling": "settling"}
+"""The lifecycle's phases (`admission/lifecycle.py`) as the words a worker tells the parent."""
+
+
 def worker(spec: WorkerSpec, conn: Connection) -> None:
     """Admit, run and settle one job, saying each phase; a pause before each step."""
     from prefect.client.orchestration import get_client
@@ -293,14 +298,8 @@ def worker(spec: WorkerSpec, conn: Connection) -> None:
             say(f"refused:{refused.state_name}")
             return
         say("admitted")
-
-        def started(at: float, external_id: str) -> None:
-            gate.started(admission, at, external_id)
-            say("running")
-
-        result = LocalLauncher().run(job, admission.quote, on_start=started, log=lambda _: None)
-        say("settling")
-        gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+        # the users' path (`run_gpu_job`'s): the phases are the lifecycle's own
+        run_admitted(gate, admission, LocalLauncher(), phase=lambda name: say(PHASE_WORDS[name]))
         say("done")
 
 
@@ -639,13 +638,8 @@ def fault_run(setup: Setup, index: int, fault: str) -> RunResult:
     watch = TreeWatch(value)
     errors = 0
     try:
-        result = LocalLauncher().run(
-            job,
-            admission.quote,
-            on_start=lambda at, ext: gate.started(admission, at, ext),
-            log=lambda _: None,
-        )
-        row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+        ended = run_admitted(gate, admission, LocalLauncher())
+        result, row = ended.result, ended.row
     except Exception as exc:  # counted: the fault broke the job's bookkeeping
         log(f"fault run {fault}: {type(exc).__name__}: {exc}")
         errors, row, result = 1, setup.ledger.job(admission.job_id), None

@@ -5,7 +5,8 @@ nested budgets (hourly caps on session, team and org, carried by Prefect global 
 limits; day, week and month budgets in the ledger on PostgreSQL), and loops through a mix of
 jobs against the real `Gate`:
 
-- run (55%): admitted, started, finished after 0.2-2 s and settled;
+- run (55%): admitted, started, finished after 0.2-2 s and settled, through the job's life that
+  `run_gpu_job` runs (`admission/lifecycle.py`: start recorded, settled once);
 - impatient (15%): its own max_wait of 0.1-0.6 s; times out if it waits longer, else runs;
 - interrupted (20%): a cancellation (an exception raised by a timer signal, like Ctrl-C or a
   task time-out) arrives 0.05-0.6 s after it starts waiting; it runs if admitted before that;
@@ -70,7 +71,6 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import argparse
 import faulthandler
-import heapq
 import itertools
 import json
 import math
@@ -83,11 +83,12 @@ import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 
@@ -98,9 +99,18 @@ from benchmarks.harness.stats import percentile
 from prefect_gpu_budget.admission.audit import audit, slot_mismatches
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
 from prefect_gpu_budget.admission.ledger import Ledger, metadata, normalise_url
+from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import (
+    LaunchResult,
+    Probe,
+    StartHook,
+    StartRecord,
+    SubmitHook,
+    ignore_submission,
+)
 from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
 
 PG_URL = os.environ.get("GATE_SOAK_PG_URL")
@@ -249,54 +259,103 @@ def process_sample() -> dict[str, int]:
     }
 
 
-class Finisher(threading.Thread):
-    """Ends running jobs at their due time and settles them, while the agent submits more."""
+@dataclass(frozen=True)
+class Sleeper:
+    """A launcher whose job sleeps in this process until `seconds` after it starts, then
+    ends `outcome`: what the soak runs through the users' path (`admission/lifecycle.py`, as
+    `run_gpu_job` does), without a process per job. Its start is told as a real launcher's is
+    (`StartRecord`, within the job's kill grace), and a stop ends it early."""
+
+    seconds: float
+    outcome: str = "completed"
+    stopped: threading.Event = field(default_factory=threading.Event, compare=False)
+    kind: ClassVar[str] = "local"
+
+    def preflight(self, job: GpuJob, quote: Any) -> None:
+        """Nothing to check."""
+
+    def run(
+        self,
+        job: GpuJob,
+        quote: Any,
+        *,
+        on_start: StartHook,
+        log: Callable[[str], None],
+        env: dict[str, str] | None = None,
+        on_submit: SubmitHook = ignore_submission,
+    ) -> LaunchResult:
+        started = time.time()
+        external_id = f"soak:{uuid.uuid4().hex[:12]}"
+        record = StartRecord(on_start, started, external_id, min(job.kill_grace, job.max_runtime))
+        outcome, detail, due = self.outcome, "", started + min(self.seconds, job.max_runtime)
+        while not self.stopped.wait(max(0.0, min(0.05, due - time.time()))):
+            if time.time() >= due:
+                break
+            try:
+                record.check()
+            except Exception as exc:  # as the local launcher: stopped, reported
+                outcome, detail = "cancelled", str(exc)
+                break
+        ended = time.time()
+        record.finish()  # the start is on record before the job settles
+        return LaunchResult(outcome, started, ended, detail=detail, external_id=external_id)
+
+    def probe(self, external_id: str) -> Probe:
+        return Probe("unknown")
+
+    def stop(self, external_id: str, grace: float = 10.0) -> None:
+        self.stopped.set()
+
+
+class Runner:
+    """Runs each admitted job in a thread of its own through the job's life
+    (`lifecycle.run_admitted`: start, run, settle once), while the agent submits more."""
 
     def __init__(self, gate: Gate, recorder: Recorder) -> None:
-        super().__init__(name="soak-finisher", daemon=True)
         self.gate, self.recorder = gate, recorder
-        self._due: list[tuple[float, int, Admission]] = []
+        self._running: set[threading.Thread] = set()
         self._seq = itertools.count()
         self._cond = threading.Condition()
-        self._closing = False
 
-    def add(self, due: float, admission: Admission) -> None:
+    def add(self, seconds: float, admission: Admission) -> None:
+        thread = threading.Thread(
+            target=self._run,
+            args=(seconds, admission),
+            name=f"soak-job-{next(self._seq)}",
+            daemon=True,
+        )
         with self._cond:
-            heapq.heappush(self._due, (due, next(self._seq), admission))
-            self._cond.notify_all()
+            self._running.add(thread)
+        thread.start()
+
+    def _run(self, seconds: float, admission: Admission) -> None:
+        try:
+            ended = run_admitted(self.gate, admission, Sleeper(seconds))
+            if ended.result.outcome == "completed":
+                self.recorder.count("completed")
+            else:
+                raise RuntimeError(f"job ended {ended.result.outcome}: {ended.result.detail}")
+        except Exception as exc:
+            self.recorder.error(exc)
+        finally:
+            with self._cond:
+                self._running.discard(threading.current_thread())
+                self._cond.notify_all()
 
     def running(self) -> int:
         with self._cond:
-            return len(self._due)
+            return len(self._running)
 
     def wait_below(self, count: int, deadline: float) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: len(self._due) < count, max(0.0, deadline - time.time()))
+            self._cond.wait_for(
+                lambda: len(self._running) < count, max(0.0, deadline - time.time())
+            )
 
     def close(self) -> None:
-        """Let the jobs still running end at their due time, then stop."""
+        """Let the jobs still running end at their due time."""
         with self._cond:
-            self._closing = True
-            self._cond.notify_all()
-        self.join()
-
-    def run(self) -> None:
-        while True:
-            with self._cond:
-                while True:
-                    if self._due and self._due[0][0] <= time.time():
-                        _, _, admission = heapq.heappop(self._due)
-                        break
-                    if self._closing and not self._due:
-                        return
-                    timeout = self._due[0][0] - time.time() if self._due else None
-                    self._cond.wait(timeout)
-                self._cond.notify_all()
-            try:
-                self.gate.settle(admission, ended_at=time.time(), outcome="completed")
-                self.recorder.count("completed")
-            except Exception as exc:
-                self.recorder.error(exc)
+            self._cond.wait_for(lambda: not self._running)
 
 
 @dataclass(frozen=True)
@@ -322,7 +381,7 @@ class Agent:
         self.ledger = ledger
         events = GateEvents(queued=self._queued, waiting=self._waiting, admitted=self._admitted)
         self.gate = Gate(ledger, limits, catalog=Catalog.load(Path(cfg.prices)), events=events)
-        self.finisher = Finisher(self.gate, self.recorder)
+        self.runner = Runner(self.gate, self.recorder)
         self._waited = False
         self._cancel_after: float | None = None
         self._armed = False
@@ -378,8 +437,7 @@ class Agent:
         for conn in held:
             conn.close()
         admission = self.gate.admit(self.job("warm-up", None), self.cfg.scope)
-        self.gate.started(admission, time.time())
-        self.gate.settle(admission, ended_at=time.time(), outcome="warm-up")
+        run_admitted(self.gate, admission, Sleeper(0.0, outcome="warm-up"))
 
     def job(self, kind: str, max_wait: float | None) -> GpuJob:
         return GpuJob(
@@ -405,10 +463,9 @@ class Agent:
             end + DRAIN_S - time.time(), os.kill, (os.getpid(), signal.SIGUSR1)
         )
         stopper.start()
-        self.finisher.start()
         while time.time() < end:
-            if self.finisher.running() >= IN_FLIGHT:
-                self.finisher.wait_below(IN_FLIGHT, end)
+            if self.runner.running() >= IN_FLIGHT:
+                self.runner.wait_below(IN_FLIGHT, end)
                 continue
             try:
                 self.submit()
@@ -417,7 +474,7 @@ class Agent:
                 time.sleep(0.5)
             time.sleep(self.rng.uniform(*THINK_S))
         stopper.cancel()
-        self.finisher.close()
+        self.runner.close()
         stop.set()
         watcher.join()
         held = self.gate.limits.held if isinstance(self.gate.limits, TimedLimits) else {}
@@ -463,8 +520,7 @@ class Agent:
             self.gate.settle(admission, ended_at=time.time(), outcome="withdrawn")
             self.recorder.count("withdrawn")
             return
-        self.gate.started(admission, time.time())
-        self.finisher.add(time.time() + self.rng.uniform(*RUN_S), admission)
+        self.runner.add(self.rng.uniform(*RUN_S), admission)
 
 
 def agent_main(raw: str) -> None:

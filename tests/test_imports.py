@@ -24,8 +24,16 @@ DECISION = {
     f"{PACKAGE}.admission.periods",
     f"{PACKAGE}.admission.accounting",
     f"{PACKAGE}.admission.timing",
+    # What reconcile does with one orphan (`admission/reconcile.py` carries it out).
+    f"{PACKAGE}.admission.orphans",
     f"{PACKAGE}.priorities",
     f"{PACKAGE}.units",
+}
+
+GATE = {
+    f"{PACKAGE}.admission.gate",
+    # An admitted job's life runs on the gate: the task, the benchmarks and the workers call it.
+    f"{PACKAGE}.admission.lifecycle",
 }
 
 KNOWN_UPWARD: set[tuple[str, str]] = set()
@@ -123,7 +131,7 @@ def floor_of(module: str) -> str | None:
     blocks, the models, the forecast and simulator, ...)."""
     if module in DECISION:
         return "decision"
-    if module == f"{PACKAGE}.admission.gate":
+    if module in GATE:
         return "gate"
     for prefix, floor in (
         (f"{PACKAGE}.admission", "ledger"),
@@ -204,6 +212,7 @@ def test_the_floors_are_as_documented():
     assert floor_of(f"{PACKAGE}.admission.policy") == "decision"
     assert floor_of(f"{PACKAGE}.admission.ledger") == "ledger"
     assert floor_of(f"{PACKAGE}.admission.gate") == "gate"
+    assert floor_of(f"{PACKAGE}.admission.lifecycle") == "gate"
     assert floor_of(f"{PACKAGE}.tasks.gpu_job") == "tasks"
     assert floor_of(f"{PACKAGE}.flows.sweep") == "flows"
     assert floor_of(f"{PACKAGE}.cli") == "cli"

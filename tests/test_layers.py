@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "prefect_gpu_budget"
 DECISION = [
@@ -20,6 +22,7 @@ DECISION = [
     "prefect_gpu_budget.admission.quota",
     "prefect_gpu_budget.admission.accounting",
     "prefect_gpu_budget.admission.timing",
+    "prefect_gpu_budget.admission.orphans",
 ]
 IMPURE = {
     "prefect",
@@ -119,11 +122,17 @@ def test_the_pure_modules_import_what_they_should() -> None:
     )
 
 
-def test_the_ledger_does_not_import_prefect() -> None:
-    assert "prefect" not in {
-        n.split(".")[0] for n in _imports("prefect_gpu_budget.admission.ledger")
-    }
-    probe = "import prefect_gpu_budget.admission.ledger, sys; print('prefect' in sys.modules)"
+NO_PREFECT = [
+    "prefect_gpu_budget.admission.ledger",
+    # the job's life: what the benchmarks and the chaos worker run, outside any Prefect run
+    "prefect_gpu_budget.admission.lifecycle",
+]
+
+
+@pytest.mark.parametrize("module", NO_PREFECT)
+def test_the_ledger_and_the_job_life_do_not_import_prefect(module: str) -> None:
+    assert "prefect" not in {n.split(".")[0] for n in _imports(module)}
+    probe = f"import {module}, sys; print('prefect' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     )

@@ -86,9 +86,8 @@ class Admission:
     slots: int = 0
     pool: str | None = None
     preempted: threading.Event = field(default_factory=threading.Event, repr=False)
-    """Set when a job within its team's quota asked for the capacity this one borrowed."""
-    on_preempt: Callable[[], None] | None = field(default=None, repr=False)
-    """What stops the job when it is preempted (the task sets it to its launcher's stop)."""
+    """Set when a job within its team's quota asked for the capacity this one borrowed; the
+    job's life (`admission/lifecycle.py`) stops the job when it is."""
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
@@ -395,8 +394,6 @@ class Gate(SlotLeases):
                     f"job {admission.job_id[:8]} is preempted: a higher-priority job takes back "
                     f"capacity this one borrowed in pool {admission.pool}; stopping it gracefully"
                 )
-                if admission.on_preempt is not None:
-                    admission.on_preempt()
                 return
 
     def submitted(self, admission: Admission, external_id: str) -> None:

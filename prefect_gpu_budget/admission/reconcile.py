@@ -22,17 +22,18 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from prefect_gpu_budget.admission import orphans
 from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
-    HEARTBEAT_S,
-    STALE_AFTER_S,
-    UNRECORDED_LEASE_S,
+    HEARTBEAT_S as HEARTBEAT_S,
 )
 from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
 from prefect_gpu_budget.admission.timing import LIMIT_RETRY_S as LIMIT_RETRY_S
 from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
 from prefect_gpu_budget.admission.timing import REPOSSESS_S as REPOSSESS_S
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S as UNRECORDED_LEASE_S
 from prefect_gpu_budget.launchers.base import Launcher, Probe
 from prefect_gpu_budget.launchers.registry import launcher_for
 
@@ -69,11 +70,8 @@ def awaiting_lease_expiry(ledger: Ledger, row: dict, now: float) -> bool:
     """A crashed admission in a capped scope that may hold Prefect slots under a lease whose id
     it did not live to record: nothing can hand those back but the lease's expiry, so the row
     stays open (its rate counted by the ledger, as Prefect counts the slots) until then."""
-    return (
-        row["lease_id"] is None
-        and row["admitted_at"] is not None
-        and now < max(row["admitted_at"], row["heartbeat_at"]) + UNRECORDED_LEASE_S
-        and any(rule.hourly_cap_cents is not None for rule in ledger.path_budgets(row["scope"]))
+    return orphans.may_hold_unrecorded_lease(row, now) and any(
+        rule.hourly_cap_cents is not None for rule in ledger.path_budgets(row["scope"])
     )
 
 
@@ -86,58 +84,62 @@ def reconcile(
     stale_after: float = STALE_AFTER_S,
 ) -> list[Reconciled]:
     """Settle or cancel every orphan; `launchers` (by kind) answer for jobs they ran, else
-    saved launcher blocks named in the ledger rows are loaded."""
+    saved launcher blocks named in the ledger rows are loaded. What to do with each is decided
+    by `admission/orphans.py`; this carries it out."""
     now = time.time() if now is None else now
     out = []
     for row in ledger.orphans(now=now, stale_after=stale_after):
-        job_id, scope = row["id"], row["scope"]
-        if row["state"] == "queued":
-            if ledger.cancel_queued(job_id, scope, "waiter vanished; cancelled by reconcile", now):
-                out.append(Reconciled(job_id, scope, "cancelled"))
-            continue
-        if limits is not None and awaiting_lease_expiry(ledger, row, now):
-            out.append(Reconciled(job_id, scope, "awaiting-lease-expiry"))
-            continue
-        started = row["started_at"]
-        action, billed, actual = "settled", None, None
-        launcher, probe = _probe(row, launchers)
-        if started is None and probe.started_at is not None:  # it started after its holder left
-            ledger.mark_started(job_id, probe.started_at, row["external_id"])
-            started = probe.started_at
-        if started is None and probe.state == "running" and launcher is not None:
-            launcher.stop(str(row["external_id"]), grace=5.0)  # still waiting for capacity
-            action = "stopped"
-        if started is None:
-            ended = now
-        elif probe.state == "running":
-            if now < started + row["max_runtime_s"]:  # still within its max runtime: metered on
-                out.append(Reconciled(job_id, scope, "left-running"))
-                continue
-            assert launcher is not None
-            launcher.stop(str(row["external_id"]), grace=5.0)
-            action, ended = "stopped", now
-            after = launcher.probe(str(row["external_id"]))
-            if after.state == "finished" and after.ended_at is not None:  # its real end
-                ended, billed, actual = after.ended_at, after.billed_seconds, after.actual_micro
-        elif probe.state == "finished" and probe.ended_at is not None:
-            ended = min(probe.ended_at, started + row["max_runtime_s"])
-            billed, actual = probe.billed_seconds, probe.actual_micro
-        else:  # gone: charge up to the last moment it could have run, never past max runtime
-            last_seen = max(row["heartbeat_at"], started) + HEARTBEAT_S
-            ended = min(now, last_seen, started + row["max_runtime_s"])
-        done = ledger.settle(
-            job_id,
-            ended_at=ended,
-            outcome="reconciled",
-            billed_seconds=billed,
-            actual_micro=actual,
-            scope=scope,
-            now=now,
+        awaiting = limits is not None and row["state"] != "queued"
+        action = orphans.first_look(
+            row, awaiting_lease_expiry=awaiting and awaiting_lease_expiry(ledger, row, now)
         )
-        if row["lease_id"] and limits is not None:
-            limits.release(row["lease_id"])
-        if done is not None:
-            out.append(Reconciled(job_id, scope, action, done["actual_micro"]))
-        else:
-            out.append(Reconciled(job_id, scope, "already-settled"))
+        launcher = None
+        if action is None:
+            launcher, probe = _probe(row, launchers)
+            action = orphans.decide(
+                row, probe, now=now, can_stop=launcher is not None, limits=limits is not None
+            )
+        out += _carry_out(ledger, limits, launcher, row, action, now)
     return out
+
+
+def _carry_out(
+    ledger: Ledger,
+    limits: RateLimits | None,
+    launcher: Launcher | None,
+    row: dict,
+    action: orphans.Action,
+    now: float,
+) -> list[Reconciled]:
+    """Do what was decided for one orphan; what reconcile reports of it."""
+    job_id, scope = row["id"], row["scope"]
+    if action.verb == "cancel-queued":
+        if ledger.cancel_queued(job_id, scope, "waiter vanished; cancelled by reconcile", now):
+            return [Reconciled(job_id, scope, "cancelled")]
+        return []
+    if action.verb == "await-lease-expiry":
+        return [Reconciled(job_id, scope, "awaiting-lease-expiry")]
+    if action.mark_started_at is not None:
+        ledger.mark_started(job_id, action.mark_started_at, row["external_id"])
+    if action.verb == "leave-running":
+        return [Reconciled(job_id, scope, "left-running")]
+    if action.stop:
+        assert launcher is not None
+        launcher.stop(str(row["external_id"]), grace=5.0)
+        if action.real_end_after_stop:
+            action = orphans.after_stop(action, launcher.probe(str(row["external_id"])))
+    assert action.ended_at is not None
+    done = ledger.settle(
+        job_id,
+        ended_at=action.ended_at,
+        outcome="reconciled",
+        billed_seconds=action.billed_seconds,
+        actual_micro=action.actual_micro,
+        scope=scope,
+        now=now,
+    )
+    if action.release_lease and limits is not None:
+        limits.release(action.release_lease)
+    if done is None:
+        return [Reconciled(job_id, scope, "already-settled")]
+    return [Reconciled(job_id, scope, action.reported, done["actual_micro"])]

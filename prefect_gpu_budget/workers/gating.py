@@ -36,7 +36,8 @@ from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.tasks.gpu_job import AWAITING_BUDGET, _gate
+from prefect_gpu_budget.tasks.events import AWAITING_BUDGET
+from prefect_gpu_budget.tasks.gpu_job import _gate
 from prefect_gpu_budget.units import BudgetInputError, narrowing_refusal, validate_scope
 
 if TYPE_CHECKING:

@@ -232,7 +232,7 @@ def test_a_ledger_stall_at_start_does_not_stretch_the_run(stall_url, prices):
     """The ledger is locked from another connection for longer than max_runtime plus grace
     while the job starts: the job is still stopped in time, and billed what it ran, at most
     its reservation, once the ledger is back."""
-    from prefect_gpu_budget.tasks.gpu_job import _launch
+    from prefect_gpu_budget.admission.lifecycle import run_admitted
 
     ledger = Ledger(normalise_url(stall_url))
     try:
@@ -246,7 +246,8 @@ def test_a_ledger_stall_at_start_does_not_stretch_the_run(stall_url, prices):
         locker.start()
         assert held.wait(30)
         watch = _Lifetime(mark)
-        result, row = _launch(gate, admission, LocalLauncher(), {}, lambda line: None)
+        ended = run_admitted(gate, admission, LocalLauncher())
+        result, row = ended.result, ended.row
         lived = watch.stop()
         locker.join()
         assert lived < 3 + 2 + SLACK_S, lived
@@ -260,7 +261,7 @@ def test_a_ledger_stall_at_start_does_not_stretch_the_run(stall_url, prices):
 
 
 def test_a_short_stall_within_the_kill_grace_lets_the_job_run(prices, tmp_path):
-    from prefect_gpu_budget.tasks.gpu_job import _launch
+    from prefect_gpu_budget.admission.lifecycle import run_admitted
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
@@ -278,7 +279,8 @@ def test_a_short_stall_within_the_kill_grace_lets_the_job_run(prices, tmp_path):
         locker = threading.Thread(target=_hold_lock, args=(url, 1.0, held))
         locker.start()
         assert held.wait(30)
-        result, row = _launch(gate, admission, LocalLauncher(), {}, lambda line: None)
+        ended = run_admitted(gate, admission, LocalLauncher())
+        result, row = ended.result, ended.row
         locker.join()
         assert result.outcome == "completed", result
         assert row["billed_seconds"] >= 2.5

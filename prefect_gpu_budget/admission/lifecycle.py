@@ -1,0 +1,167 @@
+"""An admitted job's life: run it with its launcher, settle it exactly once however it ends,
+and say whether it must be queued again.
+
+No Prefect here: the `run_gpu_job` task, the soak and chaos benchmarks and the chaos worker all
+run a job through `run_admitted`, so what the benchmarks measure is the path users run. The task
+adds what only a Prefect run has (its states, its run logger, its events: `tasks/events.py`).
+
+The launcher stops the job at max_runtime (`Launcher.run`); this module
+- records the start (`Gate.started`) and the cloud's submission (`Gate.submitted`);
+- stops the job gracefully when the gate says its borrowed capacity is reclaimed (the
+  admission's `preempted` event), and names such an end `preempted`;
+- settles once: from the launcher's result, or, when `launcher.run` raised (an error, a
+  cancellation: any `BaseException`), as `cancelled` up to now, before the exception goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import Launcher, LaunchResult
+from prefect_gpu_budget.launchers.registry import launcher_ref
+
+PREEMPTED = "preempted"
+"""The outcome of a job that ended because its borrowed capacity was reclaimed."""
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How an admitted job ended: the launcher's result (its outcome `preempted` when a
+    preemption stopped it) and the settled ledger row."""
+
+    result: LaunchResult
+    row: dict[str, Any]
+    requeue: bool
+    """Preempted, and the job asks to be queued again (`GpuJob.requeue`)."""
+
+
+def ended_by_stop(result: LaunchResult, stopped_at: float | None) -> LaunchResult:
+    """`result`, named `preempted` when the job was stopped for preemption before it ended."""
+    if stopped_at is None or stopped_at >= result.ended_at:
+        return result
+    return replace(result, outcome=PREEMPTED, detail=f"{PREEMPTED}: {result.detail}")
+
+
+class _Preemption:
+    """Stops the job once, gracefully, when its admission is preempted: at once if it is
+    running, else as soon as it starts. Watches only pooled admissions (only borrowed capacity
+    is reclaimed), and stops watching when the job ends."""
+
+    def __init__(self, gate: Gate, admission: Admission, launcher: Launcher) -> None:
+        self.admission, self.launcher = admission, launcher
+        self.poll_s = gate.preempt_poll_s
+        self.external_id: str | None = None
+        self.stopped_at: float | None = None
+        self._lock = threading.Lock()
+        self._over = threading.Event()
+        if admission.pool is not None:
+            threading.Thread(
+                target=self._watch, name=f"gpu-budget-stop-{admission.job_id[:8]}", daemon=True
+            ).start()
+
+    def _watch(self) -> None:
+        while not self._over.is_set():
+            if self.admission.preempted.wait(self.poll_s):
+                self.stop()
+                return
+
+    def starting(self, external_id: str) -> None:
+        """The job runs as `external_id`: from now on a preemption stops it."""
+        with self._lock:
+            self.external_id = external_id
+
+    def started(self) -> None:
+        """Its start is on record: stop it now if it was preempted before that."""
+        if self.admission.preempted.is_set():  # asked before it even started
+            threading.Thread(target=self.stop, daemon=True).start()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self.external_id is None or self.stopped_at is not None:
+                return  # not started yet (`started` stops it), or stopped already
+            self.stopped_at = time.time()
+            external_id = self.external_id
+        self.launcher.stop(external_id, grace=self.admission.job.kill_grace)
+
+    def over(self) -> None:
+        self._over.set()
+
+
+def run_admitted(
+    gate: Gate,
+    admission: Admission,
+    launcher: Launcher,
+    *,
+    env: dict[str, str] | None = None,
+    log: Callable[[str], None] = lambda line: None,
+    phase: Callable[[str], None] = lambda name: None,
+) -> Ended:
+    """Run an admitted job and settle it once, whatever way it ends. A job asked to give its
+    capacity back (preempted) is stopped gracefully: SIGTERM or the cloud's stop, then its
+    grace period to checkpoint, then a kill; it pays for what it used.
+
+    `phase` hears `started` once the start is on record and `settling` just before the
+    settlement (the chaos benchmark kills its workers there). An exception from the launcher
+    (a cancellation included) is re-raised once the job is settled as `cancelled`."""
+    job = admission.job
+    preemption = _Preemption(gate, admission, launcher)
+
+    def on_start(started: float, external_id: str) -> None:
+        preemption.starting(external_id)
+        gate.started(admission, started, external_id)
+        preemption.started()
+        phase("started")
+
+    result: LaunchResult | None = None
+    try:
+        result = launcher.run(
+            job,
+            admission.quote,
+            on_start=on_start,
+            log=log,
+            env=env or {},
+            on_submit=lambda external_id: gate.submitted(admission, external_id),
+        )
+    finally:
+        preemption.over()
+        phase("settling")
+        if result is None:  # cancelled or crashed mid-run: bill until now
+            gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+    result = ended_by_stop(result, preemption.stopped_at)
+    row = gate.settle(
+        admission,
+        ended_at=result.ended_at,
+        outcome=result.outcome,
+        billed_seconds=result.billed_seconds,
+        actual_micro=result.actual_micro,
+    )
+    return Ended(result, row, requeue=result.outcome == PREEMPTED and job.requeue)
+
+
+def run_job(
+    gate: Gate,
+    job: GpuJob,
+    scope: str,
+    launcher: Launcher,
+    *,
+    flow_run_id: str | None = None,
+    env: dict[str, str] | None = None,
+    log: Callable[[str], None] = lambda line: None,
+    requeued: Callable[[Admission, Ended], None] = lambda admission, ended: None,
+) -> tuple[Admission, Ended]:
+    """Admit the job, run it and settle it (`run_admitted`); while a preemption ends it and it
+    asks to be requeued, tell `requeued` and queue it again. Returns the last admission and how
+    it ended; raises `AdmissionRefused` when the gate refuses it (the first time or after a
+    requeue)."""
+    while True:
+        admission = gate.admit(job, scope, flow_run_id=flow_run_id, launcher=launcher_ref(launcher))
+        ended = run_admitted(gate, admission, launcher, env=env, log=log)
+        if not ended.requeue:
+            return admission, ended
+        requeued(admission, ended)

@@ -1,0 +1,170 @@
+"""The Prefect event adapter: a gate's events (`GateEvents`) as the current run's logs, Prefect
+events (`gpu-budget.job.queued|admitted|rejected|settled`), the task run's shown state while a
+job waits (`AwaitingBudget`), and a notification to the researcher when a job starts waiting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger
+from prefect.client.schemas.objects import StateType
+from prefect.context import TaskRunContext
+from prefect.events import emit_event
+from prefect.states import Running, State
+from prefect.utilities.engine import emit_task_run_state_change_event
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, GateEvents
+from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
+
+_warned: set[str] = set()
+
+
+def _refresh_hint(admission: Admission) -> str:
+    cloud = admission.quote.row.key.split(":")[0]
+    if cloud in ("aws", "gcp"):
+        return f" (refresh with `prefect-gpu-budget prices refresh --{cloud}`)"
+    return " (set it with `prefect-gpu-budget prices set-local`)"
+
+
+def _resource(job_id: str, scope: str) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"gpu-budget.job.{job_id}",
+        "prefect.resource.name": scope,
+        "gpu-budget.scope": scope,
+    }
+
+
+def _notify_once(rules: list[BudgetRule], body: str, subject: str) -> None:
+    from prefect.blocks.core import Block
+
+    targets = [r.notify_block for r in reversed(rules) if r.notify_block]
+    if not targets:
+        return
+    block = Block.load(targets[0])
+    block.notify(body=body, subject=subject)
+
+
+AWAITING_BUDGET = "AwaitingBudget"
+"""The state a task run shows while its job waits at the gate (as Prefect shows
+`AwaitingConcurrencySlot`): a Scheduled-type state whose message is the reason."""
+
+
+def _show_state(ctx: TaskRunContext | None, state: State) -> None:
+    """Show `state` on the task run in the UI while its body goes on (the task engine keeps its
+    own state: it still ends the run Completed or Failed, later and so on top)."""
+    if ctx is None:
+        return
+    emit_task_run_state_change_event(
+        task_run=ctx.task_run, initial_state=ctx.task_run.state, validated_state=state
+    )
+
+
+def prefect_events(scope: str, job: GpuJob) -> GateEvents:
+    """Gate events as Prefect logs, events and notifications for the current run."""
+    logger = get_run_logger()
+    ctx = TaskRunContext.get()
+    shown_waiting: list[bool] = []
+
+    def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
+        resumes = ""
+        if decision.resumes_at:
+            resumes = f" (resets {periods.fmt_instant(decision.resumes_at, 'UTC')})"
+        logger.warning("GPU job %s queued in %s: %s%s", job_id[:8], scope, decision.reason, resumes)
+        shown_waiting.append(True)
+        _show_state(
+            ctx,
+            State(
+                type=StateType.SCHEDULED,
+                name=AWAITING_BUDGET,
+                message=f"waiting for budget: {decision.reason}{resumes}",
+            ),
+        )
+        emit_event(
+            event="gpu-budget.job.queued",
+            resource=_resource(job_id, scope),
+            payload={
+                "reason": decision.reason,
+                "limit": decision.limit,
+                "blocking_scope": decision.scope,
+                "instance_type": job.instance_type,
+                "nodes": job.nodes,
+            },
+        )
+        try:
+            _notify_once(
+                rules,
+                f"GPU job {job.name or job.instance_type} in {scope} is waiting: {decision.reason}",
+                subject=f"GPU budget: job waiting in {scope}",
+            )
+        except Exception as exc:  # a failed notification never blocks the gate
+            logger.warning("could not send the waiting notification: %s", exc)
+
+    def waiting(job_id: str, decision: Decision) -> None:
+        logger.info("GPU job %s still waiting: %s", job_id[:8], decision.reason)
+
+    def admitted(admission: Admission) -> None:
+        if shown_waiting:
+            _show_state(ctx, Running(message=f"admitted after {fmt_duration(admission.waited_s)}"))
+        logger.info(
+            "GPU job %s admitted in %s after %s: %s",
+            admission.job_id[:8],
+            scope,
+            fmt_duration(admission.waited_s),
+            admission.reason,
+        )
+        for warning in admission.quote.warnings:
+            if warning not in _warned:  # once per process, not once per trial
+                _warned.add(warning)
+                logger.warning("price warning: %s%s", warning, _refresh_hint(admission))
+        emit_event(
+            event="gpu-budget.job.admitted",
+            resource=_resource(admission.job_id, scope),
+            payload={
+                "reserved_usd": micro_to_usd(admission.reserved_micro),
+                "rate_usd_per_hour": micro_to_usd(admission.quote.rate_micro_per_hour),
+                "waited_s": round(admission.waited_s, 3),
+            },
+        )
+
+    def refused(job_id: str, refused: AdmissionRefused) -> None:
+        logger.error("GPU job %s in %s: %s", job_id[:8], scope, refused)
+        emit_event(
+            event="gpu-budget.job.rejected",
+            resource=_resource(job_id, scope),
+            payload={"state": refused.state_name, "reason": refused.reason},
+        )
+
+    def settled(admission: Admission, row: dict[str, Any]) -> None:
+        logger.info(
+            "GPU job %s settled (%s): %s of %s reserved",
+            admission.job_id[:8],
+            row["outcome"],
+            fmt_usd(row["actual_micro"] or 0),
+            fmt_usd(row["reserved_micro"]),
+        )
+        emit_event(
+            event="gpu-budget.job.settled",
+            resource=_resource(admission.job_id, scope),
+            payload={
+                "outcome": row["outcome"],
+                "actual_usd": micro_to_usd(row["actual_micro"] or 0),
+                "reserved_usd": micro_to_usd(row["reserved_micro"]),
+                "billed_seconds": row["billed_seconds"],
+            },
+        )
+
+    def warning(message: str) -> None:
+        logger.warning("GPU budget gate: %s", message)
+
+    return GateEvents(
+        queued=queued,
+        waiting=waiting,
+        admitted=admitted,
+        refused=refused,
+        settled=settled,
+        warning=warning,
+    )

@@ -1,0 +1,115 @@
+"""An admitted job's life (`admission/lifecycle.py`) without Prefect or a ledger: a recording
+gate and a scripted launcher show it settles once however the job ends, names a stop for
+preemption `preempted`, and says when to requeue."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from prefect_gpu_budget.admission.gate import Admission
+from prefect_gpu_budget.admission.lifecycle import PREEMPTED, run_admitted
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.base import LaunchResult, Probe
+
+
+class RecordingGate:
+    """What the lifecycle calls on a gate, recorded."""
+
+    preempt_poll_s = 0.01
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def started(self, admission: Admission, at: float, external_id: str | None = None) -> None:
+        self.calls.append(("started", external_id))
+
+    def submitted(self, admission: Admission, external_id: str) -> None:
+        self.calls.append(("submitted", external_id))
+
+    def settle(self, admission: Admission, *, ended_at: float, outcome: str, **kw: Any) -> dict:
+        self.calls.append(("settle", outcome))
+        return {"outcome": outcome, "ended_at": ended_at, **kw}
+
+    def settles(self) -> list[str]:
+        return [what for call, what in self.calls if call == "settle"]
+
+
+class Scripted:
+    """Starts, then waits until stopped or `run_s` passes; or raises `error` once started."""
+
+    kind = "local"
+
+    def __init__(self, run_s: float = 0.0, error: BaseException | None = None) -> None:
+        self.run_s, self.error = run_s, error
+        self.stopped = threading.Event()
+        self.stops: list[str] = []
+
+    def preflight(self, job: GpuJob, quote: Any) -> None: ...
+
+    def run(self, job: GpuJob, quote: Any, *, on_start, log, env=None, on_submit=None):
+        on_submit("ext-1")
+        began = time.time()
+        on_start(began, "ext-1")
+        if self.error is not None:
+            raise self.error
+        self.stopped.wait(self.run_s)
+        outcome = "cancelled" if self.stopped.is_set() else "completed"
+        return LaunchResult(outcome, began, time.time(), exit_code=0, detail="done")
+
+    def probe(self, external_id: str) -> Probe:
+        return Probe("unknown")
+
+    def stop(self, external_id: str, grace: float = 10.0) -> None:
+        self.stops.append(external_id)
+        self.stopped.set()
+
+
+def _admission(pool: str | None = None, requeue: bool = True) -> Admission:
+    job = GpuJob(instance_type="local:box", command=["true"], max_runtime="1m", requeue=requeue)
+    return Admission("job-1", "lab/s", job, None, 0, 0.0, "fits", pool=pool)  # type: ignore[arg-type]
+
+
+def test_a_job_that_ends_settles_once_from_its_result() -> None:
+    gate = RecordingGate()
+    ended = run_admitted(gate, _admission(), Scripted())  # type: ignore[arg-type]
+    assert gate.calls == [("submitted", "ext-1"), ("started", "ext-1"), ("settle", "completed")]
+    assert ended.result.outcome == "completed" and not ended.requeue
+
+
+@pytest.mark.parametrize("error", [RuntimeError("crashed"), KeyboardInterrupt()])
+def test_a_job_whose_launcher_raises_settles_once_as_cancelled(error: BaseException) -> None:
+    gate, phases = RecordingGate(), []
+    with pytest.raises(type(error)):
+        run_admitted(gate, _admission(), Scripted(error=error), phase=phases.append)  # type: ignore[arg-type]
+    assert gate.settles() == ["cancelled"]
+    assert phases == ["started", "settling"]
+
+
+def test_a_preempted_job_is_stopped_named_preempted_and_requeued() -> None:
+    gate, admission, launcher = RecordingGate(), _admission(pool="lab"), Scripted(run_s=30)
+    threading.Timer(0.2, admission.preempted.set).start()
+    began = time.time()
+    ended = run_admitted(gate, admission, launcher)  # type: ignore[arg-type]
+    assert time.time() - began < 5
+    assert launcher.stops == ["ext-1"]
+    assert ended.result.outcome == PREEMPTED and ended.result.detail.startswith("preempted: ")
+    assert gate.settles() == [PREEMPTED] and ended.requeue
+
+
+def test_a_job_preempted_before_it_starts_is_stopped_as_it_starts() -> None:
+    gate, admission, launcher = RecordingGate(), _admission(pool="lab", requeue=False), Scripted(30)
+    admission.preempted.set()
+    ended = run_admitted(gate, admission, launcher)  # type: ignore[arg-type]
+    assert launcher.stops == ["ext-1"]
+    assert ended.result.outcome == PREEMPTED and not ended.requeue
+
+
+def test_outside_a_pool_nothing_watches_for_preemption() -> None:
+    gate, admission, launcher = RecordingGate(), _admission(pool=None), Scripted(run_s=0.3)
+    threading.Timer(0.05, admission.preempted.set).start()  # never set by the gate: ignored
+    ended = run_admitted(gate, admission, launcher)  # type: ignore[arg-type]
+    assert launcher.stops == [] and ended.result.outcome == "completed"

@@ -19,6 +19,7 @@ from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.conftest import PG_URL, _fresh_pg
+from tests.postgres import fresh_database
 
 JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # $3.60/h: a 360-cent cap fits one
 
@@ -98,8 +99,13 @@ def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices, mon
                 asleep[0] -= 1
 
     monkeypatch.setattr(Ticket, "wait", counted)
-    ledger = Ledger(_fresh_pg())
-    holder = Ledger(ledger.url)
+    with fresh_database(PG_URL) as own:  # no other test's connections in the count
+        _count_connections_while_waiting(own, prices, asleep)
+
+
+def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> None:
+    ledger = Ledger(url)
+    holder = Ledger(url)
     try:
         ledger.set_budget(BudgetRule("conn", hourly_cap_cents=360))
         gate = Gate(ledger, catalog=Catalog.load(prices))
@@ -112,7 +118,8 @@ def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices, mon
             threading.Thread(
                 target=lambda: gate.settle(
                     gate.admit(JOB, "conn/t"), ended_at=time.time(), outcome="completed"
-                )
+                ),
+                daemon=True,
             )
             for _ in range(30)
         ]
@@ -133,10 +140,10 @@ def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices, mon
                 peak = max(peak, count)
                 time.sleep(0.1)
         observer.dispose()
-        assert 1 <= peak <= 2, peak  # the watcher's LISTEN and the pool's one
         holding.settle(held, ended_at=time.time(), outcome="completed")
         for thread in waiters:
             thread.join(timeout=120)
+        assert 1 <= peak <= 2, peak  # the watcher's LISTEN and the pool's one
         assert {r["state"] for r in ledger.jobs("conn")} == {"settled"}
     finally:
         holder.dispose()

@@ -57,6 +57,7 @@ from prefect_gpu_budget.identity import holder_alive as holder_alive
 from prefect_gpu_budget.identity import holder_id as holder_id
 from prefect_gpu_budget.identity import process_start_ticks as process_start_ticks
 from prefect_gpu_budget.units import (
+    AGENT_MAX_QUEUED,
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
     BudgetInputError,
@@ -68,8 +69,6 @@ P = ParamSpec("P")
 T = TypeVar("T")
 ACTIVE = ("admitted", "running")
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
-AGENT_MAX_QUEUED = 16
-"""Jobs an agent session may have queued at once unless its team's `AgentLimits` say."""
 
 metadata = sa.MetaData()
 

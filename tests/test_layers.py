@@ -119,10 +119,16 @@ def test_the_pure_modules_import_what_they_should() -> None:
     )
 
 
+LEDGER = "prefect_gpu_budget.admission.ledger"
+
+
 def test_the_ledger_does_not_import_prefect() -> None:
-    assert "prefect" not in {
-        n.split(".")[0] for n in _imports("prefect_gpu_budget.admission.ledger")
-    }
+    package = ROOT.joinpath(*LEDGER.split("."))
+    inner = [f"{LEDGER}.{p.stem}" for p in sorted(package.glob("*.py")) if p.stem != "__init__"]
+    modules = [LEDGER, *inner]
+    assert len(modules) > 2, modules  # the package and its modules
+    for module in modules:
+        assert "prefect" not in {n.split(".")[0] for n in _imports(module)}, module
     probe = "import prefect_gpu_budget.admission.ledger, sys; print('prefect' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True

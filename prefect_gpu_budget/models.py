@@ -14,10 +14,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.ledger import AGENT_MAX_QUEUED
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.units import (
+    AGENT_MAX_QUEUED,
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
     MICRO_PER_USD,

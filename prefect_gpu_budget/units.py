@@ -20,6 +20,8 @@ MICRO_PER_CENT = 10_000
 MAX_USD = Decimal(10) ** 9
 """Largest amount accepted anywhere (a billion dollars): keeps every sum inside 64-bit integers."""
 MAX_DURATION_S = 30 * 24 * 3600
+AGENT_MAX_QUEUED = 16
+"""Jobs an agent session may have queued at once unless its team's `AgentLimits` say."""
 
 
 def shown(value: object, limit: int = 60) -> str:

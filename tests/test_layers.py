@@ -122,16 +122,30 @@ def test_the_pure_modules_import_what_they_should() -> None:
     )
 
 
+LEDGER = "prefect_gpu_budget.admission.ledger"
 NO_PREFECT = [
-    "prefect_gpu_budget.admission.ledger",
+    LEDGER,
     # the job's life: what the benchmarks and the chaos worker run, outside any Prefect run
     "prefect_gpu_budget.admission.lifecycle",
 ]
 
 
+def _with_submodules(module: str) -> list[str]:
+    """`module` and, for a package, each module in it."""
+    package = ROOT.joinpath(*module.split("."))
+    if not package.is_dir():
+        return [module]
+    return [module] + [
+        f"{module}.{p.stem}" for p in sorted(package.glob("*.py")) if p.stem != "__init__"
+    ]
+
+
 @pytest.mark.parametrize("module", NO_PREFECT)
 def test_the_ledger_and_the_job_life_do_not_import_prefect(module: str) -> None:
-    assert "prefect" not in {n.split(".")[0] for n in _imports(module)}
+    modules = _with_submodules(module)
+    assert module != LEDGER or len(modules) > 2, modules  # the package and its modules
+    for each in modules:
+        assert "prefect" not in {n.split(".")[0] for n in _imports(each)}, each
     probe = f"import {module}, sys; print('prefect' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True

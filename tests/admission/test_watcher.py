@@ -14,6 +14,7 @@ import sqlalchemy as sa
 from prefect_gpu_budget.admission import ledger as ledger_module
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.ledger import engine as ledger_engine
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob
@@ -153,7 +154,7 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
 def test_a_lost_notice_is_caught_by_the_recheck(prices, monkeypatch):
     """PostgreSQL: a notice that never arrives (a dropped LISTEN connection) delays a waiter
     by one recheck at most; the recheck's own decision admits it."""
-    monkeypatch.setattr(ledger_module, "notice_payloads", lambda org, ids: [])
+    monkeypatch.setattr(ledger_engine, "notice_payloads", lambda org, ids: [])  # `_bump` calls it
     ledger = Ledger(_fresh_pg())
     try:
         ledger.set_budget(BudgetRule("lost", hourly_cap_cents=360))

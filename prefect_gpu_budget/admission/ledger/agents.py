@@ -1,0 +1,168 @@
+"""Agents: the tokens that bind an agent to one session scope (only their hashes are kept),
+their revocation, the ceilings an admin sets on a team's agents, and the refusal of an agent's
+job that may not even queue."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.tables import (
+    _ended_unrun,
+    agent_grants,
+    agent_limits,
+    budgets,
+    jobs,
+    templates,
+)
+from prefect_gpu_budget.units import AGENT_MAX_QUEUED, BudgetInputError, validate_scope
+
+if TYPE_CHECKING:
+    from prefect_gpu_budget.admission.ledger.decisions import NewJob
+
+
+class AgentsMixin(EngineMixin):
+    """Agent grants (tokens), their revocation, and the limits on a team's agents."""
+
+    @_reconnecting
+    def grant_agent(self, scope: str, now: float | None = None) -> str:
+        """A new token that lets an agent spend in session `scope` only. Shown once: only its
+        hash is stored. Refused for a session with no budget of its own and no team session
+        template: an agent is never bounded by its org's budget alone."""
+        if validate_scope(scope).count("/") != 2:
+            raise BudgetInputError(
+                "scope", f"an agent is granted one session 'org/team/session', got {scope!r}"
+            )
+        team = scope.rsplit("/", 1)[0]
+        with self._read() as conn:
+            bounded = (
+                conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first()
+                or conn.execute(
+                    sa.select(templates.c.scope).where(templates.c.scope == team)
+                ).first()
+            )
+        if not bounded:
+            raise BudgetInputError(
+                "scope",
+                f"{scope} has no budget and {team} no session template: set one first "
+                f"(`budget set {scope} ...` or `budget set {team} --session-template ...`)",
+            )
+        token = "gpub_" + secrets.token_urlsafe(32)
+        with self.engine.begin() as conn:
+            conn.execute(
+                agent_grants.insert().values(
+                    token_sha256=_token_hash(token),
+                    scope=scope,
+                    created_at=time.time() if now is None else now,
+                )
+            )
+        return token
+
+    @_reconnecting
+    def revoke_agent(self, scope: str, now: float | None = None) -> tuple[int, int]:
+        """Revoke every token granted for `scope` and cancel the session's queued jobs, in one
+        transaction under the org's lock: no job of the session is admitted after it (its
+        running jobs go on). Returns (tokens revoked, queued jobs cancelled)."""
+        org = validate_scope(scope).split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now
+            revoked = conn.execute(
+                agent_grants.update()
+                .where(agent_grants.c.scope == scope, agent_grants.c.revoked_at.is_(None))
+                .values(revoked_at=now)
+            ).rowcount
+            cancelled = conn.execute(
+                jobs.update()
+                .where(jobs.c.scope == scope, jobs.c.state == "queued")
+                .values(**_ended_unrun("cancelled", "its agent's grant was revoked", now))
+            ).rowcount
+            self._bump(conn, org)
+        return revoked, cancelled
+
+    @_reconnecting
+    def agent_grant(self, token: str) -> tuple[str, str]:
+        """(session scope, grant id) of a live token; BudgetInputError otherwise."""
+        grant = _token_hash(token)
+        scope = self.grant_scope(grant)
+        if scope is None:
+            raise BudgetInputError("agent_token", "unknown or revoked token")
+        return scope, grant
+
+    def agent_scope(self, token: str) -> str:
+        """The session scope a live token was granted; BudgetInputError otherwise."""
+        return self.agent_grant(token)[0]
+
+    @_reconnecting
+    def grant_scope(self, grant: str) -> str | None:
+        """The session of a live grant (by id); None when unknown or revoked."""
+        with self._read() as conn:
+            return _live_grant(conn, grant)
+
+    @_reconnecting
+    def set_agent_limits(self, team: str, limits: dict[str, Any], now: float | None = None) -> None:
+        """Store an admin's ceilings for the agents of `team`'s sessions (validated by the
+        caller, `models.AgentLimits`)."""
+        if validate_scope(team).count("/") != 1:
+            raise BudgetInputError(
+                "team", f"agent limits belong to a team 'org/team', got {team!r}"
+            )
+        org = team.split("/")[0]
+        with self._write(org) as conn:
+            conn.execute(agent_limits.delete().where(agent_limits.c.team == team))
+            conn.execute(
+                agent_limits.insert().values(
+                    team=team,
+                    org=org,
+                    limits=json.dumps(limits, sort_keys=True),
+                    updated_at=time.time() if now is None else now,
+                )
+            )
+
+    @_reconnecting
+    def agent_limits(self, team: str) -> dict[str, Any] | None:
+        """The ceilings an admin set for `team`'s agents; None: the defaults apply."""
+        with self._read() as conn:
+            return _limits_of(conn, team)
+
+    def _grant_refusal(self, conn: Connection, job: NewJob) -> str:
+        """Why an agent's job may not even queue: its grant is gone, or its session already
+        has as many queued jobs as its team's agents may."""
+        if _live_grant(conn, job.grant or "") != job.scope:
+            return "its agent's grant was revoked"
+        limits = _limits_of(conn, job.scope.rsplit("/", 1)[0]) or {}
+        most = int(limits.get("max_queued", AGENT_MAX_QUEUED))
+        queued = conn.execute(
+            sa.select(sa.func.count())
+            .select_from(jobs)
+            .where(jobs.c.scope == job.scope, jobs.c.state == "queued")
+        ).scalar_one()
+        if queued >= most:
+            return f"{job.scope} has {queued} queued jobs, the most its agents may have queued"
+        return ""
+
+
+def _token_hash(token: object) -> str:
+    return hashlib.sha256(str(token).encode("utf-8", "replace")).hexdigest()
+
+
+def _live_grant(conn: Connection, grant: str) -> str | None:
+    row = conn.execute(
+        sa.select(agent_grants.c.scope).where(
+            agent_grants.c.token_sha256 == grant, agent_grants.c.revoked_at.is_(None)
+        )
+    ).first()
+    return None if row is None else row.scope
+
+
+def _limits_of(conn: Connection, team: str) -> dict[str, Any] | None:
+    text = conn.execute(
+        sa.select(agent_limits.c.limits).where(agent_limits.c.team == team)
+    ).scalar_one_or_none()
+    return None if text is None else json.loads(text)

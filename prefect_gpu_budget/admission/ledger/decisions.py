@@ -1,0 +1,527 @@
+"""The admission transaction: a job recorded and decided, the org's queue decided, a job
+given back to the queue or ended unrun.
+
+Each runs under its org's lock (`EngineMixin._write`), loads what the policy needs (`_load`:
+the org's queued and active jobs, the budgets on their paths, the period spend, pools and
+quotas where a job uses one), and writes what `policy.decide` / `policy.plan` says.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from prefect_gpu_budget import priorities
+from prefect_gpu_budget.admission.ledger.config import _classes_of
+from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.rows import (
+    _load_pools,
+    _load_quotas,
+    _rule,
+    _states,
+    hold_of,
+)
+from prefect_gpu_budget.admission.ledger.tables import (
+    ACTIVE,
+    _ended_unrun,
+    budgets,
+    jobs,
+    period_spend,
+)
+from prefect_gpu_budget.admission.policy import (
+    NOT_REACHED,
+    OVERRUN_WINDOW,
+    Decision,
+    LedgerState,
+    Request,
+    decide,
+    overrun_factors,
+    plan,
+)
+from prefect_gpu_budget.admission.quota import Placed, Shape, job_share, pool_for, team_of
+from prefect_gpu_budget.admission.timing import STALE_WAITER_S
+from prefect_gpu_budget.units import BudgetInputError, scope_path
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What the gate records when a job asks to be admitted."""
+
+    scope: str
+    name: str
+    instance_type: str
+    provisioning: str
+    nodes: int
+    rate_micro_per_hour: int
+    rate_cents: int
+    priority: int
+    max_runtime_s: float
+    expected_runtime_s: float | None
+    holder: str
+    launcher: str = "local"
+    on_limit: str | None = None
+    max_wait_s: float | None = None
+    flow_run_id: str | None = None
+    pool: str | None = None
+    """A pool the job names; None: the pool serving its instance type, if any."""
+    node_gpus: int = 0
+    node_vcpu: int = 0
+    node_memory_gib: int = 0
+    grant: str | None = None
+    """An agent's grant id: the job queues only while the grant is live (see `revoke_agent`)."""
+    partial: bool = False
+    """The job asks for a part of each machine (`GpuJob.gpus`...): it needs a capacity pool."""
+    priority_class: str | None = None
+    """An org's own class the job names: `priority` is set from it when it is recorded."""
+
+
+class DecisionsMixin(EngineMixin):
+    """Requests and their decisions, the org's queue, and what leaves the queue unrun."""
+
+    _overrun_cache: dict[str, tuple[float, dict[str, float]]]
+    """Per org: when `_overrun` last read it, and what it read."""
+
+    if TYPE_CHECKING:
+
+        def _grant_refusal(self, conn: Connection, job: NewJob) -> str: ...
+
+        def _ensure_session_budget(self, conn: Connection, scope: str, now: float) -> None: ...
+
+    def request(
+        self, job: NewJob, now: float | None = None, job_id: str | None = None
+    ) -> tuple[str, Decision]:
+        """Record a job asking to be admitted and decide it at once, in one transaction.
+
+        A session scope with no budget first gets its team's session template, if any.
+        Asking again with the same `job_id` (after an outage) records the job once.
+        """
+        job_id = job_id or str(uuid.uuid4())  # fixed before any retry: recorded once
+        return job_id, self._request(job_id, job, now)
+
+    @_reconnecting
+    def _request(self, job_id: str, job: NewJob, now: float | None) -> Decision:
+        org = job.scope.split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
+            done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
+            if done is not None:  # committed before the connection dropped
+                return _recorded(conn, done)
+            self._ensure_session_budget(conn, job.scope, now)
+            if job.priority_class is not None:
+                value = priorities.resolve(job.priority_class, _classes_of(conn, org), org)
+                job = replace(job, priority=value)
+            refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
+            conn.execute(
+                jobs.insert().values(
+                    id=job_id,
+                    org=org,
+                    state="queued",
+                    reason="",
+                    requested_at=now,
+                    heartbeat_at=now,
+                    reserved_micro=0,
+                    reserve_seconds=0.0,
+                    team=team_of(job.scope),
+                    **{
+                        k: v
+                        for k, v in self._in_pool(conn, org, job).__dict__.items()
+                        if k not in ("grant", "partial", "priority_class")
+                    },
+                )
+            )
+            if refusal:  # on record like any refusal, and nothing reserved
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id)
+                    .values(**_ended_unrun("rejected", refusal, now))
+                )
+                return Decision("reject", refusal, limit="agent")
+            return self._decide(conn, job_id, org, now, reason="", waited=None)
+
+    def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
+        """The job with the pool it runs in (named, or serving its instance type) and its
+        per-node shape (`job_share`: vCPU and memory left at 0 take the pool's proportional
+        default; a job that names no GPUs, vCPU or memory takes a whole machine)."""
+        found = pool_for(_load_pools(conn, org), job.instance_type, job.pool)
+        if job.pool is not None and found is None:
+            raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
+        if found is None and job.partial:
+            raise BudgetInputError(
+                "gpus",
+                f"a part of a machine runs only in a capacity pool, and no pool of {org} "
+                f"serves {job.instance_type}",
+            )
+        if found is None:
+            return replace(job, pool=None)
+        vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
+        res = job_share(found, job.node_gpus, vcpu, memory)
+        return replace(
+            job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2]
+        )
+
+    @_reconnecting
+    def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
+        """Decide a queued job against everything else in its org, in one transaction.
+
+        Writes what the decision says: the admission and its reservation, a rejection or a
+        time-out, or the reason it still waits (so `status` can say why).
+        """
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
+            row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
+            if row["state"] == "admitted":  # by another's transaction: its holder takes over
+                conn.execute(jobs.update().where(jobs.c.id == job_id).values(heartbeat_at=now))
+            if row["state"] != "queued":
+                return _recorded(conn, row)
+            return self._decide(conn, job_id, org, now, reason=row["reason"], waited=row)
+
+    def _decide(
+        self, conn: Connection, job_id: str, org: str, now: float, reason: str, waited: Any
+    ) -> Decision:
+        """Run the policy for a queued job and write what it says, heartbeat included, and what
+        held it for how long (`waited`: the job's row as it stood, None for a new job)."""
+        state, queue = self._load(conn, org, now, job_id)
+        decision = decide(state, queue, job_id)
+        _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
+        if decision.verdict != "wait" or asked:
+            self._bump(conn, org)
+        return decision
+
+    def _write_decision(
+        self,
+        conn: Connection,
+        job_id: str,
+        decision: Decision,
+        now: float,
+        waited: Any,
+        reason: str | None = None,
+        *,
+        holder: bool = True,
+    ) -> tuple[bool, bool]:
+        """Write a queued job's decision (`waited`: its row as it stood, None for a new job).
+        Returns whether its state or what holds it changed, and whether it asked borrowed jobs
+        to stop. Only its `holder` deciding stamps a waiting job's row: a job decided by
+        another's transaction must not look alive when its holder is gone (an admission stamps
+        it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
+        reason = waited["reason"] if reason is None else reason
+        tally = _wait_tally(waited, decision, now)
+        values: dict[str, Any] = dict(tally)
+        if holder or decision.verdict != "wait":
+            values["heartbeat_at"] = now
+        if decision.verdict == "admit":
+            values.update(
+                state="admitted",
+                admitted_at=now,
+                reserved_micro=decision.reserved_micro,
+                reserve_seconds=decision.reserve_seconds,
+                reason=decision.reason,
+                placement=",".join(map(str, decision.placement)),
+            )
+        elif decision.verdict in ("reject", "timeout"):
+            ended = "rejected" if decision.verdict == "reject" else "timed_out"
+            values.update(_ended_unrun(ended, decision.reason, now))
+        elif decision.reason != reason:
+            values["reason"] = decision.reason
+        if values:
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
+        asked = 0
+        if decision.preempt:  # borrowed work gives lent capacity back: its holders stop it
+            asked = conn.execute(
+                jobs.update()
+                .where(
+                    jobs.c.id.in_(decision.preempt),
+                    jobs.c.state.in_(ACTIVE),
+                    jobs.c.preempt_at.is_(None),
+                )
+                .values(preempt_at=now, reason=f"preempted for job {job_id[:8]}")
+            ).rowcount
+        return decision.verdict != "wait" or bool(tally), bool(asked)
+
+    def _load(
+        self, conn: Connection, org: str, now: float, deciding: str
+    ) -> tuple[LedgerState, list[Request]]:
+        rows = conn.execute(
+            sa.select(
+                jobs.c.id,
+                jobs.c.scope,
+                jobs.c.state,
+                jobs.c.rate_micro_per_hour,
+                jobs.c.rate_cents,
+                jobs.c.max_runtime_s,
+                jobs.c.expected_runtime_s,
+                jobs.c.priority,
+                jobs.c.requested_at,
+                jobs.c.heartbeat_at,
+                jobs.c.on_limit,
+                jobs.c.max_wait_s,
+                jobs.c.reserved_micro,
+                jobs.c.admitted_at,
+                jobs.c.started_at,
+                jobs.c.reserve_seconds,
+                jobs.c.nodes,
+                jobs.c.pool,
+                jobs.c.team,
+                jobs.c.node_gpus,
+                jobs.c.node_vcpu,
+                jobs.c.node_memory_gib,
+                jobs.c.placement,
+            ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
+        ).all()
+        holds, queue, scopes, placed = [], [], set(), []
+        for r in rows:
+            scopes.update(scope_path(r.scope))
+            shape = (
+                None
+                if r.pool is None
+                else Shape(r.pool, r.team, (r.node_gpus, r.node_vcpu, r.node_memory_gib), r.nodes)
+            )
+            if r.state == "queued":
+                if r.heartbeat_at >= now - STALE_WAITER_S or r.id == deciding:
+                    queue.append(
+                        Request(
+                            job_id=r.id,
+                            scope=r.scope,
+                            rate_micro_per_hour=r.rate_micro_per_hour,
+                            rate_cents=r.rate_cents,
+                            max_runtime_s=r.max_runtime_s,
+                            expected_runtime_s=r.expected_runtime_s,
+                            priority=r.priority,
+                            requested_at=r.requested_at,
+                            on_limit=r.on_limit,
+                            max_wait_s=r.max_wait_s,
+                            shape=shape,
+                        )
+                    )
+            else:
+                holds.append(hold_of(r._mapping, now=now))
+                if shape is not None:
+                    where = tuple(int(i) for i in (r.placement or "").split(",") if i)
+                    placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at))
+        rules = {
+            row["scope"]: _rule(row)
+            for row in conn.execute(
+                sa.select(budgets).where(budgets.c.scope.in_(scopes))
+            ).mappings()
+        }
+        settled = {
+            (r.scope, r.period_start): r.settled_micro
+            for r in conn.execute(
+                sa.select(period_spend).where(
+                    period_spend.c.scope.in_(list(rules)), period_spend.c.period_end > now
+                )
+            )
+        }
+        overrun = (
+            self._overrun(conn, org, now)
+            if any(r.reservation_mode == "estimate" for r in rules.values())
+            else {}
+        )
+        if not placed and all(req.shape is None for req in queue):
+            state = LedgerState(
+                now=now, budgets=rules, holds=holds, settled=settled, overrun=overrun
+            )
+            return state, queue
+        org_pools = {p.name: p for p in _load_pools(conn, org)}
+        quotas = {(q.pool, q.team): q for q in _load_quotas(conn, org)}
+        state = LedgerState(
+            now=now,
+            budgets=rules,
+            holds=holds,
+            settled=settled,
+            pools=org_pools,
+            quotas=quotas,
+            placed=tuple(placed),
+            overrun=overrun,
+        )
+        return state, queue
+
+    def _decide_queue(self, conn: Connection, org: str, now: float) -> list[str]:
+        """Decide every queued job of `org` the policy reaches this round (`plan`) and write what
+        it says; the ids whose state or whatever holds them changed. Jobs it does not reach
+        (behind a job that holds what they need) are left as they are."""
+        state, queue = self._load(conn, org, now, "")
+        if not queue:
+            return []
+        reached = {k: d for k, d in plan(state, queue).items() if d is not NOT_REACHED}
+        if not reached:
+            return []
+        rows = {
+            row["id"]: row
+            for row in conn.execute(
+                sa.select(
+                    jobs.c.id, jobs.c.reason, jobs.c.wait_key, jobs.c.wait_since, jobs.c.waits
+                ).where(jobs.c.id.in_(list(reached)))
+            ).mappings()
+        }
+        decided = []
+        for job_id, decision in reached.items():
+            changed, _ = self._write_decision(
+                conn, job_id, decision, now, rows[job_id], holder=False
+            )
+            if changed:
+                decided.append(job_id)
+        return decided
+
+    @_reconnecting
+    def recheck(
+        self, org: str, waiting: Iterable[str], now: float | None = None
+    ) -> dict[str, tuple[str, str | None]]:
+        """A watcher's safety pass over `org`, in one transaction: stamp the rows of the jobs it
+        waits for (`waiting`: they keep their place), decide the org's queue (time alone can
+        make room: a period rolls over, a waiter elsewhere went silent), and return `states`.
+        It catches what a lost notice would have said."""
+        waiting = list(waiting)
+        with self._write(org) as conn:
+            now = time.time() if now is None else now
+            if waiting:
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id.in_(waiting), jobs.c.state == "queued")
+                    .values(heartbeat_at=now)
+                )
+            decided = self._decide_queue(conn, org, now)
+            if decided:
+                self._bump(conn, org, decided, decide=False)
+            return _states(conn, waiting)
+
+    @_reconnecting
+    def unadmit(
+        self,
+        job_id: str,
+        scope: str,
+        reason: str,
+        now: float | None = None,
+        *,
+        end: str | None = None,
+    ) -> bool:
+        """Put an admitted job that could not start back in the queue (keeping its place), or,
+        with `end` (`rejected`, `timed_out`), end it unrun. One transaction either way: the
+        queue decision it makes could otherwise admit the job again before it ends."""
+        now = time.time() if now is None else now
+        org = scope.split("/")[0]
+        back = {"state": "queued", "reason": reason, "heartbeat_at": now}
+        with self._write(org) as conn:
+            done = conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                .values(
+                    admitted_at=None,
+                    reserved_micro=0,
+                    reserve_seconds=0.0,
+                    **(back if end is None else _ended_unrun(end, reason, now)),
+                )
+            ).rowcount
+            self._bump(conn, org)
+        return bool(done)
+
+    @_reconnecting
+    def cancel_queued(
+        self,
+        job_id: str,
+        scope: str,
+        reason: str,
+        now: float | None = None,
+        state: str = "cancelled",
+    ) -> bool:
+        """End a queued job: `cancelled`, or `timed_out` when its max wait ran out."""
+        now = time.time() if now is None else now
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            done = conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "queued")
+                .values(**_ended_unrun(state, reason, now))
+            ).rowcount
+            self._bump(conn, org)
+        return bool(done)
+
+    def _overrun(self, conn: Connection, org: str, now: float) -> dict[str, float]:
+        """Per scope, how far its settled jobs overran their estimates; read at most every
+        OVERRUN_REFRESH_S per org and process (it changes slowly, and the read is not free)."""
+        cached = self._overrun_cache.get(org)
+        if cached is None or not 0 <= now - cached[0] < OVERRUN_REFRESH_S:
+            cached = (now, _overrun(conn, org))
+            self._overrun_cache[org] = cached
+        return cached[1]
+
+
+LEARNED_OUTCOMES = ("completed", "failed", "timed_out")
+"""Jobs that ran their course: cancelled, preempted or reconciled ones teach nothing."""
+OVERRUN_SAMPLE = 20 * OVERRUN_WINDOW
+"""How many of an org's latest settled jobs estimate mode learns from."""
+OVERRUN_REFRESH_S = 30.0
+
+
+def _overrun(conn: Connection, org: str) -> dict[str, float]:
+    """Per scope, how far its latest settled jobs ran past their expected runtime."""
+    rows = conn.execute(
+        sa.select(jobs.c.scope, jobs.c.billed_seconds, jobs.c.expected_runtime_s)
+        .where(
+            jobs.c.org == org,
+            jobs.c.state == "settled",
+            jobs.c.outcome.in_(LEARNED_OUTCOMES),
+            jobs.c.expected_runtime_s > 0,
+            jobs.c.billed_seconds > 0,
+        )
+        .order_by(jobs.c.settled_at.desc(), jobs.c.id)
+        .limit(OVERRUN_SAMPLE)
+    )
+    return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)
+
+
+def _recorded(conn: Connection, row: Any) -> Decision:
+    """The decision already recorded for a job that is no longer queued; an admission with what
+    its holder needs to take over (the capped scopes on its path, its pool and placement)."""
+    state = row["state"]
+    if state in ACTIVE or state == "settled":
+        path = scope_path(row["scope"])
+        caps = dict(
+            conn.execute(
+                sa.select(budgets.c.scope, budgets.c.hourly_cap_cents).where(
+                    budgets.c.scope.in_(path), budgets.c.hourly_cap_cents.is_not(None)
+                )
+            ).all()
+        )
+        return Decision(
+            "admit",
+            row["reason"],
+            reserved_micro=row["reserved_micro"],
+            reserve_seconds=row["reserve_seconds"],
+            caps=tuple((s, caps[s]) for s in path if s in caps),
+            placement=tuple(int(i) for i in (row["placement"] or "").split(",") if i),
+            pool=row["pool"],
+        )
+    if state == "timed_out":
+        return Decision("timeout", row["reason"])
+    return Decision("reject", row["reason"] or state)
+
+
+def wait_key(decision: Decision) -> str | None:
+    """What holds a waiting job, as its row's `wait_key` says: `limit scope` (None: nothing)."""
+    if decision.verdict != "wait":
+        return None
+    return f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
+
+
+def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
+    """The columns that say what held a queued job and for how long: the limit and scope
+    holding it now (`wait_key`) since when, and seconds per limit and scope that held it before
+    (`waits`, JSON). Only a change of what holds it writes anything."""
+    old = row["wait_key"] if row is not None else None
+    key = wait_key(decision)
+    if key == old and row is not None:
+        return {}
+    out: dict[str, Any] = {"wait_key": key, "wait_since": now if key else None}
+    if old is not None:
+        waits = json.loads(row["waits"] or "{}")
+        waits[old] = round(waits.get(old, 0.0) + now - (row["wait_since"] or now), 3)
+        out["waits"] = json.dumps(waits)
+    return out

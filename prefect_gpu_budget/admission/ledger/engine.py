@@ -1,0 +1,278 @@
+"""How the ledger reaches its database: URLs, the engine, and the one transaction per call.
+
+Writes run in a transaction serialised per org (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: a
+transaction-scoped advisory lock on the org), so any number of processes on any number of
+machines see one order. A write that may have made headroom ends in `_bump`: the org's queue
+is decided, its version bumped and (PostgreSQL) the jobs decided are named on NOTICE_CHANNEL.
+A SQLite ledger file is watched for being replaced under a live process (`_FileIdentity`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine
+
+from prefect_gpu_budget.admission.ledger.tables import SCHEMA, jobs, metadata, schema, versions
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+def default_url() -> str:
+    from prefect_gpu_budget.settings import default_ledger_url
+
+    return default_ledger_url()
+
+
+def normalise_url(url: str) -> str:
+    """Plain `postgresql://` URLs use the psycopg (v3) driver that this package installs.
+
+    A user name or password with an unencoded `@` (or `/`, `:`) is percent-encoded: the
+    credentials run to the LAST `@`, never into the host name (where a connection error would
+    show the password's tail)."""
+    if url.startswith("postgresql://") or url.startswith("postgres://"):
+        url = "postgresql+psycopg://" + url.split("://", 1)[1]
+    scheme, sep, rest = url.partition("://")
+    if sep and rest.count("@") > 1:
+        from urllib.parse import quote
+
+        userinfo, _, location = rest.rpartition("@")
+        user, colon, password = userinfo.partition(":")
+        safe = "!$&'()*+,;=%-._~"  # keep what needs no encoding, and escapes already made
+        userinfo = quote(user, safe=safe) + colon + quote(password, safe=safe)
+        url = f"{scheme}://{userinfo}@{location}"
+    return url
+
+
+def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
+    """Run a ledger call once more if the database dropped its pooled connection (a restart).
+
+    Every call is one transaction that either committed or rolled back; settling is
+    idempotent, and a request is retried under the same job id, so it is recorded once.
+    """
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except sa.exc.DBAPIError as exc:
+            if not exc.connection_invalidated:
+                raise
+            return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _org_lock_key(org: str) -> int:
+    return int.from_bytes(hashlib.blake2b(org.encode(), digest_size=8).digest(), "big", signed=True)
+
+
+NOTICE_CHANNEL = "gpu_budget_decided"
+"""The PostgreSQL channel on which a transaction that decided queued jobs names them."""
+_NOTICE_BYTES = 7900  # PostgreSQL's limit on a payload is 8000 bytes
+
+
+def notice_payloads(org: str, job_ids: Iterable[str]) -> list[str]:
+    """`org|id,id,...` notices naming the jobs decided, each under PostgreSQL's payload limit
+    (one notice, naming none, when the org changed but no job's decision did)."""
+    out, ids = [], list(job_ids)
+    while True:
+        chunk: list[str] = []
+        while ids and len(org) + sum(len(i) + 1 for i in chunk) + len(ids[0]) < _NOTICE_BYTES:
+            chunk.append(ids.pop(0))
+        out.append(f"{org}|{','.join(chunk)}")
+        if not ids:
+            return out
+
+
+def read_notice(payload: str) -> tuple[str, list[str]]:
+    """The org and the job ids of a notice (`notice_payloads`)."""
+    org, _, ids = payload.partition("|")
+    return org, [i for i in ids.split(",") if i]
+
+
+class LedgerFileReplaced(RuntimeError):
+    """The SQLite ledger file this process opened was replaced or removed: writing on would
+    split the ledger in two (this process on the old inode, new processes on a new file)."""
+
+
+class _FileIdentity:
+    """The (st_dev, st_ino) of a SQLite ledger file, taken on first connect and checked at
+    every transaction's begin (one `stat`, about a microsecond)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.seen: tuple[int, int] | None = None
+
+    def before_first_connect(self) -> None:
+        """A missing file whose write-ahead log is still there was removed under a live
+        process: opening it would fail later with a bare `disk I/O error`."""
+        if self.seen is None and not os.path.exists(self.path):
+            left = [s for s in ("-wal", "-shm") if os.path.exists(self.path + s)]
+            if left:
+                raise LedgerFileReplaced(
+                    f"the ledger file {self.path} was removed while a process had it open "
+                    f"({self.path}{left[0]} remains); stop the processes using it, then restore "
+                    "the file or remove its -wal and -shm files"
+                )
+
+    def check(self) -> None:
+        try:
+            st = os.stat(self.path)
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        if self.seen is None and now is not None:
+            self.seen = now
+        elif now != self.seen:
+            raise LedgerFileReplaced(
+                f"the ledger file {self.path} was replaced or removed while this process used "
+                "it; refusing to admit against a copy no other process sees (restart this "
+                "process once the ledger file is back in place)"
+            )
+
+
+def _create_private(path: str) -> None:
+    """Create a new SQLite ledger file readable by its owner only (SQLite gives its -wal and
+    -shm files the same mode), so other users (agents' jobs) cannot read the rows of other
+    sessions. An existing file keeps its mode."""
+    with suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        path = url.split("///", 1)[-1]
+        identity = None
+        if path and path != ":memory:" and not path.startswith("file:"):
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            identity = _FileIdentity(os.path.abspath(path))
+            identity.before_first_connect()
+            _create_private(path)
+        engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+
+        @sa.event.listens_for(engine, "connect")
+        def _connect(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+            cursor = dbapi_conn.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.execute("PRAGMA busy_timeout=60000")
+            cursor.close()
+            if identity is not None:
+                identity.check()
+
+        @sa.event.listens_for(engine, "begin")
+        def _begin(conn: Connection) -> None:
+            if identity is not None:
+                identity.check()
+            read = conn.get_execution_options().get("gpu_budget_read")
+            conn.exec_driver_sql("BEGIN DEFERRED" if read else "BEGIN IMMEDIATE")
+
+        return engine
+    # No pre-ping (a round trip per checkout on the hot path): a connection the server dropped
+    # fails its first statement, the pool is invalidated, and `_reconnecting` runs the call again.
+    # One connection kept per process, a few more only while that many threads write at once
+    # (then closed): a process whose jobs only wait holds this one and its watcher's.
+    return sa.create_engine(
+        url,
+        pool_size=1,
+        max_overflow=3,
+        pool_timeout=120,
+        connect_args={"application_name": "prefect-gpu-budget"},
+    )
+
+
+class EngineMixin:
+    """The engine and its transactions, and the ledger's schema brought up to date. The other
+    parts of the `Ledger` run their transactions on this engine, mostly through `_write` (under
+    the org's lock) and `_read`; a write that may make headroom ends in `_bump`."""
+
+    url: str
+    engine: Engine
+    is_sqlite: bool
+
+    if TYPE_CHECKING:
+
+        def _decide_queue(self, conn: Connection, org: str, now: float) -> list[str]: ...
+
+    def create(self) -> None:
+        """Make the tables, and the columns an earlier version lacked, unless the ledger says it
+        has this version's schema already (one query instead of an inspection per table: the
+        CLI opens the ledger on every command)."""
+        if self._schema_is_current():
+            return
+        for attempt in range(5):
+            try:
+                metadata.create_all(self.engine)
+                self._add_new_columns()
+                with self.engine.begin() as conn:
+                    if not conn.execute(schema.select().where(schema.c.digest == SCHEMA)).first():
+                        conn.execute(schema.insert().values(digest=SCHEMA))
+                return
+            except sa.exc.DBAPIError:  # another process created the same table at once
+                if attempt == 4:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+
+    def _schema_is_current(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                return bool(conn.execute(schema.select().where(schema.c.digest == SCHEMA)).first())
+        except sa.exc.DBAPIError:  # no such table yet: a new ledger, or an older one
+            return False
+
+    def _add_new_columns(self) -> None:
+        """A ledger made by an earlier version lacks the newer (nullable) columns and indexes."""
+        have = {c["name"] for c in sa.inspect(self.engine).get_columns(jobs.name)}
+        for column in jobs.columns:
+            if column.name not in have:
+                kind = column.type.compile(self.engine.dialect)
+                with self.engine.begin() as conn:
+                    conn.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {column.name} {kind}")
+        for index in jobs.indexes:
+            index.create(self.engine, checkfirst=True)
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _write(self, org: str) -> Iterator[Connection]:
+        with self.engine.connect() as conn, conn.begin():
+            if not self.is_sqlite:
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
+            yield conn
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        with self.engine.connect().execution_options(gpu_budget_read=True) as conn, conn.begin():
+            yield conn
+
+    def _bump(
+        self, conn: Connection, org: str, decided: Iterable[str] = (), *, decide: bool = True
+    ) -> None:
+        """Headroom may have appeared in `org` (a job settled, left the queue, a budget or a pool
+        changed): decide its queue once, admitting every job that now fits whichever process
+        holds it, bump the org's version and notify (PostgreSQL) the jobs decided, `decided`
+        included, all in the caller's transaction. Their holders' watchers wake only them."""
+        decided = [*decided, *(self._decide_queue(conn, org, time.time()) if decide else ())]
+        updated = conn.execute(
+            versions.update().where(versions.c.org == org).values(version=versions.c.version + 1)
+        )
+        if updated.rowcount == 0:
+            conn.execute(versions.insert().values(org=org, version=1))
+        if not self.is_sqlite:
+            for payload in notice_payloads(org, decided):
+                conn.execute(
+                    sa.text("SELECT pg_notify(:channel, :payload)"),
+                    {"channel": NOTICE_CHANNEL, "payload": payload},
+                )

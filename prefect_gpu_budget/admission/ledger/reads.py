@@ -1,0 +1,269 @@
+"""The ledger read: versions and states (what a waiter watches), jobs, per-scope status,
+orphans, period spend, pools with their queues, and how long a job was held by what."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import sqlalchemy as sa
+
+from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.rows import _load_pools, _load_quotas, _states, hold_of
+from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs, period_spend, versions
+from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
+from prefect_gpu_budget.admission.quota import Capacity, Placed, Shape
+from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.identity import holder_alive
+
+
+class ReadsMixin(EngineMixin):
+    """The read models: versions and states (what waiters watch), jobs, per-scope status,
+    orphans, period spend, and each pool's use and queue."""
+
+    if TYPE_CHECKING:
+
+        def budgets(self, org: str | None = None) -> list[BudgetRule]: ...
+
+    @_reconnecting
+    def version(self, org: str) -> int:
+        """Changes whenever headroom may have appeared in `org`: waiters poll this cheaply."""
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    sa.select(versions.c.version).where(versions.c.org == org)
+                ).scalar_one_or_none()
+                or 0
+            )
+
+    @_reconnecting
+    def versions(self, orgs: Iterable[str]) -> dict[str, int]:
+        """`version` of several orgs in one read (a watcher's poll on SQLite)."""
+        with self._read() as conn:
+            return dict(
+                conn.execute(
+                    sa.select(versions.c.org, versions.c.version).where(
+                        versions.c.org.in_(list(orgs))
+                    )
+                ).all()
+            )
+
+    @_reconnecting
+    def states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str | None]]:
+        """(state, what holds it) of each job, in one read: how a watcher learns which of the
+        jobs it waits for were decided."""
+        with self._read() as conn:
+            return _states(conn, list(job_ids))
+
+    @_reconnecting
+    def job(self, job_id: str) -> dict[str, Any]:
+        with self._read() as conn:
+            return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
+
+    @_reconnecting
+    def jobs(
+        self,
+        scope: str | None = None,
+        states: tuple[str, ...] | None = None,
+        *,
+        limit: int | None = None,
+        flow_run_id: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Jobs in `scope` (and below) in request order; with `limit`, only the newest that
+        many, and with `flow_run_id`, only that run's (both chosen in SQL, not in memory)."""
+        query = sa.select(jobs).order_by(jobs.c.requested_at)
+        if limit is not None:
+            query = (
+                sa.select(jobs)
+                .order_by(jobs.c.requested_at.desc(), jobs.c.id.desc())
+                .limit(max(0, limit))
+            )
+        if flow_run_id is not None:
+            query = query.where(jobs.c.flow_run_id == flow_run_id)
+        if scope:
+            query = query.where(
+                sa.or_(jobs.c.scope == scope, jobs.c.scope.startswith(scope + "/", autoescape=True))
+            )
+        if states:
+            query = query.where(jobs.c.state.in_(states))
+        with self._read() as conn:
+            found = [dict(row) for row in conn.execute(query).mappings()]
+        return found[::-1] if limit is not None else found
+
+    @_reconnecting
+    def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
+        """Per budgeted scope: cap, running rate, period spend (settled, reserved), queue."""
+        now = time.time() if now is None else now
+        rules = [r for r in self.budgets() if _within(r.scope, scope)]
+        out = []
+        with self._read() as conn:
+            for rule in rules:
+                subtree = sa.or_(
+                    jobs.c.scope == rule.scope,
+                    jobs.c.scope.startswith(rule.scope + "/", autoescape=True),
+                )
+                rows = conn.execute(
+                    sa.select(
+                        jobs.c.state,
+                        jobs.c.rate_micro_per_hour,
+                        jobs.c.max_runtime_s,
+                        jobs.c.reserved_micro,
+                        jobs.c.admitted_at,
+                        jobs.c.started_at,
+                        jobs.c.reserve_seconds,
+                    ).where(subtree, jobs.c.state.in_(("queued", *ACTIVE)))
+                ).all()
+                p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
+                reserved = sum(
+                    share_in(*committed(hold_of(r._mapping, rule.scope, now), now), rule, p_start)
+                    for r in rows
+                    if r.state in ACTIVE
+                )
+                settled = (
+                    conn.execute(
+                        sa.select(period_spend.c.settled_micro).where(
+                            period_spend.c.scope == rule.scope,
+                            period_spend.c.period_start == p_start,
+                        )
+                    ).scalar_one_or_none()
+                    or 0
+                )
+                budget = rule.period_budget_micro
+                out.append(
+                    {
+                        "scope": rule.scope,
+                        "hourly_cap_micro": None
+                        if rule.hourly_cap_cents is None
+                        else rule.hourly_cap_cents * 10_000,
+                        "running_rate_micro": sum(
+                            r.rate_micro_per_hour for r in rows if r.state in ACTIVE
+                        ),
+                        "period": rule.period,
+                        "period_start": p_start,
+                        "period_end": p_end,
+                        "timezone": rule.timezone,
+                        "period_budget_micro": budget,
+                        "settled_micro": settled,
+                        "reserved_micro": reserved,
+                        "remaining_micro": None if budget is None else budget - settled - reserved,
+                        "running": sum(1 for r in rows if r.state in ACTIVE),
+                        "queued": sum(1 for r in rows if r.state == "queued"),
+                    }
+                )
+        return out
+
+    def orphans(
+        self, now: float | None = None, stale_after: float = STALE_AFTER_S
+    ) -> list[dict[str, Any]]:
+        """Active or queued jobs whose holder is gone: dead on this host, or silent too long."""
+        now = time.time() if now is None else now
+        found = []
+        for row in self.jobs(states=("queued", *ACTIVE)):
+            alive = holder_alive(row["holder"])
+            if alive is False or (alive is None and row["heartbeat_at"] < now - stale_after):
+                found.append(row)
+        return found
+
+    @_reconnecting
+    def period_settled(self, scope: str, period_start: float) -> int:
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    sa.select(period_spend.c.settled_micro).where(
+                        period_spend.c.scope == scope, period_spend.c.period_start == period_start
+                    )
+                ).scalar_one_or_none()
+                or 0
+            )
+
+    @_reconnecting
+    def capacity_status(self, org: str) -> list[dict[str, Any]]:
+        """Per pool: its size, used, each team's quota / used / borrowed / lendable, and its
+        queue with the reasons (for `status` and the spend report)."""
+        with self._read() as conn:
+            org_pools, quotas = _load_pools(conn, org), _load_quotas(conn, org)
+            if not org_pools:
+                return []
+            rows = (
+                conn.execute(
+                    sa.select(jobs)
+                    .where(jobs.c.org == org, jobs.c.pool.is_not(None))
+                    .where(jobs.c.state.in_(("queued", *ACTIVE)))
+                    .order_by(jobs.c.requested_at)
+                )
+                .mappings()
+                .all()
+            )
+        placed = [
+            Placed(
+                r["id"],
+                Shape(
+                    r["pool"],
+                    r["team"],
+                    (r["node_gpus"], r["node_vcpu"], r["node_memory_gib"]),
+                    r["nodes"],
+                ),
+                tuple(int(i) for i in (r["placement"] or "").split(",") if i),
+                r["priority"],
+                r["admitted_at"],
+            )
+            for r in rows
+            if r["state"] in ACTIVE
+        ]
+        cap = Capacity(
+            {p.name: p for p in org_pools}, {(q.pool, q.team): q for q in quotas}, placed
+        )
+        return [
+            {
+                "org": org,
+                "pool": p.name,
+                "kind": p.kind,
+                "nodes": p.nodes,
+                "node": p.node,
+                "gpu_model": p.gpu_model,
+                "backfill": p.backfill,
+                "used": cap.pool_used(p.name),
+                "total": p.total,
+                "teams": cap.status(p.name),
+                "queue": [
+                    {
+                        "job_id": r["id"],
+                        "scope": r["scope"],
+                        "nodes": r["nodes"],
+                        "priority": r["priority"],
+                        "reason": r["reason"],
+                    }
+                    for r in rows
+                    if r["pool"] == p.name and r["state"] == "queued"
+                ],
+            }
+            for p in org_pools
+        ]
+
+    @_reconnecting
+    def preempt_requested(self, job_id: str) -> bool:
+        """Whether a higher-priority job asked this (borrowed) one to give its capacity back."""
+        with self._read() as conn:
+            return (
+                conn.execute(
+                    sa.select(jobs.c.preempt_at).where(jobs.c.id == job_id)
+                ).scalar_one_or_none()
+                is not None
+            )
+
+
+def wait_spans(row: dict[str, Any]) -> dict[str, float]:
+    """Seconds a job was held, per limit and scope that held it (`hourly_cap acme/vision`,
+    `period_budget acme`, `queue` behind an earlier job, ...); empty for a job nothing held."""
+    waits = json.loads(row.get("waits") or "{}")
+    if row.get("wait_key") and row.get("wait_since"):
+        end = row.get("admitted_at") or row.get("ended_at") or time.time()
+        waits[row["wait_key"]] = waits.get(row["wait_key"], 0.0) + end - row["wait_since"]
+    return {key: round(seconds, 3) for key, seconds in waits.items()}
+
+
+def _within(scope: str, parent: str | None) -> bool:
+    return parent is None or scope == parent or scope.startswith(parent + "/")

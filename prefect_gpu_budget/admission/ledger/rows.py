@@ -1,0 +1,89 @@
+"""What the ledger's rows stand for, read by more than one part of the `Ledger`: a budget row
+as a `BudgetRule`, an admitted job's row as a `Hold`, an org's pools and team quotas, and the
+states of jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from prefect_gpu_budget.admission.ledger.tables import jobs, pools, team_quotas
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold
+from prefect_gpu_budget.admission.quota import Pool, TeamQuota
+
+
+def _rule(row: Any) -> BudgetRule:
+    return BudgetRule(
+        scope=row["scope"],
+        hourly_cap_cents=row["hourly_cap_cents"],
+        period_budget_micro=row["period_budget_micro"],
+        period=row["period"],
+        timezone=row["timezone"],
+        on_limit=row["on_limit"],
+        max_wait_s=row["max_wait_s"],
+        reservation_mode=row["reservation_mode"],
+        notify_block=row["notify_block"],
+    )
+
+
+def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hold:
+    """The Hold an admitted job's row stands for (`scope` where the row does not carry it).
+
+    Given `now`, the hold is anchored where its spend can fall: at the job's start once it has
+    started (a cloud job may wait hours for capacity after admission), else at `now` (nothing is
+    spent before it starts). Without `now`, at its admission, as the decision then saw it.
+    """
+    start = row["admitted_at"]
+    if now is not None:
+        started = row.get("started_at")
+        start = started if started is not None and started <= now else max(start, now)
+    return Hold(
+        scope or row["scope"],
+        row.get("rate_cents", 0),
+        row["reserved_micro"],
+        start,
+        start + row["reserve_seconds"],
+        row["rate_micro_per_hour"],
+        start + row["max_runtime_s"],
+    )
+
+
+def _load_pools(conn: Connection, org: str) -> list[Pool]:
+    return [
+        Pool(
+            org=r.org,
+            name=r.name,
+            nodes=r.nodes,
+            node=(r.gpus, r.vcpu, r.memory_gib),
+            instance_types=tuple(t for t in r.instance_types.split(",") if t),
+            gpu_model=r.gpu_model,
+            kind=r.kind,
+            backfill=bool(r.backfill),
+        )
+        for r in conn.execute(sa.select(pools).where(pools.c.org == org).order_by(pools.c.name))
+    ]
+
+
+def _load_quotas(conn: Connection, org: str) -> list[TeamQuota]:
+    return [
+        TeamQuota(
+            pool=r.pool,
+            team=r.team,
+            quota=(r.gpus, r.vcpu, r.memory_gib),
+            borrow_pct=r.borrow_pct,
+            lend_pct=r.lend_pct,
+            weight=r.weight,
+        )
+        for r in conn.execute(
+            sa.select(team_quotas).where(team_quotas.c.org == org).order_by(team_quotas.c.team)
+        )
+    ]
+
+
+def _states(conn: Connection, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
+    if not job_ids:
+        return {}
+    query = sa.select(jobs.c.id, jobs.c.state, jobs.c.wait_key).where(jobs.c.id.in_(job_ids))
+    return {row.id: (row.state, row.wait_key) for row in conn.execute(query)}

@@ -1,0 +1,155 @@
+"""A job's life after admission: started, submitted to a cloud, holding a Prefect lease,
+alive (heartbeats), and settled exactly once, its actual cost booked to the period spend of
+every budget on its path."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from prefect_gpu_budget.admission import accounting, periods
+from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.rows import _rule
+from prefect_gpu_budget.admission.ledger.tables import ACTIVE, budgets, jobs, period_spend
+from prefect_gpu_budget.units import scope_path
+
+
+class SettlementMixin(EngineMixin):
+    """The writes of an admitted job's launcher and of its settlement."""
+
+    @_reconnecting
+    def mark_started(self, job_id: str, started_at: float, external_id: str | None = None) -> bool:
+        """The launcher started the job (`external_id`: pid and start ticks, or a cloud job id).
+
+        False if the job is no longer admitted (reconcile settled it): it must not run.
+        """
+        with self.engine.begin() as conn:
+            return bool(
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                    .values(
+                        state="running",
+                        started_at=started_at,
+                        heartbeat_at=started_at,
+                        external_id=external_id,
+                    )
+                ).rowcount
+            )
+
+    @_reconnecting
+    def record_submission(self, job_id: str, external_id: str) -> None:
+        """A cloud accepted the admitted job (it may wait for capacity before it starts)."""
+        with self.engine.begin() as conn:
+            conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                .values(external_id=external_id)
+            )
+
+    @_reconnecting
+    def record_lease(self, job_id: str, lease_id: str) -> bool:
+        """Remember the Prefect lease an admission holds, so reconcile can hand it back; False
+        (nothing written) when the job is no longer admitted or running: its holder must then
+        release the lease itself, as nobody else will."""
+        with self.engine.begin() as conn:
+            return (
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id, jobs.c.state.in_(ACTIVE))
+                    .values(lease_id=lease_id)
+                ).rowcount
+                == 1
+            )
+
+    @_reconnecting
+    def heartbeat(self, job_id: str, now: float | None = None) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id)
+                .values(heartbeat_at=time.time() if now is None else now)
+            )
+
+    @_reconnecting
+    def settle(
+        self,
+        job_id: str,
+        *,
+        ended_at: float,
+        outcome: str,
+        billed_seconds: float | None = None,
+        actual_micro: int | None = None,
+        scope: str | None = None,
+        now: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Replace a job's reservation with its actual cost, exactly once.
+
+        Returns the settled row, or None if the job was settled already (settling twice
+        charges once). `actual_micro` is the cloud's billed figure where known; otherwise
+        rate x billed seconds (by default the time from start to end).
+        """
+        if scope is None:
+            with self._read() as probe:
+                scope = probe.execute(
+                    sa.select(jobs.c.scope).where(jobs.c.id == job_id)
+                ).scalar_one()
+        org = scope.split("/")[0]
+        with self._write(org) as conn:
+            now = time.time() if now is None else now  # after the lock: stamps follow its order
+            job = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
+            if job["state"] not in ACTIVE:
+                return None
+            billed, actual = accounting.settled_cost(
+                job["rate_micro_per_hour"],
+                job["started_at"],
+                ended_at,
+                billed_seconds=billed_seconds,
+                actual_micro=actual_micro,
+            )
+            values = {
+                "state": "settled",
+                "ended_at": ended_at,
+                "settled_at": now,
+                "billed_seconds": billed,
+                "actual_micro": actual,
+                "outcome": outcome,
+            }
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
+            start, end = accounting.incurred_span(job["started_at"], ended_at)
+            self._add_spend(conn, job["scope"], actual, start, end)
+            self._bump(conn, org)
+        return {**job, **values}
+
+    def _add_spend(
+        self, conn: Connection, scope: str, actual: int, start: float, end: float
+    ) -> None:
+        rules = conn.execute(
+            sa.select(budgets).where(
+                budgets.c.scope.in_(scope_path(scope)), budgets.c.period_budget_micro.is_not(None)
+            )
+        ).mappings()
+        by_scope = {rule.scope: rule for rule in map(_rule, rules)}
+        for (budget_scope, p_start), share in accounting.book(
+            scope, actual, start, end, by_scope
+        ).items():
+            key = (period_spend.c.scope == budget_scope) & (period_spend.c.period_start == p_start)
+            updated = conn.execute(
+                period_spend.update()
+                .where(key)
+                .values(settled_micro=period_spend.c.settled_micro + share)
+            )
+            if updated.rowcount == 0:
+                rule = by_scope[budget_scope]
+                p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
+                conn.execute(
+                    period_spend.insert().values(
+                        scope=budget_scope,
+                        period_start=p_start,
+                        period_end=p_end,
+                        settled_micro=share,
+                    )
+                )

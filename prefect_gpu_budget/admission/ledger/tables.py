@@ -1,0 +1,219 @@
+"""The ledger's tables, and the life of a job's row in `gpu_jobs`.
+
+Each job is one row from request to settlement. Its `state` changes in one transaction that
+checks the state it changes from (a job that moved on meanwhile is left as it is):
+
+    queued --> admitted --> running --> settled
+      |          |   |                     ^
+      |          |   +---------------------+  (settled unstarted: cancelled, reconciled)
+      |          +--> queued                  (`unadmit`: it could not start; keeps its place)
+      +--> rejected | timed_out | cancelled   (the unrun endings)
+
+- queued -> admitted: a decision admits it (its own, or another job's transaction deciding the
+  org's queue), with its reservation.
+- queued -> rejected / timed_out: the decision refuses it, or its max wait ran out; rejected
+  also when an agent's job may not even queue (`_grant_refusal`).
+- queued -> cancelled (or timed_out): `cancel_queued`, and `revoke_agent` for a session's jobs.
+- admitted -> queued: `unadmit` (its Prefect concurrency slots could not be taken); with
+  `end`, admitted -> rejected or timed_out in the same transaction.
+- admitted -> running: `mark_started` (False, and nothing written, once it is not admitted).
+- admitted or running -> settled: `settle`, exactly once (its actual cost replaces the
+  reservation); reconcile settles an admitted job whose holder is gone, at zero.
+
+`ACTIVE` states hold a reservation; `FINAL` ones never change again. An unrun ending
+(`_ended_unrun`) is settled at once, at no cost. Settled spend is also summed per (scope,
+period) in `gpu_period_spend`, so a decision reads a few rows however long the ledger grows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import sqlalchemy as sa
+
+ACTIVE = ("admitted", "running")
+FINAL = ("settled", "rejected", "timed_out", "cancelled")
+
+
+metadata = sa.MetaData()
+
+
+def _budget_table(name: str) -> sa.Table:
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("scope", sa.String(160), primary_key=True),
+        sa.Column("org", sa.String(48), nullable=False, index=True),
+        sa.Column("hourly_cap_cents", sa.BigInteger),
+        sa.Column("period_budget_micro", sa.BigInteger),
+        sa.Column("period", sa.String(8), nullable=False),
+        sa.Column("timezone", sa.String(64), nullable=False),
+        sa.Column("on_limit", sa.String(8), nullable=False),
+        sa.Column("max_wait_s", sa.Float, nullable=False),
+        sa.Column("reservation_mode", sa.String(12), nullable=False),
+        sa.Column("notify_block", sa.String(200)),
+        sa.Column("updated_at", sa.Float, nullable=False),
+    )
+
+
+budgets = _budget_table("gpu_budgets")
+templates = _budget_table("gpu_session_templates")
+"""Keyed by a team scope: the budget each of its sessions gets when it first asks for a job."""
+
+jobs = sa.Table(
+    "gpu_jobs",
+    metadata,
+    sa.Column("id", sa.String(36), primary_key=True),
+    sa.Column("org", sa.String(48), nullable=False),
+    sa.Column("scope", sa.String(160), nullable=False),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("instance_type", sa.String(120), nullable=False),
+    sa.Column("provisioning", sa.String(16), nullable=False),
+    sa.Column("nodes", sa.Integer, nullable=False),
+    sa.Column("rate_micro_per_hour", sa.BigInteger, nullable=False),
+    sa.Column("rate_cents", sa.BigInteger, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("max_runtime_s", sa.Float, nullable=False),
+    sa.Column("expected_runtime_s", sa.Float),
+    sa.Column("on_limit", sa.String(8)),
+    sa.Column("max_wait_s", sa.Float),
+    sa.Column("state", sa.String(12), nullable=False),
+    sa.Column("reason", sa.Text, nullable=False, default=""),
+    sa.Column("reserved_micro", sa.BigInteger, nullable=False, default=0),
+    sa.Column("reserve_seconds", sa.Float, nullable=False, default=0.0),
+    sa.Column("actual_micro", sa.BigInteger),
+    sa.Column("billed_seconds", sa.Float),
+    sa.Column("outcome", sa.String(16)),
+    sa.Column("requested_at", sa.Float, nullable=False),
+    sa.Column("heartbeat_at", sa.Float, nullable=False),
+    sa.Column("admitted_at", sa.Float),
+    sa.Column("started_at", sa.Float),
+    sa.Column("ended_at", sa.Float),
+    sa.Column("settled_at", sa.Float),
+    sa.Column("holder", sa.String(200), nullable=False),
+    sa.Column("launcher", sa.String(200), nullable=False, default="local"),
+    sa.Column("external_id", sa.String(200)),
+    sa.Column("lease_id", sa.String(64)),
+    sa.Column("flow_run_id", sa.String(36)),
+    sa.Column("pool", sa.String(48)),
+    sa.Column("team", sa.String(100)),
+    sa.Column("node_gpus", sa.Integer),
+    sa.Column("node_vcpu", sa.Integer),
+    sa.Column("node_memory_gib", sa.Integer),
+    sa.Column("placement", sa.String(400)),
+    sa.Column("preempt_at", sa.Float),
+    sa.Column("wait_key", sa.String(200)),
+    sa.Column("wait_since", sa.Float),
+    sa.Column("waits", sa.Text),
+    sa.Index("ix_gpu_jobs_org_state", "org", "state"),
+    sa.Index("ix_gpu_jobs_org_settled", "org", "state", "settled_at"),
+    sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
+    sa.Index("ix_gpu_jobs_requested", "requested_at"),
+    sa.Index("ix_gpu_jobs_flow_run", "flow_run_id"),
+)
+
+period_spend = sa.Table(
+    "gpu_period_spend",
+    metadata,
+    sa.Column("scope", sa.String(160), primary_key=True),
+    sa.Column("period_start", sa.Float, primary_key=True),
+    sa.Column("period_end", sa.Float, nullable=False),
+    sa.Column("settled_micro", sa.BigInteger, nullable=False),
+)
+
+pools = sa.Table(
+    "gpu_pools",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("name", sa.String(48), primary_key=True),
+    sa.Column("nodes", sa.Integer, nullable=False),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("vcpu", sa.Integer, nullable=False),
+    sa.Column("memory_gib", sa.Integer, nullable=False),
+    sa.Column("gpu_model", sa.String(64), nullable=False, default=""),
+    sa.Column("instance_types", sa.Text, nullable=False, default=""),
+    sa.Column("kind", sa.String(12), nullable=False, default="inventory"),
+    sa.Column("backfill", sa.Boolean, nullable=False, default=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""What can run at once in an org: machines of one shape, or a cloud quota."""
+
+team_quotas = sa.Table(
+    "gpu_team_quotas",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("pool", sa.String(48), primary_key=True),
+    sa.Column("team", sa.String(100), primary_key=True),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("vcpu", sa.Integer, nullable=False),
+    sa.Column("memory_gib", sa.Integer, nullable=False),
+    sa.Column("borrow_pct", sa.Integer, nullable=False),
+    sa.Column("lend_pct", sa.Integer, nullable=False),
+    sa.Column("weight", sa.Integer, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+
+agent_grants = sa.Table(
+    "gpu_agent_grants",
+    metadata,
+    sa.Column("token_sha256", sa.String(64), primary_key=True),
+    sa.Column("scope", sa.String(160), nullable=False, index=True),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("revoked_at", sa.Float),
+)
+"""An agent's token (only its hash is kept) binds it to one session scope. The hash is the
+grant's id: what an agent's sweep carries instead of the token."""
+
+agent_limits = sa.Table(
+    "gpu_agent_limits",
+    metadata,
+    sa.Column("team", sa.String(120), primary_key=True),
+    sa.Column("org", sa.String(48), nullable=False),
+    sa.Column("limits", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""Keyed by a team scope, like the session template: an admin's ceilings (JSON, validated by
+`models.AgentLimits`) on what the agents of the team's sessions may ask for."""
+
+priority_classes = sa.Table(
+    "gpu_priority_classes",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("name", sa.String(32), primary_key=True),
+    sa.Column("value", sa.Integer, nullable=False),
+    sa.Column("description", sa.String(200), nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""An org's own priority classes, as Kueue's WorkloadPriorityClass objects: a job naming one
+gets its value when it is recorded (see `priorities`)."""
+
+versions = sa.Table(
+    "gpu_versions",
+    metadata,
+    sa.Column("org", sa.String(48), primary_key=True),
+    sa.Column("version", sa.BigInteger, nullable=False),
+)
+
+
+schema = sa.Table("gpu_schema", metadata, sa.Column("digest", sa.String(64), primary_key=True))
+"""The digests of the schemas this ledger has been brought up to."""
+SCHEMA = hashlib.sha256(
+    repr(
+        sorted(
+            (
+                t.name,
+                sorted((c.name, str(c.type)) for c in t.columns),
+                sorted(i.name for i in t.indexes),
+            )
+            for t in metadata.sorted_tables
+        )
+    ).encode()
+).hexdigest()
+"""This version's schema, as a digest: its tables, columns and indexes."""
+
+
+def _ended_unrun(state: str, reason: str, now: float) -> dict[str, Any]:
+    """The columns of a job that ends without running (rejected, timed out, cancelled): settled
+    at once, at no cost."""
+    return {"state": state, "ended_at": now, "settled_at": now, "actual_micro": 0, "reason": reason}

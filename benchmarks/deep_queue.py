@@ -37,7 +37,7 @@ Measured per depth:
   `/proc/net/tcp`; an agent connects to no other PostgreSQL); the peak over the run of the
   busiest agent. A process here also runs its jobs (admit, start, settle), not only waits, so
   the peak is also given over the samples in which the agent, past its first settlement, had
-  no job admitted or running and none getting in line (a `request`, or the budgets read that
+  jobs waiting in `Gate.admit` and none admitted or running or getting in line (a `request`, or the budgets read that
   follows it, in flight): its jobs only waited (each agent writes those counts to a file of
   its own as they change); and, for the first 5 such samples over 2 connections, what those
   connections' backends were doing (`pg_stat_activity` by client port).
@@ -171,7 +171,11 @@ def agent_main(raw: str) -> None:
                         return
                     left[0] -= 1
                 try:
-                    admission = gate.admit(job, cfg.scope)
+                    activity.asking(1)
+                    try:
+                        admission = gate.admit(job, cfg.scope)
+                    finally:
+                        activity.asking(-1)
                     count(1)
                     gate.started(admission, time.time())
                     waited.append(admission.waited_s)
@@ -205,7 +209,7 @@ class Activity:
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
         self._lock = threading.Lock()
-        self.counts = [0, 0, 0]  # admitted or running, settled, getting in line
+        self.counts = [0, 0, 0, 0]  # admitted or running, settled, getting in line, asking
         self._write()
 
     def _write(self) -> None:
@@ -220,6 +224,12 @@ class Activity:
     def in_line(self, step: int) -> None:
         with self._lock:
             self.counts[2] += step
+            self._write()
+
+    def asking(self, step: int) -> None:
+        """A job's `Gate.admit` began (1) or returned (-1)."""
+        with self._lock:
+            self.counts[3] += step
             self._write()
 
 
@@ -279,12 +289,12 @@ def pg_connections(pid: int, inodes: dict[str, int]) -> list[int]:
 
 def only_waiting(path: Path) -> bool:
     """Whether the agent, as it last wrote (`Activity`), had settled a job already (past the
-    start), and had no job admitted or running and none getting in line."""
+    start), had jobs waiting in `Gate.admit`, and none admitted or running or getting in line."""
     try:
-        running, settled, in_line = map(int, path.read_bytes().split())
+        running, settled, in_line, asking = map(int, path.read_bytes().split())
     except (OSError, ValueError):
         return False
-    return running == 0 and in_line == 0 and settled > 0
+    return running == 0 and in_line == 0 and settled > 0 and asking > 0
 
 
 class ConnectionSampler:
@@ -610,7 +620,8 @@ def targets(results: list[dict[str, Any]]) -> dict[str, bool]:
         low, deep = mine[0], mine[-1]
         name = f"{backend}_{deep['waiters']}"
         out[f"{name}_every_job_ran"] = deep["ran"] == deep["jobs"] and deep["failed"] == 0
-        if "cap_use" in deep and "cap_use" in low:
+        compared = low is not deep
+        if compared and "cap_use" in deep and "cap_use" in low:
             out[f"{name}_cap_use_vs_{low['waiters']}"] = deep["cap_use"] >= 0.9 * low["cap_use"]
         if deep.get("headroom_p95_s") is not None:
             out[f"{name}_headroom_p95_le_1s"] = deep["headroom_p95_s"] <= 1.0
@@ -618,9 +629,10 @@ def targets(results: list[dict[str, Any]]) -> dict[str, bool]:
         if "transactions_per_job" in deep:
             per = deep["transactions_per_job"]
             out[f"{name}_xacts_per_job_le_10"] = per <= 10
-            out[f"{name}_xacts_per_job_vs_{low['waiters']}"] = (
-                per <= 1.5 * low["transactions_per_job"]
-            )
+            if compared:
+                out[f"{name}_xacts_per_job_vs_{low['waiters']}"] = (
+                    per <= 1.5 * low["transactions_per_job"]
+                )
         if "peak_connections_per_process" in deep:
             waiting = deep["peak_connections_only_waiting"]
             out[f"{name}_conns_per_only_waiting_process_le_2"] = waiting <= 2

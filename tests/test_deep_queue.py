@@ -60,7 +60,7 @@ def test_every_job_of_a_deep_queue_runs_within_the_cap(depths, backend: str) -> 
 TRANSACTIONS_PER_JOB = 16
 """A bound against waiters that poll (each settlement woke every waiter into a decision: 50 and
 more per job here), not the issue's target of 10: this slice measured 9.7-10.2 per job on
-2026-12-03 (README, "Deep queues"), so 10 would fail about half the runs."""
+2026-12-03 (README, "Deep queues"): 10 failed one run of three (10.19)."""
 
 
 @pytest.mark.timeout(450)

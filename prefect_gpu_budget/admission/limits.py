@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 from uuid import UUID
@@ -22,8 +23,11 @@ PREFIX = "gpu-budget"
 
 REPEATED_5XX = 3
 """The same request answered with a 5xx this many times in a row (each after the Prefect
-client's own retries) is refused, not an outage: a server that cannot hold a value answers 503
-to it for ever."""
+client's own retries), over at least `REPEATED_5XX_SPAN_S`, is refused, not an outage: a server
+that cannot hold a value answers 503 to it for ever."""
+REPEATED_5XX_SPAN_S = 60.0
+"""How long the same 5xx must go on before it counts as a refusal: a Prefect server whose own
+database restarts answers 500 to everything for a few seconds, and its jobs must wait that out."""
 
 
 BUSY = (408, 429)
@@ -55,13 +59,13 @@ def _prefect_call(
     what: str,
     *,
     passes: tuple[int, ...] = (),
-    failures: dict[str, int] | None = None,
+    failures: dict[str, tuple[int, float]] | None = None,
     key: str = "",
 ) -> Iterator[None]:
     """Turn transport failures and 5xx answers into DependencyDown, and 4xx answers (but the
     statuses in `passes`, which the caller handles) into PrefectRefused, with a one-line reason.
-    With `failures`, the same request (`key`) answered 5xx `REPEATED_5XX` times in a row is
-    PrefectRefused too.
+    With `failures` ((count, first time) by request), the same request (`key`) answered 5xx
+    `REPEATED_5XX` times in a row over `REPEATED_5XX_SPAN_S` is PrefectRefused too.
 
     Prefect's client has already retried by then (it retries a dropped connection with back-off).
     """
@@ -83,12 +87,15 @@ def _prefect_call(
                 f"the Prefect API refused {what} ({status}: {_detail(exc)})"
             ) from None
         if failures is not None and status >= 500:
-            failures[key] = failures.get(key, 0) + 1
-            if failures[key] >= REPEATED_5XX:
+            count, since = failures.get(key, (0, time.monotonic()))
+            failures[key] = (count + 1, since)
+            span = time.monotonic() - since
+            if count + 1 >= REPEATED_5XX and span >= REPEATED_5XX_SPAN_S:
                 del failures[key]
                 raise PrefectRefused(
-                    f"the Prefect API answered {status} {REPEATED_5XX} times in a row while "
-                    f"{what}: not an outage, the request itself fails ({_detail(exc)})"
+                    f"the Prefect API answered {status} {count + 1} times in a row over "
+                    f"{span:.0f}s while {what}: not an outage, the request itself fails "
+                    f"({_detail(exc)})"
                 ) from None
         raise DependencyDown(f"the Prefect API answered {status} while {what}") from None
     if failures is not None:
@@ -136,7 +143,7 @@ class RateLimits:
         self._given = client
         self._owned: Any | None = None
         self._applied: dict[str, int] = {}
-        self._failures: dict[str, int] = {}
+        self._failures: dict[str, tuple[int, float]] = {}
         """Per request, how many 5xx answers in a row it got."""
         self._lock = threading.Lock()
         self._opening = threading.Lock()

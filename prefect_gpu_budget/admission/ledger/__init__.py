@@ -116,6 +116,7 @@ class Ledger(DecisionsMixin, SettlementMixin, ConfigMixin, AgentsMixin, ReadsMix
         self.url = normalise_url(url or default_url())
         self.engine = _make_engine(self.url)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self._org_locks: dict[str, threading.RLock] = {}
         self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
         if create:
             self.create()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
@@ -192,6 +193,9 @@ def _make_engine(url: str) -> Engine:
     )
 
 
+_ORG_LOCKS_GUARD = threading.Lock()
+
+
 class EngineMixin:
     """The engine and its transactions, and the ledger's schema brought up to date. The other
     parts of the `Ledger` run their transactions on this engine, mostly through `_write` (under
@@ -200,6 +204,7 @@ class EngineMixin:
     url: str
     engine: Engine
     is_sqlite: bool
+    _org_locks: dict[str, threading.RLock]
 
     if TYPE_CHECKING:
 
@@ -247,10 +252,21 @@ class EngineMixin:
 
     @contextmanager
     def _write(self, org: str) -> Iterator[Connection]:
-        with self.engine.connect() as conn, conn.begin():
+        """A transaction under the org's lock. The org's writes are serialised anyway (the
+        advisory lock, SQLite's one writer): the threads of this process queue for it here, on
+        a lock of the process's own, instead of each holding a pooled connection while the
+        database makes it wait. So a process whose jobs only wait holds one connection for
+        its writes (and its watcher's), however many wake at once."""
+        with self._org_lock(org), self.engine.connect() as conn, conn.begin():
             if not self.is_sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
             yield conn
+
+    def _org_lock(self, org: str) -> threading.RLock:
+        with _ORG_LOCKS_GUARD:
+            if org not in self._org_locks:
+                self._org_locks[org] = threading.RLock()  # re-entered: a write inside a write
+            return self._org_locks[org]
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:

@@ -66,7 +66,6 @@ os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
 import argparse
 import contextlib
 import json
-import select
 import shutil
 import subprocess
 import tempfile
@@ -80,7 +79,7 @@ import sqlalchemy as sa
 
 from benchmarks.harness.postgres import SERVER, postgres_database, server_of
 from benchmarks.harness.report import logger, table
-from benchmarks.harness.servers import PrefectServer, serving
+from benchmarks.harness.servers import PrefectServer, read_line, serving
 from benchmarks.harness.stats import percentile
 
 CAP_JOBS = 8
@@ -364,16 +363,6 @@ def xacts(admin: sa.Engine, database: str) -> tuple[int, int]:
             {"d": database},
         ).one()
         return int(done), int(sessions)
-
-
-def read_line(proc: subprocess.Popen, deadline: float) -> str:
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            return proc.stdout.readline()
-        if proc.poll() is not None:
-            return ""
-    return ""
 
 
 @contextlib.contextmanager

@@ -76,7 +76,6 @@ import json
 import math
 import random
 import re
-import select
 import signal
 import statistics
 import subprocess
@@ -95,6 +94,7 @@ import sqlalchemy as sa
 from benchmarks.harness import PrefectServer, postgres_database, serving
 from benchmarks.harness.postgres import ensure_database, server_of
 from benchmarks.harness.report import logger, table
+from benchmarks.harness.servers import read_line
 from benchmarks.harness.stats import percentile
 from prefect_gpu_budget.admission.audit import audit, slot_mismatches
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
@@ -644,16 +644,6 @@ def rss_mib(pid: int | None) -> float | None:
     except OSError:
         return None
     return int(re.search(r"VmRSS:\s+(\d+)", status)[1]) / 1024
-
-
-def read_line(proc: subprocess.Popen, deadline: float) -> str:
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
-        if ready:
-            return proc.stdout.readline()
-        if proc.poll() is not None:
-            return ""
-    return ""
 
 
 class Agents:

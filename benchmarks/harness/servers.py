@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -77,6 +78,18 @@ def stop_groups(procs: list[subprocess.Popen], grace: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def read_line(proc: subprocess.Popen, deadline: float) -> str:
+    """The next line a child process (an agent) writes to its stdout pipe; "" if it exits, or
+    says nothing, before `deadline` (monotonic)."""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+        if ready:
+            return proc.stdout.readline()
+        if proc.poll() is not None:
+            return ""
+    return ""
 
 
 class PrefectServer:

@@ -9,6 +9,7 @@ process-wide gate and the custom-named final states (`OverBudget`, `AdmissionTim
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +72,14 @@ def gate_for_run(scope: str, job: GpuJob, ledger: SpendLedger | None) -> Gate:
     """The process's gate telling this run's events. Opening it (the ledger's engine and
     schema check, the Prefect client) is retried while a dependency is down, as every later
     call is: the run says so in its log and goes on once it is back."""
-    events, url = prefect_events(scope, job), ledger.url() if ledger else None
-    gate = patiently("opening the ledger", lambda: _gate(url), events.warning, REQUEST_PATIENCE_S)
-    return gate.with_events(events)
+    events = prefect_events(scope, job)
+    return open_gate(ledger.url() if ledger else None, events.warning).with_events(events)
+
+
+def open_gate(url: str | None, warning: Callable[[str], None]) -> Gate:
+    """The process's gate for the ledger at `url` (None: the configured one), opened
+    patiently: while the ledger is down, `warning` hears so and opening is retried."""
+    return patiently("opening the ledger", lambda: _gate(url), warning, REQUEST_PATIENCE_S)
 
 
 def _flow_run_id() -> str | None:

@@ -31,13 +31,11 @@ from prefect.states import Failed, Pending, Scheduled
 from pydantic import BaseModel, Field
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
-from prefect_gpu_budget.admission.outages import patiently
-from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.tasks.events import AWAITING_BUDGET
-from prefect_gpu_budget.tasks.gpu_job import _gate
+from prefect_gpu_budget.tasks.gpu_job import open_gate
 from prefect_gpu_budget.units import BudgetInputError, narrowing_refusal, validate_scope
 
 if TYPE_CHECKING:
@@ -291,7 +289,7 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
 def _open_gate() -> Gate:
     """The worker process's gate: opening it (the ledger's engine and schema check) is retried
     while the ledger is down, as every later call is, saying so in the worker's log."""
-    return patiently("opening the ledger", lambda: _gate(None), log.warning, REQUEST_PATIENCE_S)
+    return open_gate(None, log.warning)
 
 
 async def _end(flow_run: FlowRun, state: State | None = None) -> None:

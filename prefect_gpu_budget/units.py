@@ -217,8 +217,10 @@ def narrowing_refusal(scope: str, outer: str | None, whose: str) -> str:
     return f"scope {scope!r} is not within {whose} scope {outer!r}"
 
 
+@lru_cache(maxsize=1 << 14)
 def scope_path(scope: str) -> tuple[str, ...]:
-    """`a/b/c` -> `('a', 'a/b', 'a/b/c')` (the scopes whose budgets a job must fit)."""
+    """`a/b/c` -> `('a', 'a/b', 'a/b/c')` (the scopes whose budgets a job must fit; cached: the
+    ledger asks it of every queued job in each decision)."""
     segments = scope.split("/")
     return tuple("/".join(segments[: i + 1]) for i in range(len(segments)))
 

@@ -320,6 +320,9 @@ def plan(
 
     Without `stop_at` the walk ends early once every org in the queue is held by a blocked
     job (nothing after it could be admitted); jobs not reached are absent from the result.
+    A job ahead of `stop_at` that waits behind a hold is `NOT_REACHED` either way: it admits
+    nothing and holds nothing, so weighing it could not change what the jobs after it get
+    (so deciding the last of n queued jobs costs n lookups, not n decisions).
     """
     ordered = queue_order(queue)
     orgs = {org_of(req.scope) for req in ordered}
@@ -328,7 +331,7 @@ def plan(
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
     for req in _walk(ordered, capacity):
-        if stop_at is None and _ahead(req, req.shape, held, capacity) is not None:
+        if req.job_id != stop_at and _ahead(req, req.shape, held, capacity) is not None:
             out[req.job_id] = NOT_REACHED  # cannot be admitted this round; details on request
             continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)

@@ -117,6 +117,7 @@ class Ledger(DecisionsMixin, SettlementMixin, ConfigMixin, AgentsMixin, ReadsMix
         self.engine = _make_engine(self.url)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._org_locks: dict[str, threading.RLock] = {}
+        self._held = threading.local()
         self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
         if create:
             self.create()

@@ -55,7 +55,7 @@ class AgentsMixin(EngineMixin):
                 f"(`budget set {scope} ...` or `budget set {team} --session-template ...`)",
             )
         token = "gpub_" + secrets.token_urlsafe(32)
-        with self.engine.begin() as conn:
+        with self._tx() as conn:
             conn.execute(
                 agent_grants.insert().values(
                     token_sha256=_token_hash(token),

@@ -182,12 +182,14 @@ def _make_engine(url: str) -> Engine:
         return engine
     # No pre-ping (a round trip per checkout on the hot path): a connection the server dropped
     # fails its first statement, the pool is invalidated, and `_reconnecting` runs the call again.
-    # One connection kept per process, a few more only while that many threads write at once
-    # (then closed): a process whose jobs only wait holds this one and its watcher's.
+    # One connection per process, which its threads take in turn (a call is one short
+    # transaction, and no thread holds two: `EngineMixin._connection`): a process holds it and
+    # its watcher's, however many of its jobs wait; and none is opened and closed under load (a
+    # new backend costs PostgreSQL two transactions of its own).
     return sa.create_engine(
         url,
         pool_size=1,
-        max_overflow=3,
+        max_overflow=0,
         pool_timeout=120,
         connect_args={"application_name": "prefect-gpu-budget"},
     )
@@ -205,6 +207,8 @@ class EngineMixin:
     engine: Engine
     is_sqlite: bool
     _org_locks: dict[str, threading.RLock]
+    _held: threading.local
+    """`conn`: whether this thread holds a pooled connection (`_connection`)."""
 
     if TYPE_CHECKING:
 
@@ -257,20 +261,43 @@ class EngineMixin:
         a lock of the process's own, instead of each holding a pooled connection while the
         database makes it wait. So a process whose jobs only wait holds one connection for
         its writes (and its watcher's), however many wake at once."""
-        with self._org_lock(org), self.engine.connect() as conn, conn.begin():
+        with self._org_lock(org), self._connection() as conn, conn.begin():
             if not self.is_sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
             yield conn
 
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        """A write transaction that needs no org's lock (one job's own row, a grant)."""
+        with self._connection() as conn, conn.begin():
+            yield conn
+
+    @contextmanager
+    def _connection(self, read: bool = False) -> Iterator[Connection]:
+        """A pooled connection for one transaction. A thread never takes a second while it
+        holds one: with one pooled connection per process (PostgreSQL) that would wait for
+        itself, so it is refused at once instead."""
+        if getattr(self._held, "conn", False):
+            raise RuntimeError("a ledger transaction inside another on the same thread")
+        self._held.conn = True
+        try:
+            conn = self.engine.connect()
+            with conn.execution_options(gpu_budget_read=True) if read else conn:
+                yield conn
+        finally:
+            self._held.conn = False
+
     def _org_lock(self, org: str) -> threading.RLock:
         with _ORG_LOCKS_GUARD:
             if org not in self._org_locks:
-                self._org_locks[org] = threading.RLock()  # re-entered: a write inside a write
+                self._org_locks[org] = (
+                    threading.RLock()
+                )  # a write inside a write is refused, not hung
             return self._org_locks[org]
 
     @contextmanager
     def _read(self) -> Iterator[Connection]:
-        with self.engine.connect().execution_options(gpu_budget_read=True) as conn, conn.begin():
+        with self._connection(read=True) as conn, conn.begin():
             yield conn
 
     def _bump(

@@ -26,7 +26,7 @@ class SettlementMixin(EngineMixin):
 
         False if the job is no longer admitted (reconcile settled it): it must not run.
         """
-        with self.engine.begin() as conn:
+        with self._tx() as conn:
             return bool(
                 conn.execute(
                     jobs.update()
@@ -43,7 +43,7 @@ class SettlementMixin(EngineMixin):
     @_reconnecting
     def record_submission(self, job_id: str, external_id: str) -> None:
         """A cloud accepted the admitted job (it may wait for capacity before it starts)."""
-        with self.engine.begin() as conn:
+        with self._tx() as conn:
             conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "admitted")
@@ -55,7 +55,7 @@ class SettlementMixin(EngineMixin):
         """Remember the Prefect lease an admission holds, so reconcile can hand it back; False
         (nothing written) when the job is no longer admitted or running: its holder must then
         release the lease itself, as nobody else will."""
-        with self.engine.begin() as conn:
+        with self._tx() as conn:
             return (
                 conn.execute(
                     jobs.update()
@@ -67,7 +67,7 @@ class SettlementMixin(EngineMixin):
 
     @_reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:
-        with self.engine.begin() as conn:
+        with self._tx() as conn:
             conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id)

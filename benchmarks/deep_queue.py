@@ -90,9 +90,11 @@ DEFAULT_PROCESSES = {16: 4, 256: 4, 1024: 8}
 SAMPLE_S = 0.1
 PG_PORT_HEX = f"{5432:04X}"
 COUNTED = [
+    "ask",
     "request",
     "path_budgets",
     "try_admit",
+    "decided",
     "record_lease",
     "mark_started",
     "heartbeat",
@@ -202,8 +204,7 @@ def agent_main(raw: str) -> None:
 
 class Activity:
     """What an agent's jobs are doing, kept in a file the parent reads: jobs admitted and not
-    settled, jobs settled, and calls in flight that get a job in line (`request`, then the
-    `path_budgets` read of a job told to wait)."""
+    settled, jobs settled, and calls in flight that get a job in line (`ask`: the request)."""
 
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -239,7 +240,7 @@ def count_calls(ledger: Any, activity: Activity) -> dict[str, int]:
     lock = threading.Lock()
 
     def counted(name: str, method: Any) -> Any:
-        in_line = name in ("request", "path_budgets")
+        in_line = name in ("ask", "request")
 
         def call(*args: Any, **kwargs: Any) -> Any:
             with lock:

@@ -11,6 +11,7 @@ period that blocks it resets.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from prefect_gpu_budget.admission.outages import describe as _outage
 from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
+    FRESH_ADMISSION_S,
     GIVE_BACK_S,
     HEARTBEAT_S,
     RECHECK_S,
@@ -222,30 +224,39 @@ class Gate(SlotLeases):
         started: float,
     ) -> Admission:
         job_id, scope = ticket.job_id, new.scope
-        _, decision = self.patiently(  # a ledger that never answers (a wrong URL) fails in time
-            "recording the request",
-            lambda: self.ledger.request(new, job_id=job_id),
+        decision, rules = self.patiently(  # a ledger that never answers (a wrong URL) fails
+            "recording the request",  # in time
+            functools.partial(self.ledger.ask, new, job_id),
             patience=REQUEST_PATIENCE_S,
         )
         try:
             return self._wait(
-                job_id, scope, job, quote, new.rate_cents, (decision, started), handoff, ticket
+                job_id,
+                scope,
+                job,
+                quote,
+                new.rate_cents,
+                (decision, rules, started),
+                handoff,
+                ticket,
             )
         except AdmissionRefused as refused:
             self.events.refused(job_id, refused)
             raise
         except BaseException:  # cancelled while waiting: give the place (or the admission) back
-
-            def give_back() -> None:
-                if self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
-                    return
-                lease = self.ledger.job(job_id)["lease_id"]  # admitted: slots first, as settle
-                if lease and self.limits is not None:
-                    self.limits.release(lease)
-                self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
-
+            give_back = functools.partial(self._give_back, job_id, scope)
             self.patiently("giving back a cancelled job", give_back, patience=GIVE_BACK_S)
             raise
+
+    def _give_back(self, job_id: str, scope: str) -> None:
+        """A job cancelled while it waited leaves the queue; one admitted meanwhile gives back
+        its slots (first, as settle does) and is settled as cancelled."""
+        if self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
+            return
+        lease = self.ledger.job(job_id)["lease_id"]
+        if lease and self.limits is not None:
+            self.limits.release(lease)
+        self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
 
     def patiently(
         self,
@@ -264,11 +275,11 @@ class Gate(SlotLeases):
         job: GpuJob,
         quote: Quote,
         slots: int,
-        first: tuple[Decision, float],
+        first: tuple[Decision, list[BudgetRule], float],
         handoff: _Handoff[Admission],
         ticket: Ticket,
     ) -> Admission:
-        decision, started = first
+        decision, rules, started = first
         deadline: float | None = None  # known once the job is told it waits
         last_block: tuple[str | None, str | None] = (None, None)
         while True:
@@ -316,8 +327,7 @@ class Gate(SlotLeases):
                 decision = Decision(
                     "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
                 )
-            if deadline is None:
-                rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
+            if deadline is None:  # told once, with the budgets its request was decided against
                 self.events.queued(job_id, decision, rules)
                 max_wait = job.max_wait if job.max_wait is not None else rules[-1].max_wait_s
                 deadline = started + max_wait if max_wait > 0 else float("inf")
@@ -328,17 +338,29 @@ class Gate(SlotLeases):
             # asleep until the ledger may have decided this job, its max wait runs out or the
             # period that blocks it resets (or, should every notice be lost, WAKE_ANYWAY_S)
             wake_at = min(deadline, decision.resumes_at or deadline, time.time() + WAKE_ANYWAY_S)
-            if not handoff.cancelled:
-                ticket.wait(max(0.05, wake_at - time.time()))
+            handed = None if handoff.cancelled else ticket.wait(max(0.05, wake_at - time.time()))
             if handoff.cancelled:
                 raise _Cancelled
-            decision = self.patiently("deciding", lambda: self.ledger.try_admit(job_id, scope))
+            decision = self._woken(job_id, scope, handed)
+
+    def _woken(self, job_id: str, scope: str, handed: tuple[Decision, float] | None) -> Decision:
+        """The decision of a job that woke: the one another's transaction made and its watcher
+        read for it (`handed`), else (woken by its own clock, or by a change of what holds it,
+        or handed an admission too old to take over unstamped: `FRESH_ADMISSION_S`) its own,
+        decided in a transaction of its own."""
+        if handed is not None:
+            decision, stamped = handed
+            if decision.verdict != "admit" or time.time() - stamped < FRESH_ADMISSION_S:
+                return decision
+        return self.patiently("deciding", functools.partial(self.ledger.try_admit, job_id, scope))
 
     def _max_wait(self, job: GpuJob, scope: str) -> float:
         """The job's own max wait, else its deepest budget's (0: wait forever)."""
         if job.max_wait is not None:
             return job.max_wait
-        rules = self.patiently("reading budgets", lambda: self.ledger.path_budgets(scope))
+        rules = self.patiently(
+            "reading budgets", functools.partial(self.ledger.path_budgets, scope)
+        )
         return rules[-1].max_wait_s if rules else 0.0
 
     def _start_heartbeat(self, admission: Admission) -> None:
@@ -398,24 +420,20 @@ class Gate(SlotLeases):
 
     def submitted(self, admission: Admission, external_id: str) -> None:
         """Record the cloud's id of a job that may still wait for capacity."""
+        record = functools.partial(self.ledger.record_submission, admission.job_id, external_id)
         _off_thread(
-            lambda: self.patiently(
-                "recording the submission",
-                lambda: self.ledger.record_submission(admission.job_id, external_id),
-                patience=SETTLE_PATIENCE_S,
-            )
+            functools.partial(self.patiently, "recording the submission", record, SETTLE_PATIENCE_S)
         )
 
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
         """Record that the launcher started the job; refuse if it is no longer admitted."""
+        record = functools.partial(
+            self.ledger.mark_started, admission.job_id, started_at, external_id
+        )
         if not _off_thread(
-            lambda: self.patiently(
-                "recording the start",
-                lambda: self.ledger.mark_started(admission.job_id, started_at, external_id),
-                patience=SETTLE_PATIENCE_S,
-            )
+            functools.partial(self.patiently, "recording the start", record, SETTLE_PATIENCE_S)
         ):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
@@ -433,7 +451,9 @@ class Gate(SlotLeases):
         """Write the actual cost once, then give back the rate slots. Returns the ledger row.
         (In a thread of its own, as `admit`: a cancellation of the caller cannot break it.)"""
         return _off_thread(
-            lambda: self._settle(admission, ended_at, outcome, billed_seconds, actual_micro)
+            functools.partial(
+                self._settle, admission, ended_at, outcome, billed_seconds, actual_micro
+            )
         )
 
     def _settle(
@@ -449,26 +469,23 @@ class Gate(SlotLeases):
         lease, limits = admission.lease_id, self.limits
         try:  # slots first: a crash between the two leaves an open row for reconcile to settle
             if lease and limits is not None:
-                self.patiently(
-                    "releasing Prefect limits",
-                    lambda: limits.release(lease),
-                    patience=RELEASE_PATIENCE_S,
-                )
+                release = functools.partial(limits.release, lease)
+                self.patiently("releasing Prefect limits", release, RELEASE_PATIENCE_S)
         finally:
-            row = self.patiently(
-                "settling",
-                lambda: self.ledger.settle(
-                    admission.job_id,
-                    ended_at=ended_at,
-                    outcome=outcome,
-                    billed_seconds=billed_seconds,
-                    actual_micro=actual_micro,
-                    scope=admission.scope,
-                ),
-                patience=SETTLE_PATIENCE_S,
+            settle = functools.partial(
+                self.ledger.settle,
+                admission.job_id,
+                ended_at=ended_at,
+                outcome=outcome,
+                billed_seconds=billed_seconds,
+                actual_micro=actual_micro,
+                scope=admission.scope,
             )
+            row = self.patiently("settling", settle, SETTLE_PATIENCE_S)
         if row is None:  # settled already (by reconcile, say): report what the ledger holds
-            row = self.patiently("reading the job", lambda: self.ledger.job(admission.job_id))
+            row = self.patiently(
+                "reading the job", functools.partial(self.ledger.job, admission.job_id)
+            )
         self.events.settled(admission, row)
         log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
         return row

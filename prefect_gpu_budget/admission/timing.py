@@ -27,6 +27,10 @@ An admitted job:  LIVENESS_S (5 s) < HEARTBEAT_S (15 s) < LEASE_S (60 s) < UNREC
   grant, returned by the server's repossessor up to `REPOSSESS_S` later; so a crashed admission
   may hold slots under a lease it did not live to record for at most `UNRECORDED_LEASE_S` after
   the row's last stamp, and reconcile holds such a row open (its rate counted) until then.
+- A holder that learns of its job's admission from another process's transaction stamps the
+  row itself before it asks for slots, unless the admission's own stamp is under
+  `FRESH_ADMISSION_S` old (`FRESH_ADMISSION_S` < `LIVENESS_S`): its requests then fall within
+  `LIMIT_RETRY_S + LIVENESS_S` of that stamp, as after a stamp of its own.
 - `STALE_AFTER_S` exceeds `UNRECORDED_LEASE_S` (and so `LEASE_S`): a silent holder on another
   host counts as gone only after any lease it took but did not record has expired, so a row
   reconcile finds by silence never waits for one; only a holder seen dead on this host can
@@ -71,6 +75,11 @@ LIVENESS_S = 5.0
 """While a request for Prefect slots is outstanding (a slow or returning Prefect API), the job's
 ledger row is stamped this often: reconcile counts a lease that a crashed admission may have
 been granted but not recorded from the last stamp (`UNRECORDED_LEASE_S`)."""
+
+FRESH_ADMISSION_S = 1.0
+"""An admission whose row was stamped less than this long ago needs no stamp of its holder's
+own before the holder asks for slots (less than `LIVENESS_S`, with room for hosts' clocks to
+disagree by seconds)."""
 
 REPOSSESS_S = 15.0
 """How late a Prefect server's repossessor may return the slots of an expired lease."""

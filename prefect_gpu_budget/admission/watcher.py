@@ -24,11 +24,13 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefect_gpu_budget.admission.ledger import NOTICE_CHANNEL, Ledger, read_notice
 from prefect_gpu_budget.admission.outages import OUTAGES, TELL_EVERY_S, describe
+from prefect_gpu_budget.admission.policy import Decision
 from prefect_gpu_budget.admission.timing import RECHECK_S
 
 log = logging.getLogger("prefect_gpu_budget.gate")
@@ -47,12 +49,22 @@ class Ticket:
     wait_key: str | None = None
     """What held the job when its holder last looked: a change wakes it too (to say so)."""
     changed: threading.Event = field(default_factory=threading.Event)
+    handed: tuple[Decision, float] | None = None
+    """What the watcher read of the job when it woke it for a decision another's transaction
+    made: the decision, and when the row was last stamped (`Ledger.decided`)."""
 
-    def wait(self, timeout: float) -> bool:
-        """Block until woken or `timeout` passes; whether it was woken (and clear that)."""
-        woke = self.changed.wait(max(0.0, timeout))
+    def hand(self, decided: tuple[Decision, float]) -> None:
+        """Wake the job with its recorded decision, read for it: it needs no transaction."""
+        self.handed = decided
+        self.changed.set()
+
+    def wait(self, timeout: float) -> tuple[Decision, float] | None:
+        """Block until woken or `timeout` passes; what was handed over meanwhile, if anything
+        (None: the job decides itself)."""
+        self.changed.wait(max(0.0, timeout))
         self.changed.clear()
-        return woke
+        handed, self.handed = self.handed, None
+        return handed
 
 
 class Watcher:
@@ -110,19 +122,32 @@ class Watcher:
                 raise _Idle
             return idle_since or now
 
-    def _wake(self, ids: list[str]) -> None:
+    def _wake(self, ids: Iterable[str]) -> None:
+        """Wake the jobs of this process that a notice named: those decided, with what the
+        ledger recorded (one read for all of them), the others to decide themselves."""
         with self._lock:
-            for job_id in ids:
-                ticket = self._tickets.get(job_id)
-                if ticket is not None:
-                    ticket.changed.set()
+            tickets = [t for t in map(self._tickets.get, dict.fromkeys(ids)) if t is not None]
+        if tickets:
+            self._hand_over(tickets)
 
     def _wake_changed(self, tickets: list[Ticket], states: dict[str, tuple[str, str | None]]):
         """Wake the tickets whose job is no longer queued, or is held by something else."""
+        woken = []
         for ticket in tickets:
             state, key = states.get(ticket.job_id, ("gone", None))
             if state != "queued" or key != ticket.wait_key:
+                woken.append(ticket)
+        if woken:
+            self._hand_over(woken)
+
+    def _hand_over(self, tickets: list[Ticket]) -> None:
+        decided = self.ledger.decided([t.job_id for t in tickets])
+        for ticket in tickets:
+            found = decided.get(ticket.job_id)
+            if found is None:  # still queued: held by something else now
                 ticket.changed.set()
+            else:
+                ticket.hand(found)
 
     def _recheck(self) -> None:
         for org, tickets in self._by_org().items():
@@ -208,8 +233,10 @@ class Watcher:
             next_recheck = time.monotonic() + self.recheck_s
             while self._by_org():
                 timeout = max(0.0, min(0.25, next_recheck - time.monotonic()))
-                for notice in conn.notifies(timeout=timeout):
-                    self._wake(read_notice(notice.payload)[1])
+                named = [i for n in conn.notifies(timeout=timeout, stop_after=1) for i in _ids(n)]
+                if named:  # and those already here: the decisions of a burst, read at once
+                    named += [i for n in conn.notifies(timeout=0.005) for i in _ids(n)]
+                    self._wake(named)
                 if time.monotonic() >= next_recheck:
                     self._recheck()
                     next_recheck = time.monotonic() + self.recheck_s
@@ -221,6 +248,10 @@ class Watcher:
             if conn is not None:
                 with contextlib.suppress(Exception):
                     conn.close()
+
+
+def _ids(notice: Any) -> list[str]:
+    return read_notice(notice.payload)[1]
 
 
 class _Idle(Exception):

@@ -8,6 +8,7 @@ import inspect
 from prefect_gpu_budget.admission import audit, gate, ledger, limits, reconcile, timing
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.timing import (
+    FRESH_ADMISSION_S,
     HEARTBEAT_S,
     LEASE_S,
     LIMIT_RETRY_S,
@@ -36,6 +37,9 @@ def test_an_admitted_job_s_clocks_nest() -> None:
     assert LEASE_S > 3 * HEARTBEAT_S  # three beats in a row may fail before the lease lapses
     assert UNRECORDED_LEASE_S == LIMIT_RETRY_S + LIVENESS_S + LEASE_S + REPOSSESS_S
     assert STALE_AFTER_S >= 4 * HEARTBEAT_S  # one late beat never makes a live holder gone
+    # a holder taking over a fresh admission asks for slots within LIMIT_RETRY_S + LIVENESS_S
+    # of its stamp, as UNRECORDED_LEASE_S assumes, with seconds to spare for clocks
+    assert FRESH_ADMISSION_S + LIMIT_RETRY_S < LIMIT_RETRY_S + LIVENESS_S - 2
 
 
 class _CappedLedger:

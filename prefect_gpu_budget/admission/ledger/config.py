@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission import accounting, periods
 from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import _load_pools, _load_quotas, _rule
+from prefect_gpu_budget.admission.ledger.rows import _load_pools, _load_quotas, _path_rules, _rule
 from prefect_gpu_budget.admission.ledger.tables import (
     budgets,
     jobs,
@@ -30,7 +30,6 @@ from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
     BudgetInputError,
-    scope_path,
     validate_scope,
 )
 
@@ -203,11 +202,8 @@ class ConfigMixin(EngineMixin):
     @_reconnecting
     def path_budgets(self, scope: str) -> list[BudgetRule]:
         """The budgets a job in `scope` must fit, outermost first."""
-        path = scope_path(scope)
         with self._read() as conn:
-            rows = conn.execute(sa.select(budgets).where(budgets.c.scope.in_(path))).mappings()
-            found = {row["scope"]: _rule(row) for row in rows}
-        return [found[s] for s in path if s in found]
+            return _path_rules(conn, scope)
 
     @_reconnecting
     def set_pool(

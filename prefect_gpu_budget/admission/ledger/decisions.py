@@ -24,6 +24,7 @@ from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnectin
 from prefect_gpu_budget.admission.ledger.rows import (
     _load_pools,
     _load_quotas,
+    _path_rules,
     _rule,
     _states,
     hold_of,
@@ -38,6 +39,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
 from prefect_gpu_budget.admission.policy import (
     NOT_REACHED,
     OVERRUN_WINDOW,
+    BudgetRule,
     Decision,
     LedgerState,
     Request,
@@ -103,16 +105,23 @@ class DecisionsMixin(EngineMixin):
         Asking again with the same `job_id` (after an outage) records the job once.
         """
         job_id = job_id or str(uuid.uuid4())  # fixed before any retry: recorded once
-        return job_id, self._request(job_id, job, now)
+        return job_id, self._request(job_id, job, now)[0]
+
+    def ask(self, job: NewJob, job_id: str) -> tuple[Decision, list[BudgetRule]]:
+        """`request`, with the budgets on the job's path (outermost first) read in the same
+        transaction: what a gate tells of a job that waits, without a read of its own."""
+        return self._request(job_id, job, None)
 
     @_reconnecting
-    def _request(self, job_id: str, job: NewJob, now: float | None) -> Decision:
+    def _request(
+        self, job_id: str, job: NewJob, now: float | None
+    ) -> tuple[Decision, list[BudgetRule]]:
         org = job.scope.split("/")[0]
         with self._write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
             if done is not None:  # committed before the connection dropped
-                return _recorded(conn, done)
+                return _recorded(conn, done), _path_rules(conn, job.scope)
             self._ensure_session_budget(conn, job.scope, now)
             if job.priority_class is not None:
                 value = priorities.resolve(job.priority_class, _classes_of(conn, org), org)
@@ -142,8 +151,9 @@ class DecisionsMixin(EngineMixin):
                     .where(jobs.c.id == job_id)
                     .values(**_ended_unrun("rejected", refusal, now))
                 )
-                return Decision("reject", refusal, limit="agent")
-            return self._decide(conn, job_id, org, now, reason="", waited=None)
+                return Decision("reject", refusal, limit="agent"), _path_rules(conn, job.scope)
+            decision = self._decide(conn, job_id, org, now, reason="", waited=None)
+            return decision, _path_rules(conn, job.scope)
 
     def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
         """The job with the pool it runs in (named, or serving its instance type) and its
@@ -275,9 +285,9 @@ class DecisionsMixin(EngineMixin):
                 jobs.c.placement,
             ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
         ).all()
-        holds, queue, scopes, placed = [], [], set(), []
+        holds, queue, placed = [], [], []
+        scopes = {s for scope in {r.scope for r in rows} for s in scope_path(scope)}
         for r in rows:
-            scopes.update(scope_path(r.scope))
             shape = (
                 None
                 if r.pool is None
@@ -393,6 +403,22 @@ class DecisionsMixin(EngineMixin):
             return _states(conn, waiting)
 
     @_reconnecting
+    def decided(self, job_ids: Iterable[str]) -> dict[str, tuple[Decision, float]]:
+        """The recorded decision of each of `job_ids` no longer queued, with when its row was
+        last stamped, in one read: a watcher hands them to the jobs it wakes, so a job decided
+        by another's transaction learns it without a transaction of its own."""
+        with self._read() as conn:
+            rows = list(
+                conn.execute(
+                    sa.select(jobs).where(jobs.c.id.in_(list(job_ids)), jobs.c.state != "queued")
+                ).mappings()
+            )
+            if not rows:
+                return {}
+            stamped = {row["id"]: row["heartbeat_at"] for row in rows}
+            return {i: (d, stamped[i]) for i, d in _recorded_all(conn, rows).items()}
+
+    @_reconnecting
     def unadmit(
         self,
         job_id: str,
@@ -480,28 +506,38 @@ def _overrun(conn: Connection, org: str) -> dict[str, float]:
 def _recorded(conn: Connection, row: Any) -> Decision:
     """The decision already recorded for a job that is no longer queued; an admission with what
     its holder needs to take over (the capped scopes on its path, its pool and placement)."""
-    state = row["state"]
-    if state in ACTIVE or state == "settled":
-        path = scope_path(row["scope"])
-        caps = dict(
-            conn.execute(
-                sa.select(budgets.c.scope, budgets.c.hourly_cap_cents).where(
-                    budgets.c.scope.in_(path), budgets.c.hourly_cap_cents.is_not(None)
-                )
-            ).all()
-        )
-        return Decision(
-            "admit",
-            row["reason"],
-            reserved_micro=row["reserved_micro"],
-            reserve_seconds=row["reserve_seconds"],
-            caps=tuple((s, caps[s]) for s in path if s in caps),
-            placement=tuple(int(i) for i in (row["placement"] or "").split(",") if i),
-            pool=row["pool"],
-        )
-    if state == "timed_out":
-        return Decision("timeout", row["reason"])
-    return Decision("reject", row["reason"] or state)
+    return _recorded_all(conn, [row])[row["id"]]
+
+
+def _recorded_all(conn: Connection, rows: list[Any]) -> dict[str, Decision]:
+    """`_recorded` of each of `rows` (jobs no longer queued), the caps read once for all."""
+    paths = {row["id"]: scope_path(row["scope"]) for row in rows}
+    caps = dict(
+        conn.execute(
+            sa.select(budgets.c.scope, budgets.c.hourly_cap_cents).where(
+                budgets.c.scope.in_({s for path in paths.values() for s in path}),
+                budgets.c.hourly_cap_cents.is_not(None),
+            )
+        ).all()
+    )
+    out = {}
+    for row in rows:
+        state = row["state"]
+        if state in ACTIVE or state == "settled":
+            out[row["id"]] = Decision(
+                "admit",
+                row["reason"],
+                reserved_micro=row["reserved_micro"],
+                reserve_seconds=row["reserve_seconds"],
+                caps=tuple((s, caps[s]) for s in paths[row["id"]] if s in caps),
+                placement=tuple(int(i) for i in (row["placement"] or "").split(",") if i),
+                pool=row["pool"],
+            )
+        elif state == "timed_out":
+            out[row["id"]] = Decision("timeout", row["reason"])
+        else:
+            out[row["id"]] = Decision("reject", row["reason"] or state)
+    return out
 
 
 def wait_key(decision: Decision) -> str | None:

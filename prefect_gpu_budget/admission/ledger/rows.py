@@ -9,9 +9,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.tables import jobs, pools, team_quotas
+from prefect_gpu_budget.admission.ledger.tables import budgets, jobs, pools, team_quotas
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota
+from prefect_gpu_budget.units import scope_path
 
 
 def _rule(row: Any) -> BudgetRule:
@@ -26,6 +27,14 @@ def _rule(row: Any) -> BudgetRule:
         reservation_mode=row["reservation_mode"],
         notify_block=row["notify_block"],
     )
+
+
+def _path_rules(conn: Connection, scope: str) -> list[BudgetRule]:
+    """The budgets a job in `scope` must fit, outermost first."""
+    path = scope_path(scope)
+    rows = conn.execute(sa.select(budgets).where(budgets.c.scope.in_(path))).mappings()
+    found = {row["scope"]: _rule(row) for row in rows}
+    return [found[s] for s in path if s in found]
 
 
 def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hold:

@@ -44,12 +44,12 @@ class PastMaxRuntime(TimeoutError):
 def outcome_of(error: BaseException | None, returned: str = COMPLETED) -> str:
     """The outcome of a body that ended raising `error` (None: it returned).
 
-    | the body                                               | outcome     |
-    |--------------------------------------------------------|-------------|
-    | returned                                               | `returned`  |
-    | raised `PastMaxRuntime` (stopped at max_runtime)       | `timed_out` |
-    | raised another `Exception`                             | `failed`    |
-    | raised a `BaseException` (cancelled, interrupted, exit) | `cancelled` |
+    | the body                                             | outcome     |
+    |------------------------------------------------------|-------------|
+    | returned                                             | `returned`  |
+    | raised `PastMaxRuntime` (stopped at max_runtime)     | `timed_out` |
+    | raised another `Exception`                           | `failed`    |
+    | raised a `BaseException` (cancelled, interrupted...) | `cancelled` |
 
     `returned` is `completed` unless the caller names it from what the body returned (a
     worker: from the exit code, or `timed_out` when it stopped the body at max_runtime)."""

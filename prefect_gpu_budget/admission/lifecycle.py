@@ -11,6 +11,10 @@ The launcher stops the job at max_runtime (`Launcher.run`); this module
   admission's `preempted` event), and names such an end `preempted`;
 - settles once: from the launcher's result, or, when `launcher.run` raised (an error, a
   cancellation: any `BaseException`), as `cancelled` up to now, before the exception goes on.
+
+`Settlement` is the one "settle exactly once, whatever way it ends" for every way a job runs:
+`run_admitted` here, the `@gpu_task` body (`tasks/gpu_task.py`) and the worker types' flow runs
+(`workers/gating.py`). `outcome_of` names how a body ended as the ledger's outcome.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from prefect_gpu_budget.admission.gate import Admission, Gate
@@ -28,6 +33,94 @@ from prefect_gpu_budget.launchers.registry import launcher_ref
 
 PREEMPTED = "preempted"
 """The outcome of a job that ended because its borrowed capacity was reclaimed."""
+COMPLETED, FAILED, CANCELLED, TIMED_OUT = "completed", "failed", "cancelled", "timed_out"
+"""The outcomes of a body that returned, raised an error, was cancelled, ran past max_runtime."""
+
+
+class PastMaxRuntime(TimeoutError):
+    """Raised in a body that is stopped at max_runtime: its job ends `timed_out`."""
+
+
+def outcome_of(error: BaseException | None, returned: str = COMPLETED) -> str:
+    """The outcome of a body that ended raising `error` (None: it returned).
+
+    | the body                                             | outcome     |
+    |------------------------------------------------------|-------------|
+    | returned                                             | `returned`  |
+    | raised `PastMaxRuntime` (stopped at max_runtime)     | `timed_out` |
+    | raised another `Exception`                           | `failed`    |
+    | raised a `BaseException` (cancelled, interrupted...) | `cancelled` |
+
+    `returned` is `completed` unless the caller names it from what the body returned (a
+    worker: from the exit code, or `timed_out` when it stopped the body at max_runtime)."""
+    if error is None:
+        return returned
+    if isinstance(error, PastMaxRuntime):
+        return TIMED_OUT
+    return FAILED if isinstance(error, Exception) else CANCELLED
+
+
+class Settlement:
+    """Settles one admission exactly once, whatever way its job ends (`Gate.settle`).
+
+    The first call settles; a later call, or one made meanwhile from another thread (it waits),
+    settles nothing and returns the same row. A first call that raised (the ledger down past
+    the gate's patience) settled nothing: the next call tries again. `then` (giving back what
+    else the job held, say) runs once, as the first call ends, settled or not."""
+
+    def __init__(
+        self, gate: Gate, admission: Admission, *, then: Callable[[], None] | None = None
+    ) -> None:
+        self.gate, self.admission = gate, admission
+        self._then = then
+        self._row: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def row(self) -> dict[str, Any] | None:
+        """The settled ledger row; None until settled."""
+        return self._row
+
+    def settle(
+        self,
+        outcome: str,
+        *,
+        ended_at: float | None = None,
+        billed_seconds: float | None = None,
+        actual_micro: int | None = None,
+    ) -> dict[str, Any]:
+        """Settle as `outcome`, ended at `ended_at` (now if None), unless settled already.
+        Returns the settled row (the first settlement's, whatever this call asked)."""
+        with self._lock:
+            if self._row is not None:
+                return self._row
+            then, self._then = self._then, None
+            try:
+                self._row = self.gate.settle(
+                    self.admission,
+                    ended_at=time.time() if ended_at is None else ended_at,
+                    outcome=outcome,
+                    billed_seconds=billed_seconds,
+                    actual_micro=actual_micro,
+                )
+            finally:
+                if then is not None:
+                    then()
+            return self._row
+
+    def ended(
+        self,
+        error: BaseException | None = None,
+        *,
+        returned: str = COMPLETED,
+        ended_at: float | None = None,
+        billed_seconds: float | None = None,
+    ) -> dict[str, Any]:
+        """Settle a body that ended raising `error` (None: it returned) as `outcome_of` names
+        it; see `settle`."""
+        return self.settle(
+            outcome_of(error, returned), ended_at=ended_at, billed_seconds=billed_seconds
+        )
 
 
 @dataclass(frozen=True)
@@ -111,6 +204,7 @@ def run_admitted(
     (a cancellation included) is re-raised once the job is settled as `cancelled`."""
     job = admission.job
     preemption = _Preemption(gate, admission, launcher)
+    settlement = Settlement(gate, admission)
 
     def on_start(started: float, external_id: str) -> None:
         preemption.starting(external_id)
@@ -126,18 +220,17 @@ def run_admitted(
             on_start=on_start,
             log=log,
             env=env or {},
-            on_submit=lambda external_id: gate.submitted(admission, external_id),
+            on_submit=partial(gate.submitted, admission),
         )
     finally:
         preemption.over()
         phase("settling")
         if result is None:  # cancelled or crashed mid-run: bill until now
-            gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+            settlement.settle(CANCELLED)
     result = ended_by_stop(result, preemption.stopped_at)
-    row = gate.settle(
-        admission,
+    row = settlement.settle(
+        result.outcome,
         ended_at=result.ended_at,
-        outcome=result.outcome,
         billed_seconds=result.billed_seconds,
         actual_micro=result.actual_micro,
     )

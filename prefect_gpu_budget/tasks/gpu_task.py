@@ -44,6 +44,7 @@ from prefect.states import Failed, State
 from prefect.utilities.timeout import timeout, timeout_async
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused
+from prefect_gpu_budget.admission.lifecycle import FAILED, PastMaxRuntime, Settlement
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import _grant, _release, visible_gpus
 from prefect_gpu_budget.tasks.defaults import current_defaults
@@ -80,10 +81,6 @@ def current_job() -> CurrentJob:
     return found
 
 
-class _PastMaxRuntime(TimeoutError):
-    pass
-
-
 def _settings(given: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
     unknown = sorted(set(given or {}) - SETTINGS)
     if unknown:
@@ -108,9 +105,9 @@ class _GatedRun:
         self.scope = validate_scope(scope)
         self.job = GpuJob(**{"name": task_name, **fields, "grant": grant})
         self.admission: Admission | None = None
+        self.settlement: Settlement | None = None
         self.gpus: list[int] = []
         self.started_at = 0.0
-        self.row: dict[str, Any] | None = None
         if not self.refusal:  # a refused run opens no ledger
             self.gate = gate_for_run(self.scope, self.job, self.ledger)
 
@@ -124,12 +121,13 @@ class _GatedRun:
             )
         except AdmissionRefused as refused:
             return Failed(name=refused.state_name, message=refused.reason)
+        self.settlement = Settlement(self.gate, self.admission, then=self._release_gpus)
         share = self.job.share_of(self.admission.quote.row)
         wanted = share.gpus * self.job.nodes
         self.gpus = _grant(wanted)
         self.started_at = time.time()
         if len(self.gpus) < wanted and visible_gpus():
-            self.settle("failed")
+            self.settlement.settle(FAILED)
             return Failed(name="GpuJobFailed", message=f"fewer than {wanted} GPUs free here")
         ctx = TaskRunContext.get()
         run_id = str(ctx.task_run.id) if ctx else self.admission.job_id
@@ -147,16 +145,18 @@ class _GatedRun:
             deadline=self.started_at + self.job.max_runtime,
         )
 
-    def settle(self, outcome: str) -> None:
-        if self.admission is None or self.row is not None:
-            return
-        try:
-            self.row = self.gate.settle(self.admission, ended_at=time.time(), outcome=outcome)
-        finally:
-            _release(self.gpus)
+    def ended(self, error: BaseException | None = None) -> None:
+        """Settle once, now, as the body's ending names it (`lifecycle.outcome_of`); its GPUs
+        are given back with the settlement."""
+        if self.settlement is not None:
+            self.settlement.ended(error)
+
+    def _release_gpus(self) -> None:
+        _release(self.gpus)
 
     def timed_out(self) -> State:
-        cost = fmt_usd((self.row or {}).get("actual_micro") or 0)
+        row = self.settlement.row if self.settlement is not None else None
+        cost = fmt_usd((row or {}).get("actual_micro") or 0)
         return Failed(
             name="TimedOut",
             message=f"stopped at max_runtime {fmt_duration(self.job.max_runtime)}; cost {cost}",
@@ -196,18 +196,18 @@ def _gated(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[...,
                 return refused
             try:
                 limit = run.job.max_runtime
-                with timeout_async(limit, timeout_exc_type=_PastMaxRuntime), _as_current(run):
+                with timeout_async(limit, timeout_exc_type=PastMaxRuntime), _as_current(run):
                     result = await fn(*args, **kwargs)
-            except _PastMaxRuntime:
-                await asyncio.to_thread(run.settle, "timed_out")
+            except PastMaxRuntime as stopped:
+                await asyncio.to_thread(run.ended, stopped)
                 return run.timed_out()
-            except Exception:
-                await asyncio.to_thread(run.settle, "failed")
+            except Exception as error:
+                await asyncio.to_thread(run.ended, error)
                 raise
-            except BaseException:
-                run.settle("cancelled")
+            except BaseException as cancelled:
+                run.ended(cancelled)  # in this thread: an await in a cancelled task may not end
                 raise
-            await asyncio.to_thread(run.settle, "completed")
+            await asyncio.to_thread(run.ended)
             return result
 
         wrapper: Callable[..., Any] = run_async
@@ -221,15 +221,15 @@ def _gated(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[...,
                 return refused
             try:
                 limit = run.job.max_runtime
-                with timeout(limit, timeout_exc_type=_PastMaxRuntime), _as_current(run):
+                with timeout(limit, timeout_exc_type=PastMaxRuntime), _as_current(run):
                     result = fn(*args, **kwargs)
-            except _PastMaxRuntime:
-                run.settle("timed_out")
+            except PastMaxRuntime as stopped:
+                run.ended(stopped)
                 return run.timed_out()
             except BaseException as exc:
-                run.settle("failed" if isinstance(exc, Exception) else "cancelled")
+                run.ended(exc)
                 raise
-            run.settle("completed")
+            run.ended()
             return result
 
         wrapper = run_sync

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
@@ -31,6 +32,7 @@ from prefect.states import Failed, Pending, Scheduled
 from pydantic import BaseModel, Field
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.lifecycle import CANCELLED, COMPLETED, TIMED_OUT, Settlement
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
@@ -167,6 +169,7 @@ class WorkerRun:
 
     def __init__(self, gate: Gate, admission: Admission) -> None:
         self.gate, self.admission, self.job = gate, admission, admission.job
+        self.settlement = Settlement(gate, admission)
         self.started_at: float | None = None
         self.stopped: list[float] = []
         """When it was stopped at max_runtime (empty if it was not)."""
@@ -199,25 +202,31 @@ class WorkerRun:
         outcome: Callable[[R], str],
         ended: Callable[[], tuple[float, float | None]] | None = None,
     ) -> R:
-        """Await `body` (the worker's own run), then settle once, whatever way it ends:
-        `outcome` names how from its result ("timed_out" if it was stopped at max_runtime),
-        "failed" if it raised an error, "cancelled" if it was cancelled. `ended` gives (ended_at, billed_seconds) where the
-        infrastructure reports them (Vertex: the job's times); else now and the gate's own."""
-        how = "cancelled"
+        """Await `body` (the worker's own run), then settle once, whatever way it ends
+        (`Settlement.ended`): `outcome` names how from its result ("timed_out" if it was
+        stopped at max_runtime), "failed" if it raised an error, "cancelled" if it was
+        cancelled. `ended` gives (ended_at, billed_seconds) where the infrastructure reports
+        them (Vertex: the job's times); else now and the gate's own."""
+        error: BaseException | None = None
+        returned = COMPLETED
         try:
             result = await body
-            how = "timed_out" if self.stopped else outcome(result)
+            returned = TIMED_OUT if self.stopped else outcome(result)
             return result
-        except Exception:
-            how = "failed"
+        except BaseException as raised:
+            error = raised
             raise
         finally:
             for timer in self._timers:
                 timer.cancel()
             ended_at, billed = ended() if ended else (time.time(), None)
             await anyio.to_thread.run_sync(
-                lambda: self.gate.settle(
-                    self.admission, ended_at=ended_at, outcome=how, billed_seconds=billed
+                partial(
+                    self.settlement.ended,
+                    error,
+                    returned=returned,
+                    ended_at=ended_at,
+                    billed_seconds=billed,
                 )
             )
 
@@ -236,13 +245,12 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
     try:
         job, scope = configuration.gpu_job(flow_run.name)
         job, scope = await anyio.to_thread.run_sync(
-            lambda: bind_to_agent(
-                run_gate.ledger,
-                configuration.agent_token,
-                job,
-                scope,
-                configuration.require_agent_token,
-            )
+            bind_to_agent,
+            run_gate.ledger,
+            configuration.agent_token,
+            job,
+            scope,
+            configuration.require_agent_token,
         )
         configuration.preflight(job, run_gate.quote(job))
     except (BudgetInputError, LaunchConfigError, ValueError) as bad:
@@ -267,23 +275,23 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
     launcher = f"worker:{worker.type}"
     try:
         admission = await anyio.to_thread.run_sync(
-            lambda: run_gate.admit(job, scope, flow_run_id=str(flow_run.id), launcher=launcher)
+            partial(run_gate.admit, job, scope, flow_run_id=str(flow_run.id), launcher=launcher)
         )
     except AdmissionRefused as refused:
-        if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
+        if not await anyio.to_thread.run_sync(_still_wanted, flow_run.id):
             await _end(flow_run)  # cancelled: its place was given up
         await _end(flow_run, Failed(name=refused.state_name, message=refused.reason))
     finally:
         admitted.set()
-    if not await anyio.to_thread.run_sync(lambda: _still_wanted(flow_run.id)):
-        await anyio.to_thread.run_sync(  # cancelled as it was admitted: nothing ran
-            lambda: run_gate.settle(admission, ended_at=time.time(), outcome="cancelled")
-        )
+    run = WorkerRun(run_gate, admission)
+    if not await anyio.to_thread.run_sync(_still_wanted, flow_run.id):
+        # cancelled as it was admitted: nothing ran
+        await anyio.to_thread.run_sync(run.settlement.settle, CANCELLED)
         await _end(flow_run)
     await anyio.to_thread.run_sync(
-        lambda: _set_state(flow_run.id, Pending(message=f"admitted: {admission.reason}"))
+        _set_state, flow_run.id, Pending(message=f"admitted: {admission.reason}")
     )
-    return WorkerRun(run_gate, admission)
+    return run
 
 
 def _open_gate() -> Gate:
@@ -295,7 +303,7 @@ def _open_gate() -> Gate:
 async def _end(flow_run: FlowRun, state: State | None = None) -> None:
     """End a run that never starts: in `state`, or as it stands (cancelled)."""
     if state is not None:
-        await anyio.to_thread.run_sync(lambda: _set_state(flow_run.id, state))
+        await anyio.to_thread.run_sync(_set_state, flow_run.id, state)
     raise RunNotStarted(state.name if state else "cancelled")
 
 

@@ -1,17 +1,26 @@
 """An admitted job's life (`admission/lifecycle.py`) without Prefect or a ledger: a recording
 gate and a scripted launcher show it settles once however the job ends, names a stop for
-preemption `preempted`, and says when to requeue."""
+preemption `preempted`, and says when to requeue; `Settlement` settles once, from any thread,
+as the body's ending names it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import pytest
 
 from prefect_gpu_budget.admission.gate import Admission
-from prefect_gpu_budget.admission.lifecycle import PREEMPTED, run_admitted
+from prefect_gpu_budget.admission.lifecycle import (
+    PREEMPTED,
+    PastMaxRuntime,
+    Settlement,
+    outcome_of,
+    run_admitted,
+)
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchResult, Probe
 
@@ -113,3 +122,99 @@ def test_outside_a_pool_nothing_watches_for_preemption() -> None:
     threading.Timer(0.05, admission.preempted.set).start()  # never set by the gate: ignored
     ended = run_admitted(gate, admission, launcher)  # type: ignore[arg-type]
     assert launcher.stops == [] and ended.result.outcome == "completed"
+
+
+ENDINGS = [  # how the body ended, what it named its return, the outcome
+    (None, "completed", "completed"),
+    (None, "failed", "failed"),  # a worker's run that exited non-zero
+    (None, "timed_out", "timed_out"),  # a worker's run stopped at max_runtime
+    (PastMaxRuntime("past max_runtime"), "completed", "timed_out"),
+    (RuntimeError("crashed"), "completed", "failed"),
+    (TimeoutError("the body's own"), "completed", "failed"),  # not a stop at max_runtime
+    (KeyboardInterrupt(), "completed", "cancelled"),
+    (asyncio.CancelledError(), "completed", "cancelled"),
+    (SystemExit(1), "completed", "cancelled"),
+]
+
+
+@pytest.mark.parametrize(("error", "returned", "outcome"), ENDINGS)
+def test_a_body_is_settled_once_as_its_ending_names_it(
+    error: BaseException | None, returned: str, outcome: str
+) -> None:
+    assert outcome_of(error, returned) == outcome
+    gate = RecordingGate()
+    settlement = Settlement(gate, _admission())  # type: ignore[arg-type]
+    row = settlement.ended(error, returned=returned, ended_at=12.0, billed_seconds=3.0)
+    assert gate.settles() == [outcome] and settlement.row is row
+    assert row == {
+        "outcome": outcome,
+        "ended_at": 12.0,
+        "billed_seconds": 3.0,
+        "actual_micro": None,
+    }
+
+
+def test_a_settlement_asked_again_keeps_the_first_row() -> None:
+    gate, released = RecordingGate(), []
+    settlement = Settlement(gate, _admission(), then=partial(released.append, "gpus"))  # type: ignore[arg-type]
+    assert settlement.row is None
+    before = time.time()
+    first = settlement.settle("completed")
+    assert before <= first["ended_at"] <= time.time()  # ended now when not told
+    assert settlement.ended(RuntimeError("late")) is first
+    assert settlement.settle("cancelled", ended_at=1.0) is first
+    assert gate.settles() == ["completed"] and released == ["gpus"]
+
+
+class SlowGate(RecordingGate):
+    """Settles slowly, counting settlements, so that calls from other threads overlap it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settling = threading.Event()
+
+    def settle(self, admission: Admission, *, ended_at: float, outcome: str, **kw: Any) -> dict:
+        self.settling.set()
+        time.sleep(0.2)
+        return super().settle(admission, ended_at=ended_at, outcome=outcome, **kw)
+
+
+def test_concurrent_settlements_settle_once_and_share_the_row() -> None:
+    gate, released = SlowGate(), []
+    settlement = Settlement(gate, _admission(), then=partial(released.append, "gpus"))  # type: ignore[arg-type]
+    outcomes = ["completed", "failed", "cancelled", "timed_out"] * 4
+    rows: list[dict] = []
+    start = threading.Barrier(len(outcomes))
+
+    def settle(outcome: str) -> None:
+        start.wait()
+        rows.append(settlement.settle(outcome))
+
+    threads = [threading.Thread(target=settle, args=(o,)) for o in outcomes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(rows) == len(outcomes) and all(row is rows[0] for row in rows)
+    assert len(gate.settles()) == 1 and released == ["gpus"]
+    assert rows[0]["outcome"] in outcomes
+
+
+class DownThenUpGate(RecordingGate):
+    """Its first settlement raises (the ledger down past the gate's patience)."""
+
+    def settle(self, admission: Admission, *, ended_at: float, outcome: str, **kw: Any) -> dict:
+        if not self.calls:
+            self.calls.append(("down", outcome))
+            raise ConnectionError("ledger down")
+        return super().settle(admission, ended_at=ended_at, outcome=outcome, **kw)
+
+
+def test_a_settlement_that_raised_is_tried_again_and_gives_back_once() -> None:
+    gate, released = DownThenUpGate(), []
+    settlement = Settlement(gate, _admission(), then=partial(released.append, "gpus"))  # type: ignore[arg-type]
+    with pytest.raises(ConnectionError):
+        settlement.settle("completed")
+    assert settlement.row is None and released == ["gpus"]  # given back though unsettled
+    assert settlement.settle("completed")["outcome"] == "completed"
+    assert gate.settles() == ["completed"] and released == ["gpus"]

@@ -157,6 +157,7 @@ def agent_main(raw: str) -> None:
     activity = Activity(cfg.running_path)
     ledger = Ledger(cfg.ledger_url, create=False)
     calls = count_calls(ledger, activity)
+    ended = count_transactions(ledger.engine)
     job = GpuJob(instance_type="local:deep", max_runtime="10m")
     left, lock = [cfg.jobs], threading.Lock()
     waited: list[float] = []
@@ -199,7 +200,21 @@ def agent_main(raw: str) -> None:
     cpu = (after.user - before.user) + (after.system - before.system)
     out = {"cpu_s": cpu, "waited_s": sum(waited), "errors": errors, "done": len(waited)}
     out["calls"] = calls
+    out["transactions_ended"] = ended[0]
     print(json.dumps(out), flush=True)
+
+
+def count_transactions(engine: Any) -> list[int]:
+    """Transactions the agent's engine commits or rolls back from now on (one per ledger call;
+    what `pg_stat_database` counts beyond them was not the agents' calls)."""
+    ended = [0]
+
+    def end(_conn: Any) -> None:
+        ended[0] += 1
+
+    sa.event.listen(engine, "commit", end)
+    sa.event.listen(engine, "rollback", end)
+    return ended
 
 
 class Activity:
@@ -528,6 +543,8 @@ def figures(
             requests_recorded_s=recorded - first,
             headroom_p95_after_requests_s=percentile(after, 95) if after else None,
             headroom_n_after_requests=len(after),
+            agent_transactions_per_job=sum(rep["transactions_ended"] for rep in reports)
+            / len(ran),
             calls_per_job={
                 name: round(sum(rep["calls"][name] for rep in reports) / len(ran), 3)
                 for name in COUNTED

@@ -83,16 +83,17 @@ _NOTICE_BYTES = 7900  # PostgreSQL's limit on a payload is 8000 bytes
 
 
 def notice_payloads(org: str, job_ids: Iterable[str]) -> list[str]:
-    """`org|id,id,...` notices naming the jobs decided, each under PostgreSQL's payload limit
-    (one notice, naming none, when the org changed but no job's decision did)."""
+    """`org|id,id,...` notices naming the jobs decided, each under PostgreSQL's payload limit;
+    none when no job's decision changed. (Every listening backend of the database runs a
+    transaction to read each notice, whatever its channel: a notice that wakes nobody costs
+    one transaction per listening process.)"""
     out, ids = [], list(job_ids)
-    while True:
+    while ids:
         chunk: list[str] = []
         while ids and len(org) + sum(len(i) + 1 for i in chunk) + len(ids[0]) < _NOTICE_BYTES:
             chunk.append(ids.pop(0))
         out.append(f"{org}|{','.join(chunk)}")
-        if not ids:
-            return out
+    return out
 
 
 def read_notice(payload: str) -> tuple[str, list[str]]:

@@ -98,7 +98,9 @@ def describe(tree: Path) -> str | None:
         capture_output=True,
         text=True,
     )
-    return done.stdout.strip() or None if done.returncode == 0 else None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
 
 
 class TreeProcess:
@@ -212,7 +214,7 @@ def code_folder(tmp: Path) -> Path:
 def run(cfg: Config, before: Path | None = None) -> dict[str, Any]:
     """Every case under this checkout (and, with `before`, under that tree too, in turn)."""
     wall, load = time.perf_counter(), os.getloadavg()[0]
-    trees = {"now": ROOT, **({"before": before} if before is not None else {})}
+    trees = {"now": ROOT, **({"before": before.resolve()} if before is not None else {})}
     with (
         tempfile.TemporaryDirectory(prefix="gate-bench-") as tmp,
         prefect_server(services=False, durable_leases=False) as api_url,

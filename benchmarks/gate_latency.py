@@ -10,11 +10,21 @@ Measured side by side in one run, against one throwaway Prefect server (`prefect
 3. admissions per second with 1, 4, 16 and 32 admitters in separate processes;
 4. the ledger's decision latency with 10^3 and with 10^6 settled rows in the ledger.
 
-Usage: python -m benchmarks.gate_latency [--quick] [--json]
+Usage: python -m benchmarks.gate_latency [--quick] [--json] [--before CHECKOUT]
+       [--iterations N] [--duration S] [--concurrency 1,4] [--small-rows N] [--large-rows N]
 
-PostgreSQL is expected at 127.0.0.1:5432; the benchmark uses a database of its own
-(`gate_bench_<id>`, dropped at the end), or the one GATE_BENCH_PG_URL names (created if missing,
-its gate tables dropped and recreated, never dropped itself). It is skipped if unreachable.
+The cases run in a process of their own, `benchmarks/gate_cases.py` with this checkout's
+package on PYTHONPATH. `--before CHECKOUT` starts a second such process with another source
+tree's package (this checkout's benchmark code, the same interpreter and Prefect server) and
+runs each case under both trees in turn, the first of the two alternating from case to case, so
+that a change in the machine's load during the run falls on both alike; the report adds both
+figures and their ratio per case. Each tree has its own ledgers (SQLite files, PostgreSQL
+databases); the bare Prefect figures, the same code under either tree, show the run's noise.
+
+PostgreSQL is expected at 127.0.0.1:5432; the benchmark uses a database of its own per tree
+(`gate_bench_<id>`, `gate_bench_before_<id>`, dropped at the end), or for this checkout the one
+GATE_BENCH_PG_URL names (created if missing, its gate tables dropped and recreated, never
+dropped itself). It is skipped if unreachable.
 Progress goes to stderr; the table (or, with --json, one JSON object) to stdout.
 """
 
@@ -24,7 +34,7 @@ import os
 import sys
 from pathlib import Path
 
-if not __package__:  # run as `python benchmarks/gate_latency.py` (and so are its admitters)
+if not __package__:  # run as `python benchmarks/gate_latency.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
@@ -32,51 +42,30 @@ os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
 
 import argparse
 import contextlib
+import dataclasses
 import json
-import multiprocessing as mp
-import queue
-import random
+import subprocess
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
-from multiprocessing.queues import Queue
 from typing import Any
-from uuid import UUID
 
 import sqlalchemy as sa
 
 from benchmarks.harness import ensure_database, postgres_database, prefect_server
 from benchmarks.harness.postgres import SERVER
 from benchmarks.harness.report import logger, table
-from benchmarks.harness.stats import percentile, summary_ms
-from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.gate import Gate
-from prefect_gpu_budget.admission.ledger import (
-    Ledger,
-    NewJob,
-    holder_id,
-    jobs,
-    metadata,
-)
-from prefect_gpu_budget.admission.limits import RateLimits
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.pricing.catalog import Catalog, Quote
-from prefect_gpu_budget.units import rate_cents
+from benchmarks.harness.servers import read_line, stop_groups
 
+ROOT = Path(__file__).resolve().parents[1]
+"""This checkout: its package is the one measured as "now"."""
 PG_URL = os.environ.get("GATE_BENCH_PG_URL")
-"""The PostgreSQL ledger's database; None: one of the run's own."""
-ORG = "bench"
-TEAM = f"{ORG}/team"
-SCOPE = f"{TEAM}/s1"
-INSTANCE = "aws:g5.xlarge"
+"""This checkout's PostgreSQL ledger database; None: one of the run's own."""
 PG_BULK_LIMIT_S = 60.0
 """Stop bulk-loading PostgreSQL past this many seconds (and say so) to bound the run."""
-INSERT_BATCH = 20_000
+START_TIMEOUT_S = 180.0
+CASE_TIMEOUT_S = 3600.0
+"""The longest a case may take (a bulk load to 10^6 rows on a slow disk) before the run fails."""
 TARGETS = {"gate_over_prefect": 1.5, "decision_ms_sqlite": 2.0, "size_growth": 1.2}
 
 
@@ -99,438 +88,219 @@ class Config:
 log = logger("bench")
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+# -- one process per source tree ---------------------------------------------------------------
+
+
+def describe(tree: Path) -> str | None:
+    """The tree's commit (`git describe --always --dirty`), or None outside a git checkout."""
+    done = subprocess.run(
+        ["git", "-C", str(tree), "describe", "--always", "--dirty"],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip() or None
+
+
+class TreeProcess:
+    """`python -m benchmarks.gate_cases` with `tree`'s package on PYTHONPATH (after `code`, a
+    folder that holds only this checkout's `benchmarks`), asked for one case at a time."""
+
+    def __init__(self, label: str, tree: Path, code: Path) -> None:
+        self.label, self.tree = label, tree.resolve()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(code), str(self.tree)]),
+            "GATE_BENCH_TREE": label,
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.gate_cases"],
+            cwd=code,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its admitters with it, should it have to be killed
+        )
+        try:
+            package = Path(self._reply("start", START_TIMEOUT_S)["ready"]["package"]).resolve()
+            if not package.is_relative_to(self.tree):
+                raise RuntimeError(f"{label}: the package came from {package}, not {self.tree}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _reply(self, case: str, timeout_s: float) -> dict[str, Any]:
+        line = read_line(self.proc, time.monotonic() + timeout_s)
+        if not line:
+            state = "said nothing in time" if self.proc.poll() is None else "ended"
+            raise RuntimeError(f"{self.label} ({self.tree}), {case}: the process {state}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(
+                f"{self.label} ({self.tree}), {case}: {reply['error']}\n{reply.get('trace', '')}"
+            )
+        return reply
+
+    def request(self, case: str, **args: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"case": case, **args}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply(case, CASE_TIMEOUT_S)["ok"]
+
+    def close(self) -> None:
+        """End of input: the process closes its admitters and exits; killed if it does not."""
+        with contextlib.suppress(OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            stop_groups([self.proc])
+
+
+class Trees:
+    """The processes of the trees under test, each case asked of every one in turn; which goes
+    first alternates from case to case."""
+
+    def __init__(self, processes: dict[str, TreeProcess]) -> None:
+        self.processes = processes
+        self.labels = list(processes)
+        self.turn = 0
+
+    def each(self, case: str, args: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """`case` under every tree, with that tree's `args`; the results by tree label."""
+        order = self.labels if self.turn % 2 == 0 else self.labels[::-1]
+        self.turn += 1
+        results = {label: self.processes[label].request(case, **args[label]) for label in order}
+        return {label: results[label] for label in self.labels}
 
 
 # -- setup -------------------------------------------------------------------------------------
 
 
-def budgets() -> list[BudgetRule]:
-    """Caps and budgets so large that nothing ever waits: the uncontended path."""
-    return [
-        BudgetRule(ORG, hourly_cap_cents=10**9, period_budget_micro=10**15, period="month"),
-        BudgetRule(TEAM, hourly_cap_cents=10**9, period_budget_micro=10**15, period="week"),
-    ]
-
-
-def fresh_ledger(url: str) -> Ledger:
-    """Drop and recreate the gate's tables, then set the benchmark budgets."""
-    old = Ledger(url, create=False)
-    metadata.drop_all(old.engine)
-    old.dispose()
-    ledger = Ledger(url)
-    for rule in budgets():
-        ledger.set_budget(rule)
-    return ledger
-
-
-@contextmanager
-def postgres_ledger() -> Iterator[str | None]:
-    """The PostgreSQL ledger's database (`PG_URL`, created if missing, else one of the run's
-    own); None when the server does not answer."""
-    with contextlib.ExitStack() as stack:
-        try:
-            if PG_URL is None:
-                url: str | None = stack.enter_context(postgres_database("gate_bench"))
-            else:
+def postgres_ledgers(stack: contextlib.ExitStack, labels: list[str]) -> dict[str, str]:
+    """Each tree's PostgreSQL ledger database (this checkout's `PG_URL` if set, created if
+    missing; else, and for the other tree, one of the run's own); {} when the server does
+    not answer."""
+    urls: dict[str, str] = {}
+    try:
+        for label in labels:
+            if label == "now" and PG_URL is not None:
                 ensure_database(PG_URL)
-                url = PG_URL
-        except sa.exc.SQLAlchemyError as exc:
-            log(f"PostgreSQL unavailable, skipped: {str(exc).splitlines()[0]}")
-            url = None
-        yield url
+                urls[label] = PG_URL
+            else:
+                prefix = "gate_bench" if label == "now" else f"gate_bench_{label}"
+                urls[label] = stack.enter_context(postgres_database(prefix, PG_URL or SERVER))
+    except sa.exc.SQLAlchemyError as exc:
+        log(f"PostgreSQL unavailable, skipped: {str(exc).splitlines()[0]}")
+        return {}
+    return urls
 
 
-def bench_job() -> GpuJob:
-    return GpuJob(instance_type=INSTANCE, max_runtime="1h")
-
-
-def new_job(scope: str, quote: Quote) -> NewJob:
-    job = bench_job()
-    return NewJob(
-        scope=scope,
-        name="bench",
-        instance_type=job.instance_type,
-        provisioning=job.provisioning,
-        nodes=job.nodes,
-        rate_micro_per_hour=quote.rate_micro_per_hour,
-        rate_cents=rate_cents(quote.rate_micro_per_hour),
-        priority=0,
-        max_runtime_s=job.reserve_runtime_s,
-        expected_runtime_s=None,
-        holder=holder_id(),
-    )
-
-
-# -- 1. bare Prefect ---------------------------------------------------------------------------
-
-
-def create_bare_limit(client: Any) -> str:
-    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-
-    name = f"bench-bare-{uuid.uuid4().hex[:8]}"
-    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1_000_000))
-    return name
-
-
-def bare_acquire_release(client: Any, name: str) -> None:
-    response = client.increment_concurrency_slots_with_lease(
-        names=[name], slots=1, mode="concurrency", lease_duration=60
-    )
-    client.release_concurrency_slots_with_lease(UUID(response.json()["lease_id"]))
-
-
-def bench_bare_prefect(client: Any, name: str, cfg: Config) -> dict[str, float]:
-    samples = [
-        timed(lambda: bare_acquire_release(client, name))
-        for _ in range(cfg.warmup + cfg.iterations)
-    ]
-    return summary_ms(samples[cfg.warmup :])
-
-
-# -- 2. gate and ledger decision, uncontended --------------------------------------------------
-
-
-def bench_gate(gate: Gate, cfg: Config) -> dict[str, Any]:
-    job = bench_job()
-    admits, settles, totals = [], [], []
-    for _ in range(cfg.warmup + cfg.iterations):
-        start = time.perf_counter()
-        admission = gate.admit(job, SCOPE)
-        admitted = time.perf_counter()
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
-        done = time.perf_counter()
-        admits.append(admitted - start)
-        settles.append(done - admitted)
-        totals.append(done - start)
-    skip = cfg.warmup
-    return {
-        **summary_ms(totals[skip:]),
-        "admit_p50_ms": summary_ms(admits[skip:])["p50_ms"],
-        "settle_p50_ms": summary_ms(settles[skip:])["p50_ms"],
-    }
-
-
-def decision_samples(ledger: Ledger, quote: Quote, count: int) -> list[float]:
-    """Time `request` (record + decide in one transaction); the settle after is not timed."""
-    samples = []
-    for _ in range(count):
-        job = new_job(SCOPE, quote)
-        start = time.perf_counter()
-        job_id, decision = ledger.request(job)
-        samples.append(time.perf_counter() - start)
-        if decision.verdict != "admit":
-            raise RuntimeError(f"benchmark job not admitted: {decision.reason}")
-        ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope=SCOPE)
-    return samples
-
-
-def bench_decision(ledger: Ledger, quote: Quote, cfg: Config) -> dict[str, float]:
-    return summary_ms(decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :])
-
-
-# -- 3. throughput: concurrent admitters in separate processes -----------------------------------
-
-
-def admitter(index: int, api_url: str, commands: Queue, results: Queue) -> None:
-    """One admitter process, with its own client (and, per round, its own Ledger and Gate)."""
-    os.environ["PREFECT_API_URL"] = api_url
-    from prefect.client.orchestration import get_client
-
-    try:
-        with get_client(sync_client=True) as client:
-            limits, catalog = RateLimits(client), Catalog.load()
-            results.put(("ready", index, None))
-            while (command := commands.get()) is not None:
-                kind, target = command
-                if kind == "prefect":
-                    op = partial(bare_acquire_release, client, target)
-                    done = admitter_round(index, op, commands, results)
-                else:
-                    ledger = Ledger(target, create=False)
-                    gate = Gate(ledger, limits, catalog=catalog)
-                    op = gate_round_trip(gate, f"{TEAM}/w{index}")
-                    done = admitter_round(index, op, commands, results)
-                    ledger.dispose()
-                results.put(("done", index, done))
-    except Exception as exc:  # report, so the parent does not wait for nothing
-        results.put(("failed", index, f"{type(exc).__name__}: {exc}"))
-
-
-def gate_round_trip(gate: Gate, scope: str) -> Callable[[], None]:
-    job = bench_job()
-
-    def op() -> None:
-        gate.settle(gate.admit(job, scope), ended_at=time.time(), outcome="completed")
-
-    return op
-
-
-def admitter_round(
-    index: int, op: Callable[[], None], commands: Queue, results: Queue
-) -> dict[str, Any]:
-    """Warm up, say so, wait for the common start, then run `op` in a loop until the stop."""
-    op()
-    results.put(("armed", index, None))
-    start_at, stop_at = commands.get()
-    time.sleep(max(0.0, start_at - time.time()))
-    count, errors, first_error, latencies = 0, 0, None, []
-    while time.time() < stop_at:
-        began = time.perf_counter()
-        try:
-            op()
-        except Exception as exc:
-            errors += 1
-            first_error = first_error or f"{type(exc).__name__}: {exc}"
-            continue
-        latencies.append(time.perf_counter() - began)  # tail included, even past the stop
-        if time.time() <= stop_at:
-            count += 1
-    return {"count": count, "errors": errors, "first_error": first_error, "latencies": latencies}
-
-
-class AdmitterPool:
-    """`size` spawned admitter processes, reused across rounds (spawning costs ~1 s of CPU each)."""
-
-    def __init__(self, size: int, api_url: str, timeout_s: float = 300.0) -> None:
-        ctx = mp.get_context("spawn")
-        self.timeout_s = timeout_s
-        self.results: Queue = ctx.Queue()
-        self.commands: list[Queue] = [ctx.Queue() for _ in range(size)]
-        self.procs = [
-            ctx.Process(target=admitter, args=(i, api_url, q, self.results), daemon=True)
-            for i, q in enumerate(self.commands)
-        ]
-        for proc in self.procs:
-            proc.start()
-        self._collect("ready", size)
-
-    def _collect(self, kind: str, count: int) -> list[Any]:
-        out = []
-        deadline = time.monotonic() + self.timeout_s
-        while len(out) < count:
-            try:
-                got, index, payload = self.results.get(
-                    timeout=max(1.0, deadline - time.monotonic())
-                )
-            except queue.Empty:
-                raise RuntimeError(f"admitters: {len(out)}/{count} {kind} in time") from None
-            if got == "failed":
-                raise RuntimeError(f"admitter {index} failed: {payload}")
-            if got != kind:
-                raise RuntimeError(f"admitter {index}: expected {kind}, got {got}")
-            out.append(payload)
-        return out
-
-    def round(self, command: tuple[str, str], workers: int, duration_s: float) -> dict[str, Any]:
-        """Run `command` (("prefect", limit name) or ("gate", ledger URL)) on `workers` admitters."""
-        chosen = self.commands[:workers]
-        for q in chosen:
-            q.put(command)
-        arming = time.perf_counter()
-        self._collect("armed", workers)
-        log(f"{workers} admitters armed in {time.perf_counter() - arming:.1f} s")
-        start_at = time.time() + 0.3
-        for q in chosen:
-            q.put((start_at, start_at + duration_s))
-        done = self._collect("done", workers)
-        latencies = [s for d in done for s in d["latencies"]]
-        total = sum(d["count"] for d in done)
-        return {
-            "workers": workers,
-            "admissions": total,
-            "per_s": total / duration_s,
-            "p50_ms": percentile(latencies, 50) * 1000 if latencies else None,
-            "p95_ms": percentile(latencies, 95) * 1000 if latencies else None,
-            "max_ms": max(latencies) * 1000 if latencies else None,
-            "errors": sum(d["errors"] for d in done),
-            "first_error": next((d["first_error"] for d in done if d["first_error"]), None),
-        }
-
-    def close(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
-
-
-def bench_throughput(
-    targets: dict[str, tuple[str, str]], api_url: str, cfg: Config
-) -> dict[str, list[dict[str, Any]]]:
-    """Admissions per second for each target: bare Prefect limits, and the gate per ledger."""
-    log(f"spawning {max(cfg.concurrency)} admitter processes")
-    started = time.perf_counter()
-    pool = AdmitterPool(max(cfg.concurrency), api_url)
-    log(f"admitters ready in {time.perf_counter() - started:.1f} s")
-    out: dict[str, list[dict[str, Any]]] = {}
-    try:
-        for name, command in targets.items():
-            out[name] = []
-            for workers in cfg.concurrency:
-                result = pool.round(command, workers, cfg.duration_s)
-                log(
-                    f"{name}: {workers} admitters -> {result['per_s']:.1f}/s, "
-                    f"max {result['max_ms']:.0f} ms, {result['errors']} errors"
-                )
-                out[name].append(result)
-    finally:
-        pool.close()
-    return out
-
-
-# -- 4. ledger size ------------------------------------------------------------------------------
-
-
-def old_rows(count: int, now: float, rng: random.Random) -> list[dict[str, Any]]:
-    """Settled jobs spread over the 12 months before the current week and month."""
-    cutoff = (
-        min(periods.bounds("month", "UTC", now)[0], periods.bounds("week", "UTC", now)[0]) - 86400
-    )
-    scopes = (SCOPE, f"{TEAM}/s2", f"{TEAM}/s3", f"{ORG}/other")
-    rows = []
-    for _ in range(count):
-        runtime = rng.uniform(60, 3600)
-        started = cutoff - rng.uniform(0, 365 * 86400)
-        ended = started + runtime
-        actual = int(1_006_000 * runtime / 3600)
-        rows.append(
-            {
-                "id": str(uuid.uuid4()),
-                "org": ORG,
-                "scope": rng.choice(scopes),
-                "name": "old",
-                "instance_type": INSTANCE,
-                "provisioning": "on-demand",
-                "nodes": 1,
-                "rate_micro_per_hour": 1_006_000,
-                "rate_cents": 101,
-                "priority": 0,
-                "max_runtime_s": 3610.0,
-                "state": "settled",
-                "reason": "",
-                "reserved_micro": 1_009_000,
-                "reserve_seconds": 3610.0,
-                "actual_micro": actual,
-                "billed_seconds": runtime,
-                "outcome": "completed",
-                "requested_at": started - 1,
-                "heartbeat_at": ended,
-                "admitted_at": started - 0.5,
-                "started_at": started,
-                "ended_at": ended,
-                "settled_at": ended + 0.1,
-                "holder": "bench-host:1:1",
-                "launcher": "local",
-            }
-        )
-    return rows
-
-
-def bulk_insert(ledger: Ledger, count: int, rng: random.Random, limit_s: float | None) -> int:
-    """Insert `count` settled rows in batches; stop early past `limit_s`. Returns rows inserted."""
-    started, done, now = time.perf_counter(), 0, time.time()
-    while done < count:
-        batch = old_rows(min(INSERT_BATCH, count - done), now, rng)
-        with ledger.engine.begin() as conn:
-            conn.execute(jobs.insert(), batch)
-        done += len(batch)
-        if limit_s is not None and time.perf_counter() - started > limit_s and done < count:
-            break
-    return done
-
-
-def settled_count(ledger: Ledger) -> int:
-    with ledger.engine.connect() as conn:
-        query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.state == "settled")
-        return int(conn.execute(query).scalar_one())
-
-
-def bench_size(url: str, quote: Quote, cfg: Config, limit_s: float | None) -> dict[str, Any]:
-    ledger, rng = fresh_ledger(url), random.Random(0)
-    try:
-        bulk_insert(ledger, cfg.small_rows, rng, None)
-        small_rows = settled_count(ledger)
-        small = summary_ms(
-            decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :]
-        )
-        started = time.perf_counter()
-        inserted = bulk_insert(ledger, cfg.large_rows - settled_count(ledger), rng, limit_s)
-        load_s = time.perf_counter() - started
-        large_rows = settled_count(ledger)
-        large = summary_ms(
-            decision_samples(ledger, quote, cfg.warmup + cfg.iterations)[cfg.warmup :]
-        )
-    finally:
-        ledger.dispose()
-    note = None
-    if large_rows < cfg.large_rows:
-        note = (
-            f"bulk load stopped after {load_s:.0f} s at {large_rows:,} rows (limit {limit_s:.0f} s)"
-        )
-    return {
-        "small_rows": small_rows,
-        "large_rows": large_rows,
-        "small": small,
-        "large": large,
-        "load_s": load_s,
-        "insert_rows_per_s": inserted / load_s if load_s else None,
-        "growth": large["p50_ms"] / small["p50_ms"],
-        "note": note,
-    }
+def code_folder(tmp: Path) -> Path:
+    """A folder holding only this checkout's `benchmarks` (a link): first on each tree's
+    PYTHONPATH, so that the benchmark code is this one's and the package the tree's."""
+    code = tmp / "code"
+    code.mkdir()
+    (code / "benchmarks").symlink_to(ROOT / "benchmarks", target_is_directory=True)
+    return code
 
 
 # -- run ---------------------------------------------------------------------------------------
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    from prefect.client.orchestration import get_client
-
-    wall = time.perf_counter()
-    catalog = Catalog.load()
-    quote = catalog.quote(INSTANCE)
+def run(cfg: Config, before: Path | None = None) -> dict[str, Any]:
+    """Every case under this checkout (and, with `before`, under that tree too, in turn)."""
+    wall, load = time.perf_counter(), os.getloadavg()[0]
+    trees = {"now": ROOT, **({"before": before.resolve()} if before is not None else {})}
     with (
         tempfile.TemporaryDirectory(prefix="gate-bench-") as tmp,
         prefect_server(services=False, durable_leases=False) as api_url,
-        postgres_ledger() as pg_url,
+        contextlib.ExitStack() as stack,
     ):
-        backends = {"sqlite": f"sqlite:///{tmp}/ledger.db"}
-        if pg_url is not None:
-            backends["postgresql"] = pg_url
-        out: dict[str, Any] = {
-            "config": cfg.__dict__,
-            "backends": list(backends),
-            "cpus": os.cpu_count(),
-            "load_avg_1m_at_start": os.getloadavg()[0],
+        pg = postgres_ledgers(stack, list(trees))
+        ledgers = {
+            label: {
+                "sqlite": (
+                    f"sqlite:///{tmp}/{label}-ledger.db",
+                    f"sqlite:///{tmp}/{label}-size.db",
+                ),
+                **({"postgresql": (pg[label], pg[label])} if pg else {}),
+            }
+            for label in trees
         }
-        with get_client(sync_client=True) as client:
-            log(f"Prefect server at {api_url}; bare limit acquire+release x{cfg.iterations}")
-            bare_limit = create_bare_limit(client)
-            out["bare_prefect"] = bench_bare_prefect(client, bare_limit, cfg)
-            out["gate"], out["decision"] = {}, {}
-            for name, url in backends.items():
-                log(f"{name}: gate admit+settle and ledger decision x{cfg.iterations}")
-                ledger = fresh_ledger(url)
-                gate = Gate(ledger, RateLimits(client), catalog=catalog)
-                out["gate"][name] = bench_gate(gate, cfg)
-                out["decision"][name] = bench_decision(ledger, quote, cfg)
-                ledger.dispose()
-        targets = {"prefect (bare)": ("prefect", bare_limit)}
-        targets.update({f"gate, {name}": ("gate", url) for name, url in backends.items()})
-        out["throughput"] = bench_throughput(targets, api_url, cfg)
-        out["size"] = {}
-        for name, url in backends.items():
-            size_url = f"sqlite:///{tmp}/size.db" if name == "sqlite" else url
-            log(f"{name}: ledger decision at {cfg.small_rows:,} and {cfg.large_rows:,} rows")
-            limit = PG_BULK_LIMIT_S if name == "postgresql" else None
-            out["size"][name] = bench_size(size_url, quote, cfg, limit)
-    out["ratios"] = ratios(out)
+        log(f"Prefect server at {api_url}; a process per tree: {', '.join(trees)}")
+        code = code_folder(Path(tmp))
+        processes = {
+            label: stack.enter_context(contextlib.closing(TreeProcess(label, tree, code)))
+            for label, tree in trees.items()
+        }
+        found = measure(Trees(processes), cfg, ledgers)
+    for result in found.values():
+        result["ratios"] = ratios(result)
+    out: dict[str, Any] = {
+        "config": cfg.__dict__,
+        "backends": list(ledgers["now"]),
+        "cpus": os.cpu_count(),
+        "load_avg_1m_at_start": load,
+        "trees": {label: {"path": str(t), "commit": describe(t)} for label, t in trees.items()},
+        **found["now"],
+    }
+    if before is not None:
+        out["before"] = found["before"]
+        out["comparison"] = comparison(found["now"], found["before"])
     out["wall_s"] = time.perf_counter() - wall
     return out
+
+
+def measure(
+    trees: Trees, cfg: Config, ledgers: dict[str, dict[str, tuple[str, str]]]
+) -> dict[str, dict[str, Any]]:
+    """The cases, each under every tree: `ledgers` holds, per tree and backend, the URL of the
+    ledger for the latency and throughput cases and that of the ledger-size case."""
+    labels = trees.labels
+    counts = {"iterations": cfg.iterations, "warmup": cfg.warmup}
+    found: dict[str, dict[str, Any]] = {label: {} for label in labels}
+    names = list(ledgers["now"])
+
+    log(f"bare limit acquire+release x{cfg.iterations}")
+    for label, result in trees.each("bare", dict.fromkeys(labels, counts)).items():
+        found[label]["bare_prefect"] = result
+    for name in names:
+        log(f"{name}: gate admit+settle and ledger decision x{cfg.iterations}")
+        args = {label: {"url": ledgers[label][name][0], **counts} for label in labels}
+        for label, result in trees.each("latency", args).items():
+            found[label].setdefault("gate", {})[name] = result["gate"]
+            found[label].setdefault("decision", {})[name] = result["decision"]
+
+    targets = {"prefect (bare)": dict.fromkeys(labels, "prefect")}
+    for name in names:
+        targets[f"gate, {name}"] = {label: ledgers[label][name][0] for label in labels}
+    for label in labels:
+        found[label]["throughput"] = {path: [] for path in targets}
+    pool = max(cfg.concurrency)
+    for path, target in targets.items():
+        for workers in cfg.concurrency:
+            round_args = {"workers": workers, "duration_s": cfg.duration_s, "pool": pool}
+            args = {label: {"target": target[label], **round_args} for label in labels}
+            for label, result in trees.each("throughput", args).items():
+                log(
+                    f"{label}, {path}: {workers} admitters -> {result['per_s']:.1f}/s, "
+                    f"max {ms(result['max_ms'])} ms, {result['errors']} errors"
+                )
+                found[label]["throughput"][path].append(result)
+    trees.each("close_pool", dict.fromkeys(labels, {}))
+
+    for name in names:
+        log(f"{name}: ledger decision at {cfg.small_rows:,} and {cfg.large_rows:,} rows")
+        size_args = {"small_rows": cfg.small_rows, "large_rows": cfg.large_rows, **counts}
+        size_args["limit_s"] = PG_BULK_LIMIT_S if name == "postgresql" else None
+        args = {label: {"url": ledgers[label][name][1], **size_args} for label in labels}
+        for label, result in trees.each("size", args).items():
+            found[label].setdefault("size", {})[name] = result
+    return found
 
 
 def ratios(out: dict[str, Any]) -> dict[str, Any]:
@@ -540,6 +310,36 @@ def ratios(out: dict[str, Any]) -> dict[str, Any]:
         "decision_p50_ms": {k: v["p50_ms"] for k, v in out["decision"].items()},
         "size_growth": {k: v["growth"] for k, v in out["size"].items()},
     }
+
+
+def comparison(now: dict[str, Any], before: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per case: its figure (found at `keys` in each tree's results) under each tree,
+    and now / before."""
+    rows: list[dict[str, Any]] = []
+
+    def add(case: str, figure: str, *keys: str | int) -> None:
+        a, b = now, before
+        for key in keys:
+            a, b = a[key], b[key]
+        ratio = a / b if a is not None and b else None
+        rows.append(
+            {"case": case, "figure": figure, "now": a, "before": b, "now_over_before": ratio}
+        )
+
+    add("Prefect limit acquire+release (control)", "p50 ms", "bare_prefect", "p50_ms")
+    for name in now["gate"]:
+        add(f"Gate admit+settle ({name})", "p50 ms", "gate", name, "p50_ms")
+    for name in now["decision"]:
+        add(f"Ledger decision ({name})", "p50 ms", "decision", name, "p50_ms")
+    for path, rounds in now["throughput"].items():
+        for i, r in enumerate(rounds):
+            figure = f"per s, {r['workers']} admitters"
+            add(f"Throughput, {path}", figure, "throughput", path, i, "per_s")
+    for name in now["size"]:
+        add(f"Decision, small ledger ({name})", "p50 ms", "size", name, "small", "p50_ms")
+        add(f"Decision, large ledger ({name})", "p50 ms", "size", name, "large", "p50_ms")
+        add(f"Decision large / small ({name})", "ratio", "size", name, "growth")
+    return rows
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -554,12 +354,30 @@ def verdict(value: float, target: float) -> str:
 
 
 def report(out: dict[str, Any]) -> str:
-    cfg = out["config"]
+    cfg, trees = out["config"], out["trees"]
     sections = [
-        f"Gate benchmark ({'quick' if cfg['iterations'] < 200 else 'full'}: "
-        f"{cfg['iterations']} iterations, {cfg['duration_s']} s per throughput round; "
+        f"Gate benchmark ({cfg['iterations']} iterations after {cfg['warmup']} warm-up, "
+        f"{cfg['duration_s']} s per throughput round at "
+        f"{', '.join(map(str, cfg['concurrency']))} admitters, ledgers of "
+        f"{cfg['small_rows']:,} and {cfg['large_rows']:,} rows; "
         f"{out['cpus']} CPUs, 1-min load {out['load_avg_1m_at_start']:.2f} at start; "
-        "Prefect server: test harness, on SQLite, same machine)",
+        "Prefect server: `prefect server start --no-services` on SQLite, same machine)",
+        "",
+        f"This checkout: {tree_name(trees['now'])}",
+    ]
+    if "before" in out:
+        sections += [
+            f"Before: {tree_name(trees['before'])}",
+            "",
+            "Now against before: each case under both trees in turn, the first alternating; the",
+            "bare Prefect figures run the same code under both (the run's noise). Ratio: now /",
+            "before (below 1: now is faster, except per second: above 1 is faster).",
+            "",
+            comparison_table(out["comparison"]),
+            "",
+            "The tables below are this checkout's; --json has the other tree's under `before`.",
+        ]
+    sections += [
         "",
         "Latency, uncontended (ms)",
         "",
@@ -583,10 +401,32 @@ def report(out: dict[str, Any]) -> str:
         targets_table(out["ratios"]),
     ]
     notes = report_notes(out)
+    if "before" in out:
+        notes += [
+            f"before: {n}" for n in report_notes({**out["before"], "backends": out["backends"]})
+        ]
     if notes:
         sections += ["", "Notes", "", *[f"- {n}" for n in notes]]
     sections += ["", f"Total wall time {out['wall_s']:.0f} s."]
     return "\n".join(sections)
+
+
+def tree_name(tree: dict[str, Any]) -> str:
+    return f"{tree['path']} ({tree['commit'] or 'not a git checkout'})"
+
+
+def comparison_table(rows: list[dict[str, Any]]) -> str:
+    cells = [
+        [
+            r["case"],
+            r["figure"],
+            ms(r["now"]),
+            ms(r["before"]),
+            "-" if r["now_over_before"] is None else f"{r['now_over_before']:.2f}",
+        ]
+        for r in rows
+    ]
+    return table(["Case", "Figure", "Now", "Before", "Now / before"], cells)
 
 
 def latency_table(out: dict[str, Any]) -> str:
@@ -693,8 +533,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations, 10^5 rows")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument(
+        "--before",
+        metavar="CHECKOUT",
+        type=Path,
+        help="Also run each case with the package of this other source tree, in turn with this "
+        "one's in the same run (both figures and their ratio per case).",
+    )
+    parser.add_argument("--iterations", type=int, help="samples per latency case")
+    parser.add_argument("--duration", type=float, help="seconds per throughput round")
+    parser.add_argument("--concurrency", help="admitters per throughput round, e.g. 1,4,16,32")
+    parser.add_argument("--small-rows", type=int, help="settled rows of the small ledger")
+    parser.add_argument("--large-rows", type=int, help="settled rows of the large ledger")
     args = parser.parse_args()
-    out = run(Config.of(args.quick))
+    cfg = Config.of(args.quick)
+    given = {
+        "iterations": args.iterations,
+        "duration_s": args.duration,
+        "small_rows": args.small_rows,
+        "large_rows": args.large_rows,
+        "concurrency": args.concurrency and tuple(int(n) for n in args.concurrency.split(",")),
+    }
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in given.items() if v is not None})
+    if args.before is not None and not (args.before / "prefect_gpu_budget").is_dir():
+        parser.error(f"--before: no prefect_gpu_budget package in {args.before}")
+    out = run(cfg, args.before)
     if args.json:
         print(json.dumps(out, indent=2, default=str))
     else:

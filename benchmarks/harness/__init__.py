@@ -1,7 +1,8 @@
 """What the benchmarks and the tests share: one way to start a real Prefect server
 (`servers`), one way to get a PostgreSQL database of one's own and read its statistics
-(`postgres`), what `/proc` tells of processes and the host (`host`), and the figures and tables
-of a report (`stats`, `report`)."""
+(`postgres`), a ledger with its gate tables made afresh (`ledger`, not imported here: it
+imports the product), what `/proc` tells of processes and the host (`host`), and the figures
+and tables of a report (`stats`, `report`)."""
 
 from benchmarks.harness import report, stats
 from benchmarks.harness.postgres import drop_database, ensure_database, postgres_database

@@ -81,11 +81,11 @@ def test_short_soak_stays_flat_and_consistent() -> None:
 
 
 def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
-    from benchmarks import soak
+    from benchmarks.soak.analysis import per_minute_p95
 
     def run(p95_of_minute: list[float]) -> dict:
         samples = [(60.0 * m + s, ms) for m, ms in enumerate(p95_of_minute) for s in range(60)]
-        return soak.per_minute_p95(samples, 0.0, 60.0 * len(p95_of_minute))
+        return per_minute_p95(samples, 0.0, 60.0 * len(p95_of_minute))
 
     climb = run([40.0 + m for m in range(30)])  # +1 ms a minute: a leak
     noisy = run([40.0] * 12 + [100.0] + [40.0] * 17)  # one bad minute on the host
@@ -96,7 +96,7 @@ def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
 
 
 def test_host_and_db_figures_are_per_minute_deltas() -> None:
-    from benchmarks import soak
+    from benchmarks.soak.analysis import host_and_db
 
     def mark(minute: int) -> dict:
         # cumulative counters: 100 jiffies a minute, 3 of them stolen from minute 5 on; 1,000
@@ -112,7 +112,7 @@ def test_host_and_db_figures_are_per_minute_deltas() -> None:
 
     parent = [mark(m) for m in range(11)]
     parent.insert(3, {"t": 150.0, "pg": 16})  # a plain sample in between is skipped
-    out = soak.host_and_db(parent, t0=60.0)  # the first minute is warm-up
+    out = host_and_db(parent, t0=60.0)  # the first minute is warm-up
     assert out["steal_pct"]["per_minute"] == [0, 0, 0, 3, 3, 3, 3, 3, 3]
     assert out["ledger_rows_per_xact"]["per_minute"] == [21 + k for k in range(9)]
     assert out["ledger_rows_per_xact"]["trend_pct"] == pytest.approx(100 * 8 / 25)

@@ -1,5 +1,7 @@
 """What the benchmarks and the tests share: one way to start a real Prefect server
-(`servers`), one way to get a PostgreSQL database of one's own (`postgres`), and the figures
+(`servers`), one way to get a PostgreSQL database of one's own and read its statistics
+(`postgres`), a ledger with its gate tables made afresh (`ledger`, not imported here: it
+imports the product), what `/proc` tells of processes and the host (`host`), and the figures
 and tables of a report (`stats`, `report`)."""
 
 from benchmarks.harness import report, stats

@@ -73,3 +73,55 @@ def postgres_database(prefix: str, server: str = SERVER) -> Iterator[str]:
         yield url
     finally:
         drop_database(url)
+
+
+@contextmanager
+def named_or_own(url: str | None, prefix: str, server: str = SERVER) -> Iterator[str]:
+    """The database a run works in: `url` (created if missing, never dropped) when the user named
+    one, else one of the run's own (`postgres_database(prefix, server)`, dropped at the end)."""
+    if url:
+        ensure_database(url)
+        yield url
+        return
+    with postgres_database(prefix, server) as own:
+        yield own
+
+
+def backends(engine: sa.Engine, application_name: str) -> int:
+    """Sessions open to `engine`'s database under `application_name` (`pg_stat_activity`)."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND application_name = :app"
+                ),
+                {"app": application_name},
+            ).scalar_one()
+        )
+
+
+def database_work(engine: sa.Engine, names: list[str]) -> dict[str, list[int]]:
+    """Per database of `names` found on `engine`'s server: cumulative committed transactions and
+    rows read (returned + fetched), from `pg_stat_database`."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT datname, xact_commit, tup_returned + tup_fetched FROM pg_stat_database "
+                "WHERE datname = ANY(:names)"
+            ),
+            {"names": names},
+        )
+        return {name: [int(x), int(r)] for name, x, r in rows}
+
+
+def vacuum(url: str, tables: str = "") -> None:
+    """`VACUUM (ANALYZE)` the comma-separated `tables` of the database of `url` (all of it when
+    empty), outside a transaction, on a connection of its own (psycopg driver)."""
+    target = _driver(sa.make_url(url))
+    engine = sa.create_engine(target, isolation_level="AUTOCOMMIT", poolclass=sa.NullPool)
+    try:
+        with engine.connect() as conn:
+            conn.execute(sa.text(f"VACUUM (ANALYZE) {tables}"))
+    finally:
+        engine.dispose()

@@ -25,3 +25,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), rule, *map(line, rows)])
+
+
+def num(value: float | None, digits: int = 1, unit: str = "") -> str:
+    """`value` with `digits` decimals and `unit`, or "-" when there is none."""
+    return "-" if value is None else f"{value:.{digits}f}{unit}"

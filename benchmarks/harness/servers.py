@@ -191,6 +191,26 @@ class PrefectServer:
         self.stop()
 
 
+def quiet_prefect() -> None:
+    """Settings for a benchmark's process and its children, before Prefect is imported: no
+    analytics, no UI, and Prefect's own logging at warnings unless the caller chose a level."""
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+
+def bare_postgres_server(home: Path, prefect_url: str) -> PrefectServer:
+    """A `PrefectServer` (not started) for load benchmarks: `--no-services`, leases in memory,
+    the PostgreSQL database `prefect_url` (asyncpg driver), its own log at warnings.
+
+    Without services the lease repossessor does not run, so a leaked slot stays taken and a
+    check at the end sees it; a production server would hand it back about 75 s later."""
+    db = "postgresql+asyncpg://" + prefect_url.split("://", 1)[1]
+    server = PrefectServer(home, services=False, durable_leases=False, database_url=db)
+    server.env["PREFECT_SERVER_LOGGING_LEVEL"] = "WARNING"
+    return server
+
+
 @contextmanager
 def serving(api_url: str) -> Iterator[str]:
     """Point this process (its Prefect settings) and the processes it starts (`PREFECT_API_URL`

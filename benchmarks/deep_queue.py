@@ -543,8 +543,7 @@ def figures(
             requests_recorded_s=recorded - first,
             headroom_p95_after_requests_s=percentile(after, 95) if after else None,
             headroom_n_after_requests=len(after),
-            agent_transactions_per_job=sum(rep["transactions_ended"] for rep in reports)
-            / len(ran),
+            agent_transactions_per_job=sum(rep["transactions_ended"] for rep in reports) / len(ran),
             calls_per_job={
                 name: round(sum(rep["calls"][name] for rep in reports) / len(ran), 3)
                 for name in COUNTED

@@ -15,7 +15,7 @@ PHASE_END = {
 }
 """The word a worker says when each phase is over."""
 STEPS = {
-    "request": "before_reserve",
+    "ask": "before_reserve",
     "ensure": "after_reserve",
     "acquire": "after_reserve",
     "record_lease": "after_reserve",

@@ -72,7 +72,7 @@ def worker(spec: WorkerSpec, conn: Connection) -> None:
         gate = Gate(ledger, limits, catalog=Catalog.load(Path(spec.prices)))
         # the gate calls these on its ledger and limits: each becomes a marked step
         for target, name, before, after in [
-            (ledger, "request", "before_reserve", "requested"),
+            (ledger, "ask", "before_reserve", "requested"),
             (limits, "ensure", "after_reserve", None),
             (limits, "acquire", None, None),
             (ledger, "record_lease", None, None),

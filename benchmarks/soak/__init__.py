@@ -23,8 +23,10 @@ Measured:
   never waited): the ledger records and decides the request in one transaction, the Prefect
   limits of every capped scope on the path are taken in one request, the lease is recorded and
   the heartbeat starts. Waiting is workload, not gate cost, so jobs that waited are reported
-  apart: from the start of the decision that admitted them to admit's return. Also, every
-  ledger decision (`request`, `try_admit`) and every Prefect acquisition (granted or refused).
+  apart: from the start of the call that told them of their admission (their own
+  `try_admit`, or their watcher's read of another transaction's decision) to admit's return.
+  Also, every ledger decision (`ask`, `try_admit`) and every Prefect acquisition (granted or
+  refused).
 - per agent every 1-5 s: RSS (VmRSS), OS threads, open file descriptors and the ledger's
   SQLAlchemy pool (idle + checked out, filled to its steady size before the clock starts); from
   the parent: PostgreSQL backends with application_name `prefect-gpu-budget` in the soak

@@ -57,15 +57,17 @@ class Recorder:
 
 
 class TimedLedger(Ledger):
-    """The ledger, timing its decisions (recording the request, and re-deciding a waiter)."""
+    """The ledger, timing its decisions (recording the request, and re-deciding a waiter) and
+    when a waiting job last learned it was admitted."""
 
     recorder: Recorder
     admitted_at = 0.0
-    """perf_counter() when the last `try_admit` that admitted a waiting job began."""
+    """perf_counter() when the last call that told a waiting job of its admission began: its
+    own `try_admit`, or its watcher's `decided` read of what another transaction decided."""
 
-    def request(self, *args: Any, **kwargs: Any) -> Any:
+    def ask(self, *args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
-        out = super().request(*args, **kwargs)
+        out = super().ask(*args, **kwargs)
         self.recorder.latency("decide", time.perf_counter() - began)
         return out
 
@@ -74,6 +76,13 @@ class TimedLedger(Ledger):
         out = super().try_admit(*args, **kwargs)
         self.recorder.latency("decide", time.perf_counter() - began)
         if out.verdict == "admit":
+            self.admitted_at = began
+        return out
+
+    def decided(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        out = super().decided(*args, **kwargs)
+        if any(decision.verdict == "admit" for decision, _ in out.values()):
             self.admitted_at = began
         return out
 

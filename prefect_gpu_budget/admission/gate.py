@@ -281,6 +281,7 @@ class Gate(SlotLeases):
     ) -> Admission:
         decision, rules, started = first
         deadline: float | None = None  # known once the job is told it waits
+        given_back = False  # an admission it could not take slots for went back to the queue
         last_block: tuple[str | None, str | None] = (None, None)
         while True:
             if handoff.cancelled:
@@ -327,6 +328,7 @@ class Gate(SlotLeases):
                 decision = Decision(
                     "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
                 )
+                given_back = True  # what its watcher read before that may say it is admitted
             if deadline is None:  # told once, with the budgets its request was decided against
                 self.events.queued(job_id, decision, rules)
                 max_wait = job.max_wait if job.max_wait is not None else rules[-1].max_wait_s
@@ -341,7 +343,7 @@ class Gate(SlotLeases):
             handed = None if handoff.cancelled else ticket.wait(max(0.05, wake_at - time.time()))
             if handoff.cancelled:
                 raise _Cancelled
-            decision = self._woken(job_id, scope, handed)
+            decision = self._woken(job_id, scope, None if given_back else handed)
 
     def _woken(self, job_id: str, scope: str, handed: tuple[Decision, float] | None) -> Decision:
         """The decision of a job that woke: the one another's transaction made and its watcher

@@ -26,7 +26,7 @@ from prefect_gpu_budget.admission.handoff import Handoff as _Handoff
 from prefect_gpu_budget.admission.handoff import off_thread as _off_thread
 from prefect_gpu_budget.admission.leases import SlotLeases
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id, wait_key
-from prefect_gpu_budget.admission.limits import RateLimits
+from prefect_gpu_budget.admission.limits import Limits
 from prefect_gpu_budget.admission.outages import OUTAGES as OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
 from prefect_gpu_budget.admission.outages import patiently
@@ -101,7 +101,7 @@ class Gate(SlotLeases):
     def __init__(
         self,
         ledger: Ledger,
-        limits: RateLimits | None = None,
+        limits: Limits | None = None,
         *,
         catalog: Catalog | None = None,
         events: GateEvents | None = None,

@@ -24,13 +24,13 @@ from prefect_gpu_budget.units import fmt_duration
 if TYPE_CHECKING:
     from prefect_gpu_budget.admission.gate import Admission, GateEvents
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.admission.limits import RateLimits
+    from prefect_gpu_budget.admission.limits import Limits
     from prefect_gpu_budget.job import GpuJob
 
 
 class SlotLeases:
     ledger: Ledger
-    limits: RateLimits | None
+    limits: Limits | None
     events: GateEvents
     heartbeat_s: float
 

@@ -13,7 +13,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
 
 from prefect_gpu_budget.admission.timing import LEASE_S
@@ -134,6 +134,19 @@ def resize_over_http(scope: str, cents: int, api_url: str, auth: str | None = No
 def limit_name(scope: str) -> str:
     """`acme/vision` -> `gpu-budget:acme:vision` (Prefect forbids `/`; scopes never hold `:`)."""
     return f"{PREFIX}:{scope.replace('/', ':')}"
+
+
+class Limits(Protocol):
+    """What the gate asks of the Prefect concurrency limits: `RateLimits`, or a stand-in in
+    tests (any object with these methods)."""
+
+    def ensure(self, caps: Iterable[tuple[str, int]]) -> None: ...
+
+    def acquire(self, scopes: list[str], slots: int) -> str | None: ...
+
+    def renew(self, lease_id: str) -> bool: ...
+
+    def release(self, lease_id: str) -> None: ...
 
 
 class RateLimits:

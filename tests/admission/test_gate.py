@@ -307,7 +307,7 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
     ledger.set_budget(BudgetRule("slow", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.6)
-    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     admission = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "slow/t")
     (row,) = ledger.jobs("slow")
     assert row["lease_id"] == "lease-1"
@@ -337,7 +337,7 @@ def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices
 
     ledger.set_budget(BudgetRule("intr", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.6)
-    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
@@ -368,7 +368,7 @@ def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
     no longer active, records nothing and releases the lease itself."""
     ledger.set_budget(BudgetRule("gone", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.6)
-    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
 
     def settle_meanwhile() -> None:
         (row,) = ledger.jobs("gone")
@@ -401,7 +401,7 @@ def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, pric
     for delay in (0.0, 0.5):  # a quick and a slow Prefect API
         calls.clear()
         limits = _SlowLimits(delay=delay)
-        gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+        gate = Gate(ledger, limits, catalog=Catalog.load(prices))
         with pytest.raises(_Interrupted):
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "start/t")
         assert limits.taken == limits.released
@@ -435,7 +435,7 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
         ledger.engine, "checkout", lambda *a: seen.append(("ledger", threading.get_ident()))
     )
     limits = _Watched(delay=0.0)
-    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     first = gate.admit(job, "who/t")
     threading.Timer(
@@ -477,7 +477,7 @@ def test_an_interrupt_as_the_job_is_admitted_gives_it_back(ledger, prices, monke
     monkeypatch.setattr(gate_module._Handoff, "claim", claim_with_interrupt)
     ledger.set_budget(BudgetRule("race-in", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.0)
-    gate = Gate(ledger, limits, catalog=Catalog.load(prices))  # type: ignore[arg-type]
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
         with pytest.raises(_Interrupted):

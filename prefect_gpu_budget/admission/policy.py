@@ -537,3 +537,16 @@ def _wait_or_end(
 def decide(state: LedgerState, queue: Iterable[Request], job_id: str) -> Decision:
     """The decision for one queued job, given everything queued ahead of it."""
     return plan(state, queue, stop_at=job_id)[job_id]
+
+
+HOLDING_LIMITS = ("hourly_cap", "period_budget")
+"""The limits that, blocking a waiting job, make it hold their scope (`_blocked`)."""
+
+
+def decide_behind(state: LedgerState, req: Request, ahead: Request, scope: str) -> Decision:
+    """What `decide` says of `req` when `ahead`, before it in queue order and outside any
+    capacity pool, waits blocked by a limit of `scope` on `req`'s path: `req` waits behind it
+    (or ends, by its on-limit and max wait), unless it can never be admitted at all; the rest
+    of the queue cannot change that. So a request joining a deep queue is decided without
+    weighing the whole queue (`state` needs only the budgets on `req`'s path)."""
+    return _decide_one(state, req, _Usage(state), {scope: ahead})

@@ -230,3 +230,23 @@ def test_a_ledger_of_an_earlier_version_gets_the_new_columns_and_a_current_one_o
     queries = [s for s in statements if not s.startswith("BEGIN")]
     assert len(queries) == 1 and "gpu_schema" in queries[0], statements
     current.dispose()
+
+
+def test_a_request_joining_a_queue_waits_behind_its_head_unless_it_goes_first(ledger):
+    """A request behind a waiter that a budget on its path blocks is decided from that one row
+    (`policy.decide_behind`); one of higher priority goes ahead of it, decided in full."""
+    ledger.set_budget(BudgetRule("dq", hourly_cap_cents=360, max_wait_s=3600))
+    running, admitted = ledger.request(_job("dq/t/a"))
+    head, blocked = ledger.request(_job("dq/t/b"))
+    _, behind = ledger.request(_job("dq/t/c"))
+    _, refused = ledger.request(new_job("dq/t/c", on_limit="reject"))
+    urgent, first = ledger.request(new_job("dq/t/d", priority=5))
+    assert admitted.verdict == "admit"
+    assert (blocked.verdict, blocked.limit, blocked.scope) == ("wait", "hourly_cap", "dq")
+    assert (behind.verdict, behind.limit, behind.scope) == ("wait", "queue", "dq")
+    assert f"waiting behind job {head[:8]}" in behind.reason
+    assert refused.verdict == "reject" and refused.reason.startswith("over budget: waiting")
+    assert (first.verdict, first.limit) == ("wait", "hourly_cap")  # not behind the head
+    assert ledger.settle(running, ended_at=time.time(), outcome="completed", scope="dq/t/a")
+    states = {r["id"]: r["state"] for r in ledger.jobs("dq")}
+    assert states[urgent] == "admitted" and states[head] == "queued"

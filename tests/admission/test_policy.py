@@ -13,6 +13,7 @@ from prefect_gpu_budget.admission.policy import (
     Request,
     committed,
     decide,
+    decide_behind,
     overrun_factor,
     overrun_factors,
     plan,
@@ -203,3 +204,26 @@ def test_estimate_mode_admits_only_where_the_worst_case_fits():
     s = state(replace(rule, period_budget_micro=900_000))
     d = decide(s, [req("a", "o", 100, expected=600)], "a")
     assert d.verdict == "reject" and "worst case $1.00 alone exceeds" in d.reason
+
+
+def test_a_job_behind_a_blocked_waiter_is_decided_as_the_whole_queue_decides_it():
+    """`decide_behind` (how the ledger decides a request that joins a deep queue) says what
+    `decide` over the whole queue says, whatever the newcomer's on-limit or max wait."""
+    rules = (
+        BudgetRule("o", hourly_cap_cents=1000),
+        BudgetRule("o/t", hourly_cap_cents=200, max_wait_s=3600),
+    )
+    full = state(*rules, holds=[Hold("o/t/x", 200, 0, NOW - 10, NOW + 10)])
+    head = req("head", "o/t/a", 100, at=1)
+    behind = [req(f"b{i}", "o/t/b", 100, at=2 + i) for i in range(5)]
+    for new in (
+        req("new", "o/t/c", 100, at=50),
+        req("new", "o/t/c", 100, at=50, on_limit="reject"),
+        req("new", "o/t/c", 100, at=50, max_wait_s=30),  # asked 50 s ago: its wait ran out
+        req("new", "o/t/c", 5_000, at=50),  # over the cap itself: can never fit
+    ):
+        whole = decide(full, [head, *behind, new], "new")
+        assert decide(full, [head], "head").blocks == ("o/t",)  # the head holds o/t
+        alone = decide_behind(state(*rules), new, head, "o/t")
+        assert alone == whole, (new, whole, alone)
+    assert decide_behind(state(*rules), behind[0], head, "o/t").verdict == "wait"

@@ -129,9 +129,10 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
         gate = Gate(ledger, catalog=Catalog.load(prices))
         holding = Gate(holder, catalog=Catalog.load(prices), heartbeat_s=3600)
         held = holding.admit(JOB, "conn/t")
-        holder.dispose()  # its connection closes; settling reopens one
-        # its watcher (it listened in case the job had to wait) lingers, then closes its own
+        # its watcher (it listened in case the job had to wait) lingers, then closes its own;
+        # then the holder's pooled connections close (settling reopens one)
         _until(lambda: watcher_for(holder)._thread is None, 30, "the holder's watcher to end")
+        holder.dispose()
         waiters = [
             threading.Thread(
                 target=lambda: gate.settle(

@@ -37,6 +37,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     period_spend,
 )
 from prefect_gpu_budget.admission.policy import (
+    HOLDING_LIMITS,
     NOT_REACHED,
     OVERRUN_WINDOW,
     BudgetRule,
@@ -44,12 +45,13 @@ from prefect_gpu_budget.admission.policy import (
     LedgerState,
     Request,
     decide,
+    decide_behind,
     overrun_factors,
     plan,
 )
 from prefect_gpu_budget.admission.quota import Placed, Shape, job_share, pool_for, team_of
 from prefect_gpu_budget.admission.timing import STALE_WAITER_S
-from prefect_gpu_budget.units import BudgetInputError, scope_path
+from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,7 @@ class DecisionsMixin(EngineMixin):
                 value = priorities.resolve(job.priority_class, _classes_of(conn, org), org)
                 job = replace(job, priority=value)
             refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
+            job = self._in_pool(conn, org, job)
             conn.execute(
                 jobs.insert().values(
                     id=job_id,
@@ -140,7 +143,7 @@ class DecisionsMixin(EngineMixin):
                     team=team_of(job.scope),
                     **{
                         k: v
-                        for k, v in self._in_pool(conn, org, job).__dict__.items()
+                        for k, v in job.__dict__.items()
                         if k not in ("grant", "partial", "priority_class")
                     },
                 )
@@ -152,8 +155,70 @@ class DecisionsMixin(EngineMixin):
                     .values(**_ended_unrun("rejected", refusal, now))
                 )
                 return Decision("reject", refusal, limit="agent"), _path_rules(conn, job.scope)
-            decision = self._decide(conn, job_id, org, now, reason="", waited=None)
-            return decision, _path_rules(conn, job.scope)
+            rules = _path_rules(conn, job.scope)
+            decision = self._behind_a_waiter(conn, job_id, job, now, rules)
+            if decision is None:
+                decision = self._decide(conn, job_id, org, now, reason="", waited=None)
+            else:
+                self._write_decision(conn, job_id, decision, now, None, reason="")
+            return decision, rules
+
+    def _behind_a_waiter(
+        self, conn: Connection, job_id: str, job: NewJob, now: float, rules: list[BudgetRule]
+    ) -> Decision | None:
+        """The decision of a new job that joins the queue behind a live waiter blocked by a
+        budget on its path (`policy.decide_behind`): one indexed read, not the org's whole
+        queue. None where that does not hold: the full decision is needed. (Outside capacity
+        pools only, where queue order is priority, then arrival.)"""
+        if job.pool is not None:
+            return None
+        path = scope_path(job.scope)
+        keys = [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path]
+        row = conn.execute(
+            sa.select(
+                jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
+            )
+            .where(
+                jobs.c.org == org_of(job.scope),
+                jobs.c.state == "queued",
+                jobs.c.id != job_id,
+                jobs.c.pool.is_(None),
+                jobs.c.wait_key.in_(keys),
+                jobs.c.heartbeat_at >= now - STALE_WAITER_S,
+                sa.or_(
+                    jobs.c.priority > job.priority,
+                    sa.and_(jobs.c.priority == job.priority, jobs.c.requested_at <= now),
+                ),
+            )
+            .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
+            .limit(1)
+        ).first()
+        if row is None:
+            return None
+        org = org_of(job.scope)
+        budgets_on_path = {rule.scope: rule for rule in rules}
+        estimate = any(rule.reservation_mode == "estimate" for rule in rules)
+        state = LedgerState(
+            now=now,
+            budgets=budgets_on_path,
+            holds=(),
+            settled={},
+            overrun=self._overrun(conn, org, now) if estimate else {},
+        )
+        ahead = Request(row.id, row.scope, 0, 0, 0.0, None, row.priority, row.requested_at)
+        req = Request(
+            job_id=job_id,
+            scope=job.scope,
+            rate_micro_per_hour=job.rate_micro_per_hour,
+            rate_cents=job.rate_cents,
+            max_runtime_s=job.max_runtime_s,
+            expected_runtime_s=job.expected_runtime_s,
+            priority=job.priority,
+            requested_at=now,
+            on_limit=job.on_limit,
+            max_wait_s=job.max_wait_s,
+        )
+        return decide_behind(state, req, ahead, row.wait_key.partition(" ")[2])
 
     def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
         """The job with the pool it runs in (named, or serving its instance type) and its

@@ -250,3 +250,47 @@ def test_a_request_joining_a_queue_waits_behind_its_head_unless_it_goes_first(le
     assert ledger.settle(running, ended_at=time.time(), outcome="completed", scope="dq/t/a")
     states = {r["id"]: r["state"] for r in ledger.jobs("dq")}
     assert states[urgent] == "admitted" and states[head] == "queued"
+
+
+def test_an_org_s_writes_go_in_turn_and_a_settlement_before_a_burst_of_requests():
+    """`OrgLock`: first come, first served, except that waiting requests let the other writes
+    go first; a write inside a write of the same thread is refused."""
+    import threading
+
+    from prefect_gpu_budget.admission.ledger import OrgLock
+
+    lock, order, inside, lined_up = OrgLock(), [], threading.Event(), threading.Event()
+
+    def write(name: str, request: bool) -> None:
+        with lock.held(request):
+            order.append(name)
+
+    def first() -> None:
+        with lock.held():
+            inside.set()
+            lined_up.wait(10)
+            order.append("first")
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    inside.wait(5)
+    for n, (name, request) in enumerate(
+        (("r1", True), ("r2", True), ("w1", False), ("r3", True), ("w2", False)), 1
+    ):
+        threads.append(threading.Thread(target=write, args=(name, request)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while len(lock._writes) + len(lock._requests) < n and time.monotonic() < deadline:
+            time.sleep(0.01)  # in line, in this order
+    lined_up.set()
+    for thread in threads:
+        thread.join(10)
+    assert order == ["first", "w1", "w2", "r1", "r2", "r3"]
+    with lock.held():
+        try:
+            with lock.held(request=True):
+                raise AssertionError("a write inside a write was let in")
+        except RuntimeError as exc:
+            assert "inside another" in str(exc)
+    with lock.held():  # free again
+        pass

@@ -37,6 +37,7 @@ from prefect_gpu_budget.admission.ledger.engine import (
     NOTICE_CHANNEL,
     EngineMixin,
     LedgerFileReplaced,
+    OrgLock,
     _make_engine,
     default_url,
     normalise_url,
@@ -116,7 +117,7 @@ class Ledger(DecisionsMixin, SettlementMixin, ConfigMixin, AgentsMixin, ReadsMix
         self.url = normalise_url(url or default_url())
         self.engine = _make_engine(self.url)
         self.is_sqlite = self.engine.dialect.name == "sqlite"
-        self._org_locks: dict[str, threading.RLock] = {}
+        self._org_locks: dict[str, OrgLock] = {}
         self._held = threading.local()
         self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
         if create:

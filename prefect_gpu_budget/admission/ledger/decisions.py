@@ -119,7 +119,7 @@ class DecisionsMixin(EngineMixin):
         self, job_id: str, job: NewJob, now: float | None
     ) -> tuple[Decision, list[BudgetRule]]:
         org = job.scope.split("/")[0]
-        with self._write(org) as conn:
+        with self._write(org, request=True) as conn:  # after the org's other writes waiting
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
             if done is not None:  # committed before the connection dropped

@@ -14,6 +14,7 @@ import hashlib
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -199,6 +200,58 @@ def _make_engine(url: str) -> Engine:
 _ORG_LOCKS_GUARD = threading.Lock()
 
 
+class OrgLock:
+    """The writes of one org in one process, one at a time and first come, first served, except
+    that a new request (`request=True`) lets every other write waiting go first: a settlement
+    frees headroom, and must not wait behind a burst of a thousand requests (Python's own locks
+    hand over in no order). Each waiter sleeps on an event of its own, set by the write before
+    it: a hand-over wakes one thread, not every waiter. A write inside a write of the same
+    thread is refused, not hung."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._writes: deque[threading.Event] = deque()
+        self._requests: deque[threading.Event] = deque()
+        self._owner: int | None = None
+
+    @contextmanager
+    def held(self, request: bool = False) -> Iterator[None]:
+        turn = threading.Event()
+        with self._mutex:
+            if self._owner == threading.get_ident():
+                raise RuntimeError("a ledger transaction inside another on the same thread")
+            if self._owner is None and not self._writes and not self._requests:
+                self._owner = threading.get_ident()
+                turn.set()
+            else:
+                (self._requests if request else self._writes).append(turn)
+        try:
+            turn.wait()
+        except BaseException:  # interrupted in line: leave it, or pass a turn just handed on
+            with self._mutex:
+                for line in (self._writes, self._requests):
+                    if turn in line:
+                        line.remove(turn)
+                        raise
+            self._hand_on()
+            raise
+        with self._mutex:
+            self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        with self._mutex:
+            line = self._writes or self._requests
+            if not line:
+                self._owner = None
+                return
+            self._owner = -1  # the next one's: it names itself once woken
+            line.popleft().set()
+
+
 class EngineMixin:
     """The engine and its transactions, and the ledger's schema brought up to date. The other
     parts of the `Ledger` run their transactions on this engine, mostly through `_write` (under
@@ -207,7 +260,7 @@ class EngineMixin:
     url: str
     engine: Engine
     is_sqlite: bool
-    _org_locks: dict[str, threading.RLock]
+    _org_locks: dict[str, OrgLock]
     _held: threading.local
     """`conn`: whether this thread holds a pooled connection (`_connection`)."""
 
@@ -256,13 +309,13 @@ class EngineMixin:
         self.engine.dispose()
 
     @contextmanager
-    def _write(self, org: str) -> Iterator[Connection]:
+    def _write(self, org: str, request: bool = False) -> Iterator[Connection]:
         """A transaction under the org's lock. The org's writes are serialised anyway (the
         advisory lock, SQLite's one writer): the threads of this process queue for it here, on
         a lock of the process's own, instead of each holding a pooled connection while the
         database makes it wait. So a process whose jobs only wait holds one connection for
         its writes (and its watcher's), however many wake at once."""
-        with self._org_lock(org), self._connection() as conn, conn.begin():
+        with self._org_lock(org).held(request), self._connection() as conn, conn.begin():
             if not self.is_sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
             yield conn
@@ -288,12 +341,10 @@ class EngineMixin:
         finally:
             self._held.conn = False
 
-    def _org_lock(self, org: str) -> threading.RLock:
+    def _org_lock(self, org: str) -> OrgLock:
         with _ORG_LOCKS_GUARD:
             if org not in self._org_locks:
-                self._org_locks[org] = (
-                    threading.RLock()
-                )  # a write inside a write is refused, not hung
+                self._org_locks[org] = OrgLock()
             return self._org_locks[org]
 
     @contextmanager

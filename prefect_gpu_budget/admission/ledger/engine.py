@@ -311,10 +311,9 @@ class EngineMixin:
     @contextmanager
     def _write(self, org: str, request: bool = False) -> Iterator[Connection]:
         """A transaction under the org's lock. The org's writes are serialised anyway (the
-        advisory lock, SQLite's one writer): the threads of this process queue for it here, on
-        a lock of the process's own, instead of each holding a pooled connection while the
-        database makes it wait. So a process whose jobs only wait holds one connection for
-        its writes (and its watcher's), however many wake at once."""
+        advisory lock, SQLite's one writer): the threads of this process queue for it here, in
+        turn (`OrgLock`; a `request` after the other writes waiting), instead of each holding a
+        pooled connection while the database makes it wait."""
         with self._org_lock(org).held(request), self._connection() as conn, conn.begin():
             if not self.is_sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})

@@ -31,7 +31,6 @@ from prefect_gpu_budget.admission.ledger.decisions import (
     OVERRUN_SAMPLE,
     DecisionsMixin,
     NewJob,
-    wait_key,
 )
 from prefect_gpu_budget.admission.ledger.engine import (
     NOTICE_CHANNEL,
@@ -45,7 +44,7 @@ from prefect_gpu_budget.admission.ledger.engine import (
     read_notice,
 )
 from prefect_gpu_budget.admission.ledger.reads import ReadsMixin, wait_spans
-from prefect_gpu_budget.admission.ledger.rows import hold_of
+from prefect_gpu_budget.admission.ledger.rows import hold_of, wait_key
 from prefect_gpu_budget.admission.ledger.settlement import SettlementMixin
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,

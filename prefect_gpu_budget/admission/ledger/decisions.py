@@ -8,7 +8,6 @@ quotas where a job uses one), and writes what `policy.decide` / `policy.plan` sa
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Iterable
@@ -25,8 +24,11 @@ from prefect_gpu_budget.admission.ledger.rows import (
     _load_pools,
     _load_quotas,
     _path_rules,
+    _recorded,
+    _recorded_all,
     _rule,
     _states,
+    _wait_tally,
     hold_of,
 )
 from prefect_gpu_budget.admission.ledger.tables import (
@@ -566,63 +568,3 @@ def _overrun(conn: Connection, org: str) -> dict[str, float]:
         .limit(OVERRUN_SAMPLE)
     )
     return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)
-
-
-def _recorded(conn: Connection, row: Any) -> Decision:
-    """The decision already recorded for a job that is no longer queued; an admission with what
-    its holder needs to take over (the capped scopes on its path, its pool and placement)."""
-    return _recorded_all(conn, [row])[row["id"]]
-
-
-def _recorded_all(conn: Connection, rows: list[Any]) -> dict[str, Decision]:
-    """`_recorded` of each of `rows` (jobs no longer queued), the caps read once for all."""
-    paths = {row["id"]: scope_path(row["scope"]) for row in rows}
-    caps = dict(
-        conn.execute(
-            sa.select(budgets.c.scope, budgets.c.hourly_cap_cents).where(
-                budgets.c.scope.in_({s for path in paths.values() for s in path}),
-                budgets.c.hourly_cap_cents.is_not(None),
-            )
-        ).all()
-    )
-    out = {}
-    for row in rows:
-        state = row["state"]
-        if state in ACTIVE or state == "settled":
-            out[row["id"]] = Decision(
-                "admit",
-                row["reason"],
-                reserved_micro=row["reserved_micro"],
-                reserve_seconds=row["reserve_seconds"],
-                caps=tuple((s, caps[s]) for s in paths[row["id"]] if s in caps),
-                placement=tuple(int(i) for i in (row["placement"] or "").split(",") if i),
-                pool=row["pool"],
-            )
-        elif state == "timed_out":
-            out[row["id"]] = Decision("timeout", row["reason"])
-        else:
-            out[row["id"]] = Decision("reject", row["reason"] or state)
-    return out
-
-
-def wait_key(decision: Decision) -> str | None:
-    """What holds a waiting job, as its row's `wait_key` says: `limit scope` (None: nothing)."""
-    if decision.verdict != "wait":
-        return None
-    return f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
-
-
-def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
-    """The columns that say what held a queued job and for how long: the limit and scope
-    holding it now (`wait_key`) since when, and seconds per limit and scope that held it before
-    (`waits`, JSON). Only a change of what holds it writes anything."""
-    old = row["wait_key"] if row is not None else None
-    key = wait_key(decision)
-    if key == old and row is not None:
-        return {}
-    out: dict[str, Any] = {"wait_key": key, "wait_since": now if key else None}
-    if old is not None:
-        waits = json.loads(row["waits"] or "{}")
-        waits[old] = round(waits.get(old, 0.0) + now - (row["wait_since"] or now), 3)
-        out["waits"] = json.dumps(waits)
-    return out

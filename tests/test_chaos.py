@@ -57,7 +57,7 @@ RUN_FIGURES = (
 are counted apart, as transient)."""
 RUNS = 12
 """Random kills, three per phase (about one in ten lands just after its phase)."""
-POINTS = ("<request", "<ensure", "<record_lease", "<release", "<settle", "<acquire")
+POINTS = ("<ask", "<ensure", "<record_lease", "<release", "<settle", "<acquire")
 """Exact kill points, in runs after the random ones: the request committed (and admitted); the
 admission before any lease; the lease recorded; the slots handed back, the ledger not yet
 settled; both done; last, Prefect's lease granted but its id never recorded, so that its

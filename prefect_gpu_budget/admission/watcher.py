@@ -132,14 +132,17 @@ class Watcher:
             self._hand_over(tickets)
 
     def _wake_changed(self, tickets: list[Ticket], states: dict[str, tuple[str, str | None]]):
-        """Wake the tickets whose job is no longer queued, or is held by something else."""
-        woken = []
+        """Wake the tickets whose job is no longer queued (with what was decided), or is held
+        by something else (to decide itself: no read for it)."""
+        decided = []
         for ticket in tickets:
             state, key = states.get(ticket.job_id, ("gone", None))
-            if state != "queued" or key != ticket.wait_key:
-                woken.append(ticket)
-        if woken:
-            self._hand_over(woken)
+            if state != "queued":
+                decided.append(ticket)
+            elif key != ticket.wait_key:
+                ticket.changed.set()
+        if decided:
+            self._hand_over(decided)
 
     def _hand_over(self, tickets: list[Ticket]) -> None:
         decided = self.ledger.decided([t.job_id for t in tickets])

@@ -120,7 +120,7 @@ class DecisionsMixin(EngineMixin):
     def _request(
         self, job_id: str, job: NewJob, now: float | None
     ) -> tuple[Decision, list[BudgetRule]]:
-        org = job.scope.split("/")[0]
+        org = org_of(job.scope)
         with self._write(org, request=True) as conn:  # after the org's other writes waiting
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
@@ -158,7 +158,7 @@ class DecisionsMixin(EngineMixin):
                 )
                 return Decision("reject", refusal, limit="agent"), _path_rules(conn, job.scope)
             rules = _path_rules(conn, job.scope)
-            decision = self._behind_a_waiter(conn, job_id, job, now, rules)
+            decision = self._behind_a_waiter(conn, job_id, org, job, now, rules)
             if decision is None:
                 decision = self._decide(conn, job_id, org, now, reason="", waited=None)
             else:
@@ -166,7 +166,13 @@ class DecisionsMixin(EngineMixin):
             return decision, rules
 
     def _behind_a_waiter(
-        self, conn: Connection, job_id: str, job: NewJob, now: float, rules: list[BudgetRule]
+        self,
+        conn: Connection,
+        job_id: str,
+        org: str,
+        job: NewJob,
+        now: float,
+        rules: list[BudgetRule],
     ) -> Decision | None:
         """The decision of a new job that joins the queue behind a live waiter blocked by a
         budget on its path (`policy.decide_behind`): one indexed read, not the org's whole
@@ -181,7 +187,7 @@ class DecisionsMixin(EngineMixin):
                 jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
             )
             .where(
-                jobs.c.org == org_of(job.scope),
+                jobs.c.org == org,
                 jobs.c.state == "queued",
                 jobs.c.id != job_id,
                 jobs.c.pool.is_(None),
@@ -197,7 +203,6 @@ class DecisionsMixin(EngineMixin):
         ).first()
         if row is None:
             return None
-        org = org_of(job.scope)
         budgets_on_path = {rule.scope: rule for rule in rules}
         estimate = any(rule.reservation_mode == "estimate" for rule in rules)
         state = LedgerState(

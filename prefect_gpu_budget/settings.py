@@ -148,6 +148,8 @@ AGENT_ROOT_ENV = "PREFECT_GPU_BUDGET_AGENT_ROOT"
 """The folder under which each agent job gets a fresh working directory."""
 AGENT_RESULTS_ENV = "PREFECT_GPU_BUDGET_AGENT_RESULTS"
 """The folder agents' sweeps keep their results under."""
+AGENT_PYTHON_ENV = "PREFECT_GPU_BUDGET_AGENT_PYTHON"
+"""The interpreter `python` and `python3` are in agents' jobs (a path, or a name on PATH)."""
 
 
 def agent_user() -> str | None:
@@ -164,6 +166,12 @@ def agent_env_extra() -> tuple[str, ...]:
     """The comma-separated names and patterns of PREFECT_GPU_BUDGET_AGENT_ENV."""
     text = os.environ.get(AGENT_ENV_ENV, "")
     return tuple(name for name in (part.strip() for part in text.split(",")) if name)
+
+
+def agent_python() -> str | None:
+    """PREFECT_GPU_BUDGET_AGENT_PYTHON, or None when unset or blank (the sandbox then picks
+    this worker's own interpreter, else the system's python3)."""
+    return os.environ.get(AGENT_PYTHON_ENV, "").strip() or None
 
 
 def agent_jobs_root() -> Path:

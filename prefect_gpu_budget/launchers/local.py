@@ -161,7 +161,7 @@ class LocalLauncher:
                 holder += sandboxed.holder_args()
                 holder_env, stdin = _holder_env(mark), subprocess.PIPE
                 log = _redacting(log, sandboxed)
-            holder += ["--", *job.command]
+            holder += ["--", *(sandboxed.command if sandboxed is not None else job.command)]
             try:
                 proc = subprocess.Popen(
                     holder,

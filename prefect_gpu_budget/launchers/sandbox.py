@@ -11,6 +11,14 @@ runs it
   package needs, and the job's and launcher's own variables;
 - in a fresh folder of its own, `root/<job name>-<random>` (0700, the job user's), removed
   when the job ends: `root` is 0711, so no user can list the other jobs' folders;
+- with a Python it can run: `python` and `python3` come first on its PATH and start the
+  interpreter `Sandbox.interpreter` picks (`PREFECT_GPU_BUDGET_AGENT_PYTHON`, else this
+  worker's own if the user can reach it, else the system's `python3`), and a command that
+  starts with this worker's own interpreter (a sweep's `callable:` trial) starts with that one
+  instead. Its PYTHONPATH reaches the trial runner (`python -m prefect_gpu_budget.flows.trial`,
+  standard library only): this package's source checkout where the user can read it, else
+  (installed, or out of reach) a copy of the few files the runner imports (`TRIAL_SOURCES`). Both live in the job's folder, in
+  `.gpu-budget/` (the worker's, 0755);
 - with its output redacted (`Redactor`): any value of the worker's environment the job was
   not given, and the password of any URL there, shows as `***`.
 
@@ -29,8 +37,10 @@ import logging
 import os
 import pwd
 import re
+import shlex
 import shutil
 import stat
+import sys
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping
@@ -76,6 +86,20 @@ MIN_PASSWORD_LEN = 4
 """The shortest URL password that is redacted on its own."""
 MAX_METRICS_BYTES = 64 << 20
 """At most this much of a job's metrics file is copied to the launcher's."""
+SYSTEM_PYTHONS: tuple[str, ...] = ("/usr/bin/python3", "/usr/local/bin/python3")
+"""Where an interpreter for the job is looked for when this worker's own is out of its reach."""
+PYTHON_NAMES: tuple[str, ...] = ("python", "python3")
+"""The names the job's PATH gives the interpreter (`bin/` of its `.gpu-budget` folder)."""
+TRIAL_SOURCES: tuple[str, ...] = (
+    "prefect_gpu_budget/__init__.py",
+    "prefect_gpu_budget/_lazy.py",
+    "prefect_gpu_budget/settings.py",
+    "prefect_gpu_budget/flows/__init__.py",
+    "prefect_gpu_budget/flows/trial.py",
+)
+"""Every file of this package that `python -m prefect_gpu_budget.flows.trial` imports."""
+TOOLS_DIR = ".gpu-budget"
+"""The folder, in the job's own, that holds `bin/` (PYTHON_NAMES) and `lib/` (TRIAL_SOURCES)."""
 ROOT_REFUSED = (
     "agent jobs do not run as root: set PREFECT_GPU_BUDGET_AGENT_USER to an unprivileged user "
     "(or PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT=1)"
@@ -114,22 +138,27 @@ class Sandbox:
     """Names copied from the worker's environment; `fnmatch` patterns like `LC_*` too."""
     root: Path = field(default_factory=settings.agent_jobs_root)
     """Under which each job gets a fresh working directory of its own."""
+    python: str | None = None
+    """The interpreter the job's `python` starts (a path, or a name on the worker's PATH);
+    None: this worker's own if the job's user can run it, else the first of SYSTEM_PYTHONS."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "user", (self.user or "").strip() or None)
+        object.__setattr__(self, "python", (self.python or "").strip() or None)
         object.__setattr__(self, "env_allow", tuple(self.env_allow))
         object.__setattr__(self, "root", Path(os.path.abspath(self.root)))
 
     @classmethod
     def from_env(cls) -> Sandbox:
         """The admin's settings: PREFECT_GPU_BUDGET_AGENT_USER, _AGENT_ALLOW_ROOT, _AGENT_ENV
-        (added to `DEFAULT_ENV_ALLOW`) and _AGENT_ROOT."""
+        (added to `DEFAULT_ENV_ALLOW`), _AGENT_ROOT and _AGENT_PYTHON."""
         extra = tuple(n for n in settings.agent_env_extra() if n not in DEFAULT_ENV_ALLOW)
         return cls(
             user=settings.agent_user(),
             allow_root=settings.agent_allow_root(),
             env_allow=DEFAULT_ENV_ALLOW + extra,
             root=settings.agent_jobs_root(),
+            python=settings.agent_python(),
         )
 
     # -- may it run? ----------------------------------------------------------------------
@@ -166,13 +195,44 @@ class Sandbox:
             )
         return JobUser(entry.pw_name, entry.pw_uid, entry.pw_gid, switch=True)
 
+    def interpreter(self, user: JobUser) -> str | None:
+        """The Python the job's `python` starts: `self.python` (`LaunchConfigError` if `user`
+        cannot run it), else this worker's own, else the first of SYSTEM_PYTHONS, that `user`
+        can reach and execute; None if none."""
+        if self.python is not None:
+            found = shutil.which(self.python) or ""
+            why = _unreachable(found, user, os.X_OK) if found else "no such program here"
+            if why:
+                raise _refuse(
+                    f"cannot run {settings.AGENT_PYTHON_ENV}={self.python} as {user.name!r}: {why}"
+                )
+            return os.path.abspath(found)
+        for candidate in (sys.executable, *SYSTEM_PYTHONS):
+            found = shutil.which(candidate) if candidate else None
+            if found and not _unreachable(found, user, os.X_OK):
+                return found
+        return None
+
     def check(self, job: GpuJob | None = None) -> JobUser:
         """Raise `LaunchConfigError` (one line) if the job cannot run in this sandbox: no user
         to run it as, a jobs folder (`root`) that is unsafe or out of the user's reach, or a
-        program the user cannot reach and execute. Creates `root` (0711) if missing."""
+        program the user cannot reach and execute (for `python`: no `interpreter`). Creates
+        `root` (0711) if missing."""
+        return self._checked(job)[0]
+
+    def _checked(self, job: GpuJob | None) -> tuple[JobUser, str | None]:
+        """`check`, and the job's interpreter."""
         user = self.job_user()
         self._ensure_root(user)
-        if job is not None and job.command:
+        python = self.interpreter(user)
+        if job is not None and job.command and _is_python(job.command[0]):
+            if python is None:
+                raise _refuse(
+                    f"no Python that {user.name!r} can run for {job.command[0]!r} (this "
+                    f"worker's {sys.executable} is out of its reach, and so is every one of "
+                    f"{', '.join(SYSTEM_PYTHONS)}): set {settings.AGENT_PYTHON_ENV}"
+                )
+        elif job is not None and job.command:
             path = job.env.get("PATH", self.allowed_env().get("PATH", os.defpath))
             found = shutil.which(job.command[0], path=path)
             if found is None:
@@ -180,7 +240,7 @@ class Sandbox:
             why = _unreachable(found, user, os.X_OK)
             if why:
                 raise _refuse(f"could not start {job.command[0]!r} as {user.name!r}: {why}")
-        return user
+        return user, python
 
     def _ensure_root(self, user: JobUser) -> None:
         root = self.root
@@ -227,22 +287,31 @@ class Sandbox:
         }
 
     def job_env(
-        self, workdir: Path, job: GpuJob, extra: Mapping[str, str], environ: Mapping[str, str]
+        self,
+        workdir: Path,
+        job: GpuJob,
+        extra: Mapping[str, str],
+        environ: Mapping[str, str],
+        *,
+        source: str | None = None,
+        bin_dir: str | None = None,
     ) -> dict[str, str]:
         """The job's whole environment: the allowed names, `HOME` (its folder), `PYTHONPATH`
-        (this package's source, then the worker's if allowed), `job.env`, then `extra` (the
-        launcher's variables)."""
+        (`source`, default this package's, then the worker's if allowed), `job.env`, then
+        `extra` (the launcher's variables); `bin_dir` first on its PATH."""
         allowed = self.allowed_env(environ)
-        python_path = os.pathsep.join(
-            p for p in (_package_source(), allowed.get("PYTHONPATH", "")) if p
-        )
-        return {**allowed, "HOME": str(workdir), "PYTHONPATH": python_path, **job.env, **extra}
+        source = _package_source() if source is None else source
+        python_path = os.pathsep.join(p for p in (source, allowed.get("PYTHONPATH", "")) if p)
+        env = {**allowed, "HOME": str(workdir), "PYTHONPATH": python_path, **job.env, **extra}
+        if bin_dir:
+            env["PATH"] = os.pathsep.join((bin_dir, env.get("PATH") or os.defpath))
+        return env
 
     def prepare(self, job: GpuJob, extra: Mapping[str, str]) -> SandboxedJob:
         """Check (`check`), then make the job's folder and environment. `extra`: the
         launcher's variables (the holder's mark, `GPU_BUDGET_METRICS_FILE`, GPUs). The
         caller calls `finish` once every process of the job has ended."""
-        user = self.check(job)
+        user, python = self._checked(job)
         environ = dict(os.environ)
         workdir = Path(tempfile.mkdtemp(prefix=f"{_slug(job.name)}-", dir=self.root))
         try:
@@ -260,11 +329,15 @@ class Sandbox:
                     os.close(fd)
                 metrics = (mine, Path(extra[settings.METRICS_ENV]))
                 extra[settings.METRICS_ENV] = str(mine)
-            env = self.job_env(workdir, job, extra, environ)
+            bin_dir, source = _offer_python(workdir / TOOLS_DIR, user, python)
+            env = self.job_env(workdir, job, extra, environ, source=source, bin_dir=bin_dir)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        return SandboxedJob(user, workdir, env, Redactor.withheld(env, environ), metrics)
+        command = list(job.command or ())
+        if python and command and command[0] == sys.executable:  # a `callable:` trial
+            command[0] = python
+        return SandboxedJob(user, workdir, env, Redactor.withheld(env, environ), metrics, command)
 
 
 @dataclass
@@ -277,6 +350,9 @@ class SandboxedJob:
     redact: Redactor
     metrics: tuple[Path, Path] | None = None
     """(the job's metrics file, the launcher's): copied over by `finish`."""
+    command: list[str] = field(default_factory=list)
+    """What to run: the job's command, with this worker's interpreter, when it starts with
+    it, replaced by the job's (`Sandbox.interpreter`)."""
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox."""
@@ -378,6 +454,47 @@ def _package_source() -> str:
     """The folder this package is imported from, for the job's PYTHONPATH (so a trial,
     `python -m prefect_gpu_budget.flows.trial`, imports this very code)."""
     return str(Path(__file__).resolve().parents[2])
+
+
+def _is_python(program: str) -> bool:
+    """Whether `program` is the job's interpreter: a name of PYTHON_NAMES, or this worker's."""
+    return program in PYTHON_NAMES or program == sys.executable
+
+
+def _offer_python(tools: Path, user: JobUser, python: str | None) -> tuple[str | None, str]:
+    """Fill `tools` (the worker's, 0755; files 0644): `bin/` with a `python` and a `python3`
+    that start `python` (a script that `exec`s it, not a link: a venv's interpreter finds
+    its venv only by the path it was started as), and `lib/` with a copy of TRIAL_SOURCES
+    when `user` cannot read them where this package is, or when this package is installed
+    (its folder, site-packages, holds every other package too, perhaps built for another
+    Python). Returns the folder for the job's PATH (None without a `python`) and the one
+    for its PYTHONPATH."""
+    bin_dir = None
+    if python is not None:
+        bin_dir = tools / "bin"
+        script = f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n'.encode()
+        for name in PYTHON_NAMES:
+            _write_file(bin_dir / name, script, 0o755)
+    source = Path(_package_source())
+    if source.name not in ("site-packages", "dist-packages") and all(
+        not _unreachable(str(source / rel), user, os.R_OK) for rel in TRIAL_SOURCES
+    ):
+        return (str(bin_dir) if bin_dir else None), str(source)
+    for rel in TRIAL_SOURCES:
+        _write_file(tools / "lib" / rel, (source / rel).read_bytes(), 0o644)
+    return (str(bin_dir) if bin_dir else None), str(tools / "lib")
+
+
+def _write_file(path: Path, data: bytes, mode: int) -> None:
+    """Write a new file (never through a link), its folders made 0755, whatever the umask."""
+    for folder in reversed([path.parent, *path.parent.parents]):
+        if not folder.exists():
+            folder.mkdir(mode=0o755)
+            os.chmod(folder, 0o755)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
+    os.chmod(path, mode)
 
 
 def _permits(path: str, user: JobUser, want: int) -> bool:

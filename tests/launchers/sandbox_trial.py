@@ -1,10 +1,11 @@
-"""A trial callable for the sandbox tests (`python -m prefect_gpu_budget.flows.trial
-tests.launchers.sandbox_trial:train '{"lr": 0.5}'`): standard library only, so any Python the
-sandbox's user can run imports it."""
+"""A trial callable for the sandbox tests, which copy it where the sandbox's user can read it,
+as `agent_trial.py` (`python -m prefect_gpu_budget.flows.trial agent_trial:train '{"lr": 0.5}'`):
+standard library only, so any Python the sandbox's user can run imports it."""
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from prefect_gpu_budget.flows.trial import report
@@ -19,4 +20,6 @@ def train(lr: float) -> dict[str, Any]:
         "cwd": os.getcwd(),
         "home": os.environ.get("HOME"),
         "names": sorted(os.environ),
+        "python": sys.executable,
+        "runner": sys.modules["prefect_gpu_budget.flows.trial"].__file__,
     }

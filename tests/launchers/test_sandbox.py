@@ -14,6 +14,7 @@ import pwd
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -267,14 +268,16 @@ def test_from_env_reads_the_admin_settings(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT", "true")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_ENV", "HF_HOME, MY_*,PATH")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_ROOT", str(tmp_path / "jobs"))
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_PYTHON", " /opt/py/bin/python3 ")
     box = Sandbox.from_env()
-    assert box.user == "nobody" and box.allow_root is True
+    assert box.user == "nobody" and box.allow_root is True and box.python == "/opt/py/bin/python3"
     assert box.env_allow == (*DEFAULT_ENV_ALLOW, "HF_HOME", "MY_*")
     assert box.root == tmp_path / "jobs"
-    for name in ("AGENT_USER", "AGENT_ALLOW_ROOT", "AGENT_ENV", "AGENT_ROOT"):
+    for name in ("AGENT_USER", "AGENT_ALLOW_ROOT", "AGENT_ENV", "AGENT_ROOT", "AGENT_PYTHON"):
         monkeypatch.delenv(f"PREFECT_GPU_BUDGET_{name}")
     box = Sandbox.from_env()
     assert box.user is None and box.allow_root is False and box.env_allow == DEFAULT_ENV_ALLOW
+    assert box.python is None
     assert box.root == Path(tempfile.gettempdir()) / "gpu-budget-agent-jobs"
 
 
@@ -443,38 +446,91 @@ def test_an_escaped_child_of_nobody_is_killed_when_the_holder_dies(sandbox, quot
     assert _marked(mark) == []
 
 
-# -- a Python trial, as nobody ----------------------------------------------------------------
+# -- Python, as nobody ------------------------------------------------------------------------
 
 
-def _python_for(sandbox: Sandbox) -> str:
-    """This interpreter if the sandbox's user may run it, else the system's python3."""
-    for python in (sys.executable, "/usr/bin/python3"):
-        job = GpuJob(instance_type="local:box", command=[python], max_runtime="1m")
-        try:
-            sandbox.check(job)
-        except LaunchConfigError:
-            continue
-        return python
-    pytest.skip(f"no Python that {sandbox.user} may run (is {sys.executable} under /root?)")
+def _agent_python(sandbox: Sandbox) -> str:
+    python = sandbox.interpreter(sandbox.job_user())
+    if python is None:
+        pytest.skip(f"no Python that {sandbox.user} may run here")
+    return python
 
 
 @as_root
-def test_a_python_trial_runs_as_nobody(planted, sandbox, quote, base) -> None:
-    """`python -m prefect_gpu_budget.flows.trial module:function`, as sweeps run a callable:
-    it imports this package (the PYTHONPATH the sandbox computes) as nobody, and reports its
-    metrics through the file the launcher named."""
-    python = _python_for(sandbox)
-    job = GpuJob(
-        instance_type="local:box",
-        command=[
-            python,
-            "-m",
-            "prefect_gpu_budget.flows.trial",
-            "tests.launchers.sandbox_trial:train",
-            json.dumps({"lr": 0.5}),
-        ],
-        max_runtime="2m",
+def test_python_on_the_jobs_path_runs_as_nobody(sandbox, quote, base) -> None:
+    """`python` and `python3` are an interpreter nobody can run, whichever this worker's is."""
+    python = _agent_python(sandbox)
+    script = (
+        "import json, os, subprocess, sys\n"
+        "other = subprocess.run(['python3', '-c', 'import sys; print(sys.executable)'],"
+        " capture_output=True, text=True).stdout.strip()\n"
+        "line = {'loss': 0.5, 'uid': os.getuid(), 'python': sys.executable, 'python3': other}\n"
+        "with open(os.environ['GPU_BUDGET_METRICS_FILE'], 'a') as handle:\n"
+        "    handle.write(json.dumps(line) + '\\n')\n"
+        "print('ran', sys.version_info[0])\n"
     )
+    job = GpuJob(instance_type="local:box", command=["python", "-c", script], max_runtime="1m")
+    LocalLauncher(sandbox).preflight(job, quote)
+    target = base / "python.jsonl"
+    lines: list[str] = []
+    result = LocalLauncher(sandbox).run(
+        job, quote, log=lines.append, env={METRICS_ENV: str(target)}
+    )
+    assert result.outcome == "completed", (result, lines)
+    assert "ran 3" in lines
+    (line,) = (json.loads(text) for text in target.read_text().splitlines())
+    assert line == {"loss": 0.5, "uid": _nobody().pw_uid, "python": python, "python3": python}
+
+
+@pytest.fixture
+def agent_code(base: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`agent_trial.py` (sandbox_trial.py) in a folder nobody can read, on the worker's
+    PYTHONPATH (which the sandbox below lets through)."""
+    folder = base / "agent-code"
+    folder.mkdir(mode=0o755)
+    shutil.copy(Path(__file__).with_name("sandbox_trial.py"), folder / "agent_trial.py")
+    (folder / "agent_trial.py").chmod(0o644)
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+    return folder
+
+
+@as_root
+@pytest.mark.parametrize("source_at", ["src", "private", "site-packages"])
+def test_a_callable_trial_runs_as_nobody(
+    source_at: str, planted, agent_code, base, quote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep's `callable:` trial starts with this worker's interpreter: the sandbox starts
+    it with nobody's, and its PYTHONPATH reaches the trial runner: this package's source where
+    nobody can read it, else (private, or installed) a copy of the few files the runner
+    imports (which are all it needs: the source here holds only those)."""
+    from prefect_gpu_budget.launchers import sandbox as module
+    from prefect_gpu_budget.sweep_spec import SweepSpec
+
+    source = base / source_at
+    source.mkdir(mode=0o700 if source_at == "private" else 0o755)
+    for rel in module.TRIAL_SOURCES:
+        (source / rel).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        shutil.copy(Path(module._package_source()) / rel, source / rel)
+    monkeypatch.setattr(module, "_package_source", lambda: str(source))
+    sandbox = Sandbox(
+        user="nobody", root=base / "jobs", env_allow=(*DEFAULT_ENV_ALLOW, "PYTHONPATH")
+    )
+    python = _agent_python(sandbox)
+    spec = SweepSpec(
+        name="trial",
+        scope="lab/sweeps",
+        job={"instance_type": "local:box", "max_runtime": "2m"},
+        callable="agent_trial:train",
+        grid={"lr": [0.5]},
+    )
+    job = spec.job_for({"lr": 0.5}, "trial/0001")
+    assert job.command and job.command[0] == sys.executable
+    LocalLauncher(sandbox).preflight(job, quote)
+    prepared = sandbox.prepare(job, {})
+    prepared.finish()
+    assert prepared.command == [python, *job.command[1:]]
+    job = job.model_copy(update={"command": prepared.command})  # as the launcher runs it
+
     target = base / "trial.jsonl"
     lines: list[str] = []
     result = LocalLauncher(sandbox).run(
@@ -484,9 +540,71 @@ def test_a_python_trial_runs_as_nobody(planted, sandbox, quote, base) -> None:
     step, summary = (json.loads(line) for line in target.read_text().splitlines())
     assert step == {"step": 1, "loss": 0.5}
     assert summary["summary"] is True and summary["loss"] == 0.25
-    assert summary["uid"] == _nobody().pw_uid
+    assert summary["uid"] == _nobody().pw_uid and summary["python"] == python
     assert summary["home"] == summary["cwd"] and Path(summary["cwd"]).parent == sandbox.root
+    runner = Path(summary["runner"])
+    if source_at == "src":
+        assert runner == source / "prefect_gpu_budget" / "flows" / "trial.py"
+    else:
+        assert runner == Path(summary["cwd"], ".gpu-budget/lib/prefect_gpu_budget/flows/trial.py")
     assert not [n for n in summary["names"] if n.startswith(("PREFECT", "AWS_", "GOOGLE_"))]
+
+
+@as_root
+def test_a_venvs_interpreter_keeps_its_venv(base, quote) -> None:
+    """`python` starts the interpreter by its own path, so a venv's finds its venv."""
+    venv = base / "venv"
+    made = subprocess.run(
+        ["/usr/bin/python3", "-m", "venv", "--without-pip", str(venv)], capture_output=True
+    )
+    if made.returncode != 0:
+        pytest.skip(f"no venv from /usr/bin/python3 here: {made.stderr[-200:]!r}")
+    sandbox = Sandbox(user="nobody", root=base / "jobs", python=str(venv / "bin" / "python"))
+    job = GpuJob(
+        instance_type="local:box",
+        command=["python3", "-c", "import sys; print('prefix=' + sys.prefix)"],
+        max_runtime="1m",
+    )
+    lines: list[str] = []
+    result = LocalLauncher(sandbox).run(job, quote, log=lines.append)
+    assert result.outcome == "completed", (result, lines)
+    assert f"prefix={venv}" in lines
+
+
+def test_an_agent_python_that_is_not_there_is_refused(base, quote) -> None:
+    launcher = LocalLauncher(Sandbox(allow_root=True, root=base / "jobs", python="no-such-python"))
+    with pytest.raises(LaunchConfigError, match="PREFECT_GPU_BUDGET_AGENT_PYTHON") as refused:
+        launcher.preflight(_job("true")[0], quote)
+    assert "no such program" in refused.value.reason and "\n" not in refused.value.reason
+
+
+@as_root
+def test_no_python_nobody_can_run_is_refused_in_one_line(
+    sandbox, base, quote, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent Python out of nobody's reach refuses every job; with none at all (this worker's
+    out of reach, no system one), a job that needs one is refused, and the others run."""
+    from prefect_gpu_budget.launchers import sandbox as module
+
+    private = base / "private"
+    private.mkdir(mode=0o700)
+    hidden = private / "python3"
+    hidden.write_text("#!/bin/sh\n")
+    hidden.chmod(0o755)
+    launcher = LocalLauncher(Sandbox(user="nobody", root=base / "jobs", python=str(hidden)))
+    with pytest.raises(LaunchConfigError, match="not searchable by 'nobody'") as refused:
+        launcher.preflight(_job("true")[0], quote)
+    assert "PREFECT_GPU_BUDGET_AGENT_PYTHON" in refused.value.reason
+
+    monkeypatch.setattr(module, "SYSTEM_PYTHONS", ())
+    monkeypatch.setattr(sys, "executable", str(hidden))  # only preflight runs meanwhile
+    for command in (["python", "train.py"], ["python3", "-c", "1"], [str(hidden), "-m", "x"]):
+        job = GpuJob(instance_type="local:box", command=command, max_runtime="1m")
+        with pytest.raises(LaunchConfigError, match="PREFECT_GPU_BUDGET_AGENT_PYTHON") as refused:
+            LocalLauncher(sandbox).preflight(job, quote)
+        assert refused.value.reason.startswith("no Python that 'nobody' can run")
+        assert "\n" not in refused.value.reason
+    LocalLauncher(sandbox).preflight(_job("true")[0], quote)
 
 
 # -- the worker's files, from nobody --------------------------------------------------------

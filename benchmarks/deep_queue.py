@@ -105,7 +105,7 @@ COUNTED = [
     "versions",
     "cancel_queued",
     "unadmit",
-    "preempt_requested",
+    "stop_asked",
     "record_submission",
 ]
 """The ledger calls an agent counts (each one transaction, retries aside)."""

@@ -19,7 +19,7 @@ from prefect_gpu_budget.pricing.catalog import default_catalog
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
 from prefect_gpu_budget.sweep_spec import SweepSpec
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, org_of, scope_path
+from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, org_of, scope_path
 
 HORIZON_S = 7 * 86400
 
@@ -39,6 +39,22 @@ class Forecast:
     rejected: int = 0
     max_wait_s: float = 0.0
     """The max wait that times trials out (0: they wait as long as it takes)."""
+
+    def as_dict(self) -> dict[str, object]:
+        """The figures as `forecast --json` and the agent gateway give them."""
+        return {
+            "trials": self.trials,
+            "admitted": self.admitted,
+            "timed_out": self.timed_out,
+            "rejected": self.rejected,
+            "spend_usd": micro_to_usd(self.spend_micro),
+            "makespan_s": round(self.makespan_s, 1),
+            "waiting": self.waiting,
+            "mean_wait_s": round(self.mean_wait_s, 1),
+            "max_wait_s": self.max_wait_s,
+            "stopped_by": self.stopped_by,
+            "summary": self.describe(),
+        }
 
     def describe(self) -> str:
         lines = [

@@ -390,11 +390,12 @@ def test_guessing_tokens_is_rate_limited(house):
     assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 429
 
 
-def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path):
+def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path, prices, monkeypatch):
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_USER", "nobody")
     from fastapi.testclient import TestClient
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    from prefect_gpu_budget.gateway import create_app
+    from prefect_gpu_budget.agents.gateway import create_app
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     ledger.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
@@ -414,7 +415,7 @@ def test_the_session_status_names_its_figures_as_status_json_does(tmp_path):
     from fastapi.testclient import TestClient
     from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
-    from prefect_gpu_budget.gateway import create_app
+    from prefect_gpu_budget.agents.gateway import create_app
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     ledger.set_budget(BudgetRule(SESSION, hourly_cap_cents=360))
@@ -428,7 +429,7 @@ def test_the_session_status_names_its_figures_as_status_json_does(tmp_path):
 
 
 def test_the_rate_window_counts_within_its_span_and_forgets_idle_keys():
-    from prefect_gpu_budget.gateway import Window
+    from prefect_gpu_budget.agents.door import Window
 
     window = Window(2, 60.0)
     assert [window.hit("10.0.0.1") for _ in range(3)] == [False, False, True]

@@ -25,7 +25,13 @@ from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.handoff import Handoff as _Handoff
 from prefect_gpu_budget.admission.handoff import off_thread as _off_thread
 from prefect_gpu_budget.admission.leases import SlotLeases
-from prefect_gpu_budget.admission.ledger import Ledger, NewJob, holder_id, wait_key
+from prefect_gpu_budget.admission.ledger import (
+    PREEMPTED,
+    Ledger,
+    NewJob,
+    holder_id,
+    wait_key,
+)
 from prefect_gpu_budget.admission.limits import Limits
 from prefect_gpu_budget.admission.outages import OUTAGES as OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
@@ -88,8 +94,11 @@ class Admission:
     slots: int = 0
     pool: str | None = None
     preempted: threading.Event = field(default_factory=threading.Event, repr=False)
-    """Set when a job within its team's quota asked for the capacity this one borrowed; the
-    job's life (`admission/lifecycle.py`) stops the job when it is."""
+    """Set when the job must stop: a job within its team's quota asked for the capacity this
+    one borrowed, or its owner stopped it (`stop_reason` says which); the job's life
+    (`admission/lifecycle.py`) stops the job when it is."""
+    stop_reason: str = PREEMPTED
+    """`preempted` or `stopped` (`Ledger.stop_asked`), once `preempted` is set."""
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
@@ -291,11 +300,11 @@ class Gate(SlotLeases):
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
-                preempted, watched = threading.Event(), threading.Event()
+                preempted, watched, why = threading.Event(), threading.Event(), [PREEMPTED]
                 if decision.pool is not None:  # borrowed capacity may be reclaimed at once
                     threading.Thread(
                         target=self._watch_while_taking_slots,
-                        args=(job_id, preempted, watched),
+                        args=(job_id, preempted, watched, why),
                         name=f"gpu-budget-preempt-early-{job_id[:8]}",
                         daemon=True,
                     ).start()
@@ -317,6 +326,7 @@ class Gate(SlotLeases):
                         slots=slots,
                         pool=decision.pool,
                         preempted=preempted,
+                        stop_reason=why[0],
                     )
                     try:
                         self._start_heartbeat(admission)
@@ -366,8 +376,18 @@ class Gate(SlotLeases):
         return rules[-1].max_wait_s if rules else 0.0
 
     def _start_heartbeat(self, admission: Admission) -> None:
+        """One thread per admitted job: every `preempt_poll_s` it asks the ledger whether the
+        job must stop (`Ledger.stop_asked`: preempted, or stopped by its owner), and every
+        `heartbeat_s` it stamps the row and renews the lease."""
+
         def beat() -> None:
-            while not admission._stop.wait(self.heartbeat_s):
+            next_beat = time.monotonic() + self.heartbeat_s
+            while not admission._stop.wait(min(self.preempt_poll_s, self.heartbeat_s)):
+                if not admission.preempted.is_set():
+                    self._check_stop(admission)
+                if time.monotonic() < next_beat:
+                    continue
+                next_beat = time.monotonic() + self.heartbeat_s
                 try:
                     self.ledger.heartbeat(admission.job_id)
                     with admission._lease_lock:  # never renew or retake while it settles
@@ -385,40 +405,40 @@ class Gate(SlotLeases):
             target=beat, name=f"gpu-budget-heartbeat-{admission.job_id[:8]}", daemon=True
         )
         admission._beat.start()
-        if admission.pool is not None:  # borrowed capacity may be reclaimed: watch for that
-            threading.Thread(
-                target=self._watch_preemption,
-                args=(admission,),
-                name=f"gpu-budget-preempt-{admission.job_id[:8]}",
-                daemon=True,
-            ).start()
 
     def _watch_while_taking_slots(
-        self, job_id: str, preempted: threading.Event, done: threading.Event
+        self, job_id: str, preempted: threading.Event, done: threading.Event, why: list[str]
     ) -> None:
         """From the moment of admission until its Prefect slots are taken (seconds, on a busy
         machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts."""
         while not done.wait(self.preempt_poll_s):
             try:
-                if self.ledger.preempt_requested(job_id):
+                asked = self.ledger.stop_asked(job_id)
+                if asked:
+                    why[0] = asked
                     preempted.set()
                     return
             except Exception:  # an outage: the heartbeat reports it
                 continue
 
-    def _watch_preemption(self, admission: Admission) -> None:
-        while not admission._stop.wait(self.preempt_poll_s):
-            try:
-                asked = self.ledger.preempt_requested(admission.job_id)
-            except Exception:  # an outage: the heartbeat reports it
-                continue
-            if asked:
-                admission.preempted.set()
-                self.events.warning(
-                    f"job {admission.job_id[:8]} is preempted: a higher-priority job takes back "
-                    f"capacity this one borrowed in pool {admission.pool}; stopping it gracefully"
-                )
-                return
+    def _check_stop(self, admission: Admission) -> None:
+        try:
+            asked = self.ledger.stop_asked(admission.job_id)
+        except Exception:  # an outage: the heartbeat reports it
+            return
+        if asked is None:
+            return
+        admission.stop_reason = asked
+        admission.preempted.set()
+        if asked == PREEMPTED:
+            self.events.warning(
+                f"job {admission.job_id[:8]} is preempted: a higher-priority job takes back "
+                f"capacity this one borrowed in pool {admission.pool}; stopping it gracefully"
+            )
+        else:
+            self.events.warning(
+                f"job {admission.job_id[:8]} is stopped by its owner; stopping it gracefully"
+            )
 
     def submitted(self, admission: Admission, external_id: str) -> None:
         """Record the cloud's id of a job that may still wait for capacity."""

@@ -27,12 +27,11 @@ from functools import partial
 from typing import Any
 
 from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import Launcher, LaunchResult
 from prefect_gpu_budget.launchers.registry import launcher_ref
 
-PREEMPTED = "preempted"
-"""The outcome of a job that ended because its borrowed capacity was reclaimed."""
 COMPLETED, FAILED, CANCELLED, TIMED_OUT = "completed", "failed", "cancelled", "timed_out"
 """The outcomes of a body that returned, raised an error, was cancelled, ran past max_runtime."""
 
@@ -134,17 +133,26 @@ class Ended:
     """Preempted, and the job asks to be queued again (`GpuJob.requeue`)."""
 
 
-def ended_by_stop(result: LaunchResult, stopped_at: float | None) -> LaunchResult:
-    """`result`, named `preempted` when the job was stopped for preemption before it ended."""
+STOPPED_BY_OWNER = "stopped by its owner"
+"""The detail of a job its owner stopped while it ran (its outcome: `cancelled`)."""
+
+
+def ended_by_stop(
+    result: LaunchResult, stopped_at: float | None, why: str = PREEMPTED
+) -> LaunchResult:
+    """`result`, named for the stop that ended it, if one did: `preempted` when its borrowed
+    capacity was reclaimed, `cancelled` (stopped by its owner) when `why` is `stopped`."""
     if stopped_at is None or stopped_at >= result.ended_at:
         return result
+    if why == STOPPED:
+        return replace(result, outcome=CANCELLED, detail=f"{STOPPED_BY_OWNER}: {result.detail}")
     return replace(result, outcome=PREEMPTED, detail=f"{PREEMPTED}: {result.detail}")
 
 
 class _Preemption:
-    """Stops the job once, gracefully, when its admission is preempted: at once if it is
-    running, else as soon as it starts. Watches only pooled admissions (only borrowed capacity
-    is reclaimed), and stops watching when the job ends."""
+    """Stops the job once, gracefully, when its admission must stop (preempted, or stopped by
+    its owner: `Admission.stop_reason`): at once if it is running, else as soon as it starts.
+    Stops watching when the job ends."""
 
     def __init__(self, gate: Gate, admission: Admission, launcher: Launcher) -> None:
         self.admission, self.launcher = admission, launcher
@@ -153,10 +161,9 @@ class _Preemption:
         self.stopped_at: float | None = None
         self._lock = threading.Lock()
         self._over = threading.Event()
-        if admission.pool is not None:
-            threading.Thread(
-                target=self._watch, name=f"gpu-budget-stop-{admission.job_id[:8]}", daemon=True
-            ).start()
+        threading.Thread(
+            target=self._watch, name=f"gpu-budget-stop-{admission.job_id[:8]}", daemon=True
+        ).start()
 
     def _watch(self) -> None:
         while not self._over.is_set():
@@ -227,7 +234,7 @@ def run_admitted(
         phase("settling")
         if result is None:  # cancelled or crashed mid-run: bill until now
             settlement.settle(CANCELLED)
-    result = ended_by_stop(result, preemption.stopped_at)
+    result = ended_by_stop(result, preemption.stopped_at, admission.stop_reason)
     row = settlement.settle(
         result.outcome,
         ended_at=result.ended_at,

@@ -82,6 +82,6 @@ def agents_serve(
     It starts sweeps on the Prefect API of this process's settings, which agents must not
     reach: close that server with PREFECT_SERVER_API_AUTH_STRING and give this process
     PREFECT_API_AUTH_STRING."""
-    from prefect_gpu_budget.gateway import serve as serve_gateway
+    from prefect_gpu_budget.agents.gateway import serve as serve_gateway
 
     serve_gateway(host, port)

@@ -11,7 +11,6 @@ from typing import Any
 import typer
 
 from prefect_gpu_budget.cli.common import console, current_ledger, fail, spend_ledger
-from prefect_gpu_budget.units import micro_to_usd
 
 
 def demo(
@@ -127,19 +126,7 @@ def forecast(
         path_rules = [r for r in ledger.path_budgets(spec.scope) if r.period_budget_micro]
         draw(result, Path(plot), path_rules[-1] if path_rules else None)
     if as_json:
-        typer.echo(
-            json.dumps(
-                {
-                    "trials": result.trials,
-                    "admitted": result.admitted,
-                    "spend_usd": micro_to_usd(result.spend_micro),
-                    "makespan_s": round(result.makespan_s, 1),
-                    "waiting": result.waiting,
-                    "mean_wait_s": round(result.mean_wait_s, 1),
-                    "stopped_by": result.stopped_by,
-                }
-            )
-        )
+        typer.echo(json.dumps(result.as_dict()))
         return
     console.print(result.describe())
 

@@ -27,7 +27,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_budget import plots
 from prefect_gpu_budget.admission.ledger import wait_spans
+from prefect_gpu_budget.admission.ledger.results import SweepRecords, final_metrics
 from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.flows.recording import SweepRecorder
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
 
@@ -49,31 +51,14 @@ from prefect_gpu_budget.units import (
     scope_path,
 )
 
+EMPTY_COLUMNS = ("trial", "state", "reason", "cost_usd", "waited_s", "blocked_by", "blocked_s")
+"""The trials table of a sweep that started no trial."""
+
 
 def _trial_run_name(index: int, params: dict[str, Scalar]) -> str:
     """`trial 0003 lr=0.1 width=16`, with braces removed (Prefect formats run names)."""
     text = " ".join(f"{k}={v}" for k, v in params.items())
     return f"trial {index:04d} {text}".replace("{", "(").replace("}", ")")[:120]
-
-
-def _read_metrics(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
-
-
-def _final(points: list[dict[str, Any]]) -> dict[str, Any]:
-    summary = [p for p in points if p.get("summary")]
-    final = summary[-1] if summary else (points[-1] if points else {})
-    return {k: v for k, v in final.items() if k not in ("summary", "step")}
 
 
 @flow(name="gpu-sweep", task_runner=ThreadPoolTaskRunner(max_workers=64))
@@ -140,13 +125,20 @@ def _sweep(
         0.0, key=f"{spec.name}-progress", description=f"Trials of {spec.name} finished"
     )
 
-    futures, in_flight, finished = [], [], 0
+    recorder = SweepRecorder(SweepRecords(led) if ctx and ctx.flow_run else None, run_id, logger)
+    recorder.open(spec, trials)
+    futures, in_flight, ended = [], {}, {}
+
+    def finished(future) -> None:
+        index = in_flight.pop(future)
+        state = future.state
+        reason = "" if state.is_completed() else redact_urls(state.message or "")
+        ended[index] = recorder.ended(index, state.name, reason)
+        update_progress_artifact(progress, 100.0 * len(ended) / len(trials))
+
     for index, params in enumerate(trials):
         while len(in_flight) >= spec.parallelism:
-            done = next(as_completed(in_flight))
-            in_flight.remove(done)
-            finished += 1
-            update_progress_artifact(progress, 100.0 * finished / len(trials))
+            finished(next(as_completed(list(in_flight))))
         if grant is not None and led.grant_scope(grant) is None:
             logger.warning(
                 "sweep %s: its agent's grant was revoked; %d trials not started",
@@ -154,31 +146,36 @@ def _sweep(
                 len(trials) - index,
             )
             break
+        if recorder.cancelled():
+            logger.warning(
+                "sweep %s: cancelled; %d trials not started", spec.name, len(trials) - index
+            )
+            break
         name = f"{spec.name}/{index:04d}"
         metrics = out / f"trial-{index:04d}.jsonl"
+        recorder.watch(index, metrics)
         future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(
             spec.job_for(params, name, grant), spec.scope, ledger, str(metrics.resolve()), launcher
         )
-        futures.append((index, params, name, metrics, future))
-        in_flight.append(future)
-    for _ in as_completed(in_flight):
-        finished += 1
-        update_progress_artifact(progress, 100.0 * finished / len(trials))
+        futures.append((index, params, name, future))
+        in_flight[future] = index
+    for future in as_completed(list(in_flight)):
+        finished(future)
 
     rows_by_name = {r["name"]: r for r in led.jobs(spec.scope, flow_run_id=run_id)}
     records, curves = [], {}
-    for index, params, name, metrics, future in futures:
+    for index, params, name, future in futures:
         future.wait()  # the final state from the task itself: the API's copy may lag behind
         state = future.state
         row = rows_by_name.get(name, {})
-        points = _read_metrics(metrics)
+        points = ended.get(index, [])
         curves[f"{index:04d}"] = points
         spans = wait_spans(row) if row else {}
         records.append(
             {
                 "trial": index,
                 **params,
-                **_final(points),
+                **final_metrics(points),
                 "state": state.name,
                 "reason": "" if state.is_completed() else redact_urls(state.message or ""),
                 "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
@@ -191,12 +188,20 @@ def _sweep(
                 "job_id": row.get("id"),
             }
         )
-    df = pd.DataFrame(records)
+    df = pd.DataFrame(records, columns=None if records else list(EMPTY_COLUMNS))
     if spec.metric not in df or df[spec.metric].isna().all():
         logger.warning("sweep %s: %s", spec.name, _no_metric(spec))
     df.to_csv(out / "trials.csv", index=False)
     df.to_parquet(out / "trials.parquet", index=False)
-    _publish(spec, df, curves, list(rows_by_name.values()), led, out)
+    pictures, summary = _publish(spec, df, curves, list(rows_by_name.values()), led, out)
+    outputs = {
+        "results.json": ("application/json", df.to_json(orient="records").encode()),
+        "summary.md": ("text/markdown", summary.encode()),
+    }
+    for picture in [*pictures, out / "forecast.png"]:
+        if picture is not None and picture.exists():
+            outputs[picture.name] = ("image/png", picture.read_bytes())
+    recorder.finish(outputs, _last_word(spec, df, len(trials), recorder.cancelled()))
     logger.info("sweep %s: results in %s", spec.name, out.resolve())
     df.attrs["results_dir"] = str(out.resolve())
     return df
@@ -205,6 +210,34 @@ def _sweep(
 def _waited(row: dict) -> float:
     """Request to start: the gate's queue plus any wait for cloud capacity after admission."""
     return (row["started_at"] or row["admitted_at"] or row["ended_at"]) - row["requested_at"]
+
+
+def _best(spec: SweepSpec, df: pd.DataFrame) -> pd.Series | None:
+    """The completed trial with the best value of the spec's metric, if any reported it."""
+    done = df[df["state"] == "Completed"] if "state" in df else df.iloc[0:0]
+    if spec.metric not in done or done[spec.metric].dropna().empty:
+        return None
+    values = pd.to_numeric(done[spec.metric], errors="coerce")
+    if values.dropna().empty:
+        return None
+    return done.loc[values.idxmin() if spec.goal == "min" else values.idxmax()]
+
+
+def _last_word(spec: SweepSpec, df: pd.DataFrame, planned: int, cancelled: bool) -> str:
+    """One line on how the sweep went: what ran, what is best, why trials did not run."""
+    done = int((df["state"] == "Completed").sum()) if "state" in df else 0
+    words = [f"{done} of {planned} trials completed"]
+    best = _best(spec, df)
+    if best is not None:
+        words.append(f"best {spec.metric} {best[spec.metric]:.4g} (trial {int(best['trial'])})")
+    elif planned:
+        words.append(_no_metric(spec))
+    if cancelled:
+        words.append(f"cancelled: {planned - len(df)} trials not started")
+    failed = df[df["state"] != "Completed"] if "state" in df else df.iloc[0:0]
+    if len(failed) and done == 0:
+        words.append(f"trial {int(failed.iloc[0]['trial'])}: {failed.iloc[0]['reason'][:200]}")
+    return "; ".join(words)
 
 
 def _no_metric(spec: SweepSpec) -> str:
@@ -218,7 +251,9 @@ def _short(value: object) -> str:
 
 def _publish(
     spec: SweepSpec, df: pd.DataFrame, curves: dict, rows: list[dict], led, out: Path
-) -> None:
+) -> tuple[list[Path | None], str]:
+    """The trials table, the summary and the plots as artifacts; returns the plots' files and
+    the summary's markdown."""
     key = re.sub(r"[^a-z0-9-]", "-", spec.name.lower())
     create_table_artifact(
         key=f"{key}-trials",
@@ -255,11 +290,13 @@ def _publish(
             title=f"spend of sweep {spec.name} in {spec.scope}",
         ),
     ]
+    summary = _summary(spec, df, budget)
     create_markdown_artifact(
         key=f"{key}-summary",
-        markdown=_summary(spec, df, budget) + "\n\n" + plots.embed(pictures),
+        markdown=summary + "\n\n" + plots.embed(pictures),
         description=f"Summary and plots of sweep {spec.name}",
     )
+    return pictures, summary
 
 
 def _publish_forecast(spec: SweepSpec, led, out: Path, logger) -> None:
@@ -294,10 +331,8 @@ def _summary(spec: SweepSpec, df: pd.DataFrame, budget: dict | None) -> str:
             if state != "Completed"
         )
     )
-    if spec.metric in done and not done[spec.metric].dropna().empty:
-        best = done.loc[
-            done[spec.metric].idxmin() if spec.goal == "min" else done[spec.metric].idxmax()
-        ]
+    best = _best(spec, df)
+    if best is not None:
         params = ", ".join(f"{p}={_short(best[p])}" for p in spec.params())
         lines.append(
             f"- best trial {int(best['trial'])}: {spec.metric} {best[spec.metric]:.4g} ({params})"

@@ -188,7 +188,8 @@ class LocalLauncher:
                 record = StartRecord(
                     on_start, started, external_id, min(job.kill_grace, job.max_runtime)
                 )
-                code, outcome, detail = _wait(proc, job, record)
+                tick = sandboxed.sync_metrics if sandboxed is not None else None
+                code, outcome, detail = _wait(proc, job, record, tick)
             except BaseException:
                 _stop(proc, job.kill_grace)
                 raise
@@ -224,11 +225,23 @@ def _live_pid(external_id: str) -> int | None:
     return int(pid)
 
 
-def _wait(proc: subprocess.Popen, job: GpuJob, record: StartRecord) -> tuple[int | None, str, str]:
+TICK_S = 1.0
+"""How often a running job's `tick` (a sandbox's metrics copy) runs."""
+
+
+def _wait(
+    proc: subprocess.Popen,
+    job: GpuJob,
+    record: StartRecord,
+    tick: Callable[[], None] | None = None,
+) -> tuple[int | None, str, str]:
     """Wait for the job's last process, timing max_runtime from its real start; stop it at
-    max_runtime, or when its start cannot be recorded (`record.check`)."""
+    max_runtime, or when its start cannot be recorded (`record.check`). `tick` runs about
+    every TICK_S meanwhile."""
     deadline = record.started_at + job.max_runtime
     while True:
+        if tick is not None:
+            tick()
         now = time.time()
         try:
             record.check(now)
@@ -238,6 +251,8 @@ def _wait(proc: subprocess.Popen, job: GpuJob, record: StartRecord) -> tuple[int
             code = _stop(proc, job.kill_grace)
             return code, "timed_out", f"stopped at max_runtime {job.max_runtime:.0f}s"
         step = deadline - now if record.done else min(deadline - now, 0.2)
+        if tick is not None:
+            step = min(step, TICK_S)
         try:
             code = proc.wait(timeout=step)
         except subprocess.TimeoutExpired:

@@ -353,6 +353,8 @@ class SandboxedJob:
     command: list[str] = field(default_factory=list)
     """What to run: the job's command, with this worker's interpreter, when it starts with
     it, replaced by the job's (`Sandbox.interpreter`)."""
+    copied: int = 0
+    """How much of the job's metrics file is in the launcher's already (`sync_metrics`)."""
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox."""
@@ -365,12 +367,17 @@ class SandboxedJob:
         """The environment as `--env-stdin` reads it: NUL-separated `NAME=value`."""
         return b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in self.env.items())
 
+    def sync_metrics(self, final: bool = False) -> None:
+        """Append what the job reported since the last sync to the launcher's file, so its
+        learning curve is read while it runs (each read as careful as the last one's)."""
+        if self.metrics is not None:
+            self.copied = _copy_metrics(*self.metrics, self.user, self.copied, final)
+
     def finish(self) -> None:
-        """Append the job's metrics to the launcher's file; remove the job's folder. Only once
-        the job's last process has ended (it could swap files under a reader otherwise)."""
+        """Append the rest of the job's metrics to the launcher's file; remove the job's
+        folder. Only once the job's last process has ended."""
         try:
-            if self.metrics is not None:
-                _copy_metrics(*self.metrics, self.user)
+            self.sync_metrics(final=True)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -527,23 +534,31 @@ def _unreachable(path: str, user: JobUser, want: int) -> str:
     return ""
 
 
-def _copy_metrics(mine: Path, theirs: Path, user: JobUser) -> None:
-    """Append the job's metrics file to the launcher's: only a regular file of the job's user
-    (never a link, a FIFO, or a file of another user linked in), at most MAX_METRICS_BYTES."""
+def _copy_metrics(
+    mine: Path, theirs: Path, user: JobUser, start: int = 0, final: bool = True
+) -> int:
+    """Append the job's metrics file from `start` to the launcher's: only a regular file of the
+    job's user (never a link, a FIFO, or a file of another user linked in), up to
+    MAX_METRICS_BYTES of it, and only whole lines (a line still being written waits for the
+    next copy, unless `final` or past the bound). Returns how far the file is copied now."""
     try:
         fd = os.open(mine, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return  # the job removed it: no metrics
+        return start  # the job removed it: no metrics
     with os.fdopen(fd, "rb") as handle:
         st = os.fstat(handle.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != user.uid:
             logger.warning("job metrics file %s is not the job's own regular file: ignored", mine)
-            return
-        data = handle.read(MAX_METRICS_BYTES)
+            return MAX_METRICS_BYTES
+        handle.seek(start)
+        data = handle.read(max(0, MAX_METRICS_BYTES - start))
+    if not final and start + len(data) < MAX_METRICS_BYTES:
+        data = data[: data.rfind(b"\n") + 1]
     if not data:
-        return
+        return start
     try:
         with open(theirs, "ab") as out:
             out.write(data)
     except OSError as exc:
         logger.warning("could not copy the job's metrics to %s: %s", theirs, exc)
+    return start + len(data)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from prefect_gpu_budget.admission.gate import Admission
+from prefect_gpu_budget.admission.ledger import STOPPED
 from prefect_gpu_budget.admission.lifecycle import (
     PREEMPTED,
     PastMaxRuntime,
@@ -117,11 +118,18 @@ def test_a_job_preempted_before_it_starts_is_stopped_as_it_starts() -> None:
     assert ended.result.outcome == PREEMPTED and not ended.requeue
 
 
-def test_outside_a_pool_nothing_watches_for_preemption() -> None:
-    gate, admission, launcher = RecordingGate(), _admission(pool=None), Scripted(run_s=0.3)
-    threading.Timer(0.05, admission.preempted.set).start()  # never set by the gate: ignored
+def test_a_job_its_owner_stops_is_stopped_named_cancelled_and_not_requeued() -> None:
+    """Outside a pool too: an agent's `POST /v1/jobs/{id}/cancel` of its running trial."""
+    gate, admission, launcher = RecordingGate(), _admission(pool=None), Scripted(run_s=30)
+    admission.stop_reason = STOPPED
+    threading.Timer(0.2, admission.preempted.set).start()
+    began = time.time()
     ended = run_admitted(gate, admission, launcher)  # type: ignore[arg-type]
-    assert launcher.stops == [] and ended.result.outcome == "completed"
+    assert time.time() - began < 5
+    assert launcher.stops == ["ext-1"]
+    assert ended.result.outcome == "cancelled" and not ended.requeue
+    assert ended.result.detail.startswith("stopped by its owner")
+    assert gate.settles() == ["cancelled"]
 
 
 ENDINGS = [  # how the body ended, what it named its return, the outcome

@@ -9,7 +9,7 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import agent_grants
 from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.flows.agent import agent_spec, cancel_own_job, limits_for
+from prefect_gpu_budget.agents.rules import agent_spec, limits_for, stop_own_job
 from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.units import BudgetInputError
 from tests.jobs import new_job
@@ -171,9 +171,9 @@ def test_an_agent_cancels_its_own_queued_jobs_and_no_one_elses(ledger):
     theirs, _ = ledger.request(new_job("acme/vision/agent-8"))
     for job_id in (theirs, "not-a-job"):
         with pytest.raises(LookupError, match="no job"):
-            cancel_own_job(ledger, job_id, SESSION)
+            stop_own_job(ledger, job_id, SESSION)
     assert ledger.job(theirs)["state"] == "queued"
-    cancel_own_job(ledger, mine, SESSION)
+    stop_own_job(ledger, mine, SESSION)
     assert ledger.job(mine)["state"] == "cancelled"
-    with pytest.raises(BudgetInputError, match="only a queued job"):
-        cancel_own_job(ledger, mine, SESSION)
+    with pytest.raises(BudgetInputError, match="it has ended"):
+        stop_own_job(ledger, mine, SESSION)

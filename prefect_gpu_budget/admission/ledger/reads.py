@@ -13,7 +13,14 @@ import sqlalchemy as sa
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import _load_pools, _load_quotas, _states, hold_of
-from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs, period_spend, versions
+from prefect_gpu_budget.admission.ledger.tables import (
+    ACTIVE,
+    PREEMPTED,
+    STOPPED,
+    jobs,
+    period_spend,
+    versions,
+)
 from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
 from prefect_gpu_budget.admission.quota import Capacity, Placed, Shape
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
@@ -244,15 +251,19 @@ class ReadsMixin(EngineMixin):
         ]
 
     @_reconnecting
-    def preempt_requested(self, job_id: str) -> bool:
-        """Whether a higher-priority job asked this (borrowed) one to give its capacity back."""
+    def stop_asked(self, job_id: str) -> str | None:
+        """Why this admitted or running job must stop now: `preempted` (a job within its team's
+        quota takes back capacity this one borrowed) or `stopped` (its owner asked:
+        `ask_stop`); None while it may run on."""
         with self._read() as conn:
-            return (
-                conn.execute(
-                    sa.select(jobs.c.preempt_at).where(jobs.c.id == job_id)
-                ).scalar_one_or_none()
-                is not None
-            )
+            row = conn.execute(
+                sa.select(jobs.c.preempt_at, jobs.c.stop_asked_at).where(jobs.c.id == job_id)
+            ).first()
+        if row is None:
+            return None
+        if row.preempt_at is not None:
+            return PREEMPTED
+        return STOPPED if row.stop_asked_at is not None else None
 
 
 def wait_spans(row: dict[str, Any]) -> dict[str, float]:

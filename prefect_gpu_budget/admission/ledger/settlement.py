@@ -66,6 +66,20 @@ class SettlementMixin(EngineMixin):
             )
 
     @_reconnecting
+    def ask_stop(self, job_id: str, reason: str, now: float | None = None) -> bool:
+        """Ask the holder of an admitted or running job to stop it (SIGTERM, its kill grace,
+        SIGKILL) and settle it for what it ran; False when it is not admitted or running."""
+        with self._tx() as conn:
+            return bool(
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.id == job_id, jobs.c.state.in_(ACTIVE))
+                    .where(jobs.c.stop_asked_at.is_(None))
+                    .values(stop_asked_at=time.time() if now is None else now, reason=reason)
+                ).rowcount
+            )
+
+    @_reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:
         with self._tx() as conn:
             conn.execute(

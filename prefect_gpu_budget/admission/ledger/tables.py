@@ -17,6 +17,8 @@ checks the state it changes from (a job that moved on meanwhile is left as it is
 - admitted -> queued: `unadmit` (its Prefect concurrency slots could not be taken); with
   `end`, admitted -> rejected or timed_out in the same transaction.
 - admitted -> running: `mark_started` (False, and nothing written, once it is not admitted).
+- admitted or running: `ask_stop` marks it (`stop_asked_at`); its holder stops it and
+  settles it for what it ran.
 - admitted or running -> settled: `settle`, exactly once (its actual cost replaces the
   reservation); reconcile settles an admitted job whose holder is gone, at zero.
 
@@ -33,6 +35,9 @@ from typing import Any
 import sqlalchemy as sa
 
 ACTIVE = ("admitted", "running")
+PREEMPTED, STOPPED = "preempted", "stopped"
+"""Why a running job is asked to stop (`stop_asked`): its borrowed capacity is reclaimed, or
+its owner stopped it."""
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
 
 
@@ -103,6 +108,7 @@ jobs = sa.Table(
     sa.Column("node_memory_gib", sa.Integer),
     sa.Column("placement", sa.String(400)),
     sa.Column("preempt_at", sa.Float),
+    sa.Column("stop_asked_at", sa.Float),
     sa.Column("wait_key", sa.String(200)),
     sa.Column("wait_since", sa.Float),
     sa.Column("waits", sa.Text),
@@ -187,6 +193,58 @@ priority_classes = sa.Table(
 )
 """An org's own priority classes, as Kueue's WorkloadPriorityClass objects: a job naming one
 gets its value when it is recorded (see `priorities`)."""
+
+sweeps = sa.Table(
+    "gpu_sweeps",
+    metadata,
+    sa.Column("run_id", sa.String(36), primary_key=True),
+    sa.Column("scope", sa.String(160), nullable=False, index=True),
+    sa.Column("name", sa.String(200), nullable=False),
+    sa.Column("metric", sa.String(200), nullable=False),
+    sa.Column("goal", sa.String(4), nullable=False),
+    sa.Column("trials", sa.Integer, nullable=False),
+    sa.Column("started_at", sa.Float, nullable=False),
+    sa.Column("ended_at", sa.Float),
+    sa.Column("cancelled_at", sa.Float),
+    sa.Column("message", sa.Text, nullable=False, default=""),
+)
+"""One row per sweep (keyed by its flow run): what it searches for, and whether it was asked
+to stop. With `sweep_trials`, `trial_metrics` and `sweep_outputs`, a sweep's results live in the
+ledger's database, where the agent gateway reads them from any host."""
+
+sweep_trials = sa.Table(
+    "gpu_sweep_trials",
+    metadata,
+    sa.Column("run_id", sa.String(36), primary_key=True),
+    sa.Column("trial", sa.Integer, primary_key=True),
+    sa.Column("params", sa.Text, nullable=False),
+    sa.Column("metrics", sa.Text, nullable=False, default="{}"),
+    sa.Column("records", sa.Integer, nullable=False, default=0),
+    sa.Column("state", sa.String(40)),
+    sa.Column("reason", sa.Text, nullable=False, default=""),
+)
+"""A trial's parameters, its latest metrics (the summary, else the last record), how many
+records it reported, and the name of its run's final state once it ended."""
+
+trial_metrics = sa.Table(
+    "gpu_trial_metrics",
+    metadata,
+    sa.Column("run_id", sa.String(36), primary_key=True),
+    sa.Column("trial", sa.Integer, primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("record", sa.Text, nullable=False),
+)
+"""Each record a trial reported, in order: its learning curve."""
+
+sweep_outputs = sa.Table(
+    "gpu_sweep_outputs",
+    metadata,
+    sa.Column("run_id", sa.String(36), primary_key=True),
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("media_type", sa.String(40), nullable=False),
+    sa.Column("content", sa.LargeBinary, nullable=False),
+)
+"""A sweep's published outputs: its results table (JSON), summary (markdown) and plots (PNG)."""
 
 versions = sa.Table(
     "gpu_versions",

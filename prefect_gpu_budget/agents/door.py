@@ -1,0 +1,496 @@
+"""The agents' door, free of any transport: what REST (`agents.gateway`) and MCP
+(`agents.mcp`) both call, so neither reveals more than the other.
+
+An agent holds its token and nothing else. `Door.caller` turns the token into the caller's
+(session, grant), with the rate limits; every other call acts for that caller only: another
+session's run or job is a 404 exactly like one that does not exist. What a call refuses is a
+`Refused` carrying an HTTP status and a one-line detail, whichever door it came through.
+
+Sweeps' results come from the ledger's database (`SweepRecords`), never from the worker's
+files; runs and their states from the Prefect API, which the gateway reaches with its own
+credentials.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+import uuid
+from collections import defaultdict, deque
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import ValidationError
+
+from prefect_gpu_budget.admission.ledger import FINAL, Ledger
+from prefect_gpu_budget.admission.ledger.results import SweepRecords
+from prefect_gpu_budget.agents.rules import agent_spec, limits_for, runnable, stop_own_job
+from prefect_gpu_budget.job import one_line
+from prefect_gpu_budget.units import BudgetInputError, micro_to_usd, redact_urls
+
+DEPLOYMENT = "agent-sweep/agents"
+SESSION_TAG = "gpu-budget-session:"
+AUTH_FAILURES = (10, 60.0)
+"""At most this many bad tokens per client address per window (s); then 429 until it passes."""
+CALLS = (120, 60.0)
+"""At most this many calls per grant per window (s)."""
+ACTIVE_RUN_STATES = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
+SERVED_WITHIN_S = 90.0
+"""The agent deployment counts as served when something polled it this recently (a served
+flow polls every 10 s by default; Prefect marks a deployment not ready after 60 s)."""
+MAX_LONG_POLL_S = 30.0
+"""The longest `wait_s` of a sweep read: it returns as soon as anything in it changed."""
+LONG_POLL_STEP_S = 1.0
+MAX_PAGE = 1000
+"""Most records of a learning curve in one page."""
+
+
+class Refused(Exception):
+    """A call the door turns down: an HTTP-like `status` (401, 404, 409, 422, 429, 503), a
+    one-line `detail`, and the `headers` a transport should send with it."""
+
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+        self.headers: dict[str, str] = dict(headers or {})
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who calls: the agent's session and its grant's id (never its token)."""
+
+    session: str
+    grant: str
+
+
+class Window:
+    """Events per key in a sliding window: `hit` records one and says whether it is one too
+    many; `full` only asks. Keys with nothing in the window are forgotten."""
+
+    def __init__(self, most: int, per_s: float) -> None:
+        self.most, self.per_s = most, per_s
+        self._seen: dict[str, deque[float]] = {}
+        self._lock = threading.Lock()
+
+    def _live(self, key: str, now: float) -> int:
+        seen = self._seen.get(key)
+        while seen and seen[0] <= now - self.per_s:
+            seen.popleft()
+        if not seen:
+            self._seen.pop(key, None)
+            return 0
+        return len(seen)
+
+    def full(self, key: str) -> bool:
+        with self._lock:
+            return self._live(key, time.monotonic()) >= self.most
+
+    def hit(self, key: str) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            count = self._live(key, now) + 1
+            self._seen.setdefault(key, deque()).append(now)
+            return count > self.most
+
+
+class Door:
+    """Every operation an agent has, for one ledger and one Prefect API (`prefect`: a sync
+    Prefect client, set once the gateway has opened it)."""
+
+    def __init__(self, ledger: Ledger, prefect: Any = None, deployment: str = DEPLOYMENT) -> None:
+        self.ledger, self.prefect, self.deployment = ledger, prefect, deployment
+        self.records = SweepRecords(ledger)
+        self.failures, self.calls = Window(*AUTH_FAILURES), Window(*CALLS)
+        self._session_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+
+    # -- who calls --------------------------------------------------------------------------
+
+    def caller(self, authorization: str | None, address: str) -> Caller:
+        """The caller of a `Bearer` token; 401 for none or a bad one, 429 past the limits."""
+        if self.failures.full(address):
+            raise Refused(429, "too many bad tokens from this address; wait", {"Retry-After": "60"})
+        scheme, _, token = (authorization or "").partition(" ")
+        try:
+            if scheme.lower() != "bearer" or not token.strip():
+                raise BudgetInputError("authorization", "a bearer token is required")
+            session, grant = self.ledger.agent_grant(token.strip())
+        except BudgetInputError:
+            self.failures.hit(address)
+            raise Refused(401, "unknown or revoked token", {"WWW-Authenticate": "Bearer"}) from None
+        if self.calls.hit(grant):
+            raise Refused(429, "too many calls for this session; wait", {"Retry-After": "60"})
+        return Caller(session, grant)
+
+    # -- sweeps -----------------------------------------------------------------------------
+
+    def _checked(self, caller: Caller, spec: Any) -> Any:
+        """The spec held to the caller's limits and to what the worker can run; 422 else."""
+        limits = limits_for(self.ledger, caller.session)
+        try:
+            checked = agent_spec(
+                spec, caller.session, limits, self.ledger.priority_values(caller.session)
+            )
+            runnable(checked)
+        except (BudgetInputError, ValidationError, ValueError) as exc:
+            raise Refused(422, one_line(exc)) from None
+        return checked
+
+    def start_sweep(self, caller: Caller, spec: Any) -> dict[str, str]:
+        """Start a sweep in the caller's session: 422 for a spec that breaks a limit or cannot
+        run, 503 when nothing serves the agent deployment, 429 past the session's sweeps."""
+        checked = self._checked(caller, spec)
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            target = self.prefect.read_deployment_by_name(self.deployment)
+        except ObjectNotFound:
+            raise Refused(
+                503, f"{self.deployment} is not deployed: is its worker serving?"
+            ) from None
+        polled = target.last_polled
+        if polled is None or _age_s(polled) > SERVED_WITHIN_S:
+            raise Refused(
+                503,
+                f"nothing serves {self.deployment} (last polled "
+                f"{'never' if polled is None else f'{_age_s(polled):.0f}s ago'}): "
+                "start its worker (`prefect-gpu-budget serve`)",
+            )
+        limits = limits_for(self.ledger, caller.session)
+        with self._session_locks[caller.session]:  # one start at a time: the count holds
+            running = self._active_sweeps(caller.session, target.id, limits.max_sweeps)
+            if running >= limits.max_sweeps:
+                raise Refused(
+                    429,
+                    f"{caller.session} runs {running} sweeps; its agents may run at most "
+                    f"{limits.max_sweeps} at once",
+                )
+            run = self.prefect.create_flow_run_from_deployment(
+                target.id,
+                parameters={
+                    "spec": checked.model_dump(mode="json"),
+                    "session": caller.session,
+                    "grant": caller.grant,
+                },
+                tags=[SESSION_TAG + caller.session],
+            )
+        return {"run_id": str(run.id), "name": run.name}
+
+    def _active_sweeps(self, session: str, deployment_id: uuid.UUID, most: int) -> int:
+        from prefect.client.schemas.filters import (
+            DeploymentFilter,
+            DeploymentFilterId,
+            FlowRunFilter,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+            FlowRunFilterTags,
+        )
+
+        runs = self.prefect.read_flow_runs(
+            flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=[SESSION_TAG + session]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=ACTIVE_RUN_STATES)),
+            ),
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+            limit=most + 1,
+        )
+        return len(runs)
+
+    def _own_run(self, caller: Caller, run_id: str) -> Any:
+        """The flow run if it is the caller's agent sweep; 404 alike for absent and others'."""
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            run = self.prefect.read_flow_run(uuid.UUID(run_id))
+        except (ValueError, ObjectNotFound):
+            run = None
+        if run is None or (run.parameters or {}).get("session") != caller.session:
+            raise Refused(404, f"no sweep {run_id[:36]!r} in {caller.session}")
+        return run
+
+    def sweep(self, caller: Caller, run_id: str, wait_s: float = 0) -> dict[str, Any]:
+        """The caller's sweep: state, message, spend, every trial (parameters, state, metrics,
+        cost, wait) and the best trial. With `wait_s` (at most MAX_LONG_POLL_S), answers as
+        soon as anything in it changed, or when that time is up."""
+        view = self._sweep_view(self._own_run(caller, run_id), caller.session)
+        deadline = time.monotonic() + min(max(0.0, float(wait_s)), MAX_LONG_POLL_S)
+        while time.monotonic() < deadline and view["state"] not in _FINAL_RUN_STATES:
+            time.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
+            now = self._sweep_view(self._own_run(caller, run_id), caller.session)
+            if now != view:
+                return now
+        return view
+
+    def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
+        run_id = str(run.id)
+        meta = self.records.sweep(run_id)
+        recorded = {t["trial"]: t for t in self.records.trials(run_id)}
+        jobs = {}
+        for row in self.ledger.jobs(session, flow_run_id=run_id):  # the latest per trial
+            trial = _trial_number(row["name"])
+            if trial is not None:
+                jobs[trial] = row
+        trials = [
+            _trial(index, recorded.get(index), jobs.get(index))
+            for index in sorted(set(recorded) | set(jobs))
+        ]
+        state = run.state
+        message = redact_urls(state.message or "") if state else ""
+        if meta is not None and meta["message"] and (not message or state.is_completed()):
+            message = redact_urls(meta["message"])
+        return {
+            "run_id": run_id,
+            "name": run.name,
+            "state": state.name if state else "Unknown",
+            "message": message,
+            "cancelled": bool(meta and meta["cancelled_at"]),
+            "metric": meta["metric"] if meta else None,
+            "goal": meta["goal"] if meta else None,
+            "trials": trials,
+            "spent_usd": round(sum(t["cost_usd"] for t in trials), 6),
+            "best": _best(trials, meta),
+        }
+
+    def trial_metrics(
+        self, caller: Caller, run_id: str, trial: int, offset: int = 0, limit: int = 500
+    ) -> dict[str, Any]:
+        """A trial's reported records in order (its learning curve), a page at a time."""
+        self._own_run(caller, run_id)
+        known = {t["trial"] for t in self.records.trials(run_id)}
+        if trial not in known:
+            raise Refused(404, f"no trial {trial} in sweep {run_id[:36]}")
+        offset, limit = max(0, int(offset)), min(max(1, int(limit)), MAX_PAGE)
+        records = self.records.records(run_id, trial, offset, limit)
+        return {
+            "trial": trial,
+            "offset": offset,
+            "records": records,
+            "next_offset": offset + len(records) if len(records) == limit else None,
+        }
+
+    def results(self, caller: Caller, run_id: str) -> list[dict[str, Any]]:
+        """The sweep's trials table: the published one once it ended, else as it stands."""
+        run = self._own_run(caller, run_id)
+        published = self.records.output(run_id, "results.json")
+        if published is not None:
+            return json.loads(published[1])
+        return [
+            {
+                "trial": t["trial"],
+                **t["params"],
+                **t["metrics"],
+                "state": t["state"],
+                "reason": t["reason"],
+                "cost_usd": t["cost_usd"],
+                "waited_s": t["waited_s"],
+                "job_id": t["job_id"],
+            }
+            for t in self._sweep_view(run, caller.session)["trials"]
+        ]
+
+    def results_csv(self, caller: Caller, run_id: str) -> str:
+        import pandas as pd
+
+        buffer = io.StringIO()
+        pd.DataFrame(self.results(caller, run_id)).to_csv(buffer, index=False)
+        return buffer.getvalue()
+
+    def plots(self, caller: Caller, run_id: str) -> list[str]:
+        self._own_run(caller, run_id)
+        return [n for n, kind in self.records.outputs(run_id).items() if kind == "image/png"]
+
+    def plot(self, caller: Caller, run_id: str, name: str) -> bytes:
+        self._own_run(caller, run_id)
+        found = self.records.output(run_id, name)
+        if found is None or found[0] != "image/png":
+            raise Refused(404, f"no plot {name[:64]!r} in sweep {run_id[:36]} (yet)")
+        return found[1]
+
+    def summary(self, caller: Caller, run_id: str) -> str:
+        self._own_run(caller, run_id)
+        found = self.records.output(run_id, "summary.md")
+        if found is None:
+            raise Refused(404, f"sweep {run_id[:36]} has no summary yet: it is written at its end")
+        return found[1].decode()
+
+    # -- steering ---------------------------------------------------------------------------
+
+    def cancel_job(self, caller: Caller, job_id: str) -> dict[str, str]:
+        """Stop one of the caller's jobs: queued, it is cancelled; admitted or running, its
+        holder stops it (SIGTERM, its kill grace, SIGKILL) and settles it for what it ran."""
+        try:
+            became = stop_own_job(self.ledger, job_id, caller.session)
+        except LookupError:
+            raise Refused(404, f"no job {job_id[:36]!r} in {caller.session}") from None
+        except BudgetInputError as exc:
+            raise Refused(409, str(exc)) from None
+        return {"job_id": job_id, "state": became}
+
+    def cancel_sweep(self, caller: Caller, run_id: str) -> dict[str, Any]:
+        """Stop the caller's sweep: it starts no more trials, its queued ones are cancelled
+        and its running ones stopped as `cancel_job` stops them."""
+        run = self._own_run(caller, run_id)
+        not_started = not self.records.cancel(run_id) and self.records.sweep(run_id) is None
+        if not_started and run.state is not None and not run.state.is_final():
+            from prefect.states import Cancelled
+
+            self.prefect.set_flow_run_state(
+                run.id, Cancelled(message="cancelled by its agent"), force=True
+            )
+        stopped = {"cancelled": 0, "stopping": 0}
+        for row in self.ledger.jobs(caller.session, flow_run_id=run_id):
+            if row["state"] in FINAL:
+                continue
+            try:
+                stopped[stop_own_job(self.ledger, row["id"], caller.session)] += 1
+            except (LookupError, BudgetInputError):
+                continue  # it ended meanwhile
+        return {"run_id": run_id, **stopped}
+
+    def forecast(self, caller: Caller, spec: Any) -> dict[str, Any]:
+        """What the sweep would do under the caller's budgets now, before anything starts."""
+        from prefect_gpu_budget.forecast import forecast
+
+        return forecast(self._checked(caller, spec), self.ledger).as_dict()
+
+    def quote(
+        self,
+        instance_type: str,
+        nodes: int = 1,
+        hours: float = 1.0,
+        provisioning: str = "on-demand",
+    ) -> dict[str, Any]:
+        """The catalog price of a job shape for `hours`."""
+        from prefect_gpu_budget.pricing.catalog import default_catalog
+        from prefect_gpu_budget.units import cost_micro
+
+        try:
+            if not 1 <= int(nodes) <= 1024:
+                raise BudgetInputError("nodes", f"must be 1..1024, got {nodes}")
+            if not 0 < float(hours) <= 24 * 366:
+                raise BudgetInputError("hours", f"must be above 0 and at most a year, got {hours}")
+            q = default_catalog().quote(instance_type, int(nodes), provisioning)
+        except (BudgetInputError, ValueError, TypeError) as exc:
+            raise Refused(422, one_line(exc)) from None
+        return {
+            "instance_type": q.row.key,
+            "provisioning": provisioning,
+            "nodes": int(nodes),
+            "usd_per_hour": micro_to_usd(q.rate_micro_per_hour),
+            "hours": float(hours),
+            "usd": micro_to_usd(
+                cost_micro(q.rate_micro_per_hour, float(hours) * 3600, round_up=True)
+            ),
+            "gpus_per_node": q.row.gpus,
+            "gpu_model": q.row.gpu_model,
+            "source": q.row.source,
+            "as_of": str(q.row.as_of),
+            "warnings": list(q.warnings),
+        }
+
+    def status(self, caller: Caller) -> dict[str, Any]:
+        """The caller's session: its budget and spend, and its jobs not yet ended."""
+        scope = caller.session
+        budgets = [_usd_row(row) for row in self.ledger.status(scope) if row["scope"] == scope]
+        for budget in budgets:  # `running_rate_usd` is deprecated: `status --json`'s name
+            budget["running_rate_usd_per_hour"] = budget["running_rate_usd"]
+        if not budgets:  # no job yet: the team's template is what its first job will get
+            team = scope.rsplit("/", 1)[0]
+            budgets = [
+                {
+                    "scope": scope,
+                    "from_template": team,
+                    "hourly_cap_usd": None
+                    if rule.hourly_cap_cents is None
+                    else rule.hourly_cap_cents / 100,
+                    "period_budget_usd": micro_to_usd(rule.period_budget_micro)
+                    if rule.period_budget_micro is not None
+                    else None,
+                    "period": rule.period,
+                }
+                for rule in self.ledger.session_templates()
+                if rule.scope == team
+            ]
+        live = [
+            _trial(_trial_number(r["name"]), None, r)
+            for r in self.ledger.jobs(scope, limit=500)
+            if r["state"] not in FINAL
+        ]
+        return {"session": scope, "budget": budgets[0] if budgets else None, "jobs": live}
+
+
+_FINAL_RUN_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
+
+
+def _age_s(moment: datetime) -> float:
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return (datetime.now(timezone.utc) - moment).total_seconds()
+
+
+def _trial_number(name: str) -> int | None:
+    """The trial of a sweep's job name `sweep/0003`."""
+    tail = name.rsplit("/", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def _usd_row(row: dict[str, Any]) -> dict[str, Any]:
+    return {
+        key.removesuffix("_micro") + "_usd" if key.endswith("_micro") else key: (
+            micro_to_usd(value) if key.endswith("_micro") and value is not None else value
+        )
+        for key, value in row.items()
+    }
+
+
+def _trial(
+    index: int | None, recorded: dict[str, Any] | None, row: dict[str, Any] | None
+) -> dict[str, Any]:
+    """One trial as an agent sees it: its record in the sweep (parameters, metrics, the run's
+    final state) and its job in the ledger (state, outcome, cost, wait, times)."""
+    row = row or {}
+    recorded = recorded or {}
+    started, admitted = row.get("started_at"), row.get("admitted_at")
+    waited = (
+        (started or admitted or row.get("ended_at") or time.time()) - row["requested_at"]
+        if row
+        else None
+    )
+    return {
+        "trial": index,
+        "job_id": row.get("id"),
+        "name": row.get("name"),
+        "params": recorded.get("params", {}),
+        "state": row.get("state") or ("ended" if recorded.get("state") else "pending"),
+        "outcome": row.get("outcome"),
+        "run_state": recorded.get("state"),
+        "reason": redact_urls(row.get("reason") or recorded.get("reason") or ""),
+        "metrics": recorded.get("metrics", {}),
+        "records": recorded.get("records", 0),
+        "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
+        "waited_s": None if waited is None else round(waited, 3),
+        "requested_at": row.get("requested_at"),
+        "started_at": started,
+        "ended_at": row.get("ended_at"),
+    }
+
+
+def _best(trials: list[dict[str, Any]], meta: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The trial with the best value of the sweep's metric among those that completed."""
+    if meta is None:
+        return None
+    metric, goal = meta["metric"], meta["goal"]
+    scored = [
+        (t["metrics"][metric], t["trial"])
+        for t in trials
+        if t["outcome"] == "completed"
+        and isinstance(t["metrics"].get(metric), (int, float))
+        and not isinstance(t["metrics"].get(metric), bool)
+    ]
+    if not scored:
+        return None
+    value, trial = min(scored) if goal == "min" else max(scored)
+    return {"trial": trial, "metric": metric, "goal": goal, "value": value}

@@ -1,0 +1,191 @@
+"""The agent gateway: the one door agents have (`prefect-gpu-budget agents serve`), over HTTP
+(REST, OpenAPI at `/docs`) and MCP (streamable HTTP at `/mcp`), both calling `agents.door`.
+
+An agent holds its token and this gateway's URL, nothing else. The token travels in an
+`Authorization: Bearer` header and is checked against the ledger's grants on every call; the
+gateway, a trusted client of a Prefect API that agents cannot reach (closed with
+`PREFECT_SERVER_API_AUTH_STRING`), starts `agent-sweep/agents` with the agent's session and its
+grant's id, never the token. Another session's run or job is a 404, exactly like one that does
+not exist; a bad spec is a 422 whose one-line reason names the field; too many failed tokens
+from one client, too many calls, or more sweeps than the team's limits allow is a 429.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from prefect_gpu_budget.admission.ledger import open_ledger
+from prefect_gpu_budget.agents.door import (
+    DEPLOYMENT,
+    MAX_LONG_POLL_S,
+    MAX_PAGE,
+    Caller,
+    Door,
+    Refused,
+)
+from prefect_gpu_budget.agents.mcp import mcp_app
+from prefect_gpu_budget.settings import ledger_url
+
+MAX_BODY_BYTES = 64 * 1024
+"""Largest request body: a sweep spec is a few hundred bytes; nothing big is parsed."""
+SPEC = Body(..., description="A sweep spec, as `gpu_sweep` takes it.")
+
+
+def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
+    """The gateway over the ledger at `url` (default: the configured one) and the Prefect API
+    of this process's settings (`PREFECT_API_URL`, `PREFECT_API_AUTH_STRING`)."""
+    door = Door(open_ledger(ledger_url(url)), deployment=deployment)
+    mcp_asgi, mcp_running = mcp_app(lambda: door)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202 - FastAPI's lifespan protocol
+        from prefect.client.orchestration import get_client
+
+        async with mcp_running():
+            with get_client(sync_client=True) as client:
+                door.prefect = client
+                yield
+
+    app = FastAPI(
+        title="prefect-gpu-budget agent gateway",
+        version="1",
+        lifespan=lifespan,
+        description="Sweeps, their trials, results, plots and spend, forecasts and quotes, and "
+        "stopping jobs and sweeps, for one agent session per token (`Authorization: Bearer "
+        "gpub_...`). The same operations are MCP tools at `/mcp`.",
+    )
+    app.state.door = door
+    app.add_route("/mcp", mcp_asgi, include_in_schema=False)
+
+    @app.middleware("http")
+    async def bounded_body(request: Request, call_next):  # noqa: ANN001, ANN202
+        size = request.headers.get("content-length")
+        if size is None and "transfer-encoding" in request.headers:
+            return JSONResponse({"detail": "a body needs a Content-Length"}, status_code=411)
+        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+            return JSONResponse(
+                {"detail": f"body: at most {MAX_BODY_BYTES} bytes"}, status_code=413
+            )
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        return JSONResponse({"detail": f"{where}: {err.get('msg', 'invalid')}"}, status_code=422)
+
+    @app.exception_handler(Refused)
+    async def refused(_: Request, exc: Refused) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(httpx.HTTPError)
+    async def prefect_down(_: Request, exc: httpx.HTTPError) -> JSONResponse:
+        return JSONResponse({"detail": "the Prefect API is unavailable"}, status_code=503)
+
+    @app.exception_handler(Exception)
+    async def internal(_: Request, exc: Exception) -> JSONResponse:  # never a traceback or a URL
+        return JSONResponse({"detail": f"internal error ({type(exc).__name__})"}, status_code=500)
+
+    def caller(request: Request) -> Caller:
+        address = request.client.host if request.client else "?"
+        return door.caller(request.headers.get("authorization"), address)
+
+    @app.post("/v1/sweeps", status_code=201)
+    def start_sweep(spec: Any = SPEC, who: Caller = Depends(caller)) -> dict[str, str]:
+        """Start a sweep in the caller's session. 422 names the field a spec breaks or what
+        cannot run (an unknown instance type, a command the agent user cannot execute); 503
+        when nothing serves the agent deployment; 429 past the session's sweeps."""
+        return door.start_sweep(who, spec)
+
+    @app.get("/v1/sweeps/{run_id}")
+    def sweep(
+        run_id: str,
+        wait: float = Query(0, ge=0, le=MAX_LONG_POLL_S, description="Long poll: seconds."),
+        who: Caller = Depends(caller),
+    ) -> dict[str, Any]:
+        """A sweep of the caller's: its state and message, every trial's parameters, state,
+        metrics, cost and wait, and the best trial. `?wait=S` answers as soon as anything in
+        it changed (or after S seconds, at most 30): watch without hammering."""
+        return door.sweep(who, run_id, wait)
+
+    @app.get("/v1/sweeps/{run_id}/trials/{trial}/metrics")
+    def trial_metrics(
+        run_id: str,
+        trial: int,
+        offset: int = Query(0, ge=0),
+        limit: int = Query(500, ge=1, le=MAX_PAGE),
+        who: Caller = Depends(caller),
+    ) -> dict[str, Any]:
+        """A trial's reported records in order (its learning curve), paged by `offset`."""
+        return door.trial_metrics(who, run_id, trial, offset, limit)
+
+    @app.get("/v1/sweeps/{run_id}/results", response_model=None)
+    def results(request: Request, run_id: str, who: Caller = Depends(caller)) -> Any:
+        """The trials table: JSON, or CSV with `Accept: text/csv`."""
+        if "text/csv" in request.headers.get("accept", ""):
+            return PlainTextResponse(door.results_csv(who, run_id), media_type="text/csv")
+        return door.results(who, run_id)
+
+    @app.get("/v1/sweeps/{run_id}/plots")
+    def plots(run_id: str, who: Caller = Depends(caller)) -> list[str]:
+        """The names of the sweep's plots (published when it ends)."""
+        return door.plots(who, run_id)
+
+    @app.get("/v1/sweeps/{run_id}/plots/{name}", response_class=Response)
+    def plot(run_id: str, name: str, who: Caller = Depends(caller)) -> Response:
+        """One plot, as `image/png`."""
+        return Response(door.plot(who, run_id, name), media_type="image/png")
+
+    @app.get("/v1/sweeps/{run_id}/summary", response_class=PlainTextResponse)
+    def summary(run_id: str, who: Caller = Depends(caller)) -> PlainTextResponse:
+        """The sweep's summary, as markdown."""
+        return PlainTextResponse(door.summary(who, run_id), media_type="text/markdown")
+
+    @app.post("/v1/sweeps/{run_id}/cancel")
+    def cancel_sweep(run_id: str, who: Caller = Depends(caller)) -> dict[str, Any]:
+        """Stop the sweep: no more trials start, queued ones are cancelled, running ones are
+        stopped (SIGTERM, kill grace, SIGKILL) and settled for what they ran."""
+        return door.cancel_sweep(who, run_id)
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: str, who: Caller = Depends(caller)) -> dict[str, str]:
+        """Stop one of the caller's jobs: a queued one is cancelled (`cancelled`); a running
+        one is stopped and settled for what it ran (`stopping`); 409 once it has ended."""
+        return door.cancel_job(who, job_id)
+
+    @app.post("/v1/forecast")
+    def forecast(spec: Any = SPEC, who: Caller = Depends(caller)) -> dict[str, Any]:
+        """What the sweep would do under the caller's budgets now: trials admitted, timed out
+        and rejected, spend, makespan and what binds. Nothing is started or reserved."""
+        return door.forecast(who, spec)
+
+    @app.get("/v1/quote")
+    def quote(
+        instance_type: str,
+        nodes: int = 1,
+        hours: float = 1.0,
+        provisioning: str = "on-demand",
+        who: Caller = Depends(caller),
+    ) -> dict[str, Any]:
+        """The catalog price of a job shape for `hours`."""
+        return door.quote(instance_type, nodes, hours, provisioning)
+
+    @app.get("/v1/status")
+    def status(who: Caller = Depends(caller)) -> dict[str, Any]:
+        """The caller's session: its budget and spend, and its jobs not yet ended."""
+        return door.status(who)
+
+    return app
+
+
+def serve(host: str = "127.0.0.1", port: int = 8080, url: str | None = None) -> None:
+    """Run the gateway until stopped."""
+    import uvicorn
+
+    uvicorn.run(create_app(url), host=host, port=port, log_level="info")

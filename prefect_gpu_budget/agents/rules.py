@@ -1,0 +1,157 @@
+"""What agents may do, in one place: the limits on a team's agents, the check of an agent's
+spec against them and against what the worker can run, and stopping an agent's own job.
+
+Used by the gateway (REST and MCP, `agents.door`) before anything starts, and by the
+`agent-sweep` flow again (so a run started around the gateway is held to the same rules).
+Imports no Prefect and no flow module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from sqlalchemy.exc import NoResultFound
+
+from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
+from prefect_gpu_budget.models import AgentLimits
+from prefect_gpu_budget.priorities import resolve
+from prefect_gpu_budget.settings import agent_results_root
+from prefect_gpu_budget.sweep_spec import SweepSpec, load_spec
+from prefect_gpu_budget.units import BudgetInputError, fmt_duration, org_of, shown
+
+STOPPED_BY_AGENT = "stopped by its agent"
+"""The reason on an agent's job that it stopped while it ran."""
+
+
+def limits_for(ledger: Ledger, session: str) -> AgentLimits:
+    """The ceilings for the agents of `session`'s team: the admin's, or the defaults."""
+    team = session.rsplit("/", 1)[0]
+    return AgentLimits(team=team, **(ledger.agent_limits(team) or {}))
+
+
+def agent_spec(
+    spec: SweepSpec | dict[str, Any],
+    scope: str,
+    limits: AgentLimits,
+    classes: Mapping[str, int] | None = None,
+) -> SweepSpec:
+    """The agent's spec homed in its session and held to its team's limits (`classes`: its
+    org's priority classes by value, `Ledger.priority_values`); anything else is refused with the field and the
+    rule (`BudgetInputError`), before anything is reserved."""
+    if isinstance(spec, dict) and "scope" not in spec:
+        spec = {**spec, "scope": scope}
+    if isinstance(spec, dict) and isinstance(spec.get("job"), dict):
+        spec = {**spec, "job": {"max_wait": limits.max_wait, **spec["job"]}}
+    loaded = load_spec(spec)
+    if loaded.scope != scope:
+        raise BudgetInputError(
+            "spec.scope", f"this agent may spend only in {scope}, not in {loaded.scope}"
+        )
+    if loaded.callable is not None and loaded.callable not in limits.callables:
+        raise BudgetInputError(
+            "callable", f"{shown(loaded.callable)} is not among the callables agents may run"
+        )
+    launcher = loaded.launcher or "local"
+    if launcher not in limits.launchers:
+        raise BudgetInputError(
+            "launcher",
+            f"{shown(launcher)} is not granted to agents of {limits.team} "
+            f"(they may use {', '.join(limits.launchers) or 'none'})",
+        )
+    trials = len(loaded.trials())
+    if trials > limits.max_trials:
+        raise BudgetInputError(
+            "grid", f"{trials} trials; agents of {limits.team} may run at most {limits.max_trials}"
+        )
+    if loaded.parallelism > max(1, limits.max_queued):
+        raise BudgetInputError(
+            "parallelism",
+            f"at most {limits.max_queued} for agents of {limits.team} (the jobs a session may "
+            f"have queued), got {loaded.parallelism}",
+        )
+    job = loaded.job_for({name: 0 for name in loaded.params()}, "check")
+    priority = job.priority
+    if isinstance(priority, str):
+        priority = resolve(priority, classes or {}, org_of(scope))
+    if priority > limits.max_priority:
+        raise BudgetInputError(
+            "job.priority",
+            f"at most {limits.max_priority} for agents of {limits.team}, got {job.priority}",
+        )
+    if not job.max_wait or job.max_wait > limits.max_wait:
+        raise BudgetInputError(
+            "job.max_wait",
+            f"agents of {limits.team} wait at most {fmt_duration(limits.max_wait)} "
+            f"(0, forever, is not theirs to ask), got {fmt_duration(job.max_wait or 0)}",
+        )
+    path = PurePosixPath(loaded.results_dir)
+    if path.is_absolute() or ".." in path.parts or "\\" in loaded.results_dir:
+        raise BudgetInputError(
+            "results_dir", f"must be a relative path without '..', got {shown(loaded.results_dir)}"
+        )
+    return loaded
+
+
+def agent_results(session: str) -> Path:
+    """Where an agent session's sweeps keep their results (a fixed root an admin sets)."""
+    return agent_results_root().joinpath(*session.split("/"))
+
+
+def runnable(spec: SweepSpec) -> None:
+    """Refuse (`BudgetInputError`, naming the field) what the flow would refuse before its
+    first trial: an instance type without a price (with did-you-mean), a launcher this worker
+    cannot build, a command the agent user cannot execute. Checked with this process's
+    settings: run the gateway with the agent worker's (`PREFECT_GPU_BUDGET_AGENT_*`)."""
+    from prefect_gpu_budget.launchers.base import LaunchConfigError
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    trials = spec.trials()
+    job = spec.job_for(trials[0] if trials else {}, "check")
+    quote = default_catalog().quote(job.instance_type, job.nodes, job.provisioning)
+    try:
+        launcher = sandboxed_launcher(spec)
+    except Exception as exc:  # a block that is not there, or will not load
+        raise BudgetInputError(
+            "launcher", f"{shown(spec.launcher)} cannot be used: {type(exc).__name__}"
+        ) from None
+    if launcher is None:
+        raise BudgetInputError("launcher", f"no launcher {shown(spec.launcher)} here")
+    try:
+        launcher.preflight(job, job.priced(quote)[0])
+    except LaunchConfigError as refused:
+        field = "command" if spec.launcher is None else "launcher"
+        raise BudgetInputError(field, refused.reason) from None
+
+
+def sandboxed_launcher(spec: SweepSpec) -> Any:
+    """The launcher an agent's trials run on: a granted block, or sandboxed local processes."""
+    from prefect_gpu_budget.launchers.local import LocalLauncher
+    from prefect_gpu_budget.launchers.registry import launcher_for
+    from prefect_gpu_budget.launchers.sandbox import Sandbox
+
+    if spec.launcher is not None:
+        return launcher_for(spec.launcher)
+    return LocalLauncher(sandbox=Sandbox.from_env())
+
+
+def stop_own_job(ledger: Ledger, job_id: str, scope: str) -> str:
+    """Stop a job of session `scope`: a queued one is cancelled; an admitted or running one is
+    stopped by its holder (SIGTERM, its kill grace, SIGKILL) and settled for what it ran.
+    Returns what became of it (`cancelled`, `stopping`); another session's job is refused
+    untouched (`LookupError`), an ended one is a `BudgetInputError`."""
+    try:
+        row = ledger.job(job_id)
+    except NoResultFound:
+        row = None
+    if row is None or row["scope"] != scope:
+        raise LookupError(f"no job {job_id[:36]!r} in {scope}")
+    if ledger.cancel_queued(job_id, scope, "cancelled by its agent"):
+        return "cancelled"
+    if ledger.ask_stop(job_id, STOPPED_BY_AGENT):
+        return "stopping"
+    row = ledger.job(job_id)
+    if row["state"] in ACTIVE and row.get("stop_asked_at"):
+        return "stopping"
+    raise BudgetInputError("job_id", f"job {job_id[:8]} is {row['state']}: it has ended")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,9 @@ class MetricsTail:
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
+            return records
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder, a FIFO: nothing to read
+            os.close(fd)
             return records
         with os.fdopen(fd, "rb") as handle:
             handle.seek(self.offset)

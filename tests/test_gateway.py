@@ -382,14 +382,6 @@ def test_results_stay_under_the_agents_root(house):
     assert list(root.glob("acme/agents/agent-7/*/probe-*/trials.csv"))
 
 
-def test_guessing_tokens_is_rate_limited(house):
-    """Last in this module: it locks this client address out for a minute."""
-    gw = house["gateway"]
-    codes = [gw.call("GET", "/v1/status", f"gpub_guess{i}")[0] for i in range(15)]
-    assert codes[0] == 401 and codes[-1] == 429
-    assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 429
-
-
 def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path, prices, monkeypatch):
     monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_USER", "nobody")
     from fastapi.testclient import TestClient
@@ -438,3 +430,283 @@ def test_the_rate_window_counts_within_its_span_and_forgets_idle_keys():
     brief.hit("a")
     time.sleep(0.1)
     assert not brief.full("a") and not brief._seen  # nothing kept for a key gone quiet
+
+
+# -- the agent's loop: start, watch, read results and plots, stop, forecast (REST and MCP) --
+
+TRAIN = (
+    "import json, os, sys, time\n"
+    "lr, steps, pause = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])\n"
+    "loss = 1.0\n"
+    "for step in range(steps):\n"
+    "    loss = loss * (1 - lr)\n"
+    "    with open(os.environ['GPU_BUDGET_METRICS_FILE'], 'a') as out:\n"
+    "        out.write(json.dumps(dict(step=step, loss=loss)) + '\\n')\n"
+    "    time.sleep(pause)\n"
+    "with open(os.environ['GPU_BUDGET_METRICS_FILE'], 'a') as out:\n"
+    "    out.write(json.dumps(dict(summary=True, loss=loss)) + '\\n')\n"
+)
+"""A Python trial that reports a learning curve and a summary (no braces: they are placeholders)."""
+
+
+def _train(lrs: list[float], steps: int = 4, pause: float = 0.2, **changes: object) -> dict:
+    return _spec(
+        name="train",
+        command=["python", "-c", TRAIN, "{lr}", str(steps), str(pause)],
+        grid={"lr": lrs},
+        **changes,
+    )
+
+
+def _until(gw: Gateway, token: str, run_id: str, done, timeout: float = 240) -> dict:
+    """Long-poll the sweep (`?wait=`) until `done(view)`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code, view = gw.call("GET", f"/v1/sweeps/{run_id}?wait=10", token)
+        assert code == 200, view
+        if done(view):
+            return view
+    raise AssertionError(f"sweep {run_id}: {view['state']} after {timeout:.0f}s: {view}")
+
+
+def _ended(view: dict) -> bool:
+    return view["state"] in ("Completed", "Failed", "Crashed", "Cancelled")
+
+
+def _raw(gw: Gateway, path: str, token: str, accept: str | None = None) -> tuple[int, str, bytes]:
+    headers = {"Authorization": f"Bearer {token}"}
+    if accept:
+        headers["Accept"] = accept
+    request = urllib.request.Request(gw.base + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers.get("content-type", ""), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("content-type", ""), exc.read()
+
+
+def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
+    gw, token, theirs = house["gateway"], house["tokens"][SESSION], house["tokens"][OTHER]
+    code, forecast = gw.call("POST", "/v1/forecast", token, _train([0.1, 0.3, 0.5]))
+    assert code == 200 and forecast["trials"] == 3 and forecast["admitted"] == 3, forecast
+    assert forecast["spend_usd"] > 0 and forecast["makespan_s"] > 0
+    code, quote = gw.call("GET", "/v1/quote?instance_type=local:box&hours=2", token)
+    assert code == 200 and quote["usd_per_hour"] == 3.6 and quote["usd"] == 7.2, quote
+
+    code, started = gw.call("POST", "/v1/sweeps", token, _train([0.1, 0.3, 0.5]))
+    assert code == 201, started
+    run = started["run_id"]
+    view = _until(gw, token, run, _ended)
+    assert view["state"] == "Completed", view
+    assert [t["params"] for t in view["trials"]] == [{"lr": 0.1}, {"lr": 0.3}, {"lr": 0.5}]
+    for trial in view["trials"]:
+        assert trial["outcome"] == "completed" and trial["cost_usd"] > 0, trial
+        assert trial["metrics"]["loss"] == pytest.approx((1 - trial["params"]["lr"]) ** 4)
+    assert view["best"] == {
+        "trial": 2,
+        "metric": "loss",
+        "goal": "min",
+        "value": pytest.approx(0.5**4),
+    }
+    assert "3 of 3 trials completed" in view["message"] and view["spent_usd"] > 0
+
+    code, curve = gw.call("GET", f"/v1/sweeps/{run}/trials/0/metrics?limit=3", token)
+    assert code == 200 and [r["step"] for r in curve["records"]] == [0, 1, 2], curve
+    code, rest = gw.call("GET", f"/v1/sweeps/{run}/trials/0/metrics?offset=3", token)
+    assert [r.get("step") for r in rest["records"]] == [3, None] and rest["next_offset"] is None
+    assert rest["records"][-1]["summary"] is True
+
+    status, kind, body = _raw(gw, f"/v1/sweeps/{run}/results", token)
+    rows = json.loads(body)
+    assert status == 200 and [r["lr"] for r in rows] == [0.1, 0.3, 0.5] and "loss" in rows[0]
+    status, kind, body = _raw(gw, f"/v1/sweeps/{run}/results", token, accept="text/csv")
+    assert status == 200 and kind.startswith("text/csv"), kind
+    assert body.decode().splitlines()[0].startswith("trial,lr,loss")
+    status, kind, body = _raw(gw, f"/v1/sweeps/{run}/plots", token)
+    names = json.loads(body)
+    assert {"metric_vs_params.png", "learning_curves.png", "spend.png"} <= set(names), names
+    status, kind, png = _raw(gw, f"/v1/sweeps/{run}/plots/learning_curves.png", token)
+    assert status == 200 and kind == "image/png" and png.startswith(b"\x89PNG"), kind
+    status, kind, summary = _raw(gw, f"/v1/sweeps/{run}/summary", token)
+    assert status == 200 and kind.startswith("text/markdown")
+    assert "best trial 2" in summary.decode()
+
+    for path in (
+        f"/v1/sweeps/{run}",
+        f"/v1/sweeps/{run}/trials/0/metrics",
+        f"/v1/sweeps/{run}/results",
+        f"/v1/sweeps/{run}/plots",
+        f"/v1/sweeps/{run}/plots/spend.png",
+        f"/v1/sweeps/{run}/summary",
+    ):
+        assert _raw(gw, path, theirs)[0] == 404, path
+        assert _raw(gw, path.replace(run, str(uuid.uuid4())), token)[0] == 404, path
+    assert gw.call("POST", f"/v1/sweeps/{run}/cancel", theirs, raw=b"")[0] == 404
+
+
+def _running_job(house, session: str, run_id: str) -> dict:
+    """The sweep's job once it runs and has reported a record."""
+    ledger = house["ledger"]
+
+    def running() -> dict | None:
+        rows = [j for j in ledger.jobs(session, flow_run_id=run_id) if j["state"] == "running"]
+        return rows[0] if rows else None
+
+    return wait_for(running, 180, "a running trial")
+
+
+def test_an_agent_stops_a_running_trial_and_pays_for_what_ran(house):
+    gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
+    code, started = gw.call("POST", "/v1/sweeps", token, _train([0.01], steps=200, pause=0.3))
+    assert code == 201, started
+    run = started["run_id"]
+    job = _running_job(house, SESSION, run)
+    _until(gw, token, run, lambda v: v["trials"] and v["trials"][0]["records"] >= 2, 120)
+    assert (
+        gw.call("POST", f"/v1/jobs/{job['id']}/cancel", house["tokens"][OTHER], raw=b"")[0] == 404
+    )
+    asked = time.monotonic()
+    code, stopped = gw.call("POST", f"/v1/jobs/{job['id']}/cancel", token, raw=b"")
+    assert code == 200 and stopped["state"] == "stopping", stopped
+    settled = wait_for(
+        lambda: (row := ledger.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
+    )
+    assert time.monotonic() - asked < 30  # a poll, the kill grace (1 s) and the holder's slack
+    assert settled["outcome"] == "cancelled" and "stopped by its agent" in settled["reason"]
+    assert 0 < settled["actual_micro"] < settled["reserved_micro"] / 2, settled
+    view = _until(gw, token, run, _ended)
+    [trial] = view["trials"]
+    assert trial["outcome"] == "cancelled" and "stopped by its" in trial["reason"], trial
+    assert gw.call("POST", f"/v1/jobs/{job['id']}/cancel", token, raw=b"")[0] == 409
+
+
+def test_an_agent_cancels_its_whole_sweep(house):
+    gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
+    spec = _train([0.01, 0.02, 0.03, 0.04], steps=200, pause=0.3, parallelism=2)
+    code, started = gw.call("POST", "/v1/sweeps", token, spec)
+    assert code == 201, started
+    run = started["run_id"]
+    _running_job(house, SESSION, run)
+    wait_for(
+        lambda: any(j["state"] == "queued" for j in ledger.jobs(SESSION, flow_run_id=run)),
+        120,
+        "a queued trial (the session's cap runs one at a time)",
+    )
+    code, cancelled = gw.call("POST", f"/v1/sweeps/{run}/cancel", token, raw=b"")
+    assert code == 200 and cancelled["stopping"] == 1 and cancelled["cancelled"] >= 1, cancelled
+    view = _until(gw, token, run, _ended)
+    assert view["cancelled"] and "cancelled" in view["message"], view
+    rows = ledger.jobs(SESSION, flow_run_id=run)
+    assert len(rows) == 2, "the sweep started trials after it was cancelled"
+    assert all(j["state"] in ("settled", "cancelled") for j in rows)
+    assert sum(1 for j in rows if j["started_at"]) == 1
+
+
+def test_specs_that_cannot_run_are_refused_at_the_door(house):
+    gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
+    before = (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {})))
+    typo = _spec(job={**_spec()["job"], "instance_type": "local:boxx"})
+    code, body = gw.call("POST", "/v1/sweeps", token, typo)
+    assert code == 422 and "did you mean local:box?" in body["detail"], body
+    code, body = gw.call("POST", "/v1/sweeps", token, _spec(command=["no-such-trainer", "x"]))
+    assert code == 422 and body["detail"].startswith("command:"), body
+    code, body = gw.call("POST", "/v1/forecast", token, typo)
+    assert code == 422 and "instance_type" in body["detail"]
+    assert gw.call("GET", "/v1/quote?instance_type=aws:p4d.24xlarg", token)[0] == 422
+    assert (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
+
+
+def test_nothing_serving_the_agent_deployment_is_a_503_and_starts_nothing(house, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from prefect_gpu_budget.agents.gateway import create_app
+
+    [flow] = [f for f in _admin(house, "/flows/filter", {}) if f["name"] == "agent-sweep"]
+    _admin(house, "/deployments/", {"name": "idle", "flow_id": flow["id"]})
+    for name, value in house["env"].items():
+        if name.startswith(("PREFECT_", "AWS_")):
+            monkeypatch.setenv(name, value)
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    settings = {PREFECT_API_URL: house["server"].api, PREFECT_API_AUTH_STRING: AUTH}
+    before = len(_admin(house, "/flow_runs/filter", {}))
+    with (
+        temporary_settings(updates=settings),
+        TestClient(
+            create_app(house["env"]["PREFECT_GPU_BUDGET_LEDGER_URL"], "agent-sweep/idle")
+        ) as client,
+    ):
+        answer = client.post(
+            "/v1/sweeps",
+            json=_spec(),
+            headers={"Authorization": f"Bearer {house['tokens'][SESSION]}"},
+        )
+    assert answer.status_code == 503 and "nothing serves" in answer.json()["detail"], answer.text
+    assert len(_admin(house, "/flow_runs/filter", {})) == before
+
+
+def test_the_same_loop_through_mcp_reveals_no_more_than_rest(house):
+    from tests.agents.mcp_client import HTTPRefused, call_tool, list_tools
+
+    gw, token, theirs = house["gateway"], house["tokens"][SESSION], house["tokens"][OTHER]
+    url = gw.base + "/mcp"
+    assert {"start_sweep", "get_sweep", "get_trial_metrics", "cancel_job", "cancel_sweep"} <= set(
+        list_tools(url, token)
+    )
+    with pytest.raises(HTTPRefused) as refused:
+        list_tools(url, "gpub_forged")
+    assert refused.value.status == 401
+
+    def tool(tool_name: str, who: str = token, /, **arguments: object) -> tuple[bool, list]:
+        return call_tool(url, who, tool_name, arguments)
+
+    error, content = tool("quote", instance_type="local:box", hours=2)
+    assert not error and json.loads(content[0].text)["usd"] == 7.2
+    error, content = tool("forecast_sweep", spec=_train([0.2, 0.4]))
+    assert not error and json.loads(content[0].text)["trials"] == 2
+    error, content = tool("start_sweep", spec=_train([0.2, 0.4]))
+    assert not error, content
+    run = json.loads(content[0].text)["run_id"]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        error, content = tool("get_sweep", run_id=run, wait_s=10)
+        view = json.loads(content[0].text)
+        if _ended(view):
+            break
+    assert view["state"] == "Completed" and view["best"]["trial"] == 1, view
+    rest = gw.call("GET", f"/v1/sweeps/{run}", token)[1]
+    assert {k: v for k, v in rest.items()} == view  # one door, one answer
+    error, content = tool("get_trial_metrics", run_id=run, trial=1)
+    assert not error and len(json.loads(content[0].text)["records"]) == 5
+    error, content = tool("get_results", run_id=run)
+    assert [r["lr"] for r in json.loads(content[0].text)["results"]] == [0.2, 0.4]
+    error, content = tool("get_plot", run_id=run, name="metric_vs_params.png")
+    assert not error and content[0].type == "image" and content[0].mime_type == "image/png"
+    error, content = tool("get_summary", run_id=run)
+    assert not error and "best trial 1" in content[0].text
+    error, content = tool("get_status")
+    assert not error and json.loads(content[0].text)["session"] == SESSION
+
+    for name, arguments in (
+        ("get_sweep", {"run_id": run}),
+        ("get_trial_metrics", {"run_id": run, "trial": 0}),
+        ("get_results", {"run_id": run}),
+        ("list_plots", {"run_id": run}),
+        ("get_plot", {"run_id": run, "name": "spend.png"}),
+        ("get_summary", {"run_id": run}),
+        ("cancel_sweep", {"run_id": run}),
+        ("cancel_job", {"job_id": view["trials"][0]["job_id"]}),
+    ):
+        error, content = tool(name, theirs, **arguments)
+        assert error and content[0].text.startswith("404: "), (name, content)
+    code, absent = gw.call("GET", f"/v1/sweeps/{run}", theirs)
+    error, content = tool("get_sweep", theirs, run_id=run)
+    assert content[0].text == f"{code}: {absent['detail']}"  # the same refusal, word for word
+
+
+def test_guessing_tokens_is_rate_limited(house):
+    """Last in this module: it locks this client address out for a minute."""
+    gw = house["gateway"]
+    codes = [gw.call("GET", "/v1/status", f"gpub_guess{i}")[0] for i in range(15)]
+    assert codes[0] == 401 and codes[-1] == 429
+    assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 429

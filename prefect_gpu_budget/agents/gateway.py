@@ -97,7 +97,7 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
         return door.caller(request.headers.get("authorization"), address)
 
     @app.post("/v1/sweeps", status_code=201)
-    def start_sweep(spec: Any = SPEC, who: Caller = Depends(caller)) -> dict[str, str]:
+    def start_sweep(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, str]:
         """Start a sweep in the caller's session. 422 names the field a spec breaks or what
         cannot run (an unknown instance type, a command the agent user cannot execute); 503
         when nothing serves the agent deployment; 429 past the session's sweeps."""
@@ -160,7 +160,7 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
         return door.cancel_job(who, job_id)
 
     @app.post("/v1/forecast")
-    def forecast(spec: Any = SPEC, who: Caller = Depends(caller)) -> dict[str, Any]:
+    def forecast(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, Any]:
         """What the sweep would do under the caller's budgets now: trials admitted, timed out
         and rejected, spend, makespan and what binds. Nothing is started or reserved."""
         return door.forecast(who, spec)

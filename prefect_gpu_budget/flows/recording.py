@@ -8,17 +8,20 @@ the trial runs and can stop it early. A failed write never stops a sweep: it is 
 
 from __future__ import annotations
 
+import contextlib
 import threading
-import time
 from collections.abc import Mapping
 from functools import partial
 from logging import Logger, LoggerAdapter
 from pathlib import Path
 from typing import Any
 
+from prefect_gpu_budget.admission.ledger import FINAL
 from prefect_gpu_budget.admission.ledger.results import MAX_RECORDS, SweepRecords
+from prefect_gpu_budget.agents.rules import stop_own_job
 from prefect_gpu_budget.metrics_file import MetricsTail
 from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.units import BudgetInputError
 
 TAP_S = 1.0
 """How often running trials' metrics files are read."""
@@ -34,15 +37,17 @@ class SweepRecorder:
         logger: Logger | LoggerAdapter,
     ) -> None:
         self.records, self.run_id, self.logger = records, run_id, logger
+        self.scope = ""
         self._tails: dict[int, MetricsTail] = {}
         self._points: dict[int, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._warned = False
-        self._cancel_seen = (0.0, False)
+        self._cancelled = False
         self._thread: threading.Thread | None = None
 
     def open(self, spec: SweepSpec, params: list[Mapping[str, Any]]) -> None:
+        self.scope = spec.scope
         self._store(
             "recording the sweep",
             lambda r: r.open_sweep(
@@ -72,17 +77,14 @@ class SweepRecorder:
         return self._points.get(trial, [])
 
     def cancelled(self) -> bool:
-        """Whether the sweep was asked to stop (`POST /v1/sweeps/{id}/cancel`): read at most
-        once per TAP_S."""
-        at, seen = self._cancel_seen
-        if self.records is None or seen or time.monotonic() - at < TAP_S:
-            return seen
+        """Whether the sweep was asked to stop (`POST /v1/sweeps/{id}/cancel`)."""
+        if self.records is None or self._cancelled:
+            return self._cancelled
         try:
-            seen = self.records.cancelled(self.run_id)
+            self._cancelled = self.records.cancelled(self.run_id)
         except Exception as exc:
             self._warn("reading whether the sweep was cancelled", exc)
-        self._cancel_seen = (time.monotonic(), seen)
-        return seen
+        return self._cancelled
 
     def finish(self, outputs: Mapping[str, tuple[str, bytes]], message: str) -> None:
         """Stop the tap; keep the sweep's outputs (name -> (media type, content)) and its last
@@ -99,13 +101,23 @@ class SweepRecorder:
             with self._lock:
                 for trial, tail in list(self._tails.items()):
                     self._take(trial, tail.read())
+            if self.cancelled():
+                self._store("stopping the sweep's jobs", self._stop_jobs)
+
+    def _stop_jobs(self, records: SweepRecords) -> None:
+        """A cancelled sweep's jobs that are not over yet (one asked for just as it was
+        cancelled, say): the queued cancelled, the running stopped."""
+        for row in records.ledger.jobs(self.scope, flow_run_id=self.run_id):
+            if row["state"] not in FINAL:
+                with contextlib.suppress(LookupError, BudgetInputError):
+                    stop_own_job(records.ledger, row["id"], self.scope)
 
     def _take(self, trial: int, new: list[dict[str, Any]]) -> None:
-        points = self._points.setdefault(trial, [])
-        new = new[: max(0, MAX_RECORDS - len(points))]
         if not new:
             return
-        points.extend(new)
+        points = self._points.setdefault(trial, [])
+        points.extend(new[: max(0, MAX_RECORDS - len(points))])
+        # all of them: the store keeps MAX_RECORDS, and a late summary still sets the metrics
         self._store("recording metrics", lambda r: r.add_records(self.run_id, trial, new))
 
     def _store(self, what: str, write: Any) -> None:

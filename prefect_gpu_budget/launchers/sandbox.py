@@ -545,11 +545,12 @@ def _copy_metrics(
         fd = os.open(mine, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return start  # the job removed it: no metrics
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != user.uid:
+        os.close(fd)
+        logger.warning("job metrics file %s is not the job's own regular file: ignored", mine)
+        return MAX_METRICS_BYTES
     with os.fdopen(fd, "rb") as handle:
-        st = os.fstat(handle.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != user.uid:
-            logger.warning("job metrics file %s is not the job's own regular file: ignored", mine)
-            return MAX_METRICS_BYTES
         handle.seek(start)
         data = handle.read(max(0, MAX_METRICS_BYTES - start))
     if not final and start + len(data) < MAX_METRICS_BYTES:

@@ -10,6 +10,7 @@ in admission, and none of it is read by the gate.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -33,14 +34,15 @@ def _json(value: Any) -> str:
     return json.dumps(value, default=str, allow_nan=False) if value is not None else "null"
 
 
-def _jsonable(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A record without NaN or infinities (JSON has none): they become null."""
-    out = {}
-    for key, value in record.items():
-        if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
-            value = None
-        out[str(key)] = value
-    return out
+def _jsonable(value: Any) -> Any:
+    """`value` without NaN or infinities at any depth (JSON has none): they become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 class SweepRecords:

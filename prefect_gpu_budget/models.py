@@ -202,6 +202,15 @@ class PoolSettings(BaseModel):
         ]
 
 
+DEPLOYMENT_REFUSED = (
+    "a deployment launcher is not for agents: its job runs in the target flow run as the "
+    "target worker, with that worker's Prefect credentials, ledger URL and cloud keys, and "
+    "can write its own run's state (its billing); grant agents 'local' (sandboxed) or a "
+    "vertex:/sagemaker: block"
+)
+"""Why `agent limits --launcher deployment:...` is refused (the agents' door stays shut)."""
+
+
 class AgentLimits(BaseModel):
     """An admin's ceilings on what the agents of a team's sessions may ask for (set per team,
     beside its session template; without it these defaults apply)."""
@@ -233,8 +242,10 @@ class AgentLimits(BaseModel):
     @classmethod
     def _launchers(cls, value: list[str]) -> list[str]:
         for ref in value:
+            if ref.startswith("deployment:"):
+                raise BudgetInputError("launchers", DEPLOYMENT_REFUSED)
             if ref != "local" and not re.fullmatch(
-                r"(vertex|sagemaker|deployment):[a-z0-9][a-z0-9-]{0,99}", ref
+                r"(vertex|sagemaker):[a-z0-9][a-z0-9-]{0,99}", ref
             ):
                 raise BudgetInputError(
                     "launchers", f"'local' or 'kind:block-name', got {shown(ref)}"

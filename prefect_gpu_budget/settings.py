@@ -138,6 +138,8 @@ def catalog_dir() -> Path:
 
 # -- the sandbox agents' jobs run in (`launchers/sandbox.py`) ---------------------------------
 
+LOCAL_MACHINE_ENV = "PREFECT_GPU_BUDGET_LOCAL_MACHINE"
+"""The `local:NAME` this machine is priced as: the only type its local launcher runs."""
 AGENT_USER_ENV = "PREFECT_GPU_BUDGET_AGENT_USER"
 """The unprivileged user agents' local jobs run as."""
 AGENT_ALLOW_ROOT_ENV = "PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT"
@@ -150,6 +152,15 @@ AGENT_RESULTS_ENV = "PREFECT_GPU_BUDGET_AGENT_RESULTS"
 """The folder agents' sweeps keep their results under."""
 AGENT_PYTHON_ENV = "PREFECT_GPU_BUDGET_AGENT_PYTHON"
 """The interpreter `python` and `python3` are in agents' jobs (a path, or a name on PATH)."""
+
+
+def local_machine() -> str | None:
+    """The `local:NAME` jobs of this machine's local launcher are priced as (None: any
+    `local:` type the admin priced, but never a cloud's)."""
+    value = os.environ.get(LOCAL_MACHINE_ENV, "").strip()
+    if value and not value.startswith("local:"):
+        value = f"local:{value}"
+    return value or None
 
 
 def agent_user() -> str | None:

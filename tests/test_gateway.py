@@ -110,6 +110,7 @@ def house(tmp_path_factory):
         from prefect_gpu_budget.pricing.catalog import set_local_price
 
         prices = set_local_price("box", "3.6", path=tmp / "prices.csv")
+        set_local_price("cheap", "0.01", path=prices)  # another machine's: not this worker's
         ledger = Ledger(url)
         ledger.set_budget(BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10**8))
         for team in ("acme/agents", "acme/slow"):
@@ -127,6 +128,7 @@ def house(tmp_path_factory):
             AWS_ACCESS_KEY_ID="AKIAPLANTEDEXAMPLE",
             AWS_SECRET_ACCESS_KEY=AWS_SECRET,
             PREFECT_GPU_BUDGET_AGENT_USER="nobody",
+            PREFECT_GPU_BUDGET_LOCAL_MACHINE="local:box",
             PREFECT_GPU_BUDGET_AGENT_RESULTS=str(tmp / "agent-results"),
             PREFECT_LOGGING_LEVEL="INFO",  # the job's output reaches the run logs (searched below)
         )
@@ -283,6 +285,14 @@ REFUSED = {
     "more at once than may queue": (_spec(parallelism=64), "parallelism"),
     "a malformed grid": (_spec(grid="lr=1"), "grid"),
     "not a mapping": ([1, 2], "body"),
+    "a cloud's cheap spot price for a local job": (
+        _spec(job={**_spec()["job"], "instance_type": "gcp:g2-standard-4", "provisioning": "spot"}),
+        "instance_type",
+    ),
+    "another machine's price for a job run here": (
+        _spec(job={**_spec()["job"], "instance_type": "local:cheap"}),
+        "priced as local:box",
+    ),
 }
 
 

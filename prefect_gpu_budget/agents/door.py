@@ -29,6 +29,7 @@ from prefect_gpu_budget.admission.ledger import FINAL, Ledger
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.agents.rules import agent_spec, limits_for, runnable, stop_own_job
 from prefect_gpu_budget.job import one_line
+from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.units import BudgetInputError, micro_to_usd, redact_urls
 
 DEPLOYMENT = "agent-sweep/agents"
@@ -127,22 +128,23 @@ class Door:
 
     # -- sweeps -----------------------------------------------------------------------------
 
-    def _checked(self, caller: Caller, spec: Any) -> Any:
-        """The spec held to the caller's limits and to what the worker can run; 422 else."""
-        limits = limits_for(self.ledger, caller.session)
+    def _checked(self, caller: Caller, spec: Any) -> tuple[Any, AgentLimits]:
+        """The spec held to the caller's limits and to what the worker can run, and the
+        limits; 422 else."""
         try:
+            limits = limits_for(self.ledger, caller.session)
             checked = agent_spec(
                 spec, caller.session, limits, self.ledger.priority_values(caller.session)
             )
             runnable(checked)
         except (BudgetInputError, ValidationError, ValueError) as exc:
             raise Refused(422, one_line(exc)) from None
-        return checked
+        return checked, limits
 
     def start_sweep(self, caller: Caller, spec: Any) -> dict[str, str]:
         """Start a sweep in the caller's session: 422 for a spec that breaks a limit or cannot
         run, 503 when nothing serves the agent deployment, 429 past the session's sweeps."""
-        checked = self._checked(caller, spec)
+        checked, limits = self._checked(caller, spec)
         from prefect.exceptions import ObjectNotFound
 
         try:
@@ -159,7 +161,6 @@ class Door:
                 f"{'never' if polled is None else f'{_age_s(polled):.0f}s ago'}): "
                 "start its worker (`prefect-gpu-budget serve`)",
             )
-        limits = limits_for(self.ledger, caller.session)
         with self._session_locks[caller.session]:  # one start at a time: the count holds
             running = self._active_sweeps(caller.session, target.id, limits.max_sweeps)
             if running >= limits.max_sweeps:
@@ -354,7 +355,7 @@ class Door:
         """What the sweep would do under the caller's budgets now, before anything starts."""
         from prefect_gpu_budget.forecast import forecast
 
-        return forecast(self._checked(caller, spec), self.ledger).as_dict()
+        return forecast(self._checked(caller, spec)[0], self.ledger).as_dict()
 
     def quote(
         self,

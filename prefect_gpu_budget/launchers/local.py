@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from prefect_gpu_budget import settings
 from prefect_gpu_budget.identity import process_start_ticks
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import (
@@ -92,13 +93,35 @@ class LocalLauncher:
     and `run` reports it as a `launch_error`."""
 
     sandbox: Sandbox | None = None
+    machine: str | None = None
+    """The `local:NAME` this machine is priced as (default: PREFECT_GPU_BUDGET_LOCAL_MACHINE);
+    None: any `local:` type the admin priced. A job naming another type is refused: the price
+    is the launcher's, never the spec's (a job run here priced as a cloud's cheap spot VM)."""
     kind: ClassVar[str] = "local"
 
     def preflight(self, job: GpuJob, quote: Quote) -> None:
         if not job.command:
             raise LaunchConfigError(self.kind, "job has no command to run")
+        self._priced_here(job)
         if self.sandbox is not None:
             self.sandbox.check(job)
+
+    def _priced_here(self, job: GpuJob) -> None:
+        """Refuse a job that names a type this launcher does not run (`LaunchConfigError`)."""
+        mine = self.machine or settings.local_machine()
+        if mine is not None and job.instance_type != mine:
+            raise LaunchConfigError(
+                self.kind,
+                f"instance_type: this launcher runs jobs on this machine, priced as {mine}; "
+                f"the job names {job.instance_type!r}",
+            )
+        if not job.instance_type.startswith("local:"):
+            raise LaunchConfigError(
+                self.kind,
+                f"instance_type: the local launcher runs jobs on this machine, priced as a "
+                f"local:NAME the admin set (`prefect-gpu-budget prices set-local`), not as "
+                f"{job.instance_type!r}: name a launcher that runs that type",
+            )
 
     def run(
         self,
@@ -122,6 +145,11 @@ class LocalLauncher:
         if not job.command:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail="job has no command to run")
+        try:
+            self._priced_here(job)
+        except LaunchConfigError as refused:
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail=refused.reason)
         if self.sandbox is not None:
             try:
                 self.sandbox.check(job)

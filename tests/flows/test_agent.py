@@ -177,3 +177,10 @@ def test_an_agent_cancels_its_own_queued_jobs_and_no_one_elses(ledger):
     assert ledger.job(mine)["state"] == "cancelled"
     with pytest.raises(BudgetInputError, match="it has ended"):
         stop_own_job(ledger, mine, SESSION)
+
+
+def test_a_deployment_launcher_is_never_granted_to_agents():
+    """Its job would run as the target worker, with its keys, and could end its own billing."""
+    with pytest.raises(ValueError, match="not for agents"):
+        AgentLimits(team="acme/vision", launchers=["local", "deployment:train"])
+    assert AgentLimits(team="acme/vision", launchers=["local", "vertex:lab"]).launchers

@@ -21,7 +21,15 @@ job cannot kill or trace it) and starts the command as another: `--user UID:GID`
 supplementary groups), `--umask 077`, `--cwd DIR` (entered after the switch). `--env-stdin`
 reads the command's environment from stdin (`NAME=value` entries, NUL-separated, until EOF):
 the holder itself then runs with the launcher's minimal environment, never one the job chose
-(`LD_PRELOAD` in a root process), and stdin is /dev/null for the command.
+(`LD_PRELOAD` in a root process), and stdin is /dev/null for the command. `--rlimit NAME=N`
+(`nproc`, `nofile`, `fsize`, `as`; repeatable) bounds the command and everything it starts:
+set, soft and hard alike (never above the holder's own hard limit), in the command's process
+after the switch of user, so the holder itself is never bounded by them and can always stop
+the tree.
+
+The command starts with SIGPIPE and SIGXFSZ at their defaults (Python, which the holder is,
+ignores both, and an ignored signal stays ignored across `exec`): a job writing past its file
+size limit is stopped by SIGXFSZ, as it would be started from a shell.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import signal
 import sys
 import time
@@ -39,6 +48,17 @@ WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Blocked and taken with sigtimedwait: no handler ever runs at an awkward moment."""
 HOLDER_GONE = signal.SIGUSR1
 """This process's parent-death signal: the launcher's thread died, kill everything now."""
+RLIMITS = {
+    "nproc": resource.RLIMIT_NPROC,
+    "nofile": resource.RLIMIT_NOFILE,
+    "fsize": resource.RLIMIT_FSIZE,
+    "as": resource.RLIMIT_AS,
+}
+"""The limits `--rlimit NAME=N` sets on the command."""
+RESET_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ", "SIGXFZ") if hasattr(signal, name)
+)
+"""What Python ignores and the command gets back at their defaults (as `subprocess` does)."""
 
 
 def _prctl(option: int, value: int) -> bool:
@@ -77,7 +97,7 @@ def _signal_tree(sig: int) -> None:
 
 class Child:
     """How the command is started: as whom, where, with which environment (None: the holder's
-    own, as it is)."""
+    own, as it is), within which resource limits (`(RLIMIT_*, value)`)."""
 
     def __init__(
         self,
@@ -85,8 +105,20 @@ class Child:
         umask: int | None = None,
         cwd: str | None = None,
         env: dict[bytes, bytes] | None = None,
+        limits: list[tuple[int, int]] | None = None,
     ) -> None:
         self.user, self.umask, self.cwd, self.env = user, umask, cwd, env
+        self.limits = list(limits or ())
+
+
+def _bound(limits: list[tuple[int, int]]) -> None:  # pragma: no cover - runs in the child
+    """Set each limit, soft and hard, to its value, or to the hard limit there is if that is
+    lower (so it only ever lowers what the process may raise itself to)."""
+    for which, value in limits:
+        hard = resource.getrlimit(which)[1]
+        if hard != resource.RLIM_INFINITY:
+            value = min(value, hard)
+        resource.setrlimit(which, (value, value))
 
 
 def _exec_with(command: list[str], env: dict[bytes, bytes]) -> None:  # pragma: no cover
@@ -122,6 +154,9 @@ def _spawn(command: list[str], mask: set[int], child: Child) -> int:
                 os.umask(child.umask)
             if child.cwd is not None:
                 os.chdir(child.cwd)
+            _bound(child.limits)  # after the switch: the holder stays unbounded
+            for sig in RESET_SIGNALS:
+                signal.signal(sig, signal.SIG_DFL)
             # After the switch: a change of user clears the parent-death signal.
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() != parent:  # the holder died before that took effect
@@ -199,7 +234,7 @@ def _read_env() -> dict[bytes, bytes]:
 
 USAGE = (
     "usage: _reaper.py [--grace S] [--holder PID] [--user UID:GID] [--umask OCTAL] [--cwd DIR]"
-    " [--env-stdin] -- command..."
+    " [--rlimit nproc|nofile|fsize|as=N]... [--env-stdin] -- command..."
 )
 
 
@@ -224,6 +259,11 @@ def main(argv: list[str]) -> None:
             child.umask = int(value, 8)
         elif flag == "--cwd":
             child.cwd = value
+        elif flag == "--rlimit":
+            name, _, number = value.partition("=")
+            if name not in RLIMITS or not number.isdigit():
+                sys.exit(USAGE)
+            child.limits.append((RLIMITS[name], int(number)))
         else:
             sys.exit(USAGE)
     command = argv[1:]

@@ -4,13 +4,25 @@ An agent's command must not see the worker's secrets (the ledger URL and its pas
 keys, Prefect's auth string) nor act as the worker. `LocalLauncher(sandbox=Sandbox.from_env())`
 runs it
 
-- as an unprivileged user (`PREFECT_GPU_BUDGET_AGENT_USER`), started by the job holder, which
-  stays the worker's user (root), so the job cannot kill or trace it;
+- as an unprivileged user, started by the job holder, which stays the worker's user (root), so
+  the job cannot kill or trace it: with a uid range (`PREFECT_GPU_BUDGET_AGENT_UIDS`), a user
+  of the agent session's own (`session_user_name` of the job's grant, `gpub-<12 hex>`, made
+  with `useradd` from a free uid of the range, its own group, no home, no login, then reused
+  for every job of that grant), so agents cannot signal, trace or read each other's jobs,
+  folders or files; else the one user `PREFECT_GPU_BUDGET_AGENT_USER`, which every agent
+  shares;
+- within resource limits (`DEFAULT_LIMITS`, `PREFECT_GPU_BUDGET_AGENT_LIMIT_*`): processes,
+  open files, file size, address space, set by the holder on the job's processes only;
 - with only allow-listed names of the worker's environment (`DEFAULT_ENV_ALLOW`, plus
   `PREFECT_GPU_BUDGET_AGENT_ENV`), `HOME` set to its own folder, the `PYTHONPATH` this
   package needs, and the job's and launcher's own variables;
 - in a fresh folder of its own, `root/<job name>-<random>` (0700, the job user's), removed
-  when the job ends: `root` is 0711, so no user can list the other jobs' folders;
+  when the job ends: `root` is 0711, so no user can list the other jobs' folders. `TMPDIR` is
+  `tmp/` in it, so the job's temp files go with it. A session user's files left in
+  `TEMP_DIRS` (/tmp, /var/tmp, /dev/shm) are removed once no job of that user runs any more
+  (the jobs of a user hold a shared lock, `root/.users/<user>.lock`, while they run; the last
+  one out takes it exclusively and sweeps). The shared agent user's are not: other agents'
+  running jobs, or other programs of that user (`nobody`), may own them;
 - with a Python it can run: `python` and `python3` come first on its PATH and start the
   interpreter `Sandbox.interpreter` picks (`PREFECT_GPU_BUDGET_AGENT_PYTHON`, else this
   worker's own if the user can reach it, else the system's `python3`), and a command that
@@ -32,7 +44,10 @@ Nothing here imports Prefect: the settings come from `prefect_gpu_budget.setting
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
+import grp
+import hashlib
 import logging
 import os
 import pwd
@@ -40,10 +55,13 @@ import re
 import shlex
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
@@ -70,16 +88,32 @@ NEVER_BY_PATTERN: tuple[str, ...] = (
     "PREFECT_*",
     "AWS_*",
     "GOOGLE_*",
+    "GCLOUD_*",
+    "CLOUDSDK_*",
     "AZURE_*",
     "*SECRET*",
     "*TOKEN*",
-    "*PASSWORD*",
-    "*PASSWD*",
+    "*PASS*",
+    "*_PW",
+    "*_PWD",
     "*CREDENTIAL*",
-    "*_KEY",
-    "*_KEY_*",
+    "*CREDS*",
+    "*KEY*",
+    "*_PAT",
+    "*_PAT_*",
+    "*AUTH*",
+    "*PRIVATE*",
+    "*COOKIE*",
+    "*SIGNING*",
+    "*NETRC*",
+    "*DATABASE_URL*",
+    "*DB_URL*",
+    "*DB_URI*",
+    "*DSN*",
+    "*CONN*STR*",
 )
-"""Names an allow-list pattern (`LC_*`, even `*`) never lets through: only an exact name does."""
+"""Names an allow-list pattern (`LC_*`, even `*`) never lets through, whatever their case: only
+an exact name does. Nor does a pattern let through a value holding a URL's credentials."""
 MIN_SECRET_LEN = 8
 """Shorter withheld values (`1`, `true`, `/root`) are not redacted: they would blank out text."""
 MIN_PASSWORD_LEN = 4
@@ -104,6 +138,38 @@ ROOT_REFUSED = (
     "agent jobs do not run as root: set PREFECT_GPU_BUDGET_AGENT_USER to an unprivileged user "
     "(or PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT=1)"
 )
+SESSION_USER_PREFIX = "gpub-"
+"""How the names of the agent sessions' own users (`PREFECT_GPU_BUDGET_AGENT_UIDS`) start."""
+USERS_DIR = ".users"
+"""The folder in `root` (the worker's, 0700) that holds the session users' locks."""
+TEMP_DIRS: tuple[str, ...] = ("/tmp", "/var/tmp", "/dev/shm")
+"""Where a session user's leftover files are removed from once none of its jobs runs."""
+NOLOGIN_SHELLS: tuple[str, ...] = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false")
+"""The session users' shell: the first of these there is."""
+USERADD: tuple[str, ...] = ("/usr/sbin/useradd", "/sbin/useradd")
+"""Where `useradd` is looked for (then on PATH)."""
+GIB = 1 << 30
+DEFAULT_LIMITS: dict[str, int | None] = {
+    "nproc": 8192,
+    "nofile": 65536,
+    "fsize": 256 * GIB,
+    "as": None,
+}
+"""Each agent job's resource limits, unless `PREFECT_GPU_BUDGET_AGENT_LIMIT_<NAME>` says
+otherwise (None: unlimited, i.e. the worker's own limit). Set soft and hard on the job's
+processes, never above the worker's hard limit. Chosen not to stop a normal GPU training job:
+
+- `nproc` (RLIMIT_NPROC): processes and threads of the job's user, all of its jobs together
+  (every agent's, with one shared agent user; not enforced for root). A DDP job of 8 ranks
+  with data-loader workers runs some hundreds or a thousand threads; a fork bomb stops here.
+- `nofile` (RLIMIT_NOFILE): open files per process (data loaders sharing tensors through
+  file descriptors need thousands).
+- `fsize` (RLIMIT_FSIZE): the largest file the job may write (SIGXFSZ past it): room for an
+  unsharded checkpoint of a 13B model with its optimizer state; a quota bounds the disk.
+- `as` (RLIMIT_AS): address space, unlimited: CUDA reserves far more virtual memory than it
+  uses, so any bound an admin would pick for memory stops CUDA from starting."""
+_SIZE_RE = re.compile(r"(\d+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
+_UNLIMITED = ("unlimited", "infinity", "inf", "none")
 
 logger = logging.getLogger(__name__)
 _warned_own_user = False
@@ -123,6 +189,10 @@ class JobUser:
     gid: int
     switch: bool
     """Whether the holder switches to this user (False: the job runs as the worker's user)."""
+    session: bool = False
+    """An agent session's own user (`PREFECT_GPU_BUDGET_AGENT_UIDS`): its leftovers in
+    TEMP_DIRS are removed once none of its jobs runs. Until `prepare` makes it, uid and gid
+    are -1 (every file is another user's to it)."""
 
 
 @dataclass(frozen=True)
@@ -141,17 +211,31 @@ class Sandbox:
     python: str | None = None
     """The interpreter the job's `python` starts (a path, or a name on the worker's PATH);
     None: this worker's own if the job's user can run it, else the first of SYSTEM_PYTHONS."""
+    uids: str | None = None
+    """A range of uids, `FIRST-LAST`: each agent session (the job's `grant`) gets a user of its
+    own from it, made as needed (a root worker only); `user` is then not used."""
+    user_prefix: str = SESSION_USER_PREFIX
+    """How the session users' names start."""
+    limits: tuple[tuple[str, str], ...] = ()
+    """The job's resource limits, by name (`DEFAULT_LIMITS`' names): a number, a size (`16G`)
+    or `unlimited`; a mapping may be given. Those not given keep their defaults."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "user", (self.user or "").strip() or None)
         object.__setattr__(self, "python", (self.python or "").strip() or None)
         object.__setattr__(self, "env_allow", tuple(self.env_allow))
         object.__setattr__(self, "root", Path(os.path.abspath(self.root)))
+        object.__setattr__(self, "uids", (str(self.uids or "")).strip() or None)
+        given = dict(self.limits.items() if isinstance(self.limits, Mapping) else self.limits)
+        merged = {**DEFAULT_LIMITS, **given}
+        text = {k: "unlimited" if v is None else str(v).strip() for k, v in merged.items()}
+        object.__setattr__(self, "limits", tuple(sorted(text.items())))
 
     @classmethod
     def from_env(cls) -> Sandbox:
         """The admin's settings: PREFECT_GPU_BUDGET_AGENT_USER, _AGENT_ALLOW_ROOT, _AGENT_ENV
-        (added to `DEFAULT_ENV_ALLOW`), _AGENT_ROOT and _AGENT_PYTHON."""
+        (added to `DEFAULT_ENV_ALLOW`), _AGENT_ROOT, _AGENT_PYTHON, _AGENT_UIDS and
+        _AGENT_LIMIT_* (checked when a job is: a bad one refuses it in one line)."""
         extra = tuple(n for n in settings.agent_env_extra() if n not in DEFAULT_ENV_ALLOW)
         return cls(
             user=settings.agent_user(),
@@ -159,12 +243,17 @@ class Sandbox:
             env_allow=DEFAULT_ENV_ALLOW + extra,
             root=settings.agent_jobs_root(),
             python=settings.agent_python(),
+            uids=settings.agent_uids(),
+            limits=tuple(settings.agent_limits().items()),
         )
 
     # -- may it run? ----------------------------------------------------------------------
 
-    def job_user(self) -> JobUser:
-        """Who the job runs as; `LaunchConfigError` with a one-line reason if nobody may."""
+    def job_user(self, job: GpuJob | None = None) -> JobUser:
+        """Who the job runs as; `LaunchConfigError` with a one-line reason if nobody may. With
+        `uids`, the user of the job's grant (`session_user`), made only by `prepare`."""
+        if self.uids is not None:
+            return self.session_user(job.grant if job is not None else None)
         euid = os.geteuid()
         if self.user is None:
             if euid == 0 and not self.allow_root:
@@ -195,6 +284,122 @@ class Sandbox:
             )
         return JobUser(entry.pw_name, entry.pw_uid, entry.pw_gid, switch=True)
 
+    def session_user(self, grant: str | None, *, create: bool = False) -> JobUser:
+        """The user of an agent session (its grant; jobs with none share one user) from the
+        range `uids`: looked up by its name (`session_user_name`), and with `create` made with
+        `useradd` if missing (under a lock in `root`; `useradd`'s own lock and its refusal of
+        a taken uid or name keep two workers apart). Not made yet and not `create`: uid and
+        gid -1. `LaunchConfigError` if the worker is not root, the range or the prefix is
+        bad, the name is taken outside the range, or no uid of the range is free."""
+        first, last = self.uid_range()
+        if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,15}", self.user_prefix):
+            raise _refuse(f"bad agent user prefix {self.user_prefix!r}: a-z, 0-9, _ and -")
+        if os.geteuid() != 0:
+            raise _refuse(
+                f"{settings.AGENT_UIDS_ENV} needs a root worker (it makes the agents' users "
+                f"and switches to them); this one runs as {_user_name(os.geteuid())!r}"
+            )
+        name = session_user_name(grant, self.user_prefix)
+        entry = _lookup_user(name)
+        if entry is None and create:
+            entry = self._create_user(name, first, last)
+        if entry is None:
+            if _useradd() is None:
+                raise _refuse(
+                    f"cannot make agent users here: no useradd ({settings.AGENT_UIDS_ENV})"
+                )
+            return JobUser(name, -1, -1, switch=True, session=True)
+        if not first <= entry.pw_uid <= last:
+            raise _refuse(
+                f"user {name!r} has uid {entry.pw_uid}, outside "
+                f"{settings.AGENT_UIDS_ENV}={self.uids}: remove it or widen the range"
+            )
+        return JobUser(name, entry.pw_uid, entry.pw_gid, switch=True, session=True)
+
+    def uid_range(self) -> tuple[int, int]:
+        """`uids` as (first, last); `LaunchConfigError` naming the setting if it is bad."""
+        text = self.uids or ""
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
+        first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
+        if not match or not 0 < first <= last < 2**31 - 1:
+            raise _refuse(
+                f"{settings.AGENT_UIDS_ENV} must be a range of uids FIRST-LAST above 0, like "
+                f"60000-60999, got {text[:40]!r}"
+            )
+        return first, last
+
+    def job_limits(self) -> tuple[tuple[str, int], ...]:
+        """The job's resource limits that bound it (unlimited ones left out), by name;
+        `LaunchConfigError` naming the setting for a bad one."""
+        found = []
+        for name, text in self.limits:
+            env = settings.AGENT_LIMIT_ENVS.get(name)
+            if env is None:
+                known = ", ".join(DEFAULT_LIMITS)
+                raise _refuse(f"unknown agent job limit {name!r}; known: {known}")
+            if text.lower() in _UNLIMITED:
+                continue
+            match = _SIZE_RE.fullmatch(text)
+            value = int(match[1]) << (10 * " kmgt".index(match[2].lower() or " ")) if match else 0
+            if not 0 < value < 2**63:
+                raise _refuse(
+                    f"{env} must be a positive number (a size may end in K, M, G or T) or "
+                    f"'unlimited', got {text[:40]!r}"
+                )
+            found.append((name, value))
+        return tuple(found)
+
+    def _create_user(self, name: str, first: int, last: int) -> pwd.struct_passwd:
+        useradd = _useradd()
+        if useradd is None:
+            raise _refuse(f"cannot make agent users here: no useradd ({settings.AGENT_UIDS_ENV})")
+        shell = next((s for s in NOLOGIN_SHELLS if os.path.exists(s)), "/bin/false")
+        why = ""
+        with _locked(self._users_dir() / "users.lock", exclusive=True):
+            for _ in range(8):
+                entry = _lookup_user(name)
+                if entry is not None:
+                    return entry
+                uid = _free_id(first, last)
+                if uid is None:
+                    raise _refuse(
+                        f"no free uid left in {settings.AGENT_UIDS_ENV}={self.uids} for the "
+                        f"agent user {name!r}"
+                    )
+                bounds = [f"{k}={uid}" for k in ("SYS_UID_MIN", "SYS_UID_MAX")]
+                bounds += [f"{k}={uid}" for k in ("SYS_GID_MIN", "SYS_GID_MAX")]
+                made = subprocess.run(
+                    [useradd, "--system", "--no-create-home", "--no-log-init"]
+                    + ["--home-dir", "/nonexistent", "--shell", shell, "--uid", str(uid)]
+                    + ["--user-group", *(x for b in bounds for x in ("-K", b)), name],
+                    capture_output=True,
+                    text=True,
+                    errors="replace",
+                    env={"PATH": os.defpath, "LC_ALL": "C"},
+                    timeout=60,
+                )
+                why = (made.stderr.strip().splitlines() or [f"exit code {made.returncode}"])[-1]
+                if made.returncode == 0:
+                    entry = _lookup_user(name)
+                    if entry is not None:
+                        logger.info("made agent user %s (uid %d)", name, entry.pw_uid)
+                        return entry
+                elif made.returncode not in (4, 9):  # 4, 9: uid or name taken meanwhile
+                    break
+        raise _refuse(f"could not make the agent user {name!r}: {why[:200]}")
+
+    def _users_dir(self) -> Path:
+        """`root/.users`, the worker's alone (0700)."""
+        folder = self.root / USERS_DIR
+        with suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        st = os.lstat(folder)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise _refuse(f"{folder} is not this worker's folder")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(folder, 0o700)
+        return folder
+
     def interpreter(self, user: JobUser) -> str | None:
         """The Python the job's `python` starts: `self.python` (`LaunchConfigError` if `user`
         cannot run it), else this worker's own, else the first of SYSTEM_PYTHONS, that `user`
@@ -220,10 +425,13 @@ class Sandbox:
         `root` (0711) if missing."""
         return self._checked(job)[0]
 
-    def _checked(self, job: GpuJob | None) -> tuple[JobUser, str | None]:
-        """`check`, and the job's interpreter."""
-        user = self.job_user()
+    def _checked(self, job: GpuJob | None, create: bool = False) -> tuple[JobUser, str | None]:
+        """`check`, and the job's interpreter; with `create`, the job's session user made."""
+        user = self.job_user(job)
+        self.job_limits()
         self._ensure_root(user)
+        if create and user.session and user.uid < 0:
+            user = self.session_user(job.grant if job is not None else None, create=True)
         python = self.interpreter(user)
         if job is not None and job.command and _is_python(job.command[0]):
             if python is None:
@@ -280,10 +488,7 @@ class Sandbox:
             name: value
             for name, value in environ.items()
             if name in exact
-            or (
-                any(fnmatch.fnmatchcase(name, p) for p in patterns)
-                and not any(fnmatch.fnmatchcase(name, p) for p in NEVER_BY_PATTERN)
-            )
+            or (any(fnmatch.fnmatchcase(name, p) for p in patterns) and _patterns_may(name, value))
         }
 
     def job_env(
@@ -296,13 +501,15 @@ class Sandbox:
         source: str | None = None,
         bin_dir: str | None = None,
     ) -> dict[str, str]:
-        """The job's whole environment: the allowed names, `HOME` (its folder), `PYTHONPATH`
-        (`source`, default this package's, then the worker's if allowed), `job.env`, then
-        `extra` (the launcher's variables); `bin_dir` first on its PATH."""
+        """The job's whole environment: the allowed names, `HOME` (its folder), `TMPDIR`
+        (`tmp/` in it), `PYTHONPATH` (`source`, default this package's, then the worker's if
+        allowed), `job.env`, then `extra` (the launcher's variables); `bin_dir` first on its
+        PATH."""
         allowed = self.allowed_env(environ)
         source = _package_source() if source is None else source
         python_path = os.pathsep.join(p for p in (source, allowed.get("PYTHONPATH", "")) if p)
-        env = {**allowed, "HOME": str(workdir), "PYTHONPATH": python_path, **job.env, **extra}
+        own = {"HOME": str(workdir), "TMPDIR": str(workdir / "tmp"), "PYTHONPATH": python_path}
+        env = {**allowed, **own, **job.env, **extra}
         if bin_dir:
             env["PATH"] = os.pathsep.join((bin_dir, env.get("PATH") or os.defpath))
         return env
@@ -311,12 +518,26 @@ class Sandbox:
         """Check (`check`), then make the job's folder and environment. `extra`: the
         launcher's variables (the holder's mark, `GPU_BUDGET_METRICS_FILE`, GPUs). The
         caller calls `finish` once every process of the job has ended."""
-        user, python = self._checked(job)
+        user, python = self._checked(job, create=True)
+        limits = self.job_limits()
         environ = dict(os.environ)
-        workdir = Path(tempfile.mkdtemp(prefix=f"{_slug(job.name)}-", dir=self.root))
+        lock = None
+        if user.session:  # held while the job runs: its user's leftovers stay until the last ends
+            lock = _lock_fd(self._users_dir() / f"{user.name}.lock")
+            fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            workdir = Path(tempfile.mkdtemp(prefix=f"{_slug(job.name)}-", dir=self.root))
+        except BaseException:
+            if lock is not None:
+                os.close(lock)
+            raise
         try:
             if user.switch:
                 os.chown(workdir, user.uid, user.gid)
+            tmp = workdir / "tmp"
+            tmp.mkdir(mode=0o700)
+            if user.switch:
+                os.chown(tmp, user.uid, user.gid)
             extra = dict(extra)
             metrics = None
             if extra.get(settings.METRICS_ENV):
@@ -333,11 +554,14 @@ class Sandbox:
             env = self.job_env(workdir, job, extra, environ, source=source, bin_dir=bin_dir)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
+            if lock is not None:
+                os.close(lock)
             raise
         command = list(job.command or ())
         if python and command and command[0] == sys.executable:  # a `callable:` trial
             command[0] = python
-        return SandboxedJob(user, workdir, env, Redactor.withheld(env, environ), metrics, command)
+        redact = Redactor.withheld(env, environ)
+        return SandboxedJob(user, workdir, env, redact, metrics, command, limits=limits, lock=lock)
 
 
 @dataclass
@@ -355,12 +579,18 @@ class SandboxedJob:
     it, replaced by the job's (`Sandbox.interpreter`)."""
     copied: int = 0
     """How much of the job's metrics file is in the launcher's already (`sync_metrics`)."""
+    limits: tuple[tuple[str, int], ...] = ()
+    """The resource limits the holder sets on the job (`Sandbox.job_limits`)."""
+    lock: int | None = None
+    """A session user's lock (`root/.users/<user>.lock`), held shared while the job runs."""
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox."""
         args = ["--env-stdin", "--umask", "077", "--cwd", str(self.workdir)]
         if self.user.switch:
             args += ["--user", f"{self.user.uid}:{self.user.gid}"]
+        for name, value in self.limits:
+            args += ["--rlimit", f"{name}={value}"]
         return args
 
     def env_bytes(self) -> bytes:
@@ -375,11 +605,18 @@ class SandboxedJob:
 
     def finish(self) -> None:
         """Append the rest of the job's metrics to the launcher's file; remove the job's
-        folder. Only once the job's last process has ended."""
+        folder (its TMPDIR with it); for a session user, when no other job of it runs any
+        more, remove what it left in TEMP_DIRS. Only once the job's last process has ended."""
         try:
             self.sync_metrics(final=True)
         finally:
             shutil.rmtree(self.workdir, ignore_errors=True)
+            lock, self.lock = self.lock, None
+            if lock is not None:
+                try:
+                    _sweep_leftovers(lock, self.user)
+                finally:
+                    os.close(lock)
 
 
 class Redactor:
@@ -428,6 +665,108 @@ def known_secrets(given: Mapping[str, str], environ: Mapping[str, str]) -> list[
 
 def _is_pattern(name: str) -> bool:
     return any(c in name for c in "*?[")
+
+
+def _patterns_may(name: str, value: str) -> bool:
+    """Whether an allow-list pattern may pass `name`: none of NEVER_BY_PATTERN matches it (in
+    any case), and its value holds no URL credentials."""
+    upper = name.upper()
+    if any(fnmatch.fnmatchcase(upper, p) for p in NEVER_BY_PATTERN):
+        return False
+    return not url_credentials(value)
+
+
+def session_user_name(grant: str | None, prefix: str = SESSION_USER_PREFIX) -> str:
+    """The name of an agent session's own user: `prefix` and 12 hex digits of a hash of its
+    grant id (jobs without a grant share one). The same grant, on any worker, the same name."""
+    digest = hashlib.sha256(b"prefect-gpu-budget agent session\0" + (grant or "").encode())
+    return prefix + digest.hexdigest()[:12]
+
+
+def _lookup_user(name: str) -> pwd.struct_passwd | None:
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        return None
+
+
+def _useradd() -> str | None:
+    found = [p for p in USERADD if os.access(p, os.X_OK)]
+    return found[0] if found else shutil.which("useradd")
+
+
+def _free_id(first: int, last: int) -> int | None:
+    """The lowest id of first..last that is neither a user's uid nor a group's gid."""
+    taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    return next((i for i in range(first, last + 1) if i not in taken), None)
+
+
+def _lock_fd(path: Path) -> int:
+    """An open lock file of the worker's (0600, never through a link)."""
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+@contextmanager
+def _locked(path: Path, exclusive: bool) -> Iterator[None]:
+    fd = _lock_fd(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+LEFTOVER_WAIT_S = 2.0
+"""How long the sweep waits for a session user's last processes (just killed) to be gone."""
+
+
+def _processes_of(uid: int) -> list[int]:
+    """Live (not zombie) processes whose owner is `uid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid != uid:
+                continue
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                if handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+        except (OSError, IndexError):
+            continue
+        found.append(int(entry))
+    return found
+
+
+def _sweep_leftovers(lock: int, user: JobUser) -> None:
+    """Remove what `user` (a session's own) owns at the top of each of TEMP_DIRS, if no job of
+    it runs any more: `lock` (held shared by this job) is taken exclusively, without waiting,
+    and no process of the user is left. A folder goes whole (never through a link)."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return  # another job of this user runs: its files stay
+    deadline = time.monotonic() + LEFTOVER_WAIT_S
+    while _processes_of(user.uid):
+        if time.monotonic() >= deadline:
+            logger.info("agent user %s still runs processes: its temp files stay", user.name)
+            return
+        time.sleep(0.05)
+    for folder in TEMP_DIRS:
+        try:
+            entries = list(os.scandir(folder))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != user.uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                continue
 
 
 def _slug(name: str | None) -> str:

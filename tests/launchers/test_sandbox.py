@@ -148,7 +148,8 @@ def test_the_job_gets_no_secret_runs_as_nobody_in_a_fresh_home(
         assert secret not in env_text
     names = {line.split("=", 1)[0] for line in env_text.splitlines() if "=" in line}
     assert not {n for n in names if n.startswith(("PREFECT", "AWS_", "GOOGLE_"))}, names
-    expected = set(DEFAULT_ENV_ALLOW) | {"HOME", "PYTHONPATH", "PWD", JOB_MARK_ENV, "TEST_TREE"}
+    expected = set(DEFAULT_ENV_ALLOW) | {"HOME", "TMPDIR", "PYTHONPATH", "PWD", JOB_MARK_ENV}
+    expected.add("TEST_TREE")
     assert names <= expected | {METRICS_ENV, "OLDPWD", "SHLVL", "_"}, names - expected
 
     homes = []
@@ -281,19 +282,59 @@ def test_from_env_reads_the_admin_settings(monkeypatch: pytest.MonkeyPatch, tmp_
     assert box.root == Path(tempfile.gettempdir()) / "gpu-budget-agent-jobs"
 
 
+SECRET_NAMES = (
+    "AWS_SECRET_ACCESS_KEY",
+    "PREFECT_API_KEY",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GITHUB_TOKEN",
+    "DB_PASSWORD",
+    "APIKEY",
+    "DB_PASS",
+    "DATABASE_URL",
+    "GITHUB_PAT",
+    "github_pat",
+    "my_apikey",
+    "OPENAI_API_KEY",
+    "MYSQL_PWD",
+    "SSH_AUTH_SOCK",
+    "OAUTH_CLIENT",
+    "TLS_PRIVATE_PEM",
+    "SENTRY_DSN",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "CLOUDSDK_AUTH_ACCESS_TOKEN_FILE",
+    "KRB5_KEYTAB",
+    "NETRC",
+    "SESSION_COOKIE",
+)
+
+
 def test_patterns_never_let_secrets_through() -> None:
-    box = Sandbox(env_allow=("*", "AWS_REGION"))
+    """`*` passes none of the names that hold secrets (in any case), nor a value carrying a
+    URL's credentials; an exact name still passes."""
+    box = Sandbox(env_allow=("*", "AWS_REGION", "DATABASE_URL"))
     environ = {
         "LC_NUMERIC": "C",
+        "PATH": "/usr/bin",
         "AWS_REGION": "us-east-1",
-        "AWS_SECRET_ACCESS_KEY": "x",
-        "PREFECT_API_KEY": "x",
-        "GOOGLE_APPLICATION_CREDENTIALS": "x",
-        "GITHUB_TOKEN": "x",
-        "DB_PASSWORD": "x",
+        "HF_HOME": "/data/hf",
+        "REDIS_URL": "redis://:hunter22@cache:6379/0",
+        "MLFLOW_TRACKING_URI": "https://mlflow.internal/",
+        **{name: "x" for name in SECRET_NAMES},
     }
-    assert box.allowed_env(environ) == {"LC_NUMERIC": "C", "AWS_REGION": "us-east-1"}
+    assert box.allowed_env(environ) == {
+        "LC_NUMERIC": "C",
+        "PATH": "/usr/bin",
+        "AWS_REGION": "us-east-1",
+        "HF_HOME": "/data/hf",
+        "MLFLOW_TRACKING_URI": "https://mlflow.internal/",
+        "DATABASE_URL": "x",  # named exactly
+    }
     assert Sandbox(env_allow=("LC_*",)).allowed_env(environ) == {"LC_NUMERIC": "C"}
+    assert Sandbox(env_allow=("*_PAT", "DB_*")).allowed_env(environ) == {}
+    assert Sandbox(env_allow=("APIKEY", "GITHUB_PAT")).allowed_env(environ) == {
+        "APIKEY": "x",
+        "GITHUB_PAT": "x",
+    }
 
 
 def test_a_sandboxed_launcher_is_a_plain_value(base) -> None:

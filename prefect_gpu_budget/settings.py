@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 LEDGER_URL_ENV = "PREFECT_GPU_BUDGET_LEDGER_URL"
 PRICES_ENV = "PREFECT_GPU_BUDGET_PRICES"
@@ -152,6 +153,17 @@ AGENT_RESULTS_ENV = "PREFECT_GPU_BUDGET_AGENT_RESULTS"
 """The folder agents' sweeps keep their results under."""
 AGENT_PYTHON_ENV = "PREFECT_GPU_BUDGET_AGENT_PYTHON"
 """The interpreter `python` and `python3` are in agents' jobs (a path, or a name on PATH)."""
+AGENT_UIDS_ENV = "PREFECT_GPU_BUDGET_AGENT_UIDS"
+"""A range of uids, `FIRST-LAST` (e.g. `60000-60999`): each agent session's jobs run as a user
+of its own from it, created as needed; when set, PREFECT_GPU_BUDGET_AGENT_USER is not used."""
+AGENT_LIMIT_ENVS = {
+    "nproc": "PREFECT_GPU_BUDGET_AGENT_LIMIT_NPROC",
+    "nofile": "PREFECT_GPU_BUDGET_AGENT_LIMIT_NOFILE",
+    "fsize": "PREFECT_GPU_BUDGET_AGENT_LIMIT_FSIZE",
+    "as": "PREFECT_GPU_BUDGET_AGENT_LIMIT_AS",
+}
+"""Each agent job's resource limits (RLIMIT_NPROC, _NOFILE, _FSIZE, _AS): a number (a size may
+end in K, M, G or T, powers of 1024) or `unlimited`; unset: the sandbox's defaults."""
 
 
 def local_machine() -> str | None:
@@ -185,6 +197,18 @@ def agent_python() -> str | None:
     return os.environ.get(AGENT_PYTHON_ENV, "").strip() or None
 
 
+def agent_uids() -> str | None:
+    """PREFECT_GPU_BUDGET_AGENT_UIDS as given, or None when unset or blank."""
+    return os.environ.get(AGENT_UIDS_ENV, "").strip() or None
+
+
+def agent_limits() -> dict[str, str]:
+    """The limits set in PREFECT_GPU_BUDGET_AGENT_LIMIT_* (name -> text as given; blank ones
+    left out): the sandbox parses them and keeps its defaults for the rest."""
+    found = {name: os.environ.get(env, "").strip() for name, env in AGENT_LIMIT_ENVS.items()}
+    return {name: text for name, text in found.items() if text}
+
+
 def agent_jobs_root() -> Path:
     """PREFECT_GPU_BUDGET_AGENT_ROOT, default `gpu-budget-agent-jobs` in the system temp dir."""
     import tempfile
@@ -198,3 +222,130 @@ def agent_results_root() -> Path:
     (PREFECT_GPU_BUDGET_AGENT_RESULTS, default `gpu-budget-results/agents` in the working dir)."""
     explicit = os.environ.get(AGENT_RESULTS_ENV)
     return Path(explicit or "gpu-budget-results/agents").resolve()
+
+
+# -- hardening: the gateway's proxies, secrets on the command line, private state ------------
+
+GATEWAY_TRUSTED_PROXIES_ENV = "PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES"
+"""Comma-separated IPs or CIDRs of the proxies in front of the agent gateway: only from these
+is `X-Forwarded-For` believed (default: none, the socket's peer is the client)."""
+ALLOW_SHARED_HOME_ENV = "PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME"
+"""`1` or `true`: start even when PREFECT_HOME or a SQLite ledger is open to other users (a
+loud warning instead of a refusal)."""
+
+
+def gateway_trusted_proxies(text: str | None = None) -> tuple[Any, ...]:
+    """The networks (`ipaddress.ip_network`) of `text`, default
+    PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES; ValueError naming the entry that is neither an
+    IP nor a CIDR."""
+    import ipaddress
+
+    if text is None:
+        text = os.environ.get(GATEWAY_TRUSTED_PROXIES_ENV, "")
+    networks = []
+    for entry in (part.strip() for part in text.split(",")):
+        if not entry:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(
+                f"{GATEWAY_TRUSTED_PROXIES_ENV}: {entry[:64]!r} is neither an IP address nor a "
+                "CIDR (e.g. 10.0.0.5,10.1.0.0/16)"
+            ) from None
+    return tuple(networks)
+
+
+def allow_shared_home() -> bool:
+    """Whether PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME opts in (`1`, `true`, `yes`, `on`)."""
+    value = os.environ.get(ALLOW_SHARED_HOME_ENV, "").strip().lower()
+    return value in ("1", "true", "yes", "on")
+
+
+def url_has_password(url: str) -> bool:
+    """Whether a database URL carries a password: in its user info (read as the ledger reads
+    it, up to the last `@`) or as a `password=` query parameter."""
+    from urllib.parse import parse_qsl
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.startswith("sqlite"):
+        return False
+    location, _, query = rest.partition("?")
+    if "@" in location and location.rpartition("@")[0].partition(":")[2]:
+        return True
+    return any(
+        key.lower() in ("password", "passwd", "pwd") and value
+        for key, value in parse_qsl(query, keep_blank_values=True)
+    )
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file of a SQLite ledger URL (None for another database or an in-memory one)."""
+    if not url.startswith("sqlite"):
+        return None
+    path = url.split("///", 1)[-1].partition("?")[0]
+    if not path or path == ":memory:" or path.startswith("file:") or "://" in path:
+        return None
+    return Path(path).expanduser()
+
+
+class SharedStateError(ValueError):
+    """PREFECT_HOME or the ledger is open to other users: one line, with the fix."""
+
+
+def _open_to_others(path: Path, bits: int) -> int:
+    """The `bits` of `path`'s mode that other users can use: none when a folder above it lets
+    them not pass (world: no `o+x`; group: neither `g+x` nor `o+x`)."""
+    mode = path.stat().st_mode & bits
+    for folder in path.resolve().parents:
+        if not mode:
+            break
+        above = folder.stat().st_mode
+        if not above & 0o001:
+            mode &= ~0o007
+        if not above & 0o011:
+            mode &= ~0o070
+    return mode
+
+
+def check_private_state(url: str | None = None, allow_shared: bool = False) -> str | None:
+    """The startup check of `serve`, the workers and `agents serve`: PREFECT_HOME (its profiles
+    hold the Prefect API's auth string) must be closed to other users (`mode & 0o007`), and a
+    SQLite ledger file (every session's rows; `url`, default the configured ledger) to group
+    and others (`mode & 0o077`), counting the folders above them (a 0755 folder inside a 0700
+    one is closed). None when they are; else the one-line problem and its fix, raised as
+    `SharedStateError`, or, with `allow_shared` or PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME,
+    returned for the caller to warn with. A path that does not exist yet is not checked (the
+    ledger creates its file 0600). Never imports Prefect unless `prefect_home` must."""
+    import stat
+
+    if os.name == "nt":
+        return None
+    problems = []
+    home = prefect_home()
+    try:
+        if home.is_dir() and (mode := _open_to_others(home, 0o007)):
+            problems.append(
+                f"PREFECT_HOME {home} is open to other users (mode "
+                f"{stat.S_IMODE(home.stat().st_mode):04o}, others: {mode:03o}): chmod 700 {home}"
+            )
+    except OSError:
+        pass
+    ledger = sqlite_file(ledger_url(url))
+    for path in () if ledger is None else (ledger, Path(f"{ledger}-wal"), Path(f"{ledger}-shm")):
+        try:
+            if path.is_file() and _open_to_others(path, 0o077):
+                problems.append(
+                    f"the ledger file {path} is open to other users (mode "
+                    f"{stat.S_IMODE(path.stat().st_mode):04o}): chmod 600 {path}"
+                )
+        except OSError:
+            continue
+    if not problems:
+        return None
+    message = "; ".join(problems)
+    if allow_shared or allow_shared_home():
+        return message
+    raise SharedStateError(
+        f"{message} (or, knowingly, --allow-shared-home or {ALLOW_SHARED_HOME_ENV}=1)"
+    )

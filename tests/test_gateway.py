@@ -715,8 +715,10 @@ def test_the_same_loop_through_mcp_reveals_no_more_than_rest(house):
 
 
 def test_guessing_tokens_is_rate_limited(house):
-    """Last in this module: it locks this client address out for a minute."""
+    """Last in this module: it locks this client's bad token out for a minute. One client's
+    storm of one bad (or stale) token locks out that client, not the agents behind the same
+    address; guessing many tokens meets the address's own cap (tests/agents/test_hardening.py)."""
     gw = house["gateway"]
-    codes = [gw.call("GET", "/v1/status", f"gpub_guess{i}")[0] for i in range(15)]
+    codes = [gw.call("GET", "/v1/status", "gpub_guessing-the-same")[0] for i in range(15)]
     assert codes[0] == 401 and codes[-1] == 429
-    assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 429
+    assert gw.call("GET", "/v1/status", house["tokens"][SESSION])[0] == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -21,8 +22,11 @@ URL = PG_URL.replace("postgres@", f"postgres:{SECRET}@", 1)  # trust auth ignore
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI with the ledger URL `args[0]` in its environment: a password is never typed
+    on the command line (where `ps` shows it; `--ledger-url` refuses one)."""
     return subprocess.run(
-        [sys.executable, "-m", "prefect_gpu_budget.cli", "--ledger-url", args[0], *args[1:]],
+        [sys.executable, "-m", "prefect_gpu_budget.cli", *args[1:]],
+        env={**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": args[0]},
         capture_output=True,
         text=True,
         timeout=120,
@@ -184,3 +188,15 @@ def test_credentials_in_an_endpoint_url_stay_out_of_launch_errors():
     for text in (sagemaker_line(Exception(error)), vertex_line(error), redact_urls(error)):
         assert "s3cr" not in text and "t-key" not in text, text
         assert 'endpoint URL: "https://***@aws.local:9/"' in text, text
+
+
+def test_a_password_is_never_taken_from_the_command_line():
+    """`ps` and the shell's history show argv: every command refuses a URL password there."""
+    typed = subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "--ledger-url", URL, "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert typed.returncode == 2 and SECRET not in typed.stderr + typed.stdout
+    assert "PREFECT_GPU_BUDGET_LEDGER_URL" in typed.stderr.strip().splitlines()[-1]

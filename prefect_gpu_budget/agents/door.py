@@ -14,11 +14,14 @@ credentials.
 from __future__ import annotations
 
 import io
+import ipaddress
 import json
+import math
 import threading
 import time
 import uuid
 from collections import defaultdict, deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -27,7 +30,14 @@ from pydantic import ValidationError
 
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
-from prefect_gpu_budget.agents.rules import agent_spec, limits_for, runnable, stop_own_job
+from prefect_gpu_budget.admission.stopping import stop_sweep
+from prefect_gpu_budget.agents.rules import (
+    STOPPED_BY_AGENT,
+    agent_spec,
+    limits_for,
+    runnable,
+    stop_own_job,
+)
 from prefect_gpu_budget.job import one_line
 from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.units import BudgetInputError, micro_to_usd, redact_urls
@@ -35,7 +45,15 @@ from prefect_gpu_budget.units import BudgetInputError, micro_to_usd, redact_urls
 DEPLOYMENT = "agent-sweep/agents"
 SESSION_TAG = "gpu-budget-session:"
 AUTH_FAILURES = (10, 60.0)
-"""At most this many bad tokens per client address per window (s); then 429 until it passes."""
+"""At most this many bad tokens per client address and token prefix per window (s); then 429
+for that pair until it passes: one client's storm of bad (or stale) tokens locks out itself,
+not the other agents behind the same address (a shared NAT or proxy)."""
+AUTH_FAILURES_PER_ADDRESS = (200, 60.0)
+"""At most this many bad tokens per client address (IPv6: per /64), whatever their prefixes,
+per window (s); then 429 for every token from it until it passes: enumeration stops here."""
+TOKEN_PREFIX = 12
+"""How much of a presented token tells one client's failures from another's: `gpub_` and 7
+random characters (a valid token's prefix is no secret worth having: 32 random bytes follow)."""
 CALLS = (120, 60.0)
 """At most this many calls per grant per window (s)."""
 ACTIVE_RUN_STATES = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
@@ -70,14 +88,17 @@ class Caller:
 
 class Window:
     """Events per key in a sliding window: `hit` records one and says whether it is one too
-    many; `full` only asks. Keys with nothing in the window are forgotten."""
+    many; `full` only asks; `retry_after` says in how many seconds a full key has room again.
+    Keys with nothing in the window are forgotten, and every key is swept once a window, so
+    keys seen once (a storm of distinct bad tokens) do not pile up."""
 
     def __init__(self, most: int, per_s: float) -> None:
         self.most, self.per_s = most, per_s
-        self._seen: dict[str, deque[float]] = {}
+        self._seen: dict[Hashable, deque[float]] = {}
         self._lock = threading.Lock()
+        self._next_sweep = time.monotonic() + per_s
 
-    def _live(self, key: str, now: float) -> int:
+    def _live(self, key: Hashable, now: float) -> int:
         seen = self._seen.get(key)
         while seen and seen[0] <= now - self.per_s:
             seen.popleft()
@@ -86,16 +107,47 @@ class Window:
             return 0
         return len(seen)
 
-    def full(self, key: str) -> bool:
+    def _sweep(self, now: float) -> None:
+        if now >= self._next_sweep:
+            for key in list(self._seen):
+                self._live(key, now)
+            self._next_sweep = now + self.per_s
+
+    def full(self, key: Hashable) -> bool:
         with self._lock:
             return self._live(key, time.monotonic()) >= self.most
 
-    def hit(self, key: str) -> bool:
+    def hit(self, key: Hashable) -> bool:
         with self._lock:
             now = time.monotonic()
+            self._sweep(now)
             count = self._live(key, now) + 1
             self._seen.setdefault(key, deque()).append(now)
             return count > self.most
+
+    def retry_after(self, key: Hashable) -> int:
+        """Whole seconds until `key` is below its limit again (at least 1)."""
+        with self._lock:
+            now = time.monotonic()
+            seen = self._seen.get(key)
+            if not seen or self._live(key, now) < self.most:
+                return 1
+            frees = seen[len(seen) - self.most] + self.per_s  # the event whose expiry makes room
+            return max(1, math.ceil(frees - now))
+
+
+def address_key(address: str) -> str:
+    """The key of a client address for the per-address limit: an IPv4 address (also one mapped
+    into IPv6) as it is, an IPv6 one by its /64 (one host's usual share); anything else as given."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 class Door:
@@ -106,24 +158,44 @@ class Door:
         self.ledger, self.prefect, self.deployment = ledger, prefect, deployment
         self.records = SweepRecords(ledger)
         self.failures, self.calls = Window(*AUTH_FAILURES), Window(*CALLS)
+        self.address_failures = Window(*AUTH_FAILURES_PER_ADDRESS)
         self._session_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
 
     # -- who calls --------------------------------------------------------------------------
 
     def caller(self, authorization: str | None, address: str) -> Caller:
-        """The caller of a `Bearer` token; 401 for none or a bad one, 429 past the limits."""
-        if self.failures.full(address):
-            raise Refused(429, "too many bad tokens from this address; wait", {"Retry-After": "60"})
+        """The caller of a `Bearer` token from the client at `address` (the transport's word
+        for it: the socket's peer, or what a trusted proxy says); 401 for none or a bad one,
+        429 past the limits, with `Retry-After`.
+
+        Bad tokens are counted per (address, the token's first TOKEN_PREFIX characters) and
+        per address: a client that keeps presenting a bad token is refused (429) while other
+        agents behind the same address are not, until that address as a whole passes
+        AUTH_FAILURES_PER_ADDRESS. While refused, a token is not even looked up."""
         scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip()
+        where = address_key(address)
+        pair = (where, token[:TOKEN_PREFIX])
+        for window, key, detail in (
+            (self.address_failures, where, "too many bad tokens from this address; wait"),
+            (self.failures, pair, "too many bad tokens like this one from this address; wait"),
+        ):
+            if window.full(key):
+                raise Refused(429, detail, {"Retry-After": str(window.retry_after(key))})
         try:
-            if scheme.lower() != "bearer" or not token.strip():
+            if scheme.lower() != "bearer" or not token:
                 raise BudgetInputError("authorization", "a bearer token is required")
-            session, grant = self.ledger.agent_grant(token.strip())
+            session, grant = self.ledger.agent_grant(token)
         except BudgetInputError:
-            self.failures.hit(address)
+            self.address_failures.hit(where)
+            self.failures.hit(pair)
             raise Refused(401, "unknown or revoked token", {"WWW-Authenticate": "Bearer"}) from None
         if self.calls.hit(grant):
-            raise Refused(429, "too many calls for this session; wait", {"Retry-After": "60"})
+            raise Refused(
+                429,
+                "too many calls for this session; wait",
+                {"Retry-After": str(self.calls.retry_after(grant))},
+            )
         return Caller(session, grant)
 
     # -- sweeps -----------------------------------------------------------------------------
@@ -334,21 +406,13 @@ class Door:
         """Stop the caller's sweep: it starts no more trials, its queued ones are cancelled
         and its running ones stopped as `cancel_job` stops them."""
         run = self._own_run(caller, run_id)
-        not_started = not self.records.cancel(run_id) and self.records.sweep(run_id) is None
-        if not_started and run.state is not None and not run.state.is_final():
-            from prefect.states import Cancelled
+        if self.records.sweep(run_id) is None and run.state and not run.state.is_final():
+            from prefect.states import Cancelled  # not started yet: it never will
 
             self.prefect.set_flow_run_state(
                 run.id, Cancelled(message="cancelled by its agent"), force=True
             )
-        stopped = {"cancelled": 0, "stopping": 0}
-        for row in self.ledger.jobs(caller.session, flow_run_id=run_id):
-            if row["state"] in FINAL:
-                continue
-            try:
-                stopped[stop_own_job(self.ledger, row["id"], caller.session)] += 1
-            except (LookupError, BudgetInputError):
-                continue  # it ended meanwhile
+        stopped = stop_sweep(self.ledger, run_id, caller.session, STOPPED_BY_AGENT)
         return {"run_id": run_id, **stopped}
 
     def forecast(self, caller: Caller, spec: Any) -> dict[str, Any]:

@@ -12,6 +12,8 @@ from one client, too many calls, or more sweeps than the team's limits allow is 
 
 from __future__ import annotations
 
+import ipaddress
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +21,7 @@ import httpx
 from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefect_gpu_budget.admission.ledger import open_ledger
 from prefect_gpu_budget.agents.door import (
@@ -30,16 +33,29 @@ from prefect_gpu_budget.agents.door import (
     Refused,
 )
 from prefect_gpu_budget.agents.mcp import mcp_app
-from prefect_gpu_budget.settings import ledger_url
+from prefect_gpu_budget.settings import gateway_trusted_proxies, ledger_url
 
 MAX_BODY_BYTES = 64 * 1024
 """Largest request body: a sweep spec is a few hundred bytes; nothing big is parsed."""
 SPEC = Body(..., description="A sweep spec, as `gpu_sweep` takes it.")
 
 
-def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
+def create_app(
+    url: str | None = None,
+    deployment: str = DEPLOYMENT,
+    trusted_proxies: str | Iterable[Any] | None = None,
+) -> FastAPI:
     """The gateway over the ledger at `url` (default: the configured one) and the Prefect API
-    of this process's settings (`PREFECT_API_URL`, `PREFECT_API_AUTH_STRING`)."""
+    of this process's settings (`PREFECT_API_URL`, `PREFECT_API_AUTH_STRING`).
+
+    `trusted_proxies` (IPs or CIDRs, as a comma-separated string or networks; default
+    PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES, empty): the only peers whose `X-Forwarded-For`
+    is believed; see `ClientAddress`. A bad entry is a ValueError naming it."""
+    trusted = (
+        gateway_trusted_proxies(trusted_proxies)
+        if trusted_proxies is None or isinstance(trusted_proxies, str)
+        else tuple(ipaddress.ip_network(n, strict=False) for n in trusted_proxies)
+    )
     door = Door(open_ledger(ledger_url(url)), deployment=deployment)
     mcp_asgi, mcp_running = mcp_app(lambda: door)
 
@@ -62,6 +78,7 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
     )
     app.state.door = door
     app.add_route("/mcp", mcp_asgi, include_in_schema=False)
+    app.add_middleware(ClientAddress, trusted=trusted)  # REST and MCP see the same client
 
     @app.middleware("http")
     async def bounded_body(request: Request, call_next):  # noqa: ANN001, ANN202
@@ -93,7 +110,7 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
         return JSONResponse({"detail": f"internal error ({type(exc).__name__})"}, status_code=500)
 
     def caller(request: Request) -> Caller:
-        address = request.client.host if request.client else "?"
+        address = request.client.host if request.client else "?"  # as `ClientAddress` set it
         return door.caller(request.headers.get("authorization"), address)
 
     @app.post("/v1/sweeps", status_code=201)
@@ -184,8 +201,78 @@ def create_app(url: str | None = None, deployment: str = DEPLOYMENT) -> FastAPI:
     return app
 
 
-def serve(host: str = "127.0.0.1", port: int = 8080, url: str | None = None) -> None:
-    """Run the gateway until stopped."""
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    url: str | None = None,
+    trusted_proxies: str | Iterable[Any] | None = None,
+) -> None:
+    """Run the gateway until stopped. uvicorn's own proxy headers are off (by default it
+    believes `X-Forwarded-For` from 127.0.0.1, which any local user can connect from): the
+    client address is `ClientAddress`'s alone."""
     import uvicorn
 
-    uvicorn.run(create_app(url), host=host, port=port, log_level="info")
+    uvicorn.run(
+        create_app(url, trusted_proxies=trusted_proxies),
+        host=host,
+        port=port,
+        log_level="info",
+        proxy_headers=False,
+        forwarded_allow_ips="",
+    )
+
+
+def _ip(text: str) -> Any:
+    """The IP address of one `X-Forwarded-For` hop (a port, IPv6 brackets and an IPv4 address
+    mapped into IPv6 dropped); None for anything else."""
+    text = text.strip()
+    if text.startswith("["):
+        text = text[1:].partition("]")[0]
+    elif text.count(":") == 1:
+        text = text.partition(":")[0]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return ip.ipv4_mapped if ip.version == 6 and ip.ipv4_mapped is not None else ip
+
+
+def client_address(peer: str, forwarded_for: Iterable[str], trusted: tuple[Any, ...]) -> str:
+    """The client of a request whose socket peer is `peer`: the peer itself, unless it is a
+    trusted proxy; then the right-most hop of `X-Forwarded-For` (its header lines in order)
+    that is not a trusted proxy: hops to its left are whatever the client wrote. A hop that is
+    no IP address stops the walk at the trusted proxy before it."""
+    ip = _ip(peer)
+    if ip is None or not any(ip in net for net in trusted):
+        return peer if ip is None else str(ip)
+    address = str(ip)
+    hops = [hop for line in forwarded_for for hop in line.split(",") if hop.strip()]
+    for hop in reversed(hops):
+        ip = _ip(hop)
+        if ip is None:
+            break
+        address = str(ip)
+        if not any(ip in net for net in trusted):
+            break
+    return address
+
+
+class ClientAddress:
+    """ASGI: set the request's client (`scope["client"]`, which REST's `request.client` and
+    the MCP door read) to `client_address`: `X-Forwarded-For` counts only from a trusted proxy."""
+
+    def __init__(self, app: ASGIApp, trusted: tuple[Any, ...] = ()) -> None:
+        self.app, self.trusted = app, tuple(trusted)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket") and self.trusted and scope.get("client"):
+            host, port = scope["client"]
+            forwarded = [
+                value.decode("latin-1")
+                for name, value in scope.get("headers", ())
+                if name.lower() == b"x-forwarded-for"
+            ]
+            address = client_address(host, forwarded, self.trusted)
+            if address != host:
+                scope = {**scope, "client": (address, port)}
+        await self.app(scope, receive, send)

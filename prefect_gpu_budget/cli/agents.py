@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
-from prefect_gpu_budget.cli.common import console, current_ledger, fail
+from prefect_gpu_budget.cli.common import PASSWORD_ON_ARGV, console, current_ledger, fail
+from prefect_gpu_budget.settings import ALLOW_SHARED_HOME_ENV, LEDGER_URL_ENV
 
 
 def agent_grant(
@@ -74,14 +76,93 @@ def agent_limits_cmd(
         console.print(f"{key}: {', '.join(value) if isinstance(value, list) else value}")
 
 
+def startup_check(url: str | None, allow_shared: bool) -> None:
+    """`settings.check_private_state` for a command that serves: exit 2 with its one line, or,
+    allowed, a loud warning on stderr."""
+    from prefect_gpu_budget import settings
+
+    try:
+        warning = settings.check_private_state(url, allow_shared)
+    except settings.SharedStateError as exc:
+        fail(str(exc))
+    if warning:
+        typer.echo(f"WARNING: running with shared state, as allowed: {warning}", err=True)
+
+
+def _serving_ledger_url(
+    ctx: typer.Context, given: str | None, from_file: Path | None, allow_shared: bool
+) -> str | None:
+    """The ledger URL `agents serve` uses: its --ledger-url-file or --ledger-url, else the
+    app's --ledger-url, else PREFECT_GPU_BUDGET_LEDGER_URL, else the default. A password typed
+    on the command line is refused; so is one in a file other users can read."""
+    from click.core import ParameterSource
+
+    from prefect_gpu_budget import settings
+
+    if given is not None and from_file is not None:
+        fail("--ledger-url and --ledger-url-file: give one")
+    if from_file is not None:
+        try:
+            text = from_file.read_text().strip()
+            mode = from_file.stat().st_mode & 0o077
+        except (OSError, UnicodeDecodeError) as exc:
+            fail(f"--ledger-url-file: cannot read {from_file} ({type(exc).__name__})")
+        if not text or "\n" in text:
+            fail(f"--ledger-url-file: {from_file} must hold one URL on one line")
+        if (
+            mode
+            and settings.url_has_password(text)
+            and not (allow_shared or settings.allow_shared_home())
+        ):
+            fail(
+                f"--ledger-url-file: {from_file} holds a password and other users can read it "
+                f"(mode {from_file.stat().st_mode & 0o777:04o}): chmod 600 {from_file}"
+            )
+        return text
+    root = ctx.find_root()
+    if given is None and root.get_parameter_source("ledger_url") == ParameterSource.COMMANDLINE:
+        given = root.params.get("ledger_url")  # `prefect-gpu-budget --ledger-url URL agents serve`
+    if given is not None and settings.url_has_password(given):
+        fail(PASSWORD_ON_ARGV)
+    return given or None
+
+
 def agents_serve(
+    ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(8080, help="Port to listen on."),
+    ledger_url: str = typer.Option(
+        None,
+        "--ledger-url",
+        help=f"Ledger database URL, without a password (one with a password: {LEDGER_URL_ENV} "
+        "or --ledger-url-file).",
+    ),
+    ledger_url_file: Path = typer.Option(
+        None,
+        "--ledger-url-file",
+        help="A file holding the ledger's URL on one line (mode 0600 if it has a password).",
+    ),
+    allow_shared_home: bool = typer.Option(
+        False,
+        "--allow-shared-home",
+        help="Start even when PREFECT_HOME or a SQLite ledger is open to other users (a loud "
+        f"warning instead; or {ALLOW_SHARED_HOME_ENV}=1).",
+    ),
 ) -> None:
     """Run the agent gateway: the HTTP API agents use with their token (OpenAPI at /docs).
     It starts sweeps on the Prefect API of this process's settings, which agents must not
     reach: close that server with PREFECT_SERVER_API_AUTH_STRING and give this process
-    PREFECT_API_AUTH_STRING."""
+    PREFECT_API_AUTH_STRING. It refuses to start while PREFECT_HOME or a SQLite ledger is open
+    to other users. Behind a proxy, name it in PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES: only
+    its X-Forwarded-For is believed."""
+    from prefect_gpu_budget import settings
+
+    url = _serving_ledger_url(ctx, ledger_url, ledger_url_file, allow_shared_home)
+    startup_check(url, allow_shared_home)
+    try:
+        trusted = settings.gateway_trusted_proxies()
+    except ValueError as exc:
+        fail(str(exc))
     from prefect_gpu_budget.agents.gateway import serve as serve_gateway
 
-    serve_gateway(host, port)
+    serve_gateway(host, port, url, trusted_proxies=trusted)

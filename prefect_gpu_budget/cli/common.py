@@ -61,16 +61,32 @@ def usd(micro: int | None) -> float | None:
     return None if micro is None else micro_to_usd(micro)
 
 
+PASSWORD_ON_ARGV = (
+    "--ledger-url: a URL with a password shows in `ps` and the shell's history: give it in "
+    "PREFECT_GPU_BUDGET_LEDGER_URL (or, for `agents serve`, in a file only you can read: "
+    "--ledger-url-file PATH)"
+)
+
+
 # the callback of the whole app: the --ledger-url option every command reads
 def set_ledger_url(
+    ctx: typer.Context,
     ledger_url: str = typer.Option(
         None,
         "--ledger-url",
         envvar="PREFECT_GPU_BUDGET_LEDGER_URL",
-        help="Ledger database URL (default: SQLite under PREFECT_HOME).",
+        help="Ledger database URL (default: SQLite under PREFECT_HOME); one with a password "
+        "only through the environment, never on the command line.",
         show_envvar=True,
     ),
 ) -> None:
+    from click.core import ParameterSource
+
+    from prefect_gpu_budget import settings
+
+    typed = ctx.get_parameter_source("ledger_url") == ParameterSource.COMMANDLINE
+    if ledger_url and typed and settings.url_has_password(ledger_url):
+        fail(PASSWORD_ON_ARGV)
     _state["ledger_url"] = ledger_url
 
 

@@ -1,0 +1,444 @@
+"""The gateway's small hardenings (issue 30, item 6), driven for real where they can be.
+
+Lock-out per (address, token prefix) with a per-address cap; `X-Forwarded-For` believed only
+from configured proxies (and never by uvicorn itself); no ledger password on the command line;
+no start while PREFECT_HOME or a SQLite ledger is open to other users.
+
+The gateway runs in process over a SQLite ledger with FastAPI's TestClient (whose `client`
+sets the socket peer) and the Prefect API pointed at a closed port, as tests/test_gateway.py
+does; once as `agents serve`, a real uvicorn on loopback. The CLI runs as a subprocess.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+
+SESSION, OTHER = "acme/agents/agent-1", "acme/agents/agent-2"
+DOWN_API = "http://127.0.0.1:9/api"
+PASSWORD = "s3cret-" + secrets.token_hex(4)
+
+
+def _stale() -> str:
+    """A token the ledger never granted, shaped like one that it did."""
+    return "gpub_" + secrets.token_urlsafe(32)
+
+
+def _bearer(token: str, **headers: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}", **headers}
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    led = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    led.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+    yield led
+    led.dispose()
+
+
+@contextmanager
+def _gateway(ledger: Ledger, *peers: str, trusted: str | None = "") -> Iterator[list]:
+    """One gateway app, and a TestClient per socket peer (the first runs the app's lifespan;
+    the others share its `Door`, and so its limits)."""
+    from fastapi.testclient import TestClient
+    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    from prefect_gpu_budget.agents.gateway import create_app
+
+    down = {PREFECT_API_URL: DOWN_API, PREFECT_CLIENT_MAX_RETRIES: 0}
+    with temporary_settings(updates=down):
+        app = create_app(ledger.url, trusted_proxies=trusted)
+        first, *others = (TestClient(app, client=(peer, 40000)) for peer in peers)
+        with first:
+            yield [first, *others]
+
+
+# -- lock-out: per (address, token prefix), capped per address ------------------------------
+
+
+def test_a_bad_token_storm_locks_out_its_client_not_the_other_agents_behind_its_address(ledger):
+    token = ledger.grant_agent(SESSION)
+    stale = _stale()
+    with _gateway(ledger, "192.0.2.10") as (nat,):
+        codes = [nat.get("/v1/status", headers=_bearer(stale)).status_code for _ in range(15)]
+        assert codes == [401] * 10 + [429] * 5, codes
+        refused = nat.get("/v1/status", headers=_bearer(stale))
+        assert refused.status_code == 429 and 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert "like this one" in refused.json()["detail"]
+        mine = nat.get("/v1/status", headers=_bearer(token))  # the same address, another agent
+        assert mine.status_code == 200 and mine.json()["session"] == SESSION, mine.text
+        # fifteen different bad tokens (below the address's cap) lock out nobody either
+        distinct = [nat.get("/v1/status", headers=_bearer(_stale())) for _ in range(15)]
+        assert {r.status_code for r in distinct} == {401}
+        assert {r.headers["WWW-Authenticate"] for r in distinct} == {"Bearer"}
+        assert nat.get("/v1/status", headers=_bearer(token)).status_code == 200
+        # no token at all counts as its own client: locked out alone
+        assert [nat.get("/v1/status").status_code for _ in range(11)][-1] == 429
+        assert nat.get("/v1/status", headers=_bearer(token)).status_code == 200
+
+
+def test_past_the_address_cap_every_token_from_it_waits_and_other_addresses_do_not(ledger):
+    from prefect_gpu_budget.agents.door import AUTH_FAILURES_PER_ADDRESS
+
+    token, other = ledger.grant_agent(SESSION), ledger.grant_agent(OTHER)
+    most = AUTH_FAILURES_PER_ADDRESS[0]
+    with _gateway(ledger, "192.0.2.20", "192.0.2.21") as (enumerator, neighbour):
+        codes = {enumerator.get("/v1/status", headers=_bearer(_stale())).status_code}
+        for _ in range(most - 1):
+            codes.add(enumerator.get("/v1/status", headers=_bearer(_stale())).status_code)
+        assert codes == {401}
+        for valid in (token, _stale()):  # now nothing from it is even looked up
+            refused = enumerator.get("/v1/status", headers=_bearer(valid))
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["detail"] == "too many bad tokens from this address; wait"
+            assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert neighbour.get("/v1/status", headers=_bearer(other)).status_code == 200
+
+
+def test_ipv6_clients_are_capped_per_64_and_mapped_ipv4_as_ipv4():
+    from prefect_gpu_budget.agents.door import address_key
+
+    assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:bbbb::9")
+    assert address_key("2001:db8:1:2::1") != address_key("2001:db8:1:3::1")
+    assert address_key("::ffff:192.0.2.7") == "192.0.2.7" == address_key("192.0.2.7")
+    assert address_key("testclient") == "testclient"
+
+
+def test_the_window_sweeps_keys_seen_once_and_says_when_it_has_room():
+    from prefect_gpu_budget.agents.door import Window
+
+    brief = Window(1, 0.05)
+    for n in range(50):  # a storm of one-off keys
+        brief.hit(("192.0.2.1", f"gpub_{n}"))
+    time.sleep(0.1)
+    brief.hit("last")
+    assert list(brief._seen) == ["last"]
+    window = Window(2, 30.0)
+    assert window.retry_after("k") == 1
+    window.hit("k"), window.hit("k")
+    assert window.full("k") and 29 <= window.retry_after("k") <= 30
+
+
+# -- X-Forwarded-For: from trusted proxies only ---------------------------------------------
+
+
+def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(ledger):
+    token, stale = ledger.grant_agent(SESSION), _stale()
+    with _gateway(ledger, "192.0.2.30") as (client,):
+        for n in range(10):  # each claims another origin: the peer is what counts
+            spoofed = _bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
+            assert client.get("/v1/status", headers=spoofed).status_code == 401
+        fresh = _bearer(stale, **{"X-Forwarded-For": "198.51.100.99"})
+        assert client.get("/v1/status", headers=fresh).status_code == 429
+        assert client.get("/v1/status", headers=_bearer(token)).status_code == 200
+
+
+def test_x_forwarded_for_from_a_trusted_proxy_is_honoured(ledger):
+    stale = _stale()
+    with _gateway(ledger, "10.9.0.1", "192.0.2.40", trusted="10.9.0.0/16, 10.8.0.7") as (
+        proxy,
+        direct,
+    ):
+
+        def via(chain: str) -> int:
+            headers = _bearer(stale, **{"X-Forwarded-For": chain})
+            return proxy.get("/v1/status", headers=headers).status_code
+
+        assert [via("203.0.113.7") for _ in range(10)] == [401] * 10
+        assert via("203.0.113.7") == 429  # that client is locked out...
+        assert via("203.0.113.8") == 401  # ...the proxy's other clients are not
+        assert via("203.0.113.8, 203.0.113.7") == 429  # a hop the client wrote is not believed
+        assert via("203.0.113.7, 10.8.0.7") == 429  # through two trusted proxies: the client
+        mcp = proxy.post(  # the MCP door sees the same client
+            "/mcp", json={}, headers=_bearer(stale, **{"X-Forwarded-For": "203.0.113.7"})
+        )
+        assert mcp.status_code == 429 and "Retry-After" in mcp.headers, mcp.text
+        # a peer outside the trusted networks is its own client, whatever it claims
+        for _ in range(10):
+            spoofed = _bearer(stale, **{"X-Forwarded-For": "203.0.113.99"})
+            assert direct.get("/v1/status", headers=spoofed).status_code == 401
+        assert via("203.0.113.99") == 401
+
+
+def test_the_client_address_is_the_rightmost_hop_no_trusted_proxy_wrote():
+    from prefect_gpu_budget.agents.gateway import client_address
+    from prefect_gpu_budget.settings import gateway_trusted_proxies
+
+    trusted = gateway_trusted_proxies("10.0.0.0/8,2001:db8::1")
+    assert client_address("192.0.2.1", ["203.0.113.5"], trusted) == "192.0.2.1"
+    assert client_address("10.0.0.2", [], trusted) == "10.0.0.2"
+    assert client_address("10.0.0.2", ["1.1.1.1, 203.0.113.5"], trusted) == "203.0.113.5"
+    assert client_address("10.0.0.2", ["1.1.1.1", "203.0.113.5, 10.1.1.1"], trusted) == (
+        "203.0.113.5"
+    )
+    assert client_address("10.0.0.2", ["203.0.113.5:4711"], trusted) == "203.0.113.5"
+    assert client_address("2001:db8::1", ["[2001:db8::7]:443"], trusted) == "2001:db8::7"
+    assert client_address("::ffff:10.0.0.2", ["203.0.113.5"], trusted) == "203.0.113.5"
+    assert client_address("10.0.0.2", ["203.0.113.5, not-an-ip"], trusted) == "10.0.0.2"
+    assert client_address("10.0.0.2", ["10.0.0.3, 10.0.0.4"], trusted) == "10.0.0.3"
+    with pytest.raises(ValueError, match="PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES.*'nope'"):
+        gateway_trusted_proxies("10.0.0.1, nope")
+
+
+# -- secrets never from argv -----------------------------------------------------------------
+
+
+def test_url_passwords_are_found_where_the_ledger_would_read_them():
+    from prefect_gpu_budget.settings import url_has_password
+
+    for url in (
+        "postgresql://u:secret@h/db",
+        "postgresql+psycopg://u:p@ss/word@h:5432/db",
+        "postgresql://u@h/db?sslmode=require&password=secret",
+    ):
+        assert url_has_password(url), url
+    for url in (
+        "postgresql://u@h/db",
+        "postgresql://u:@h/db",
+        "postgresql://h/db?user=u",
+        "sqlite:////tmp/a:b@c.db",
+    ):
+        assert not url_has_password(url), url
+
+
+def _env(home: Path, **more: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("PREFECT_GPU_BUDGET_", "PREFECT_API_", "PREFECT_PROFILE"))
+    }
+    return {
+        **env,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": DOWN_API,
+        "PREFECT_CLIENT_MAX_RETRIES": "0",
+        **more,
+    }
+
+
+def _cli(env: dict[str, str], cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _one_line_error(run: subprocess.CompletedProcess) -> str:
+    assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), run.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def private_home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    return home
+
+
+@pytest.mark.parametrize("where", ["command", "app"])
+def test_a_ledger_password_on_the_command_line_is_refused(tmp_path, private_home, where):
+    url = f"postgresql://u:{PASSWORD}@127.0.0.1:9/db"
+    args = ["agents", "serve", "--ledger-url", url]
+    if where == "app":  # `prefect-gpu-budget --ledger-url URL agents serve`
+        args = ["--ledger-url", url, "agents", "serve"]
+    line = _one_line_error(_cli(_env(private_home), tmp_path, *args))
+    assert "PREFECT_GPU_BUDGET_LEDGER_URL" in line and "--ledger-url-file" in line, line
+    assert PASSWORD not in line
+
+
+def test_a_ledger_url_file_with_a_password_must_be_private(tmp_path, private_home):
+    holder = tmp_path / "ledger-url"
+    holder.write_text(f"postgresql://u:{PASSWORD}@127.0.0.1:9/db\n")
+    holder.chmod(0o640)
+    line = _one_line_error(
+        _cli(_env(private_home), tmp_path, "agents", "serve", "--ledger-url-file", str(holder))
+    )
+    assert f"chmod 600 {holder}" in line and PASSWORD not in line, line
+    missing = tmp_path / "absent"
+    line = _one_line_error(
+        _cli(_env(private_home), tmp_path, "agents", "serve", "--ledger-url-file", str(missing))
+    )
+    assert str(missing) in line, line
+
+
+# -- no start while PREFECT_HOME or the ledger is open to others -----------------------------
+
+
+@pytest.fixture
+def open_folder() -> Iterator[Path]:
+    """A folder others can reach (pytest's own tmp folders are 0700, which closes everything
+    under them): a fresh one in the system temp dir, made 0711."""
+    folder = Path(tempfile.mkdtemp(prefix="gpu-budget-hardening-"))
+    folder.chmod(0o711)
+    if any(not p.stat().st_mode & 0o001 for p in folder.resolve().parents):
+        shutil.rmtree(folder)
+        pytest.skip("the system temp dir is not reachable by other users here")
+    yield folder
+    shutil.rmtree(folder)
+
+
+def _sqlite(path: Path, mode: int) -> str:
+    led = Ledger(f"sqlite:///{path}")
+    led.dispose()
+    for leftover in (Path(f"{path}-wal"), Path(f"{path}-shm")):
+        leftover.unlink(missing_ok=True)
+    path.chmod(mode)
+    return f"sqlite:///{path}"
+
+
+def test_serve_refuses_a_prefect_home_others_can_read(open_folder):
+    home = open_folder / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    led = _sqlite(home / "ledger.db", 0o600)
+    line = _one_line_error(
+        _cli(_env(home, PREFECT_GPU_BUDGET_LEDGER_URL=led), open_folder, "serve")
+    )
+    assert f"PREFECT_HOME {home} is open to other users" in line and f"chmod 700 {home}" in line
+    assert "--allow-shared-home" in line and "ledger file" not in line, line
+
+
+def test_agents_serve_refuses_a_sqlite_ledger_others_can_read(open_folder, tmp_path):
+    home = open_folder / "home"
+    home.mkdir(mode=0o700)
+    ledger_file = open_folder / "ledger.db"
+    led = _sqlite(ledger_file, 0o644)
+    line = _one_line_error(
+        _cli(_env(home), tmp_path, "agents", "serve", "--ledger-url", led)  # honoured
+    )
+    assert f"the ledger file {ledger_file} is open to other users (mode 0644)" in line, line
+    assert f"chmod 600 {ledger_file}" in line and "PREFECT_HOME" not in line, line
+    holder = tmp_path / "ledger-url"  # the same URL from a file
+    holder.write_text(led)
+    again = _cli(_env(home), tmp_path, "agents", "serve", "--ledger-url-file", str(holder))
+    assert _one_line_error(again) == line
+
+
+def test_allowed_shared_state_is_a_loud_warning(open_folder, tmp_path):
+    home = open_folder / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)
+    led = _sqlite(open_folder / "ledger.db", 0o644)
+    # a bad proxy list stops it right after the check: nothing serves
+    env = _env(home, PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES="10.0.0.1,nope")
+    for how, extra in (("flag", {}), ("env", {"PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME": "1"})):
+        args = ["agents", "serve", "--ledger-url", led]
+        run = _cli({**env, **extra}, tmp_path, *args, *(["--allow-shared-home"] * (how == "flag")))
+        assert run.returncode == 2, run.stderr
+        warning, error = run.stderr.strip().splitlines()
+        assert warning.startswith("WARNING: running with shared state") and "chmod 700" in warning
+        assert "chmod 600" in warning and "'nope'" in error, run.stderr
+
+
+def test_the_startup_check_passes_private_state_and_knows_closed_folders(
+    open_folder, tmp_path, monkeypatch
+):
+    from prefect_gpu_budget.settings import SharedStateError, check_private_state
+
+    monkeypatch.delenv("PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME", raising=False)
+    monkeypatch.delenv("PREFECT_GPU_BUDGET_LEDGER_URL", raising=False)
+    home = open_folder / "home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    led = _sqlite(home / "ledger.db", 0o600)
+    assert check_private_state(led) is None
+    home.chmod(0o755)
+    with pytest.raises(SharedStateError, match=f"chmod 700 {home}"):
+        check_private_state(led)
+    assert "chmod 700" in check_private_state(led, allow_shared=True)
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME", "1")
+    assert "chmod 700" in check_private_state(led)
+    monkeypatch.delenv("PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME")
+    home.chmod(0o700)
+    (home / "ledger.db").chmod(0o640)  # group-readable, in a folder only its owner passes
+    assert check_private_state(led) is None
+    shared = _sqlite(open_folder / "shared.db", 0o640)
+    with pytest.raises(SharedStateError, match="mode 0640"):
+        check_private_state(shared)
+    assert check_private_state("postgresql://u@127.0.0.1:9/db") is None
+    assert check_private_state(f"sqlite:///{open_folder / 'not-yet.db'}") is None
+    closed = tmp_path / "home"  # 0755, but under pytest's 0700 folders: nobody else passes
+    closed.mkdir(mode=0o755)
+    closed.chmod(0o755)
+    monkeypatch.setenv("PREFECT_HOME", str(closed))
+    assert check_private_state(_sqlite(closed / "ledger.db", 0o644)) is None
+
+
+# -- the real thing: `agents serve` on loopback -----------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(base: str, path: str, headers: dict[str, str]) -> int:
+    request = urllib.request.Request(base + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_agents_serve_honours_its_ledger_url_and_uvicorn_believes_no_forwarded_header(
+    tmp_path, private_home, ledger
+):
+    token, stale = ledger.grant_agent(SESSION), _stale()
+    port, base = _free_port(), ""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "agents", "serve", "--port", str(port)]
+        + ["--ledger-url", ledger.url],
+        env=_env(private_home),
+        cwd=tmp_path,
+        stdout=(tmp_path / "gateway.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _get(base, "/openapi.json", {}) == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None, (tmp_path / "gateway.log").read_text()
+            assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
+            time.sleep(0.25)
+        assert _get(base, "/v1/status", _bearer(token)) == 200  # this ledger's token
+        for n in range(10):  # uvicorn would have believed these from 127.0.0.1
+            spoofed = _bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
+            assert _get(base, "/v1/status", spoofed) == 401
+        assert _get(base, "/v1/status", _bearer(stale, **{"X-Forwarded-For": "1.2.3.4"})) == 429
+        assert _get(base, "/v1/status", _bearer(token)) == 200
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+    mode = stat.S_IMODE(private_home.stat().st_mode)
+    assert mode == 0o700  # the check changes nothing

@@ -14,7 +14,8 @@ from typing import Any
 
 from sqlalchemy.exc import NoResultFound
 
-from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.stopping import stop_job
 from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.settings import agent_results_root
@@ -137,21 +138,16 @@ def sandboxed_launcher(spec: SweepSpec) -> Any:
 
 
 def stop_own_job(ledger: Ledger, job_id: str, scope: str) -> str:
-    """Stop a job of session `scope`: a queued one is cancelled; an admitted or running one is
-    stopped by its holder (SIGTERM, its kill grace, SIGKILL) and settled for what it ran.
-    Returns what became of it (`cancelled`, `stopping`); another session's job is refused
-    untouched (`LookupError`), an ended one is a `BudgetInputError`."""
+    """Stop a job of session `scope` (`admission.stopping.stop_job`): `cancelled` or
+    `stopping`; another session's job is refused untouched (`LookupError`), an ended one is a
+    `BudgetInputError`."""
     try:
         row = ledger.job(job_id)
     except NoResultFound:
         row = None
     if row is None or row["scope"] != scope:
         raise LookupError(f"no job {job_id[:36]!r} in {scope}")
-    if ledger.cancel_queued(job_id, scope, "cancelled by its agent"):
-        return "cancelled"
-    if ledger.ask_stop(job_id, STOPPED_BY_AGENT):
-        return "stopping"
-    row = ledger.job(job_id)
-    if row["state"] in ACTIVE and row.get("stop_asked_at"):
-        return "stopping"
-    raise BudgetInputError("job_id", f"job {job_id[:8]} is {row['state']}: it has ended")
+    became = stop_job(ledger, job_id, scope, STOPPED_BY_AGENT)
+    if became is None:
+        raise BudgetInputError("job_id", f"job {job_id[:8]} is {row['state']}: it has ended")
+    return became

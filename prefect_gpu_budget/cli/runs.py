@@ -32,8 +32,7 @@ def sweep(
 ) -> None:
     """Run a sweep from its YAML spec: progress as trials finish, the results table at the end,
     and the run's page in the Prefect UI."""
-    import threading
-
+    from prefect_gpu_budget.cli.foreground import run_in_foreground
     from prefect_gpu_budget.flows.demo import start_temporary_server
     from prefect_gpu_budget.flows.sweep import gpu_sweep, load_spec
 
@@ -41,24 +40,12 @@ def sweep(
     start_temporary_server()
     ledger = current_ledger()
     total, started = len(spec.trials()), time.time()
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["state"] = gpu_sweep(
-                spec,
-                ledger=spend_ledger(),
-                return_state=True,
-            )
-        except BaseException as exc:  # shown below, after the progress bar
-            outcome["error"] = exc
-
-    worker = threading.Thread(target=run, name="sweep", daemon=True)
-    worker.start()
-    _show_progress(worker, ledger, spec, total, started)
-    if "error" in outcome:
-        raise outcome["error"]
-    state = outcome["state"]
+    state = run_in_foreground(
+        spec,
+        ledger,
+        lambda: gpu_sweep(spec, ledger=spend_ledger(), return_state=True),
+        lambda worker: _show_progress(worker, ledger, spec, total, started),
+    )
     df = state.result(raise_on_failure=False)
     if not hasattr(df, "to_string"):
         fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
@@ -138,8 +125,19 @@ def serve(
     sweep_cron: str = typer.Option("0 2 * * *", help="When the sweep runs (UTC)."),
     report_cron: str = typer.Option("0 7 * * *", help="When the spend report runs (UTC)."),
     reconcile_every: int = typer.Option(300, help="Seconds between reconcile runs."),
+    allow_shared_home: bool = typer.Option(
+        False,
+        "--allow-shared-home",
+        help="Start even when PREFECT_HOME or a SQLite ledger is open to other users (a loud "
+        "warning instead; or PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME=1).",
+    ),
 ) -> None:
-    """Serve the sweep, spend-report and reconcile deployments from this process."""
+    """Serve the sweep, spend-report and reconcile deployments from this process. Refuses to
+    start while PREFECT_HOME or a SQLite ledger is open to other users."""
+    from prefect_gpu_budget.cli.agents import startup_check
+    from prefect_gpu_budget.cli.common import _state
+
+    startup_check(_state["ledger_url"], allow_shared_home)
     from prefect_gpu_budget.deployments import EXAMPLE_SPEC
     from prefect_gpu_budget.deployments import serve as serve_all
 

@@ -8,7 +8,6 @@ the trial runs and can stop it early. A failed write never stops a sweep: it is 
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Mapping
 from functools import partial
@@ -16,13 +15,12 @@ from logging import Logger, LoggerAdapter
 from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.admission.ledger import FINAL
 from prefect_gpu_budget.admission.ledger.results import MAX_RECORDS, SweepRecords
-from prefect_gpu_budget.agents.rules import stop_own_job
+from prefect_gpu_budget.admission.stopping import stop_sweep
 from prefect_gpu_budget.metrics_file import MetricsTail
 from prefect_gpu_budget.sweep_spec import SweepSpec
-from prefect_gpu_budget.units import BudgetInputError
 
+SWEEP_CANCELLED = "its sweep was cancelled"
 TAP_S = 1.0
 """How often running trials' metrics files are read."""
 
@@ -101,16 +99,11 @@ class SweepRecorder:
             with self._lock:
                 for trial, tail in list(self._tails.items()):
                     self._take(trial, tail.read())
-            if self.cancelled():
-                self._store("stopping the sweep's jobs", self._stop_jobs)
-
-    def _stop_jobs(self, records: SweepRecords) -> None:
-        """A cancelled sweep's jobs that are not over yet (one asked for just as it was
-        cancelled, say): the queued cancelled, the running stopped."""
-        for row in records.ledger.jobs(self.scope, flow_run_id=self.run_id):
-            if row["state"] not in FINAL:
-                with contextlib.suppress(LookupError, BudgetInputError):
-                    stop_own_job(records.ledger, row["id"], self.scope)
+            if self.cancelled():  # a job asked for just as the sweep was cancelled, say
+                self._store(
+                    "stopping the sweep's jobs",
+                    lambda r: stop_sweep(r.ledger, self.run_id, self.scope, SWEEP_CANCELLED),
+                )
 
     def _take(self, trial: int, new: list[dict[str, Any]]) -> None:
         if not new:

@@ -23,6 +23,7 @@ from prefect.artifacts import (
 )
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed
+from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_budget import plots
@@ -93,7 +94,10 @@ def run_sweep(
     of it), ledger, agent grant and job shape (`job_defaults`)."""
     shape = spec.job.model_dump(exclude_none=True)
     with job_defaults(scope=spec.scope, ledger=ledger or SpendLedger(), grant=grant, **shape):
-        return _sweep(spec, ledger, launcher, grant, results_root)
+        df = _sweep(spec, ledger, launcher, grant, results_root)
+    if df.attrs.get("cancelled"):  # the run ends Cancelled, its table still its result
+        return Cancelled(message=df.attrs["last_word"], data=df)  # type: ignore[return-value]
+    return df
 
 
 def _sweep(
@@ -201,7 +205,9 @@ def _sweep(
     for picture in [*pictures, out / "forecast.png"]:
         if picture is not None and picture.exists():
             outputs[picture.name] = ("image/png", picture.read_bytes())
-    recorder.finish(outputs, _last_word(spec, df, len(trials), recorder.cancelled()))
+    last_word = _last_word(spec, df, len(trials), recorder.cancelled())
+    recorder.finish(outputs, last_word)
+    df.attrs.update(cancelled=recorder.cancelled(), last_word=last_word)
     logger.info("sweep %s: results in %s", spec.name, out.resolve())
     df.attrs["results_dir"] = str(out.resolve())
     return df

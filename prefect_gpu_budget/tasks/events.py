@@ -131,7 +131,8 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
         )
 
     def refused(job_id: str, refused: AdmissionRefused) -> None:
-        logger.error("GPU job %s in %s: %s", job_id[:8], scope, refused)
+        say = logger.warning if refused.state_name == "Cancelled" else logger.error
+        say("GPU job %s in %s: %s", job_id[:8], scope, refused)
         emit_event(
             event="gpu-budget.job.rejected",
             resource=_resource(job_id, scope),

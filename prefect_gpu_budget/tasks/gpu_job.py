@@ -16,10 +16,10 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
-from prefect.states import Failed
+from prefect.states import Cancelled, Failed
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
-from prefect_gpu_budget.admission.lifecycle import Ended, run_job
+from prefect_gpu_budget.admission.lifecycle import CANCELLED, STOPPED_BY_OWNER, Ended, run_job
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
@@ -171,6 +171,8 @@ def run_gpu_job(
             requeued=requeued,
         )
     except AdmissionRefused as refused:
+        if refused.state_name == "Cancelled":  # its owner cancelled it while it waited
+            return Cancelled(message=refused.reason)  # type: ignore[return-value]
         return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
     result, row = ended.result, ended.row
     out = JobResult(
@@ -189,5 +191,7 @@ def run_gpu_job(
         message = redact_urls(
             f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
         )
+        if result.outcome == CANCELLED and result.detail.startswith(STOPPED_BY_OWNER):
+            return Cancelled(message=message)  # type: ignore[return-value]
         return Failed(name="GpuJobFailed", message=message)  # type: ignore[return-value]
     return out

@@ -182,6 +182,17 @@ class SweepRecords:
             row = conn.execute(sweeps.select().where(sweeps.c.run_id == run_id)).first()
         return None if row is None else dict(row._mapping)
 
+    def latest(self, scope: str, name: str, since: float) -> str | None:
+        """The run id of the newest sweep `name` in `scope` that started at or after `since`."""
+        with self.ledger._read() as conn:
+            return conn.execute(
+                sa.select(sweeps.c.run_id)
+                .where(sweeps.c.scope == scope, sweeps.c.name == name)
+                .where(sweeps.c.started_at >= since)
+                .order_by(sweeps.c.started_at.desc())
+                .limit(1)
+            ).scalar_one_or_none()
+
     def cancelled(self, run_id: str) -> bool:
         with self.ledger._read() as conn:
             return (

@@ -247,6 +247,30 @@ class SweepSpec(BaseModel):
         )
 
 
+def preflight(spec: SweepSpec, launcher: Any) -> None:
+    """Refuse, before anything starts, what would stop every trial of the sweep: an instance
+    type without a price (with did-you-mean), or a job its launcher cannot run (a type it does
+    not run, a command not there): a `BudgetInputError` naming the field. The checks `forecast`
+    makes and the first trial would make, for `sweep`, the agent gateway and the agent flow."""
+    from prefect_gpu_budget.launchers.base import LaunchConfigError
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    trials = spec.trials()
+    job = spec.job_for(trials[0] if trials else {}, spec.name)
+    quote = default_catalog().quote(job.instance_type, job.nodes, job.provisioning)
+    try:
+        launcher.preflight(job, job.priced(quote)[0])
+    except LaunchConfigError as refused:
+        field, sep, rest = refused.reason.partition(": ")
+        if sep and re.fullmatch(r"[a-z_]+", field):  # the launcher named the field
+            raise BudgetInputError(
+                "job.instance_type" if field == "instance_type" else field, rest
+            ) from None
+        raise BudgetInputError(
+            "command" if refused.launcher == "local" else "launcher", refused.reason
+        ) from None
+
+
 def load_spec(spec: SweepSpec | dict[str, Any] | str, scope: str | None = None) -> SweepSpec:
     """A spec from a model, a mapping or a YAML path; `scope` re-homes it (an agent's session)."""
     if isinstance(spec, str):

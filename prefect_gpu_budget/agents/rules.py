@@ -19,7 +19,7 @@ from prefect_gpu_budget.admission.stopping import stop_job
 from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.settings import agent_results_root
-from prefect_gpu_budget.sweep_spec import SweepSpec, load_spec
+from prefect_gpu_budget.sweep_spec import SweepSpec, load_spec, preflight
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, org_of, shown
 
 STOPPED_BY_AGENT = "stopped by its agent"
@@ -102,15 +102,9 @@ def agent_results(session: str) -> Path:
 
 def runnable(spec: SweepSpec) -> None:
     """Refuse (`BudgetInputError`, naming the field) what the flow would refuse before its
-    first trial: an instance type without a price (with did-you-mean), a launcher this worker
-    cannot build, a command the agent user cannot execute. Checked with this process's
-    settings: run the gateway with the agent worker's (`PREFECT_GPU_BUDGET_AGENT_*`)."""
-    from prefect_gpu_budget.launchers.base import LaunchConfigError
-    from prefect_gpu_budget.pricing.catalog import default_catalog
-
-    trials = spec.trials()
-    job = spec.job_for(trials[0] if trials else {}, "check")
-    quote = default_catalog().quote(job.instance_type, job.nodes, job.provisioning)
+    first trial (`sweep_spec.preflight`) on the launcher the agent's trials run on. Checked with
+    this process's settings: run the gateway with the agent worker's
+    (`PREFECT_GPU_BUDGET_AGENT_*`, `PREFECT_GPU_BUDGET_LOCAL_MACHINE`)."""
     try:
         launcher = sandboxed_launcher(spec)
     except Exception as exc:  # a block that is not there, or will not load
@@ -119,11 +113,7 @@ def runnable(spec: SweepSpec) -> None:
         ) from None
     if launcher is None:
         raise BudgetInputError("launcher", f"no launcher {shown(spec.launcher)} here")
-    try:
-        launcher.preflight(job, job.priced(quote)[0])
-    except LaunchConfigError as refused:
-        field = "command" if spec.launcher is None else "launcher"
-        raise BudgetInputError(field, refused.reason) from None
+    preflight(spec, launcher)
 
 
 def sandboxed_launcher(spec: SweepSpec) -> Any:

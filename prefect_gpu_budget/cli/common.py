@@ -68,9 +68,20 @@ PASSWORD_ON_ARGV = (
 )
 
 
-# the callback of the whole app: the --ledger-url option every command reads
+def _show_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"prefect-gpu-budget {version('prefect-gpu-budget')}")
+        raise typer.Exit(0)
+
+
+# the callback of the whole app: the --ledger-url option every command reads, and --version
 def set_ledger_url(
     ctx: typer.Context,
+    _version: bool = typer.Option(
+        False, "--version", is_eager=True, callback=_show_version, help="Show the version."
+    ),
     ledger_url: str = typer.Option(
         None,
         "--ledger-url",

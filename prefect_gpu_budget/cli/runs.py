@@ -35,9 +35,19 @@ def sweep(
     from prefect_gpu_budget.cli.foreground import run_in_foreground
     from prefect_gpu_budget.flows.demo import start_temporary_server
     from prefect_gpu_budget.flows.sweep import gpu_sweep, load_spec
+    from prefect_gpu_budget.launchers.local import LocalLauncher
+    from prefect_gpu_budget.launchers.registry import launcher_for
+    from prefect_gpu_budget.sweep_spec import preflight
 
     spec = load_spec(spec_path, scope)  # a bad spec fails here, before any server starts
+    if spec.launcher is None:  # what `forecast` and the first trial would refuse, refused now
+        preflight(spec, LocalLauncher())
     start_temporary_server()
+    if spec.launcher is not None:  # a launcher block loads from the server
+        launcher = launcher_for(spec.launcher)
+        if launcher is None:
+            fail(f"launcher: no launcher {spec.launcher!r} (kind:block-name)")
+        preflight(spec, launcher)
     ledger = current_ledger()
     total, started = len(spec.trials()), time.time()
     state = run_in_foreground(
@@ -49,8 +59,7 @@ def sweep(
     df = state.result(raise_on_failure=False)
     if not hasattr(df, "to_string"):
         fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
-    columns = [c for c in df.columns if c not in ("job_id", "runtime_s")]
-    typer.echo(df[columns].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    typer.echo(_trials_table(df))
     typer.echo(f"results: {df.attrs.get('results_dir')}")
     from prefect_gpu_budget.settings import prefect_api_url
 
@@ -60,6 +69,28 @@ def sweep(
         ui = PREFECT_UI_URL.value()
         if ui:
             typer.echo(f"run: {ui}/runs/flow-run/{state.state_details.flow_run_id}")
+
+
+def _trials_table(df: Any) -> str:
+    """The trials as a table that fits the terminal: the reason column cut to what is left
+    (the whole reason stays in trials.csv and on the run in the UI)."""
+    import shutil
+
+    from prefect_gpu_budget.settings import piped_columns
+
+    columns = [c for c in df.columns if c not in ("job_id", "runtime_s")]
+    shown = df[columns].copy()
+
+    def table() -> str:
+        return shown.to_string(index=False, float_format=lambda v: f"{v:.4g}")
+
+    if "reason" not in shown or shown.empty:
+        return table()
+    width = shutil.get_terminal_size((piped_columns(), 24)).columns
+    others = shown.drop(columns=["reason"]).to_string(index=False).splitlines()[0]
+    room = max(20, width - len(others) - 2)
+    shown["reason"] = [r if len(r) <= room else r[: room - 1] + "…" for r in shown["reason"]]
+    return table()
 
 
 def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: float) -> None:

@@ -30,6 +30,14 @@ def _refresh_hint(admission: Admission) -> str:
     return " (set it with `prefect-gpu-budget prices set-local`)"
 
 
+def _why(decision: Decision) -> str:
+    """What holds a job, said once: its reason, and when the period that blocks it resets
+    unless the reason says so already."""
+    if not decision.resumes_at or "resets" in decision.reason:
+        return decision.reason
+    return f"{decision.reason} (resets {periods.fmt_instant(decision.resumes_at, 'UTC')})"
+
+
 def _resource(job_id: str, scope: str) -> dict[str, str]:
     return {
         "prefect.resource.id": f"gpu-budget.job.{job_id}",
@@ -69,20 +77,21 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
     ctx = TaskRunContext.get()
     shown_waiting: list[bool] = []
 
-    def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
-        resumes = ""
-        if decision.resumes_at:
-            resumes = f" (resets {periods.fmt_instant(decision.resumes_at, 'UTC')})"
-        logger.warning("GPU job %s queued in %s: %s%s", job_id[:8], scope, decision.reason, resumes)
+    def show_waiting(decision: Decision) -> None:
+        """The task run's `AwaitingBudget` state, its message what holds the job now."""
         shown_waiting.append(True)
         _show_state(
             ctx,
             State(
                 type=StateType.SCHEDULED,
                 name=AWAITING_BUDGET,
-                message=f"waiting for budget: {decision.reason}{resumes}",
+                message=f"waiting for budget: {_why(decision)}",
             ),
         )
+
+    def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
+        logger.warning("GPU job %s queued in %s: %s", job_id[:8], scope, _why(decision))
+        show_waiting(decision)
         emit_event(
             event="gpu-budget.job.queued",
             resource=_resource(job_id, scope),
@@ -104,7 +113,8 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             logger.warning("could not send the waiting notification: %s", exc)
 
     def waiting(job_id: str, decision: Decision) -> None:
-        logger.info("GPU job %s still waiting: %s", job_id[:8], decision.reason)
+        logger.info("GPU job %s still waiting: %s", job_id[:8], _why(decision))
+        show_waiting(decision)  # the UI follows what holds it, not its first reason
 
     def admitted(admission: Admission) -> None:
         if shown_waiting:
@@ -114,7 +124,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             admission.job_id[:8],
             scope,
             fmt_duration(admission.waited_s),
-            admission.reason,
+            admission.reason.removeprefix("admitted: "),
         )
         for warning in admission.quote.warnings:
             if warning not in _warned:  # once per process, not once per trial

@@ -19,7 +19,13 @@ from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
-from prefect_gpu_budget.admission.lifecycle import CANCELLED, STOPPED_BY_OWNER, Ended, run_job
+from prefect_gpu_budget.admission.lifecycle import (
+    CANCELLED,
+    STOPPED_BY_OWNER,
+    TIMED_OUT,
+    Ended,
+    run_job,
+)
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
@@ -193,5 +199,6 @@ def run_gpu_job(
         )
         if result.outcome == CANCELLED and result.detail.startswith(STOPPED_BY_OWNER):
             return Cancelled(message=message)  # type: ignore[return-value]
-        return Failed(name="GpuJobFailed", message=message)  # type: ignore[return-value]
+        name = "TimedOut" if result.outcome == TIMED_OUT else "GpuJobFailed"  # as @gpu_task's
+        return Failed(name=name, message=message)  # type: ignore[return-value]
     return out

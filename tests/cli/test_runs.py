@@ -1,0 +1,70 @@
+"""The sweep table fits the terminal; `--version` answers."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pandas as pd
+
+from prefect_gpu_budget.cli.runs import _trials_table
+
+
+def test_the_reason_column_is_cut_to_fit_the_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    long = "blocked by hourly cap of acme/vision: running $3.60/h + this job " * 5
+    df = pd.DataFrame(
+        [
+            {"trial": 0, "lr": 0.1, "loss": 0.5, "state": "Completed", "reason": ""},
+            {"trial": 1, "lr": 0.2, "loss": None, "state": "OverBudget", "reason": long},
+        ]
+    )
+    lines = _trials_table(df).splitlines()
+    assert max(len(line) for line in lines) <= 100, lines
+    assert lines[2].rstrip().endswith("…") and "blocked by hourly cap" in lines[2]
+    assert df.loc[1, "reason"] == long  # the table's copy is cut, not the results
+
+
+def test_version():
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("prefect-gpu-budget 0."), done
+
+
+def test_sweep_refuses_before_starting_what_forecast_refuses(prices, tmp_path):
+    """A typo in the instance type, or a cloud's type on the local launcher: exit 2, one line,
+    before any server starts or any trial is asked for."""
+    import json
+    import os
+
+    ledger = tmp_path / "ledger.db"
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{ledger}"}
+    env.pop("PREFECT_API_URL", None)  # nothing may need a server before the refusal
+    for instance_type, said in (
+        ("local:boxx", "error: instance_type: no on-demand price for 'local:boxx'"),
+        ("aws:g5.xlarge", "error: job.instance_type: the local launcher runs jobs on this"),
+    ):
+        spec = {
+            "name": "typo",
+            "scope": "acme/team/a",
+            "job": {"instance_type": instance_type, "max_runtime": "1m"},
+            "command": ["true"],
+            "grid": {"lr": [0.1]},
+        }
+        path = tmp_path / "sweep.yaml"
+        path.write_text(json.dumps(spec))
+        done = subprocess.run(
+            [sys.executable, "-m", "prefect_gpu_budget.cli", "sweep", str(path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        [line] = done.stderr.strip().splitlines()
+        assert line.startswith(said), line
+    assert not ledger.exists() or "typo" not in ledger.read_bytes().decode(errors="replace")

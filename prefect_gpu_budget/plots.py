@@ -161,7 +161,8 @@ def spend_over_time(
     title: str = "spend",
     resets: Iterable[float] = (),
 ) -> Path | None:
-    """Top: settled and settled-plus-reserved spend against the period budget.
+    """Top: spend (settled) as a line, reserved money as a band above it (held, not spent),
+    against the period budget.
     Bottom: the running rate against the hourly cap. Axes fit the data, so the plot reads at
     any budget; a limit far above the data is named rather than drawn. `resets` are the instants
     at which the period budget starts again: the spend shown starts from zero there, as the
@@ -195,8 +196,27 @@ def spend_over_time(
         xs.append((t - t0) / unit_s)
         settled.append(micro_to_usd(s_total))
         committed.append(micro_to_usd(c_total))
-    top.step(xs, committed, where="post", color="tab:purple", alpha=0.6, label="settled + reserved")
-    top.step(xs, settled, where="post", color="tab:blue", label="settled")
+    # reserved money is held, not spent: a band above the spend, never a line read as spend
+    top.fill_between(
+        xs,
+        settled,
+        committed,
+        step="post",
+        color="tab:purple",
+        alpha=0.18,
+        linewidth=0,
+        label="reserved (held until settled)",
+    )
+    top.step(xs, settled, where="post", color="tab:blue", linewidth=2, label="spent (settled)")
+    top.annotate(
+        f"spent ${settled[-1]:,.4g}",
+        (xs[-1], settled[-1]),
+        textcoords="offset points",
+        xytext=(-4, 6),
+        ha="right",
+        fontsize=8,
+        color="tab:blue",
+    )
     if budget_micro is not None:
         _limit_line(top, micro_to_usd(budget_micro), max(committed), "tab:red", "period budget", "")
     top.set_ylabel("USD")

@@ -76,6 +76,6 @@ def test_spend_plot_draws_period_resets_and_counts_each_period_from_zero(tmp_pat
     top = figures[0].axes[0]
     dotted = [line for line in top.get_lines() if line.get_linestyle() == ":"]
     assert len(dotted) == 2
-    settled = next(line for line in top.get_lines() if line.get_label() == "settled")
+    settled = next(line for line in top.get_lines() if line.get_label() == "spent (settled)")
     assert max(settled.get_ydata()) == 10.0  # never the $30 of all three days
     assert figures[0].axes[1].get_xlabel() == "hours since first admission"  # 50 h

@@ -145,6 +145,15 @@ class TeamShare(BaseModel):
     borrow_pct: int = Field(0, ge=0, le=1000, description="May borrow this % of its quota more.")
     lend_pct: int = Field(100, ge=0, le=100, description="% of its idle quota others may borrow.")
     weight: int = Field(50, ge=0, le=100, description="Fair share of idle capacity (0 = last).")
+    reclaim: Literal["any", "lower_priority", "never"] = Field(
+        "any", description="Which borrowers of its lent quota the team's jobs may preempt."
+    )
+    within_team: Literal["lower_priority", "never"] = Field(
+        "lower_priority", description="Whether its jobs preempt its own lower-priority work."
+    )
+    queueing: Literal["best_effort_fifo", "strict_fifo"] = Field(
+        "best_effort_fifo", description="Whether a blocked job holds the team's later jobs."
+    )
 
 
 class PoolSettings(BaseModel):
@@ -197,6 +206,9 @@ class PoolSettings(BaseModel):
                 borrow_pct=t.borrow_pct,
                 lend_pct=t.lend_pct,
                 weight=t.weight,
+                reclaim=t.reclaim,
+                within_team=t.within_team,
+                queueing=t.queueing,
             )
             for t in self.teams
         ]

@@ -7,8 +7,9 @@ adds what only a Prefect run has (its states, its run logger, its events: `tasks
 
 The launcher stops the job at max_runtime (`Launcher.run`); this module
 - records the start (`Gate.started`) and the cloud's submission (`Gate.submitted`);
-- stops the job gracefully when the gate says its borrowed capacity is reclaimed (the
-  admission's `preempted` event), and names such an end `preempted`;
+- stops the job gracefully when the gate says it must stop (the admission's `preempted`
+  event): preempted (its capacity taken back, as the pool's team settings allow: named
+  `preempted`) or stopped by its owner (named `cancelled`);
 - settles once: from the launcher's result, or, when `launcher.run` raised (an error, a
   cancellation: any `BaseException`), as `cancelled` up to now, before the exception goes on.
 

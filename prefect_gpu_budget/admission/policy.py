@@ -5,18 +5,20 @@ No I/O here. The ledger loads a `LedgerState` and the queue inside its transacti
 
 Queue order is priority (higher first), then arrival. A waiting job *holds* the scopes whose limit
 blocks it: a later job that needs any of those scopes waits behind it (no backfill), so a big job
-is never starved by a stream of small ones, while jobs in unrelated scopes go on.
+is never starved by a stream of small ones, while jobs in unrelated scopes go on. In capacity
+pools each team has its own queue, jobs within their team's nominal quota go before borrowers,
+and a waiting job holds only what `queueing` says; who is preempted is `preemption`'s rule.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission import periods, queueing
 from prefect_gpu_budget.admission.quota import Capacity, Placed, Pool, Shape, TeamQuota
 from prefect_gpu_budget.units import (
     MICRO_PER_CENT,
@@ -174,7 +176,8 @@ class Decision:
     placement: tuple[int, ...] = ()
     """For an admission in an inventory pool: the machine of each of its nodes."""
     preempt: tuple[str, ...] = ()
-    """Borrowed jobs asked to stop so that this one (within its team's quota) fits."""
+    """Jobs asked to stop so that this one fits: other teams' borrowed work it reclaims, or its
+    own team's lower-priority work (its team's `reclaim` and `within_team` settings)."""
     pool: str | None = None
     """For an admission: the capacity pool it runs in."""
 
@@ -330,8 +333,8 @@ def plan(
     capacity = Capacity(state.pools, state.quotas, list(state.placed)) if state.pools else None
     held: dict[str, Request] = {}
     out: dict[str, Decision] = {}
-    for req in _walk(ordered, capacity):
-        if req.job_id != stop_at and _ahead(req, req.shape, held, capacity) is not None:
+    for req in queueing.walk(ordered, capacity):
+        if req.job_id != stop_at and queueing.ahead(req, req.shape, held, capacity) is not None:
             out[req.job_id] = NOT_REACHED  # cannot be admitted this round; details on request
             continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
@@ -340,61 +343,6 @@ def plan(
         if req.job_id == stop_at or (stop_at is None and orgs <= held.keys()):
             break
     return out
-
-
-def _ahead(
-    req: Request, shape: Shape | None, held: dict[str, Request], capacity: Capacity | None
-) -> tuple[str, Request] | None:
-    """The first hold the job waits behind, with the job holding it: its scopes, and with a
-    shape its pool and its team's quota. A waiting borrower holds `borrow:<pool>`, which only
-    other borrowers wait behind: a job within its team's quota never does, as a Kueue
-    ClusterQueue admits within its nominal quota (checked only when such a hold exists, so the
-    walk stays linear)."""
-    keys = list(scope_path(req.scope))
-    if shape is not None:
-        keys += [f"pool:{shape.pool}", f"team:{shape.pool}:{shape.team}"]
-    for key in keys:
-        if key in held:
-            return key, held[key]
-    if shape is None or f"borrow:{shape.pool}" not in held:
-        return None
-    if capacity is None or not capacity.within_quota(shape):
-        return f"borrow:{shape.pool}", held[f"borrow:{shape.pool}"]
-    return None
-
-
-def _held(key: str) -> str:
-    """A hold (`_keys`) as a reason names it: a scope, `pool X`, a team's quota, borrowing."""
-    kind, _, rest = key.partition(":")
-    if kind == "pool":
-        return f"pool {rest}"
-    if kind == "team":
-        pool, _, team = rest.partition(":")
-        return f"the quota of team {team} in pool {pool}"
-    if kind == "borrow":
-        return f"idle capacity to borrow in pool {rest}"
-    return key
-
-
-def _walk(ordered: list[Request], capacity: Capacity | None) -> Iterator[Request]:
-    """Queue order: priority, then (in capacity pools) fair share, then arrival. Fair share is
-    read afresh before each pick, as admissions change who has borrowed most per weight."""
-    if capacity is None:
-        yield from ordered
-        return
-    pending = list(ordered)
-    while pending:
-        pick = min(
-            pending,
-            key=lambda r: (
-                -r.priority,
-                capacity.share(r.shape.pool, r.shape.team) if r.shape else 0.0,
-                r.requested_at,
-                r.job_id,
-            ),
-        )
-        pending.remove(pick)
-        yield pick
 
 
 def _reserve_seconds(state: LedgerState, req: Request, mode: str) -> tuple[float, str]:
@@ -445,13 +393,13 @@ def _decide_one(
     if never:
         return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
 
-    found = _ahead(req, shape, held, capacity)
+    found = queueing.ahead(req, shape, held, capacity)
     if found is not None:
         key, ahead = found
         behind = Decision(
             "wait",
             f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
-            f"{fmt_duration(state.now - ahead.requested_at)} ago) for {_held(key)}",
+            f"{fmt_duration(state.now - ahead.requested_at)} ago) for {queueing.describe(key)}",
             limit="queue",
             scope=key,
         )

@@ -1,20 +1,26 @@
 """Hardware in the one decision: capacity pools, team quotas with lending and borrowing, fair
-share, all-or-nothing (gang) fit and preemption victims, in the manner of SageMaker HyperPod task
-governance (Kueue underneath) and Vertex AI's Dynamic Workload Scheduler. Pure: no I/O.
+share and all-or-nothing (gang) fit, in the manner of SageMaker HyperPod task governance (Kueue
+underneath) and Vertex AI's Dynamic Workload Scheduler. Pure: no I/O.
 
 Resources are (accelerators, vCPU, memory GiB). A pool is `nodes` machines of one shape (an
 on-prem inventory: each node of a job goes on its own machine) or a cloud quota (totals only).
-A team's quota in a pool is what it is guaranteed; it may borrow up to `borrow_pct` percent more
-from what other teams leave idle and lend (`lend_pct` of their quota), plus capacity no team
-holds. Idle capacity is shared by fair-share weight: the team with the least borrowed per weight
-goes first. A job within its own quota may take back lent capacity by preempting lower-priority
-borrowed work: the lowest priority first, then the most recently admitted.
+A team's quota in a pool is its nominal quota, what it is guaranteed; it may borrow up to
+`borrow_pct` percent more from what other teams leave idle and lend (`lend_pct` of their quota),
+plus capacity no team holds. Idle capacity is shared by fair-share weight: the team with the
+least borrowed per weight goes first. Who is preempted so that a waiting job fits, by its team's
+`reclaim` and `within_team` settings, is `preemption.py`; how teams' queues are ordered and what
+a waiting job holds, `queueing.py`.
+
+Every reason names the resource that binds (accelerators, vCPU, memory, nodes) with amounts.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+from prefect_gpu_budget.units import BudgetInputError
 
 Res = tuple[int, int, int]
 """(accelerators, vCPU, memory GiB)."""
@@ -63,7 +69,9 @@ class Pool:
     kind: str = "inventory"
     """`inventory`: each node of a job needs its own machine; `quota`: cloud totals only."""
     backfill: bool = False
-    """Let a smaller job pass a blocked bigger one when it fits now (off: no starvation)."""
+    """Let a smaller job pass a blocked bigger one when it fits now: in a pool without team
+    quotas (one queue) any blocked job; in a pool with them, a job within its team's quota that
+    waits for machines (which borrowers otherwise wait behind). Off: no starvation."""
 
     @property
     def total(self) -> Res:
@@ -89,18 +97,54 @@ def job_share(pool: Pool, gpus: int, vcpu: int | None, memory: int | None) -> Re
     return proportional(pool, gpus, vcpu, memory)
 
 
+RECLAIM = ("any", "lower_priority", "never")
+"""How a team's job within its quota takes back capacity the team lent (Kueue's
+`reclaimWithinCohort`: Any, LowerPriority, Never)."""
+WITHIN_TEAM = ("lower_priority", "never")
+"""Whether a team's job preempts the team's own lower-priority work (HyperPod's
+`PreemptTeamTasks`, Kueue's `withinClusterQueue`: LowerPriority, Never)."""
+QUEUEING = ("best_effort_fifo", "strict_fifo")
+"""A team's queue in a pool (Kueue's `queueingStrategy`: BestEffortFIFO, StrictFIFO)."""
+TEAM_SETTINGS = {"reclaim": RECLAIM, "within_team": WITHIN_TEAM, "queueing": QUEUEING}
+
+
+def team_setting(name: str, value: object) -> str:
+    """A team's `reclaim`, `within_team` or `queueing` setting, spelt ours (`lower_priority`,
+    `lower-priority`) or as Kueue and HyperPod spell it (`LowerPriority`, `StrictFIFO`); a
+    one-line error naming the setting and its values otherwise."""
+    allowed = TEAM_SETTINGS[name]
+    key = re.sub(r"[^a-z]", "", str(value).lower())
+    for choice in allowed:
+        if choice.replace("_", "") == key:
+            return choice
+    shown = str(value)[:40]
+    raise BudgetInputError(
+        name, f"must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {shown!r}"
+    )
+
+
 @dataclass(frozen=True)
 class TeamQuota:
     pool: str
     team: str
     """`org/team`."""
     quota: Res
+    """Its nominal quota: what it is guaranteed."""
     borrow_pct: int = 0
     """May use up to quota x (1 + borrow_pct / 100) when others leave capacity idle."""
     lend_pct: int = 100
     """The part of its idle quota others may borrow."""
     weight: int = 50
     """Fair share of idle capacity, 0-100; 0 = always last."""
+    reclaim: str = "any"
+    """Its job within quota preempts `any` job borrowing the team's capacity, `lower_priority`
+    ones only, or `never` (see RECLAIM)."""
+    within_team: str = "lower_priority"
+    """Its job within quota preempts its own lower-priority work (`lower_priority`) or not
+    (`never`); see WITHIN_TEAM."""
+    queueing: str = "best_effort_fifo"
+    """`best_effort_fifo`: a job of the team that cannot start lets the team's next ones try;
+    `strict_fifo`: they wait behind it (see QUEUEING)."""
 
     @property
     def ceiling(self) -> Res:
@@ -130,6 +174,8 @@ class Placed:
     placement: tuple[int, ...]
     priority: int
     admitted_at: float
+    stopping: bool = False
+    """Already asked to stop (preempted): it goes first when victims are chosen again."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +184,7 @@ class Fit:
     reason: str = ""
     placement: tuple[int, ...] = ()
     victims: tuple[str, ...] = ()
-    """Borrowed jobs to preempt so that this job (within its quota) fits."""
+    """Jobs to preempt so that this one fits (its team's `reclaim` and `within_team`)."""
     holds: tuple[str, ...] = ()
     """Queue keys a blocked job holds: later jobs needing them wait behind it."""
 
@@ -164,6 +210,9 @@ def _amount(res: Res, which: int, model: str) -> str:
     return f"{res[1]} vCPU" if which == 1 else f"{res[2]} GiB of memory"
 
 
+_NAMES = ("accelerators", "vCPU", "memory")
+
+
 @dataclass
 class Capacity:
     """Usage of an org's pools while the decision walks its queue."""
@@ -174,6 +223,8 @@ class Capacity:
 
     def __post_init__(self) -> None:
         self.placed = list(self.placed)
+        self._used: dict[tuple[str, str | None], Res] = {}
+        self._seen: tuple[int, int] = (0, -1)
 
     # -- usage -------------------------------------------------------------------------
 
@@ -193,15 +244,34 @@ class Capacity:
                 total = add(total, job.shape.total)
         return total
 
-    def team_used(self, pool: str, team: str, without: frozenset[str] = frozenset()) -> Res:
+    def team_used(self, pool: str, team: str | None, without: frozenset[str] = frozenset()) -> Res:
+        if not without:  # asked for every pick of the walk: kept until `placed` changes
+            seen = (id(self.placed), len(self.placed))
+            if seen != self._seen:
+                self._used, self._seen = {}, seen
+            if (pool, team) not in self._used:
+                self._used[(pool, team)] = self._team_total(pool, team, without)
+            return self._used[(pool, team)]
+        return self._team_total(pool, team, without)
+
+    def _team_total(self, pool: str, team: str | None, without: frozenset[str]) -> Res:
         total = ZERO
         for job in self.placed:
             if job.shape.pool == pool and job.shape.team == team and job.job_id not in without:
                 total = add(total, job.shape.total)
         return total
 
-    def _teams(self, pool: str) -> list[TeamQuota]:
+    def teams(self, pool: str) -> list[TeamQuota]:
         return [q for (p, _), q in self.quotas.items() if p == pool]
+
+    def quota_of(self, pool: str, team: str | None) -> Res:
+        """A team's nominal quota in a pool (nothing for a team without one)."""
+        quota = self.quotas.get((pool, team or ""))
+        return quota.quota if quota is not None else ZERO
+
+    def borrowing(self, pool: str, team: str | None, without: frozenset[str] = frozenset()) -> bool:
+        """Whether a team uses more than its nominal quota in a pool (with `without` gone)."""
+        return not fits_in(self.team_used(pool, team, without), self.quota_of(pool, team))
 
     def share(self, pool: str, team: str | None) -> float:
         """Fair share: dominant borrowed resource (as a part of the pool) per weight."""
@@ -218,8 +288,8 @@ class Capacity:
     def status(self, pool: str) -> list[dict]:
         """Per team: quota, used, borrowed, lendable (idle and open to others) and lent (the
         part of the borrowing its idle quota carries: what no team holds is lent first, the rest
-        in proportion to what each team can lend)."""
-        teams = self._teams(pool)
+        in proportion to what each team can lend), and its preemption and queueing settings."""
+        teams = self.teams(pool)
         used = {q.team: self.team_used(pool, q.team) for q in teams}
         borrowed = {q.team: pos(sub(used[q.team], q.quota)) for q in teams}
         lendable = {
@@ -245,6 +315,9 @@ class Capacity:
                     "borrow_pct": q.borrow_pct,
                     "lend_pct": q.lend_pct,
                     "weight": q.weight,
+                    "reclaim": q.reclaim,
+                    "within_team": q.within_team,
+                    "queueing": q.queueing,
                 }
             )
         return out
@@ -253,25 +326,29 @@ class Capacity:
 
     def never_fits(self, shape: Shape) -> str | None:
         pool = self.pools[shape.pool]
+        model = pool.gpu_model
         if pool.kind == "inventory":
             if shape.nodes > pool.nodes:
                 return f"{shape.nodes} nodes asked, pool {pool.name} has {pool.nodes}"
             if not fits_in(shape.per_node, pool.node):
                 i = _binding(shape.per_node, pool.node)
                 return (
-                    f"one node of this job needs {_amount(shape.per_node, i, pool.gpu_model)}, "
+                    f"one node of this job needs {_amount(shape.per_node, i, model)}, "
                     f"more than a machine of pool {pool.name} has "
-                    f"({_amount(pool.node, i, pool.gpu_model)})"
+                    f"({_amount(pool.node, i, model)})"
                 )
         elif not fits_in(shape.total, pool.total):
-            return f"needs more than all of pool {pool.name}"
-        teams = self._teams(pool.name)
-        if teams:
+            i = _binding(shape.total, pool.total)
+            return (
+                f"needs {_amount(shape.total, i, model)}, more than all of pool {pool.name} "
+                f"({_amount(pool.total, i, model)})"
+            )
+        if self.teams(pool.name):
             quota = self.quotas.get((pool.name, shape.team or ""))
             if quota is None:
                 return f"team {shape.team} has no quota in pool {pool.name}"
             if not fits_in(shape.total, quota.ceiling):
-                i, model = _binding(shape.total, quota.ceiling), pool.gpu_model
+                i = _binding(shape.total, quota.ceiling)
                 borrow = f" plus its borrow limit {quota.borrow_pct}%" if quota.borrow_pct else ""
                 return (
                     f"needs {_amount(shape.total, i, model)}, more than team {quota.team}'s "
@@ -279,7 +356,7 @@ class Capacity:
                 )
         return None
 
-    def _place(self, pool: Pool, shape: Shape, without: frozenset[str]) -> tuple[int, ...] | None:
+    def place(self, pool: Pool, shape: Shape, without: frozenset[str]) -> tuple[int, ...] | None:
         """All of the job's nodes at once, or None: nothing is ever placed in part."""
         if pool.kind == "quota":
             used = self.pool_used(pool.name, without)
@@ -291,120 +368,147 @@ class Capacity:
         candidates.sort(key=lambda i: (free[i][0], free[i][1], free[i][2], i))  # best fit
         return tuple(sorted(candidates[: shape.nodes]))
 
-    def _borrow_ok(self, pool: Pool, shape: Shape, without: frozenset[str]) -> bool:
-        """Everything used above quotas, after this job, fits in what teams lend plus what no
-        team holds."""
-        teams = self._teams(pool.name)
-        if not teams:
-            return True
-        unassigned = pos(sub(pool.total, _sum(q.quota for q in teams)))
-        borrowed, lendable = ZERO, unassigned
+    def _lending(self, pool: Pool, shape: Shape, without: frozenset[str]) -> tuple[Res, Res]:
+        """Everything used above nominal quotas once this job runs (with `without` gone), and
+        what can carry it: what teams lend of their idle quota plus what no team holds."""
+        teams = self.teams(pool.name)
+        borrowed = ZERO
+        lendable = pos(sub(pool.total, _sum(q.quota for q in teams)))
         for q in teams:
             used = self.team_used(pool.name, q.team, without)
             if q.team == shape.team:
                 used = add(used, shape.total)
             borrowed = add(borrowed, pos(sub(used, q.quota)))
             lendable = add(lendable, low(pos(sub(q.quota, used)), pct(q.quota, q.lend_pct)))
+        return borrowed, lendable
+
+    def borrow_ok(self, pool: Pool, shape: Shape, without: frozenset[str]) -> bool:
+        """Everything used above quotas, after this job, fits in what teams lend plus what no
+        team holds."""
+        if not self.teams(pool.name):
+            return True
+        borrowed, lendable = self._lending(pool, shape, without)
         return fits_in(borrowed, lendable)
 
-    def within_quota(self, shape: Shape) -> bool:
-        """Whether the job fits in its team's own quota (needs to borrow nothing)."""
+    def within_quota(self, shape: Shape, without: frozenset[str] = frozenset()) -> bool:
+        """Whether the job fits in its team's own nominal quota (needs to borrow nothing)."""
         quota = self.quotas.get((shape.pool, shape.team or ""))
         if quota is None:
             return True
-        used = self.team_used(shape.pool, quota.team)
+        used = self.team_used(shape.pool, quota.team, without)
         return fits_in(add(used, shape.total), quota.quota)
 
-    def check(self, shape: Shape, priority: int) -> Fit:
-        """Can the job start now? If not, why, and which borrowed jobs to preempt if any."""
+    def blocked(self, shape: Shape, without: frozenset[str] = frozenset()) -> str | None:
+        """Why the job cannot start now (with `without` gone), naming the resource that binds
+        and the amounts: its team's quota and borrow limit, what others lend, the machines.
+        None: it can start."""
         pool = self.pools[shape.pool]
         quota = self.quotas.get((shape.pool, shape.team or ""))
+        model = pool.gpu_model
         if quota is not None:
-            used = self.team_used(pool.name, quota.team)
+            used = self.team_used(pool.name, quota.team, without)
             if not fits_in(add(used, shape.total), quota.ceiling):
-                i, model = _binding(add(used, shape.total), quota.ceiling), pool.gpu_model
-                return Fit(
-                    False,
+                i = _binding(add(used, shape.total), quota.ceiling)
+                return (
                     f"team {quota.team} uses {_amount(used, i, model)} of its quota "
                     f"{_amount(quota.quota, i, model)} (+{quota.borrow_pct}% borrow limit) "
-                    f"in pool {pool.name}; this job needs {_amount(shape.total, i, model)}",
-                    holds=(f"team:{pool.name}:{quota.team}",),
+                    f"in pool {pool.name}; this job needs {_amount(shape.total, i, model)}"
                 )
-        placement = self._place(pool, shape, frozenset())
-        borrow_ok = self._borrow_ok(pool, shape, frozenset())
-        if placement is not None and borrow_ok:
-            return Fit(True, placement=placement)
-        within = self.within_quota(shape)
-        if not borrow_ok and not within:
-            assert quota is not None
-            return Fit(
-                False,
-                f"team {quota.team} is at its quota {_gpus(quota.quota, pool.gpu_model)} in "
-                f"pool {pool.name} and other teams lend no idle capacity now",
-                holds=(f"team:{pool.name}:{quota.team}",),
-            )
-        reason = self._capacity_reason(pool, shape)
-        if pool.backfill:
-            holds: tuple[str, ...] = ()
-        elif within or quota is None:
-            holds = (f"pool:{pool.name}",)
-        else:  # a borrower holds other borrowers and its own team, never a team's own quota
-            holds = (f"borrow:{pool.name}", f"team:{pool.name}:{quota.team}")
-        victims = self._victims(pool, shape, priority) if within and quota is not None else ()
-        if victims:
-            names = ", ".join(v[:8] for v in victims)
-            reason += f"; reclaiming capacity lent to other teams: preempting {names}"
-        return Fit(False, reason, victims=victims, holds=holds)
+        placed = self.place(pool, shape, without) is not None
+        lent_ok = self.borrow_ok(pool, shape, without)
+        if quota is not None and not lent_ok and not self.within_quota(shape, without):
+            return self._borrow_reason(pool, quota, shape, without)
+        if not placed:
+            return self.capacity_reason(pool, shape, without)
+        if quota is not None and not lent_ok:
+            return self._borrow_reason(pool, quota, shape, without)
+        return None
 
-    def _capacity_reason(self, pool: Pool, shape: Shape) -> str:
-        if pool.kind == "quota":
-            free = pos(sub(pool.total, self.pool_used(pool.name)))
+    def check(self, shape: Shape, priority: int) -> Fit:
+        """Can the job start now? If not, why, what it holds while it waits (`queueing`), and
+        which jobs to preempt by its team's settings (`preemption`), if any."""
+        from prefect_gpu_budget.admission import preemption, queueing
+
+        pool = self.pools[shape.pool]
+        reason = self.blocked(shape)
+        if reason is None:
+            return Fit(True, placement=self.place(pool, shape, frozenset()) or ())
+        quota = self.quotas.get((shape.pool, shape.team or ""))
+        holds = queueing.holds(pool, quota, self.within_quota(shape))
+        if quota is None:
+            return Fit(False, reason, holds=holds)
+        chosen, note = preemption.victims(self, pool, quota, shape, priority)
+        if chosen:
+            reason += "; preempting " + ", ".join(
+                preemption.describe(job, quota.team) for job in chosen
+            )
+        return Fit(False, reason + note, victims=tuple(j.job_id for j in chosen), holds=holds)
+
+    def _borrow_reason(
+        self, pool: Pool, quota: TeamQuota, shape: Shape, without: frozenset[str]
+    ) -> str:
+        """Why borrowing stops the job: what it would borrow against what is left to lend, or
+        (a job within its quota) how much of the team's idle quota others have borrowed."""
+        model = pool.gpu_model
+        borrowed, lendable = self._lending(pool, shape, without)
+        used = self.team_used(pool.name, quota.team, without)
+        mine = pos(sub(add(used, shape.total), quota.quota))
+        if mine == ZERO:
+            i = _binding(borrowed, lendable)
             return (
-                f"waiting for {_gpus(shape.total, pool.gpu_model)} in pool {pool.name}: "
-                f"{_gpus(free, pool.gpu_model)} free"
+                f"team {quota.team}'s idle quota in pool {pool.name} is lent: other teams "
+                f"borrow {_amount(borrowed, i, model)}, and {_amount(lendable, i, model)} "
+                "can be lent once this job runs"
             )
-        free_nodes = sum(
-            1 for used in self._node_used(pool) if fits_in(shape.per_node, sub(pool.node, used))
-        )
+        extra = sub(mine, pos(sub(used, quota.quota)))
+        left = pos(sub(lendable, sub(borrowed, extra)))
+        i = _binding(extra, left)
         return (
-            f"waiting for {shape.nodes} x {_gpus(shape.per_node, pool.gpu_model)} in pool "
-            f"{pool.name}: {free_nodes} node{'' if free_nodes == 1 else 's'} free"
+            f"team {quota.team} uses {_amount(used, i, model)} of its quota "
+            f"{_amount(quota.quota, i, model)} in pool {pool.name} and this job would borrow "
+            f"{_amount(extra, i, model)}; other teams lend {_amount(left, i, model)} idle now"
         )
 
-    def _victims(self, pool: Pool, shape: Shape, priority: int) -> tuple[str, ...]:
-        """Borrowed, lower-priority jobs whose end lets this job fit: lowest priority first,
-        then most recently admitted; then the set is minimised."""
-        over = {
-            q.team
-            for q in self._teams(pool.name)
-            if q.team != shape.team and not fits_in(self.team_used(pool.name, q.team), q.quota)
-        }
-        candidates = sorted(
-            (
-                j
-                for j in self.placed
-                if j.shape.pool == pool.name and j.shape.team in over and j.priority < priority
-            ),
-            key=lambda j: (j.priority, -j.admitted_at),
+    def capacity_reason(
+        self, pool: Pool, shape: Shape, without: frozenset[str] = frozenset()
+    ) -> str:
+        """What the machines lack: the nodes (or totals) free for this job and, where it is not
+        the accelerators, the resource that binds, with how much of it is free."""
+        model = pool.gpu_model
+        headline = 0 if shape.per_node[0] else 1  # what `_gpus` names
+        if pool.kind == "quota":
+            free = pos(sub(pool.total, self.pool_used(pool.name, without)))
+            reason = (
+                f"waiting for {_gpus(shape.total, model)} in pool {pool.name}: "
+                f"{_gpus(free, model)} free"
+            )
+            i = _binding(shape.total, free)
+            if i != headline:
+                reason += (
+                    f"; {_NAMES[i]} binds: this job needs {_amount(shape.total, i, model)}, "
+                    f"{_amount(free, i, model)} free"
+                )
+            return reason
+        free = [sub(pool.node, used) for used in self._node_used(pool, without)]
+        count = sum(1 for f in free if fits_in(shape.per_node, f))
+        reason = (
+            f"waiting for {shape.nodes} x {_gpus(shape.per_node, model)} in pool "
+            f"{pool.name}: {count} node{'' if count == 1 else 's'} free"
         )
-        chosen: list[Placed] = []
-        for job in candidates:
-            gone = frozenset(v.job_id for v in chosen)
-            team = job.shape.team or ""
-            # only work above its team's quota is borrowed: never cut a team below its quota
-            if fits_in(self.team_used(pool.name, team, gone), self.quotas[(pool.name, team)].quota):
-                continue
-            chosen.append(job)
-            gone = frozenset(v.job_id for v in chosen)
-            if self._place(pool, shape, gone) is not None and self._borrow_ok(pool, shape, gone):
-                break
-        else:
-            return ()
-        for job in list(reversed(chosen)):  # minimise: keep whoever is not needed
-            rest = frozenset(v.job_id for v in chosen if v is not job)
-            if self._place(pool, shape, rest) is not None and self._borrow_ok(pool, shape, rest):
-                chosen.remove(job)
-        return tuple(j.job_id for j in chosen)
+        enough = [sum(1 for f in free if f[i] >= shape.per_node[i]) for i in range(3)]
+        i = min(range(3), key=lambda r: (enough[r], r != headline, r))
+        if enough[i] >= shape.nodes and count < shape.nodes:  # no machine has it all at once
+            need = ", ".join(_amount(shape.per_node, r, model) for r in range(3))
+            reason += f"; no machine has {need} free at once"
+        elif i != headline and enough[i] < shape.nodes:
+            most = max(f[i] for f in free)
+            best = (most, most, most)
+            reason += (
+                f"; {_NAMES[i]} binds: a node of this job needs "
+                f"{_amount(shape.per_node, i, model)}, at most {_amount(best, i, model)} is "
+                f"free on a machine ({_gpus(_sum(pos(f) for f in free), model)} free in all)"
+            )
+        return reason
 
     def add(self, job: Placed) -> None:
         self.placed.append(job)

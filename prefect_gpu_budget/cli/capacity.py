@@ -16,7 +16,15 @@ def _res(r: tuple[int, int, int], model: str = "") -> str:
 
 
 def print_pool(pool: dict) -> None:
-    table = rich_table("team", "quota", "used", "borrowed", "lent", "borrow / lend / weight")
+    table = rich_table(
+        "team",
+        "quota",
+        "used",
+        "borrowed",
+        "lent",
+        "borrow / lend / weight",
+        "reclaim / within team / queue",
+    )
     for t in pool["teams"]:
         table.add_row(
             t["team"],
@@ -25,6 +33,7 @@ def print_pool(pool: dict) -> None:
             str(t["borrowed"][0]),
             str(t["lent"][0]),
             f"{t['borrow_pct']}% / {t['lend_pct']}% / {t['weight']}",
+            f"{t['reclaim']} / {t['within_team']} / {t['queueing']}",
         )
     console.print(
         f"pool {pool['org']}/{pool['pool']} ({pool['kind']}, {pool['nodes']} x "
@@ -133,14 +142,32 @@ def pool_set(
 def pool_quota(
     team: str = typer.Argument(..., help="org/team"),
     pool: str = typer.Option(..., help="The pool's name."),
-    gpus: int = typer.Option(..., help="Accelerators guaranteed to the team."),
+    gpus: int = typer.Option(..., help="Accelerators guaranteed to the team (nominal quota)."),
     vcpu: int = typer.Option(None, help="Default: in proportion to --gpus."),
     memory_gib: int = typer.Option(None, help="Default: in proportion to --gpus."),
-    borrow_pct: int = typer.Option(0),
-    lend_pct: int = typer.Option(100),
-    weight: int = typer.Option(50),
+    borrow_pct: int = typer.Option(None, help="May borrow this % of its quota more (0)."),
+    lend_pct: int = typer.Option(None, help="% of its idle quota others may borrow (100)."),
+    weight: int = typer.Option(None, help="Fair share of idle capacity, 0-100 (50)."),
+    reclaim: str = typer.Option(
+        None,
+        help="Take back lent capacity from any borrower, lower_priority ones only, or never "
+        "(any; Kueue's reclaimWithinCohort).",
+    ),
+    within_team: str = typer.Option(
+        None,
+        help="Preempt the team's own lower-priority work: lower_priority or never "
+        "(lower_priority; HyperPod's PreemptTeamTasks).",
+    ),
+    queueing: str = typer.Option(
+        None,
+        help="best_effort_fifo: a job that cannot start lets the team's next ones try; "
+        "strict_fifo: they wait behind it (best_effort_fifo).",
+    ),
 ) -> None:
-    """Set one team's quota in a pool (HyperPod-style: vCPU and memory follow the GPUs)."""
+    """Set one team's quota in a pool (HyperPod-style: vCPU and memory follow the GPUs), its
+    lending, borrowing and fair share, and its preemption and queueing settings. What is left
+    out keeps the team's current value (or the default, for a new team)."""
+    from prefect_gpu_budget.admission.quota import TeamQuota, proportional, team_setting
     from prefect_gpu_budget.models import TeamShare
     from prefect_gpu_budget.units import validate_scope
 
@@ -150,23 +177,42 @@ def pool_quota(
         gpus=gpus,
         vcpu=vcpu,
         memory_gib=memory_gib,
-        borrow_pct=borrow_pct,
-        lend_pct=lend_pct,
-        weight=weight,
+        **{
+            k: v
+            for k, v in (("borrow_pct", borrow_pct), ("lend_pct", lend_pct), ("weight", weight))
+            if v is not None
+        },
     )
-    from prefect_gpu_budget.admission.quota import TeamQuota, proportional
+    given = {
+        "borrow_pct": borrow_pct,
+        "lend_pct": lend_pct,
+        "weight": weight,
+        **{
+            name: team_setting(name, value)  # a one-line error before anything is written
+            for name, value in (
+                ("reclaim", reclaim),
+                ("within_team", within_team),
+                ("queueing", queueing),
+            )
+            if value is not None
+        },
+    }
 
-    def make(target):
+    def make(target, current):
+        base = current or TeamQuota(pool, team, (0, 0, 0))
+        kept = {
+            name: getattr(base, name) if given.get(name) is None else given[name]
+            for name in ("borrow_pct", "lend_pct", "weight", "reclaim", "within_team", "queueing")
+        }
         return TeamQuota(
-            pool,
-            team,
-            proportional(target, gpus, share.vcpu, share.memory_gib),
-            borrow_pct,
-            lend_pct,
-            weight,
+            pool, team, proportional(target, gpus, share.vcpu, share.memory_gib), **kept
         )
 
     # read, change and write in one locked transaction: a concurrent change to another team's
     # quota, or to the pool, survives
-    target, new = current_ledger().set_team_quota(org, pool, make)
-    console.print(f"{team} in {org}/{pool}: {_res(new.quota, target.gpu_model)}")
+    target, new = current_ledger().set_team_quota(org, pool, make, team=team)
+    console.print(
+        f"{team} in {org}/{pool}: {_res(new.quota, target.gpu_model)}, borrow {new.borrow_pct}%, "
+        f"lend {new.lend_pct}%, weight {new.weight}; reclaim {new.reclaim}, within team "
+        f"{new.within_team}, {new.queueing}"
+    )

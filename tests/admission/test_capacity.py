@@ -165,7 +165,8 @@ def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, m
     prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
     default_catalog.cache_clear()
-    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    for scope in ("acme", "acme/a", "acme/b"):  # a gate admits only in teams someone created
+        ledger.set_budget(BudgetRule(scope, period_budget_micro=10**9))
     ledger.set_pool(_pool(3))
     gate = Gate(ledger, poll_s=0.02)
     job = GpuJob(instance_type="local:h100x8", max_runtime="60s", nodes=2, kill_grace="1s")
@@ -190,16 +191,18 @@ def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, m
     assert second["admitted_at"] - second["requested_at"] > 0.2  # it waited, holding nothing
 
 
-def test_a_borrowers_wait_never_holds_another_teams_guaranteed_quota(ledger):
+@pytest.mark.parametrize("queueing", ["best_effort_fifo", "strict_fifo"])
+def test_a_borrowers_wait_never_holds_another_teams_guaranteed_quota(ledger, queueing):
     """Kueue's ClusterQueue admits within its nominal quota whatever waits to borrow: team A
-    waiting to borrow two whole nodes does not hold team B's own quota; within team A, and for
-    other borrowers, the hold stays (no starvation)."""
+    waiting to borrow two whole nodes does not hold team B's own quota. Within team A its
+    queueing setting says: BestEffortFIFO (the default) lets A's next job try, StrictFIFO
+    holds it behind A's head."""
     ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
     pool = _pool(3)  # 3 x 8 GPUs
     ledger.set_pool(
         pool,
         [
-            TeamQuota("lab-a", "acme/a", proportional(pool, 12), borrow_pct=50),
+            TeamQuota("lab-a", "acme/a", proportional(pool, 12), borrow_pct=50, queueing=queueing),
             TeamQuota("lab-a", "acme/b", proportional(pool, 12), lend_pct=100),
         ],
     )
@@ -209,11 +212,16 @@ def test_a_borrowers_wait_never_holds_another_teams_guaranteed_quota(ledger):
     assert waits.verdict == "wait" and "1 node free" in waits.reason
     b_more, decision = ledger.request(_job("acme/b/s", nodes=1, gpus=4))
     assert decision.verdict == "admit", decision.reason  # within B's quota: never held
-    a_small, behind = ledger.request(_job("acme/a/s", nodes=1, gpus=4))
-    assert behind.verdict == "wait" and f"waiting behind job {a_big[:8]}" in behind.reason
-    assert "the quota of team acme/a in pool lab-a" in behind.reason
-    for job_id, scope in ((a_small, "acme/a/s"), (a_big, "acme/a/s")):
-        ledger.cancel_queued(job_id, scope, "test over")
+    a_small, next_in_a = ledger.request(_job("acme/a/s", nodes=1, gpus=4))
+    if queueing == "best_effort_fifo":
+        assert next_in_a.verdict == "admit", next_in_a.reason
+        ledger.settle(a_small, ended_at=time.time(), outcome="completed", scope="acme/a/s")
+    else:
+        assert next_in_a.verdict == "wait"
+        assert f"waiting behind job {a_big[:8]}" in next_in_a.reason
+        assert "the queue of team acme/a in pool lab-a (strict FIFO)" in next_in_a.reason
+        ledger.cancel_queued(a_small, "acme/a/s", "test over")
+    ledger.cancel_queued(a_big, "acme/a/s", "test over")
     for job_id in (b_running, b_more):
         ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope="acme/b/s")
 
@@ -321,7 +329,8 @@ def test_partial_node_jobs_share_a_machine_and_pay_their_part(ledger, tmp_path):
     set_local_price("box8", "16", gpus=8, path=prices, vcpu=64, memory_gib=256)
     set_local_price("loose8", "16", gpus=8, path=prices, vcpu=64, memory_gib=256)
     gate = Gate(ledger, catalog=Catalog.load(prices), poll_s=0.02)
-    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    for scope in ("acme", "acme/a"):  # a gate admits only in teams someone created
+        ledger.set_budget(BudgetRule(scope, period_budget_micro=10**9))
     ledger.set_pool(Pool("acme", "lab", 1, (8, 64, 256), ("local:box8",), "H100"))
 
     def part(**kw) -> GpuJob:

@@ -227,3 +227,69 @@ def test_a_job_behind_a_blocked_waiter_is_decided_as_the_whole_queue_decides_it(
         alone = decide_behind(state(*rules), new, head, "o/t")
         assert alone == whole, (new, whole, alone)
     assert decide_behind(state(*rules), behind[0], head, "o/t").verdict == "wait"
+
+
+def _pooled(*quotas, placed=(), nodes: int = 2, backfill: bool = False) -> LedgerState:
+    from prefect_gpu_budget.admission.quota import Pool
+
+    pool = Pool("o", "lab", nodes, (8, 192, 2048), gpu_model="H100", backfill=backfill)
+    return LedgerState(
+        NOW,
+        {"o": BudgetRule("o", period_budget_micro=10**12)},
+        [],
+        {},
+        pools={"lab": pool},
+        quotas={(q.pool, q.team): q for q in quotas},
+        placed=list(placed),
+    )
+
+
+def _gpus(job_id: str, team: str, gpus: int = 8, nodes: int = 1, **kw) -> Request:
+    from prefect_gpu_budget.admission.quota import Shape
+
+    shape = Shape("lab", team, (gpus, gpus * 24, gpus * 256), nodes)
+    return req(job_id, f"{team}/s", shape=shape, **kw)
+
+
+def test_jobs_within_nominal_quota_are_weighed_before_higher_priority_borrowers():
+    from prefect_gpu_budget.admission.quota import Placed, Shape, TeamQuota
+
+    quotas = (
+        TeamQuota("lab", "o/a", (8, 192, 2048)),
+        TeamQuota("lab", "o/b", (8, 192, 2048), borrow_pct=100),
+    )
+    b_own = Placed("b-own", Shape("lab", "o/b", (8, 192, 2048), 1), (0,), 100, NOW - 50)
+    s = _pooled(*quotas, placed=[b_own])
+    queue = [_gpus("borrower", "o/b", priority=100, at=1), _gpus("lender", "o/a", at=2)]
+    out = plan(s, queue)
+    assert out["lender"].verdict == "admit"  # within A's quota: first, whatever the priority
+    assert out["borrower"].verdict == "wait" and not out["borrower"].preempt
+    assert "other teams lend 0 H100 idle now" in out["borrower"].reason
+
+
+def test_a_waiting_job_holds_its_team_only_if_strict_and_borrowers_always():
+    from prefect_gpu_budget.admission.quota import Placed, Shape, TeamQuota
+
+    a = TeamQuota("lab", "o/a", (16, 384, 4096))
+    c = TeamQuota("lab", "o/c", (16, 384, 4096), borrow_pct=50)
+    placed = [  # three machines partly used by C: one is free
+        Placed(f"c{i}", Shape("lab", "o/c", (g, g * 24, g * 256), 1), (i,), 0, NOW - 60)
+        for i, g in enumerate((5, 4, 5))
+    ]
+    queue = [
+        _gpus("gang", "o/a", nodes=2, at=1),
+        _gpus("a-small", "o/a", gpus=2, at=2),
+        _gpus("c-own", "o/c", gpus=2, at=3),
+        _gpus("c-borrow", "o/c", gpus=4, at=4),
+    ]
+    for strict, backfill in ((False, False), (True, False), (False, True)):
+        team_a = replace(a, queueing="strict_fifo" if strict else "best_effort_fifo")
+        out = plan(_pooled(team_a, c, placed=placed, nodes=4, backfill=backfill), queue)
+        assert out["gang"].verdict == "wait"
+        assert out["gang"].reason == "waiting for 2 x 8 H100 in pool lab: 1 node free"
+        assert out["c-own"].verdict == "admit"  # another team within its quota: never held
+        assert out["c-borrow"].verdict == ("admit" if backfill else "wait")
+        assert out["a-small"].verdict == ("wait" if strict else "admit")
+        if strict:
+            small = decide(_pooled(team_a, c, placed=placed, nodes=4), queue, "a-small")
+            assert "for the queue of team o/a in pool lab (strict FIFO)" in small.reason

@@ -25,7 +25,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
 )
 from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota
+from prefect_gpu_budget.admission.quota import TEAM_SETTINGS, Pool, TeamQuota
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
@@ -61,6 +61,11 @@ def check_pool(pool: Pool, quotas: list[TeamQuota]) -> None:
             )
         if not 0 <= q.weight <= 100:
             raise BudgetInputError("weight", f"{q.team}: must be 0-100, got {q.weight}")
+        for name, allowed in TEAM_SETTINGS.items():
+            if getattr(q, name) not in allowed:
+                raise BudgetInputError(
+                    name, f"{q.team}: must be {' or '.join(allowed)}, got {getattr(q, name)!r}"
+                )
 
 
 def _quota_row(pool: Pool, quota: TeamQuota, now: float) -> dict[str, Any]:
@@ -76,6 +81,7 @@ def _quota_row(pool: Pool, quota: TeamQuota, now: float) -> dict[str, Any]:
         "lend_pct": quota.lend_pct,
         "weight": quota.weight,
         "updated_at": now,
+        **{name: getattr(quota, name) for name in TEAM_SETTINGS},
     }
 
 
@@ -242,19 +248,25 @@ class ConfigMixin(EngineMixin):
         self,
         org: str,
         pool_name: str,
-        make: Callable[[Pool], TeamQuota],
+        make: Callable[[Pool, TeamQuota | None], TeamQuota],
         now: float | None = None,
+        *,
+        team: str,
     ) -> tuple[Pool, TeamQuota]:
-        """Create or replace one team's quota in a pool, leaving the pool and the other teams'
-        quotas as they are. `make` builds the quota from the pool as it stands, inside the
-        transaction that holds the org's lock; what it raises writes nothing."""
+        """Create or replace `team`'s quota in a pool, leaving the pool and the other teams'
+        quotas as they are. `make` builds the quota from the pool and the team's quota as they
+        stand (None: it has none yet), inside the transaction that holds the org's lock, so
+        that what an admin leaves out keeps its value; what it raises writes nothing."""
         with self._write(org) as conn:
             now = time.time() if now is None else now
             found = [p for p in _load_pools(conn, org) if p.name == pool_name]
             if not found:
                 raise BudgetInputError("pool", f"no capacity pool {pool_name!r} in {org}")
             pool = found[0]
-            quota = make(pool)
+            current = [q for q in _load_quotas(conn, org) if (q.pool, q.team) == (pool_name, team)]
+            quota = make(pool, current[0] if current else None)
+            if quota.team != team:
+                raise BudgetInputError("team", f"a change to {team!r} named {quota.team!r}")
             check_pool(pool, [quota])
             conn.execute(
                 team_quotas.delete().where(

@@ -289,10 +289,10 @@ class DecisionsMixin(EngineMixin):
         holder: bool = True,
     ) -> tuple[bool, bool]:
         """Write a queued job's decision (`waited`: its row as it stood, None for a new job).
-        Returns whether its state or what holds it changed, and whether it asked borrowed jobs
-        to stop. Only its `holder` deciding stamps a waiting job's row: a job decided by
-        another's transaction must not look alive when its holder is gone (an admission stamps
-        it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
+        Returns whether its state or what holds it changed, and whether it asked jobs to stop
+        (`Decision.preempt`). Only its `holder` deciding stamps a waiting job's row: a job
+        decided by another's transaction must not look alive when its holder is gone (an
+        admission stamps it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
         reason = waited["reason"] if reason is None else reason
         tally = _wait_tally(waited, decision, now)
         values: dict[str, Any] = dict(tally)
@@ -315,7 +315,7 @@ class DecisionsMixin(EngineMixin):
         if values:
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
         asked = 0
-        if decision.preempt:  # borrowed work gives lent capacity back: its holders stop it
+        if decision.preempt:  # lent capacity taken back, or a team's own lower priority work
             asked = conn.execute(
                 jobs.update()
                 .where(
@@ -355,6 +355,7 @@ class DecisionsMixin(EngineMixin):
                 jobs.c.node_vcpu,
                 jobs.c.node_memory_gib,
                 jobs.c.placement,
+                jobs.c.preempt_at,
             ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
         ).all()
         holds, queue, placed = [], [], []
@@ -386,7 +387,8 @@ class DecisionsMixin(EngineMixin):
                 holds.append(hold_of(r._mapping, now=now))
                 if shape is not None:
                     where = tuple(int(i) for i in (r.placement or "").split(",") if i)
-                    placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at))
+                    stopping = r.preempt_at is not None
+                    placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at, stopping))
         rules = {
             row["scope"]: _rule(row)
             for row in conn.execute(

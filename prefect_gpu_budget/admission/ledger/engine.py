@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from prefect_gpu_budget.admission.ledger.tables import SCHEMA, jobs, metadata, schema, versions
+from prefect_gpu_budget.admission.ledger.tables import SCHEMA, metadata, schema, versions
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -295,15 +295,20 @@ class EngineMixin:
             return False
 
     def _add_new_columns(self) -> None:
-        """A ledger made by an earlier version lacks the newer (nullable) columns and indexes."""
-        have = {c["name"] for c in sa.inspect(self.engine).get_columns(jobs.name)}
-        for column in jobs.columns:
-            if column.name not in have:
-                kind = column.type.compile(self.engine.dialect)
-                with self.engine.begin() as conn:
-                    conn.exec_driver_sql(f"ALTER TABLE {jobs.name} ADD COLUMN {column.name} {kind}")
-        for index in jobs.indexes:
-            index.create(self.engine, checkfirst=True)
+        """A ledger made by an earlier version lacks the newer (nullable) columns and indexes,
+        in any of its tables."""
+        inspector = sa.inspect(self.engine)
+        for table in metadata.sorted_tables:
+            have = {c["name"] for c in inspector.get_columns(table.name)}
+            for column in table.columns:
+                if column.name not in have:
+                    kind = column.type.compile(self.engine.dialect)
+                    with self.engine.begin() as conn:
+                        conn.exec_driver_sql(
+                            f"ALTER TABLE {table.name} ADD COLUMN {column.name} {kind}"
+                        )
+            for index in table.indexes:
+                index.create(self.engine, checkfirst=True)
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget.admission.ledger.tables import ACTIVE, budgets, jobs, pools, team_quotas
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision, Hold
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota
+from prefect_gpu_budget.admission.quota import TEAM_SETTINGS, Pool, TeamQuota
 from prefect_gpu_budget.units import scope_path
 
 
@@ -85,6 +85,7 @@ def _load_quotas(conn: Connection, org: str) -> list[TeamQuota]:
             borrow_pct=r.borrow_pct,
             lend_pct=r.lend_pct,
             weight=r.weight,
+            **{k: getattr(r, k) for k in TEAM_SETTINGS if getattr(r, k) is not None},
         )
         for r in conn.execute(
             sa.select(team_quotas).where(team_quotas.c.org == org).order_by(team_quotas.c.team)
@@ -131,6 +132,8 @@ def _recorded_all(conn: Connection, rows: list[Any]) -> dict[str, Decision]:
             )
         elif state == "timed_out":
             out[row["id"]] = Decision("timeout", row["reason"])
+        elif state == "cancelled":  # by its owner, or its agent's revoked grant
+            out[row["id"]] = Decision("reject", row["reason"] or state, limit="cancelled")
         else:
             out[row["id"]] = Decision("reject", row["reason"] or state)
     return out

@@ -36,8 +36,9 @@ import sqlalchemy as sa
 
 ACTIVE = ("admitted", "running")
 PREEMPTED, STOPPED = "preempted", "stopped"
-"""Why a running job is asked to stop (`stop_asked`): its borrowed capacity is reclaimed, or
-its owner stopped it."""
+"""Why a running job is asked to stop (`stop_asked`): preempted (a job of higher claim takes
+its capacity: a lender reclaiming what it lent, or its own team's higher-priority work, as the
+team's preemption settings allow), or its owner stopped it."""
 FINAL = ("settled", "rejected", "timed_out", "cancelled")
 
 
@@ -158,7 +159,12 @@ team_quotas = sa.Table(
     sa.Column("lend_pct", sa.Integer, nullable=False),
     sa.Column("weight", sa.Integer, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("reclaim", sa.String(16)),
+    sa.Column("within_team", sa.String(16)),
+    sa.Column("queueing", sa.String(16)),
 )
+"""A team's share of a pool: its nominal quota, lending and borrowing, fair-share weight, and its
+preemption and queueing settings (NULL: the default, `quota.TeamQuota`'s)."""
 
 agent_grants = sa.Table(
     "gpu_agent_grants",

@@ -1,0 +1,107 @@
+"""The queues inside the org's decision, as Kueue keeps them: in a capacity pool with team
+quotas each team has its own queue (a ClusterQueue), ordered by priority then arrival, and a job
+waiting in it may hold only that queue; a pool without team quotas is one queue shared by all.
+Pure: no I/O.
+
+Order across queues (`walk`): the head of each queue is weighed, and the next job decided is the
+head that fits its team's nominal quota (needs to borrow nothing) before any that would borrow,
+then the highest priority, then the least fair share (borrowed per weight), then the earliest.
+This is read afresh before each pick, as admissions change who is within quota and who has
+borrowed most.
+
+What a job that cannot start holds (`holds`), so that later jobs needing it wait behind it:
+- in a pool without team quotas: the pool (`pool:<pool>`), unless the pool's `backfill` is on;
+- its team's queue (`team:<pool>:<team>`) when the team's `queueing` is `strict_fifo`; with
+  `best_effort_fifo` (the default) the team's next jobs try in turn;
+- a job within its team's nominal quota that waits for machines holds borrowing in the pool
+  (`borrow:<pool>`): jobs that would borrow wait behind it (nominal quota first), unless the
+  pool's `backfill` is on. It never holds another team's job within that team's quota.
+Budgets hold their scopes (`policy`), whatever the pool.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prefect_gpu_budget.units import scope_path
+
+if TYPE_CHECKING:
+    from prefect_gpu_budget.admission.policy import Request
+    from prefect_gpu_budget.admission.quota import Capacity, Pool, Shape, TeamQuota
+
+
+def holds(pool: Pool, quota: TeamQuota | None, within: bool) -> tuple[str, ...]:
+    """The queue keys a job that cannot start holds (see the module's notes)."""
+    if quota is None:
+        return () if pool.backfill else (f"pool:{pool.name}",)
+    found = []
+    if quota.queueing == "strict_fifo":
+        found.append(f"team:{pool.name}:{quota.team}")
+    if within and not pool.backfill:
+        found.append(f"borrow:{pool.name}")
+    return tuple(found)
+
+
+def ahead(
+    req: Request, shape: Shape | None, held: Mapping[str, Request], capacity: Capacity | None
+) -> tuple[str, Request] | None:
+    """The first hold the job waits behind, with the job holding it: its scopes, and with a
+    shape its pool (no team quotas) and its team's queue; `borrow:<pool>` only if it would
+    borrow (checked only when such a hold exists, so the walk stays linear)."""
+    keys = list(scope_path(req.scope))
+    if shape is not None:
+        keys += [f"pool:{shape.pool}", f"team:{shape.pool}:{shape.team}"]
+    for key in keys:
+        if key in held:
+            return key, held[key]
+    if shape is None or f"borrow:{shape.pool}" not in held:
+        return None
+    if capacity is None or not capacity.within_quota(shape):
+        return f"borrow:{shape.pool}", held[f"borrow:{shape.pool}"]
+    return None
+
+
+def describe(key: str) -> str:
+    """A hold as a reason names it: a scope, a pool, a team's queue, borrowing in a pool."""
+    kind, _, rest = key.partition(":")
+    if kind == "pool":
+        return f"pool {rest}"
+    if kind == "team":
+        pool, _, team = rest.partition(":")
+        return f"the queue of team {team} in pool {pool} (strict FIFO)"
+    if kind == "borrow":
+        return f"pool {rest}, where jobs within their team's quota go before borrowers"
+    return key
+
+
+def walk(ordered: Sequence[Request], capacity: Capacity | None) -> Iterator[Request]:
+    """`ordered` (priority, then arrival) in the order the decision weighs it: outside capacity
+    pools as it is; with pools, the best head of the per-team queues at each pick."""
+    if capacity is None:
+        yield from ordered
+        return
+    queues: dict[tuple[str, str], deque[Request]] = {}
+    for req in ordered:
+        key = (req.shape.pool, req.shape.team or "") if req.shape is not None else ("", "")
+        queues.setdefault(key, deque()).append(req)
+    while queues:
+        key = min(queues, key=lambda k: _rank(queues[k][0], capacity))
+        line = queues[key]
+        yield line.popleft()
+        if not line:
+            del queues[key]
+
+
+def _rank(req: Request, capacity: Capacity) -> tuple[Any, ...]:
+    shape = req.shape
+    if shape is None:
+        return (False, -req.priority, 0.0, req.requested_at, req.job_id)
+    return (
+        not capacity.within_quota(shape),
+        -req.priority,
+        capacity.share(shape.pool, shape.team),
+        req.requested_at,
+        req.job_id,
+    )

@@ -1,0 +1,309 @@
+"""Governance as Kueue and HyperPod document it (promise 12), through the ledger on SQLite and
+PostgreSQL: lent capacity is reclaimed from a borrower of any priority, a team preempts its own
+lower-priority work, a team's waiting job holds only its own team, jobs within nominal quota go
+before borrowers, and every reason names the resource that binds."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from prefect_gpu_budget.admission.ledger import NewJob
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional, team_setting
+from prefect_gpu_budget.units import BudgetInputError
+from tests.jobs import new_job
+
+NODE = (8, 192, 2048)
+
+
+def _pool(nodes: int, **kw) -> Pool:
+    return Pool("acme", "lab-a", nodes, NODE, ("local:h100x8",), "H100", **kw)
+
+
+def _job(scope: str, nodes: int = 1, gpus: int = 8, priority: int = 0, **kw) -> NewJob:
+    return new_job(
+        scope,
+        name=f"{nodes}x{gpus}",
+        instance_type="local:h100x8",
+        nodes=nodes,
+        rate_micro_per_hour=1_000_000,
+        rate_cents=100,
+        priority=priority,
+        node_gpus=gpus,
+        **kw,
+    )
+
+
+def _done(ledger, job_id: str, outcome: str = "completed") -> None:
+    ledger.settle(job_id, ended_at=time.time(), outcome=outcome, scope=ledger.job(job_id)["scope"])
+
+
+def _state(ledger, job_id: str) -> str:
+    return ledger.job(job_id)["state"]
+
+
+@pytest.mark.parametrize("reclaim", ["any", "lower_priority", "never"])
+def test_a_lender_reclaims_from_a_borrower_of_equal_priority_by_default(ledger, reclaim):
+    """HyperPod's walkthrough: team B's job within B's quota suspends team A's job that
+    borrowed B's idle node at the same priority (Kueue's `reclaimWithinCohort: Any`)."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=100),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), reclaim=reclaim),
+        ],
+    )
+    a_own, first = ledger.request(_job("acme/a/s"))
+    a_borrowed, second = ledger.request(_job("acme/a/s"))  # B's idle node, lent
+    assert first.verdict == second.verdict == "admit"
+    b_own, waits = ledger.request(_job("acme/b/s"))  # the same priority as A's
+    assert waits.verdict == "wait"
+    assert waits.reason.startswith("waiting for 1 x 8 H100 in pool lab-a: 0 nodes free")
+    if reclaim != "any":
+        assert not waits.preempt and ledger.job(a_borrowed)["preempt_at"] is None
+        assert f"(reclaim: {reclaim})" in waits.reason
+        ledger.cancel_queued(b_own, "acme/b/s", "test over")
+        for job_id in (a_own, a_borrowed):
+            _done(ledger, job_id)
+        return
+    assert waits.preempt == (a_borrowed,)  # only the borrowed job: A keeps its own quota
+    assert f"preempting {a_borrowed[:8]} (acme/a, borrowing, priority 0)" in waits.reason
+    assert ledger.job(a_borrowed)["preempt_at"] is not None
+    assert ledger.job(a_own)["preempt_at"] is None
+    assert ledger.stop_asked(a_borrowed) == "preempted"
+    again, requeued = ledger.request(_job("acme/a/s"))  # a requeued borrower cannot take it
+    assert requeued.verdict == "wait" and not requeued.preempt
+    _done(ledger, a_borrowed, "preempted")  # its holder stopped it
+    assert _state(ledger, b_own) == "admitted"  # the node freed went to B, not to A's again
+    assert _state(ledger, again) == "queued"
+    ledger.cancel_queued(again, "acme/a/s", "test over")
+    for job_id in (a_own, b_own):
+        _done(ledger, job_id)
+
+
+@pytest.mark.parametrize("within_team", ["lower_priority", "never"])
+def test_a_teams_high_priority_job_preempts_its_own_low_one(ledger, within_team):
+    """HyperPod's PreemptTeamTasks (default LowerPriority): a team's quota full of its own
+    `low` job does not keep its `high` job waiting forever."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8), within_team=within_team),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8)),
+        ],
+    )
+    low, _ = ledger.request(_job("acme/a/s", priority=-100))
+    b_own, _ = ledger.request(_job("acme/b/s", priority=-500))  # within B's quota: never a victim
+    high, waits = ledger.request(_job("acme/a/s", priority=100))
+    assert waits.verdict == "wait"
+    assert waits.reason.startswith(
+        "team acme/a uses 8 H100 of its quota 8 H100 (+0% borrow limit) in pool lab-a; "
+        "this job needs 8 H100"
+    )
+    assert ledger.job(b_own)["preempt_at"] is None
+    if within_team == "never":
+        assert not waits.preempt and "(within_team: never)" in waits.reason
+        ledger.cancel_queued(high, "acme/a/s", "test over")
+    else:
+        assert waits.preempt == (low,)
+        assert f"preempting {low[:8]} (acme/a, lower priority, priority -100)" in waits.reason
+        assert ledger.job(low)["preempt_at"] is not None
+        _done(ledger, low, "preempted")
+        assert _state(ledger, high) == "admitted"
+        _done(ledger, high)
+    for job_id in (low, b_own):
+        if _state(ledger, job_id) != "settled":
+            _done(ledger, job_id)
+
+
+def test_a_teams_waiting_job_holds_only_its_own_team(ledger):
+    """Kueue orders and blocks per ClusterQueue: team A's 2-node gang job, waiting within A's
+    quota, does not hold team C's job that fits C's quota and the machines now. It holds only
+    borrowers (nominal quota first), unless the pool's backfill lets them pass."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(4)
+    quotas = [
+        TeamQuota("lab-a", "acme/a", proportional(pool, 16)),
+        TeamQuota("lab-a", "acme/c", proportional(pool, 16), borrow_pct=50),
+    ]
+    ledger.set_pool(pool, quotas)
+    running = [ledger.request(_job("acme/c/s", gpus=g))[0] for g in (5, 4, 5)]  # 3 machines
+    gang, waits = ledger.request(_job("acme/a/s", nodes=2))  # within A's 16, 1 machine free
+    assert waits.verdict == "wait"
+    assert waits.reason == "waiting for 2 x 8 H100 in pool lab-a: 1 node free"
+    c_small, decision = ledger.request(_job("acme/c/s", gpus=2))  # C's 14 + 2 = its 16
+    assert decision.verdict == "admit", decision.reason  # never "waiting behind job ..."
+    c_borrow, behind = ledger.request(_job("acme/c/s", gpus=4))  # would borrow A's idle quota
+    assert behind.verdict == "wait"
+    assert behind.reason.startswith(f"waiting behind job {gang[:8]}")
+    assert behind.reason.endswith(
+        "for pool lab-a, where jobs within their team's quota go before borrowers"
+    )
+    ledger.set_pool(_pool(4, backfill=True), quotas)  # the pool lets borrowers pass
+    assert _state(ledger, c_borrow) == "admitted"
+    ledger.cancel_queued(gang, "acme/a/s", "test over")
+    for job_id in (*running, c_small, c_borrow):
+        _done(ledger, job_id)
+
+
+def test_jobs_within_nominal_quota_go_before_a_higher_priority_borrower(ledger):
+    """Kueue admits workloads that fit their nominal quota first, then borrowers by priority
+    and fair share: the node that frees goes to the lender's own job, not to a higher-priority
+    borrower that would then hold it (and, as an equal, could not be reclaimed)."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8), reclaim="lower_priority"),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
+        ],
+    )
+    b_own, _ = ledger.request(_job("acme/b/s", priority=100))  # B's own, not lower: it stays
+    a_first, _ = ledger.request(_job("acme/a/s"))
+    borrower, b_waits = ledger.request(_job("acme/b/s", priority=100))
+    assert b_waits.verdict == "wait"
+    assert b_waits.reason == (
+        "team acme/b uses 8 H100 of its quota 8 H100 in pool lab-a and this job would borrow "
+        "8 H100; other teams lend 0 H100 idle now"
+    )
+    lender, a_waits = ledger.request(_job("acme/a/s"))
+    assert a_waits.verdict == "wait" and not a_waits.preempt  # a_first is no lower
+    assert "team acme/a uses 8 H100 of its quota 8 H100" in a_waits.reason
+    _done(ledger, a_first)  # A's node frees: A's own job is within quota, B's would borrow
+    assert _state(ledger, lender) == "admitted"
+    assert _state(ledger, borrower) == "queued"
+    assert "other teams lend 0 H100 idle now" in ledger.job(borrower)["reason"]
+    ledger.cancel_queued(borrower, "acme/b/s", "test over")
+    for job_id in (b_own, lender):
+        _done(ledger, job_id)
+
+
+def test_every_wait_names_the_resource_that_binds(ledger):
+    """A pool without team quotas: a job short of vCPU says so, with the amounts, while 4 GPUs
+    are free; on the quota path the same."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.set_pool(_pool(1))
+    hungry, _ = ledger.request(_job("acme/a/s", gpus=4, node_vcpu=150))
+    small, waits = ledger.request(_job("acme/b/s", gpus=2))  # 2/8 of the machine: 48 vCPU
+    assert waits.verdict == "wait"
+    assert waits.reason == (
+        "waiting for 1 x 2 H100 in pool lab-a: 0 nodes free; vCPU binds: a node of this job "
+        "needs 48 vCPU, at most 42 vCPU is free on a machine (4 H100 free in all)"
+    )
+    ledger.cancel_queued(small, "acme/b/s", "test over")
+    _done(ledger, hungry)
+
+    pool = _pool(2)
+    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 4, vcpu=40))])
+    first, _ = ledger.request(_job("acme/a/s", gpus=2, node_vcpu=30))
+    second, waits = ledger.request(_job("acme/a/s", gpus=2, node_vcpu=20))
+    assert waits.reason == (
+        "team acme/a uses 30 vCPU of its quota 40 vCPU (+0% borrow limit) in pool lab-a; "
+        "this job needs 20 vCPU"
+    )
+    ledger.cancel_queued(second, "acme/a/s", "test over")
+    _done(ledger, first)
+
+    ledger.set_pool(Pool("acme", "cloud", 2, NODE, (), "H100", kind="quota"))  # totals only
+    big, _ = ledger.request(_job("acme/a/s", gpus=4, node_memory_gib=3800, pool="cloud"))
+    short, waits = ledger.request(_job("acme/a/s", gpus=2, pool="cloud"))
+    assert waits.reason == (
+        "waiting for 2 H100 in pool cloud: 12 H100 free; memory binds: this job needs 512 GiB "
+        "of memory, 296 GiB of memory free"
+    )
+    ledger.cancel_queued(short, "acme/a/s", "test over")
+    _done(ledger, big)
+
+
+def test_team_settings_are_kept_and_checked(ledger):
+    pool = _pool(2)
+    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 8))])
+    [quota] = ledger.capacity("acme")[1]
+    assert (quota.reclaim, quota.within_team, quota.queueing) == (
+        "any",
+        "lower_priority",
+        "best_effort_fifo",
+    )
+    strict = TeamQuota(
+        "lab-a",
+        "acme/a",
+        proportional(pool, 8),
+        reclaim="never",
+        within_team="never",
+        queueing="strict_fifo",
+    )
+    ledger.set_pool(pool, [strict])
+    assert ledger.capacity("acme")[1] == [strict]
+    [status] = ledger.capacity_status("acme")
+    assert status["teams"][0]["reclaim"] == "never"
+    with pytest.raises(BudgetInputError, match="^reclaim: acme/a: must be any or lower_priority"):
+        ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", (8, 1, 1), reclaim="sometimes")])
+    assert ledger.capacity("acme")[1] == [strict]  # nothing written
+    assert team_setting("reclaim", "LowerPriority") == "lower_priority"  # as Kueue spells it
+    assert team_setting("queueing", "StrictFIFO") == "strict_fifo"
+    assert team_setting("within_team", "lower-priority") == "lower_priority"
+    with pytest.raises(BudgetInputError, match="^within_team: must be lower_priority or never"):
+        team_setting("within_team", "any")
+
+
+def _cli(monkeypatch, capsys, url: str, *argv: str) -> tuple[int, str, str]:
+    from prefect_gpu_budget.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
+    code = 0
+    try:
+        main()
+    except SystemExit as exit_:
+        code = exit_.code or 0
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_the_cli_sets_a_teams_settings_and_keeps_what_it_leaves_out(
+    ledger, ledger_url, monkeypatch, capsys
+):
+    ledger.set_pool(_pool(2))
+    quota = ["pool", "quota", "acme/a", "--pool", "lab-a", "--gpus", "8"]
+    code, out, err = _cli(
+        monkeypatch,
+        capsys,
+        ledger_url,
+        *quota,
+        "--borrow-pct",
+        "50",
+        "--reclaim",
+        "LowerPriority",
+        "--queueing",
+        "strict-fifo",
+    )
+    assert code == 0, err
+    assert "reclaim lower_priority, within team lower_priority, strict_fifo" in out
+    code, _, err = _cli(monkeypatch, capsys, ledger_url, *quota, "--within-team", "never")
+    assert code == 0, err
+    [kept] = ledger.capacity("acme")[1]
+    assert (kept.borrow_pct, kept.reclaim, kept.within_team, kept.queueing) == (
+        50,
+        "lower_priority",
+        "never",
+        "strict_fifo",
+    )
+    for option, value, field in (
+        ("--reclaim", "sometimes", "reclaim"),
+        ("--within-team", "any", "within_team"),
+        ("--queueing", "lifo", "queueing"),
+    ):
+        code, _, err = _cli(monkeypatch, capsys, ledger_url, *quota, option, value)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, err
+        assert lines[0].startswith(f"error: {field}: must be "), err
+    assert ledger.capacity("acme")[1] == [kept]  # nothing written
+    code, out, err = _cli(monkeypatch, capsys, ledger_url, "capacity", "acme")
+    assert code == 0 and "lower_priority / never / strict_fifo" in out, err

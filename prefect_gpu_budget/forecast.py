@@ -15,11 +15,18 @@ from pathlib import Path
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, hold_of
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold
-from prefect_gpu_budget.pricing.catalog import default_catalog
+from prefect_gpu_budget.pricing.catalog import price_job
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
 from prefect_gpu_budget.sweep_spec import SweepSpec
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, org_of, scope_path
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    fmt_duration,
+    fmt_usd,
+    micro_to_usd,
+    org_of,
+    scope_path,
+)
 
 HORIZON_S = 7 * 86400
 
@@ -39,6 +46,8 @@ class Forecast:
     rejected: int = 0
     max_wait_s: float = 0.0
     """The max wait that times trials out (0: they wait as long as it takes)."""
+    warnings: tuple[str, ...] = ()
+    """The price warnings of the trials' quotes (stale, unverified, an upper bound)."""
 
     def as_dict(self) -> dict[str, object]:
         """The figures as `forecast --json` and the agent gateway give them."""
@@ -53,6 +62,7 @@ class Forecast:
             "mean_wait_s": round(self.mean_wait_s, 1),
             "max_wait_s": self.max_wait_s,
             "stopped_by": self.stopped_by,
+            "warnings": list(self.warnings),
             "summary": self.describe(),
         }
 
@@ -71,6 +81,7 @@ class Forecast:
             lines.append(f"{self.rejected} trials will be rejected (on_limit: reject)")
         if self.stopped_by:
             lines.append(f"stopped by {self.stopped_by}")
+        lines += [f"price warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
 
@@ -85,13 +96,20 @@ def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
 
 
 def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forecast:
+    """The sweep as the gate would run it: each trial priced as the gate prices it
+    (`price_job`: a part of a machine pays its part), in a scope the gate would accept (a
+    `BudgetInputError` naming the level nobody created, as the gate refuses it)."""
     now = time.time() if now is None else now
-    quote = default_catalog().quote(spec.job.instance_type, spec.job.nodes, spec.job.provisioning)
+    unknown = ledger.unknown_scope(spec.scope)
+    if unknown is not None:
+        raise BudgetInputError("scope", unknown)
     trials = spec.trials()
     classes = ledger.priority_values(spec.scope)
-    jobs = []
+    jobs, warnings = [], {}
     for index, params in enumerate(trials):
         job = spec.job_for(params, f"{spec.name}/{index:04d}")
+        quote = price_job(job)[0]
+        warnings.update(dict.fromkeys(quote.warnings))
         runtime = job.expected_runtime or job.max_runtime
         jobs.append(
             SimJob(
@@ -161,6 +179,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         timed_out=sum(r.refused == "timeout" for r in result.records),
         rejected=sum(r.refused == "reject" for r in result.records),
         max_wait_s=max_wait,
+        warnings=tuple(warnings),
     )
 
 

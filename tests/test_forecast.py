@@ -54,9 +54,17 @@ def test_forecast_matches_the_real_sweep(prefect_api, prices, tmp_path):
     assert abs(actual - predicted.spend_micro) <= TOLERANCE * predicted.spend_micro
 
 
+def _team(ledger: Ledger, **kw: str) -> None:
+    """The sweeps' team, `fc/team`, with no limits of its own (and, `kw`, the org's manner of
+    waiting: the deepest budget's applies): the gate refuses a scope whose team nobody
+    created (`Ledger.unknown_scope`), and so does the forecast."""
+    GpuBudget(scope="fc/team", **kw).apply(ledger)
+
+
 def test_forecast_says_when_the_period_budget_stops_a_sweep(prices, tmp_path):
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     GpuBudget(scope="fc", period_budget_usd="0.0085", period="day").apply(ledger)
+    _team(ledger)
     spec = SweepSpec.model_validate(
         {
             **_spec(tmp_path, 6).model_dump(),
@@ -77,6 +85,7 @@ def test_forecast_says_when_the_period_budget_stops_a_sweep(prices, tmp_path):
 def test_forecast_command(tmp_path, prices):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(Ledger(url))
+    _team(Ledger(url))
     path = tmp_path / "sweep.yaml"
     path.write_text(_spec(tmp_path, 4).model_dump_json())
     done = subprocess.run(
@@ -111,6 +120,7 @@ def test_forecast_counts_the_trials_max_wait_will_time_out(prefect_api, prices, 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
     GpuBudget(scope="fc", hourly_cap_usd="3.6", period_budget_usd=100).apply(ledger)
+    _team(ledger)
     _, held = ledger.request(new_job("fc/other", max_runtime_s=3600.0))
     assert held.verdict == "admit"
     fields = _spec(tmp_path, 4).model_dump()
@@ -128,8 +138,40 @@ def test_forecast_counts_rejections(prices, tmp_path):
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     GpuBudget(scope="fc", hourly_cap_usd="7.2", on_limit="reject").apply(ledger)
+    _team(ledger, on_limit="reject")
     _, held = ledger.request(new_job("fc/other", max_runtime_s=3600.0))
     assert held.verdict == "admit"
     predicted = forecast(_spec(tmp_path, 5), ledger)  # room for one trial at a time
     assert predicted.rejected >= 1 and predicted.admitted + predicted.rejected == 5
     assert "will be rejected (on_limit: reject)" in predicted.describe()
+
+
+def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):
+    """A typo in the team: the forecast says what the gate will say of every trial, and the
+    command exits 2 with that one line."""
+    from prefect_gpu_budget.units import BudgetInputError
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(ledger)
+    GpuBudget(scope="fc/team", hourly_cap_usd="3.6").apply(ledger)
+    spec = _spec(tmp_path, 3)
+    typo = SweepSpec.model_validate({**spec.model_dump(), "scope": "fc/taem/agent"})
+    reason = ledger.unknown_scope("fc/taem/agent")
+    assert reason is not None and reason.endswith("did you mean fc/team?")
+    with pytest.raises(BudgetInputError) as refused:
+        forecast(typo, ledger)
+    assert str(refused.value) == f"scope: {reason}"
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(spec.model_dump_json())
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "--ledger-url", url, "forecast"]
+        + [str(path), "--scope", "fc/taem/agent"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == f"error: scope: {reason}"
+    assert ledger.jobs() == []

@@ -52,7 +52,7 @@ from prefect_gpu_budget.admission.timing import LIMIT_RETRY_S as LIMIT_RETRY_S
 from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
-from prefect_gpu_budget.pricing.catalog import Catalog, Quote, default_catalog
+from prefect_gpu_budget.pricing.catalog import Catalog, Quote, price_job
 from prefect_gpu_budget.units import fmt_usd, org_of, rate_cents, validate_scope
 
 log = logging.getLogger("prefect_gpu_budget.gate")
@@ -142,19 +142,19 @@ class Gate(SlotLeases):
         )
 
     def quote(self, job: GpuJob) -> Quote:
-        """The job's price: its machines', or its part of them (`GpuJob.priced`)."""
+        """The job's price: its machines', or its part of them (`price_job`, as `quote` and
+        `forecast` price it)."""
         return self._priced(job)[0]
 
     def _priced(self, job: GpuJob) -> tuple[Quote, NodeShare]:
-        machines = (self.catalog or default_catalog()).quote(
-            job.instance_type, job.nodes, job.provisioning
-        )
-        return job.priced(machines)
+        return price_job(job, self.catalog)
 
     def admit(
         self, job: GpuJob, scope: str, *, flow_run_id: str | None = None, launcher: str = "local"
     ) -> Admission:
-        """Block until the job is admitted; raise `AdmissionRefused` on rejection or time-out.
+        """Block until the job is admitted; raise `AdmissionRefused` on rejection or time-out,
+        or (`UnknownScope`, before anything is recorded) for a scope whose org or team nobody
+        created.
 
         The admission runs in a thread of its own, and the caller only waits for it. A caller's
         cancellation (Ctrl-C, a task's time-out: an exception a signal raises in it, or another
@@ -192,6 +192,7 @@ class Gate(SlotLeases):
         handoff: _Handoff[Admission] = _Handoff()
 
         def admit_here() -> Admission:
+            self._known_scope(scope)  # before anything is recorded: a typo reserves nothing
             admission = self._admit_here(new, job, quote, handoff)
             if not handoff.claim("admitted"):  # the caller was cancelled a moment before
                 self.settle(admission, ended_at=time.time(), outcome="cancelled")
@@ -204,6 +205,19 @@ class Gate(SlotLeases):
                 # it was admitted just before the cancellation: that admission goes back here
                 self.settle(handoff.result, ended_at=time.time(), outcome="cancelled")
             raise
+
+    def _known_scope(self, scope: str) -> None:
+        """Refuse (`UnknownScope`, nothing recorded) a scope with a level above its last that
+        nobody created, naming the one it may have meant (`Ledger.unknown_scope`): as Kueue
+        admits no workload whose LocalQueue does not exist. Read in the admission thread,
+        as every other read of the ledger."""
+        unknown = self.patiently(
+            "reading the scope",
+            functools.partial(self.ledger.unknown_scope, scope),
+            patience=REQUEST_PATIENCE_S,
+        )
+        if unknown is not None:
+            raise AdmissionRefused("UnknownScope", unknown, "")
 
     def _admit_here(
         self, new: NewJob, job: GpuJob, quote: Quote, handoff: _Handoff[Admission]
@@ -296,7 +310,8 @@ class Gate(SlotLeases):
             if handoff.cancelled:
                 raise _Cancelled
             if decision.verdict == "reject":
-                raise AdmissionRefused("OverBudget", decision.reason, job_id)
+                name = "Cancelled" if decision.limit == "cancelled" else "OverBudget"
+                raise AdmissionRefused(name, decision.reason, job_id)
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":

@@ -17,28 +17,33 @@ def quote(
     vcpu: int = typer.Option(None, help="A part of each machine: its vCPU."),
     memory_gib: int = typer.Option(None, help="A part of each machine: its memory, GiB."),
 ) -> None:
-    """Price a job shape from the dated catalog (a whole machine, or a part of one)."""
-    from prefect_gpu_budget.pricing.catalog import default_catalog
+    """Price a job shape from the dated catalog (a whole machine, or a part of one), as the
+    gate and `forecast` price it (`pricing.catalog.price_job`)."""
+    from prefect_gpu_budget.pricing.catalog import Machines, price_job
     from prefect_gpu_budget.units import cost_micro, parse_duration
 
     seconds = parse_duration(
         hours if not hours.replace(".", "", 1).isdigit() else f"{hours}h", "hours"
     )
-    q = default_catalog().quote(instance_type, nodes, provisioning)
-    per_node = f"{q.row.gpus}x {q.row.gpu_model} per node"
-    if gpus is not None or vcpu is not None or memory_gib is not None:
+    if gpus is None and vcpu is None and memory_gib is None:
+        q, part = price_job(Machines(instance_type, nodes, provisioning))
+    else:  # the job model (pydantic) only for a part: a whole machine's quote stays quick
         from prefect_gpu_budget.job import GpuJob
 
-        asked = GpuJob(
-            instance_type=instance_type,
-            max_runtime=seconds,
-            gpus=gpus,
-            vcpu=vcpu,
-            memory_gib=memory_gib,
+        q, part = price_job(
+            GpuJob(
+                instance_type=instance_type,
+                nodes=nodes,
+                provisioning=provisioning,
+                max_runtime=seconds,
+                gpus=gpus,
+                vcpu=vcpu,
+                memory_gib=memory_gib,
+            )
         )
-        q, part = asked.priced(q)
-        if not part.whole:
-            per_node = f"{part.fraction} of each node's price (of {per_node})"
+    per_node = f"{q.row.gpus}x {q.row.gpu_model} per node"
+    if part is not None and not part.whole:
+        per_node = f"{part.fraction} of each node's price (of {per_node})"
     console.print(
         f"{q.describe()}  {per_node}\n"
         f"{seconds / 3600:g} h: {fmt_usd(cost_micro(q.rate_micro_per_hour, seconds, round_up=True))}"
@@ -112,13 +117,16 @@ def prices_list() -> None:
     """The catalog rows, with their sources and dates."""
     from prefect_gpu_budget.pricing.catalog import default_catalog
 
+    catalog = default_catalog()
     table = rich_table("instance", "provisioning", "GPUs", "USD/h", "as of", "source")
-    for row in default_catalog().rows():
+    for row in catalog.rows():
+        bound = catalog.bound_of(row.key, row.provisioning)
+        figure = "no figure" if bound is None else f"no figure; at most {bound} (on-demand)"
         table.add_row(
             row.key,
             row.provisioning,
             f"{row.gpus}x {row.gpu_model}",
-            "no figure" if row.usd_per_hour is None else str(row.usd_per_hour),
+            figure if row.usd_per_hour is None else str(row.usd_per_hour),
             f"{row.as_of}{'' if row.verified or not row.priced else ' (unverified)'}",
             row.source,
         )

@@ -7,28 +7,38 @@ An unknown instance type is an error, never a zero price.
 A row may carry no price (`usd_per_hour` empty) where no public figure is recorded: its `source`
 says why and how to get one. Such a row gives the machine's shape (to `prices refresh` and to
 listings) but is refused when a job is quoted, and it never hides a priced row of another file;
-a refreshed or user-set price replaces it.
+a refreshed or user-set price replaces it. One exception: a flex-start row with no figure is
+quoted at its machine's on-demand price, where that has one, as an upper bound (DWS flex-start
+is billed at its own, discounted rate), marked as such (`Quote.bound`, a warning); never at a
+figure of our own.
+
+`price_job` is the one way a job is priced: the gate, `quote`, `forecast` (and so the simulator)
+all call it, so a part of a machine costs the same everywhere.
 """
 
 from __future__ import annotations
 
 import csv
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import date
 from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING, overload
 
 from prefect_gpu_budget.units import (
+    MICRO_PER_USD,
     SEGMENT_RE,
     BudgetInputError,
-    fmt_usd,
     near,
     shown,
     to_decimal_usd,
     usd_to_micro,
 )
+
+if TYPE_CHECKING:
+    from prefect_gpu_budget.job import GpuJob, NodeShare
 
 SHIPPED = Path(__file__).with_name("catalog.csv")
 STALE_AFTER_DAYS = 90
@@ -80,12 +90,23 @@ class Quote:
     nodes: int
     rate_micro_per_hour: int
     warnings: tuple[str, ...]
+    bound: bool = False
+    """True: no figure is recorded for this provisioning (flex-start), and the rate is the
+    machine's on-demand price, an upper bound of what it is billed (`BOUND_NOTE`)."""
 
     def describe(self) -> str:
+        """`aws:p4d.24xlarge (on-demand) x1: $2.74475/h`: the rate to the micro-dollar the
+        gate charges (a part of a machine rarely comes to whole cents)."""
+        usd = Decimal(self.rate_micro_per_hour) / MICRO_PER_USD
+        rate = f"{usd:,.2f}" if usd == round(usd, 2) else f"{usd.normalize():,f}"
         return (
             f"{self.row.key} ({self.row.provisioning}) x{self.nodes}: "
-            f"{fmt_usd(self.rate_micro_per_hour)}/h"
+            f"${rate}/h{' (upper bound)' if self.bound else ''}"
         )
+
+
+BOUND_NOTE = "upper bound: on-demand price; flex-start is billed at its own discounted rate"
+"""What a quote at the on-demand price for want of a flex-start figure says of itself."""
 
 
 def refreshed_dir() -> Path:
@@ -239,21 +260,84 @@ class Catalog:
         today: date | None = None,
     ) -> Quote:
         row = self.row(instance_type, provisioning)
+        bound = False
         if row.usd_per_hour is None:
-            raise BudgetInputError(
-                "instance_type",
-                f"no {provisioning} price for {row.key}: {' '.join(row.source.split())}",
-            )
+            on_demand = self._bound_of(row)
+            if on_demand is None:
+                raise BudgetInputError(
+                    "instance_type",
+                    f"no {provisioning} price for {row.key}: {' '.join(row.source.split())}",
+                )
+            row, bound = on_demand, True
         warnings = []
+        priced_as = "on-demand" if bound else provisioning
         age = ((today or date.today()) - row.as_of).days
+        if bound:
+            warnings.append(f"price of {row.key} ({provisioning}) is an {BOUND_NOTE}")
         if age > STALE_AFTER_DAYS:
             warnings.append(
-                f"price of {row.key} ({provisioning}) is stale: from {row.as_of}, {age} days old"
+                f"price of {row.key} ({priced_as}) is stale: from {row.as_of}, {age} days old"
             )
         if not row.verified:
-            warnings.append(f"price of {row.key} ({provisioning}) is unverified: {row.source}")
+            warnings.append(f"price of {row.key} ({priced_as}) is unverified: {row.source}")
+        if bound:  # the job's own provisioning, on the on-demand figure and its source
+            row = replace(
+                row,
+                provisioning=provisioning,
+                source=f"{row.source} (the on-demand price: an upper bound for {provisioning})",
+                verified=False,
+            )
         rate = usd_to_micro(row.usd_per_hour) * nodes
-        return Quote(row=row, nodes=nodes, rate_micro_per_hour=rate, warnings=tuple(warnings))
+        return Quote(
+            row=row, nodes=nodes, rate_micro_per_hour=rate, warnings=tuple(warnings), bound=bound
+        )
+
+    def _bound_of(self, row: PriceRow) -> PriceRow | None:
+        """The priced on-demand row of a flex-start row with no figure: its upper bound."""
+        if row.provisioning != "flex-start":
+            return None
+        on_demand = self._rows.get((row.key, "on-demand"))
+        return on_demand if on_demand is not None and on_demand.priced else None
+
+    def bound_of(self, instance_type: str, provisioning: str) -> Decimal | None:
+        """The on-demand price a quote of this row with no figure is charged, if any."""
+        found = self._rows.get((instance_type, provisioning))
+        bound = None if found is None or found.priced else self._bound_of(found)
+        return None if bound is None else bound.usd_per_hour
+
+
+@dataclass(frozen=True)
+class Machines:
+    """Whole machines of one type, asking no part of them: what `quote` prices without
+    loading the job model (`GpuJob` prices the same shape the same way)."""
+
+    instance_type: str
+    nodes: int = 1
+    provisioning: str = "on-demand"
+
+    def priced(self, quote: Quote) -> tuple[Quote, None]:
+        return quote, None
+
+
+@overload
+def price_job(
+    job: GpuJob, catalog: Catalog | None = None, today: date | None = None
+) -> tuple[Quote, NodeShare]: ...
+@overload
+def price_job(
+    job: Machines, catalog: Catalog | None = None, today: date | None = None
+) -> tuple[Quote, None]: ...
+def price_job(
+    job: GpuJob | Machines, catalog: Catalog | None = None, today: date | None = None
+) -> tuple[Quote, NodeShare | None]:
+    """The one way a job is priced (the gate, `quote`, `forecast` and so the simulator): its
+    machines' quote from the catalog (`catalog`, else the default one), then its part of
+    them (`GpuJob.priced`: a 1-GPU share of an 8-GPU machine pays 1/8 of its price); with
+    what each node takes of a machine (None for `Machines`)."""
+    machines = (catalog or default_catalog()).quote(
+        job.instance_type, job.nodes, job.provisioning, today=today
+    )
+    return job.priced(machines)
 
 
 def set_local_price(

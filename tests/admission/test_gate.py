@@ -151,6 +151,7 @@ def test_blocked_job_resumes_within_a_second(ledger, prefect_api, prices):
     from prefect_gpu_budget.admission.limits import RateLimits
 
     ledger.set_budget(BudgetRule("resume", hourly_cap_cents=400))
+    ledger.set_budget(BudgetRule("resume/t"))  # the team exists: a job may spend there
     limits = RateLimits()
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     job = GpuJob(instance_type="local:box", max_runtime="1m")
@@ -244,6 +245,7 @@ CRASHER = textwrap.dedent(
 @pytest.mark.parametrize("point", ["admitted", "running"])
 def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, point):
     ledger.set_budget(BudgetRule("crash", hourly_cap_cents=10_000, period_budget_micro=50_000_000))
+    ledger.set_budget(BudgetRule("crash/t"))
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASHER, ledger_url, str(prices), point],
         stdout=subprocess.PIPE,

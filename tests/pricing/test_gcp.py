@@ -235,7 +235,8 @@ def test_a_refresh_fills_the_rows_with_no_public_figure(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Shipped rows without a price are refused until `prices refresh --gcp` writes a dated
+    """Shipped rows without a price are refused (flex-start: quoted at the on-demand price,
+    an upper bound, where that has a figure) until `prices refresh --gcp` writes a dated
     catalog; from then on every family quotes flex-start at its DWS SKUs."""
     unpriced = [(m, p) for m, p in PRICED if not shipped.row(f"gcp:{m}", p).priced]
     assert ("a4-highgpu-8g", "flex-start") in unpriced and (
@@ -243,6 +244,9 @@ def test_a_refresh_fills_the_rows_with_no_public_figure(
         "flex-start",
     ) in unpriced
     for machine, provisioning in unpriced:
+        if shipped.bound_of(f"gcp:{machine}", provisioning) is not None:
+            assert shipped.quote(f"gcp:{machine}", 1, provisioning).bound
+            continue
         with pytest.raises(BudgetInputError, match="no public figure recorded"):
             shipped.quote(f"gcp:{machine}", 1, provisioning)
 
@@ -254,7 +258,7 @@ def test_a_refresh_fills_the_rows_with_no_public_figure(
         quote = refreshed.quote(f"gcp:{machine}", 2, provisioning)
         expected = _expected(shipped, machine, PRICED[machine, provisioning])
         assert quote.rate_micro_per_hour == 2 * usd_to_micro(expected)
-        assert not quote.warnings  # dated today, read from the API
+        assert not quote.warnings and not quote.bound  # dated today, read from the API
     # rows of other clouds stay as shipped, with or without a figure
     assert refreshed.row("aws:p6-b200.48xlarge").usd_per_hour is None
     assert refreshed.row("aws:g5.xlarge") == shipped.row("aws:g5.xlarge")

@@ -17,14 +17,21 @@ from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     PREEMPTED,
     STOPPED,
+    agent_limits,
+    budgets,
     jobs,
     period_spend,
+    pools,
+    priority_classes,
+    team_quotas,
+    templates,
     versions,
 )
 from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
 from prefect_gpu_budget.admission.quota import Capacity, Placed, Shape
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.identity import holder_alive
+from prefect_gpu_budget.units import near, org_of, scope_path
 
 
 class ReadsMixin(EngineMixin):
@@ -251,6 +258,43 @@ class ReadsMixin(EngineMixin):
         ]
 
     @_reconnecting
+    def unknown_scope(self, scope: str) -> str | None:
+        """Why no job may run in `scope`, in one line: a level above its last (its org, its
+        team) that nobody created, with the name it may have meant (`acme/visoin` beside
+        `acme/vision`); None when every one exists. A level exists once a budget, a session
+        template, a share in a pool, agent limits or a job (ever) names it or a scope under
+        it (an org also by its pools and priority classes). The last level is never asked
+        about: a new session under a known team gets its team's template, or no budget of
+        its own, as it always did.
+
+        A level found to exist is remembered by this ledger object (no budget or job is ever
+        removed), so a gate reads nothing more for the jobs after the first of a team."""
+        seen: set[str] = self.__dict__.setdefault("_scopes_that_exist", set())
+        levels = [level for level in scope_path(scope)[:-1] if level not in seen]
+        if not levels:
+            return None
+        with self._read() as conn:
+            for level in levels:
+                if _created(conn, level):
+                    seen.add(level)
+                    continue
+                kind = "org" if "/" not in level else "team"
+                peers = _created_peers(conn, level)
+                close = near(level, peers)
+                if close:
+                    hint = f"did you mean {close[0]}?"
+                else:
+                    known = sorted(peers)[:5]
+                    hint = f"create it first (`prefect-gpu-budget budget set {level} ...`)" + (
+                        f"; known {kind}s: {', '.join(known)}" if known else ""
+                    )
+                return (
+                    f"{kind} {level} of scope {scope} does not exist (no budget, session "
+                    f"template, pool share or job names it); {hint}"
+                )
+        return None
+
+    @_reconnecting
     def stop_asked(self, job_id: str) -> str | None:
         """Why this admitted or running job must stop now: `preempted` (a job within its team's
         quota takes back capacity this one borrowed) or `stopped` (its owner asked:
@@ -274,6 +318,73 @@ def wait_spans(row: dict[str, Any]) -> dict[str, float]:
         end = row.get("admitted_at") or row.get("ended_at") or time.time()
         waits[row["wait_key"]] = waits.get(row["wait_key"], 0.0) + end - row["wait_since"]
     return {key: round(seconds, 3) for key, seconds in waits.items()}
+
+
+def _under(column: sa.Column, level: str) -> sa.ColumnElement[bool]:
+    return sa.or_(column == level, column.startswith(level + "/", autoescape=True))
+
+
+def _created(conn: sa.Connection, level: str) -> bool:
+    """Whether anything names `level` (an org or a team) or a scope under it: one row is
+    enough, read table by table (a budget, most often, answers first)."""
+    org = org_of(level)
+    if "/" not in level:
+        named = [
+            (budgets.c.scope, budgets.c.org == org),
+            (templates.c.scope, templates.c.org == org),
+            (team_quotas.c.team, team_quotas.c.org == org),
+            (agent_limits.c.team, agent_limits.c.org == org),
+            (pools.c.name, pools.c.org == org),
+            (priority_classes.c.name, priority_classes.c.org == org),
+            (jobs.c.id, jobs.c.org == org),
+        ]
+    else:
+        named = [
+            (budgets.c.scope, sa.and_(budgets.c.org == org, _under(budgets.c.scope, level))),
+            (templates.c.scope, sa.and_(templates.c.org == org, _under(templates.c.scope, level))),
+            (team_quotas.c.team, sa.and_(team_quotas.c.org == org, team_quotas.c.team == level)),
+            (agent_limits.c.team, agent_limits.c.team == level),
+            (jobs.c.id, sa.and_(jobs.c.org == org, _under(jobs.c.scope, level))),
+        ]
+    return any(
+        conn.execute(sa.select(column).where(where).limit(1)).first() for column, where in named
+    )
+
+
+def _created_peers(conn: sa.Connection, level: str) -> set[str]:
+    """The orgs (for an org) or the teams of its org (for a team) that exist: what a typo of
+    `level` may have meant. Read only when `level` does not exist (a job being refused)."""
+    depth = level.count("/") + 1
+    if depth == 1:
+        columns = [
+            budgets.c.org,
+            templates.c.org,
+            team_quotas.c.org,
+            agent_limits.c.org,
+            pools.c.org,
+            priority_classes.c.org,
+            versions.c.org,
+        ]
+        return {
+            name
+            for column in columns
+            for name in conn.execute(sa.select(column).distinct()).scalars()
+        }
+    org = org_of(level)
+    columns = [
+        (budgets.c.scope, budgets.c.org),
+        (templates.c.scope, templates.c.org),
+        (team_quotas.c.team, team_quotas.c.org),
+        (agent_limits.c.team, agent_limits.c.org),
+        (jobs.c.team, jobs.c.org),
+    ]
+    names = {
+        name
+        for column, of in columns
+        for name in conn.execute(sa.select(column).where(of == org).distinct()).scalars()
+        if name
+    }
+    return {"/".join(n.split("/")[:depth]) for n in names if n.count("/") + 1 >= depth}
 
 
 def _within(scope: str, parent: str | None) -> bool:

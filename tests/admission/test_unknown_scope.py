@@ -1,0 +1,144 @@
+"""Issue 31, point 6: a typo in a scope's org or team is refused at the gate, as Kueue admits no
+workload whose LocalQueue does not exist. A level above a scope's last exists once a budget, a
+session template, a share in a pool, agent limits or a job (ever) names it or a scope under it;
+a job naming one that does not is refused (`UnknownScope`, one line, the name it may have
+meant) with nothing recorded, whichever way it asks (the gate, `run_gpu_job`, `@gpu_task`;
+workers call the same `Gate.admit`). A new session under a known team, and a new last level
+anywhere, stay automatic.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.jobs import new_job
+
+TYPO = (
+    "team acme/visoin of scope acme/visoin/agent-8 does not exist (no budget, session "
+    "template, pool share or job names it); did you mean acme/vision?"
+)
+
+
+def _job(**kw) -> GpuJob:
+    return GpuJob(instance_type="local:box", max_runtime="1m", kill_grace="1s", **kw)
+
+
+@pytest.fixture
+def acme(ledger, prices):
+    """An org with one team, `acme/vision`; a gate over it."""
+    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100_000, period_budget_micro=10**9))
+    ledger.set_budget(BudgetRule("acme/vision", hourly_cap_cents=10_000))
+    return Gate(ledger, catalog=Catalog.load(prices), poll_s=0.02)
+
+
+def _run(gate: Gate, scope: str) -> dict:
+    admission = gate.admit(_job(), scope)
+    gate.started(admission, time.time())
+    gate.settle(admission, ended_at=time.time(), outcome="completed")
+    return gate.ledger.job(admission.job_id)
+
+
+def test_a_typo_in_the_team_is_refused_with_did_you_mean_and_nothing_recorded(ledger, acme):
+    before = (ledger.jobs(), ledger.status(), ledger.budgets())
+    for _ in range(2):  # a refusal leaves nothing that would let the next one in
+        with pytest.raises(AdmissionRefused) as refused:
+            acme.admit(_job(), "acme/visoin/agent-8")
+        assert refused.value.state_name == "UnknownScope"
+        assert refused.value.reason == TYPO and "\n" not in refused.value.reason
+        assert str(refused.value) == f"UnknownScope: {TYPO}"
+    assert (ledger.jobs(), ledger.status(), ledger.budgets()) == before
+    assert ledger.unknown_scope("acme/visoin/agent-8") == TYPO
+
+
+def test_a_typo_in_the_org_and_a_team_nobody_named(ledger, acme):
+    with pytest.raises(AdmissionRefused) as org:
+        acme.admit(_job(), "acne/vision/agent-8")
+    assert org.value.reason.startswith("org acne of scope acne/vision/agent-8 does not exist")
+    assert org.value.reason.endswith("; did you mean acme?")
+    with pytest.raises(AdmissionRefused) as far:  # nothing near: how to create it, and peers
+        acme.admit(_job(), "acme/robotics/s1")
+    assert far.value.reason.endswith(
+        "create it first (`prefect-gpu-budget budget set acme/robotics ...`); "
+        "known teams: acme/vision"
+    )
+    with pytest.raises(AdmissionRefused, match="^UnknownScope: org newco of scope newco/t "):
+        acme.admit(_job(), "newco/t")  # an org nobody created, above a new last level
+    assert ledger.jobs() == []
+
+
+def test_the_last_level_stays_automatic(ledger, acme):
+    # a new session under a known team: no budget of its own, the team's and org's bind
+    row = _run(acme, "acme/vision/agent-8")
+    assert row["state"] == "settled" and row["outcome"] == "completed"
+    assert "acme/vision/agent-8" not in {r.scope for r in ledger.budgets()}
+    # a new team directly under a known org, and the org itself
+    assert _run(acme, "acme/brand-new")["state"] == "settled"
+    assert _run(acme, "acme")["state"] == "settled"
+    # a session under a team known by its session template gets the template
+    ledger.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+    assert _run(acme, "acme/agents/agent-1")["state"] == "settled"
+    assert {r.scope: r.hourly_cap_cents for r in ledger.budgets()}["acme/agents/agent-1"] == 360
+
+
+def test_every_way_a_team_comes_to_exist(ledger, acme):
+    from prefect_gpu_budget.models import AgentLimits
+
+    assert ledger.unknown_scope("acme/lab/s") is not None
+    pool = Pool("acme", "lab-a", 1, (8, 64, 256), ("local:box8",), "H100")
+    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/lab", proportional(pool, 8))])
+    assert ledger.unknown_scope("acme/lab/s") is None  # a share in a pool
+
+    assert ledger.unknown_scope("acme/bots/s") is not None
+    ledger.set_agent_limits("acme/bots", AgentLimits(team="acme/bots", max_sweeps=1).stored())
+    assert ledger.unknown_scope("acme/bots/s") is None  # the limits on its agents
+
+    assert ledger.unknown_scope("acme/legacy/s2") is not None
+    ledger.request(new_job("acme/legacy/s1"))  # a job, from before the check (ever)
+    assert ledger.unknown_scope("acme/legacy/s2") is None
+    assert _run(acme, "acme/legacy/s2")["state"] == "settled"
+
+    assert ledger.unknown_scope("acme/nlp/s") is not None
+    ledger.set_budget(BudgetRule("acme/nlp/s"))  # a budget under it names it too
+    assert ledger.unknown_scope("acme/nlp/other") is None
+    # a typo of a team known only by its jobs is still caught, naming it
+    assert ledger.unknown_scope("acme/legacyy/s").endswith("did you mean acme/legacy?")
+
+
+def test_run_gpu_job_and_gpu_task_end_in_the_named_state(prefect_api, prices, tmp_path):
+    """The Prefect doors go through the same gate: a Failed state named `UnknownScope`."""
+    from prefect import flow
+
+    from prefect_gpu_budget import GpuBudget, SpendLedger, gpu_task, run_gpu_job
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="acme", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)
+    GpuBudget(scope="acme/vision", hourly_cap_usd=10).apply(ledger)
+    block = SpendLedger(database_url=url)
+    job = _job(command=[sys.executable, "-c", "print('ran')"])
+
+    @gpu_task(instance_type="local:box", max_runtime="1m", ledger=block)
+    def body() -> str:
+        return "ran"
+
+    @flow
+    def sweep():
+        by_job = run_gpu_job(job, scope="acme/visoin/agent-8", ledger=block, return_state=True)
+        by_task = body.with_options(gpu={"scope": "acme/visoin/agent-8"})(return_state=True)
+        fine = run_gpu_job(job, scope="acme/vision/agent-8", ledger=block)
+        return by_job, by_task, fine
+
+    by_job, by_task, fine = sweep()
+    for state in (by_job, by_task):
+        assert state.name == "UnknownScope" and state.message == TYPO, state
+    assert fine.outcome == "completed"
+    assert {r["scope"] for r in ledger.jobs()} == {"acme/vision/agent-8"}  # nothing else

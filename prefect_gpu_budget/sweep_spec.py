@@ -253,13 +253,12 @@ def preflight(spec: SweepSpec, launcher: Any) -> None:
     not run, a command not there): a `BudgetInputError` naming the field. The checks `forecast`
     makes and the first trial would make, for `sweep`, the agent gateway and the agent flow."""
     from prefect_gpu_budget.launchers.base import LaunchConfigError
-    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.pricing.catalog import price_job
 
     trials = spec.trials()
     job = spec.job_for(trials[0] if trials else {}, spec.name)
-    quote = default_catalog().quote(job.instance_type, job.nodes, job.provisioning)
     try:
-        launcher.preflight(job, job.priced(quote)[0])
+        launcher.preflight(job, price_job(job)[0])
     except LaunchConfigError as refused:
         field, sep, rest = refused.reason.partition(": ")
         if sep and re.fullmatch(r"[a-z_]+", field):  # the launcher named the field

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 class AdmissionRefused(Exception):
-    """The gate said no for good: `state_name` is `OverBudget`, `AdmissionTimeout`, or
-    `Cancelled` (its owner cancelled it while it waited)."""
+    """The gate said no for good: `state_name` is `OverBudget`, `AdmissionTimeout`,
+    `UnknownScope` (its org or team was never created), or `Cancelled` (its owner cancelled it
+    while it waited)."""
 
     def __init__(self, state_name: str, reason: str, job_id: str) -> None:
         self.state_name = state_name

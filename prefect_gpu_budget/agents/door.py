@@ -453,6 +453,7 @@ class Door:
             "gpu_model": q.row.gpu_model,
             "source": q.row.source,
             "as_of": str(q.row.as_of),
+            "bound": q.bound,
             "warnings": list(q.warnings),
         }
 

@@ -1,6 +1,6 @@
 """The budget gate of the worker types, one for all: the job variables, the rule for a run's
-own overrides, the wait at the gate (`AwaitingBudget`, cancel gives its place up), the stop at
-max_runtime, and the settlement once the run's infrastructure ends.
+own job variables (`overrides_refusal`), the wait at the gate (`AwaitingBudget`, cancel gives
+its place up), the stop at max_runtime, and the settlement once the run's infrastructure ends.
 
 A worker type mixes `GateVariables` into its variables and `GateConfiguration` into its job
 configuration, and runs each flow run as
@@ -13,11 +13,15 @@ except RunNotStarted:
 return await run.until_settled(super().run(...), outcome_of_the_result)
 ```
 
-calling `run.started(at, external_id, stop)` when its infrastructure really starts.
+calling `run.started(at, external_id, stop)` when its infrastructure really starts. The rule
+for a run's own job variables is applied to the very variables its configuration was built from
+(`GateConfiguration.resolve_for_flow_run` notes them as the worker merges them): what is checked
+is what runs.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 from prefect.client.orchestration import get_client
 from prefect.states import Failed, Pending, Scheduled
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, PrivateAttr
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
 from prefect_gpu_budget.admission.lifecycle import CANCELLED, COMPLETED, TIMED_OUT, Settlement
@@ -60,8 +64,14 @@ GATE_VARIABLES = (
     "max_wait",
     "provisioning",
     "require_agent_token",
+    "run_may_set",
 )
-"""The gate's job variables a flow run may not set itself (`scope` it may narrow)."""
+"""The gate's job variables a flow run may not set itself (`scope` it may narrow), nor its
+deployment allow it to (`run_may_set`)."""
+RUN_VARIABLES = ("scope", "agent_token")
+"""What a flow run may always set itself: `scope`, only to narrow its deployment's, and
+`agent_token`, which only binds the run to its agent's session within that scope. With
+`GATE_VARIABLES`, every one of `GateVariables`."""
 
 
 class GateVariables(BaseModel):
@@ -89,6 +99,11 @@ class GateVariables(BaseModel):
         description="An agent's token (`prefect-gpu-budget agent grant`): the run spends in "
         "the token's session only. Set per run, by the agent or its gateway.",
     )
+    run_may_set: list[str] = Field(
+        default_factory=list,
+        description="Job variables a flow run may set itself, e.g. ['stream_output']; a run "
+        "that sets any other (command, env, ...) is refused. Never the gate's own.",
+    )
 
 
 class GateConfiguration(BaseModel):
@@ -103,6 +118,32 @@ class GateConfiguration(BaseModel):
     provisioning: str = Field(default="on-demand")
     require_agent_token: bool = Field(default=False)
     agent_token: str | None = Field(default=None)
+    _run_refusal: str | None = PrivateAttr(default=None)
+    """Why the flow run's own job variables may not be used ("" if they may); None until
+    `resolve_for_flow_run` checked them."""
+
+    @classmethod
+    async def resolve_for_flow_run(
+        cls, flow_run: FlowRun, *, client: Any, work_pool: Any, deployment: Any = None, **kw: Any
+    ) -> Any:
+        """The worker's configuration for `flow_run` (Prefect's merge of the run's job
+        variables over its deployment's, over the pool's), with the rule for the run's own
+        variables applied to the very values merged (`overrides_refusal`): read before the
+        merge, which takes `env` out of them, and from the same snapshot of the run."""
+        if deployment is None and flow_run.deployment_id:
+            deployment = await client.read_deployment(flow_run.deployment_id)
+        run_variables = copy.deepcopy(dict(flow_run.job_variables or {}))
+        deployed = dict(getattr(deployment, "job_variables", None) or {})
+        refusal = overrides_refusal(
+            run_variables,
+            deployed.get("scope") or _pool_default(work_pool, "scope"),
+            deployed.get("run_may_set", _pool_default(work_pool, "run_may_set")) or [],
+        )
+        configuration = await super().resolve_for_flow_run(  # type: ignore[misc]
+            flow_run, client=client, work_pool=work_pool, deployment=deployment, **kw
+        )
+        configuration._run_refusal = refusal
+        return configuration
 
     def gpu_job(self, name: str) -> tuple[GpuJob, str]:
         """The job and scope this run asks for; a one-line `BudgetInputError` if unusable."""
@@ -145,18 +186,30 @@ def bind_to_agent(
     return job.model_copy(update={"grant": grant}), session
 
 
-def overrides_refusal(run_variables: dict[str, Any], deployed_scope: str | None) -> str:
+def overrides_refusal(
+    run_variables: dict[str, Any], deployed_scope: str | None, may_set: Any = ()
+) -> str:
     """Why a flow run's own job variables may not be used ("" if they may): a run may narrow
-    its deployment's scope to a sub-scope, and change nothing else of the gate's."""
-    for key in GATE_VARIABLES:
-        if key not in run_variables:
-            continue
-        if key != "scope":
+    its deployment's scope to a sub-scope, carry an agent's token, and set what its deployment
+    lists in `may_set` (its `run_may_set`); nothing else, of the gate's or of the worker
+    type's (`command`, `env`, `working_dir`, `image`, ...). A list naming one of the gate's
+    own variables is refused as it stands."""
+    if not isinstance(may_set, (list, tuple)) or not all(isinstance(k, str) for k in may_set):
+        return f"run_may_set: must be a list of job variable names, got {may_set!r:.80}"
+    for key in may_set:
+        if key in GATE_VARIABLES or key in RUN_VARIABLES:
+            return f"run_may_set: {key} is the gate's; a run can never set it"
+    for key, value in run_variables.items():
+        if key == "scope":
+            if why := narrowing_refusal(str(value), deployed_scope, "the deployment's"):
+                return why
+        elif key in GATE_VARIABLES:
             return f"job variable {key} is the deployment's to set, not a run's"
-        if why := narrowing_refusal(
-            str(run_variables["scope"]), deployed_scope, "the deployment's"
-        ):
-            return why
+        elif key not in RUN_VARIABLES and key not in may_set:
+            return (
+                f"job variable {key} is the deployment's to set, not a run's (the "
+                "deployment's run_may_set does not list it)"
+            )
     return ""
 
 
@@ -220,15 +273,16 @@ class WorkerRun:
             for timer in self._timers:
                 timer.cancel()
             ended_at, billed = ended() if ended else (time.time(), None)
-            await anyio.to_thread.run_sync(
-                partial(
-                    self.settlement.ended,
-                    error,
-                    returned=returned,
-                    ended_at=ended_at,
-                    billed_seconds=billed,
+            with anyio.CancelScope(shield=True):  # a worker shutting down settles first
+                await anyio.to_thread.run_sync(
+                    partial(
+                        self.settlement.ended,
+                        error,
+                        returned=returned,
+                        ended_at=ended_at,
+                        billed_seconds=billed,
+                    )
                 )
-            )
 
 
 async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> WorkerRun:
@@ -236,11 +290,9 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
     line with nothing reserved (`GateRefused`), wait in `AwaitingBudget` (a cancel gives the
     place up), end `OverBudget` / `AdmissionTimeout` when refused. Raises `RunNotStarted` when
     the run does not start (its state is set); else the run is Pending, admitted."""
-    deployed = None
-    if flow_run.deployment_id:
-        deployment = await worker.client.read_deployment(flow_run.deployment_id)
-        deployed = (deployment.job_variables or {}).get("scope") or _pool_default(worker.work_pool)
-    refusal = overrides_refusal(dict(flow_run.job_variables or {}), deployed)
+    refusal = configuration._run_refusal
+    if refusal is None:  # built some other way: its variables' origin is unknown
+        refusal = "the run's own job variables could not be checked: not run"
     run_gate = await anyio.to_thread.run_sync(_open_gate)
     try:
         job, scope = configuration.gpu_job(flow_run.name)
@@ -260,9 +312,10 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
 
     def waiting(_job_id: str, decision: Decision, _rules: object) -> None:
         message = f"waiting for budget: {decision.reason}"
-        _set_state(
-            flow_run.id, Scheduled(scheduled_time=_later(), name=AWAITING_BUDGET, message=message)
-        )
+        waits = Scheduled(scheduled_time=_later(), name=AWAITING_BUDGET, message=message)
+        # proposed, not forced: a cancel that came first (the run's row was queued a moment
+        # before) stands, and the watcher then gives the place up
+        _set_state(flow_run.id, waits, force=False)
 
     run_gate = run_gate.with_events(GateEvents(queued=waiting))
     admitted = threading.Event()
@@ -307,9 +360,9 @@ async def _end(flow_run: FlowRun, state: State | None = None) -> None:
     raise RunNotStarted(state.name if state else "cancelled")
 
 
-def _pool_default(work_pool: Any) -> str | None:
+def _pool_default(work_pool: Any, key: str) -> Any:
     variables = (getattr(work_pool, "base_job_template", None) or {}).get("variables", {})
-    return (variables.get("properties", {}).get("scope") or {}).get("default")
+    return (variables.get("properties", {}).get(key) or {}).get("default")
 
 
 def _later() -> Any:
@@ -342,6 +395,6 @@ def _still_wanted(flow_run_id: Any) -> bool:
     return state is None or not (state.is_final() or state.is_cancelling())
 
 
-def _set_state(flow_run_id: Any, state: State) -> None:
+def _set_state(flow_run_id: Any, state: State, force: bool = True) -> None:
     with get_client(sync_client=True) as client:
-        client.set_flow_run_state(flow_run_id, state, force=True)
+        client.set_flow_run_state(flow_run_id, state, force=force)

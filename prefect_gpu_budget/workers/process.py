@@ -9,26 +9,44 @@ The pool's job variables `instance_type`, `scope`, `max_runtime` (and `nodes`, `
 `max_wait`, `provisioning`) are set on the pool or the deployment. Before the worker starts a
 flow run, the run passes the gate: while it waits it is in `AwaitingBudget` with the reason as
 its message, and the worker goes on serving other runs. A refused run ends `OverBudget` or
-`AdmissionTimeout` without starting. An admitted run is stopped at `max_runtime` (SIGTERM,
-`kill_grace`, SIGKILL) and settled from its process's real start and end; if the worker dies,
-`reconcile` settles it from the ledger's heartbeats.
+`AdmissionTimeout` without starting. If the worker dies, `reconcile` settles its runs from the
+ledger's heartbeats.
 
 A run cancelled while it waits gives up its place within about a second.
 
-A flow run's own job variables may narrow the deployment's scope (to a sub-scope) and nothing
-else of the gate's: another scope, another instance type, a longer run or a higher priority is
-refused in one line with nothing reserved. With `require_agent_token` set on the deployment or
-pool, a run must carry an agent's token (`agent_token`) and spends in its session only.
+The run is the whole process tree it starts. Its process runs under the local launcher's job
+holder (`launchers/_reaper.py`), in a session of its own: a child subreaper, so every
+descendant that leaves the tree (`setsid`, `nohup ... &`, a double fork) is adopted by it, and
+the holder ends only when the last of them has. At `max_runtime` (counted from the holder's
+start) the whole tree gets SIGTERM and, `kill_grace` (10 s) later, SIGKILL (up to half a
+second sooner: `HOLD_MARGIN_S`, so that the kill lands within the reservation, max_runtime +
+kill_grace); the run is billed from the holder's start until its last descendant ended;
+anything still carrying the run's mark (`GPU_BUDGET_JOB_MARK`) once the holder is gone is
+killed before the run is settled; if the worker dies, the holder kills the tree at once.
+
+A flow run's own job variables may narrow the deployment's scope (to a sub-scope), carry an
+agent's token, and set what the deployment lists in `run_may_set`; nothing else: another scope,
+instance type, longer run or higher priority, and any `command`, `env`, `working_dir` or other
+variable the deployment did not list, ends the run `GateRefused` in one line with nothing
+reserved. With `require_agent_token` set on the deployment or pool, a run must carry an agent's
+token (`agent_token`) and spends in its session only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import threading
 import time
+import uuid
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
+from prefect.runner import _starter_engine
 from prefect.workers.process import (
     ProcessJobConfiguration,
     ProcessVariables,
@@ -36,7 +54,13 @@ from prefect.workers.process import (
     ProcessWorkerResult,
 )
 
-from prefect_gpu_budget.launchers.local import stop_pid
+from prefect_gpu_budget.launchers.local import (
+    JOB_MARK_ENV,
+    REAPER,
+    _sweep,
+    marked_processes,
+    stop_pid,
+)
 from prefect_gpu_budget.workers.gating import GATE_VARIABLES as GATE_VARIABLES
 from prefect_gpu_budget.workers.gating import (
     GateConfiguration,
@@ -58,8 +82,99 @@ class GpuBudgetProcessJobConfiguration(GateConfiguration, ProcessJobConfiguratio
     pass
 
 
+HOLD_MARGIN_S = 0.5
+"""How much sooner than `kill_grace` after its SIGTERM the holder SIGKILLs the tree (at most
+half the grace): the time a stop takes to arrive and a kill to land, so that the tree is gone,
+and billed, within the run's reservation (max_runtime + kill_grace)."""
+
+
+class _Hold:
+    """How one gated run's process is started (`_held_run_process`): under the job holder,
+    with the run's mark in its environment, in a session of its own; when it started, and when
+    the holder (so the last process of the tree) ended."""
+
+    def __init__(self, kill_grace: float) -> None:
+        self.grace = max(0.0, kill_grace - min(HOLD_MARGIN_S, kill_grace / 2))
+        self.mark = uuid.uuid4().hex
+        self.pid: int | None = None
+        self.started_at: float | None = None
+        self.exited_at: float | None = None
+        self.ended_at: float | None = None
+
+    def command(self, command: list[str]) -> list[str]:
+        holder = [sys.executable, "-I", "-S", REAPER, "--grace", str(self.grace)]
+        return [*holder, "--holder", str(os.getpid()), "--", *command]
+
+    def watch_exit(self) -> threading.Thread:
+        """Note when the holder exits, to the millisecond (without reaping it: its
+        worker's `wait` does that), in a thread of its own."""
+
+        def wait() -> None:
+            assert self.pid is not None
+            with contextlib.suppress(OSError):  # reaped already: it has exited by now
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            self.exited_at = time.time()
+
+        thread = threading.Thread(target=wait, name=f"gpu-budget-hold-{self.pid}", daemon=True)
+        thread.start()
+        return thread
+
+    def ended(self) -> tuple[float, float | None]:
+        """(ended_at, billed seconds) for the settlement: the tree's end, billed from the
+        holder's start (`WorkerRun.started`)."""
+        return (self.ended_at or time.time()), None
+
+
+_HOLD: ContextVar[_Hold | None] = ContextVar("gpu_budget_process_hold", default=None)
+"""The hold of the gated run whose task this is (None in any other task)."""
+_prefect_run_process = _starter_engine.run_process
+
+
+async def _held_run_process(command: list[str], **kwargs: Any) -> Any:
+    """Prefect's `run_process` as its engine starter calls it (both of the process worker's
+    ways, an explicit `command` or the workspace supervisor), but for a gated run's task: the
+    command under the job holder, marked, in a new session, its clock started just before it
+    is; once the holder has ended, whatever escaped it (it was SIGKILLed, say) is killed by its
+    mark, and the tree's end is noted: the holder's exit, or the kill of an escaped process."""
+    hold = _HOLD.get()
+    if hold is None or hold.pid is not None:
+        return await _prefect_run_process(command, **kwargs)
+    given = kwargs.get("task_status_handler")
+    watch: list[threading.Thread] = []
+
+    def spawned(process: Any) -> Any:
+        hold.pid = process.pid
+        watch.append(hold.watch_exit())
+        return given(process) if given is not None else process.pid
+
+    env = {**(kwargs.get("env") or os.environ), JOB_MARK_ENV: hold.mark}
+    held = {**kwargs, "env": env, "start_new_session": True, "task_status_handler": spawned}
+    hold.started_at = time.time()
+    try:
+        return await _prefect_run_process(hold.command(command), **held)
+    finally:
+        for thread in watch:
+            thread.join(timeout=1.0)
+        escaped = marked_processes(JOB_MARK_ENV, hold.mark)
+        if escaped:
+            _sweep(hold.mark)
+        hold.ended_at = time.time() if escaped or hold.exited_at is None else hold.exited_at
+
+
+def _install_hold() -> None:
+    """Route Prefect's engine starter through `_held_run_process` (the seam Prefect names for
+    it: the starter calls its module's `run_process`). Only a task with a `_HOLD` is changed."""
+    if _starter_engine.run_process is not _held_run_process:
+        _starter_engine.run_process = _held_run_process
+
+
+class NotHeld(RuntimeError):
+    """The run's process was not started under its job holder: it is not run."""
+
+
 class _StartWatch:
-    """Passes the process's pid on to the worker, and records the start and the stop timer."""
+    """Passes the process's pid on to the worker, and records the start and the stop timer;
+    a process that is not its run's holder is refused (`NotHeld`) before the worker sees it."""
 
     def __init__(self, inner: anyio.abc.TaskStatus[int], on_start: Any) -> None:
         self.inner, self.on_start = inner, on_start
@@ -79,8 +194,8 @@ class GpuBudgetProcessWorker(ProcessWorker):
     _display_name = "GPU Budget Process"
     _description = (
         "Prefect's process worker with a budget gate: each flow run waits until it fits the "
-        "hourly caps and period budgets of its scope, runs at most max_runtime, and is settled "
-        "from its real start and end."
+        "hourly caps and period budgets of its scope, runs at most max_runtime with every "
+        "process it starts, and is settled from its real start to its last process's end."
     )
     _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
 
@@ -96,22 +211,37 @@ class GpuBudgetProcessWorker(ProcessWorker):
         except RunNotStarted:
             status.started(0)
             return ProcessWorkerResult(status_code=0, identifier="not-started")
-        grace = gated.job.kill_grace
+        _install_hold()
+        hold = _Hold(gated.job.kill_grace)
 
         def on_start(pid: int) -> None:
-            gated.started(time.time(), f"pid:{pid}", lambda: _stop(pid, grace))
+            gated.started(hold.started_at or time.time(), f"pid:{pid}", lambda: _stop(hold))
+            if pid != hold.pid:  # Prefect started it some other way: never run it unheld
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                raise NotHeld(f"process {pid} is not under the job holder: not run")
 
-        return await gated.until_settled(
-            super().run(flow_run, configuration, _StartWatch(status, on_start)),
-            lambda result: "completed" if not result.status_code else "failed",
-        )
+        token = _HOLD.set(hold)
+        try:
+            return await gated.until_settled(
+                super().run(flow_run, configuration, _StartWatch(status, on_start)),
+                lambda result: "completed" if not result.status_code else "failed",
+                hold.ended,
+            )
+        finally:
+            _HOLD.reset(token)
 
 
-def _stop(pid: int, grace: float) -> None:
-    """SIGTERM the run's process (its group, when it leads one) at max_runtime, SIGKILL it
-    after the grace."""
+def _stop(hold: _Hold) -> None:
+    """Stop the run's tree at max_runtime: SIGTERM to the holder and its group (the holder
+    passes it to every descendant, and SIGKILLs them its grace later: `_Hold.grace`), SIGKILL
+    to the group if the holder has not ended shortly after that (what escaped the holder then
+    is killed by its mark, `_held_run_process`)."""
+    pid = hold.pid
+    if pid is None or hold.ended_at is not None:
+        return
     try:
         group = os.getpgid(pid) == pid
     except ProcessLookupError:
         return
-    stop_pid(pid, grace, group=group)
+    stop_pid(pid, hold.grace, group=group)

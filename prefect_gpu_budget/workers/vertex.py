@@ -7,8 +7,12 @@ prefect worker start --pool gpu
 ```
 
 The same job variables as `gpu-budget-process` (`instance_type`, `scope`, `max_runtime`, and
-`nodes`, `priority`, `max_wait`, `provisioning`), the same wait in `AwaitingBudget`, the same
-refusals and the same rule for a run's own overrides (`workers.gating`). What the gate priced is
+`nodes`, `priority`, `max_wait`, `provisioning`, `run_may_set`), the same wait in
+`AwaitingBudget`, the same refusals and the same rule for a run's own job variables
+(`workers.gating`): a run may narrow the scope, carry an agent's token, and set what its
+deployment lists in `run_may_set`; an `image`, `env`, `command`, `credentials`,
+`api_endpoint` or any other variable of its own ends it `GateRefused` before anything is
+submitted. What the gate priced is
 what Vertex runs: the custom job's machine type and accelerators come from `instance_type`
 (`gcp:<machine-type>`, its catalog row), its replicas from `nodes`, its scheduling strategy
 from `provisioning`, and its `scheduling.timeout` is max_runtime (prefect-gcp's

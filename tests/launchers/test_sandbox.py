@@ -27,15 +27,10 @@ import pytest
 
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.launchers.job_env import DEFAULT_ENV_ALLOW, Redactor, known_secrets
 from prefect_gpu_budget.launchers.local import JOB_MARK_ENV, LocalLauncher, marked_processes
 from prefect_gpu_budget.launchers.registry import launcher_for
-from prefect_gpu_budget.launchers.sandbox import (
-    DEFAULT_ENV_ALLOW,
-    ROOT_REFUSED,
-    Redactor,
-    Sandbox,
-    known_secrets,
-)
+from prefect_gpu_budget.launchers.sandbox import ROOT_REFUSED, Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.settings import METRICS_ENV
 

@@ -22,9 +22,10 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.agent_users import session_user_name
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
-from prefect_gpu_budget.launchers.sandbox import DEFAULT_LIMITS, Sandbox, session_user_name
+from prefect_gpu_budget.launchers.sandbox import DEFAULT_LIMITS, Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
 
 PREFIX = "gpubt-"

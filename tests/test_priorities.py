@@ -26,6 +26,9 @@ def _job(priority: object, **kw) -> GpuJob:
 def test_an_orgs_own_class_orders_the_queue_and_unknown_names_write_nothing(ledger):
     ledger.set_budget(BudgetRule("acme", hourly_cap_cents=101, max_wait_s=86400))
     ledger.set_budget(BudgetRule("beta", hourly_cap_cents=1000))
+    for team in ("acme/a", "acme/b"):  # the teams jobs run in; the org's cap binds
+        ledger.set_budget(BudgetRule(team, max_wait_s=86400))
+    ledger.set_budget(BudgetRule("beta/x"))
     ledger.set_priority_class("acme", "urgent", 500, "deadline work")
     ledger.set_priority_class("acme", "scavenger", -500)
     gate = Gate(ledger, poll_s=0.02)

@@ -88,6 +88,7 @@ def _pg(action: str) -> None:
 def test_postgresql_restarted_in_the_middle_of_admissions(prices):
     ledger = Ledger(_fresh_pg())
     ledger.set_budget(BudgetRule("acme", hourly_cap_cents=1080, period_budget_micro=10**9))
+    ledger.set_budget(BudgetRule("acme/agents"))  # the agents' team; the org's limits bind
     messages: list[str] = []
     gate = Gate(ledger, events=GateEvents(warning=messages.append), poll_s=0.05)
     job = GpuJob(instance_type="local:race", max_runtime="60s", kill_grace="1s")
@@ -120,7 +121,8 @@ def test_postgresql_restarted_in_the_middle_of_admissions(prices):
     rows = ledger.jobs()
     assert len(rows) == 30 and {r["id"] for r in rows} == set(done)  # none lost, none twice
     assert not [r for r in rows if r["state"] in ACTIVE]
-    [org] = ledger.status("acme")  # charged once each: the period's sum is the jobs' sum
+    org, team = ledger.status("acme")  # charged once each: the period's sum is the jobs' sum
+    assert (org["scope"], team["scope"]) == ("acme", "acme/agents")
     assert org["settled_micro"] == sum(r["actual_micro"] for r in rows) > 0
     assert org["reserved_micro"] == 0 and org["running"] == 0
     assert any("the ledger's database is unreachable" in m for m in messages), messages

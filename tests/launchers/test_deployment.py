@@ -110,6 +110,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def gate(tmp_path: Path, prices: Path) -> Iterator[Gate]:
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     ledger.set_budget(BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10_000_000))
+    ledger.set_budget(BudgetRule("acme/vision"))  # SCOPE's team exists; the org's limits bind
     yield Gate(ledger)
     ledger.dispose()
 

@@ -62,6 +62,7 @@ def _agent(url: str, aws_url: str, index: int) -> None:
 def test_racing_agents_with_sagemaker_never_over_admit(ledger_url):
     ledger = Ledger(ledger_url)
     ledger.set_budget(BudgetRule("lab", hourly_cap_cents=CAP_CENTS, period_budget_micro=10**9))
+    ledger.set_budget(BudgetRule("lab/race"))  # the agents' team; the org's cap binds
     with AwsServer() as aws:
         aws.set_training_pace(0.2)
         ctx = multiprocessing.get_context("spawn")

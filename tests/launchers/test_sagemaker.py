@@ -60,6 +60,7 @@ def _catalog() -> Catalog:
 def gate(tmp_path: Path) -> Iterator[Gate]:
     ledger = Ledger(f"sqlite:///{tmp_path}/l.db")
     ledger.set_budget(BudgetRule("lab", hourly_cap_cents=5_000, period_budget_micro=100_000_000))
+    ledger.set_budget(BudgetRule("lab/vision"))  # SCOPE's team exists; the org's limits bind
     yield Gate(ledger, catalog=_catalog())
     ledger.dispose()
 

@@ -70,6 +70,7 @@ def catalog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Catalog:
 def gate(tmp_path: Path, catalog: Catalog) -> Iterator[Gate]:
     ledger = Ledger(f"sqlite:///{tmp_path}/l.db")
     ledger.set_budget(BudgetRule("acme", hourly_cap_cents=50_000, period_budget_micro=50_000_000))
+    ledger.set_budget(BudgetRule("acme/vision"))  # SCOPE's team exists; the org's limits bind
     yield Gate(ledger, catalog=catalog)
     ledger.dispose()
 

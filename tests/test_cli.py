@@ -188,7 +188,9 @@ def test_sweep_command_runs_a_yaml_sweep_and_prints_its_table(prefect_api, price
     cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
     subprocess.run([*cli, "budget", "set", "clisweep", "--hourly-cap", "100"], env=env, check=True)
     subprocess.run(
-        [*cli, "budget", "set", "clisweep/team", "--hourly-cap", "100", "--new"], env=env, check=True
+        [*cli, "budget", "set", "clisweep/team", "--hourly-cap", "100", "--new"],
+        env=env,
+        check=True,
     )
     done = subprocess.run(
         [*cli, "sweep", str(tmp_path / "sweep.yaml")],

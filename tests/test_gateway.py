@@ -460,11 +460,12 @@ TRAIN = (
 
 
 def _train(lrs: list[float], steps: int = 4, pause: float = 0.2, **changes: object) -> dict:
+    long = {"job": {**_spec()["job"], "max_runtime": "5m"}} if steps * pause > 30 else {}
     return _spec(
         name="train",
         command=["python", "-c", TRAIN, "{lr}", str(steps), str(pause)],
         grid={"lr": lrs},
-        **changes,
+        **{**long, **changes},
     )
 
 
@@ -715,6 +716,62 @@ def test_the_same_loop_through_mcp_reveals_no_more_than_rest(house):
     code, absent = gw.call("GET", f"/v1/sweeps/{run}", theirs)
     error, content = tool("get_sweep", theirs, run_id=run)
     assert content[0].text == f"{code}: {absent['detail']}"  # the same refusal, word for word
+
+
+def test_an_agent_stops_a_trial_and_cancels_a_sweep_through_mcp(house):
+    """The steering half of the loop through MCP, with a session of its own (each MCP call is
+    three HTTP requests against the session's calls a minute)."""
+    from tests.agents.mcp_client import call_tool
+
+    session = "acme/agents/agent-mcp"
+    granted = _cli(house["env"], "agent", "grant", session)
+    assert granted.returncode == 0, granted.stderr
+    token, ledger, url = granted.stdout.strip(), house["ledger"], house["gateway"].base + "/mcp"
+
+    def tool(tool_name: str, **arguments: object) -> dict:
+        error, content = call_tool(url, token, tool_name, arguments)
+        assert not error, content
+        return json.loads(content[0].text)
+
+    run = tool("start_sweep", spec=_train([0.01, 0.02, 0.03], steps=200, pause=0.3))["run_id"]
+    job = _running_job(house, session, run)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # its learning curve has begun
+        view = tool("get_sweep", run_id=run, wait_s=10)
+        mine = [t for t in view["trials"] if t["job_id"] == job["id"]]
+        if mine and mine[0]["records"] >= 2:
+            break
+    assert tool("cancel_job", job_id=job["id"]) == {"job_id": job["id"], "state": "stopping"}
+    settled = wait_for(
+        lambda: (row := ledger.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
+    )
+    assert settled["outcome"] == "cancelled" and "stopped by its agent" in settled["reason"]
+    assert 0 < settled["actual_micro"] < settled["reserved_micro"] / 2, settled
+    cancelled = tool("cancel_sweep", run_id=run)
+    assert cancelled["run_id"] == run
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and not _ended(view):
+        view = tool("get_sweep", run_id=run, wait_s=10)
+    assert _ended(view) and view["cancelled"], view
+    assert all(j["state"] in ("settled", "cancelled") for j in ledger.jobs(session))
+
+
+def test_specs_beyond_the_limits_are_refused_through_mcp_as_through_rest(house):
+    from tests.agents.mcp_client import call_tool
+
+    session = "acme/agents/agent-mcp-bad"
+    granted = _cli(house["env"], "agent", "grant", session)
+    token, ledger = granted.stdout.strip(), house["ledger"]
+    before = (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {})))
+    for attack, (spec, field) in REFUSED.items():
+        error, content = call_tool(
+            house["gateway"].base + "/mcp", token, "start_sweep", {"spec": spec}
+        )
+        assert error, (attack, content)
+        if isinstance(spec, dict):  # a list is refused by the tool's own schema
+            text = content[0].text
+            assert text.startswith("422: ") and field in text and "\n" not in text, (attack, text)
+    assert (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
 
 
 def test_guessing_tokens_is_rate_limited(house):

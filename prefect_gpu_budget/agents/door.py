@@ -63,6 +63,9 @@ flow polls every 10 s by default; Prefect marks a deployment not ready after 60 
 MAX_LONG_POLL_S = 30.0
 """The longest `wait_s` of a sweep read: it returns as soon as anything in it changed."""
 LONG_POLL_STEP_S = 1.0
+MIN_LONG_POLL_S = 2.0
+"""A long poll answers a change no sooner than this (unless the sweep ended): a trial that
+reports every 100 ms wakes its watching agent every 2 s, well within its calls a minute."""
 MAX_PAGE = 1000
 """Most records of a learning curve in one page."""
 
@@ -288,13 +291,15 @@ class Door:
         """The caller's sweep: state, message, spend, every trial (parameters, state, metrics,
         cost, wait) and the best trial. With `wait_s` (at most MAX_LONG_POLL_S), answers as
         soon as anything in it changed, or when that time is up."""
-        view = self._sweep_view(self._own_run(caller, run_id), caller.session)
-        deadline = time.monotonic() + min(max(0.0, float(wait_s)), MAX_LONG_POLL_S)
+        first = view = self._sweep_view(self._own_run(caller, run_id), caller.session)
+        began = time.monotonic()
+        deadline = began + min(max(0.0, float(wait_s)), MAX_LONG_POLL_S)
+        soonest = began + MIN_LONG_POLL_S  # changes batched a little
         while time.monotonic() < deadline and view["state"] not in _FINAL_RUN_STATES:
             time.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
-            now = self._sweep_view(self._own_run(caller, run_id), caller.session)
-            if now != view:
-                return now
+            view = self._sweep_view(self._own_run(caller, run_id), caller.session)
+            if view != first and time.monotonic() >= soonest:
+                return view
         return view
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:

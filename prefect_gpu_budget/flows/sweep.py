@@ -95,7 +95,7 @@ def run_sweep(
     shape = spec.job.model_dump(exclude_none=True)
     with job_defaults(scope=spec.scope, ledger=ledger or SpendLedger(), grant=grant, **shape):
         df = _sweep(spec, ledger, launcher, grant, results_root)
-    if df.attrs.get("cancelled"):  # the run ends Cancelled, its table still its result
+    if getattr(df, "attrs", {}).get("cancelled"):  # the run ends Cancelled, its table its result
         return Cancelled(message=df.attrs["last_word"], data=df)  # type: ignore[return-value]
     return df
 

@@ -353,10 +353,21 @@ def _sweep(mark: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+MAX_OUTPUT_LINE = 16 * 1024
+"""The most of one line of a job's output read and logged at once: a job that writes 100 MB
+lines costs its worker no more memory than one that writes short ones."""
+
+
 def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:
+    """Log the job's output line by line; a line longer than MAX_OUTPUT_LINE is logged cut, the
+    rest of it read in pieces and dropped."""
     assert proc.stdout is not None
-    for line in proc.stdout:
-        log(line.rstrip("\n"))
+    cut = False
+    while chunk := proc.stdout.readline(MAX_OUTPUT_LINE):
+        whole = chunk.endswith("\n")
+        if not cut:
+            log(chunk.rstrip("\n") if whole else f"{chunk} [line cut at {MAX_OUTPUT_LINE} chars]")
+        cut = not whole
 
 
 def _stop(proc: subprocess.Popen, grace: float) -> int | None:

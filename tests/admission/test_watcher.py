@@ -103,8 +103,8 @@ def test_a_freed_slot_wakes_the_job_it_admitted_not_every_waiter(ledger, prices)
 
 def test_a_process_whose_jobs_only_wait_holds_two_ledger_connections(prices, monkeypatch):
     """Counted once all 30 jobs are asleep waiting (getting in line reads budgets too), while
-    the one that holds the cap is another process's (its own ledger, no heartbeat in the
-    window): a running job's heartbeat is not waiting."""
+    the one that holds the cap is another process's (its own ledger, no heartbeat or stop poll
+    in the window): a running job's heartbeat is not waiting."""
     asleep, lock, wait = [0], threading.Lock(), Ticket.wait
 
     def counted(ticket: Ticket, timeout: float) -> bool:
@@ -127,7 +127,8 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
     try:
         ledger.set_budget(BudgetRule("conn", hourly_cap_cents=360))
         gate = Gate(ledger, catalog=Catalog.load(prices))
-        holding = Gate(holder, catalog=Catalog.load(prices), heartbeat_s=3600)
+        # another process: no heartbeat and no stop poll of its running job in the window
+        holding = Gate(holder, catalog=Catalog.load(prices), heartbeat_s=3600, preempt_poll_s=3600)
         held = holding.admit(JOB, "conn/t")
         # its watcher (it listened in case the job had to wait) lingers, then closes its own;
         # then the holder's pooled connections close (settling reopens one)

@@ -62,7 +62,7 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     assert charged == round(trials["cost_usd"].fillna(0).sum() * 1_000_000)
 
 
-def test_no_server_and_no_temporary_one_is_one_line_saying_what_to_run(tmp_path):
+def test_no_server_and_no_temporary_one_is_one_line_saying_what_to_run(tmp_path, prices):
     """A temporary server that cannot start in time (here: given one second, less than its
     import takes) ends the command with one line naming what to run, and no traceback."""
     from prefect_gpu_budget.settings import NO_SERVER
@@ -74,7 +74,7 @@ def test_no_server_and_no_temporary_one_is_one_line_saying_what_to_run(tmp_path)
     )
     spec = tmp_path / "sweep.yaml"
     spec.write_text(
-        "name: s\nscope: acme/t\njob: {instance_type: 'aws:g5.xlarge', max_runtime: 1m}\n"
+        "name: s\nscope: acme/t\njob: {instance_type: 'local:box', max_runtime: 1m}\n"
         "command: ['true']\ngrid: {lr: [0.1]}\n"
     )
     short_wait = (

@@ -41,6 +41,7 @@ def test_spend_report_publishes_tables_summary_and_plots(
     ledger.set_budget(
         BudgetRule("rep", hourly_cap_cents=1000, period_budget_micro=5_000_000, period="day")
     )
+    ledger.set_budget(BudgetRule("rep/team"))  # the team the jobs' scopes name
     gate = Gate(ledger, catalog=Catalog.load(prices))
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     done = gate.admit(job, "rep/team/s1")
@@ -93,7 +94,7 @@ def test_spend_report_publishes_tables_summary_and_plots(
         "gpu-budget-spend-summary",
     }
     table = json.loads(by_key["gpu-budget-spend-report"].data)
-    assert [r["scope"] for r in table] == ["rep"]
+    assert [r["scope"] for r in table] == ["rep", "rep/team"]  # every budget, the team's too
     assert round(table[0]["settled_in_period_usd"] * 1_000_000) == charged
     assert round(table[0]["settled_usd"] * 1_000_000) == charged
     top = json.loads(by_key["gpu-budget-top-jobs"].data)

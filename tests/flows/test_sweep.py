@@ -44,6 +44,7 @@ def test_sweep_end_to_end(prefect_api, prices, tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
     GpuBudget(scope="lab", hourly_cap_usd="7.2", period_budget_usd=10, period="day").apply(ledger)
+    GpuBudget(scope="lab/sweeps").apply(ledger)  # the team the sweep's scope names
     df = gpu_sweep(_spec(tmp_path), ledger=SpendLedger(database_url=url))
 
     assert len(df) == 6

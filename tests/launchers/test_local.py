@@ -286,3 +286,34 @@ def test_a_short_stall_within_the_kill_grace_lets_the_job_run(prices, tmp_path):
         assert row["billed_seconds"] >= 2.5
     finally:
         ledger.dispose()
+
+
+def test_a_100_mb_line_of_output_does_not_grow_the_worker(prices):
+    """The job's output is logged a bounded line at a time: the rest of a huge line is read
+    in pieces and dropped, and what follows it still reaches the log."""
+    import tracemalloc
+
+    from prefect_gpu_budget.launchers.local import MAX_OUTPUT_LINE, LocalLauncher
+    from prefect_gpu_budget.pricing.catalog import Catalog
+
+    job = GpuJob(
+        instance_type="local:box",
+        max_runtime="2m",
+        command=[
+            sys.executable,
+            "-c",
+            "import sys; sys.stdout.write('x' * 100_000_000 + '\\nafter\\n')",
+        ],
+    )
+    quote = Catalog.load(prices).quote("local:box")
+    lines: list[str] = []
+    tracemalloc.start()
+    try:
+        result = LocalLauncher().run(job, quote, log=lines.append)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.outcome == "completed", result
+    assert lines[-1] == "after" and len(lines) == 2, [line[:40] for line in lines]
+    assert lines[0].endswith(f"[line cut at {MAX_OUTPUT_LINE} chars]")
+    assert peak < 16 << 20, f"peak {peak / 2**20:.0f} MiB while reading a 100 MB line"

@@ -275,22 +275,38 @@ def test_credentials_in_an_endpoint_url_stay_out_of_the_task_state(prefect_api, 
 
 def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefect_api, prices):
     """Opening the process's gate (the ledger's engine and schema) is retried like any later
-    ledger call: here the job's PostgreSQL database appears only after the job asked."""
+    ledger call: here the job's PostgreSQL database appears only after the job asked, its
+    budget already in it (copied from a database set up aside), so the gate that opens it
+    knows the job's org."""
     import threading
     import time
     import uuid
 
-    from benchmarks.harness.postgres import drop_database, ensure_database, server_of
+    import sqlalchemy as sa
+
+    from benchmarks.harness.postgres import drop_database, ensure_database, name_of, server_of
     from tests.conftest import PG_URL
     from tests.postgres import require_postgres
 
     require_postgres(PG_URL)
-    url = f"{server_of(PG_URL)}/gpu_budget_own_late_{uuid.uuid4().hex[:8]}"
+    run = uuid.uuid4().hex[:8]
+    url = f"{server_of(PG_URL)}/gpu_budget_own_late_{run}"
+    aside = f"{server_of(PG_URL)}/gpu_budget_own_late_aside_{run}"
 
     def appear() -> None:
         time.sleep(2.0)
-        ensure_database(url)
-        GpuBudget(scope="late", hourly_cap_usd="3.6", period_budget_usd=5).apply(Ledger(url))
+        ensure_database(aside)
+        staged = Ledger(aside)
+        GpuBudget(scope="late", hourly_cap_usd="3.6", period_budget_usd=5).apply(staged)
+        staged.dispose()
+        admin = sa.create_engine(
+            sa.make_url(url).set(database="postgres"),
+            isolation_level="AUTOCOMMIT",
+            poolclass=sa.NullPool,
+        )
+        with admin.connect() as conn:  # the database appears at once, with its budget
+            conn.execute(sa.text(f'CREATE DATABASE "{name_of(url)}" TEMPLATE "{name_of(aside)}"'))
+        admin.dispose()
 
     threading.Thread(target=appear).start()
 
@@ -307,3 +323,4 @@ def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefe
         assert row["state"] == "settled" and row["id"] == result.job_id
     finally:
         drop_database(url)
+        drop_database(aside)

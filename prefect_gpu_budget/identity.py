@@ -9,6 +9,7 @@ child processes the same way.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 
 def holder_id() -> str:
@@ -35,3 +36,22 @@ def holder_alive(holder: str) -> bool | None:
     if host != os.uname().nodename:
         return None
     return process_start_ticks(int(pid)) == ticks and ticks != "?"
+
+
+def live_processes(matches: Callable[[str], bool]) -> list[int]:
+    """Live (not zombie) processes of this machine whose `/proc/<pid>` folder `matches` (the
+    caller reads what it needs there; an OSError means no)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if not matches(f"/proc/{entry}"):
+                continue
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                if handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                    continue
+        except (OSError, IndexError):
+            continue
+        found.append(int(entry))
+    return found

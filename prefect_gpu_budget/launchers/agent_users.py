@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect_gpu_budget import settings
+from prefect_gpu_budget.identity import live_processes
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 
 SESSION_USER_PREFIX = "gpub-"
@@ -238,20 +239,7 @@ def hold_user_lock(root: Path, user: JobUser) -> int:
 
 def _processes_of(uid: int) -> list[int]:
     """Live (not zombie) processes whose owner is `uid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.stat(f"/proc/{entry}").st_uid != uid:
-                continue
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                if handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
-                    continue
-        except (OSError, IndexError):
-            continue
-        found.append(int(entry))
-    return found
+    return live_processes(lambda folder: os.stat(folder).st_uid == uid)
 
 
 def sweep_leftovers(lock: int, user: JobUser) -> None:

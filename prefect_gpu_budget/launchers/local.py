@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.identity import process_start_ticks
+from prefect_gpu_budget.identity import live_processes, process_start_ticks
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
@@ -327,21 +327,13 @@ def _not_runnable(program: str) -> str:
 def marked_processes(name: str, value: str) -> list[int]:
     """Live (not zombie) processes whose environment carries `name=value`: how a process that
     left its job's tree is found. Processes of other users cannot be read."""
-    found, wanted = [], f"{name}={value}".encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if wanted not in handle.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                if handle.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
-                    continue
-        except (OSError, IndexError):
-            continue
-        found.append(int(entry))
-    return found
+    wanted = f"{name}={value}".encode()
+
+    def marked(folder: str) -> bool:
+        with open(f"{folder}/environ", "rb") as handle:
+            return wanted in handle.read().split(b"\0")
+
+    return live_processes(marked)
 
 
 def _sweep(mark: str) -> None:

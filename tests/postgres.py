@@ -12,6 +12,9 @@ tests share their server with other work, so they create their own databases (na
 | `GATE_SOAK_PG_URL` | `<server>/gpu_budget_soak_<run>` | tests/test_soak.py (its Prefect server's database is the soak's own) |
 | - | `<server>/gpu_budget_own_<run>_<id>` | `fresh_database()`: one test's own, dropped after it |
 
+A test that stops and starts PostgreSQL itself never touches that server: `private_cluster()`
+makes a cluster of its own (initdb in a temporary folder, a free port), and removes it after.
+
 A database named by a variable is used as it is, and never dropped. Creating and dropping go
 through the benchmarks' harness (benchmarks/harness/postgres.py).
 """
@@ -19,10 +22,17 @@ through the benchmarks' harness (benchmarks/harness/postgres.py).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import pwd
 import secrets
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -89,3 +99,90 @@ def fresh_database(url: str) -> Iterator[str]:
     require_postgres(url)
     with postgres_database(f"gpu_budget_own_{RUN}", server_of(url)) as own:
         yield own
+
+
+def _pg_program(name: str) -> str:
+    """A PostgreSQL server program (initdb, pg_ctl): the newest installed version's, else PATH's."""
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=_version_key)
+    program = found[-1] if found else shutil.which(name)
+    if program is None:
+        pytest.fail(f"PostgreSQL's {name} is required for a private cluster: not found")
+    return program
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    version = Path(path).parent.parent.name
+    return tuple(int(part) for part in version.split(".") if part.isdigit())
+
+
+@dataclass
+class PrivateCluster:
+    """A PostgreSQL cluster of one test's own: its folder, port and owner (the `postgres` OS
+    user when the tests run as root: PostgreSQL refuses to run as root)."""
+
+    folder: Path
+    port: int
+    owner: str
+
+    @property
+    def server(self) -> str:
+        return f"postgresql://{self.owner}@127.0.0.1:{self.port}"
+
+    def _pg_ctl(self, *args: str) -> None:
+        data = str(self.folder / "data")
+        command = [_pg_program("pg_ctl"), "-D", data, "-l", str(self.folder / "server.log")]
+        done = subprocess.run(
+            [*command, *args],
+            user=self.owner if os.geteuid() == 0 else None,
+            cwd=self.folder,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        if done.returncode != 0:
+            log = (self.folder / "server.log").read_text(errors="replace")[-2000:]
+            raise AssertionError(f"pg_ctl {' '.join(args)}: {done.stderr.strip()}\n{log}")
+
+    def start(self) -> None:
+        """Start it and wait until it accepts connections."""
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._pg_ctl("-w", "-t", "120", "-o", options, "start")
+
+    def stop(self) -> None:
+        """Stop it (fast: open connections are ended) and wait until it is down."""
+        self._pg_ctl("-w", "-t", "120", "-m", "fast", "stop")
+
+
+@contextmanager
+def private_cluster() -> Iterator[PrivateCluster]:
+    """A running PostgreSQL cluster of this test's own on a free port (trust auth, user
+    `postgres` when run as root, else the current user), stopped and removed afterwards: for a
+    test that stops and restarts its database, which the shared server must never be."""
+    from tests.prefect_server import free_port
+
+    owner = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+    folder = Path(tempfile.mkdtemp(prefix="gpu-budget-pg-"))  # pytest's tmp_path is root's only
+    if os.geteuid() == 0:
+        entry = pwd.getpwnam(owner)
+        os.chown(folder, entry.pw_uid, entry.pw_gid)
+    cluster = PrivateCluster(folder, free_port(), owner)
+    try:
+        made = subprocess.run(
+            [_pg_program("initdb"), "-D", str(folder / "data"), "-U", owner, "-A", "trust"]
+            + ["--no-sync", "-E", "UTF8", "--locale=C"],
+            user=owner if os.geteuid() == 0 else None,
+            cwd=folder,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        if made.returncode != 0:
+            pytest.fail(f"initdb of a private cluster failed: {made.stderr.strip()[-2000:]}")
+        cluster.start()
+        try:
+            yield cluster
+        finally:
+            with contextlib.suppress(AssertionError, subprocess.TimeoutExpired):
+                cluster._pg_ctl("-w", "-t", "60", "-m", "immediate", "stop")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

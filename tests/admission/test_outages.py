@@ -1,6 +1,7 @@
 """Dependencies that go away and come back: the Prefect server restarted in the middle of a
-sweep, PostgreSQL restarted in the middle of admissions. Nothing is lost or duplicated, no slot
-leaks, the gate says clearly what is down while it is down, and recovers on its own."""
+sweep, PostgreSQL (a cluster of the test's own) restarted in the middle of admissions. Nothing
+is lost or duplicated, no slot leaks, the gate says clearly what is down while it is down, and
+recovers on its own."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.harness.postgres import ensure_database, name_of
 from prefect_gpu_budget.admission.gate import Gate, GateEvents
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import set_local_price
-from tests.conftest import PG_URL, _fresh_pg
+from tests.postgres import PrivateCluster, private_cluster
 from tests.prefect_server import PrefectServer, http, wait_for
 
 SPEC = """
@@ -75,18 +77,17 @@ def test_prefect_server_restarted_in_the_middle_of_a_sweep(tmp_path: Path):
         server.stop()
 
 
-def _pg(action: str) -> None:
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", "15", "main", action],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-
-
 @pytest.mark.timeout(600)
 def test_postgresql_restarted_in_the_middle_of_admissions(prices):
-    ledger = Ledger(_fresh_pg())
+    """On a cluster of the test's own: the shared server is never stopped."""
+    with private_cluster() as cluster:
+        url = f"{cluster.server}/gpu_budget_outage"
+        ensure_database(url)
+        _admit_through_a_restart(cluster, url)
+
+
+def _admit_through_a_restart(cluster: PrivateCluster, url: str) -> None:
+    ledger = Ledger(url)
     ledger.set_budget(BudgetRule("acme", hourly_cap_cents=1080, period_budget_micro=10**9))
     ledger.set_budget(BudgetRule("acme/agents"))  # the agents' team; the org's limits bind
     messages: list[str] = []
@@ -110,9 +111,9 @@ def test_postgresql_restarted_in_the_middle_of_admissions(prices):
     for thread in agents:
         thread.start()
     wait_for(lambda: len(done) >= 3, 120, "the first settlements")
-    _pg("stop")  # three jobs run, three wait, while the database is gone
+    cluster.stop()  # three jobs run, three wait, while the database is gone
     time.sleep(4)
-    _pg("start")
+    cluster.start()
     for thread in agents:
         thread.join(timeout=300)
     assert not errors, errors
@@ -127,4 +128,5 @@ def test_postgresql_restarted_in_the_middle_of_admissions(prices):
     assert org["reserved_micro"] == 0 and org["running"] == 0
     assert any("the ledger's database is unreachable" in m for m in messages), messages
     assert any("back after" in m for m in messages), messages
-    assert not [m for m in messages if "postgres@" in m or PG_URL.rsplit("/", 1)[1] in m]
+    assert not [m for m in messages if "postgres@" in m or name_of(url) in m]
+    ledger.dispose()

@@ -10,9 +10,6 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from prefect_gpu_budget.priorities import HIGHEST, LOWEST, NAME_RE, priority_classes
-from prefect_gpu_budget.priorities import PRIORITY_CLASSES as PRIORITY_CLASSES
-from prefect_gpu_budget.priorities import PRIORITY_CLASSES_ENV as PRIORITY_CLASSES_ENV
-from prefect_gpu_budget.settings import METRICS_ENV as METRICS_ENV
 from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
 
 if TYPE_CHECKING:

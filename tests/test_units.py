@@ -64,7 +64,8 @@ def test_amounts():
 
 
 def test_priority_classes_are_named_and_configurable(monkeypatch):
-    from prefect_gpu_budget.job import PRIORITY_CLASSES_ENV, GpuJob
+    from prefect_gpu_budget.job import GpuJob
+    from prefect_gpu_budget.priorities import PRIORITY_CLASSES_ENV
 
     job = {"instance_type": "aws:g5.xlarge", "max_runtime": "1h"}
     assert GpuJob(**job, priority="low").priority == -100

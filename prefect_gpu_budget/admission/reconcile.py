@@ -25,15 +25,7 @@ from dataclasses import dataclass
 from prefect_gpu_budget.admission import orphans
 from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
 from prefect_gpu_budget.admission.limits import RateLimits
-from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
-    HEARTBEAT_S as HEARTBEAT_S,
-)
-from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
-from prefect_gpu_budget.admission.timing import LIMIT_RETRY_S as LIMIT_RETRY_S
-from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
-from prefect_gpu_budget.admission.timing import REPOSSESS_S as REPOSSESS_S
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
-from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S as UNRECORDED_LEASE_S
 from prefect_gpu_budget.launchers.base import Launcher, Probe
 from prefect_gpu_budget.launchers.registry import launcher_for
 

@@ -30,9 +30,10 @@ from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.blocks.ledger import SpendLedger
-from prefect_gpu_budget.job import METRICS_ENV, GpuJob
+from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher
 from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.settings import METRICS_ENV
 from prefect_gpu_budget.tasks.events import AWAITING_BUDGET as AWAITING_BUDGET
 from prefect_gpu_budget.tasks.events import prefect_events
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, redact_urls

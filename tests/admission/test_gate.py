@@ -304,7 +304,8 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     last stamp: while the request is outstanding the row is stamped, so a grant that comes late
     is still inside that window."""
     from prefect_gpu_budget.admission import leases
-    from prefect_gpu_budget.admission.reconcile import UNRECORDED_LEASE_S, awaiting_lease_expiry
+    from prefect_gpu_budget.admission.reconcile import awaiting_lease_expiry
+    from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S
 
     monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
     ledger.set_budget(BudgetRule("slow", hourly_cap_cents=720))

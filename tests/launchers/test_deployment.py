@@ -32,9 +32,10 @@ from pydantic import ValidationError
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.job import METRICS_ENV, GpuJob
+from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
 from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
+from prefect_gpu_budget.settings import METRICS_ENV
 from tests.prefect_server import free_port, stop_groups, wait_for
 
 POOL = "gpu-process"

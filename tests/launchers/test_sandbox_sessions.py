@@ -33,6 +33,8 @@ UIDS = "61900-61999"
 FIRST, LAST = 61900, 61999
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="making and switching users needs root")
+pytestmark = pytest.mark.xdist_group("gpubt-users")
+"""One worker runs these tests: `made_users` removes every `gpubt-` user made while a test ran."""
 
 
 @pytest.fixture

@@ -294,3 +294,41 @@ def test_an_org_s_writes_go_in_turn_and_a_settlement_before_a_burst_of_requests(
             assert "inside another" in str(exc)
     with lock.held():  # free again
         pass
+
+
+def test_a_burst_of_requests_is_recorded_once_each_in_a_few_transactions(ledger):
+    """Threads of one process asking at once: every job recorded once, each told what its row
+    says, the cap admits exactly its share, and the burst costs fewer transactions than jobs."""
+    import threading
+    import uuid
+
+    from sqlalchemy import event
+
+    ledger.set_budget(BudgetRule("bu", hourly_cap_cents=10**6))
+    ledger.set_budget(BudgetRule("bu/t", hourly_cap_cents=4 * 360))
+    ended = [0]
+
+    def count(_conn) -> None:
+        ended[0] += 1
+
+    event.listen(ledger.engine, "commit", count)
+    start = threading.Barrier(48)
+    told: dict[str, str] = {}
+
+    def ask() -> None:
+        job_id = str(uuid.uuid4())
+        start.wait()
+        told[job_id] = ledger.ask(_job("bu/t/s"), job_id)[0].verdict
+
+    threads = [threading.Thread(target=ask) for _ in range(48)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    event.remove(ledger.engine, "commit", count)
+    rows = {r["id"]: r for r in ledger.jobs(limit=1000)}
+    assert set(rows) == set(told)
+    assert sum(v == "admit" for v in told.values()) == 4
+    for job_id, verdict in told.items():
+        assert rows[job_id]["state"] == ("admitted" if verdict == "admit" else "queued")
+    assert ended[0] < 48

@@ -123,6 +123,7 @@ class Ledger(DecisionsMixin, SettlementMixin, ConfigMixin, AgentsMixin, ReadsMix
         self._org_locks: dict[str, OrgLock] = {}
         self._held = threading.local()
         self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
+        self._asks = {}
         if create:
             self.create()
 

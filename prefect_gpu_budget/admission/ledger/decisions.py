@@ -8,10 +8,11 @@ quotas where a job uses one), and writes what `policy.decide` / `policy.plan` sa
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
-from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
@@ -19,7 +20,7 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission.ledger.config import _classes_of
-from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, EngineMixin, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
     _load_pools,
     _load_quotas,
@@ -51,8 +52,9 @@ from prefect_gpu_budget.admission.policy import (
     overrun_factors,
     plan,
 )
-from prefect_gpu_budget.admission.quota import Placed, Shape, job_share, pool_for, team_of
+from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, job_share, pool_for, team_of
 from prefect_gpu_budget.admission.timing import STALE_WAITER_S
+from prefect_gpu_budget.batches import Batcher
 from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
 
 
@@ -88,11 +90,27 @@ class NewJob:
     """An org's own class the job names: `priority` is set from it when it is recorded."""
 
 
+@dataclass
+class _Batch:
+    """What the requests recorded in one transaction share: reads that none of them changes."""
+
+    recorded: dict[str, Any]
+    """Rows of the batch's ids recorded already (a retry after a dropped connection)."""
+    rules: dict[str, list[BudgetRule]] = field(default_factory=dict)
+    """Per scope: the budgets on its path, its session budget made from a template first."""
+    classes: dict[str, int] | None = None
+    pools: list[Pool] | None = None
+    waiters: dict[tuple[str, int], Any] = field(default_factory=dict)
+    """Per (scope, priority): the live waiter a new job joins behind, until a full decision."""
+
+
 class DecisionsMixin(EngineMixin):
     """Requests and their decisions, the org's queue, and what leaves the queue unrun."""
 
     _overrun_cache: dict[str, tuple[float, dict[str, float]]]
     """Per org: when `_overrun` last read it, and what it read."""
+    _asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]]
+    """Per org: this process's requests, recorded together when they arrive together."""
 
     if TYPE_CHECKING:
 
@@ -113,57 +131,94 @@ class DecisionsMixin(EngineMixin):
 
     def ask(self, job: NewJob, job_id: str) -> tuple[Decision, list[BudgetRule]]:
         """`request`, with the budgets on the job's path (outermost first) read in the same
-        transaction: what a gate tells of a job that waits, without a read of its own."""
-        return self._request(job_id, job, None)
+        transaction: what a gate tells of a job that waits, without a read of its own.
 
-    @_reconnecting
+        The requests of this process to one org that arrive while one is being recorded are
+        recorded together next, in one transaction (`batches.Batcher`): a sweep's trials, or a
+        burst of a thousand, cost a few transactions under the org's lock, not one each."""
+        org = org_of(job.scope)
+        with _ORG_LOCKS_GUARD:
+            asks = self._asks.get(org)
+            if asks is None:
+                asks = self._asks[org] = Batcher(functools.partial(self._requests, org))
+        return asks.call((job_id, job))
+
     def _request(
         self, job_id: str, job: NewJob, now: float | None
     ) -> tuple[Decision, list[BudgetRule]]:
-        org = org_of(job.scope)
+        return self._requests(org_of(job.scope), [(job_id, job)], now)[0]
+
+    @_reconnecting
+    def _requests(
+        self, org: str, asked: Sequence[tuple[str, NewJob]], now: float | None = None
+    ) -> list[tuple[Decision, list[BudgetRule]]]:
+        """Record and decide jobs of `org` asking to be admitted, in order, in one transaction
+        (a job already recorded under its id, before a connection dropped, is recorded once)."""
         with self._write(org, request=True) as conn:  # after the org's other writes waiting
-            now = time.time() if now is None else now  # after the lock: stamps follow its order
-            done = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().first()
-            if done is not None:  # committed before the connection dropped
-                return _recorded(conn, done), _path_rules(conn, job.scope)
+            ids = [job_id for job_id, _ in asked]
+            found = conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()
+            batch = _Batch(recorded={row["id"]: row for row in found})
+            return [
+                self._record_request(conn, org, job_id, job, now, batch) for job_id, job in asked
+            ]
+
+    def _record_request(
+        self,
+        conn: Connection,
+        org: str,
+        job_id: str,
+        job: NewJob,
+        now: float | None,
+        batch: _Batch,
+    ) -> tuple[Decision, list[BudgetRule]]:
+        now = time.time() if now is None else now  # after the lock: stamps follow its order
+        if job_id in batch.recorded:  # committed before the connection dropped
+            return _recorded(conn, batch.recorded[job_id]), _path_rules(conn, job.scope)
+        rules = batch.rules.get(job.scope)
+        if rules is None:
             self._ensure_session_budget(conn, job.scope, now)
-            if job.priority_class is not None:
-                value = priorities.resolve(job.priority_class, _classes_of(conn, org), org)
-                job = replace(job, priority=value)
-            refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
-            job = self._in_pool(conn, org, job)
+            rules = batch.rules[job.scope] = _path_rules(conn, job.scope)
+        if job.priority_class is not None:
+            if batch.classes is None:
+                batch.classes = _classes_of(conn, org)
+            job = replace(job, priority=priorities.resolve(job.priority_class, batch.classes, org))
+        refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
+        if batch.pools is None:
+            batch.pools = _load_pools(conn, org)
+        job = _in_pool(batch.pools, org, job)
+        conn.execute(
+            jobs.insert(),
+            {
+                "id": job_id,
+                "org": org,
+                "state": "queued",
+                "reason": "",
+                "requested_at": now,
+                "heartbeat_at": now,
+                "reserved_micro": 0,
+                "reserve_seconds": 0.0,
+                "team": team_of(job.scope),
+                **{
+                    k: v
+                    for k, v in job.__dict__.items()
+                    if k not in ("grant", "partial", "priority_class")
+                },
+            },
+        )
+        if refusal:  # on record like any refusal, and nothing reserved
             conn.execute(
-                jobs.insert().values(
-                    id=job_id,
-                    org=org,
-                    state="queued",
-                    reason="",
-                    requested_at=now,
-                    heartbeat_at=now,
-                    reserved_micro=0,
-                    reserve_seconds=0.0,
-                    team=team_of(job.scope),
-                    **{
-                        k: v
-                        for k, v in job.__dict__.items()
-                        if k not in ("grant", "partial", "priority_class")
-                    },
-                )
+                jobs.update()
+                .where(jobs.c.id == job_id)
+                .values(**_ended_unrun("rejected", refusal, now))
             )
-            if refusal:  # on record like any refusal, and nothing reserved
-                conn.execute(
-                    jobs.update()
-                    .where(jobs.c.id == job_id)
-                    .values(**_ended_unrun("rejected", refusal, now))
-                )
-                return Decision("reject", refusal, limit="agent"), _path_rules(conn, job.scope)
-            rules = _path_rules(conn, job.scope)
-            decision = self._behind_a_waiter(conn, job_id, org, job, now, rules)
-            if decision is None:
-                decision = self._decide(conn, job_id, org, now, reason="", waited=None)
-            else:
-                self._write_decision(conn, job_id, decision, now, None, reason="")
-            return decision, rules
+            return Decision("reject", refusal, limit="agent"), rules
+        decision = self._behind_a_waiter(conn, job_id, org, job, now, rules, batch)
+        if decision is None:
+            batch.waiters.clear()  # the whole queue decided: the waiters found may have moved
+            decision = self._decide(conn, job_id, org, now, reason="", waited=None)
+        else:
+            self._write_decision(conn, job_id, decision, now, None, reason="")
+        return decision, rules
 
     def _behind_a_waiter(
         self,
@@ -173,36 +228,42 @@ class DecisionsMixin(EngineMixin):
         job: NewJob,
         now: float,
         rules: list[BudgetRule],
+        batch: _Batch,
     ) -> Decision | None:
         """The decision of a new job that joins the queue behind a live waiter blocked by a
         budget on its path (`policy.decide_behind`): one indexed read, not the org's whole
-        queue. None where that does not hold: the full decision is needed. (Outside capacity
-        pools only, where queue order is priority, then arrival.)"""
+        queue, and none for the next job of the same scope and priority in the same
+        transaction. None where that does not hold: the full decision is needed. (Outside
+        capacity pools only, where queue order is priority, then arrival.)"""
         if job.pool is not None:
             return None
-        path = scope_path(job.scope)
-        keys = [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path]
-        row = conn.execute(
-            sa.select(
-                jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
-            )
-            .where(
-                jobs.c.org == org,
-                jobs.c.state == "queued",
-                jobs.c.id != job_id,
-                jobs.c.pool.is_(None),
-                jobs.c.wait_key.in_(keys),
-                jobs.c.heartbeat_at >= now - STALE_WAITER_S,
-                sa.or_(
-                    jobs.c.priority > job.priority,
-                    sa.and_(jobs.c.priority == job.priority, jobs.c.requested_at <= now),
-                ),
-            )
-            .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
-            .limit(1)
-        ).first()
+        key = (job.scope, job.priority)
+        row = batch.waiters.get(key)
         if row is None:
-            return None
+            path = scope_path(job.scope)
+            keys = [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path]
+            row = conn.execute(
+                sa.select(
+                    jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
+                )
+                .where(
+                    jobs.c.org == org,
+                    jobs.c.state == "queued",
+                    jobs.c.id != job_id,
+                    jobs.c.pool.is_(None),
+                    jobs.c.wait_key.in_(keys),
+                    jobs.c.heartbeat_at >= now - STALE_WAITER_S,
+                    sa.or_(
+                        jobs.c.priority > job.priority,
+                        sa.and_(jobs.c.priority == job.priority, jobs.c.requested_at <= now),
+                    ),
+                )
+                .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
+                .limit(1)
+            ).first()
+            if row is None:
+                return None
+            batch.waiters[key] = row  # still ahead of every later job of this key here
         budgets_on_path = {rule.scope: rule for rule in rules}
         estimate = any(rule.reservation_mode == "estimate" for rule in rules)
         state = LedgerState(
@@ -226,27 +287,6 @@ class DecisionsMixin(EngineMixin):
             max_wait_s=job.max_wait_s,
         )
         return decide_behind(state, req, ahead, row.wait_key.partition(" ")[2])
-
-    def _in_pool(self, conn: Connection, org: str, job: NewJob) -> NewJob:
-        """The job with the pool it runs in (named, or serving its instance type) and its
-        per-node shape (`job_share`: vCPU and memory left at 0 take the pool's proportional
-        default; a job that names no GPUs, vCPU or memory takes a whole machine)."""
-        found = pool_for(_load_pools(conn, org), job.instance_type, job.pool)
-        if job.pool is not None and found is None:
-            raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
-        if found is None and job.partial:
-            raise BudgetInputError(
-                "gpus",
-                f"a part of a machine runs only in a capacity pool, and no pool of {org} "
-                f"serves {job.instance_type}",
-            )
-        if found is None:
-            return replace(job, pool=None)
-        vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
-        res = job_share(found, job.node_gpus, vcpu, memory)
-        return replace(
-            job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2]
-        )
 
     @_reconnecting
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
@@ -575,3 +615,23 @@ def _overrun(conn: Connection, org: str) -> dict[str, float]:
         .limit(OVERRUN_SAMPLE)
     )
     return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)
+
+
+def _in_pool(pools: list[Pool], org: str, job: NewJob) -> NewJob:
+    """The job with the pool of its org's `pools` it runs in (named, or serving its instance
+    type) and its per-node shape (`job_share`: vCPU and memory left at 0 take the pool's
+    proportional default; a job that names no GPUs, vCPU or memory takes a whole machine)."""
+    found = pool_for(pools, job.instance_type, job.pool)
+    if job.pool is not None and found is None:
+        raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
+    if found is None and job.partial:
+        raise BudgetInputError(
+            "gpus",
+            f"a part of a machine runs only in a capacity pool, and no pool of {org} "
+            f"serves {job.instance_type}",
+        )
+    if found is None:
+        return replace(job, pool=None)
+    vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
+    res = job_share(found, job.node_gpus, vcpu, memory)
+    return replace(job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2])

@@ -20,10 +20,29 @@ def demo(
     ),
     seconds: float = typer.Option(2.5, help="Length of each trial."),
 ) -> None:
-    """Run a small real sweep under a budget whose caps bite (no server or GPU needed)."""
-    from prefect_gpu_budget.flows.demo import run_demo
+    """Run a small real sweep under a budget whose caps bite (no server or GPU needed). Ctrl-C
+    stops it as it stops `sweep`."""
+    from prefect_gpu_budget.cli.foreground import run_in_foreground
+    from prefect_gpu_budget.flows.demo import remove_demo_limits, run_demo
+    from prefect_gpu_budget.flows.sweep import gpu_sweep
 
-    run_demo(out, seconds=seconds, trials=trials)
+    def in_foreground(spec: Any, ledger: Any) -> Any:
+        state = run_in_foreground(
+            spec,
+            ledger.ledger(),
+            lambda: gpu_sweep(spec, ledger=ledger, return_state=True),
+            _until_ended,
+            cleanup=remove_demo_limits,
+        )
+        return state.result()
+
+    run_demo(out, seconds=seconds, trials=trials, run=in_foreground)
+
+
+def _until_ended(worker: Any) -> None:
+    """The demo's progress is its run's log lines: wait, where Ctrl-C reaches this thread."""
+    while worker.is_alive():
+        worker.join(timeout=0.5)
 
 
 def sweep(
@@ -57,6 +76,7 @@ def sweep(
         lambda worker: _show_progress(worker, ledger, spec, total, started),
     )
     df = state.result(raise_on_failure=False)
+    df = getattr(df, "trials", df)  # a cancelled sweep's table (flows.sweep.SweepCancelled)
     if not hasattr(df, "to_string"):
         fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
     typer.echo(_trials_table(df))
@@ -164,20 +184,22 @@ def serve(
     ),
 ) -> None:
     """Serve the sweep, spend-report and reconcile deployments from this process. Refuses to
-    start while PREFECT_HOME or a SQLite ledger is open to other users."""
+    start while PREFECT_HOME or a SQLite ledger is open to other users. Ctrl-C (or SIGTERM)
+    stops the running sweeps as `sweep` stops its own, then the runner."""
     from prefect_gpu_budget.cli.agents import startup_check
     from prefect_gpu_budget.cli.common import _state
 
     startup_check(_state["ledger_url"], allow_shared_home)
-    from prefect_gpu_budget.deployments import EXAMPLE_SPEC
-    from prefect_gpu_budget.deployments import serve as serve_all
+    from prefect_gpu_budget.cli.foreground import serve_in_foreground
+    from prefect_gpu_budget.deployments import EXAMPLE_SPEC, deployments
 
-    serve_all(
+    served = deployments(
         sweep_spec=sweep or EXAMPLE_SPEC,
         sweep_cron=sweep_cron,
         report_cron=report_cron,
         reconcile_every_s=reconcile_every,
     )
+    serve_in_foreground(served, current_ledger())
 
 
 def deploy(

@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -89,7 +91,7 @@ def start_temporary_server() -> None:
     print("starting a temporary Prefect server (the first start sets up its database)", flush=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry from it
     wait = max(SERVER_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
-    server = SubprocessASGIServer()
+    server = _temporary["server"] = SubprocessASGIServer()
     try:
         server.start(timeout=wait)
     except RuntimeError as exc:
@@ -97,6 +99,17 @@ def start_temporary_server() -> None:
             raise
         server.stop()
         raise RuntimeError(NO_SERVER) from None
+
+
+_temporary: dict[str, Any] = {}
+
+
+def stop_temporary_server() -> None:
+    """Stop the temporary server started here, if any: what Prefect does at exit, for a command
+    that leaves at once (`os._exit`)."""
+    server = _temporary.pop("server", None)
+    if server is not None:
+        server.stop()
 
 
 def remove_demo_limits() -> None:
@@ -117,14 +130,21 @@ def remove_demo_limits() -> None:
 
 
 def run_demo(
-    out_dir: str = "gpu-budget-demo", seconds: float = 2.5, trials: int = 12
+    out_dir: str = "gpu-budget-demo",
+    seconds: float = 2.5,
+    trials: int = 12,
+    run: Callable[[SweepSpec, SpendLedger], pd.DataFrame] | None = None,
 ) -> pd.DataFrame:
+    """Run the demo sweep and print its table and what it spent. `run(spec, ledger)` runs the
+    sweep and returns its table (default: `gpu_sweep` here); the command runs it in the
+    foreground, where Ctrl-C stops it (and removes the demo's limits, as this does after it)."""
     out = Path(out_dir).resolve()
     url = prepare(out)
     start_temporary_server()
     started = time.time()
+    run = run or (lambda spec, ledger: gpu_sweep(spec, ledger=ledger))
     try:
-        df = gpu_sweep(demo_spec(out, trials, seconds), ledger=SpendLedger(database_url=url))
+        df = run(demo_spec(out, trials, seconds), SpendLedger(database_url=url))
     finally:
         remove_demo_limits()
     status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().status()}[DEMO_SCOPE]

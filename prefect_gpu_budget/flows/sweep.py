@@ -22,6 +22,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.context import FlowRunContext
+from prefect.exceptions import CancelledRun
 from prefect.futures import as_completed
 from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -54,6 +55,20 @@ from prefect_gpu_budget.units import (
 
 EMPTY_COLUMNS = ("trial", "state", "reason", "cost_usd", "waited_s", "blocked_by", "blocked_s")
 """The trials table of a sweep that started no trial."""
+
+
+class SweepCancelled(CancelledRun):
+    """A sweep stopped before its end (an agent's cancel, Ctrl-C): what its run's `Cancelled`
+    state holds, with the trials table in `trials`. Raised as Prefect's own `CancelledRun` is
+    where a caller asks for the flow's result; `state.result(raise_on_failure=False)` returns
+    it."""
+
+    def __init__(self, message: str, trials: pd.DataFrame | None = None) -> None:
+        super().__init__(message)
+        self.trials = trials
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SweepCancelled, (str(self), self.trials))
 
 
 def _trial_run_name(index: int, params: dict[str, Scalar]) -> str:
@@ -95,8 +110,9 @@ def run_sweep(
     shape = spec.job.model_dump(exclude_none=True)
     with job_defaults(scope=spec.scope, ledger=ledger or SpendLedger(), grant=grant, **shape):
         df = _sweep(spec, ledger, launcher, grant, results_root)
-    if getattr(df, "attrs", {}).get("cancelled"):  # the run ends Cancelled, its table its result
-        return Cancelled(message=df.attrs["last_word"], data=df)  # type: ignore[return-value]
+    if getattr(df, "attrs", {}).get("cancelled"):  # the run ends Cancelled, its table kept
+        said = df.attrs["last_word"]
+        return Cancelled(message=said, data=SweepCancelled(said, df))  # type: ignore[return-value]
     return df
 
 

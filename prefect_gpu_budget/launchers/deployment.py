@@ -2,29 +2,51 @@
 
 The deployment's work pool decides where the job runs (a `process` pool on this machine, or
 vertex-ai, ecs, kubernetes pools in a cloud). The launcher creates the flow run with
-`run_deployment`, passes it the job, watches it through the Prefect API, and reports the flow
-run's own start and end times, which the gate then settles from. Stopping a flow run means
-setting it to Cancelling, as `prefect flow-run cancel` does; its worker or runner ends it.
+`run_deployment`, passes it the job, watches it through the Prefect API, and cancels it at
+the job's max_runtime, as `prefect flow-run cancel` does; its worker or runner ends it.
 
-A flow run's state is client-settable: anyone with API access can force it to Completed while
-its process runs on. So a final state alone never ends billing. The launcher settles only when
-the infrastructure reports that the run's process ended, and the strongest such evidence a
-Prefect worker gives is its `prefect.worker.executed-flow-run` event: the worker emits it once
-its own `run()` has returned, i.e. once the process it started has exited (the event names the
-flow run as a related resource, with the process's identifier and exit code). The other
-candidates are weaker: `infrastructure_pid` says where the process was started, not that it
-ended (and can be checked only on the worker's host); state history and the
-`prefect.flow-run.*` events record every state change but not who asked for it (a forced
-`set_state` looks like the run's own). Events can be emitted by API clients too, but forging
-one takes a deliberate second step, and the worker's event carries its worker resource.
-A final state with no such event is metered on until the event arrives or max_runtime passes;
-then it is billed to max_runtime, logged as suspicious, and set to Cancelling so that its
-worker kills the process if it still runs.
+Billing ends only on evidence the job cannot forge. The job's own code holds its flow run's
+Prefect API access, and through it can write everything this launcher can read of the run:
+its state (a forced Completed while the process runs on), its end time, its
+`infrastructure_pid`, its parameters, and any event, the worker's
+`prefect.worker.executed-flow-run` included. Whether the process is still there cannot be
+seen either: a process leaves its environment, or runs on another host. So what the launcher
+reads can only make a job cost more, never less:
+
+- a started job is billed from the flow run's start (its first `Running`, noted once) to the
+  later of its start plus max_runtime (the reservation's runtime) and any later end that is
+  reported (its end time, its worker's event) or seen: the launcher looks on its own host for
+  the run's processes (`PREFECT__FLOW_RUN_ID`, which every Prefect worker and runner gives
+  the flow run's process) once the run says it is over or max_runtime has passed, and bills
+  until the moment it finds none;
+- the job keeps its slot until then: `run` returns no earlier than max_runtime, however early
+  the flow run says it ended, and says so (`END_NOT_OBSERVED` in its detail and log);
+- at max_runtime a flow run that is not over is cancelled; one that says it is over while its
+  processes are still seen here, or without its worker's report that its process ended, is
+  called suspicious, billed as above and set to Cancelling so that its worker kills it; what
+  of it is still seen here `kill_grace` + `cancel_wait_s` after that is SIGKILLed by the
+  launcher itself (a child that left its process group, which the worker's kill misses);
+- `probe` (reconcile's view of an orphan) answers `running` for any started flow run: the
+  ledger's row then keeps it metered until its max runtime, and reconcile settles it no
+  earlier than that.
+
+So a short job costs its max_runtime here: give deployment jobs a tight one. What this does not
+close: code that runs as the worker's user on the worker's host can kill or deceive anything
+there (this launcher's view of that host included, when it runs there too), and a job on
+another host that forges its end can run on past max_runtime, billed to max_runtime, until its
+infrastructure stops it. A job whose caller is interrupted (the calling flow run cancelled, or
+Ctrl-C) is cancelled and waited for up to `kill_grace` + `cancel_wait_s`; the caller bills it
+until then. The ends this launcher could bill early on, and does not have yet: a cloud's own
+record of the job (as the Vertex AI and SageMaker launchers bill), or a gated worker's own
+observation of the process tree's end, written where the flow run's code cannot write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -49,13 +71,20 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
+from prefect_gpu_budget.launchers.local import marked_processes
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
 
 logger = logging.getLogger("prefect_gpu_budget.launchers.deployment")
 
 PROCESS_ENDED_EVENT = "prefect.worker.executed-flow-run"
-"""What a worker emits once the process of a flow run it started has exited."""
+"""What a worker emits once the process of a flow run it started has exited (anyone with the
+run's API access can emit it too: it may lengthen a bill, never end one)."""
+RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"
+"""The variable every Prefect worker and runner gives a flow run's process: how the launcher
+finds the run's processes on its own host."""
+END_NOT_OBSERVED = "end not observed: billed to max_runtime"
+"""What a job's detail and log say when nothing later than max_runtime was reported or seen."""
 
 OUTCOME_OF = {
     StateType.COMPLETED: "completed",
@@ -97,6 +126,27 @@ def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+def _seen_here(flow_run_id: UUID) -> list[int]:
+    """The flow run's live processes on this host (those that still carry its id in their
+    environment, and that this process may read)."""
+    return marked_processes(RUN_ID_ENV, str(flow_run_id))
+
+
+def _kill(flow_run_id: UUID, pids: list[int], log: Callable[[str], None]) -> None:
+    """SIGKILL the flow run's processes that still run here after it was asked to end."""
+    if not pids:
+        return
+    log(f"flow run {flow_run_id}: {len(pids)} of its processes still run here; killing them")
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _billed_to(ended: float, deadline: float) -> str:
+    """How a bill that ran past max_runtime ended."""
+    return f"billed {ended - deadline:.1f}s past max_runtime, to its last reported or seen end"
+
+
 def _state_line(flow_run: FlowRun) -> str:
     state = flow_run.state
     if state is None:
@@ -109,10 +159,10 @@ class DeploymentLauncher(Block):
     """Runs each GPU job as a flow run of a Prefect deployment, on whatever its work pool is.
 
     The job reaches the flow as a dict in the parameter named by `job_parameter`. It is billed
-    from the flow run's start until its worker reports the run's process ended (a final state
-    alone is client-settable and is not enough: see the module's docstring); it is cancelled at
-    the job's max_runtime, and when the calling run is cancelled. Deployments served by
-    `flow.serve` (a runner, not a worker) send no such report: their jobs bill to max_runtime.
+    from the flow run's start to its max_runtime at least, and holds its slot until then: the
+    end of its process is nothing the launcher can observe that the job could not forge (see
+    the module's docstring); a later end, reported or seen on this host, is billed too. It is
+    cancelled at the job's max_runtime, and when the calling run is cancelled.
     """
 
     _block_type_name = "GPU Deployment Launcher"
@@ -223,8 +273,10 @@ class DeploymentLauncher(Block):
         """Create the flow run, follow it to its final state, and cancel it at max_runtime.
 
         `env` (with the job's own `env`) reaches the flow run as the work pool's `env` job
-        variable. If interrupted (the calling run is cancelled), the flow run is cancelled and
-        waited for before the interruption is raised again.
+        variable. Returns no earlier than max_runtime after the flow run started (see the
+        module's docstring). If interrupted (the calling run is cancelled), the flow run is
+        cancelled and waited for (what of it is still seen on this host then is killed) before
+        the interruption is raised again.
         """
         from prefect.deployments import run_deployment
 
@@ -246,13 +298,12 @@ class DeploymentLauncher(Block):
             return LaunchResult("launch_error", now, now, detail=detail)
         noted: list[StartRecord] = []  # the start, once on_start has been told
 
-        def note_start(seen: FlowRun) -> StartRecord | None:
-            """Tell `on_start` in a thread of its own (a stalled ledger never delays the
-            max_runtime clock); the record, once there is one."""
-            if not noted and _ran(seen) and seen.start_time is not None:
-                started = seen.start_time.timestamp()
-                noted.append(StartRecord(on_start, started, str(seen.id), job.kill_grace))
-            return noted[0] if noted else None
+        def note_start(started: float) -> StartRecord:
+            """Tell `on_start` once, in a thread of its own (a stalled ledger never delays the
+            max_runtime clock); the record."""
+            if not noted:
+                noted.append(StartRecord(on_start, started, str(flow_run.id), job.kill_grace))
+            return noted[0]
 
         try:  # from here on, whatever interrupts us cancels the flow run
             on_submit(str(flow_run.id))
@@ -263,30 +314,33 @@ class DeploymentLauncher(Block):
             try:
                 self._cancel(flow_run.id, "the calling run was interrupted", log)
                 last = self._wait_final(flow_run.id, job.kill_grace + self.cancel_wait_s)
-                record = note_start(last)  # it may have started since: bill from then
-                if record is not None:
+                if _ran(last) and last.start_time is not None:
+                    # it may have started since: bill from then; what runs on here is killed
+                    record = note_start(last.start_time.timestamp())
+                    _kill(flow_run.id, _seen_here(flow_run.id), log)
                     record.finish()
+                elif noted:
+                    noted[0].finish()
             except Exception as exc:  # keep the interruption, not this, as the error
                 log(f"could not cancel flow run {flow_run.id}: {exc}")
             raise
 
     def probe(self, external_id: str) -> Probe:
-        """`running` (started_at None while it still waits to start: it may bill at any
-        moment and no one watches it), `finished` with its real times, or `unknown` when the
-        flow run cannot be read."""
+        """`running` for a flow run that started (its end cannot be observed: reconcile keeps
+        it metered until its max runtime and settles it no earlier), or that may still start
+        (started_at None: it may bill at any moment and no one watches it); `finished` at no
+        cost for one over without ever running; `unknown` when the flow run cannot be read."""
         try:
             with get_client(sync_client=True) as client:
                 flow_run = client.read_flow_run(UUID(external_id))
         except Exception:  # a bad id, a deleted run, an unreachable API: reconcile must wait
             return Probe("unknown")
-        if _over(flow_run):
-            ended = _ended_at(flow_run)
-            if not _ran(flow_run):
+        if not _ran(flow_run):
+            if _over(flow_run):
+                ended = _ended_at(flow_run)
                 return Probe("finished", started_at=ended, ended_at=ended)
-            with get_client(sync_client=True) as client:  # its process's end, as its worker saw
-                ended = max(ended, self._process_ended(client, flow_run.id) or ended)
-            return Probe("finished", started_at=_epoch(flow_run.start_time), ended_at=ended)
-        return Probe("running", started_at=_epoch(flow_run.start_time) if _ran(flow_run) else None)
+            return Probe("running")
+        return Probe("running", started_at=_epoch(flow_run.start_time))
 
     def stop(self, external_id: str, grace: float = 10.0) -> None:
         """Cancel the flow run and wait up to `grace` plus `cancel_wait_s` for it to end."""
@@ -328,100 +382,137 @@ class DeploymentLauncher(Block):
         client: SyncPrefectClient,
         flow_run: FlowRun,
         job: GpuJob,
-        note_start: Callable[[FlowRun], StartRecord | None],
+        note_start: Callable[[float], StartRecord],
         log: Callable[[str], None],
     ) -> LaunchResult:
-        """Poll until the flow run is final and its process has ended (see the module's
-        docstring). An unreadable API is waited out (the job may still be running and
-        billing); only a deleted flow run ends the wait early."""
+        """Poll until the flow run's bill may end (see the module's docstring): it says it is
+        over, max_runtime has passed since its start, and none of its processes is seen on
+        this host. An unreadable API is waited out (the job may still be running and
+        billing); a deleted flow run is billed as one that says it is over."""
         created = _epoch(flow_run.created) or time.time()
         run_id = flow_run.id
         started: float | None = None
         record: StartRecord | None = None
-        cancelled_until = float("inf")  # how long a run we cancelled may take to end
-        told_final = False
-        stopped_for: str | None = None  # `timed_out` or `wait_expired` once we cancel it
-        overdue = float("inf")  # when to say that a cancelled run has not ended
-        seen: tuple[Any, ...] = ()
+        stopped_for: str | None = None  # `timed_out`, `wait_expired` or `cancelled` once asked
+        asked: float | None = None  # when it was asked to end (cancelled, or set Cancelling)
+        over = deleted = False  # it said it is over (or was deleted): latched
+        claimed = 0.0  # the latest end it reported
+        seen_late = killed = told_over = told_overdue = checked = False
+        suspicion = ""
+        state_seen: tuple[Any, ...] = ()
         unreadable = False
         while True:
             try:
                 flow_run = client.read_flow_run(run_id)
+                unreadable = False
             except ObjectNotFound:
-                ended = time.time()
-                began = ended if started is None else started
-                detail = "the flow run was deleted; its infrastructure may still run"
-                return LaunchResult("failed", began, ended, detail=detail, external_id=str(run_id))
+                if not deleted:
+                    deleted = True
+                    log(f"flow run {run_id} was deleted; its processes may still run")
+                    if started is None:  # it may have started since the last read
+                        started = time.time()
+                        record = note_start(started)
             except Exception as exc:  # the API is down: keep watching, the job may run on
                 if not unreadable:
                     log(f"cannot read flow run {run_id}, retrying: {_first_line(exc)}")
                 unreadable = True
                 time.sleep(self.poll_s)
                 continue
-            unreadable = False
-            state = flow_run.state
-            if started is None and _ran(flow_run) and flow_run.start_time is not None:
-                started = flow_run.start_time.timestamp()  # max_runtime counts from here
-                record = note_start(flow_run)  # before anything else can interrupt
-            if state is not None and (state.type, state.name, state.message) != seen:
-                seen = (state.type, state.name, state.message)
-                log(_state_line(flow_run))
+            if not deleted:
+                state = flow_run.state
+                if started is None and _ran(flow_run) and flow_run.start_time is not None:
+                    started = flow_run.start_time.timestamp()  # max_runtime counts from here
+                    record = note_start(started)  # before anything else can interrupt
+                if state is not None and (state.type, state.name, state.message) != state_seen:
+                    state_seen = (state.type, state.name, state.message)
+                    log(_state_line(flow_run))
+                if _over(flow_run):
+                    over = True
+                    claimed = max(claimed, _ended_at(flow_run))
             now = time.time()
-            if _over(flow_run) and started is None:  # it never ran: nothing to meter
-                return self._result(flow_run, created, started, stopped_for)
-            if _over(flow_run):
-                assert started is not None
-                ended = self._process_ended(client, run_id)
-                until = started + job.max_runtime if stopped_for is None else cancelled_until
-                if ended is not None or now >= until:
-                    if record is not None:
-                        record.finish()  # on record before the gate settles
-                    if ended is not None:
-                        return self._result(
-                            flow_run, created, started, stopped_for, ended=max(ended, started)
-                        )
-                    return self._unproven(client, flow_run, job, created, started, log)
-                if not told_final:
-                    told_final = True
-                    log(
-                        f"flow run {run_id} is {state.name if state else '?'} but its worker "
-                        "has not reported its process ended: still metered"
-                    )
+            if started is None:
+                if over:  # it never ran: nothing to meter
+                    return self._result(flow_run, created, None, stopped_for, _ended_at(flow_run))
+                if (
+                    stopped_for is None
+                    and self.start_timeout is not None
+                    and now >= created + self.start_timeout
+                ):
+                    why = f"not started within {self.start_timeout:.0f}s"
+                    stopped_for = self._try_cancel(run_id, why, log, "wait_expired")
                 time.sleep(self.poll_s)
                 continue
-            if record is not None and stopped_for is None:
+            deadline = started + job.max_runtime
+            pids = _seen_here(run_id) if over or now >= deadline else []
+            scanned = time.time()  # none of them seen by now: the earliest end to bill
+            seen_late = seen_late or (bool(pids) and now >= deadline)
+            if over and now < deadline and not told_over:
+                told_over = True
+                log(
+                    f"flow run {run_id} says it ended; its end is not observed: billed to "
+                    f"max_runtime {job.max_runtime:.0f}s, its slot held until then"
+                )
+            if record is not None and stopped_for is None and not over:
                 try:
                     record.check(now)
                 except StartNotRecorded as late:
-                    stopped_for = "cancelled"
                     self._cancel(run_id, str(late), log)
-                    cancelled_until = now + job.kill_grace + self.cancel_wait_s
-            why = None
-            if stopped_for is None and started is not None and now >= started + job.max_runtime:
-                stopped_for, why = "timed_out", f"max_runtime {job.max_runtime:.0f}s reached"
-            elif (
-                stopped_for is None
-                and started is None
-                and self.start_timeout is not None
-                and now >= created + self.start_timeout
-            ):
-                stopped_for, why = "wait_expired", f"not started within {self.start_timeout:.0f}s"
-            if why is not None:
-                try:
-                    self._cancel(run_id, why, log)
-                    overdue = now + job.kill_grace + self.cancel_wait_s
-                    cancelled_until = overdue
-                except Exception as exc:  # try again on the next poll
-                    log(f"could not cancel flow run {run_id}, retrying: {_first_line(exc)}")
-                    stopped_for = None
-            elif now >= overdue:
-                overdue = float("inf")  # say it once; keep metering until it really ends
-                log(f"flow run {run_id} has not ended since it was cancelled; still metered")
+                    stopped_for, asked = "cancelled", now
+            if now >= deadline and not checked:
+                if not over:  # not over at max_runtime: stopped
+                    why = f"max_runtime {job.max_runtime:.0f}s reached"
+                    if stopped_for is None:
+                        stopped_for = self._try_cancel(run_id, why, log, "timed_out")
+                    checked = stopped_for is not None
+                    asked = now if checked and asked is None else asked
+                else:
+                    checked = True
+                    suspicion = self._suspicion(client, flow_run, pids, deleted)
+                    if suspicion:
+                        stopped_for, asked = "timed_out", now
+                        self._distrust(client, flow_run, job, suspicion, deleted, log)
+            if asked is not None and now >= asked + job.kill_grace + self.cancel_wait_s:
+                if pids and not killed:
+                    killed = True
+                    _kill(run_id, pids, log)
+                elif not over and not told_overdue:
+                    told_overdue = True  # say it once; keep metering until it really ends
+                    log(f"flow run {run_id} has not ended since it was cancelled; still metered")
+            if over and now >= deadline and not pids:
+                if record is not None:
+                    record.finish()  # on record before the gate settles
+                reported = self._process_ended(client, run_id) or 0.0
+                ended = max(deadline, claimed, reported, scanned if seen_late else 0.0)
+                how = END_NOT_OBSERVED if ended == deadline else _billed_to(ended, deadline)
+                detail = "; ".join(x for x in (suspicion, how) if x)
+                if deleted:
+                    return LaunchResult(
+                        "failed",
+                        started,
+                        ended,
+                        detail=f"the flow run was deleted; {detail}",
+                        external_id=str(run_id),
+                        capacity_wait_s=max(0.0, started - created),
+                    )
+                log(f"flow run {run_id}: {detail}")
+                return self._result(flow_run, created, started, stopped_for, ended, detail)
             time.sleep(self.poll_s)
 
+    def _try_cancel(
+        self, flow_run_id: UUID, why: str, log: Callable[[str], None], stopped_for: str
+    ) -> str | None:
+        """`_cancel`: `stopped_for` once asked, None if it could not be (retried next poll)."""
+        try:
+            self._cancel(flow_run_id, why, log)
+        except Exception as exc:
+            log(f"could not cancel flow run {flow_run_id}, retrying: {_first_line(exc)}")
+            return None
+        return stopped_for
+
     def _process_ended(self, client: SyncPrefectClient, flow_run_id: UUID) -> float | None:
-        """When the worker reported the flow run's process ended (its executed-flow-run
-        event), or None while it has not (or the events cannot be read)."""
+        """When a worker reported the flow run's process ended (its executed-flow-run event),
+        or None while none has (or the events cannot be read). Anyone with the run's API
+        access can post this event: it may lengthen a bill, never end one."""
         from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
 
         wanted = EventFilter(
@@ -432,46 +523,49 @@ class DeploymentLauncher(Block):
         )
         try:
             page = client.read_events(filter=wanted, limit=5)
-        except Exception:  # the API is down: no evidence yet, keep metering
+        except Exception:  # the API is down: nothing reported
             return None
         times = [event.occurred.timestamp() for event in page.events]
-        return min(times) if times else None
+        return max(times) if times else None
 
-    def _unproven(
+    def _suspicion(
+        self, client: SyncPrefectClient, flow_run: FlowRun, pids: list[int], deleted: bool
+    ) -> str:
+        """Why a flow run that says it is over, at max_runtime, looks like it runs on ("" if
+        nothing says so; nothing can prove that it does not)."""
+        name = f"flow run {flow_run.name} ({flow_run.id})"
+        said = "was deleted" if deleted else f"is {flow_run.state.name if flow_run.state else '?'}"
+        if pids:
+            return f"suspicious end: {name} {said}, but {len(pids)} of its processes still run here"
+        if not deleted and self._process_ended(client, flow_run.id) is None:
+            return (
+                f"suspicious end: {name} {said}, but no worker reported its process ended; its "
+                "state may have been set through the API while the job ran on"
+            )
+        return ""
+
+    def _distrust(
         self,
         client: SyncPrefectClient,
         flow_run: FlowRun,
         job: GpuJob,
-        created: float,
-        started: float,
+        suspicion: str,
+        deleted: bool,
         log: Callable[[str], None],
-    ) -> LaunchResult:
-        """A final state with no report from the infrastructure that the process ended, by
-        max_runtime: billed to max_runtime, said loudly, and its worker asked to stop it."""
-        assert flow_run.state is not None
-        warning = (
-            f"suspicious final state: flow run {flow_run.name} ({flow_run.id}) is "
-            f"{flow_run.state.name}, but its worker never reported its process ended; the "
-            "state may have been set through the API while the job ran on. Billed to "
-            f"max_runtime {job.max_runtime:.0f}s"
-        )
+    ) -> None:
+        """Say a suspicious end loudly, and set the flow run Cancelling so that its worker
+        kills its process (by its infrastructure_pid) if it still runs."""
+        warning = f"{suspicion}. Billed to max_runtime {job.max_runtime:.0f}s at least"
         logger.warning("%s", warning)
         log(warning)
-        try:  # the worker's cancellation kills the process by its infrastructure_pid
+        if deleted:
+            return
+        try:
             client.set_flow_run_state(
-                flow_run.id, Cancelling(message="Cancelled: unproven final state"), force=True
+                flow_run.id, Cancelling(message="Cancelled: suspicious end"), force=True
             )
         except Exception as exc:  # billed to max_runtime either way
             log(f"could not cancel flow run {flow_run.id}: {_first_line(exc)}")
-        result = self._result(flow_run, created, started, "timed_out", ended=started)
-        return LaunchResult(
-            "timed_out",
-            started,
-            started + job.max_runtime,
-            detail=warning,
-            external_id=result.external_id,
-            capacity_wait_s=result.capacity_wait_s,
-        )
 
     def _result(
         self,
@@ -479,25 +573,26 @@ class DeploymentLauncher(Block):
         created: float,
         started: float | None,
         stopped_for: str | None,
-        ended: float | None = None,
+        ended: float,
+        detail: str = "",
     ) -> LaunchResult:
-        """`ended`: when its process ended, as its worker reported; else its end time."""
+        """The outcome its state and `stopped_for` say, from `started` (None: it never ran)
+        to `ended`."""
         assert flow_run.state is not None
-        ended = _ended_at(flow_run) if ended is None else max(ended, _ended_at(flow_run))
         outcome = OUTCOME_OF.get(flow_run.state.type, "failed")
         if outcome != "completed" and stopped_for == "timed_out":
             outcome = "timed_out"
         elif outcome == "cancelled" and stopped_for == "wait_expired" and started is None:
             outcome = "wait_expired"
         began = ended if started is None else started
-        detail = flow_run.state.name + (
+        said = flow_run.state.name + (
             f": {flow_run.state.message}" if flow_run.state.message else ""
         )
         return LaunchResult(
             outcome,
             began,
             ended,
-            detail=detail,
+            detail=f"{said}; {detail}" if detail else said,
             external_id=str(flow_run.id),
             capacity_wait_s=max(0.0, began - created),
         )

@@ -21,12 +21,18 @@ from pathlib import Path
 
 import pytest
 
+from prefect_gpu_budget.admission.errors import AdmissionRefused
+from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.agent_users import session_user_name
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
 from prefect_gpu_budget.launchers.sandbox import DEFAULT_LIMITS, Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.conftest import PG_URL
+from tests.postgres import fresh_database
 
 PREFIX = "gpubt-"
 UIDS = "61900-61999"
@@ -179,6 +185,116 @@ def test_two_sessions_run_as_their_own_users_and_cannot_touch_each_other(
     assert f"me={uid_a}:{gid_a} groups={gid_a}" in runs[0]  # its own group, and no other
     assert pwd.getpwnam(session_user_name(grant_b, PREFIX)).pw_uid == uid_b
     assert not any(p.name.startswith("sh-") for p in sessions.root.iterdir())  # folders gone
+
+
+SESSION_A, SESSION_B = "acme/vision/session-a", "acme/vision/session-b"
+
+
+@pytest.fixture
+def gate(prices: Path) -> Iterator[Gate]:
+    """A gate on a PostgreSQL ledger of this test's own, with two agent sessions' budgets."""
+    with fresh_database(PG_URL) as url:
+        ledger = Ledger(url)
+        try:
+            ledger.set_budget(
+                BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10_000_000)
+            )
+            for scope in ("acme/vision", SESSION_A, SESSION_B):
+                ledger.set_budget(BudgetRule(scope))
+            yield Gate(ledger)
+        finally:
+            ledger.dispose()
+
+
+def _run_admitted(gate: Gate, admission: Admission, launcher: LocalLauncher, lines: list[str]):
+    """What the job-running task does once a job is admitted: run it, settle it."""
+    result = None
+    try:
+        result = launcher.run(
+            admission.job,
+            admission.quote,
+            on_start=lambda started, ext: gate.started(admission, started, ext),
+            log=lines.append,
+        )
+    finally:
+        ended = time.time() if result is None else result.ended_at
+        outcome = "cancelled" if result is None else result.outcome
+        gate.settle(admission, ended_at=ended, outcome=outcome)
+    return result
+
+
+@as_root
+def test_a_grant_is_one_sessions_so_no_two_sessions_share_a_user(
+    sessions: Sandbox, gate: Gate
+) -> None:
+    """Users are per grant, and a grant is one session's: it is made for one session scope,
+    and the gate refuses a job carrying it in any other scope, with nothing reserved. So
+    session B's job cannot run as session A's user: carrying A's grant it is refused; with its
+    own grant it runs as another user, and can neither signal A's running job, nor read its
+    environment, nor list, read or write its folder or its file in /tmp."""
+    ledger = gate.ledger
+    grant_a = ledger.agent_grant(ledger.grant_agent(SESSION_A))[1]
+    grant_b = ledger.agent_grant(ledger.grant_agent(SESSION_B))[1]
+    launcher = LocalLauncher(sessions)
+    token = uuid.uuid4().hex[:12]
+    job_a, mark_a = _job(
+        'echo a-secret > "$HOME/secret.txt"; echo a-secret > "/tmp/gpubt-$T-a"; echo ready'
+        '; while [ ! -e "$HOME/stop" ]; do sleep 0.1; done',
+        grant_a,
+        env={"T": token},
+    )
+    lines_a: list[str] = []
+    admission_a = gate.admit(job_a, SESSION_A)
+    run_a = threading.Thread(target=_run_admitted, args=(gate, admission_a, launcher, lines_a))
+    run_a.start()
+    folder_a = None
+    try:
+        deadline = time.time() + 60
+        while not (marked_processes("TEST_TREE", mark_a) and "ready" in lines_a):
+            assert time.time() < deadline, lines_a
+            time.sleep(0.05)
+        pid_a = min(marked_processes("TEST_TREE", mark_a))
+        folder_a = os.readlink(f"/proc/{pid_a}/cwd")
+
+        # B's job carrying A's grant: refused at the gate, nothing reserved, nothing run
+        spy = (
+            'kill -0 "$A_PID" 2>/dev/null; echo "kill=$?"'
+            '; kill -TERM "$A_PID" 2>/dev/null; echo "term=$?"'
+            '; cat "$A_DIR/secret.txt" 2>/dev/null; echo "cat=$?"'
+            '; cat "/tmp/gpubt-$T-a" 2>/dev/null; echo "tmp=$?"'
+            '; ls "$A_DIR" >/dev/null 2>&1; echo "ls=$?"'
+            '; touch "$A_DIR/planted" 2>/dev/null; echo "touch=$?"'
+            '; cat "/proc/$A_PID/environ" >/dev/null 2>&1; echo "environ=$?"'
+            '; echo "me=$(id -u)"'
+        )
+        env = {"A_PID": str(pid_a), "A_DIR": folder_a, "T": token}
+        with pytest.raises(AdmissionRefused, match="grant") as refused:
+            gate.admit(_job(spy, grant_a, env=env)[0], SESSION_B)
+        [row] = [r for r in ledger.jobs(SESSION_B) if r["id"] == refused.value.job_id]
+        assert row["started_at"] is None and not row["reserved_micro"] and not row["actual_micro"]
+        assert ledger.jobs(SESSION_B, ("admitted", "running")) == []
+
+        # B's job with its own grant: another user, which reaches nothing of A's
+        lines_b: list[str] = []
+        admission_b = gate.admit(_job(spy, grant_b, env=env)[0], SESSION_B)
+        result_b = _run_admitted(gate, admission_b, launcher, lines_b)
+        assert result_b is not None and result_b.outcome == "completed", (result_b, lines_b)
+        for what in ("kill", "term", "cat", "tmp", "ls", "touch", "environ"):
+            (said,) = (x for x in lines_b if x.startswith(f"{what}="))
+            assert said != f"{what}=0", lines_b
+        uid_a, uid_b = _uid_of(pid_a), int(next(x[3:] for x in lines_b if x.startswith("me=")))
+        assert uid_a == pwd.getpwnam(session_user_name(grant_a, PREFIX)).pw_uid
+        assert uid_b == pwd.getpwnam(session_user_name(grant_b, PREFIX)).pw_uid != uid_a
+        assert pid_a in marked_processes("TEST_TREE", mark_a)  # A runs on, untouched
+        assert not Path(folder_a, "planted").exists()
+    finally:
+        if folder_a is not None:
+            Path(folder_a, "stop").touch()
+        run_a.join(timeout=60)
+    assert "ready" in lines_a and not run_a.is_alive()
+    [settled_a] = ledger.jobs(SESSION_A)
+    assert settled_a["state"] == "settled" and settled_a["outcome"] == "completed", settled_a
+    assert not list(Path("/tmp").glob(f"gpubt-{token}-*"))  # A's last job out swept its file
 
 
 @as_root

@@ -36,7 +36,10 @@ from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.settings import METRICS_ENV
 from prefect_gpu_budget.tasks.events import AWAITING_BUDGET as AWAITING_BUDGET
 from prefect_gpu_budget.tasks.events import prefect_events
+from prefect_gpu_budget.tasks.logs import install as _reason_once
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, redact_urls
+
+_reason_once()  # a failed task's reason once in its run's logs (tasks/logs.py)
 
 
 @dataclass(frozen=True)

@@ -68,3 +68,35 @@ def test_sweep_refuses_before_starting_what_forecast_refuses(prices, tmp_path):
         [line] = done.stderr.strip().splitlines()
         assert line.startswith(said), line
     assert not ledger.exists() or "typo" not in ledger.read_bytes().decode(errors="replace")
+
+
+def test_a_failed_trial_says_its_reason_once(prefect_api, prices, tmp_path):
+    """A trial that exits non-zero: its reason once in the run's logs, no `NoneType: None`."""
+    import json
+    import os
+
+    spec = {
+        "name": "fails",
+        "scope": "failing/team",
+        "job": {"instance_type": "local:box", "max_runtime": "1m"},
+        "command": ["sh", "-c", "exit $(( {lr} ))"],
+        "grid": {"lr": [0, 3]},
+        "results_dir": str(tmp_path / "results"),
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(json.dumps(spec))
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
+    cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
+    subprocess.run([*cli, "budget", "set", "failing", "--hourly-cap", "100"], env=env, check=True)
+    subprocess.run(
+        [*cli, "budget", "set", "failing/team", "--hourly-cap", "100", "--new"], env=env, check=True
+    )
+    done = subprocess.run(
+        [*cli, "sweep", str(path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GpuJobFailed" in done.stdout and "Completed" in done.stdout, done.stdout
+    logs = done.stderr
+    assert "NoneType: None" not in logs, logs[-3000:]
+    assert logs.count("failed: exit code 3") == 1, logs[-3000:]
+    assert "Traceback" not in logs, logs[-3000:]

@@ -196,22 +196,13 @@ def _ledger_state(
 
 
 def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None:
-    """Predicted spend over time against the period budget (the same picture as a sweep's)."""
+    """Predicted spend over time against the period budget (the same picture as a sweep's): the
+    line is each trial's expected cost, the band above it what the gate holds for the running
+    trials (in guaranteed mode their worst case, rate x (max_runtime + kill grace)): the top of
+    the band meets the budget where trials wait."""
     from prefect_gpu_budget.plots import spend_over_time
 
-    rows = [
-        {
-            "admitted_at": r.admitted_at,
-            "started_at": r.admitted_at,
-            "ended_at": r.ended_at,
-            "settled_at": r.ended_at,
-            "reserved_micro": r.actual_micro,
-            "actual_micro": r.actual_micro,
-            "rate_micro_per_hour": r.job.rate_micro_per_hour,
-        }
-        for r in result.result.records
-        if r.admitted_at is not None
-    ]
+    rows = plot_rows(result)
     resets = []
     if budget is not None and rows:
         first, last = rows[0]["admitted_at"], max(r["ended_at"] or 0 for r in rows)
@@ -228,4 +219,23 @@ def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None
         if budget and budget.hourly_cap_cents
         else None,
         title="forecast: spend of the sweep in each period",
+        forecast=True,
     )
+
+
+def plot_rows(result: Forecast) -> list[dict[str, float | int | None]]:
+    """The admitted trials as the spend plot takes them: reserved what the gate would hold for
+    each (what binds), settled at its expected cost."""
+    return [
+        {
+            "admitted_at": r.admitted_at,
+            "started_at": r.admitted_at,
+            "ended_at": r.ended_at,
+            "settled_at": r.ended_at,
+            "reserved_micro": r.reserved_micro,
+            "actual_micro": r.actual_micro,
+            "rate_micro_per_hour": r.job.rate_micro_per_hour,
+        }
+        for r in result.result.records
+        if r.admitted_at is not None
+    ]

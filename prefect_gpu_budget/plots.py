@@ -160,9 +160,11 @@ def spend_over_time(
     cap_micro_per_hour: int | None = None,
     title: str = "spend",
     resets: Iterable[float] = (),
+    forecast: bool = False,
 ) -> Path | None:
     """Top: spend (settled) as a line, reserved money as a band above it (held, not spent),
-    against the period budget.
+    against the period budget; `forecast`: the line is the expected cost and the band the
+    reservations the gate would hold, the most held at once named (what meets the budget).
     Bottom: the running rate against the hourly cap. Axes fit the data, so the plot reads at
     any budget; a limit far above the data is named rather than drawn. `resets` are the instants
     at which the period budget starts again: the spend shown starts from zero there, as the
@@ -172,20 +174,21 @@ def spend_over_time(
         return None
     plt = _pyplot()
     t0 = min(r["admitted_at"] for r in rows)
-    money, rate = [], []  # (time, settled delta, committed delta), (time, rate delta)
+    money, rate = [], []  # (time, order, settled delta, committed delta), (time, rate delta)
     for r in rows:
-        money.append((r["admitted_at"], 0, r["reserved_micro"]))
+        money.append((r["admitted_at"], 1, 0, r["reserved_micro"]))
         rate.append((r["started_at"] or r["admitted_at"], r["rate_micro_per_hour"]))
         if r["settled_at"]:
             actual = r["actual_micro"] or 0
-            money.append((r["settled_at"], actual, actual - r["reserved_micro"]))
+            money.append((r["settled_at"], 0, actual, actual - r["reserved_micro"]))
             rate.append((r["ended_at"] or r["settled_at"], -r["rate_micro_per_hour"]))
     span = max(t for t, *_ in money + rate) - t0
     unit_s, unit = _time_axis(span)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 5.8), sharex=True)
     xs, settled, committed, s_total, c_total = [0.0], [0.0], [0.0], 0, 0
     pending = sorted(resets)
-    for t, d_settled, d_committed in sorted(money):
+    # at one instant settlements first: the money they free is what admits the next job
+    for t, _, d_settled, d_committed in sorted(money):
         while pending and pending[0] <= t:  # a new period: its budget counts from zero
             at = pending.pop(0)
             xs.append((at - t0) / unit_s)
@@ -205,11 +208,31 @@ def spend_over_time(
         color="tab:purple",
         alpha=0.18,
         linewidth=0,
-        label="reserved (held until settled)",
+        label="reserved: worst case held against the budget"
+        if forecast
+        else "reserved (held until settled)",
     )
-    top.step(xs, settled, where="post", color="tab:blue", linewidth=2, label="spent (settled)")
+    spent = "expected spend" if forecast else "spent"
+    top.step(
+        xs,
+        settled,
+        where="post",
+        color="tab:blue",
+        linewidth=2,
+        label="expected spend (expected runtime)" if forecast else "spent (settled)",
+    )
+    if forecast:
+        peak = max(range(len(xs)), key=lambda i: committed[i])
+        top.annotate(
+            f"spent + reserved at most ${committed[peak]:,.4g}",
+            (xs[peak], committed[peak]),
+            textcoords="offset points",
+            xytext=(4, -12),  # inside the band, under the budget line it may touch
+            fontsize=8,
+            color="tab:purple",
+        )
     top.annotate(
-        f"spent ${settled[-1]:,.4g}",
+        f"{spent} ${settled[-1]:,.4g}",
         (xs[-1], settled[-1]),
         textcoords="offset points",
         xytext=(-4, 6),

@@ -87,6 +87,8 @@ class SimRecord:
     admitted_at: float | None = None
     ended_at: float | None = None
     actual_micro: int = 0
+    reserved_micro: int = 0
+    """What the gate held for it against the budgets at admission (guaranteed: its worst case)."""
     finished: bool = False
     """Ran to its natural end (not stopped at max_runtime, not cut off by the horizon)."""
 
@@ -285,6 +287,7 @@ def simulate(
                     now + job.max_runtime_s,
                 )
                 records[job_id].admitted_at = now
+                records[job_id].reserved_micro = decision.reserved_micro
                 run = job.true_s
                 if pol.stop_at_max_runtime:
                     run = min(run, job.max_runtime_s)

@@ -175,3 +175,45 @@ def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == f"error: scope: {reason}"
     assert ledger.jobs() == []
+
+
+def test_forecast_plot_draws_the_reservations_that_bind(prices, tmp_path, monkeypatch):
+    """The band is what the gate holds (guaranteed: rate x (max_runtime + kill grace)) and its
+    top meets the budget where trials wait; the line is the expected cost, told apart."""
+    from prefect_gpu_budget import plots
+    from prefect_gpu_budget.forecast import plot, plot_rows
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    # $3.60/h: each trial holds $0.003 (2 s + 1 s grace) and is expected to cost $0.001 (1 s)
+    GpuBudget(scope="fc", period_budget_usd="0.0085", period="day").apply(ledger)
+    _team(ledger)
+    spec = SweepSpec.model_validate(
+        {
+            **_spec(tmp_path, 4).model_dump(),
+            "job": {
+                "instance_type": "local:box",
+                "max_runtime": "2s",
+                "expected_runtime": "1s",
+                "kill_grace": "1s",
+            },
+        }
+    )
+    predicted = forecast(spec, ledger)
+    rows = plot_rows(predicted)
+    assert len(rows) == 4
+    assert all(r["reserved_micro"] == 3_000 and r["actual_micro"] == 1_000 for r in rows), rows
+
+    figures = []
+    monkeypatch.setattr(plots._pyplot(), "close", lambda fig: figures.append(fig))
+    [budget] = [r for r in ledger.path_budgets(spec.scope) if r.period_budget_micro]
+    assert plot(predicted, tmp_path / "forecast.png", budget) is not None
+    top = figures[0].axes[0]
+    [band] = top.collections
+    held = band.get_paths()[0].vertices[:, 1]
+    # what the gate counts against the budget: two trials at once hold $0.006; after they
+    # settle ($0.002 spent) two more: $0.008; a third at once would be $0.009, over $0.0085
+    assert max(held) == pytest.approx(0.008)
+    assert band.get_label().startswith("reserved: worst case")
+    [line] = [x for x in top.get_lines() if x.get_label().startswith("expected spend")]
+    assert max(line.get_ydata()) == pytest.approx(4 * 0.001)
+    assert any(t.get_text() == "spent + reserved at most $0.008" for t in top.texts)

@@ -15,10 +15,9 @@ reads can only make a job cost more, never less:
 
 - a started job is billed from the flow run's start (its first `Running`, noted once) to the
   later of its start plus max_runtime (the reservation's runtime) and any later end that is
-  reported (its end time, its worker's event) or seen: the launcher looks on its own host for
-  the run's processes (`PREFECT__FLOW_RUN_ID`, which every Prefect worker and runner gives
-  the flow run's process) once the run says it is over or max_runtime has passed, and bills
-  until the moment it finds none;
+  reported (its end time, its worker's event) or seen: from max_runtime on, the launcher
+  looks on its own host for the run's processes (`PREFECT__FLOW_RUN_ID`, which every Prefect
+  worker and runner gives the flow run's process), and bills until the moment it finds none;
 - the job keeps its slot until then: `run` returns no earlier than max_runtime, however early
   the flow run says it ended, and says so (`END_NOT_OBSERVED` in its detail and log);
 - at max_runtime a flow run that is not over is cancelled; one that says it is over while its
@@ -34,11 +33,15 @@ So a short job costs its max_runtime here: give deployment jobs a tight one. Wha
 close: code that runs as the worker's user on the worker's host can kill or deceive anything
 there (this launcher's view of that host included, when it runs there too), and a job on
 another host that forges its end can run on past max_runtime, billed to max_runtime, until its
-infrastructure stops it. A job whose caller is interrupted (the calling flow run cancelled, or
-Ctrl-C) is cancelled and waited for up to `kill_grace` + `cancel_wait_s`; the caller bills it
-until then. The ends this launcher could bill early on, and does not have yet: a cloud's own
-record of the job (as the Vertex AI and SageMaker launchers bill), or a gated worker's own
-observation of the process tree's end, written where the flow run's code cannot write.
+infrastructure stops it. A job whose caller is interrupted in its process (the calling flow
+run cancelled, Ctrl-C) is cancelled and waited for until it says it is over, at most
+`kill_grace` + `cancel_wait_s`, what of it still runs here is killed, and the caller bills it
+until then: a job that has its caller cancelled (its API access reaches that flow run too) and
+forges its end at once is billed to that moment. (A caller whose process is killed leaves an
+orphan, which reconcile meters to its max runtime.) The ends this launcher could bill early
+on, and does not have yet: a cloud's own record of the job (as the Vertex AI and SageMaker
+launchers bill), or a gated worker's own observation of the process tree's end, written where
+the flow run's code cannot write.
 """
 
 from __future__ import annotations
@@ -215,7 +218,8 @@ class DeploymentLauncher(Block):
         ge=0,
         description=(
             "Seconds, beyond the job's kill_grace, to wait for a cancelled flow run to end "
-            "when the calling run is being cancelled."
+            "when the calling run is being cancelled; past max_runtime, what of the run still "
+            "runs on this host that long after it was asked to end is killed."
         ),
     )
 
@@ -443,9 +447,9 @@ class DeploymentLauncher(Block):
                 time.sleep(self.poll_s)
                 continue
             deadline = started + job.max_runtime
-            pids = _seen_here(run_id) if over or now >= deadline else []
+            pids = _seen_here(run_id) if now >= deadline else []  # before: billed anyway
             scanned = time.time()  # none of them seen by now: the earliest end to bill
-            seen_late = seen_late or (bool(pids) and now >= deadline)
+            seen_late = seen_late or bool(pids)
             if over and now < deadline and not told_over:
                 told_over = True
                 log(

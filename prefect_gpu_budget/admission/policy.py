@@ -4,10 +4,12 @@ No I/O here. The ledger loads a `LedgerState` and the queue inside its transacti
 `decide`, and writes what it says; the simulator and tests call the same function.
 
 Queue order is priority (higher first), then arrival. A waiting job *holds* the scopes whose limit
-blocks it: a later job that needs any of those scopes waits behind it (no backfill), so a big job
-is never starved by a stream of small ones, while jobs in unrelated scopes go on. In capacity
-pools each team has its own queue, jobs within their team's nominal quota go before borrowers,
-and a waiting job holds only what `queueing` says; who is preempted is `preemption`'s rule.
+blocks it for its own team's later jobs: one of them that needs any of those scopes waits behind
+it (no backfill), so a big job is never starved by a stream of small ones of its team, while
+other teams' jobs and jobs in unrelated scopes go on (`queueing.scope_key`). In capacity pools
+each team has its own queue, jobs within their team's nominal quota go before borrowers, which
+go by fair share, and a waiting job holds only what `queueing` says; who is preempted is
+`preemption`'s rule.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from prefect_gpu_budget.units import (
     cost_micro,
     fmt_duration,
     fmt_usd,
-    org_of,
     scope_path,
 )
 
@@ -321,14 +322,15 @@ def plan(
 ) -> dict[str, Decision]:
     """Decide queued jobs in queue order, up to and including `stop_at` if given.
 
-    Without `stop_at` the walk ends early once every org in the queue is held by a blocked
-    job (nothing after it could be admitted); jobs not reached are absent from the result.
+    Without `stop_at` the walk ends early once a blocked job holds its org's budget in every
+    team's queue of the walk (nothing after it could be admitted); jobs not reached are absent
+    from the result.
     A job ahead of `stop_at` that waits behind a hold is `NOT_REACHED` either way: it admits
     nothing and holds nothing, so weighing it could not change what the jobs after it get
     (so deciding the last of n queued jobs costs n lookups, not n decisions).
     """
     ordered = queue_order(queue)
-    orgs = {org_of(req.scope) for req in ordered}
+    queues = {queueing.queue_of(req.scope) for req in ordered}
     usage = _Usage(state)
     capacity = Capacity(state.pools, state.quotas, list(state.placed)) if state.pools else None
     held: dict[str, Request] = {}
@@ -338,9 +340,9 @@ def plan(
             out[req.job_id] = NOT_REACHED  # cannot be admitted this round; details on request
             continue
         out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
-        for key in decision.blocks:
+        for key in queueing.held_keys(req, decision.blocks):
             held.setdefault(key, req)
-        if req.job_id == stop_at or (stop_at is None and orgs <= held.keys()):
+        if req.job_id == stop_at or (stop_at is None and queueing.all_held(queues, held)):
             break
     return out
 
@@ -401,7 +403,7 @@ def _decide_one(
             f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
             f"{fmt_duration(state.now - ahead.requested_at)} ago) for {queueing.describe(key)}",
             limit="queue",
-            scope=key,
+            scope=queueing.hold_name(key),
         )
         return _wait_or_end(state, req, rules, behind)
 
@@ -411,7 +413,7 @@ def _decide_one(
         blockers.append(
             Decision(
                 "wait",
-                fit.reason,
+                fit.unasked,
                 limit="capacity",
                 scope=f"pool:{shape.pool}" if shape else None,
                 blocks=fit.holds,
@@ -420,7 +422,10 @@ def _decide_one(
             )
         )
     if blockers:
-        return _wait_or_end(state, req, rules, _blocked(blockers))
+        ended = _wait_or_end(state, req, rules, _blocked(blockers))
+        if ended.preempt and fit is not None:  # the reason names victims only when asked
+            return replace(ended, reason=fit.reason)
+        return ended
 
     usage.add(hold, rules)
     placement = ()
@@ -496,5 +501,6 @@ def decide_behind(state: LedgerState, req: Request, ahead: Request, scope: str) 
     capacity pool, waits blocked by a limit of `scope` on `req`'s path: `req` waits behind it
     (or ends, by its on-limit and max wait), unless it can never be admitted at all; the rest
     of the queue cannot change that. So a request joining a deep queue is decided without
-    weighing the whole queue (`state` needs only the budgets on `req`'s path)."""
-    return _decide_one(state, req, _Usage(state), {scope: ahead})
+    weighing the whole queue (`state` needs only the budgets on `req`'s path). `ahead` is of
+    `req`'s team (`queueing.queue_of`): a budget holds only its own team's later jobs."""
+    return _decide_one(state, req, _Usage(state), {queueing.scope_key(scope, req.scope): ahead})

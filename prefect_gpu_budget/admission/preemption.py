@@ -11,14 +11,25 @@ A job of team T that cannot start may preempt:
 
 As in Kueue, the job must fit within T's nominal quota once its victims are gone; only when no
 other team's work could be preempted may it preempt its own team's work and borrow at once (a
-preempted borrower requeued must not preempt its preemptor back). Victims: jobs already
-stopping first, then other teams' borrowed work, then the lowest priority, then the most
-recently admitted; a team is never cut below its nominal quota; the set is then minimised.
+preempted borrower requeued must not preempt its preemptor back).
+
+Victims, as Kueue orders candidates with fair sharing: jobs already stopping first, then other
+teams' borrowed work, from the team with the highest fair share first (what it borrows per
+weight, weight 0 first of all: `Capacity.share`, read again after each pick), then the lowest
+priority, then the most recently admitted. A job of another team is a victim only while its team
+still uses more than its nominal quota (Kueue's rule: the last one taken may leave the team
+below it, never more). Kueue's quota is placement-free; here the job must also get machines, so
+the set must free a placement (`nodes` machines each with room for one node of the job): the
+candidates of each machine are weighed in that order, the machines that cost the least are
+taken, and that is compared with Kueue's plain walk (candidates in order until the job fits).
+Either set is then minimised (a victim whose removal is not needed is spared), and the one whose
+worst victim ranks best is asked. When no set frees a placement within these rules, nobody is
+asked: the job waits and says what it waits for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from prefect_gpu_budget.admission.quota import (
     Capacity,
@@ -28,7 +39,10 @@ from prefect_gpu_budget.admission.quota import (
     TeamQuota,
     add,
     fits_in,
+    sub,
 )
+
+Rank = tuple[bool, bool, float, int, float]
 
 
 def victims(
@@ -37,24 +51,27 @@ def victims(
     """The jobs to preempt so that a job of `quota.team` at `priority` fits, and, when there are
     none because of the team's settings, a note saying which setting keeps them running."""
     own, others, spared, kept = [], [], [], []
+    borrowing: dict[str | None, bool] = {}
     for job in cap.placed:
         if job.shape.pool != pool.name:
             continue
         if job.shape.team == quota.team:
             if job.priority < priority:
                 (own if quota.within_team == "lower_priority" else kept).append(job)
-        elif cap.borrowing(pool.name, job.shape.team):
+            continue
+        team = job.shape.team
+        if team not in borrowing:
+            borrowing[team] = cap.borrowing(pool.name, team)
+        if borrowing[team]:
             if _may_reclaim(quota.reclaim, job.priority, priority):
                 others.append(job)
             else:
                 spared.append(job)
     chosen: tuple[Placed, ...] = ()
     if others:  # within its nominal quota once they are gone
-        order = sorted(others + own, key=lambda j: _rank(j, quota.team))
-        chosen = _minimal(cap, pool, quota, shape, order, nominal=True)
+        chosen = _choose(cap, pool, quota, shape, others + own, nominal=True)
     if not chosen and own:  # only its own team's work: it may borrow as well
-        order = sorted(own, key=lambda j: _rank(j, quota.team))
-        chosen = _minimal(cap, pool, quota, shape, order, nominal=False)
+        chosen = _choose(cap, pool, quota, shape, own, nominal=False)
     if chosen:
         return chosen, ""
     if kept:
@@ -82,10 +99,26 @@ def _may_reclaim(policy: str, victim: int, priority: int) -> bool:
     return policy == "any" or (policy == "lower_priority" and victim < priority)
 
 
-def _rank(job: Placed, team: str) -> tuple[bool, bool, int, float]:
-    """Kueue's order of candidates: already evicted, in another (borrowing) queue, lowest
-    priority, most recently admitted."""
-    return (not job.stopping, job.shape.team == team, job.priority, -job.admitted_at)
+def _ranker(
+    cap: Capacity, pool: Pool, team: str, gone: frozenset[str] = frozenset()
+) -> dict[str | None, float]:
+    """Each team's fair share in the pool with `gone` gone (`Capacity.share`)."""
+    teams = {q.team for q in cap.teams(pool.name)}
+    return {t: cap.share(pool.name, t, without=gone) for t in teams if t != team}
+
+
+def _rank(job: Placed, team: str, shares: dict[str | None, float]) -> Rank:
+    """Kueue's order of candidates with fair sharing: already evicted, in another (borrowing)
+    queue, from the queue with the highest share, lowest priority, most recently admitted."""
+    mine = job.shape.team == team
+    share = 0.0 if mine else shares.get(job.shape.team, 0.0)
+    return (not job.stopping, mine, -share, job.priority, -job.admitted_at)
+
+
+def _cost(chosen: Iterable[Placed], team: str, shares: dict[str | None, float]) -> list[Rank]:
+    """How much a set of victims costs: its ranks, worst first (compared as lists, a set
+    whose worst victim ranks better wins; then the next; then the smaller)."""
+    return sorted((_rank(job, team, shares) for job in chosen), reverse=True)
 
 
 def _fits(
@@ -105,7 +138,20 @@ def _fits(
     )
 
 
-def _minimal(
+def _valid(cap: Capacity, pool: Pool, team: str, chosen: Sequence[Placed]) -> bool:
+    """Whether every other team loses its jobs in `chosen` while it borrows: for each, one of
+    them (the last taken) leaves it using more than its nominal quota once the rest are gone."""
+    by_team: dict[str | None, set[str]] = {}
+    for job in chosen:
+        if job.shape.team != team:
+            by_team.setdefault(job.shape.team, set()).add(job.job_id)
+    return all(
+        any(cap.borrowing(pool.name, other, frozenset(ids - {last})) for last in ids)
+        for other, ids in by_team.items()
+    )
+
+
+def _choose(
     cap: Capacity,
     pool: Pool,
     quota: TeamQuota,
@@ -113,21 +159,101 @@ def _minimal(
     candidates: Sequence[Placed],
     nominal: bool,
 ) -> tuple[Placed, ...]:
-    """Candidates taken in order until the job fits (within its nominal quota, or with
-    `nominal` off within its borrow limit), never cutting another team below its quota; then
-    whoever is not needed is spared. Nothing if even all of them would not do."""
-    chosen: list[Placed] = []
-    for job in candidates:
-        gone = frozenset(v.job_id for v in chosen)
-        if job.shape.team != quota.team and not cap.borrowing(pool.name, job.shape.team, gone):
-            continue  # only work above its team's quota is borrowed
-        chosen.append(job)
-        if _fits(cap, pool, quota, shape, frozenset(v.job_id for v in chosen), nominal):
-            break
-    else:
+    """The cheapest minimal set of `candidates` that lets the job fit (within its nominal quota,
+    or with `nominal` off within its borrow limit), from Kueue's walk and from the machines
+    that cost the least to free; nothing if no set will do."""
+    shares = _ranker(cap, pool, quota.team)
+    found = [
+        chosen
+        for seed in ((), _machines(cap, pool, quota, shape, candidates, shares))
+        if seed is not None
+        for chosen in [_walk(cap, pool, quota, shape, candidates, nominal, seed)]
+        if chosen
+    ]
+    if not found:
         return ()
+    return min(found, key=lambda chosen: _cost(chosen, quota.team, shares))
+
+
+def _walk(
+    cap: Capacity,
+    pool: Pool,
+    quota: TeamQuota,
+    shape: Shape,
+    candidates: Sequence[Placed],
+    nominal: bool,
+    seed: Sequence[Placed],
+) -> tuple[Placed, ...]:
+    """From `seed`, candidates taken in order (shares read again after each) until the job fits,
+    another team's job only while its team borrows; then whoever is not needed is spared."""
+    chosen = list(seed)
+    while not _fits(cap, pool, quota, shape, _ids(chosen), nominal):
+        gone = _ids(chosen)
+        shares = _ranker(cap, pool, quota.team, gone)
+        above = {t: cap.borrowing(pool.name, t, gone) for t in {j.shape.team for j in candidates}}
+        eligible = [
+            job
+            for job in candidates
+            if job.job_id not in gone and (job.shape.team == quota.team or above[job.shape.team])
+        ]
+        if not eligible:
+            return ()
+        chosen.append(min(eligible, key=lambda job: _rank(job, quota.team, shares)))
     for job in list(reversed(chosen)):
-        rest = frozenset(v.job_id for v in chosen if v is not job)
-        if _fits(cap, pool, quota, shape, rest, nominal):
-            chosen.remove(job)
+        rest = [v for v in chosen if v is not job]
+        if _fits(cap, pool, quota, shape, _ids(rest), nominal):
+            chosen = rest
     return tuple(chosen)
+
+
+def _machines(
+    cap: Capacity,
+    pool: Pool,
+    quota: TeamQuota,
+    shape: Shape,
+    candidates: Sequence[Placed],
+    shares: dict[str | None, float],
+) -> list[Placed] | None:
+    """In an inventory pool, the victims that free the `nodes` machines cheapest to free: on
+    each machine, its candidates in order until one node of the job fits there, those not
+    needed spared; machines by that cost, skipping one whose victims would take a team below
+    its quota by more than its last job. None where no such machines are found (or in a pool
+    of totals, where any capacity freed will do)."""
+    if pool.kind != "inventory":
+        return None
+    need = shape.per_node
+    options = []
+    for machine, used in enumerate(cap.node_used(pool)):
+        free = sub(pool.node, used)
+        here = sorted(
+            (job for job in candidates if machine in job.placement),
+            key=lambda job: _rank(job, quota.team, shares),
+        )
+        picked: list[Placed] = []
+        for job in here:
+            if fits_in(need, free):
+                break
+            picked.append(job)
+            free = add(free, job.shape.per_node)
+        if not fits_in(need, free):
+            continue
+        for job in list(reversed(picked)):
+            if fits_in(need, sub(free, job.shape.per_node)):
+                picked.remove(job)
+                free = sub(free, job.shape.per_node)
+        options.append((_cost(picked, quota.team, shares), machine, picked))
+    options.sort(key=lambda option: (option[0], option[1]))
+    seed: list[Placed] = []
+    taken = 0
+    for _, _, picked in options:
+        trial = seed + [job for job in picked if job not in seed]
+        if not _valid(cap, pool, quota.team, trial):
+            continue
+        seed, taken = trial, taken + 1
+        if taken == shape.nodes:
+            return seed
+    return None
+
+
+def _ids(chosen: Iterable[Placed]) -> frozenset[str]:
+    return frozenset(job.job_id for job in chosen)

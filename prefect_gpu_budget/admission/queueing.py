@@ -3,11 +3,13 @@ quotas each team has its own queue (a ClusterQueue), ordered by priority then ar
 waiting in it may hold only that queue; a pool without team quotas is one queue shared by all.
 Pure: no I/O.
 
-Order across queues (`walk`): the head of each queue is weighed, and the next job decided is the
-head that fits its team's nominal quota (needs to borrow nothing) before any that would borrow,
-then the highest priority, then the least fair share (borrowed per weight), then the earliest.
-This is read afresh before each pick, as admissions change who is within quota and who has
-borrowed most.
+Order across queues (`walk`), as Kueue's fair sharing (on by default in HyperPod task
+governance) picks among ClusterQueues: the head of each queue is weighed, and the next job
+decided is the head whose team's fair share once it runs is least (`Capacity.share`: what the
+team would use above its nominal quota, as a part of what can be lent, per weight; 0 for a head
+within its team's nominal quota, so those go first; a borrowing team of weight 0 last), then the
+highest priority, then the earliest. This is read afresh before each pick, as admissions change
+who is within quota and who has borrowed most.
 
 What a job that cannot start holds (`holds`), so that later jobs needing it wait behind it:
 - in a pool without team quotas: the pool (`pool:<pool>`), unless the pool's `backfill` is on;
@@ -16,16 +18,18 @@ What a job that cannot start holds (`holds`), so that later jobs needing it wait
 - a job within its team's nominal quota that waits for machines holds borrowing in the pool
   (`borrow:<pool>`): jobs that would borrow wait behind it (nominal quota first), unless the
   pool's `backfill` is on. It never holds another team's job within that team's quota.
-Budgets hold their scopes (`policy`), whatever the pool.
+A budget that blocks a job holds its scope (`policy`) for the later jobs of the job's own team
+(`scope_key`), whatever the pool: an org's cap that a team's big job waits for does not hold
+another team's job that fits it (each ClusterQueue of Kueue blocks only itself).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefect_gpu_budget.units import scope_path
+from prefect_gpu_budget.units import org_of, scope_path
 
 if TYPE_CHECKING:
     from prefect_gpu_budget.admission.policy import Request
@@ -44,13 +48,44 @@ def holds(pool: Pool, quota: TeamQuota | None, within: bool) -> tuple[str, ...]:
     return tuple(found)
 
 
+def queue_of(scope: str) -> str:
+    """The queue a job of `scope` is in: its team (`org/team`), or the org for a job of the
+    org's own scope."""
+    return "/".join(scope.split("/")[:2])
+
+
+def scope_key(scope: str, req_scope: str) -> str:
+    """The hold a budget of `scope` makes, blocking a job of `req_scope`: it binds the later
+    jobs of that job's queue (its team) only, as each of Kueue's ClusterQueues blocks only
+    itself; another team's job that fits goes on."""
+    return f"{scope}@{queue_of(req_scope)}"
+
+
+def hold_name(key: str) -> str:
+    """A hold as a job's recorded wait names it: a budget's scope (without its queue), or a
+    pool's key as it is."""
+    return key.partition("@")[0]
+
+
+def held_keys(req: Request, blocks: Sequence[str]) -> list[str]:
+    """What a job that waits holds, from its decision's `blocks`: a budget's scope for its own
+    team's queue; a pool, a team's queue or borrowing in a pool as they are."""
+    return [key if ":" in key else scope_key(key, req.scope) for key in blocks]
+
+
+def all_held(queues: Iterable[str], held: Mapping[str, Request]) -> bool:
+    """Whether a budget of its org holds every one of `queues` (nothing later can start)."""
+    return all(scope_key(org_of(queue), queue) in held for queue in queues)
+
+
 def ahead(
     req: Request, shape: Shape | None, held: Mapping[str, Request], capacity: Capacity | None
 ) -> tuple[str, Request] | None:
-    """The first hold the job waits behind, with the job holding it: its scopes, and with a
-    shape its pool (no team quotas) and its team's queue; `borrow:<pool>` only if it would
-    borrow (checked only when such a hold exists, so the walk stays linear)."""
-    keys = list(scope_path(req.scope))
+    """The first hold the job waits behind, with the job holding it: the budgets of its scopes
+    held in its team's queue, and with a shape its pool (no team quotas) and its team's queue;
+    `borrow:<pool>` only if it would borrow (checked only when such a hold exists, so the walk
+    stays linear)."""
+    keys = [scope_key(scope, req.scope) for scope in scope_path(req.scope)]
     if shape is not None:
         keys += [f"pool:{shape.pool}", f"team:{shape.pool}:{shape.team}"]
     for key in keys:
@@ -73,7 +108,7 @@ def describe(key: str) -> str:
         return f"the queue of team {team} in pool {pool} (strict FIFO)"
     if kind == "borrow":
         return f"pool {rest}, where jobs within their team's quota go before borrowers"
-    return key
+    return hold_name(key)
 
 
 def walk(ordered: Sequence[Request], capacity: Capacity | None) -> Iterator[Request]:
@@ -95,13 +130,11 @@ def walk(ordered: Sequence[Request], capacity: Capacity | None) -> Iterator[Requ
 
 
 def _rank(req: Request, capacity: Capacity) -> tuple[Any, ...]:
+    """Kueue's fair-sharing tournament: the least share once the head is admitted (0 for a head
+    within its team's nominal quota, and outside team quotas), then the highest priority,
+    then the earliest."""
     shape = req.shape
-    if shape is None:
-        return (False, -req.priority, 0.0, req.requested_at, req.job_id)
-    return (
-        not capacity.within_quota(shape),
-        -req.priority,
-        capacity.share(shape.pool, shape.team),
-        req.requested_at,
-        req.job_id,
-    )
+    share = 0.0
+    if shape is not None and shape.pool in capacity.pools:
+        share = capacity.share(shape.pool, shape.team, extra=shape.total)
+    return (share, -req.priority, req.requested_at, req.job_id)

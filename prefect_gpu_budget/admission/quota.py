@@ -16,6 +16,7 @@ Every reason names the resource that binds (accelerators, vCPU, memory, nodes) w
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -187,6 +188,9 @@ class Fit:
     """Jobs to preempt so that this one fits (its team's `reclaim` and `within_team`)."""
     holds: tuple[str, ...] = ()
     """Queue keys a blocked job holds: later jobs needing them wait behind it."""
+    unasked: str = ""
+    """`reason` as it reads when nobody is asked to stop (a budget blocks the job too, or it
+    ends): without the victims it names."""
 
 
 def team_of(scope: str) -> str | None:
@@ -228,7 +232,7 @@ class Capacity:
 
     # -- usage -------------------------------------------------------------------------
 
-    def _node_used(self, pool: Pool, without: frozenset[str] = frozenset()) -> list[Res]:
+    def node_used(self, pool: Pool, without: frozenset[str] = frozenset()) -> list[Res]:
         used = [ZERO] * pool.nodes
         for job in self.placed:
             if job.shape.pool == pool.name and job.job_id not in without:
@@ -273,17 +277,41 @@ class Capacity:
         """Whether a team uses more than its nominal quota in a pool (with `without` gone)."""
         return not fits_in(self.team_used(pool, team, without), self.quota_of(pool, team))
 
-    def share(self, pool: str, team: str | None) -> float:
-        """Fair share: dominant borrowed resource (as a part of the pool) per weight."""
+    def share(
+        self,
+        pool: str,
+        team: str | None,
+        extra: Res = ZERO,
+        without: frozenset[str] = frozenset(),
+    ) -> float:
+        """Fair share, as Kueue's dominant resource share: per resource, what the team uses
+        above its nominal quota (with `extra` more, and `without` gone) as a part of what can be
+        lent in the pool (what no team holds plus each team's `lend_pct` of its quota); the
+        largest of them, per fair-share weight. 0 for a team within its quota, whatever its
+        weight; a team of weight 0 that borrows: infinite (last to borrow, first to give
+        back)."""
         quota = self.quotas.get((pool, team or ""))
         if quota is None or pool not in self.pools:
             return 0.0
-        borrowed = pos(sub(self.team_used(pool, quota.team), quota.quota))
-        total = self.pools[pool].total
-        dominant = max((b / t for b, t in zip(borrowed, total, strict=True) if t), default=0.0)
+        used = add(self.team_used(pool, quota.team, without), extra)
+        borrowed = pos(sub(used, quota.quota))
+        if borrowed == ZERO:
+            return 0.0
         if quota.weight <= 0:
-            return float("inf") if dominant or borrowed != ZERO else 1e9
+            return math.inf
+        lendable = self.lendable(pool)
+        dominant = max((b / t for b, t in zip(borrowed, lendable, strict=True) if t), default=0.0)
         return dominant / quota.weight
+
+    def lendable(self, pool: str) -> Res:
+        """What can be lent in a pool, used or not: what no team holds, plus each team's
+        `lend_pct` of its quota (Kueue's lendable resources of a cohort); the pool's total
+        where that is nothing."""
+        teams = self.teams(pool)
+        total = self.pools[pool].total
+        free = pos(sub(total, _sum(q.quota for q in teams)))
+        found = add(free, _sum(pct(q.quota, q.lend_pct) for q in teams))
+        return found if found != ZERO else total
 
     def status(self, pool: str) -> list[dict]:
         """Per team: quota, used, borrowed, lendable (idle and open to others) and lent (the
@@ -361,7 +389,7 @@ class Capacity:
         if pool.kind == "quota":
             used = self.pool_used(pool.name, without)
             return () if fits_in(add(used, shape.total), pool.total) else None
-        free = [sub(pool.node, used) for used in self._node_used(pool, without)]
+        free = [sub(pool.node, used) for used in self.node_used(pool, without)]
         candidates = [i for i, f in enumerate(free) if fits_in(shape.per_node, f)]
         if len(candidates) < shape.nodes:
             return None
@@ -436,13 +464,20 @@ class Capacity:
         quota = self.quotas.get((shape.pool, shape.team or ""))
         holds = queueing.holds(pool, quota, self.within_quota(shape))
         if quota is None:
-            return Fit(False, reason, holds=holds)
+            return Fit(False, reason, holds=holds, unasked=reason)
         chosen, note = preemption.victims(self, pool, quota, shape, priority)
+        asked = ""
         if chosen:
-            reason += "; preempting " + ", ".join(
+            asked = "; preempting " + ", ".join(
                 preemption.describe(job, quota.team) for job in chosen
             )
-        return Fit(False, reason + note, victims=tuple(j.job_id for j in chosen), holds=holds)
+        return Fit(
+            False,
+            reason + asked + note,
+            victims=tuple(j.job_id for j in chosen),
+            holds=holds,
+            unasked=reason + note,
+        )
 
     def _borrow_reason(
         self, pool: Pool, quota: TeamQuota, shape: Shape, without: frozenset[str]
@@ -489,7 +524,7 @@ class Capacity:
                     f"{_amount(free, i, model)} free"
                 )
             return reason
-        free = [sub(pool.node, used) for used in self._node_used(pool, without)]
+        free = [sub(pool.node, used) for used in self.node_used(pool, without)]
         count = sum(1 for f in free if fits_in(shape.per_node, f))
         reason = (
             f"waiting for {shape.nodes} x {_gpus(shape.per_node, model)} in pool "

@@ -26,14 +26,16 @@ def _pool(nodes: int, **kw) -> Pool:
 def _job(scope: str, nodes: int = 1, gpus: int = 8, priority: int = 0, **kw) -> NewJob:
     return new_job(
         scope,
-        name=f"{nodes}x{gpus}",
-        instance_type="local:h100x8",
-        nodes=nodes,
-        rate_micro_per_hour=1_000_000,
-        rate_cents=100,
-        priority=priority,
-        node_gpus=gpus,
-        **kw,
+        **{
+            "name": f"{nodes}x{gpus}",
+            "instance_type": "local:h100x8",
+            "nodes": nodes,
+            "rate_micro_per_hour": 1_000_000,
+            "rate_cents": 100,
+            "priority": priority,
+            "node_gpus": gpus,
+            **kw,
+        },
     )
 
 
@@ -307,3 +309,222 @@ def test_the_cli_sets_a_teams_settings_and_keeps_what_it_leaves_out(
     assert ledger.capacity("acme")[1] == [kept]  # nothing written
     code, out, err = _cli(monkeypatch, capsys, ledger_url, "capacity", "acme")
     assert code == 0 and "lower_priority / never / strict_fifo" in out, err
+
+
+def test_reclaim_frees_a_placement_when_the_borrowers_jobs_are_spread(ledger):
+    """Kueue takes candidates in order until the preemptor fits, then spares those not needed;
+    its quota is placement-free, ours places each node on a machine. B borrows A's whole quota
+    with four 4-GPU jobs, its lowest-priority ones on different machines: taking those two
+    would bring B back to its quota but free no machine, so the set asked is the two jobs of
+    one machine (B is still above its quota when each is taken), never a third."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    quotas = [
+        TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+        TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100, within_team="never"),
+    ]
+    ledger.set_pool(pool, quotas)
+    jobs = {}
+    for name, priority in (("b0_lo", -100), ("b1", 0), ("b2_lo", -100), ("b3", 0)):
+        jobs[name], decision = ledger.request(_job("acme/b/s", gpus=4, priority=priority))
+        assert decision.verdict == "admit"
+    where = {name: ledger.job(job_id)["placement"] for name, job_id in jobs.items()}
+    assert where["b0_lo"] != where["b2_lo"]  # the lowest priorities on different machines
+    a_job, waits = ledger.request(_job("acme/a/s"))  # within A's quota of 8
+    assert waits.verdict == "wait" and len(waits.preempt) == 2, waits.reason
+    names = {name for name, job_id in jobs.items() if job_id in waits.preempt}
+    assert len({where[name] for name in names}) == 1  # both on one machine
+    assert any(name.endswith("_lo") for name in names)  # the cheaper machine: newest first
+    assert waits.reason.startswith("waiting for 1 x 8 H100 in pool lab-a: 0 nodes free; preempting")
+    for job_id in waits.preempt:
+        _done(ledger, job_id, "preempted")
+    assert _state(ledger, a_job) == "admitted"
+    for job_id in (a_job, *(j for j in jobs.values() if j not in waits.preempt)):
+        _done(ledger, job_id)
+
+
+def test_a_gang_reclaim_frees_whole_machines_with_the_fewest_victims(ledger):
+    """A 2-node job within its quota, against a borrower whose jobs share every machine: the
+    victims are the four jobs of two machines, no more."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(4)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 16)),
+            TeamQuota(
+                "lab-a", "acme/b", proportional(pool, 16), borrow_pct=100, within_team="never"
+            ),
+        ],
+    )
+    b_jobs = [
+        ledger.request(_job("acme/b/s", gpus=4, priority=-100 if i % 2 == 0 else 0))[0]
+        for i in range(8)
+    ]
+    where = {job_id: ledger.job(job_id)["placement"] for job_id in b_jobs}
+    gang, waits = ledger.request(_job("acme/a/s", nodes=2))
+    assert len(waits.preempt) == 4, waits.reason
+    freed = {where[job_id] for job_id in waits.preempt}
+    assert len(freed) == 2
+    assert all(job_id in waits.preempt for job_id in b_jobs if where[job_id] in freed)
+    for job_id in waits.preempt:
+        _done(ledger, job_id, "preempted")
+    assert _state(ledger, gang) == "admitted"
+    for job_id in (gang, *(j for j in b_jobs if j not in waits.preempt)):
+        _done(ledger, job_id)
+
+
+def test_a_borrower_is_never_cut_below_its_quota_for_a_placement(ledger):
+    """Kueue takes a borrower's job only while its queue borrows (the last one taken may leave
+    it below its quota, no more). B borrows 4 GPUs with 2-node jobs on both machines, one GPU
+    free on each: a machine for A's 6-GPU job would take five of B's jobs, B from 12 to 2 of
+    its 8. A waits, and nobody is asked to stop (Kueue, placement-free, would stop two and
+    admit a job whose pods find no machine)."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 6)),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
+            TeamQuota("lab-a", "acme/c", proportional(pool, 2)),
+        ],
+    )
+    c_job, _ = ledger.request(_job("acme/c/s", nodes=2, gpus=1))
+    b_jobs = [ledger.request(_job("acme/b/s", nodes=2, gpus=1))[0] for _ in range(6)]
+    assert all(_state(ledger, job_id) == "admitted" for job_id in b_jobs)  # B: 12 of its 8
+    a_job, waits = ledger.request(_job("acme/a/s", gpus=6))  # within A's quota of 6
+    assert waits.verdict == "wait" and not waits.preempt
+    assert waits.reason == "waiting for 1 x 6 H100 in pool lab-a: 0 nodes free"
+    assert all(ledger.job(job_id)["preempt_at"] is None for job_id in b_jobs)
+    ledger.cancel_queued(a_job, "acme/a/s", "test over")
+    for job_id in (c_job, *b_jobs):
+        _done(ledger, job_id)
+
+
+def _ones(weights: dict[str, int], idle: int = 4) -> Pool:
+    """Eight 1-GPU machines; teams a and b of quota 2 borrowing at will, with these weights;
+    team c of quota `idle` lending."""
+    pool = Pool("acme", "lab-a", 8, (1, 24, 256), ("local:h100x8",), "H100")
+    return pool, [
+        TeamQuota(
+            "lab-a", f"acme/{t}", (2, 48, 512), borrow_pct=1000, weight=w, within_team="never"
+        )
+        for t, w in weights.items()
+    ] + [TeamQuota("lab-a", "acme/c", (idle, 24 * idle, 256 * idle))]
+
+
+@pytest.mark.parametrize("weight_a", [50, 0])
+def test_borrowers_are_ordered_by_fair_share_before_priority(ledger, weight_a):
+    """Kueue's fair sharing (on by default in HyperPod): among heads that would borrow, the
+    team whose share once its head runs (borrowed per weight) is least goes first, then
+    priority. A borrows 2 and B 1: B's next job goes before A's of priority 100; a team of
+    weight 0 borrows last of all."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool, quotas = _ones({"a": weight_a, "b": 50})
+    ledger.set_pool(pool, quotas)
+    one = {"gpus": 1}
+    running = [ledger.request(_job("acme/a/s", **one))[0] for _ in range(4 if weight_a else 2)]
+    running += [ledger.request(_job("acme/b/s", **one))[0] for _ in range(3)]
+    c_jobs = [ledger.request(_job("acme/c/s", **one))[0] for _ in range(1 if weight_a else 3)]
+    assert all(_state(ledger, job_id) == "admitted" for job_id in running + c_jobs)
+    a_next, a_waits = ledger.request(_job("acme/a/s", priority=100, **one))
+    b_next, b_waits = ledger.request(_job("acme/b/s", **one))
+    assert a_waits.verdict == b_waits.verdict == "wait"
+    _done(ledger, c_jobs[0])  # one machine of C's idle quota frees
+    assert (_state(ledger, a_next), _state(ledger, b_next)) == ("queued", "admitted")
+    ledger.cancel_queued(a_next, "acme/a/s", "test over")
+    for job_id in (*running, *c_jobs[1:], b_next):
+        _done(ledger, job_id)
+
+
+def test_victims_come_from_the_team_with_the_highest_share_first(ledger):
+    """Kueue's fair-sharing preemption takes from the queue with the highest share first: B
+    (weight 10) and C (weight 90) each borrow 2 of A's idle quota at the same priority, C's
+    newest; A's job takes back from B."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = Pool("acme", "lab-a", 8, (1, 24, 256), ("local:h100x8",), "H100")
+    lend = {"borrow_pct": 100, "within_team": "never"}
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", (4, 96, 1024)),
+            TeamQuota("lab-a", "acme/b", (2, 48, 512), weight=10, **lend),
+            TeamQuota("lab-a", "acme/c", (2, 48, 512), weight=90, **lend),
+        ],
+    )
+    b_jobs = [ledger.request(_job("acme/b/s", gpus=1))[0] for _ in range(4)]
+    c_jobs = [ledger.request(_job("acme/c/s", gpus=1))[0] for _ in range(4)]
+    a_job, waits = ledger.request(_job("acme/a/s", gpus=1))
+    assert waits.preempt == (b_jobs[-1],), waits.reason  # B's newest, though C's is newer
+    assert "(acme/b, borrowing, priority 0)" in waits.reason
+    _done(ledger, b_jobs[-1], "preempted")
+    assert _state(ledger, a_job) == "admitted"
+    for job_id in (a_job, *b_jobs[:-1], *c_jobs):
+        _done(ledger, job_id)
+
+
+def test_a_reason_names_a_preemption_only_when_one_is_asked(ledger):
+    """Budget limits never preempt: a job blocked by its team's cap and by capacity asks
+    nobody to stop, and neither its reason nor its time-out says it does."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.set_budget(BudgetRule("acme/a", hourly_cap_cents=150))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
+        ],
+    )
+    b_jobs = [ledger.request(_job("acme/b/s"))[0] for _ in range(2)]  # B borrows A's machine
+    a_cheap, _ = ledger.request(new_job("acme/a/s", rate_micro_per_hour=10**6, rate_cents=100))
+    a_job, waits = ledger.request(_job("acme/a/s", max_wait_s=0.5))  # $2/h > $1.50/h, no node
+    assert waits.verdict == "wait" and not waits.preempt
+    assert waits.reason == (
+        "blocked by hourly cap of acme/a: running $1.00/h + this job $1.00/h > cap $1.50/h "
+        "(over by $0.50/h); resumes when jobs there end; waiting for 1 x 8 H100 in pool "
+        "lab-a: 0 nodes free"
+    )
+    assert ledger.job(a_job)["reason"] == waits.reason
+    assert all(ledger.job(job_id)["preempt_at"] is None for job_id in b_jobs)
+    time.sleep(0.6)
+    ended = ledger.try_admit(a_job, "acme/a/s")
+    assert ended.verdict == "timeout" and "preempting" not in ended.reason
+    assert ledger.job(a_job)["reason"].endswith("0 nodes free")
+    for job_id in (*b_jobs, a_cheap):
+        _done(ledger, job_id)
+
+
+def test_a_money_wait_holds_only_its_own_team(ledger):
+    """Each team's queue blocks only itself: team A's big job waits for the org's hourly cap;
+    team C's $1/h job, which fits the cap, its quota and the machines, is admitted, while A's
+    next job waits behind A's head, naming the cap it waits for with amounts."""
+    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=1000, period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+            TeamQuota("lab-a", "acme/c", proportional(pool, 8)),
+        ],
+    )
+
+    def priced(scope: str, gpus: int, cents: int) -> NewJob:
+        return _job(scope, gpus=gpus, rate_micro_per_hour=cents * 10_000, rate_cents=cents)
+
+    c_run, _ = ledger.request(priced("acme/c/s", 2, 500))
+    a_big, a_waits = ledger.request(priced("acme/a/s", 8, 800))
+    assert a_waits.verdict == "wait" and a_waits.reason.startswith(
+        "blocked by hourly cap of acme: running $5.00/h + this job $8.00/h > cap $10.00/h"
+    )
+    c_small, c_decision = ledger.request(priced("acme/c/s", 2, 100))
+    assert c_decision.verdict == "admit", c_decision.reason
+    a_small, behind = ledger.request(priced("acme/a/s", 1, 100))
+    assert behind.verdict == "wait" and (behind.limit, behind.scope) == ("queue", "acme")
+    assert behind.reason.startswith(f"waiting behind job {a_big[:8]}")
+    assert behind.reason.endswith("for acme")
+    for job_id in (a_big, a_small):
+        ledger.cancel_queued(job_id, "acme/a/s", "test over")
+    for job_id in (c_run, c_small):
+        _done(ledger, job_id)

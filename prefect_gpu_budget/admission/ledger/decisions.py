@@ -231,9 +231,9 @@ class DecisionsMixin(EngineMixin):
         batch: _Batch,
     ) -> Decision | None:
         """The decision of a new job that joins the queue behind a live waiter blocked by a
-        budget on its path (`policy.decide_behind`): one indexed read, not the org's whole
-        queue, and none for the next job of the same scope and priority in the same
-        transaction. None where that does not hold: the full decision is needed. (Outside
+        budget on its path in its own team's queue (`policy.decide_behind`): one indexed read,
+        not the org's whole queue, and none for the next job of the same scope and priority in
+        the same transaction. None where that does not hold: the full decision is needed. (Outside
         capacity pools only, where queue order is priority, then arrival.)"""
         if job.pool is not None:
             return None
@@ -242,6 +242,7 @@ class DecisionsMixin(EngineMixin):
         if row is None:
             path = scope_path(job.scope)
             keys = [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path]
+            team = team_of(job.scope)  # a budget holds only its own team's later jobs
             row = conn.execute(
                 sa.select(
                     jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
@@ -251,6 +252,7 @@ class DecisionsMixin(EngineMixin):
                     jobs.c.state == "queued",
                     jobs.c.id != job_id,
                     jobs.c.pool.is_(None),
+                    jobs.c.team.is_(None) if team is None else jobs.c.team == team,
                     jobs.c.wait_key.in_(keys),
                     jobs.c.heartbeat_at >= now - STALE_WAITER_S,
                     sa.or_(

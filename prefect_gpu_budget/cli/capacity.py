@@ -142,10 +142,14 @@ def pool_set(
 def pool_quota(
     team: str = typer.Argument(..., help="org/team"),
     pool: str = typer.Option(..., help="The pool's name."),
-    gpus: int = typer.Option(..., help="Accelerators guaranteed to the team (nominal quota)."),
+    gpus: int = typer.Option(
+        None, help="Accelerators guaranteed to the team (nominal quota); needed for a new team."
+    ),
     vcpu: int = typer.Option(None, help="Default: in proportion to --gpus."),
     memory_gib: int = typer.Option(None, help="Default: in proportion to --gpus."),
-    borrow_pct: int = typer.Option(None, help="May borrow this % of its quota more (0)."),
+    borrow_pct: int = typer.Option(
+        None, help="May borrow this % of its quota more (50, as HyperPod's BorrowLimit)."
+    ),
     lend_pct: int = typer.Option(None, help="% of its idle quota others may borrow (100)."),
     weight: int = typer.Option(None, help="Fair share of idle capacity, 0-100 (50)."),
     reclaim: str = typer.Option(
@@ -169,12 +173,12 @@ def pool_quota(
     out keeps the team's current value (or the default, for a new team)."""
     from prefect_gpu_budget.admission.quota import TeamQuota, proportional, team_setting
     from prefect_gpu_budget.models import TeamShare
-    from prefect_gpu_budget.units import validate_scope
+    from prefect_gpu_budget.units import BudgetInputError, validate_scope
 
     org = org_of(validate_scope(team, "team"))
     share = TeamShare(
         team=team,
-        gpus=gpus,
+        gpus=gpus or 0,
         vcpu=vcpu,
         memory_gib=memory_gib,
         **{
@@ -204,9 +208,14 @@ def pool_quota(
             name: getattr(base, name) if given.get(name) is None else given[name]
             for name in ("borrow_pct", "lend_pct", "weight", "reclaim", "within_team", "queueing")
         }
-        return TeamQuota(
-            pool, team, proportional(target, gpus, share.vcpu, share.memory_gib), **kept
-        )
+        if gpus is not None:
+            quota = proportional(target, gpus, share.vcpu, share.memory_gib)
+        elif current is None:
+            raise BudgetInputError("gpus", f"{team} has no quota in {org}/{pool} yet: give --gpus")
+        else:  # only the options given change
+            g, v, m = current.quota
+            quota = (g, v if vcpu is None else vcpu, m if memory_gib is None else memory_gib)
+        return TeamQuota(pool, team, quota, **kept)
 
     # read, change and write in one locked transaction: a concurrent change to another team's
     # quota, or to the pool, survives

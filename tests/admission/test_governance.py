@@ -528,3 +528,24 @@ def test_a_money_wait_holds_only_its_own_team(ledger):
         ledger.cancel_queued(job_id, "acme/a/s", "test over")
     for job_id in (c_run, c_small):
         _done(ledger, job_id)
+
+
+def test_pool_quota_changes_only_the_options_given(ledger, ledger_url, monkeypatch, capsys):
+    """`pool quota` is field-wise as `budget set` is: a team's weight, or one setting, alone."""
+    ledger.set_pool(_pool(2))
+    at = ["pool", "quota", "acme/vision", "--pool", "lab-a"]
+    code, _, err = _cli(monkeypatch, capsys, ledger_url, *at, "--weight", "70")
+    assert code == 2 and err.strip() == (
+        "error: gpus: acme/vision has no quota in acme/lab-a yet: give --gpus"
+    ), err
+    assert ledger.capacity("acme")[1] == []  # nothing written
+    code, _, err = _cli(
+        monkeypatch, capsys, ledger_url, *at, "--gpus", "4", "--vcpu", "64", "--weight", "60"
+    )
+    assert code == 0, err
+    code, out, err = _cli(monkeypatch, capsys, ledger_url, *at, "--weight", "70")
+    assert code == 0 and "weight 70" in out, err
+    code, _, err = _cli(monkeypatch, capsys, ledger_url, *at, "--reclaim", "never")
+    assert code == 0, err
+    [quota] = ledger.capacity("acme")[1]
+    assert (quota.quota, quota.weight, quota.reclaim) == ((4, 64, 1024), 70, "never")

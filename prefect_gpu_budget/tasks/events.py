@@ -142,7 +142,8 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
 
     def refused(job_id: str, refused: AdmissionRefused) -> None:
         say = logger.warning if refused.state_name == "Cancelled" else logger.error
-        say("GPU job %s in %s: %s", job_id[:8], scope, refused)
+        # its reason is the run's final state's message, logged next: said once
+        say("GPU job %s in %s ends %s", job_id[:8], scope, refused.state_name)
         emit_event(
             event="gpu-budget.job.rejected",
             resource=_resource(job_id, scope),

@@ -71,7 +71,9 @@ def test_sweep_refuses_before_starting_what_forecast_refuses(prices, tmp_path):
 
 
 def test_a_failed_trial_says_its_reason_once(prefect_api, prices, tmp_path):
-    """A trial that exits non-zero: its reason once in the run's logs, no `NoneType: None`."""
+    """Two trials at once where the team's cap fits one and refuses the other (`on_limit:
+    reject`); the one admitted exits 0 or 3. Each trial that did not complete says its reason
+    once in the run's logs, and no `NoneType: None` line comes with it."""
     import json
     import os
 
@@ -79,8 +81,9 @@ def test_a_failed_trial_says_its_reason_once(prefect_api, prices, tmp_path):
         "name": "fails",
         "scope": "failing/team",
         "job": {"instance_type": "local:box", "max_runtime": "1m"},
-        "command": ["sh", "-c", "exit $(( {lr} ))"],
+        "command": ["sh", "-c", "sleep 1; exit $(( {lr} ))"],
         "grid": {"lr": [0, 3]},
+        "parallelism": 2,
         "results_dir": str(tmp_path / "results"),
     }
     path = tmp_path / "sweep.yaml"
@@ -89,14 +92,21 @@ def test_a_failed_trial_says_its_reason_once(prefect_api, prices, tmp_path):
     cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
     subprocess.run([*cli, "budget", "set", "failing", "--hourly-cap", "100"], env=env, check=True)
     subprocess.run(
-        [*cli, "budget", "set", "failing/team", "--hourly-cap", "100", "--new"], env=env, check=True
+        [*cli, "budget", "set", "failing/team", "--hourly-cap", "3.6", "--on-limit", "reject"]
+        + ["--new"],
+        env=env,
+        check=True,
     )
     done = subprocess.run(
         [*cli, "sweep", str(path)], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "GpuJobFailed" in done.stdout and "Completed" in done.stdout, done.stdout
+    [csv] = (tmp_path / "results").glob("fails-*/trials.csv")
+    trials = pd.read_csv(csv)
+    ended = trials[trials["state"] != "Completed"]
+    assert "OverBudget" in set(ended["state"]), trials[["state", "reason"]]
     logs = done.stderr
     assert "NoneType: None" not in logs, logs[-3000:]
-    assert logs.count("failed: exit code 3") == 1, logs[-3000:]
     assert "Traceback" not in logs, logs[-3000:]
+    for reason in ended["reason"]:
+        assert logs.count(reason[:60]) == 1, (reason, logs[-3000:])

@@ -28,6 +28,7 @@ from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import scope_path
 from tests.jobs import new_job
+from tests.prefect_server import wait_for
 
 RACE_SCOPES = ["race/a/s1", "race/a/s2", "race/b/s1", "race/b/s2"]
 RACE_BUDGETS = [
@@ -134,8 +135,7 @@ def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
     assert ledger.period_settled("race", p_start) == sum(r["actual_micro"] for r in admitted)
     # no starvation: jobs only time out once the period budget cannot take another job
     timed_out = [r for r in rows if r["state"] == "timed_out"]
-    for r in timed_out:
-        assert "budget" in r["reason"], r["reason"]
+    # (its reason may name a budget or, as legitimately, the job it queued behind)
     for r in timed_out:  # when it gave up, a period budget on its path had no room for it
         assert _budget_full(rows, r, RACE_BUDGETS, reservation=6_000), r
     assert len(admitted) >= 40
@@ -147,33 +147,33 @@ def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
     limits.close()
 
 
-def test_blocked_job_resumes_within_a_second(ledger, prefect_api, prices):
+def test_a_blocked_job_resumes_when_its_blocker_settles(ledger, prefect_api, prices):
+    """The settle wakes the waiter: its gate's periodic recheck is an hour away, so only the
+    ledger's change can admit it within the test's deadline."""
     from prefect_gpu_budget.admission.limits import RateLimits
 
     ledger.set_budget(BudgetRule("resume", hourly_cap_cents=400))
     ledger.set_budget(BudgetRule("resume/t"))  # the team exists: a job may spend there
     limits = RateLimits()
-    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices), recheck_s=3600)
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     first = gate.admit(job, "resume/t/s")
     gate.started(first, time.time())
-    got: dict[str, float] = {}
+    got: dict[str, object] = {}
 
     def second() -> None:
         got["admission"] = gate.admit(job, "resume/t/s")
-        got["at"] = time.time()
 
     waiter = threading.Thread(target=second)
     waiter.start()
-    time.sleep(1.5)
-    assert "at" not in got, "admitted over the hourly cap"
-    assert (
-        "blocked by hourly cap of resume" in ledger.jobs("resume", states=("queued",))[0]["reason"]
+    [queued] = wait_for(
+        lambda: ledger.jobs("resume", states=("queued",)), 120, "the second job to queue"
     )
-    settled_at = time.time()
-    gate.settle(first, ended_at=settled_at, outcome="completed")
-    waiter.join(timeout=10)
-    assert got["at"] - settled_at < 1.0
+    assert "blocked by hourly cap of resume" in queued["reason"], queued["reason"]
+    assert "admission" not in got, "admitted over the hourly cap"
+    gate.settle(first, ended_at=time.time(), outcome="completed")
+    waiter.join(timeout=120)
+    assert "admission" in got, "still waiting after its blocker settled"
     gate.settle(got["admission"], ended_at=time.time(), outcome="completed")
     assert limits.active_slots("resume") == 0
     limits.close()

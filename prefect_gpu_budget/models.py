@@ -142,7 +142,9 @@ class TeamShare(BaseModel):
     gpus: int = Field(ge=0, le=100_000, description="Accelerators guaranteed to the team.")
     vcpu: int | None = Field(None, ge=0, description="Default: in proportion to `gpus`.")
     memory_gib: int | None = Field(None, ge=0, description="Default: in proportion to `gpus`.")
-    borrow_pct: int = Field(0, ge=0, le=1000, description="May borrow this % of its quota more.")
+    borrow_pct: int = Field(
+        50, ge=0, le=1000, description="May borrow this % of its quota more (HyperPod's default)."
+    )
     lend_pct: int = Field(100, ge=0, le=100, description="% of its idle quota others may borrow.")
     weight: int = Field(50, ge=0, le=100, description="Fair share of idle capacity (0 = last).")
     reclaim: Literal["any", "lower_priority", "never"] = Field(

@@ -131,8 +131,9 @@ class TeamQuota:
     """`org/team`."""
     quota: Res
     """Its nominal quota: what it is guaranteed."""
-    borrow_pct: int = 0
-    """May use up to quota x (1 + borrow_pct / 100) when others leave capacity idle."""
+    borrow_pct: int = 50
+    """May use up to quota x (1 + borrow_pct / 100) when others leave capacity idle: 50 by
+    default, as HyperPod's `BorrowLimit` (its default sharing is `LendAndBorrow`)."""
     lend_pct: int = 100
     """The part of its idle quota others may borrow."""
     weight: int = 50

@@ -74,7 +74,7 @@ def test_a_big_job_is_not_starved_by_small_ones_unless_backfill_allows(ledger):
 
 def test_quota_capacity_and_budget_are_one_decision(ledger):
     pool = _pool(2)
-    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 8))])
+    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=0)])
     ledger.set_budget(BudgetRule("acme", period_budget_micro=20_000))  # one 1-minute job
     _, never = ledger.request(_job("acme/z/s"))
     assert never.verdict == "reject" and "team acme/z has no quota in pool lab-a" in never.reason
@@ -295,7 +295,8 @@ def test_cpu_only_jobs_take_their_vcpu_of_a_cpu_pool_and_never_nothing(ledger, t
     assert (row.gpus, row.vcpu, row.memory_gib) == (0, 4, 16)
     ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
     pool = Pool("acme", "cpu", 4, (0, 64, 256), ("local:cpu-box", "local:cpu-any"), "")
-    ledger.set_pool(pool, [TeamQuota("cpu", "acme/ide", proportional(pool, 0, vcpu=16, memory=64))])
+    ide = TeamQuota("cpu", "acme/ide", proportional(pool, 0, vcpu=16, memory=64), borrow_pct=0)
+    ledger.set_pool(pool, [ide])
 
     def cpu_job(instance: str, vcpu: int, memory: int) -> NewJob:
         return new_job(

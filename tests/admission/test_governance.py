@@ -97,7 +97,9 @@ def test_a_teams_high_priority_job_preempts_its_own_low_one(ledger, within_team)
     ledger.set_pool(
         pool,
         [
-            TeamQuota("lab-a", "acme/a", proportional(pool, 8), within_team=within_team),
+            TeamQuota(  # no borrowing: its quota is all it may use
+                "lab-a", "acme/a", proportional(pool, 8), borrow_pct=0, within_team=within_team
+            ),
             TeamQuota("lab-a", "acme/b", proportional(pool, 8)),
         ],
     )
@@ -204,7 +206,9 @@ def test_every_wait_names_the_resource_that_binds(ledger):
     _done(ledger, hungry)
 
     pool = _pool(2)
-    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 4, vcpu=40))])
+    ledger.set_pool(
+        pool, [TeamQuota("lab-a", "acme/a", proportional(pool, 4, vcpu=40), borrow_pct=0)]
+    )
     first, _ = ledger.request(_job("acme/a/s", gpus=2, node_vcpu=30))
     second, waits = ledger.request(_job("acme/a/s", gpus=2, node_vcpu=20))
     assert waits.reason == (
@@ -549,3 +553,32 @@ def test_pool_quota_changes_only_the_options_given(ledger, ledger_url, monkeypat
     assert code == 0, err
     [quota] = ledger.capacity("acme")[1]
     assert (quota.quota, quota.weight, quota.reclaim) == ((4, 64, 1024), 70, "never")
+
+
+def test_a_team_borrows_half_its_quota_by_default_as_hyperpod(ledger):
+    """HyperPod's default sharing is LendAndBorrow with BorrowLimit 50: a team given only a
+    quota borrows up to half of it more from an idle team, and no more."""
+    from prefect_gpu_budget.models import TeamShare
+
+    assert TeamQuota("lab-a", "acme/a", NODE).borrow_pct == 50
+    assert TeamShare(team="acme/a", gpus=8).borrow_pct == 50
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8)),
+        ],
+    )
+    own, _ = ledger.request(_job("acme/a/s"))
+    borrowed, decision = ledger.request(_job("acme/a/s", gpus=4))  # 50% of 8 from idle B
+    assert decision.verdict == "admit", decision.reason
+    more, waits = ledger.request(_job("acme/a/s", gpus=1))
+    assert waits.reason == (
+        "team acme/a uses 12 H100 of its quota 8 H100 (+50% borrow limit) in pool lab-a; "
+        "this job needs 1 H100"
+    )
+    ledger.cancel_queued(more, "acme/a/s", "test over")
+    for job_id in (own, borrowed):
+        _done(ledger, job_id)

@@ -149,7 +149,7 @@ def test_a_team_preempts_its_own_lower_priority_work_unless_it_says_never():
     pool = _pool(nodes=2)
     b = TeamQuota("lab-a", "acme/b", proportional(pool, 8))
     for within, victims in (("lower_priority", ("lo",)), ("never", ())):
-        a = TeamQuota("lab-a", "acme/a", proportional(pool, 8), within_team=within)
+        a = TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=0, within_team=within)
         cap = _capacity(pool, [a, b])
         assert _admit(cap, "lo", _job("acme/a", 8), -100, 1.0)
         assert _admit(cap, "b-own", _job("acme/b", 8), -500, 2.0)
@@ -207,7 +207,7 @@ def test_a_team_with_no_quota_in_a_governed_pool_never_fits():
 def test_a_refusal_names_the_resource_that_binds_with_the_amounts():
     """Quota 2 GPUs and 10 vCPU: a 2-GPU job that needs 48 vCPU is refused for its vCPU."""
     pool = _pool(nodes=2)
-    team = TeamQuota("lab-a", "acme/a", proportional(pool, 2, vcpu=10))
+    team = TeamQuota("lab-a", "acme/a", proportional(pool, 2, vcpu=10), borrow_pct=0)
     cap = _capacity(pool, [team])
     needs_cpu = Shape("lab-a", "acme/a", (2, 48, 256), 1)
     assert cap.never_fits(needs_cpu) == (

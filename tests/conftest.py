@@ -23,7 +23,22 @@ PG_URL = database_url("test", "GPU_BUDGET_TEST_PG_URL")
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    drop_created()
+    drop_created()  # each worker of a parallel run drops the databases it created
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The tests run in parallel workers (`addopts`); a module whose tests share a
+    module-scoped fixture (a server, a pool, a worker) runs whole in one worker: set up once,
+    its tests in their order. Runs before pytest-xdist reads the groups."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = info is not None and any(
+            defs[-1].scope in ("module", "package", "class")
+            for defs in info.name2fixturedefs.values()
+        )
+        if shared and not any(item.iter_markers("xdist_group")):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 @pytest.fixture(scope="session")

@@ -218,7 +218,7 @@ def test_reject_and_timeout_carry_the_reason(ledger, prices):
         gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt/wait")
     assert timed_out.value.state_name == "AdmissionTimeout"
     assert "max wait 1s ran out" in timed_out.value.reason
-    assert 0.9 < time.time() - started < 3
+    assert time.time() - started > 0.9  # it waited out its max wait
     gate.settle(held, ended_at=time.time(), outcome="completed")
     states = sorted(r["state"] for r in ledger.jobs("rt"))
     assert states == ["rejected", "settled", "timed_out"]

@@ -269,3 +269,69 @@ def test_ctrl_c_stops_a_served_sweep_then_the_runner(prefect_api, prices, tmp_pa
     assert len(trials) == 2 and all(t.state.type.value == "CANCELLED" for t in trials), [
         (t.name, t.state.name) for t in trials
     ]
+
+
+@pytest.mark.timeout(400)
+def test_a_second_ctrl_c_leaves_at_once_and_reconcile_settles_the_rest(
+    prefect_api, prices, tmp_path
+):
+    """A trial that ignores SIGTERM holds the first stop for its kill grace (a minute); a second
+    Ctrl-C leaves at once, and `reconcile` settles what the command left."""
+    scope = "twice/team/a"
+    spec = {
+        "name": "twice",
+        "scope": scope,
+        "job": {"instance_type": "local:box", "max_runtime": "5m", "kill_grace": "60s"},
+        "command": ["sh", "-c", "trap '' TERM; sleep 120"],
+        "grid": {"lr": [1]},
+        "results_dir": str(tmp_path / "results"),
+    }
+    (tmp_path / "sweep.yaml").write_text(json.dumps(spec))
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url, "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
+    subprocess.run([*cli, "budget", "set", "twice", "--hourly-cap", "100"], env=env, check=True)
+    subprocess.run(
+        [*cli, "budget", "set", "twice/team", "--hourly-cap", "100", "--new"], env=env, check=True
+    )
+    ledger = Ledger(url)
+    log = tmp_path / "sweep.log"
+    sweep = subprocess.Popen(
+        [*cli, "sweep", str(tmp_path / "sweep.yaml")],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        _wait_or_show(
+            lambda: [j["state"] for j in ledger.jobs(scope)] == ["running"],
+            "the trial running",
+            sweep,
+            log,
+        )
+        sweep.send_signal(signal.SIGINT)
+        _wait_or_show(
+            lambda: ledger.jobs(scope)[0]["stop_asked_at"] is not None, "the stop", sweep, log
+        )
+        assert sweep.poll() is None, "the first Ctrl-C did not wait for the kill grace"
+        again = time.time()
+        sweep.send_signal(signal.SIGINT)
+        sweep.wait(timeout=60)
+        took = time.time() - again
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    said = log.read_text()
+    assert sweep.returncode == 130, said[-3000:]
+    assert took < 30, f"the second Ctrl-C took {took:.1f}s"
+    assert "left at once: `prefect-gpu-budget reconcile` settles" in said, said[-3000:]
+    assert "Traceback" not in said, said[-3000:]
+
+    def settled() -> bool:
+        subprocess.run([*cli, "reconcile"], env=env, check=True, capture_output=True)
+        return all(j["state"] in FINAL for j in ledger.jobs(scope))
+
+    wait_for(settled, 120, "reconcile to settle the trial the command left")
+    [job] = ledger.jobs(scope)
+    assert 0 < job["actual_micro"] < job["reserved_micro"], job
+    ledger.dispose()

@@ -207,9 +207,10 @@ class Gate(SlotLeases):
             raise
 
     def _known_scope(self, scope: str) -> None:
-        """Refuse (`UnknownScope`, nothing recorded) a scope with a level above its last that
-        nobody created, naming the one it may have meant (`Ledger.unknown_scope`): as Kueue
-        admits no workload whose LocalQueue does not exist. Read in the admission thread,
+        """Refuse (`UnknownScope`, nothing recorded) a scope whose org or team nobody created,
+        the team also when it is the scope's last level in an org that has teams, naming the
+        one it may have meant (`Ledger.unknown_scope`): as Kueue admits no workload whose
+        LocalQueue does not exist. Read in the admission thread,
         as every other read of the ledger."""
         unknown = self.patiently(
             "reading the scope",

@@ -1,11 +1,11 @@
 """Issue 31, point 6: a typo in a scope's org or team is refused at the gate, as Kueue admits no
-workload whose LocalQueue does not exist. A level above a scope's last exists once a budget, a
-session template, a share in a pool, agent limits or a job (ever) names it or a scope under it;
-a job naming one that does not is refused (`UnknownScope`, one line, the name it may have
-meant) with nothing recorded, whichever way it asks (the gate, `run_gpu_job`, `@gpu_task`;
-workers call the same `Gate.admit`). A new session under a known team, and a new last level
-anywhere, stay automatic.
-"""
+workload whose LocalQueue does not exist. An org exists once anything names it; a team once an
+admin named it or a scope under it (a budget, a session template, a share in a pool, agent
+limits), never by a job. A job naming one that does not exist is refused (`UnknownScope`, one
+line, the name it may have meant) with nothing recorded, whichever way it asks (the gate,
+`run_gpu_job`, `@gpu_task`; workers call the same `Gate.admit`), also when the team is the
+scope's last level in an org that has teams. A new session under a known team stays automatic,
+and so do two-level scopes in an org that has no team."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.jobs import new_job
 
 TYPO = (
-    "team acme/visoin of scope acme/visoin/agent-8 does not exist (no budget, session "
-    "template, pool share or job names it); did you mean acme/vision?"
+    "team acme/visoin of scope acme/visoin/agent-8 does not exist (nothing names it: no "
+    "budget, session template, pool share or agent limits); did you mean acme/vision?"
 )
 
 
@@ -79,8 +79,7 @@ def test_the_last_level_stays_automatic(ledger, acme):
     row = _run(acme, "acme/vision/agent-8")
     assert row["state"] == "settled" and row["outcome"] == "completed"
     assert "acme/vision/agent-8" not in {r.scope for r in ledger.budgets()}
-    # a new team directly under a known org, and the org itself
-    assert _run(acme, "acme/brand-new")["state"] == "settled"
+    # the org itself
     assert _run(acme, "acme")["state"] == "settled"
     # a session under a team known by its session template gets the template
     ledger.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
@@ -100,16 +99,43 @@ def test_every_way_a_team_comes_to_exist(ledger, acme):
     ledger.set_agent_limits("acme/bots", AgentLimits(team="acme/bots", max_sweeps=1).stored())
     assert ledger.unknown_scope("acme/bots/s") is None  # the limits on its agents
 
-    assert ledger.unknown_scope("acme/legacy/s2") is not None
-    ledger.request(new_job("acme/legacy/s1"))  # a job, from before the check (ever)
-    assert ledger.unknown_scope("acme/legacy/s2") is None
-    assert _run(acme, "acme/legacy/s2")["state"] == "settled"
-
     assert ledger.unknown_scope("acme/nlp/s") is not None
     ledger.set_budget(BudgetRule("acme/nlp/s"))  # a budget under it names it too
     assert ledger.unknown_scope("acme/nlp/other") is None
-    # a typo of a team known only by its jobs is still caught, naming it
-    assert ledger.unknown_scope("acme/legacyy/s").endswith("did you mean acme/legacy?")
+    assert ledger.unknown_scope("acme/nlpp/s").endswith("did you mean acme/nlp?")
+
+    # a job never makes a team: rows of a job recorded without the check let nothing in
+    ledger.request(new_job("acme/legacy/s1"))
+    ledger.request(new_job("acme/legacy"))
+    for scope in ("acme/legacy/s2", "acme/legacy"):
+        assert ledger.unknown_scope(scope).startswith(f"team acme/legacy of scope {scope} ")
+
+
+def test_a_team_that_is_the_last_level_must_exist_where_the_org_has_teams(ledger, acme):
+    """Budgets on `acme` and `acme/vision`: a job in `acme/visoin` is refused as one in
+    `acme/visoin/agent-8` is, nothing reserved; one refused leaves nothing that lets the
+    deeper scope in. An org that has no team keeps its two-level scopes as sessions."""
+    before = (ledger.jobs(), ledger.status())
+    for team, scope in (
+        ("acme/visoin", "acme/visoin"),
+        ("acme/visoin", "acme/visoin/agent-8"),
+        ("acme/brand-new", "acme/brand-new"),
+    ):
+        with pytest.raises(AdmissionRefused) as refused:
+            acme.admit(_job(), scope)
+        assert refused.value.state_name == "UnknownScope"
+        assert refused.value.reason.startswith(f"team {team} of scope {scope} does not exist")
+    assert (ledger.jobs(), ledger.status()) == before
+    assert _run(acme, "acme/vision")["state"] == "settled"  # the team itself
+    ledger.set_budget(BudgetRule("solo", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    assert _run(acme, "solo/agent-8")["state"] == "settled"  # no team in solo: a session
+    assert ledger.unknown_scope("solo/agent-9") is None
+    assert ledger.unknown_scope("solo/agent-8/x") is not None  # deeper: a team it needs
+    pool = Pool("solo", "lab", 1, (8, 64, 256), ("local:box8",), "H100")
+    ledger.set_pool(pool, [TeamQuota("lab", "solo/ml", proportional(pool, 8))])
+    assert ledger.unknown_scope("solo/agent-9").startswith(  # solo now has a team
+        "team solo/agent-9 of scope solo/agent-9 does not exist"
+    )
 
 
 def test_run_gpu_job_and_gpu_task_end_in_the_named_state(prefect_api, prices, tmp_path):

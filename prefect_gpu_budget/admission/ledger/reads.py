@@ -259,22 +259,31 @@ class ReadsMixin(EngineMixin):
 
     @_reconnecting
     def unknown_scope(self, scope: str) -> str | None:
-        """Why no job may run in `scope`, in one line: a level above its last (its org, its
-        team) that nobody created, with the name it may have meant (`acme/visoin` beside
-        `acme/vision`); None when every one exists. A level exists once a budget, a session
-        template, a share in a pool, agent limits or a job (ever) names it or a scope under
-        it (an org also by its pools and priority classes). The last level is never asked
-        about: a new session under a known team gets its team's template, or no budget of
-        its own, as it always did.
+        """Why no job may run in `scope`, in one line: a level that nobody created (its org,
+        its team), with the name it may have meant (`acme/visoin` beside `acme/vision`); None
+        when every one exists. An org exists once anything names it (a budget, a session
+        template, a pool, a share in a pool, agent limits, a priority class, a job). A team
+        (`org/team`) exists once an admin named it or a scope under it: a budget, a session
+        template, a share in a pool or agent limits; a job never makes one (a job in a team
+        nobody created is refused, so its rows cannot let the next one in).
 
-        A level found to exist is remembered by this ledger object (no budget or job is ever
-        removed), so a gate reads nothing more for the jobs after the first of a team."""
+        The team is asked about also when it is the scope's last level (`acme/visoin`), in an
+        org that has any team: as Kueue admits no workload whose LocalQueue does not exist. An
+        org that has no team at all keeps using two-level scopes (`acme/agent-8`) as sessions
+        under its own budget. The last level of a deeper scope is never asked about: a new
+        session under a known team gets its team's template, or no budget of its own.
+
+        A level found to exist is remembered by this ledger object (no budget or share is
+        ever removed), so a gate reads nothing more for the jobs after the first of a team."""
         seen: set[str] = self.__dict__.setdefault("_scopes_that_exist", set())
-        levels = [level for level in scope_path(scope)[:-1] if level not in seen]
-        if not levels:
+        path = scope_path(scope)
+        levels = [level for level in path[:2] if level not in seen]
+        if not levels or len(path) == 1:
             return None
         with self._read() as conn:
             for level in levels:
+                if level == path[-1] and ("/" not in level or not _has_teams(conn, org_of(level))):
+                    continue  # the last level: a new session, or a team in a teamless org
                 if _created(conn, level):
                     seen.add(level)
                     continue
@@ -288,9 +297,10 @@ class ReadsMixin(EngineMixin):
                     hint = f"create it first (`prefect-gpu-budget budget set {level} ...`)" + (
                         f"; known {kind}s: {', '.join(known)}" if known else ""
                     )
+                names = "or job" if kind == "org" else "or agent limits"
                 return (
-                    f"{kind} {level} of scope {scope} does not exist (no budget, session "
-                    f"template, pool share or job names it); {hint}"
+                    f"{kind} {level} of scope {scope} does not exist (nothing names it: no "
+                    f"budget, session template, pool share {names}); {hint}"
                 )
         return None
 
@@ -338,14 +348,28 @@ def _created(conn: sa.Connection, level: str) -> bool:
             (priority_classes.c.name, priority_classes.c.org == org),
             (jobs.c.id, jobs.c.org == org),
         ]
-    else:
+    else:  # an admin's doing only: a job never makes a team
         named = [
             (budgets.c.scope, sa.and_(budgets.c.org == org, _under(budgets.c.scope, level))),
             (templates.c.scope, sa.and_(templates.c.org == org, _under(templates.c.scope, level))),
             (team_quotas.c.team, sa.and_(team_quotas.c.org == org, team_quotas.c.team == level)),
             (agent_limits.c.team, agent_limits.c.team == level),
-            (jobs.c.id, sa.and_(jobs.c.org == org, _under(jobs.c.scope, level))),
         ]
+    return any(
+        conn.execute(sa.select(column).where(where).limit(1)).first() for column, where in named
+    )
+
+
+def _has_teams(conn: sa.Connection, org: str) -> bool:
+    """Whether an admin created any team in `org` (`_created`): then a scope's second level is
+    a team, and must exist even when it is the scope's last."""
+    under = org + "/"
+    named = [
+        (budgets.c.scope, sa.and_(budgets.c.org == org, budgets.c.scope.startswith(under))),
+        (templates.c.scope, templates.c.org == org),
+        (team_quotas.c.team, team_quotas.c.org == org),
+        (agent_limits.c.team, agent_limits.c.org == org),
+    ]
     return any(
         conn.execute(sa.select(column).where(where).limit(1)).first() for column, where in named
     )
@@ -376,7 +400,6 @@ def _created_peers(conn: sa.Connection, level: str) -> set[str]:
         (templates.c.scope, templates.c.org),
         (team_quotas.c.team, team_quotas.c.org),
         (agent_limits.c.team, agent_limits.c.org),
-        (jobs.c.team, jobs.c.org),
     ]
     names = {
         name

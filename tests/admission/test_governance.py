@@ -582,3 +582,16 @@ def test_a_team_borrows_half_its_quota_by_default_as_hyperpod(ledger):
     ledger.cancel_queued(more, "acme/a/s", "test over")
     for job_id in (own, borrowed):
         _done(ledger, job_id)
+
+
+def test_an_org_defines_at_most_ten_priority_classes_as_hyperpod(ledger):
+    for index in range(10):
+        ledger.set_priority_class("acme", f"c{index}", 10 * index)
+    with pytest.raises(BudgetInputError, match="^name: acme has 10 priority classes of its own"):
+        ledger.set_priority_class("acme", "c10", 500)
+    ledger.set_priority_class("acme", "c9", 95)  # redefining one of the ten is no eleventh
+    ledger.set_priority_class("other", "c0", 1)  # another org's are its own
+    own = {
+        c["name"]: c["value"] for c in ledger.priority_classes("acme") if c["defined_by"] == "acme"
+    }
+    assert len(own) == 10 and own["c9"] == 95 and "c10" not in own

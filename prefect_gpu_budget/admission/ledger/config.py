@@ -85,6 +85,10 @@ def _quota_row(pool: Pool, quota: TeamQuota, now: float) -> dict[str, Any]:
     }
 
 
+MAX_ORG_CLASSES = 10
+"""An org's own priority classes, at most (HyperPod's limit; built-in ones are not counted)."""
+
+
 class ConfigMixin(EngineMixin):
     """Budgets, session templates, pools and team quotas, priority classes."""
 
@@ -289,11 +293,27 @@ class ConfigMixin(EngineMixin):
         self, org: str, name: str, value: int, description: str = "", now: float | None = None
     ) -> None:
         """Define (or redefine) one of `org`'s own priority classes; jobs recorded from now on
-        that name it get `value` (queued and running jobs keep theirs, as in Kueue)."""
+        that name it get `value` (queued and running jobs keep theirs, as in Kueue). An org
+        defines at most `MAX_ORG_CLASSES` of its own, as HyperPod's task governance allows:
+        one more is refused in one line, with nothing written."""
         if validate_scope(org).count("/"):
             raise BudgetInputError("org", f"priority classes belong to an org, got {org!r}")
         name, value = priorities.check_class(name, value)
         with self._write(org) as conn:
+            others = sorted(
+                conn.execute(
+                    sa.select(priority_classes.c.name).where(
+                        priority_classes.c.org == org, priority_classes.c.name != name
+                    )
+                ).scalars()
+            )
+            if len(others) >= MAX_ORG_CLASSES:
+                raise BudgetInputError(
+                    "name",
+                    f"{org} has {len(others)} priority classes of its own, the most an org may "
+                    f"define (as HyperPod's task governance): remove one first "
+                    f"({', '.join(others)})",
+                )
             conn.execute(
                 priority_classes.delete().where(
                     priority_classes.c.org == org, priority_classes.c.name == name

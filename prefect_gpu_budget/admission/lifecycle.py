@@ -1,21 +1,22 @@
-"""An admitted job's life: run it with its launcher, settle it exactly once however it ends,
-and say whether it must be queued again.
+"""An admitted job's life: run it, stop it when it must stop, settle it exactly once however
+it ends, and say whether it must be queued again.
 
 No Prefect here: the `run_gpu_job` task, the soak and chaos benchmarks and the chaos worker all
 run a job through `run_admitted`, so what the benchmarks measure is the path users run. The task
 adds what only a Prefect run has (its states, its run logger, its events: `tasks/events.py`).
 
-The launcher stops the job at max_runtime (`Launcher.run`); this module
-- records the start (`Gate.started`) and the cloud's submission (`Gate.submitted`);
-- stops the job gracefully when the gate says it must stop (the admission's `preempted`
-  event): preempted (its capacity taken back, as the pool's team settings allow: named
-  `preempted`) or stopped by its owner (named `cancelled`);
-- settles once: from the launcher's result, or, when `launcher.run` raised (an error, a
-  cancellation: any `BaseException`), as `cancelled` up to now, before the exception goes on.
-
-`Settlement` is the one "settle exactly once, whatever way it ends" for every way a job runs:
-`run_admitted` here, the `@gpu_task` body (`tasks/gpu_task.py`) and the worker types' flow runs
-(`workers/gating.py`). `outcome_of` names how a body ended as the ledger's outcome.
+`Running` is the one life after admission for every runner: `run_admitted` here (a launcher's
+job), the `@gpu_task` body (`tasks/gpu_task.py`) and the worker types' flow runs
+(`workers/gating.py`). It
+- records the start once (`Gate.started`);
+- stops the job once, gracefully, as its runner stops it, when the gate says it must stop (the
+  admission's `preempted` event): preempted (its capacity taken back, as the pool's team
+  settings allow: named `preempted`) or stopped by its owner (named `cancelled`); and at
+  max_runtime where the runner has no such stop of its own (a launcher has: `Launcher.run`);
+- settles once (`Settlement`): `run_admitted` from the launcher's result, or, when
+  `launcher.run` raised (an error, a cancellation: any `BaseException`), as `cancelled` up to
+  now, before the exception goes on. `outcome_of` names how a body ended as the ledger's
+  outcome.
 """
 
 from __future__ import annotations
@@ -32,24 +33,40 @@ from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import Launcher, LaunchResult
 from prefect_gpu_budget.launchers.registry import launcher_ref
+from prefect_gpu_budget.units import fmt_duration, fmt_usd
 
 COMPLETED, FAILED, CANCELLED, TIMED_OUT = "completed", "failed", "cancelled", "timed_out"
 """The outcomes of a body that returned, raised an error, was cancelled, ran past max_runtime."""
+
+
+STOP_OUTCOMES = {PREEMPTED: PREEMPTED, STOPPED: CANCELLED, TIMED_OUT: TIMED_OUT}
+"""The outcome of a job a stop ended, by why it was stopped: its borrowed capacity reclaimed
+(`preempted`), its owner's stop (`stopped`: named `cancelled`), its max_runtime (`timed_out`)."""
 
 
 class PastMaxRuntime(TimeoutError):
     """Raised in a body that is stopped at max_runtime: its job ends `timed_out`."""
 
 
+class StopAsked(Exception):
+    """Raised out of a body stopped because its admission must stop (`Running`): `why` is
+    `preempted` (the capacity it borrowed taken back) or `stopped` (its owner's stop)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+
 def outcome_of(error: BaseException | None, returned: str = COMPLETED) -> str:
     """The outcome of a body that ended raising `error` (None: it returned).
 
-    | the body                                             | outcome     |
-    |------------------------------------------------------|-------------|
-    | returned                                             | `returned`  |
-    | raised `PastMaxRuntime` (stopped at max_runtime)     | `timed_out` |
-    | raised another `Exception`                           | `failed`    |
-    | raised a `BaseException` (cancelled, interrupted...) | `cancelled` |
+    | the body                                             | outcome                   |
+    |------------------------------------------------------|---------------------------|
+    | returned                                             | `returned`                |
+    | raised `PastMaxRuntime` (stopped at max_runtime)     | `timed_out`               |
+    | raised `StopAsked` (preempted / its owner's stop)    | `preempted` / `cancelled` |
+    | raised another `Exception`                           | `failed`                  |
+    | raised a `BaseException` (cancelled, interrupted...) | `cancelled`               |
 
     `returned` is `completed` unless the caller names it from what the body returned (a
     worker: from the exit code, or `timed_out` when it stopped the body at max_runtime)."""
@@ -57,6 +74,8 @@ def outcome_of(error: BaseException | None, returned: str = COMPLETED) -> str:
         return returned
     if isinstance(error, PastMaxRuntime):
         return TIMED_OUT
+    if isinstance(error, StopAsked):
+        return STOP_OUTCOMES[error.why]
     return FAILED if isinstance(error, Exception) else CANCELLED
 
 
@@ -108,20 +127,6 @@ class Settlement:
                     then()
             return self._row
 
-    def ended(
-        self,
-        error: BaseException | None = None,
-        *,
-        returned: str = COMPLETED,
-        ended_at: float | None = None,
-        billed_seconds: float | None = None,
-    ) -> dict[str, Any]:
-        """Settle a body that ended raising `error` (None: it returned) as `outcome_of` names
-        it; see `settle`."""
-        return self.settle(
-            outcome_of(error, returned), ended_at=ended_at, billed_seconds=billed_seconds
-        )
-
 
 @dataclass(frozen=True)
 class Ended:
@@ -138,60 +143,158 @@ STOPPED_BY_OWNER = "stopped by its owner"
 """The detail of a job its owner stopped while it ran (its outcome: `cancelled`)."""
 
 
-def ended_by_stop(
-    result: LaunchResult, stopped_at: float | None, why: str = PREEMPTED
-) -> LaunchResult:
-    """`result`, named for the stop that ended it, if one did: `preempted` when its borrowed
-    capacity was reclaimed, `cancelled` (stopped by its owner) when `why` is `stopped`."""
-    if stopped_at is None or stopped_at >= result.ended_at:
-        return result
-    if why == STOPPED:
-        return replace(result, outcome=CANCELLED, detail=f"{STOPPED_BY_OWNER}: {result.detail}")
-    return replace(result, outcome=PREEMPTED, detail=f"{PREEMPTED}: {result.detail}")
+class Running:
+    """An admitted job's life from its start to its settlement, the same for every runner:
+    a launcher's job (`run_admitted`), a `@gpu_task` body (`tasks/gpu_task.py`) and the worker
+    types' flow runs (`workers/gating.py`).
 
+    - `started` records the start once (`Gate.started`) and hands over how to stop the job:
+      gracefully, as the runner's own stop does (a process tree: SIGTERM, its kill grace,
+      SIGKILL; a cloud job: the cloud's cancel; a body: an exception raised in its thread);
+    - from then on one thread watches for the admission's stop (`Admission.preempted`: its
+      borrowed capacity reclaimed, or its owner's stop, `Admission.stop_reason`) and, with
+      `deadline=True` (a runner without a max_runtime stop of its own), for max_runtime counted
+      from the start; the first of them stops the job, once; a stop asked before the job
+      started stops it as it starts;
+    - `outcome` names how it ended: by the stop that ended it (`STOP_OUTCOMES`), else as the
+      runner says (`outcome_of`);
+    - `ended` settles once (`Settlement`), at the moment the job really ended: a job pays for
+      what it ran, a stopped one until it is gone."""
 
-class _Preemption:
-    """Stops the job once, gracefully, when its admission must stop (preempted, or stopped by
-    its owner: `Admission.stop_reason`): at once if it is running, else as soon as it starts.
-    Stops watching when the job ends."""
-
-    def __init__(self, gate: Gate, admission: Admission, launcher: Launcher) -> None:
-        self.admission, self.launcher = admission, launcher
+    def __init__(
+        self,
+        gate: Gate,
+        admission: Admission,
+        *,
+        deadline: bool = False,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        self.gate, self.admission = gate, admission
+        self.settlement = Settlement(gate, admission, then=then)
         self.poll_s = gate.preempt_poll_s
-        self.external_id: str | None = None
+        self._deadline = deadline
+        self.started_at: float | None = None
+        self.stopped: str | None = None
+        """Why a stop was sent (`preempted`, `stopped` or `timed_out`); None while none was."""
         self.stopped_at: float | None = None
+        self._stop: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._over = threading.Event()
+
+    def started(
+        self, at: float, external_id: str | None = None, stop: Callable[[], None] | None = None
+    ) -> None:
+        """The job started at `at` (as `external_id`): record it, once (a later call records
+        nothing), and from now on stop it with `stop` when it must stop. Raises when the
+        admission is no longer on record (`Gate.started`)."""
+        with self._lock:
+            if self.started_at is not None:
+                return
+            self.started_at = at
+        self.gate.started(self.admission, at, external_id)
+        if stop is not None:
+            self.stoppable(stop)
+
+    def stoppable(self, stop: Callable[[], None]) -> None:
+        """From now on stop the started job with `stop`, once, when it must stop (at once if
+        it was asked to before): one thread watches until it ends (`over`)."""
+        with self._lock:
+            if self._stop is not None or self._over.is_set():
+                return
+            self._stop = stop
         threading.Thread(
-            target=self._watch, name=f"gpu-budget-stop-{admission.job_id[:8]}", daemon=True
+            target=self._watch, name=f"gpu-budget-running-{self.admission.job_id[:8]}", daemon=True
         ).start()
 
     def _watch(self) -> None:
+        deadline = self.started_at + self.admission.job.max_runtime  # type: ignore[operator]
         while not self._over.is_set():
-            if self.admission.preempted.wait(self.poll_s):
-                self.stop()
+            left = deadline - time.time() if self._deadline else self.poll_s
+            if self.admission.preempted.wait(max(0.0, min(self.poll_s, left))):
+                self.stop(self.admission.stop_reason)
+                return
+            if self._deadline and time.time() >= deadline:
+                self.stop(TIMED_OUT)
                 return
 
-    def starting(self, external_id: str) -> None:
-        """The job runs as `external_id`: from now on a preemption stops it."""
+    def stop(self, why: str) -> None:
+        """Stop the job once (`why`: `preempted`, `stopped` or `timed_out`), if it started and
+        has not ended; a job not started yet is stopped as it starts."""
         with self._lock:
-            self.external_id = external_id
-
-    def started(self) -> None:
-        """Its start is on record: stop it now if it was preempted before that."""
-        if self.admission.preempted.is_set():  # asked before it even started
-            threading.Thread(target=self.stop, daemon=True).start()
-
-    def stop(self) -> None:
-        with self._lock:
-            if self.external_id is None or self.stopped_at is not None:
-                return  # not started yet (`started` stops it), or stopped already
-            self.stopped_at = time.time()
-            external_id = self.external_id
-        self.launcher.stop(external_id, grace=self.admission.job.kill_grace)
+            stop = self._stop
+            if stop is None or self.stopped is not None or self._over.is_set():
+                return
+            self.stopped, self.stopped_at = why, time.time()
+        stop()
 
     def over(self) -> None:
-        self._over.set()
+        """The job ended: stop watching; a stop is no longer sent."""
+        with self._lock:
+            self._over.set()
+
+    def outcome(
+        self, error: BaseException | None = None, returned: str = COMPLETED, ended_at: float = 0.0
+    ) -> str:
+        """How the job that ended at `ended_at` (0: now) raising `error` (None: returned,
+        as `returned`) is named: by the stop that ended it, when one was sent before it ended
+        (`STOP_OUTCOMES`), else as `outcome_of` names it."""
+        why = self.stopped_before(ended_at or time.time())
+        return STOP_OUTCOMES[why] if why is not None else outcome_of(error, returned)
+
+    def stopped_before(self, ended_at: float) -> str | None:
+        """Why a stop was sent before `ended_at` (so it ended the job); None if none was."""
+        if self.stopped is None or self.stopped_at is None or self.stopped_at >= ended_at:
+            return None
+        return self.stopped
+
+    def ended(
+        self,
+        error: BaseException | None = None,
+        *,
+        returned: str = COMPLETED,
+        ended_at: float | None = None,
+        billed_seconds: float | None = None,
+        actual_micro: int | None = None,
+    ) -> dict[str, Any]:
+        """Settle once a job that ended at `ended_at` (None: now) raising `error` (None: it
+        returned, as `returned`), named by `outcome`; returns the settled row."""
+        self.over()
+        ended_at = time.time() if ended_at is None else ended_at
+        return self.settlement.settle(
+            self.outcome(error, returned, ended_at),
+            ended_at=ended_at,
+            billed_seconds=billed_seconds,
+            actual_micro=actual_micro,
+        )
+
+    @property
+    def requeue(self) -> bool:
+        """Settled as preempted, and its job asks to be queued again (`GpuJob.requeue`)."""
+        row = self.settlement.row
+        return row is not None and row["outcome"] == PREEMPTED and self.admission.job.requeue
+
+    def stopped_as(self, row: dict[str, Any]) -> str:
+        """The outcome of a job a stop ended: its settled `row`'s, or, while it is still being
+        stopped (not settled yet), the one its stop will give it (`STOP_OUTCOMES`)."""
+        return row.get("outcome") or STOP_OUTCOMES[self.stopped or TIMED_OUT]
+
+    def stop_message(self, row: dict[str, Any]) -> str:
+        """What the run of a job a stop ended (its ledger `row`: `preempted`, `cancelled` by
+        its owner, `timed_out`) says of its end: who stopped it, why, and what it cost (once
+        settled; before, that it is being stopped)."""
+        if row.get("state") == "settled":
+            actual, reserved = fmt_usd(row.get("actual_micro") or 0), fmt_usd(row["reserved_micro"])
+            done = f"cost {actual} of {reserved}"
+        else:
+            done = "stopping it gracefully"
+        why = row.get("reason") or ""
+        outcome = self.stopped_as(row)
+        if outcome == PREEMPTED:
+            pool = f" in pool {self.admission.pool}" if self.admission.pool else ""
+            return f"preempted: capacity this job borrowed{pool} was taken back ({why}); {done}"
+        if outcome == CANCELLED:
+            return f"{STOPPED_BY_OWNER} ({why}); {done}"
+        return f"stopped at max_runtime {fmt_duration(self.admission.job.max_runtime)}; {done}"
 
 
 def run_admitted(
@@ -211,13 +314,11 @@ def run_admitted(
     settlement (the chaos benchmark kills its workers there). An exception from the launcher
     (a cancellation included) is re-raised once the job is settled as `cancelled`."""
     job = admission.job
-    preemption = _Preemption(gate, admission, launcher)
-    settlement = Settlement(gate, admission)
+    running = Running(gate, admission)  # the launcher stops the job at max_runtime itself
 
     def on_start(started: float, external_id: str) -> None:
-        preemption.starting(external_id)
-        gate.started(admission, started, external_id)
-        preemption.started()
+        stop = partial(launcher.stop, external_id, grace=job.kill_grace)
+        running.started(started, external_id, stop)
         phase("started")
 
     result: LaunchResult | None = None
@@ -231,18 +332,21 @@ def run_admitted(
             on_submit=partial(gate.submitted, admission),
         )
     finally:
-        preemption.over()
+        running.over()
         phase("settling")
         if result is None:  # cancelled or crashed mid-run: bill until now
-            settlement.settle(CANCELLED)
-    result = ended_by_stop(result, preemption.stopped_at, admission.stop_reason)
-    row = settlement.settle(
-        result.outcome,
+            running.settlement.settle(CANCELLED)
+    why = running.stopped_before(result.ended_at)
+    if why is not None:  # a stop ended it: say which
+        detail = STOPPED_BY_OWNER if why == STOPPED else STOP_OUTCOMES[why]
+        result = replace(result, outcome=STOP_OUTCOMES[why], detail=f"{detail}: {result.detail}")
+    row = running.ended(
+        returned=result.outcome,
         ended_at=result.ended_at,
         billed_seconds=result.billed_seconds,
         actual_micro=result.actual_micro,
     )
-    return Ended(result, row, requeue=result.outcome == PREEMPTED and job.requeue)
+    return Ended(result, row, requeue=running.requeue)
 
 
 def run_job(

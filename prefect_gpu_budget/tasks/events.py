@@ -1,6 +1,7 @@
 """The Prefect event adapter: a gate's events (`GateEvents`) as the current run's logs, Prefect
 events (`gpu-budget.job.queued|admitted|rejected|settled`), the task run's shown state while a
-job waits (`AwaitingBudget`), and a notification to the researcher when a job starts waiting.
+job waits (`AwaitingBudget`), a notification to the researcher when a job starts waiting, and
+the state a run ends in when a stop ended its job (`stopped_state`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from prefect import get_run_logger
 from prefect.client.schemas.objects import StateType
 from prefect.context import TaskRunContext
 from prefect.events import emit_event
-from prefect.states import Running, State
+from prefect.states import Cancelled, Failed, Running, Scheduled, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, GateEvents
+from prefect_gpu_budget.admission.ledger import PREEMPTED
+from prefect_gpu_budget.admission.lifecycle import TIMED_OUT
+from prefect_gpu_budget.admission.lifecycle import Running as RunningJob
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
@@ -59,6 +63,23 @@ def _notify_once(rules: list[BudgetRule], body: str, subject: str) -> None:
 AWAITING_BUDGET = "AwaitingBudget"
 """The state a task run shows while its job waits at the gate (as Prefect shows
 `AwaitingConcurrencySlot`): a Scheduled-type state whose message is the reason."""
+
+
+def stopped_state(running: RunningJob, row: dict[str, Any]) -> State:
+    """The state of a run (a `@gpu_task`'s task run, a worker type's flow run) whose job a stop
+    ended, its ledger row `row`: `Preempted` (Failed: the capacity it borrowed in a pool was
+    taken back), or once settled Scheduled again (`AwaitingBudget`) when its job asks to be
+    queued again (`GpuJob.requeue`); `TimedOut` (Failed) at max_runtime; Cancelled when its
+    owner stopped it. Its message says who stopped it, why, and what it cost
+    (`Running.stop_message`)."""
+    message, outcome = running.stop_message(row), running.stopped_as(row)
+    if outcome == PREEMPTED and running.requeue:
+        return Scheduled(name=AWAITING_BUDGET, message=f"{message}; queued again")
+    if outcome == PREEMPTED:
+        return Failed(name="Preempted", message=message)
+    if outcome == TIMED_OUT:
+        return Failed(name="TimedOut", message=message)
+    return Cancelled(message=message)
 
 
 def _show_state(ctx: TaskRunContext | None, state: State) -> None:

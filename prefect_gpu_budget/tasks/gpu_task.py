@@ -19,15 +19,21 @@ from the flow's `job_defaults(...)` (`tasks.defaults`), whose scope, ledger and 
 bound the task: a task that would spend outside them ends `GateRefused`, nothing reserved. Inside the body, `current_job()` says which job it is and which
 GPUs of this machine it was given (in this process no other job is given the same ones).
 
-The body runs in the task's own process: `max_runtime` stops it by raising in its thread, so a
-body blocked in C code stops when it returns to Python. A body is not preempted (borrowed
-capacity it holds is given back when it ends); a job whose body must be preemptible runs as a
-command through `run_gpu_job`.
+The body runs in the task's own process, and is stopped by an exception raised in its thread
+(Prefect's cancel scope: a signal in the main thread, an injected exception in another), so a
+body blocked in C code stops when it returns to Python, and pays until then: at `max_runtime`
+(`TimedOut`), when the capacity it borrowed in a pool is taken back by a job within its lender's
+quota (settled `preempted`; with `requeue`, as by default, it is queued again and runs again
+from the start once admitted, as a preempted command does; else it ends `Preempted`), or when
+its owner stops it (`cancelled`, the run Cancelled). A body that must checkpoint saves as it
+goes, or runs as a command through `run_gpu_job` (SIGTERM, then its `kill_grace`). A preempted
+or stopped body is never retried as if it failed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import time
@@ -38,20 +44,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect import Task
+from prefect._internal.concurrency.cancellation import (
+    CancelledError,
+    cancel_async_after,
+    cancel_sync_after,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
+from prefect.logging import get_run_logger
 from prefect.states import Failed, State
-from prefect.utilities.timeout import timeout, timeout_async
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused
-from prefect_gpu_budget.admission.lifecycle import FAILED, PastMaxRuntime, Settlement
+from prefect_gpu_budget.admission.lifecycle import FAILED, PastMaxRuntime, Running, StopAsked
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import _grant, _release, visible_gpus
 from prefect_gpu_budget.tasks.defaults import current_defaults
+from prefect_gpu_budget.tasks.events import stopped_state
 from prefect_gpu_budget.tasks.gpu_job import _flow_run_id, gate_for_run
-from prefect_gpu_budget.units import BudgetInputError, fmt_duration, fmt_usd, validate_scope
+from prefect_gpu_budget.units import BudgetInputError, fmt_duration, validate_scope
 
 REFUSED_STATES = frozenset({"OverBudget", "AdmissionTimeout", "GateRefused"})
+FINAL_STATES = REFUSED_STATES | {"Preempted"}
+"""States no retry follows: a refusal by the budget, a preemption (`requeue` decides whether
+the body runs again). A stop by its owner ends Cancelled, which Prefect never retries."""
 SETTINGS = frozenset(GpuJob.model_fields) - {"command", "env", "grant"} | {"scope", "ledger"}
 """What `gpu_task`, `.with_options(gpu=...)` and a call's `gpu=` may set."""
 
@@ -91,7 +106,8 @@ def _settings(given: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
 
 
 class _GatedRun:
-    """One run of a `@gpu_task`: admit, give it GPUs, settle once."""
+    """One run of a `@gpu_task`: admit, give it GPUs, run the body as a stoppable `Running`
+    job, settle once; again from the admission when a preemption requeues it."""
 
     def __init__(self, settings: Mapping[str, Any], task_name: str) -> None:
         fields, grant, self.refusal = current_defaults().apply(settings)
@@ -105,7 +121,7 @@ class _GatedRun:
         self.scope = validate_scope(scope)
         self.job = GpuJob(**{"name": task_name, **fields, "grant": grant})
         self.admission: Admission | None = None
-        self.settlement: Settlement | None = None
+        self.running: Running | None = None
         self.gpus: list[int] = []
         self.started_at = 0.0
         if not self.refusal:  # a refused run opens no ledger
@@ -121,17 +137,18 @@ class _GatedRun:
             )
         except AdmissionRefused as refused:
             return Failed(name=refused.state_name, message=refused.reason)
-        self.settlement = Settlement(self.gate, self.admission, then=self._release_gpus)
+        # the body's own cancel scope stops it at max_runtime (`stoppable`)
+        self.running = Running(self.gate, self.admission, then=self._release_gpus)
         share = self.job.share_of(self.admission.quote.row)
         wanted = share.gpus * self.job.nodes
         self.gpus = _grant(wanted)
         self.started_at = time.time()
         if len(self.gpus) < wanted and visible_gpus():
-            self.settlement.settle(FAILED)
+            self.running.settlement.settle(FAILED)
             return Failed(name="GpuJobFailed", message=f"fewer than {wanted} GPUs free here")
         ctx = TaskRunContext.get()
         run_id = str(ctx.task_run.id) if ctx else self.admission.job_id
-        self.gate.started(self.admission, self.started_at, f"task:{run_id}")
+        self.running.started(self.started_at, f"task:{run_id}")
         return None
 
     def current(self) -> CurrentJob:
@@ -145,22 +162,50 @@ class _GatedRun:
             deadline=self.started_at + self.job.max_runtime,
         )
 
-    def ended(self, error: BaseException | None = None) -> None:
-        """Settle once, now, as the body's ending names it (`lifecycle.outcome_of`); its GPUs
-        are given back with the settlement."""
-        if self.settlement is not None:
-            self.settlement.ended(error)
+    @contextmanager
+    def stoppable(self, cancel_after: Callable[[float], Any]) -> Iterator[None]:
+        """Run the body inside Prefect's cancel scope (`cancel_after`: the one its `timeout`
+        utilities use, sync or async), which times out at max_runtime and which the job's stop
+        cancels too (`Running.stoppable`): the body's thread gets an exception, raised out of
+        here as `PastMaxRuntime` (the scope's own timeout) or `StopAsked` (preempted, or
+        stopped by its owner)."""
+        assert self.running is not None
+        scope: Any = None
+        try:
+            with cancel_after(self.job.max_runtime) as scope:
+                self.running.stoppable(scope.cancel)
+                yield
+        except CancelledError:
+            if scope is None or not scope.cancelled():
+                raise
+            if self.running.stopped is not None:
+                raise StopAsked(self.running.stopped) from None
+            raise PastMaxRuntime(f"past max_runtime {fmt_duration(self.job.max_runtime)}") from None
+        finally:
+            self.running.over()
+
+    def ended(self, error: BaseException | None = None) -> dict[str, Any] | None:
+        """Settle once, now, as the body's ending names it (`Running.ended`); its GPUs are
+        given back with the settlement."""
+        return self.running.ended(error) if self.running is not None else None
 
     def _release_gpus(self) -> None:
         _release(self.gpus)
 
-    def timed_out(self) -> State:
-        row = self.settlement.row if self.settlement is not None else None
-        cost = fmt_usd((row or {}).get("actual_micro") or 0)
-        return Failed(
-            name="TimedOut",
-            message=f"stopped at max_runtime {fmt_duration(self.job.max_runtime)}; cost {cost}",
-        )
+    def stopped(self, error: PastMaxRuntime | StopAsked) -> State | None:
+        """Settle a body a stop ended; the state its task run ends in (`stopped_state`), or
+        None when it is to be queued again (preempted, `requeue`)."""
+        row = self.ended(error)
+        assert row is not None and self.running is not None
+        if not self.running.requeue:
+            return stopped_state(self.running, row)
+        _log_requeue(self.running.stop_message(row))
+        return None
+
+
+def _log_requeue(message: str) -> None:
+    with contextlib.suppress(Exception):  # outside a run there is nothing to log to
+        get_run_logger().warning("GPU task %s; queued again", message)
 
 
 @contextmanager
@@ -191,24 +236,26 @@ def _gated(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[...,
         @functools.wraps(fn)
         async def run_async(*args: Any, gpu: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
             run = _GatedRun(_settings_of_run(defaults, gpu), _task_name())
-            refused = await asyncio.to_thread(run.admit)
-            if refused is not None:
-                return refused
-            try:
-                limit = run.job.max_runtime
-                with timeout_async(limit, timeout_exc_type=PastMaxRuntime), _as_current(run):
-                    result = await fn(*args, **kwargs)
-            except PastMaxRuntime as stopped:
-                await asyncio.to_thread(run.ended, stopped)
-                return run.timed_out()
-            except Exception as error:
-                await asyncio.to_thread(run.ended, error)
-                raise
-            except BaseException as cancelled:
-                run.ended(cancelled)  # in this thread: an await in a cancelled task may not end
-                raise
-            await asyncio.to_thread(run.ended)
-            return result
+            while True:  # once, unless a preemption queues it again
+                refused = await asyncio.to_thread(run.admit)
+                if refused is not None:
+                    return refused
+                try:
+                    with run.stoppable(cancel_async_after), _as_current(run):
+                        result = await fn(*args, **kwargs)
+                except (PastMaxRuntime, StopAsked) as stopped:
+                    state = await asyncio.to_thread(run.stopped, stopped)
+                    if state is None:
+                        continue
+                    return state
+                except Exception as error:
+                    await asyncio.to_thread(run.ended, error)
+                    raise
+                except BaseException as cancelled:
+                    run.ended(cancelled)  # in this thread: an await in a cancelled task may not end
+                    raise
+                await asyncio.to_thread(run.ended)
+                return result
 
         wrapper: Callable[..., Any] = run_async
     else:
@@ -216,21 +263,23 @@ def _gated(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[...,
         @functools.wraps(fn)
         def run_sync(*args: Any, gpu: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
             run = _GatedRun(_settings_of_run(defaults, gpu), _task_name())
-            refused = run.admit()
-            if refused is not None:
-                return refused
-            try:
-                limit = run.job.max_runtime
-                with timeout(limit, timeout_exc_type=PastMaxRuntime), _as_current(run):
-                    result = fn(*args, **kwargs)
-            except PastMaxRuntime as stopped:
-                run.ended(stopped)
-                return run.timed_out()
-            except BaseException as exc:
-                run.ended(exc)
-                raise
-            run.ended()
-            return result
+            while True:  # once, unless a preemption queues it again
+                refused = run.admit()
+                if refused is not None:
+                    return refused
+                try:
+                    with run.stoppable(cancel_sync_after), _as_current(run):
+                        result = fn(*args, **kwargs)
+                except (PastMaxRuntime, StopAsked) as stopped:
+                    state = run.stopped(stopped)
+                    if state is None:
+                        continue
+                    return state
+                except BaseException as exc:
+                    run.ended(exc)
+                    raise
+                run.ended()
+                return result
 
         wrapper = run_sync
     signature = inspect.signature(fn)
@@ -244,10 +293,11 @@ def _gated(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[...,
 
 
 def _no_retry_when_refused(user: Callable[..., Any] | None) -> Callable[..., Any]:
-    """A refusal by the budget is final; other failures retry as the user's condition says."""
+    """A refusal by the budget and a stop are final (`FINAL_STATES`); other failures retry as
+    the user's condition says."""
 
     def condition(task: Task, task_run: Any, state: State) -> Any:
-        if state.name in REFUSED_STATES:
+        if state.name in FINAL_STATES:
             return False
         return True if user is None else user(task, task_run, state)
 

@@ -32,21 +32,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from prefect.client.orchestration import get_client
-from prefect.states import Failed, Pending, Scheduled
+from prefect.states import Failed, Pending, Scheduled, State
 from pydantic import BaseModel, Field, PrivateAttr
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
-from prefect_gpu_budget.admission.lifecycle import CANCELLED, COMPLETED, TIMED_OUT, Settlement
+from prefect_gpu_budget.admission.lifecycle import CANCELLED, COMPLETED, Running
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.tasks.events import AWAITING_BUDGET
+from prefect_gpu_budget.tasks.events import AWAITING_BUDGET, stopped_state
 from prefect_gpu_budget.tasks.gpu_job import open_gate
 from prefect_gpu_budget.units import BudgetInputError, narrowing_refusal, validate_scope
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
-    from prefect.states import State
 
     from prefect_gpu_budget.admission.ledger import Ledger
     from prefect_gpu_budget.admission.policy import Decision
@@ -63,6 +62,7 @@ GATE_VARIABLES = (
     "priority",
     "max_wait",
     "provisioning",
+    "requeue",
     "require_agent_token",
     "run_may_set",
 )
@@ -90,6 +90,11 @@ class GateVariables(BaseModel):
         default=None, description="The longest the run waits at the gate (default: the budget's)."
     )
     provisioning: str = Field(default="on-demand", description="on-demand, spot or flex-start.")
+    requeue: bool = Field(
+        default=True,
+        description="Schedule the run again (it passes the gate anew) when capacity it "
+        "borrowed in a pool is taken back; else it ends Preempted.",
+    )
     require_agent_token: bool = Field(
         default=False,
         description="Runs must carry an agent's token (agent_token) and spend in its session.",
@@ -116,6 +121,7 @@ class GateConfiguration(BaseModel):
     priority: str | int = Field(default=0)
     max_wait: str | None = Field(default=None)
     provisioning: str = Field(default="on-demand")
+    requeue: bool = Field(default=True)
     require_agent_token: bool = Field(default=False)
     agent_token: str | None = Field(default=None)
     _run_refusal: str | None = PrivateAttr(default=None)
@@ -159,6 +165,7 @@ class GateConfiguration(BaseModel):
             priority=self.priority,
             max_wait=self.max_wait,
             provisioning=self.provisioning,
+            requeue=self.requeue,
             name=name,
         )
         return job, validate_scope(self.scope)
@@ -234,32 +241,39 @@ def refuse_shared_state(worker: Any) -> None:
 
 
 class WorkerRun:
-    """One admitted flow run: its start recorded with a stop at max_runtime, settled once."""
+    """One admitted flow run, its life after admission as every runner's (`lifecycle.Running`):
+    its start recorded once; a graceful stop (the worker type's own: a process tree's SIGTERM,
+    kill grace, SIGKILL; a cloud job's cancel) at max_runtime, when the capacity it borrowed
+    in a pool is reclaimed, or when its owner stops it; settled once, for what ran."""
 
-    def __init__(self, gate: Gate, admission: Admission) -> None:
+    def __init__(self, gate: Gate, admission: Admission, flow_run_id: Any = None) -> None:
         self.gate, self.admission, self.job = gate, admission, admission.job
-        self.settlement = Settlement(gate, admission)
-        self.started_at: float | None = None
-        self.stopped: list[float] = []
-        """When it was stopped at max_runtime (empty if it was not)."""
-        self._timers: list[threading.Timer] = []
+        self.flow_run_id = flow_run_id
+        self.running = Running(gate, admission, deadline=True)
+
+    @property
+    def started_at(self) -> float | None:
+        """When its infrastructure started (None until it has)."""
+        return self.running.started_at
 
     def started(self, at: float, external_id: str, stop: Callable[[], None]) -> None:
-        """Its infrastructure started at `at`: record it, and call `stop` once max_runtime
-        (counted from `at`) has run out."""
-        if self.started_at is not None:
-            return
-        self.started_at = at
-        self.gate.started(self.admission, at, external_id)
+        """Its infrastructure started at `at`: record it, and call `stop` (once) at max_runtime
+        (counted from `at`) or when its admission must stop (`Running`), once the flow run
+        shows why (`_say_why`)."""
+        self.running.started(at, external_id, partial(self._say_why, stop))
 
-        def at_limit() -> None:
-            self.stopped.append(time.time())
-            stop()
-
-        timer = threading.Timer(max(0.0, at + self.job.max_runtime - time.time()), at_limit)
-        timer.daemon = True
-        timer.start()
-        self._timers.append(timer)
+    def _say_why(self, stop: Callable[[], None]) -> None:
+        """Before `stop`: put the flow run in the final state its stop names (`Preempted`,
+        `TimedOut`, Cancelled: `stopped_state`), so that what the stopped process and
+        Prefect's runner report of its end (Crashed) does not take its place; once settled,
+        `until_settled` sets it again with the cost (or schedules the run again)."""
+        if self.flow_run_id is not None:
+            try:
+                row = self.gate.ledger.job(self.admission.job_id)
+                _set_state(self.flow_run_id, stopped_state(self.running, row))
+            except Exception as exc:  # the stop goes on; the final state follows once settled
+                log.warning("could not show why flow run %s stops: %s", self.flow_run_id, exc)
+        stop()
 
     def submitted(self, external_id: str) -> None:
         """The cloud's id of a job that may still wait for capacity, for reconcile."""
@@ -272,33 +286,49 @@ class WorkerRun:
         ended: Callable[[], tuple[float, float | None]] | None = None,
     ) -> R:
         """Await `body` (the worker's own run), then settle once, whatever way it ends
-        (`Settlement.ended`): `outcome` names how from its result ("timed_out" if it was
-        stopped at max_runtime), "failed" if it raised an error, "cancelled" if it was
-        cancelled. `ended` gives (ended_at, billed_seconds) where the infrastructure reports
-        them (Vertex: the job's times); else now and the gate's own."""
+        (`Running.ended`): named by the stop that ended it (`timed_out`, `preempted`, or
+        `cancelled` by its owner), else `outcome` names how from its result, "failed" if it
+        raised an error, "cancelled" if it was cancelled. `ended` gives (ended_at,
+        billed_seconds) where the infrastructure reports them (Vertex: the job's times); else
+        now and the gate's own.
+
+        A run a stop ended ends in the state that names it (`events.stopped_state`); one
+        scheduled again (preempted, its job asking to be requeued) passes the gate anew, and
+        its result reports no crash."""
         error: BaseException | None = None
         returned = COMPLETED
+        result: Any = None
+        state: State | None = None
         try:
             result = await body
-            returned = TIMED_OUT if self.stopped else outcome(result)
-            return result
+            returned = outcome(result)
         except BaseException as raised:
             error = raised
             raise
         finally:
-            for timer in self._timers:
-                timer.cancel()
             ended_at, billed = ended() if ended else (time.time(), None)
             with anyio.CancelScope(shield=True):  # a worker shutting down settles first
-                await anyio.to_thread.run_sync(
+                row = await anyio.to_thread.run_sync(
                     partial(
-                        self.settlement.ended,
+                        self.running.ended,
                         error,
                         returned=returned,
                         ended_at=ended_at,
                         billed_seconds=billed,
                     )
                 )
+                if self.running.stopped_before(ended_at) is not None:  # a stop ended it
+                    state = stopped_state(self.running, row)
+                if state is not None and self.flow_run_id is not None:
+                    try:
+                        await anyio.to_thread.run_sync(_set_state, self.flow_run_id, state)
+                    except Exception as exc:  # settled: only the run's shown state is lost
+                        log.warning(
+                            "could not set flow run %s %s: %s", self.flow_run_id, state.name, exc
+                        )
+        if state is not None and state.is_scheduled() and hasattr(result, "status_code"):
+            result = result.model_copy(update={"status_code": 0})  # requeued, not crashed
+        return result
 
 
 async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> WorkerRun:
@@ -352,10 +382,10 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
         await _end(flow_run, Failed(name=refused.state_name, message=refused.reason))
     finally:
         admitted.set()
-    run = WorkerRun(run_gate, admission)
+    run = WorkerRun(run_gate, admission, flow_run.id)
     if not await anyio.to_thread.run_sync(_still_wanted, flow_run.id):
         # cancelled as it was admitted: nothing ran
-        await anyio.to_thread.run_sync(run.settlement.settle, CANCELLED)
+        await anyio.to_thread.run_sync(run.running.settlement.settle, CANCELLED)
         await _end(flow_run)
     await anyio.to_thread.run_sync(
         _set_state, flow_run.id, Pending(message=f"admitted: {admission.reason}")

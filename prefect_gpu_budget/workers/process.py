@@ -6,7 +6,7 @@ prefect worker start --pool gpu
 ```
 
 The pool's job variables `instance_type`, `scope`, `max_runtime` (and `nodes`, `priority`,
-`max_wait`, `provisioning`) are set on the pool or the deployment. Before the worker starts a
+`max_wait`, `provisioning`, `requeue`) are set on the pool or the deployment. Before the worker starts a
 flow run, the run passes the gate: while it waits it is in `AwaitingBudget` with the reason as
 its message, and the worker goes on serving other runs. A refused run ends `OverBudget` or
 `AdmissionTimeout` without starting. If the worker dies, `reconcile` settles its runs from the
@@ -23,6 +23,9 @@ second sooner: `HOLD_MARGIN_S`, so that the kill lands within the reservation, m
 kill_grace); the run is billed from the holder's start until its last descendant ended;
 anything still carrying the run's mark (`GPU_BUDGET_JOB_MARK`) once the holder is gone is
 killed before the run is settled; if the worker dies, the holder kills the tree at once.
+The same stop ends a run whose borrowed capacity in a pool is taken back (settled `preempted`,
+the run ends `Preempted`, or is scheduled again to pass the gate anew when `requeue` is set, as
+it is by default) or whose owner stops it (settled and ended `cancelled`): `lifecycle.Running`.
 
 A flow run's own job variables may narrow the deployment's scope (to a sub-scope), carry an
 agent's token, and set what the deployment lists in `run_may_set`; nothing else: another scope,
@@ -238,7 +241,8 @@ class GpuBudgetProcessWorker(ProcessWorker):
 
 
 def _stop(hold: _Hold) -> None:
-    """Stop the run's tree at max_runtime: SIGTERM to the holder and its group (the holder
+    """Stop the run's tree when it must stop (at max_runtime, when the capacity it borrowed is
+    taken back, or when its owner stops it: `lifecycle.Running`): SIGTERM to the holder and its group (the holder
     passes it to every descendant, and SIGKILLs them its grace later: `_Hold.grace`), SIGKILL
     to the group if the holder has not ended shortly after that (what escaped the holder then
     is killed by its mark, `_held_run_process`)."""

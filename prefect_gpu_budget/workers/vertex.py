@@ -18,8 +18,10 @@ what Vertex runs: the custom job's machine type and accelerators come from `inst
 from `provisioning`, and its `scheduling.timeout` is max_runtime (prefect-gcp's
 `maximum_run_time_hours` no longer sets it). The run's clock starts at the job's own start
 time (a flex-start or spot job waiting for capacity is not billed), the worker cancels the job
-if it is still running at max_runtime (a backstop to Vertex's own timeout), and settles it from
-the job's start and end times.
+if it is still running at max_runtime (a backstop to Vertex's own timeout), when the capacity
+it borrowed in a pool is taken back (settled `preempted`; the run ends `Preempted`, or is
+scheduled again with `requeue`) or when its owner stops it (`lifecycle.Running`, as every
+runner), and settles it from the job's start and end times.
 
 `api_endpoint` (a job variable) sends the worker's Vertex AI calls to another endpoint, over
 REST (a private endpoint, or a local stand-in in tests); empty, prefect-gcp's own client talks
@@ -113,7 +115,8 @@ class GpuBudgetVertexJobConfiguration(GateConfiguration, VertexAIWorkerJobConfig
 class _WatchedJobs:
     """The job client prefect-gcp's worker submits and watches the custom job with, seen by
     the gate: the created job's name is recorded, the job's start time starts the run's clock
-    (with a cancel at max_runtime), its end time settles it. With an
+    (with a cancel at max_runtime, on preemption or its owner's stop), its end time settles
+    it. With an
     `api_endpoint`, the calls go over REST to it (google-cloud-aiplatform's sync client, in a
     thread), else to prefect-gcp's own async client."""
 

@@ -1,7 +1,10 @@
 """An admitted job's life (`admission/lifecycle.py`) without Prefect or a ledger: a recording
 gate and a scripted launcher show it settles once however the job ends, names a stop for
-preemption `preempted`, and says when to requeue; `Settlement` settles once, from any thread,
-as the body's ending names it."""
+preemption `preempted`, and says when to requeue; `Running` (every runner's life after
+admission) records the start once and stops a job once, at its deadline or when its admission
+must stop, however many ask; `Settlement` settles once, from any thread, as the body's ending
+names it. One test runs a real job through a real gate (PostgreSQL and SQLite, a Prefect server's
+limits) to count the threads it holds."""
 
 from __future__ import annotations
 
@@ -18,7 +21,9 @@ from prefect_gpu_budget.admission.ledger import STOPPED
 from prefect_gpu_budget.admission.lifecycle import (
     PREEMPTED,
     PastMaxRuntime,
+    Running,
     Settlement,
+    StopAsked,
     outcome_of,
     run_admitted,
 )
@@ -132,11 +137,72 @@ def test_a_job_its_owner_stops_is_stopped_named_cancelled_and_not_requeued() -> 
     assert gate.settles() == ["cancelled"]
 
 
+class Stops:
+    """A runner's stop, counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+        self.called = threading.Event()
+
+    def __call__(self) -> None:
+        self.calls.append(time.time())
+        self.called.set()
+
+
+def _ends_when_stopped(running: Running, stops: Stops, error: BaseException) -> dict:
+    assert stops.called.wait(30), "never stopped"
+    return running.ended(error)
+
+
+def test_running_stops_a_job_at_its_deadline_once_and_names_it_timed_out() -> None:
+    gate, stops = RecordingGate(), Stops()
+    job = GpuJob(instance_type="local:box", command=["true"], max_runtime="1s")
+    admission = Admission("job-1", "lab/s", job, None, 0, 0.0, "fits")  # type: ignore[arg-type]
+    running = Running(gate, admission, deadline=True)  # type: ignore[arg-type]
+    began = time.time()
+    running.started(began, "pid:1", stops)
+    running.started(began + 5, "pid:2", stops)  # a second start records nothing
+    row = _ends_when_stopped(running, stops, RuntimeError("killed by the stop"))
+    assert stops.calls[0] >= began + 1.0  # not before max_runtime
+    running.stop(PREEMPTED)  # after it ended: nothing more is sent
+    assert len(stops.calls) == 1 and running.stopped == "timed_out"
+    assert gate.calls[0] == ("started", "pid:1") and gate.settles() == ["timed_out"]
+    assert row["outcome"] == "timed_out" and not running.requeue
+
+
+@pytest.mark.parametrize(("why", "outcome"), [(PREEMPTED, "preempted"), (STOPPED, "cancelled")])
+def test_running_stops_a_job_asked_to_stop_before_it_was_stoppable(why: str, outcome: str) -> None:
+    """A stop asked between the admission and the start stops the job as it starts."""
+    gate, stops, admission = RecordingGate(), Stops(), _admission(pool="lab")
+    admission.stop_reason = why
+    admission.preempted.set()
+    running = Running(gate, admission)  # type: ignore[arg-type]
+    running.started(time.time(), "task:1")  # recorded; not stoppable yet
+    time.sleep(0.05)
+    assert not stops.calls
+    running.stoppable(stops)
+    row = _ends_when_stopped(running, stops, StopAsked(why))
+    assert len(stops.calls) == 1 and row["outcome"] == outcome
+    assert running.requeue == (why == PREEMPTED)  # only a preemption is queued again
+
+
+def test_a_job_that_ended_before_its_stop_keeps_its_own_outcome() -> None:
+    gate, stops, admission = RecordingGate(), Stops(), _admission(pool="lab")
+    running = Running(gate, admission)  # type: ignore[arg-type]
+    running.started(time.time(), "pid:1", stops)
+    row = running.ended(returned="completed")
+    admission.preempted.set()  # too late: the job is over
+    time.sleep(0.1)
+    assert not stops.calls and row["outcome"] == "completed" and not running.requeue
+
+
 ENDINGS = [  # how the body ended, what it named its return, the outcome
     (None, "completed", "completed"),
     (None, "failed", "failed"),  # a worker's run that exited non-zero
     (None, "timed_out", "timed_out"),  # a worker's run stopped at max_runtime
     (PastMaxRuntime("past max_runtime"), "completed", "timed_out"),
+    (StopAsked(PREEMPTED), "completed", "preempted"),  # a body whose capacity was reclaimed
+    (StopAsked(STOPPED), "completed", "cancelled"),  # a body its owner stopped
     (RuntimeError("crashed"), "completed", "failed"),
     (TimeoutError("the body's own"), "completed", "failed"),  # not a stop at max_runtime
     (KeyboardInterrupt(), "completed", "cancelled"),
@@ -151,9 +217,9 @@ def test_a_body_is_settled_once_as_its_ending_names_it(
 ) -> None:
     assert outcome_of(error, returned) == outcome
     gate = RecordingGate()
-    settlement = Settlement(gate, _admission())  # type: ignore[arg-type]
-    row = settlement.ended(error, returned=returned, ended_at=12.0, billed_seconds=3.0)
-    assert gate.settles() == [outcome] and settlement.row is row
+    running = Running(gate, _admission())  # type: ignore[arg-type]
+    row = running.ended(error, returned=returned, ended_at=12.0, billed_seconds=3.0)
+    assert gate.settles() == [outcome] and running.settlement.row is row
     assert row == {
         "outcome": outcome,
         "ended_at": 12.0,
@@ -169,7 +235,7 @@ def test_a_settlement_asked_again_keeps_the_first_row() -> None:
     before = time.time()
     first = settlement.settle("completed")
     assert before <= first["ended_at"] <= time.time()  # ended now when not told
-    assert settlement.ended(RuntimeError("late")) is first
+    assert settlement.settle("failed") is first
     assert settlement.settle("cancelled", ended_at=1.0) is first
     assert gate.settles() == ["completed"] and released == ["gpus"]
 
@@ -226,3 +292,78 @@ def test_a_settlement_that_raised_is_tried_again_and_gives_back_once() -> None:
     assert settlement.row is None and released == ["gpus"]  # given back though unsettled
     assert settlement.settle("completed")["outcome"] == "completed"
     assert gate.settles() == ["completed"] and released == ["gpus"]
+
+
+class PeakThreads:
+    """The most threads alive at once, sampled every 10 ms while `holding` is set, that were
+    not alive when it was made (the sampler itself and the process's one ledger watcher,
+    shared by every job, aside)."""
+
+    def __init__(self) -> None:
+        self.before = {t.ident for t in threading.enumerate()}
+        self.holding, self.done = threading.Event(), threading.Event()
+        self.peak: list[str] = []
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.before.add(self._thread.ident)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        me = threading.current_thread().ident
+        while not self.done.wait(0.01):
+            if not self.holding.is_set():
+                continue
+            names = [
+                t.name
+                for t in threading.enumerate()
+                if t.ident not in self.before
+                and t.ident != me
+                and not t.name.startswith("gpu-budget-watcher")
+            ]
+            if len(names) > len(self.peak):
+                self.peak = names
+
+    def stop(self) -> list[str]:
+        self.done.set()
+        self._thread.join(5)
+        return self.peak
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("in_pool", [False, True])
+def test_an_admitted_job_holds_at_most_five_threads(ledger, prefect_api, tmp_path, in_pool):
+    """From its admission until it is settled, a job run by the local launcher through a gate
+    with Prefect's limits (an hourly cap), in a capacity pool or not, holds at most 5 threads
+    at once: its heartbeat (which also renews its lease and polls for a stop), `Running`'s
+    watch, the launcher's output pump, and the short hand-offs that record its start and its
+    settlement."""
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.admission.limits import RateLimits
+    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+    from prefect_gpu_budget.launchers.local import LocalLauncher
+    from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
+
+    prices = set_local_price("h100x8", "8", gpus=8, path=tmp_path / "prices.csv")
+    ledger.set_budget(BudgetRule("threads", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    ledger.set_budget(BudgetRule("threads/a"))
+    if in_pool:
+        pool = Pool("threads", "lab-t", 2, (8, 192, 2048), ("local:h100x8",), "H100")
+        ledger.set_pool(pool, [TeamQuota("lab-t", "threads/a", proportional(pool, 8))])
+    limits = RateLimits()
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    job = GpuJob(instance_type="local:h100x8", max_runtime="1m", command=["sleep", "1"])
+    try:
+        peaks = []
+        for _ in range(2):  # the first warms what a process starts once (its ledger watcher)
+            peak = PeakThreads()
+            admission = gate.admit(job, "threads/a/s")
+            assert (admission.pool is not None) == in_pool
+            peak.holding.set()
+            ended = run_admitted(gate, admission, LocalLauncher())
+            peaks.append(peak.stop())
+            assert ended.row["outcome"] == "completed"
+    finally:
+        limits.close()
+    held = peaks[-1]
+    print(f"threads an admitted job holds at most at once (pool: {in_pool}): {len(held)} {held}")
+    assert 3 <= len(held) <= 5, held  # heartbeat, watch, pump at least; never more than 5

@@ -1,7 +1,9 @@
 """`@gpu_task` in real flow runs against a real Prefect server: a cap of two never runs three
-bodies at once, a body past max_runtime pays for what it ran, refusals are final, retries are
-new admissions, settings move per task and per call, async bodies are gated alike, and a flow's
-`job_defaults` (a sweep's, an agent's) fill what a task does not set and bound its scope."""
+bodies at once, a body past max_runtime pays for what it ran, a body that borrowed a pool's
+capacity is stopped when its lender takes it back (and queued again, or ends `Preempted`), a
+body its owner stops ends Cancelled, refusals are final, retries are new admissions, settings
+move per task and per call, async bodies are gated alike, and a flow's `job_defaults` (a
+sweep's, an agent's) fill what a task does not set and bound its scope."""
 
 from __future__ import annotations
 
@@ -15,8 +17,15 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_budget import GpuBudget, SpendLedger, current_job, gpu_task, job_defaults
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.flows import sweep
+from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
 from prefect_gpu_budget.units import BudgetInputError
+from tests.jobs import new_job
+from tests.prefect_server import wait_for
+
+MACHINE = "local:h100x8"
 
 
 def _most_at_once(spans: list[tuple[float, float]]) -> int:
@@ -97,6 +106,145 @@ def test_past_max_runtime_a_body_is_stopped_and_pays_for_what_it_ran(lab):
     [row] = ledger.jobs("lab/slow")
     assert row["outcome"] == "timed_out" and 2.0 <= row["billed_seconds"] < 6
     assert row["actual_micro"] < row["reserved_micro"]
+
+
+@pytest.fixture
+def teams(prefect_api, ledger_url, tmp_path, monkeypatch):
+    """A pool of two `MACHINE` nodes, one per team's quota; team B may borrow A's idle one.
+    B's own node is taken by a job held elsewhere, so B's next job borrows."""
+    prices = set_local_price("h100x8", "8", gpus=8, path=tmp_path / "prices.csv")
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
+    default_catalog.cache_clear()
+    ledger = Ledger(ledger_url)
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = Pool("acme", "lab-a", 2, (8, 192, 2048), (MACHINE,), "H100")
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
+        ],
+    )
+    own, decision = ledger.request(
+        new_job(
+            "acme/b/s",
+            name="b-own",
+            instance_type=MACHINE,
+            rate_micro_per_hour=8_000_000,
+            rate_cents=800,
+            node_gpus=8,
+            max_runtime_s=600.0,
+        )
+    )
+    assert decision.verdict == "admit", decision.reason
+    yield ledger, SpendLedger(database_url=ledger_url)
+    ledger.settle(own, ended_at=time.time(), outcome="completed", scope="acme/b/s")
+    ledger.dispose()
+    default_catalog.cache_clear()
+
+
+def _running(ledger: Ledger, scope: str, count: int) -> None:
+    wait_for(lambda: len(ledger.jobs(scope, states=("running",))) >= count, 120, f"{scope} runs")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("requeue", [False, True])
+def test_a_borrowing_body_is_stopped_when_its_lender_takes_the_capacity_back(teams, requeue):
+    """Team B's body borrows A's idle node; A's job within A's quota arrives: B's body is
+    stopped (an exception raised in its thread), settled `preempted` for what it ran, and A's
+    job is admitted. With `requeue` B's body is queued again and runs once A's is done; else
+    its run ends `Preempted`, and its retries do not run it again."""
+    ledger, block = teams
+    runs: list[float] = []
+
+    @gpu_task(
+        instance_type=MACHINE,
+        scope="acme/b/s",
+        max_runtime="5m",
+        ledger=block,
+        retries=2,
+        requeue=requeue,
+    )
+    def borrowed() -> int:
+        runs.append(time.time())
+        if len(runs) > 1:  # queued again: its checkpoint says it is almost done
+            return len(runs)
+        while True:  # a training loop: back in Python often, where the stop lands
+            time.sleep(0.05)
+
+    @gpu_task(instance_type=MACHINE, scope="acme/a/s", max_runtime="1m", ledger=block)
+    def lender() -> str:
+        return current_job().job_id
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+    def contention() -> tuple:
+        taken = borrowed.submit()
+        _running(ledger, "acme/b", 1)  # its own node is held elsewhere, admitted
+        mine = lender.submit()
+        mine.wait()
+        taken.wait()
+        return taken.state, mine.result()
+
+    state, mine = contention()
+    first, *again = [r for r in ledger.jobs("acme/b") if r["name"] != "b-own"]
+    lent = ledger.job(mine)
+    assert first["outcome"] == "preempted" and first["preempt_at"] is not None, first
+    assert 0 < first["actual_micro"] < first["reserved_micro"]  # paid for what it ran
+    assert lent["outcome"] == "completed" and lent["admitted_at"] >= first["ended_at"]
+    if requeue:
+        assert state.name == "Completed" and state.result() == 2
+        [second] = again
+        assert second["outcome"] == "completed" and second["admitted_at"] >= lent["ended_at"]
+    else:
+        assert state.name == "Preempted", state
+        assert f"preempted for job {mine[:8]}" in state.message
+        assert "in pool lab-a was taken back" in state.message
+        assert again == [] and len(runs) == 1  # not retried as if it failed
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_body_its_owner_stops_ends_cancelled_and_pays_for_what_ran(lab, kind):
+    """`ledger.ask_stop` (an agent's cancel of its running trial) reaches a body as it
+    reaches a command: a sync body in the flow's own (main) thread, an async one in the task
+    runner's event loop."""
+    ledger, block = lab
+    ledger.set_budget(BudgetRule("lab/stop"))  # the team it spends in
+    settings = {"instance_type": "local:box", "scope": "lab/stop/s", "max_runtime": "5m"}
+
+    def stop_when_running() -> None:
+        _running(ledger, "lab/stop", 1)
+        [row] = ledger.jobs("lab/stop", states=("running",))
+        ledger.ask_stop(row["id"], "stopped from a test")
+
+    if kind == "sync":
+
+        @gpu_task(**settings, ledger=block)
+        def body() -> None:
+            while True:
+                time.sleep(0.05)
+    else:
+
+        @gpu_task(**settings, ledger=block)
+        async def body() -> None:
+            while True:
+                await asyncio.sleep(0.05)
+
+    @flow
+    def run() -> tuple[bool, str]:
+        threading.Thread(target=stop_when_running, daemon=True).start()
+        if kind == "sync":  # in this (the main) thread
+            state = body(return_state=True)
+        else:  # in its task runner's thread and event loop
+            future = body.submit()
+            future.wait()
+            state = future.state
+        return state.is_cancelled(), state.message
+
+    cancelled, message = run()
+    [row] = ledger.jobs("lab/stop")
+    assert cancelled and "stopped by its owner (stopped from a test)" in message
+    assert row["outcome"] == "cancelled" and 0 < row["actual_micro"] < row["reserved_micro"]
 
 
 def test_refusals_are_final_and_retries_are_new_admissions(lab):

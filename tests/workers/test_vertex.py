@@ -4,7 +4,8 @@ the local stand-in of the Vertex AI CustomJob API (reached through the pool's `a
 job variable by the real google-cloud-aiplatform client, with a freshly made service-account
 key): runs whose scope's cap fits one at a time submit their custom jobs one after the other,
 each job is the one the gate priced, it is settled at the job's own start and end times, an
-override outside the deployment's scope submits nothing, and a job past max_runtime is stopped.
+override outside the deployment's scope submits nothing, a job past max_runtime is stopped, and
+a job its owner stops is cancelled (the stop every runner shares with preemption).
 
 The stand-in runs no container, so the flow runs themselves never run: what is checked is what
 the worker submits, when, and what the ledger records."""
@@ -211,6 +212,37 @@ def test_a_job_past_max_runtime_is_cancelled_and_pays_for_what_ran(house):
     [row] = _settled(ledger, [run], timeout=120)
     assert row["external_id"] in fake.cancelled
     assert row["outcome"] == "timed_out" and 3.0 <= row["billed_seconds"] < 10
+
+
+@pytest.mark.timeout(300)
+def test_a_job_its_owner_stops_is_cancelled_and_pays_for_what_ran(house):
+    """`ledger.ask_stop` (an agent's cancel of its running trial) reaches a Vertex run as a
+    preemption does (`lifecycle.Running`): its custom job is cancelled, it is settled
+    `cancelled` from the job's own times, and its flow run ends Cancelled saying why."""
+    ledger, fake = house["ledger"], house["fake"]
+    fake.script = Script(run_s=60)
+    run = run_deployment("vertex-target/gated", timeout=0)
+    started = wait_for(
+        lambda: next(
+            (r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id) and r["started_at"]),
+            None,
+        ),
+        120,
+        "the custom job to start",
+    )
+    assert ledger.ask_stop(started["id"], "stopped from a test")
+    [row] = _settled(ledger, [run], timeout=120)
+    assert row["external_id"] in fake.cancelled
+    assert row["outcome"] == "cancelled" and row["billed_seconds"] < 60, row
+
+    def ended():
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run.id).state
+        return state if state and state.is_final() else None
+
+    state = wait_for(ended, 60, "the run to end")
+    assert state.is_cancelled(), state
+    assert "stopped by its owner (stopped from a test)" in state.message
 
 
 def test_without_the_vertex_extra_the_collection_still_loads():

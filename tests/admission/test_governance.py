@@ -1,7 +1,9 @@
 """Governance as Kueue and HyperPod document it (promise 12), through the ledger on SQLite and
-PostgreSQL: lent capacity is reclaimed from a borrower of any priority, a team preempts its own
-lower-priority work, a team's waiting job holds only its own team, jobs within nominal quota go
-before borrowers, and every reason names the resource that binds."""
+PostgreSQL: lent capacity is reclaimed from a borrower of any priority, by victims that free a
+placement and come from the highest fair share first; a team preempts its own lower-priority
+work; a team's waiting job holds only its own team, for machines or money; jobs within nominal
+quota go before borrowers, which go by fair share before priority; a team borrows 50% by
+default; and every reason names the resource that binds, and a preemption only when asked."""
 
 from __future__ import annotations
 
@@ -158,8 +160,8 @@ def test_a_teams_waiting_job_holds_only_its_own_team(ledger):
 
 
 def test_jobs_within_nominal_quota_go_before_a_higher_priority_borrower(ledger):
-    """Kueue admits workloads that fit their nominal quota first, then borrowers by priority
-    and fair share: the node that frees goes to the lender's own job, not to a higher-priority
+    """Kueue admits workloads that fit their nominal quota first, then borrowers by fair share
+    and priority: the node that frees goes to the lender's own job, not to a higher-priority
     borrower that would then hold it (and, as an equal, could not be reclaimed)."""
     ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
     pool = _pool(2)

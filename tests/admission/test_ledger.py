@@ -48,7 +48,8 @@ def test_calls_go_on_after_the_server_drops_every_connection():
         killed = conn.execute(
             sa.text(
                 "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = 'prefect-gpu-budget' AND pid <> pg_backend_pid()"
+                "WHERE application_name = 'prefect-gpu-budget' AND pid <> pg_backend_pid() "
+                "AND datname = current_database()"  # this run's own: not other tests'
             )
         ).scalar_one()
     killer.dispose()

@@ -181,6 +181,9 @@ class Decision:
     own team's lower-priority work (its team's `reclaim` and `within_team` settings)."""
     pool: str | None = None
     """For an admission: the capacity pool it runs in."""
+    hold_limits: tuple[str, ...] = ()
+    """For a waiting job: the limit each of `blocks` holds for (`hourly_cap`, ...), so that a
+    job behind it can name the limit and its amount."""
 
 
 def reservation_mode(rules: Iterable[BudgetRule]) -> str:
@@ -334,14 +337,17 @@ def plan(
     usage = _Usage(state)
     capacity = Capacity(state.pools, state.quotas, list(state.placed)) if state.pools else None
     held: dict[str, Request] = {}
+    limits: dict[str, str] = {}
     out: dict[str, Decision] = {}
     for req in queueing.walk(ordered, capacity):
         if req.job_id != stop_at and queueing.ahead(req, req.shape, held, capacity) is not None:
             out[req.job_id] = NOT_REACHED  # cannot be admitted this round; details on request
             continue
-        out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity)
-        for key in queueing.held_keys(req, decision.blocks):
-            held.setdefault(key, req)
+        out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity, limits)
+        for i, key in enumerate(queueing.held_keys(req, decision.blocks)):
+            if key not in held:
+                held[key] = req
+                limits[key] = decision.hold_limits[i] if i < len(decision.hold_limits) else ""
         if req.job_id == stop_at or (stop_at is None and queueing.all_held(queues, held)):
             break
     return out
@@ -367,6 +373,7 @@ def _decide_one(
     usage: _Usage,
     held: dict[str, Request],
     capacity: Capacity | None = None,
+    limits: Mapping[str, str] | None = None,
 ) -> Decision:
     rules = path_rules(state.budgets, req.scope)
     if not rules:
@@ -398,10 +405,11 @@ def _decide_one(
     found = queueing.ahead(req, shape, held, capacity)
     if found is not None:
         key, ahead = found
+        what = _held_for(state, key, (limits or {}).get(key, ""))
         behind = Decision(
             "wait",
             f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
-            f"{fmt_duration(state.now - ahead.requested_at)} ago) for {queueing.describe(key)}",
+            f"{fmt_duration(state.now - ahead.requested_at)} ago) for {what}",
             limit="queue",
             scope=queueing.hold_name(key),
         )
@@ -444,23 +452,35 @@ def _decide_one(
     )
 
 
+def _held_for(state: LedgerState, key: str, limit: str) -> str:
+    """What a job waits behind another for, as its reason names it: the limit with its amount
+    (`the hourly cap of acme ($10.00/h)`) where a budget holds it, or the queue's hold."""
+    name = queueing.hold_name(key)
+    rule = state.budgets.get(name)
+    if rule is not None and limit == "hourly_cap" and rule.hourly_cap_cents is not None:
+        return f"the hourly cap of {name} ({_usd_per_hour(rule.hourly_cap_cents)})"
+    if rule is not None and limit == "period_budget" and rule.period_budget_micro is not None:
+        return f"the {rule.period} budget of {name} ({fmt_usd(rule.period_budget_micro)})"
+    return queueing.describe(key)
+
+
 def _blocked(blockers: list[Decision]) -> Decision:
     first = blockers[0]
     reason = "; ".join(b.reason for b in blockers)
     resumes = [b.resumes_at for b in blockers if b.resumes_at is not None]
-    holds = (  # a budget holds its scope; capacity holds what the pool's backfill setting says
-        k
-        for b in blockers
-        for k in (b.blocks if b.limit == "capacity" else (b.scope,) if b.scope else ())
-    )
+    holds: dict[str, str] = {}  # what it holds, and for which limit (the first that binds)
+    for b in blockers:  # a budget holds its scope; capacity what the pool's backfill says
+        for key in b.blocks if b.limit == "capacity" else (b.scope,) if b.scope else ():
+            holds.setdefault(key, b.limit or "")
     return Decision(
         "wait",
         reason,
         limit=first.limit,
         scope=first.scope,
         resumes_at=max(resumes) if resumes else None,
-        blocks=tuple(dict.fromkeys(holds)),
+        blocks=tuple(holds),
         preempt=tuple(v for b in blockers for v in b.preempt),
+        hold_limits=tuple(holds.values()),
     )
 
 
@@ -496,11 +516,14 @@ HOLDING_LIMITS = ("hourly_cap", "period_budget")
 """The limits that, blocking a waiting job, make it hold their scope (`_blocked`)."""
 
 
-def decide_behind(state: LedgerState, req: Request, ahead: Request, scope: str) -> Decision:
+def decide_behind(
+    state: LedgerState, req: Request, ahead: Request, scope: str, limit: str = ""
+) -> Decision:
     """What `decide` says of `req` when `ahead`, before it in queue order and outside any
     capacity pool, waits blocked by a limit of `scope` on `req`'s path: `req` waits behind it
     (or ends, by its on-limit and max wait), unless it can never be admitted at all; the rest
     of the queue cannot change that. So a request joining a deep queue is decided without
     weighing the whole queue (`state` needs only the budgets on `req`'s path). `ahead` is of
     `req`'s team (`queueing.queue_of`): a budget holds only its own team's later jobs."""
-    return _decide_one(state, req, _Usage(state), {queueing.scope_key(scope, req.scope): ahead})
+    key = queueing.scope_key(scope, req.scope)
+    return _decide_one(state, req, _Usage(state), {key: ahead}, limits={key: limit})

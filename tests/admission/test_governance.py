@@ -529,7 +529,7 @@ def test_a_money_wait_holds_only_its_own_team(ledger):
     a_small, behind = ledger.request(priced("acme/a/s", 1, 100))
     assert behind.verdict == "wait" and (behind.limit, behind.scope) == ("queue", "acme")
     assert behind.reason.startswith(f"waiting behind job {a_big[:8]}")
-    assert behind.reason.endswith("for acme")
+    assert behind.reason.endswith("for the hourly cap of acme ($10.00/h)")
     for job_id in (a_big, a_small):
         ledger.cancel_queued(job_id, "acme/a/s", "test over")
     for job_id in (c_run, c_small):

@@ -224,9 +224,11 @@ def test_a_job_behind_a_blocked_waiter_is_decided_as_the_whole_queue_decides_it(
     ):
         whole = decide(full, [head, *behind, new], "new")
         assert decide(full, [head], "head").blocks == ("o/t",)  # the head holds o/t
-        alone = decide_behind(state(*rules), new, head, "o/t")
+        alone = decide_behind(state(*rules), new, head, "o/t", "hourly_cap")
         assert alone == whole, (new, whole, alone)
-    assert decide_behind(state(*rules), behind[0], head, "o/t").verdict == "wait"
+    behind_head = decide_behind(state(*rules), behind[0], head, "o/t", "hourly_cap")
+    assert behind_head.verdict == "wait"
+    assert behind_head.reason.endswith("for the hourly cap of o/t ($2.00/h)")
 
 
 def _pooled(*quotas, placed=(), nodes: int = 2, backfill: bool = False) -> LedgerState:
@@ -293,3 +295,23 @@ def test_a_waiting_job_holds_its_team_only_if_strict_and_borrowers_always():
         if strict:
             small = decide(_pooled(team_a, c, placed=placed, nodes=4), queue, "a-small")
             assert "for the queue of team o/a in pool lab (strict FIFO)" in small.reason
+
+
+def test_a_job_behind_another_names_the_limit_it_waits_for_with_its_amount():
+    """The head waits for the org's month budget and its team's hourly cap; a later job of
+    its team waits behind it, naming the limit it waits for with its amount (the org's budget,
+    not the org's cap, which does not bind); another team's job that fits is not held."""
+    s = state(
+        BudgetRule("o", hourly_cap_cents=1000, period_budget_micro=1_500_000),
+        BudgetRule("o/t", hourly_cap_cents=150),
+        holds=[Hold("o/t/x", 100, 800_000, NOW - 10, NOW + 10)],
+    )
+    queue = [req("head", "o/t/a", 100, at=1), req("next", "o/t/b", 10, at=2)]
+    out = plan(s, [*queue, req("other", "o/u", 1, at=3)])
+    assert out["head"].limit == "period_budget"
+    assert out["head"].blocks == ("o", "o/t")
+    assert out["head"].hold_limits == ("period_budget", "hourly_cap")
+    behind = decide(s, queue, "next")
+    assert behind.reason.startswith("waiting behind job head (priority 0, queued ")
+    assert behind.reason.endswith(" ago) for the month budget of o ($1.50)")
+    assert out["other"].verdict == "admit"  # $0.01 fits the org's budget: not held

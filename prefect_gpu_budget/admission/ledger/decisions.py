@@ -288,7 +288,8 @@ class DecisionsMixin(EngineMixin):
             on_limit=job.on_limit,
             max_wait_s=job.max_wait_s,
         )
-        return decide_behind(state, req, ahead, row.wait_key.partition(" ")[2])
+        limit, _, scope = row.wait_key.partition(" ")
+        return decide_behind(state, req, ahead, scope, limit)
 
     @_reconnecting
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:

@@ -18,6 +18,8 @@ reads can only make a job cost more, never less:
   reported (its end time, its worker's event) or seen: from max_runtime on, the launcher
   looks on its own host for the run's processes (`PREFECT__FLOW_RUN_ID`, which every Prefect
   worker and runner gives the flow run's process), and bills until the moment it finds none;
+- a flow run deleted (through the same API access) is billed as one that says it is over, as
+  if it started then if it was not seen to start before;
 - the job keeps its slot until then: `run` returns no earlier than max_runtime, however early
   the flow run says it ended, and says so (`END_NOT_OBSERVED` in its detail and log);
 - at max_runtime a flow run that is not over is cancelled; one that says it is over while its
@@ -409,9 +411,10 @@ class DeploymentLauncher(Block):
             try:
                 flow_run = client.read_flow_run(run_id)
                 unreadable = False
-            except ObjectNotFound:
+            except ObjectNotFound:  # as good as a claim that it is over: billed the same
                 if not deleted:
-                    deleted = True
+                    deleted = over = True
+                    claimed = max(claimed, time.time())
                     log(f"flow run {run_id} was deleted; its processes may still run")
                     if started is None:  # it may have started since the last read
                         started = time.time()

@@ -5,8 +5,9 @@ the tests.
 
 With `forge`, it plays a hostile job holding its flow run's API access (as every flow run's
 code does): it starts a child in a session of its own (out of reach of its worker's kill of
-the process group), forces its own flow run Completed and emits the worker's
-`prefect.worker.executed-flow-run` event for it, records that it did, and runs on.
+the process group), then ends its own flow run through the API (`end`: forces it Completed and
+emits the worker's `prefect.worker.executed-flow-run` event for it; `delete`: deletes it),
+records that it did, and runs on.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from prefect.states import Completed
 
 @flow(name="gpu-target")
 def target(
-    job: dict | None = None, seconds: float = 0.0, out: str = "", forge: bool = False
+    job: dict | None = None, seconds: float = 0.0, out: str = "", forge: str = ""
 ) -> dict | None:
     """Record the job, this pid and the environment in `out/{flow run id}.json`; sleep."""
     child = None
@@ -36,7 +37,10 @@ def target(
     if out:
         record = {"job": job, "pid": os.getpid(), "child": child, "environ": dict(os.environ)}
         Path(out, f"{flow_run.id}.json").write_text(json.dumps(record))
-    if forge:
+    if forge == "delete":
+        with get_client(sync_client=True) as client:
+            client.delete_flow_run(flow_run.id)
+    elif forge == "end":
         with get_client(sync_client=True) as client:
             client.set_flow_run_state(flow_run.id, Completed(), force=True)
         emit_event(
@@ -51,6 +55,7 @@ def target(
             payload={"identifier": str(os.getpid()), "status_code": 0},
         )
         EventsWorker.drain_all(timeout=30)
+    if forge:
         Path(out, f"{flow_run.id}.forged").write_text(str(time.time()))
     time.sleep(seconds)
     return job

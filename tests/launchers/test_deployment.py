@@ -28,6 +28,7 @@ from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.context import FlowRunContext
 from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
 from prefect.events.worker import EventsWorker
+from prefect.exceptions import ObjectNotFound
 from prefect.states import Pending
 from pydantic import ValidationError
 
@@ -128,7 +129,7 @@ def gate(prices: Path) -> Iterator[Gate]:
             ledger.dispose()
 
 
-def _launcher(out: Path, seconds: float, forge: bool = False, **kwargs: Any) -> DeploymentLauncher:
+def _launcher(out: Path, seconds: float, forge: str = "", **kwargs: Any) -> DeploymentLauncher:
     out.mkdir(exist_ok=True)
     return DeploymentLauncher(
         deployment="gpu-target/sweep",
@@ -338,16 +339,18 @@ def test_a_final_state_forced_from_outside_is_billed_until_the_process_ends(
     assert any("suspicious" in r.getMessage() and run_id in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("forge", ["end", "delete"])
 @pytest.mark.timeout(240)
-def test_a_job_that_forges_its_own_end_is_billed_until_it_really_stops(pool, gate, tmp_path):
+def test_a_job_that_forges_its_own_end_is_billed_until_it_really_stops(pool, gate, tmp_path, forge):
     """The attacker as the flow run's own code (which holds the run's API access, as every flow
-    run's code does): it forces its run Completed, posts the worker's executed-flow-run event
-    for it, and runs on, with a child in a session of its own that its worker's kill of the
-    process group misses. Neither ends its bill: it is billed to max_runtime at least and until
-    the last of its processes is gone (its worker kills the flow's process, the launcher the
-    child), and the job's detail says why."""
+    run's code does): it forces its run Completed and posts the worker's executed-flow-run
+    event for it (`end`), or deletes its run (`delete`), and runs on, with a child in a session
+    of its own that its worker's kill of the process group misses. Neither ends its bill: it is
+    billed to max_runtime at least and until the last of its processes is gone (its worker
+    kills the flow's process when it can, the launcher what is left here), and the job's
+    detail says why."""
     out = tmp_path / "out"
-    launcher = _launcher(out, seconds=120.0, forge=True, cancel_wait_s=3.0)
+    launcher = _launcher(out, seconds=120.0, forge=forge, cancel_wait_s=3.0)
     job = GpuJob(instance_type="local:box", max_runtime="10s", kill_grace="2s")
     done: list[tuple[LaunchResult | None, dict]] = []
     runner = _in_thread(gate, launcher, job, done)
@@ -360,22 +363,27 @@ def test_a_job_that_forges_its_own_end_is_billed_until_it_really_stops(pool, gat
         pids = [record["pid"], record["child"]]
         watch = LastAlive(pids, runner)
         assert all(_alive(pid) for pid in pids)  # it runs on past its forged end
-        forged = _flow_run(run_id)
-        assert forged.state.type == StateType.COMPLETED and forged.end_time is not None
-        events = wait_for(lambda: _process_ended_events(run_id), 60, "the forged event")
-        assert [e.resource.id for e in events] == ["prefect.worker.process.forged"]
+        if forge == "end":
+            forged = _flow_run(run_id)
+            assert forged.state.type == StateType.COMPLETED
+            assert live["started_at"] < forged.end_time.timestamp() <= forged_at
+            events = wait_for(lambda: _process_ended_events(run_id), 60, "the forged event")
+            assert [e.resource.id for e in events] == ["prefect.worker.process.forged"]
+        else:
+            with pytest.raises(ObjectNotFound):
+                _flow_run(run_id)
     finally:
         runner.join(timeout=180)
     watch.join(timeout=10)
     last_alive = watch.last
     [(result, row)] = done
 
-    assert result is not None and result.outcome == "timed_out", result
+    assert result is not None, done
+    assert result.outcome == ("timed_out" if forge == "end" else "failed"), result
     assert "suspicious" in result.detail and "still run here" in result.detail, result.detail
-    assert row["started_at"] < forged.end_time.timestamp() < row["started_at"] + 10.0
     assert row["billed_seconds"] >= 10.0 - 0.01, row  # not to the forged end
-    assert row["ended_at"] > forged_at
-    assert row["ended_at"] >= last_alive > row["started_at"] + 10.0  # until it really stopped
+    # it ran on past its forged end and past max_runtime, and was billed until it really stopped
+    assert row["ended_at"] >= last_alive > max(forged_at, row["started_at"] + 10.0)
     assert not any(_alive(pid) for pid in pids)
     assert row["actual_micro"] == pytest.approx(1000 * row["billed_seconds"], abs=1)  # $3.6/h
 

@@ -130,12 +130,13 @@ def test_a_team_that_is_the_last_level_must_exist_where_the_org_has_teams(ledger
     ledger.set_budget(BudgetRule("solo", hourly_cap_cents=10_000, period_budget_micro=10**9))
     assert _run(acme, "solo/agent-8")["state"] == "settled"  # no team in solo: a session
     assert ledger.unknown_scope("solo/agent-9") is None
-    assert ledger.unknown_scope("solo/agent-8/x") is not None  # deeper: a team it needs
+    assert ledger.unknown_scope("solo/agent-8/x") is None  # its accepted job's rows name it
+    assert ledger.unknown_scope("solo/agent-7/x") is not None  # deeper: a team it needs
     pool = Pool("solo", "lab", 1, (8, 64, 256), ("local:box8",), "H100")
     ledger.set_pool(pool, [TeamQuota("lab", "solo/ml", proportional(pool, 8))])
-    assert ledger.unknown_scope("solo/agent-9").startswith(  # solo now has a team
-        "team solo/agent-9 of scope solo/agent-9 does not exist"
-    )
+    for scope in ("solo/agent-9", "solo/agent-8", "solo/agent-8/x"):  # solo now has a team
+        team = "/".join(scope.split("/")[:2])
+        assert ledger.unknown_scope(scope).startswith(f"team {team} of scope {scope} ")
 
 
 def test_run_gpu_job_and_gpu_task_end_in_the_named_state(prefect_api, prices, tmp_path):

@@ -264,8 +264,10 @@ class ReadsMixin(EngineMixin):
         when every one exists. An org exists once anything names it (a budget, a session
         template, a pool, a share in a pool, agent limits, a priority class, a job). A team
         (`org/team`) exists once an admin named it or a scope under it: a budget, a session
-        template, a share in a pool or agent limits; a job never makes one (a job in a team
-        nobody created is refused, so its rows cannot let the next one in).
+        template, a share in a pool or agent limits. A job's rows name a team only in an org
+        that has none of those (where a two-level scope is a session, and accepted): in an org
+        with teams a job in a team nobody created is refused, so its rows cannot let the next
+        one in.
 
         The team is asked about also when it is the scope's last level (`acme/visoin`), in an
         org that has any team: as Kueue admits no workload whose LocalQueue does not exist. An
@@ -287,6 +289,8 @@ class ReadsMixin(EngineMixin):
                 if _created(conn, level):
                     seen.add(level)
                     continue
+                if "/" in level and _named_by_jobs(conn, level) and not _has_teams(conn, path[0]):
+                    continue  # an org without teams: its accepted jobs' rows name it (not kept)
                 kind = "org" if "/" not in level else "team"
                 peers = _created_peers(conn, level)
                 close = near(level, peers)
@@ -358,6 +362,12 @@ def _created(conn: sa.Connection, level: str) -> bool:
     return any(
         conn.execute(sa.select(column).where(where).limit(1)).first() for column, where in named
     )
+
+
+def _named_by_jobs(conn: sa.Connection, level: str) -> bool:
+    """Whether a job (ever) ran in team `level` or a scope under it."""
+    where = sa.and_(jobs.c.org == org_of(level), _under(jobs.c.scope, level))
+    return conn.execute(sa.select(jobs.c.id).where(where).limit(1)).first() is not None
 
 
 def _has_teams(conn: sa.Connection, org: str) -> bool:

@@ -96,6 +96,7 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     GpuBudget(scope="sec2", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)
     ledger.set_session_template(BudgetRule("sec2/agents", hourly_cap_cents=360))
+    ledger.set_budget(BudgetRule("sec2/t"))  # sec2 has teams: the one its jobs run in too
     token = ledger.grant_agent("sec2/agents/a1")
     block = SpendLedger(database_url=ledger.url)
     with AwsServer() as aws:

@@ -20,6 +20,7 @@ RATE = 3_600_000  # local:box, $3.60/h
 BUDGETS = [
     BudgetRule("sim", hourly_cap_cents=720, period_budget_micro=10**9, period="day"),
     BudgetRule("sim/a", hourly_cap_cents=360, period_budget_micro=10**9, period="week"),
+    BudgetRule("sim/b"),  # team b exists (no limits of its own), as the live gate requires
 ]
 # (scope, arrival offset s, runtime s, priority): two scopes, a dozen jobs, known runtimes,
 # spaced so that no two arrivals or ends fall within 0.14 s (live threads add jitter)

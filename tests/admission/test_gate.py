@@ -208,9 +208,9 @@ def test_reject_and_timeout_carry_the_reason(ledger, prices):
     ledger.set_budget(BudgetRule("rt", hourly_cap_cents=360, on_limit="reject"))
     ledger.set_budget(BudgetRule("rt/wait", hourly_cap_cents=360, max_wait_s=1.0))
     gate = Gate(ledger, catalog=Catalog.load(prices))
-    held = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt/x")
+    held = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt")
     with pytest.raises(AdmissionRefused) as refused:
-        gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt/x")
+        gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt")
     assert refused.value.state_name == "OverBudget"
     assert "hourly cap of rt" in refused.value.reason
     started = time.time()

@@ -22,6 +22,7 @@ def test_flow_runs_settles_and_names_refusals(prefect_api, prices, tmp_path):
     GpuBudget(scope="lab", hourly_cap_usd="3.6", period_budget_usd=5).apply(ledger)
     GpuBudget(scope="lab/reject", hourly_cap_usd="3.6", on_limit="reject").apply(ledger)
     GpuBudget(scope="lab/wait", hourly_cap_usd="3.6", max_wait="1s").apply(ledger)
+    GpuBudget(scope="lab/a").apply(ledger)  # lab has teams: the one the first job runs in too
     block = SpendLedger(database_url=url)
 
     @flow

@@ -44,6 +44,8 @@ def lab(prefect_api, prices, tmp_path):
     ledger = Ledger(url)
     GpuBudget(scope="lab", hourly_cap_usd="7.2", period_budget_usd=50).apply(ledger)
     GpuBudget(scope="lab/tight", hourly_cap_usd="1", on_limit="reject").apply(ledger)
+    for team in ("sweep", "slow", "retry", "a", "b", "flow"):  # lab has teams: each must exist
+        ledger.set_budget(BudgetRule(f"lab/{team}"))
     return ledger, SpendLedger(database_url=url)
 
 

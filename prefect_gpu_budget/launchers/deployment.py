@@ -492,6 +492,7 @@ class DeploymentLauncher(Block):
                 ended = max(deadline, claimed, reported, scanned if seen_late else 0.0)
                 how = END_NOT_OBSERVED if ended == deadline else _billed_to(ended, deadline)
                 detail = "; ".join(x for x in (suspicion, how) if x)
+                log(f"flow run {run_id}: {detail}")
                 if deleted:
                     return LaunchResult(
                         "failed",
@@ -501,7 +502,6 @@ class DeploymentLauncher(Block):
                         external_id=str(run_id),
                         capacity_wait_s=max(0.0, started - created),
                     )
-                log(f"flow run {run_id}: {detail}")
                 return self._result(flow_run, created, started, stopped_for, ended, detail)
             time.sleep(self.poll_s)
 

@@ -26,6 +26,21 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     drop_created()  # each worker of a parallel run drops the databases it created
 
 
+SUITE_WORKERS = 4
+"""Workers for a run of the whole suite (`-n auto` in `addopts`): most tests wait on servers
+and subprocesses, so more workers than the 2 cores of the machine it is measured on pay."""
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`SUITE_WORKERS` for the whole suite (no paths named), else none: a run of chosen tests
+    stays in one process, as light on a shared machine as before (`-n 4` spreads it too).
+    `PYTEST_XDIST_AUTO_NUM_WORKERS` decides when set."""
+    chosen = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if chosen:
+        return int(chosen)
+    return SUITE_WORKERS if config.args_source is pytest.Config.ArgsSource.TESTPATHS else 0
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The tests run in parallel workers (`addopts`); a module whose tests share a

@@ -49,7 +49,8 @@ def victims(
     cap: Capacity, pool: Pool, quota: TeamQuota, shape: Shape, priority: int
 ) -> tuple[tuple[Placed, ...], str]:
     """The jobs to preempt so that a job of `quota.team` at `priority` fits, and, when there are
-    none because of the team's settings, a note saying which setting keeps them running."""
+    none, a note saying why where it is not plain: the team's setting that keeps them running,
+    or the quota of a borrower that freeing a machine would cut into."""
     own, others, spared, kept = [], [], [], []
     borrowing: dict[str | None, bool] = {}
     for job in cap.placed:
@@ -78,15 +79,24 @@ def victims(
         return (), (
             f"; team {quota.team} does not preempt its own lower-priority work (within_team: never)"
         )
-    if not spared or not cap.within_quota(shape):
+    if not cap.within_quota(shape):
         return (), ""
-    if quota.reclaim == "never":
+    if spared and quota.reclaim == "never":
         return (), f"; team {quota.team} takes back no capacity it lent (reclaim: never)"
-    return (), (
-        f"; team {quota.team} takes back lent capacity only from lower-priority work "
-        f"(reclaim: lower_priority), and {len(spared)} borrowing job"
-        f"{'' if len(spared) == 1 else 's'} here run at priority {priority} or higher"
-    )
+    if spared:
+        return (), (
+            f"; team {quota.team} takes back lent capacity only from lower-priority work "
+            f"(reclaim: lower_priority), and {len(spared)} borrowing job"
+            f"{'' if len(spared) == 1 else 's'} here run at priority {priority} or higher"
+        )
+    if others:  # borrowers there are, and the settings allow them, but no set will do
+        teams = ", ".join(sorted({str(job.shape.team) for job in others}))
+        room = "a machine" if pool.kind == "inventory" else "room"
+        return (), (
+            f"; taking back lent capacity would free {room} for it only by cutting team "
+            f"{teams} below its quota"
+        )
+    return (), ""
 
 
 def describe(job: Placed, team: str) -> str:
@@ -163,13 +173,12 @@ def _choose(
     or with `nominal` off within its borrow limit), from Kueue's walk and from the machines
     that cost the least to free; nothing if no set will do."""
     shares = _ranker(cap, pool, quota.team)
-    found = [
-        chosen
-        for seed in ((), _machines(cap, pool, quota, shape, candidates, shares))
-        if seed is not None
-        for chosen in [_walk(cap, pool, quota, shape, candidates, nominal, seed)]
-        if chosen
-    ]
+    seeds: list[Sequence[Placed]] = [()]
+    machines = _machines(cap, pool, quota, shape, candidates, shares)
+    if machines is not None:
+        seeds.append(machines)
+    walked = (_walk(cap, pool, quota, shape, candidates, nominal, seed) for seed in seeds)
+    found = [chosen for chosen in walked if chosen]
     if not found:
         return ()
     return min(found, key=lambda chosen: _cost(chosen, quota.team, shares))

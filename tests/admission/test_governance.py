@@ -401,7 +401,10 @@ def test_a_borrower_is_never_cut_below_its_quota_for_a_placement(ledger):
     assert all(_state(ledger, job_id) == "admitted" for job_id in b_jobs)  # B: 12 of its 8
     a_job, waits = ledger.request(_job("acme/a/s", gpus=6))  # within A's quota of 6
     assert waits.verdict == "wait" and not waits.preempt
-    assert waits.reason == "waiting for 1 x 6 H100 in pool lab-a: 0 nodes free"
+    assert waits.reason == (
+        "waiting for 1 x 6 H100 in pool lab-a: 0 nodes free; taking back lent capacity would "
+        "free a machine for it only by cutting team acme/b below its quota"
+    )
     assert all(ledger.job(job_id)["preempt_at"] is None for job_id in b_jobs)
     ledger.cancel_queued(a_job, "acme/a/s", "test over")
     for job_id in (c_job, *b_jobs):

@@ -141,3 +141,23 @@ def test_random_draws_differ_per_spec_unless_seeded(tmp_path):
     assert one.trials() != two.trials()
     again = _spec(tmp_path, grid={}, random=dims, samples=4, seed=one.seed)
     assert again.trials() == one.trials()
+
+
+def test_a_cancelled_sweeps_state_raises_as_prefect_does_and_keeps_its_table():
+    """What a stopped sweep's run ends with: asked for its result it raises Prefect's
+    `CancelledRun` (never a TypeError about a DataFrame); the table stays on the exception."""
+    import pickle
+
+    import pandas as pd
+    from prefect.exceptions import CancelledRun
+    from prefect.states import Cancelled
+
+    from prefect_gpu_budget.flows.sweep import SweepCancelled
+
+    df = pd.DataFrame([{"trial": 0, "state": "Cancelled", "reason": "stopped by Ctrl-C"}])
+    state = Cancelled(message="0 of 1 trials completed", data=SweepCancelled("stopped", df))
+    with pytest.raises(CancelledRun, match="stopped"):
+        state.result()
+    kept = state.result(raise_on_failure=False)
+    assert kept.trials.equals(df)
+    assert pickle.loads(pickle.dumps(kept)).trials.equals(df)

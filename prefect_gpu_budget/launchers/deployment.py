@@ -23,8 +23,9 @@ reads can only make a job cost more, never less:
 - the job keeps its slot until then: `run` returns no earlier than max_runtime, however early
   the flow run says it ended, and says so (`END_NOT_OBSERVED` in its detail and log);
 - at max_runtime a flow run that is not over is cancelled; one that says it is over while its
-  processes are still seen here, or without its worker's report that its process ended, is
-  called suspicious, billed as above and set to Cancelling so that its worker kills it; what
+  processes are still seen here, or without its worker's report that its process ended
+  (waited for `kill_grace` + `cancel_wait_s`: events land late), is called suspicious, billed
+  as above and set to Cancelling so that its worker kills it; what
   of it is still seen here `kill_grace` + `cancel_wait_s` after that is SIGKILLed by the
   launcher itself (a child that left its process group, which the worker's kill misses);
 - `probe` (reconcile's view of an orphan) answers `running` for any started flow run: the
@@ -472,6 +473,13 @@ class DeploymentLauncher(Block):
                         stopped_for = self._try_cancel(run_id, why, log, "timed_out")
                     checked = stopped_for is not None
                     asked = now if checked and asked is None else asked
+                elif (
+                    not pids
+                    and not deleted
+                    and now < deadline + job.kill_grace + self.cancel_wait_s
+                    and self._process_ended(client, run_id) is None
+                ):
+                    pass  # its worker's report may be on its way (events land late): wait
                 else:
                     checked = True
                     suspicion = self._suspicion(client, flow_run, pids, deleted)
@@ -485,7 +493,7 @@ class DeploymentLauncher(Block):
                 elif not over and not told_overdue:
                     told_overdue = True  # say it once; keep metering until it really ends
                     log(f"flow run {run_id} has not ended since it was cancelled; still metered")
-            if over and now >= deadline and not pids:
+            if over and checked and not pids:
                 if record is not None:
                     record.finish()  # on record before the gate settles
                 reported = self._process_ended(client, run_id) or 0.0

@@ -383,6 +383,18 @@ class Capacity:
                     f"needs {_amount(shape.total, i, model)}, more than team {quota.team}'s "
                     f"quota of {_amount(quota.quota, i, model)}{borrow} in pool {pool.name}"
                 )
+            teams = self.teams(pool.name)
+            lent = add(  # the most others may ever lend: what no team holds, and their lend_pct
+                pos(sub(pool.total, _sum(q.quota for q in teams))),
+                _sum(pct(q.quota, q.lend_pct) for q in teams if q.team != quota.team),
+            )
+            if not fits_in(shape.total, add(quota.quota, lent)):
+                i = _binding(shape.total, add(quota.quota, lent))
+                return (
+                    f"needs {_amount(shape.total, i, model)}, more than team {quota.team}'s "
+                    f"quota of {_amount(quota.quota, i, model)} plus the most other teams may "
+                    f"lend ({_amount(lent, i, model)}) in pool {pool.name}"
+                )
         return None
 
     def place(self, pool: Pool, shape: Shape, without: frozenset[str]) -> tuple[int, ...] | None:

@@ -600,3 +600,26 @@ def test_an_org_defines_at_most_ten_priority_classes_as_hyperpod(ledger):
         c["name"]: c["value"] for c in ledger.priority_classes("acme") if c["defined_by"] == "acme"
     }
     assert len(own) == 10 and own["c9"] == 95 and "c10" not in own
+
+
+def test_a_job_more_than_others_may_ever_lend_is_refused_at_once(ledger):
+    """B lends nothing (HyperPod's DontLend, Kueue's lendingLimit 0): A's 16-GPU job, within
+    A's quota plus its borrow limit, could never fit, and is refused at once, naming why."""
+    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    pool = _pool(2)
+    ledger.set_pool(
+        pool,
+        [
+            TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=100),
+            TeamQuota("lab-a", "acme/b", proportional(pool, 8), lend_pct=0),
+        ],
+    )
+    _, decision = ledger.request(_job("acme/a/s", nodes=2))
+    assert decision.verdict == "reject"
+    assert decision.reason == (
+        "can never fit: needs 16 H100, more than team acme/a's quota of 8 H100 plus the most "
+        "other teams may lend (0 H100) in pool lab-a"
+    )
+    own, fits = ledger.request(_job("acme/a/s"))  # its own quota still runs
+    assert fits.verdict == "admit"
+    _done(ledger, own)

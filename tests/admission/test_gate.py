@@ -197,10 +197,11 @@ def test_priority_then_arrival_order(ledger, prices):
     for name, priority in [("low-1", -100), ("normal-1", 0), ("high-1", 100), ("normal-2", 0)]:
         threads.append(threading.Thread(target=wait, args=(name, priority)))
         threads[-1].start()
-        time.sleep(0.15)
+        queued = len(threads)  # each waits in line before the next arrives
+        wait_for(lambda n=queued: len(ledger.jobs("prio", states=("queued",))) == n, 120, name)
     gate.settle(running, ended_at=time.time(), outcome="completed")
     for t in threads:
-        t.join(timeout=20)
+        t.join(timeout=120)
     assert order == ["high-1", "normal-1", "normal-2", "low-1"]
 
 
@@ -278,17 +279,20 @@ def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, 
 
 
 class _SlowLimits:
-    """Prefect limits answering a request for slots only after `delay` seconds (a Prefect API
-    coming back from an outage): the gate's side of the conversation, nothing else."""
+    """Prefect limits answering a request for slots only after `delay` seconds, or as soon as
+    the test sets `go` (a Prefect API coming back from an outage): the gate's side of the
+    conversation, nothing else. `asked` is set once a request for slots is outstanding."""
 
     def __init__(self, delay: float) -> None:
         self.delay, self.taken, self.released = delay, [], []
+        self.asked, self.go = threading.Event(), threading.Event()
 
     def ensure(self, caps) -> None:
         pass
 
     def acquire(self, scopes: list[str], slots: int) -> str:
-        time.sleep(self.delay)
+        self.asked.set()
+        self.go.wait(self.delay)
         self.taken.append(f"lease-{len(self.taken) + 1}")
         return self.taken[-1]
 
@@ -339,16 +343,22 @@ def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices
     released."""
 
     ledger.set_budget(BudgetRule("intr", hourly_cap_cents=720))
-    limits = _SlowLimits(delay=0.6)
+    limits = _SlowLimits(delay=300)  # answers when the test says so
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+
+    def interrupt_while_asked() -> None:
+        if limits.asked.wait(120):  # the request for slots is outstanding
+            os.kill(os.getpid(), signal.SIGUSR1)
+
     previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        threading.Thread(target=interrupt_while_asked, daemon=True).start()
         with pytest.raises(_Interrupted):
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "intr/t")
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    time.sleep(1.0)  # a thread still taking slots would have taken them by now
+    limits.go.set()  # the slots come now, after the interrupt
+    wait_for(lambda: limits.released, 60, "the late lease to be released")
     assert limits.taken == ["lease-1"]
     assert limits.released == ["lease-1"]
     (row,) = ledger.jobs("intr")
@@ -370,16 +380,19 @@ def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
     before the caller even waits for the thread taking them): that thread then finds the job
     no longer active, records nothing and releases the lease itself."""
     ledger.set_budget(BudgetRule("gone", hourly_cap_cents=720))
-    limits = _SlowLimits(delay=0.6)
+    limits = _SlowLimits(delay=300)  # answers when the test says so
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
 
     def settle_meanwhile() -> None:
-        (row,) = ledger.jobs("gone")
-        ledger.settle(row["id"], ended_at=time.time(), outcome="cancelled")
+        if limits.asked.wait(120):  # the request for slots is outstanding
+            (row,) = ledger.jobs("gone")
+            ledger.settle(row["id"], ended_at=time.time(), outcome="cancelled")
+        limits.go.set()  # the slots come after the settlement
 
-    threading.Timer(0.3, settle_meanwhile).start()
+    threading.Thread(target=settle_meanwhile, daemon=True).start()
     with pytest.raises(AdmissionGone):
         gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "gone/t")
+    wait_for(lambda: limits.released, 60, "the lease to be released")
     assert limits.taken == limits.released == ["lease-1"]
     (row,) = ledger.jobs("gone")
     assert (row["state"], row["lease_id"]) == ("settled", None)

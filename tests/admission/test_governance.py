@@ -313,6 +313,10 @@ def test_the_cli_sets_a_teams_settings_and_keeps_what_it_leaves_out(
         assert code == 2 and len(lines) == 1, err
         assert lines[0].startswith(f"error: {field}: must be "), err
     assert ledger.capacity("acme")[1] == [kept]  # nothing written
+    from prefect_gpu_budget.cli import common
+
+    monkeypatch.setenv("COLUMNS", "300")  # a narrower table wraps the cell
+    monkeypatch.setattr(common._Console, "_rich", None)
     code, out, err = _cli(monkeypatch, capsys, ledger_url, "capacity", "acme")
     assert code == 0 and "lower_priority / never / strict_fifo" in out, err
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 
-from prefect_gpu_budget.admission import audit, gate, ledger, limits, reconcile, timing
+from prefect_gpu_budget.admission import audit, gate, ledger, reconcile
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.timing import (
     FRESH_ADMISSION_S,
@@ -78,27 +78,3 @@ def test_the_cli_and_the_flow_default_to_the_same_staleness() -> None:
     assert option.default == "120s"  # the help text as before
     assert parse_duration(option.default, "stale_after") == STALE_AFTER_S
     assert _default(reconcile_flow.fn, "stale_after_s") == STALE_AFTER_S
-
-
-def test_the_old_names_still_import_from_their_old_modules() -> None:
-    for module, names in (
-        (limits, ["LEASE_S"]),
-        (ledger, ["STALE_WAITER_S"]),
-        (
-            gate,
-            [
-                "LEASE_S",
-                "LIMIT_RETRY_S",
-                "LIVENESS_S",
-                "REQUEST_PATIENCE_S",
-                "GIVE_BACK_S",
-                "SETTLE_PATIENCE_S",
-            ],
-        ),
-        (
-            reconcile,
-            ["HEARTBEAT_S", "REPOSSESS_S", "UNRECORDED_LEASE_S", "LEASE_S", "LIVENESS_S"],
-        ),
-    ):
-        for name in names:
-            assert getattr(module, name) == getattr(timing, name), (module.__name__, name)

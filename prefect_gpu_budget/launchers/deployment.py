@@ -80,6 +80,7 @@ from prefect_gpu_budget.launchers.base import (
 from prefect_gpu_budget.launchers.local import marked_processes
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
+from prefect_gpu_budget.workers import GATED_TYPES
 
 logger = logging.getLogger("prefect_gpu_budget.launchers.deployment")
 
@@ -242,9 +243,19 @@ class DeploymentLauncher(Block):
     # -- the Launcher protocol --------------------------------------------------------------
 
     def preflight(self, job: GpuJob, quote: Quote) -> None:
-        """The deployment exists and takes every parameter this launcher passes."""
+        """The deployment exists, takes every parameter this launcher passes, and runs on a
+        work pool that does not gate its runs again (its job would be reserved twice)."""
         with get_client(sync_client=True) as client:
             deployment = self._read_deployment(client)
+            pool = deployment.work_pool_name
+            kind = client.read_work_pool(pool).type if pool else ""
+        if kind in GATED_TYPES:
+            raise LaunchConfigError(
+                self.kind,
+                f"deployment {self.deployment!r} runs on work pool {pool!r} of type {kind}, "
+                "which passes each run through the gate itself: run the job there directly, "
+                "or deploy the target to a pool of another type",
+            )
         schema = deployment.parameter_openapi_schema or {}
         known = schema.get("properties")
         if not isinstance(known, dict):

@@ -19,6 +19,7 @@ from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed
 
 from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
+from prefect_gpu_budget.admission.ledger import PREEMPTED
 from prefect_gpu_budget.admission.lifecycle import (
     CANCELLED,
     STOPPED_BY_OWNER,
@@ -90,6 +91,10 @@ def open_gate(url: str | None, warning: Callable[[str], None]) -> Gate:
     """The process's gate for the ledger at `url` (None: the configured one), opened
     patiently: while the ledger is down, `warning` hears so and opening is retried."""
     return patiently("opening the ledger", lambda: _gate(url), warning, REQUEST_PATIENCE_S)
+
+
+_ENDINGS = {TIMED_OUT: "TimedOut", PREEMPTED: "Preempted"}
+"""The Failed state's name for a launcher job a stop ended (not requeued)."""
 
 
 def _flow_run_id() -> str | None:
@@ -203,6 +208,7 @@ def run_gpu_job(
         )
         if result.outcome == CANCELLED and result.detail.startswith(STOPPED_BY_OWNER):
             return Cancelled(message=message)  # type: ignore[return-value]
-        name = "TimedOut" if result.outcome == TIMED_OUT else "GpuJobFailed"  # as @gpu_task's
+        # one name per ending, as @gpu_task's and the worker types' (events.stopped_state)
+        name = _ENDINGS.get(result.outcome, "GpuJobFailed")
         return Failed(name=name, message=message)  # type: ignore[return-value]
     return out

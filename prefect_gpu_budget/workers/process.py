@@ -64,6 +64,7 @@ from prefect_gpu_budget.launchers.local import (
     marked_processes,
     stop_pid,
 )
+from prefect_gpu_budget.workers import PROCESS_TYPE
 from prefect_gpu_budget.workers.gating import GATE_VARIABLES as GATE_VARIABLES
 from prefect_gpu_budget.workers.gating import (
     GateConfiguration,
@@ -192,7 +193,7 @@ class _StartWatch:
 class GpuBudgetProcessWorker(ProcessWorker):
     """Prefect's process worker, gated: see the module's docstring."""
 
-    type = "gpu-budget-process"
+    type = PROCESS_TYPE
     job_configuration = GpuBudgetProcessJobConfiguration
     job_configuration_variables = GpuBudgetProcessVariables
     _display_name = "GPU Budget Process"

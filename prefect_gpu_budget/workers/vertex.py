@@ -58,6 +58,7 @@ from prefect_gpu_budget.launchers.vertex import (
 )
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import parse_duration
+from prefect_gpu_budget.workers import VERTEX_TYPE
 from prefect_gpu_budget.workers.gating import (
     GateConfiguration,
     GateVariables,
@@ -193,7 +194,7 @@ class _Credentials:
 class GpuBudgetVertexWorker(VertexAIWorker):
     """prefect-gcp's Vertex AI worker, gated: see the module's docstring."""
 
-    type = "gpu-budget-vertex-ai"
+    type = VERTEX_TYPE
     job_configuration = GpuBudgetVertexJobConfiguration  # type: ignore[assignment]
     job_configuration_variables = GpuBudgetVertexVariables  # type: ignore[assignment]
     _display_name = "GPU Budget Vertex AI"

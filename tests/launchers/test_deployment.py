@@ -43,12 +43,14 @@ from prefect_gpu_budget.launchers.deployment import (
     DeploymentLauncher,
 )
 from prefect_gpu_budget.settings import METRICS_ENV
+from prefect_gpu_budget.workers import PROCESS_TYPE
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
 from tests.prefect_server import free_port, stop_groups, wait_for
 
 POOL = "gpu-process"
 IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start
+GATED_POOL = "gpu-gated"  # a gated worker type's pool: a launcher must not reserve twice
 SCOPE = "acme/vision/agent-7"
 METRICS_FILE = "/job/metrics.jsonl"  # only handed to the job's environment, never written
 HERE = Path(__file__).parent
@@ -89,8 +91,10 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         ):
             mp.setenv("PREFECT_API_URL", api)
             with get_client(sync_client=True) as client:
-                for name in (POOL, IDLE_POOL):
-                    client.create_work_pool(WorkPoolCreate(name=name, type="process"))
+                for name, kind in ((POOL, "process"), (IDLE_POOL, "process")) + (
+                    (GATED_POOL, PROCESS_TYPE),
+                ):
+                    client.create_work_pool(WorkPoolCreate(name=name, type=kind))
             worker = subprocess.Popen(  # starts up while the target is deployed
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL]
                 + ["--type", "process"],
@@ -101,7 +105,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             )
             procs.append(worker)
             target = flow.from_source(source=str(HERE), entrypoint="deploy_target.py:target")
-            for name, work_pool in (("sweep", POOL), ("idle", IDLE_POOL)):
+            for name, work_pool in (("sweep", POOL), ("idle", IDLE_POOL), ("gated", GATED_POOL)):
                 target.deploy(
                     name=name,
                     work_pool_name=work_pool,
@@ -448,6 +452,10 @@ def test_preflight_refuses_a_wrong_deployment_in_one_line_and_writes_nothing(poo
         (
             DeploymentLauncher(deployment="gpu-target/sweep", job_parameter="spec"),
             "has no parameter 'spec'",
+        ),
+        (
+            DeploymentLauncher(deployment="gpu-target/gated"),
+            f"runs on work pool 'gpu-gated' of type {PROCESS_TYPE}, which passes each run",
         ),
     ]
     for launcher, reason in cases:

@@ -32,8 +32,9 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _job(tmp: Path, name: str, seconds: float, priority: str) -> GpuJob:
+def _job(tmp: Path, name: str, seconds: float, priority: str, requeue: bool = True) -> GpuJob:
     return GpuJob(
+        requeue=requeue,
         instance_type="local:h100x8",
         max_runtime="2m",
         kill_grace="5s",
@@ -44,7 +45,12 @@ def _job(tmp: Path, name: str, seconds: float, priority: str) -> GpuJob:
 
 
 @pytest.mark.timeout(300)
-def test_borrowed_work_is_preempted_gracefully_and_requeued(prefect_api, tmp_path, monkeypatch):
+@pytest.mark.parametrize("requeue", [True, False], ids=["requeued", "not requeued"])
+def test_borrowed_work_is_preempted_gracefully_and_requeued(
+    prefect_api, tmp_path, monkeypatch, requeue
+):
+    """Queued again when its job asks (`GpuJob.requeue`), else ending `Preempted` as a
+    `@gpu_task` and the worker types do."""
     prices = set_local_price("h100x8", "8", gpus=8, path=tmp_path / "prices.csv")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
     default_catalog.cache_clear()
@@ -62,27 +68,36 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(prefect_api, tmp_pat
     block = SpendLedger(database_url=url)
 
     @flow
-    def contention() -> None:
+    def contention() -> str:
         own = run_gpu_job.submit(_job(tmp_path, "b-own", 6, "low"), "acme/b/s", block)
         while not ledger.jobs("acme/b", states=("running",)):
             time.sleep(0.1)
-        borrowed = run_gpu_job.submit(_job(tmp_path, "b-borrowed", 60, "low"), "acme/b/s", block)
+        borrowed = run_gpu_job.submit(
+            _job(tmp_path, "b-borrowed", 60, "low", requeue), "acme/b/s", block
+        )
         while len(ledger.jobs("acme/b", states=("running",))) < 2:
             time.sleep(0.1)
         mine = run_gpu_job.submit(_job(tmp_path, "a-own", 1, "high"), "acme/a/s", block)
         for future in (own, borrowed, mine):
-            future.result()
+            future.wait()
+        assert own.state.is_completed() and mine.state.is_completed()
+        return borrowed.state.name
 
-    contention()
+    ended_as = contention()
     rows = {}
     for row in ledger.jobs():
         rows.setdefault(row["name"], []).append(row)
     [own], [mine] = rows["b-own"], rows["a-own"]
-    first, again = sorted(rows["b-borrowed"], key=lambda r: r["requested_at"])
+    first, *again = sorted(rows["b-borrowed"], key=lambda r: r["requested_at"])
     assert own["outcome"] == "completed" and mine["outcome"] == "completed"
     assert first["outcome"] == "preempted" and first["preempt_at"] is not None
     assert (tmp_path / "b-borrowed.ckpt").read_text() == "step 3"  # it checkpointed
     assert first["ended_at"] - mine["requested_at"] < 5  # stopped promptly, not at the grace
     assert 0 < first["actual_micro"] < first["reserved_micro"]  # paid only for what it used
     assert mine["admitted_at"] >= first["settled_at"]  # the capacity was free when a took it
+    if not requeue:
+        assert not again and ended_as == "Preempted"
+        return
+    [again] = again
+    assert ended_as == "Completed"
     assert again["outcome"] == "completed" and again["requested_at"] >= first["settled_at"]

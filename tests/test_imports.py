@@ -250,7 +250,7 @@ def test_the_models_below_the_flows_never_reach_up_even_lazily():
         reached = {t for t in _imports(module, MODULES[module], lazy=True) if floor_of(t) in high}
         assert not reached, f"{module} imports {sorted(reached)}"
     # The local launcher names its processes with `identity`, not the ledger, and records a
-    # start through `admission.handoff`, not the gate.
+    # start through `threads`, not the gate.
     assert not {t for t in GRAPH[f"{PACKAGE}.launchers.local"] if floor_of(t) is not None}
 
 
@@ -264,7 +264,7 @@ def test_the_spec_the_forecast_and_process_identity_load_without_prefect():
 
 def test_the_local_launcher_loads_neither_the_gate_nor_the_ledger():
     """A launcher runs jobs; deciding and remembering are not its to load (its start goes
-    through `admission.handoff`)."""
+    through `threads`)."""
     import subprocess
 
     code = (

@@ -22,8 +22,6 @@ from typing import TypeVar
 
 from prefect_gpu_budget.admission.errors import AdmissionGone as AdmissionGone
 from prefect_gpu_budget.admission.errors import AdmissionRefused
-from prefect_gpu_budget.admission.handoff import Handoff as _Handoff
-from prefect_gpu_budget.admission.handoff import off_thread as _off_thread
 from prefect_gpu_budget.admission.leases import SlotLeases
 from prefect_gpu_budget.admission.ledger import (
     PREEMPTED,
@@ -53,6 +51,8 @@ from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, price_job
+from prefect_gpu_budget.threads import Handoff as _Handoff
+from prefect_gpu_budget.threads import off_thread as _off_thread
 from prefect_gpu_budget.units import fmt_usd, org_of, rate_cents, validate_scope
 
 log = logging.getLogger("prefect_gpu_budget.gate")
@@ -460,7 +460,10 @@ class Gate(SlotLeases):
         """Record the cloud's id of a job that may still wait for capacity."""
         record = functools.partial(self.ledger.record_submission, admission.job_id, external_id)
         _off_thread(
-            functools.partial(self.patiently, "recording the submission", record, SETTLE_PATIENCE_S)
+            functools.partial(
+                self.patiently, "recording the submission", record, SETTLE_PATIENCE_S
+            ),
+            SETTLE_PATIENCE_S,
         )
 
     def started(
@@ -471,7 +474,8 @@ class Gate(SlotLeases):
             self.ledger.mark_started, admission.job_id, started_at, external_id
         )
         if not _off_thread(
-            functools.partial(self.patiently, "recording the start", record, SETTLE_PATIENCE_S)
+            functools.partial(self.patiently, "recording the start", record, SETTLE_PATIENCE_S),
+            SETTLE_PATIENCE_S,
         ):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
@@ -491,7 +495,8 @@ class Gate(SlotLeases):
         return _off_thread(
             functools.partial(
                 self._settle, admission, ended_at, outcome, billed_seconds, actual_micro
-            )
+            ),
+            SETTLE_PATIENCE_S,
         )
 
     def _settle(

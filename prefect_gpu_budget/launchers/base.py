@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from prefect_gpu_budget.admission.handoff import Handoff
 from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Quote
+from prefect_gpu_budget.threads import Handoff
 
 OUTCOMES = ("completed", "failed", "timed_out", "cancelled", "launch_error", "wait_expired")
 
@@ -109,7 +109,7 @@ class StartRecord:
     reported start, from which max_runtime is timed all the same). Before it returns, the launcher calls `finish`, so that the gate settles only
     after the start is on record (else a job that ran would settle as never started, at $0).
 
-    The thread is a `handoff.Handoff`: an exception a signal raises in the launcher lands
+    The thread is a `threads.Handoff`: an exception a signal raises in the launcher lands
     in the launcher's wait, never inside the ledger call.
     """
 

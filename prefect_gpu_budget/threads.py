@@ -3,7 +3,8 @@ waits for it, so that an exception a signal raises in the caller (Ctrl-C, a task
 one another thread injects) lands in that wait, never inside code that holds a lock (SQLAlchemy's
 pool, the HTTP client), where it would leave the lock held and hang the process.
 
-The gate admits and settles through it, and the launchers record a job's start through it.
+The gate admits and settles through it, and the launchers record a job's start through it:
+it sits below both, and each passes the patience its call deserves.
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ import contextvars
 import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
-
-from prefect_gpu_budget.admission.timing import SETTLE_PATIENCE_S
 
 T = TypeVar("T")
 
@@ -97,6 +96,7 @@ class Handoff(Generic[T]):
         return bool(self.claims) and self.claims[0] == "cancelled"
 
 
-def off_thread(call: Callable[[], T], patience: float = SETTLE_PATIENCE_S) -> T:
-    """`call()` in a thread of its own, run to its end even if the caller is cancelled."""
+def off_thread(call: Callable[[], T], patience: float) -> T:
+    """`call()` in a thread of its own, run to its end even if the caller is cancelled (then
+    awaited up to `patience` s more)."""
     return Handoff().run(call, patience)

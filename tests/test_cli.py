@@ -403,6 +403,14 @@ def test_mistakes_are_caught_with_did_you_mean(tmp_path):
     assert _cli_run(env, "status", "acme/vision").returncode == 0
 
 
+@pytest.mark.parametrize("argv", [[], ["budget"], ["pool"]], ids=["bare", "budget", "pool"])
+def test_a_command_named_alone_prints_its_help_and_no_traceback(tmp_path, argv):
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
+    done = _cli_run(env, *argv)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "Usage: " in done.stdout and "Commands" in done.stdout
+
+
 def test_a_child_cap_above_its_parents_is_set_with_a_warning(tmp_path):
     env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
     assert _cli_run(env, "budget", "set", "acme", "--hourly-cap", "60").returncode == 0

@@ -113,8 +113,11 @@ def main() -> None:
             typer.echo(f"error: {one_line(exc)}", err=True)
             sys.exit(2)
         if hasattr(exc, "format_message"):
+            lines = exc.format_message().splitlines()
+            if not lines:  # a group named alone: its help is printed already
+                sys.exit(2)
             param = getattr(getattr(exc, "param", None), "name", None)
-            message = exc.format_message().splitlines()[0]
+            message = lines[0]
             if param and param not in message:
                 message = f"{param}: {message}"
             typer.echo(f"error: {message}", err=True)

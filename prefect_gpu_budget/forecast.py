@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, hold_of
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold
+from prefect_gpu_budget.admission.policy import BudgetRule, Hold, max_wait_of
 from prefect_gpu_budget.pricing.catalog import price_job
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
@@ -166,7 +166,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         )
     path = [rules[s] for s in scope_path(spec.scope) if s in rules]
     own_wait = spec.job_for(trials[0], spec.name).max_wait if trials else None
-    max_wait = own_wait if own_wait is not None else path[-1].max_wait_s if path else 0.0
+    max_wait = max_wait_of(own_wait, path)
     return Forecast(
         trials=len(trials),
         admitted=len(admitted),

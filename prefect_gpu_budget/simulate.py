@@ -30,8 +30,10 @@ from prefect_gpu_budget.admission.policy import (
     Hold,
     LedgerState,
     Request,
+    max_wait_of,
     overrun_factor,
     plan,
+    wait_deadline,
 )
 from prefect_gpu_budget.units import rate_cents, scope_path
 
@@ -316,8 +318,7 @@ def simulate(
 def _wait_ends(req: Request, rules: dict[str, BudgetRule]) -> float:
     """When a waiting request's max wait runs out (its own, else its deepest budget's)."""
     path = [rules[s] for s in scope_path(req.scope) if s in rules]
-    max_wait = req.max_wait_s if req.max_wait_s is not None else path[-1].max_wait_s if path else 0
-    return req.requested_at + max_wait if max_wait > 0 else math.inf
+    return wait_deadline(req.requested_at, max_wait_of(req.max_wait_s, path))
 
 
 class OverrunWindows:

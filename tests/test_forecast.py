@@ -10,8 +10,9 @@ import pytest
 
 from prefect_gpu_budget import GpuBudget, SpendLedger
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+from prefect_gpu_budget.flows.sweep import gpu_sweep
 from prefect_gpu_budget.forecast import forecast
+from prefect_gpu_budget.sweep_spec import SweepSpec
 
 TOLERANCE = 0.4
 """Spend may differ by this fraction: real trials also pay their interpreter's start-up."""

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from prefect_gpu_budget.admission.errors import AdmissionGone as AdmissionGone
 from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.leases import SlotLeases
 from prefect_gpu_budget.admission.ledger import (
@@ -31,11 +30,10 @@ from prefect_gpu_budget.admission.ledger import (
     wait_key,
 )
 from prefect_gpu_budget.admission.limits import Limits
-from prefect_gpu_budget.admission.outages import OUTAGES as OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
 from prefect_gpu_budget.admission.outages import patiently
-from prefect_gpu_budget.admission.policy import BudgetRule, Decision
-from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; names kept here
+from prefect_gpu_budget.admission.policy import BudgetRule, Decision, max_wait_of, wait_deadline
+from prefect_gpu_budget.admission.timing import (
     FRESH_ADMISSION_S,
     GIVE_BACK_S,
     HEARTBEAT_S,
@@ -45,9 +43,6 @@ from prefect_gpu_budget.admission.timing import (  # the clocks live in timing; 
     SETTLE_PATIENCE_S,
     WAKE_ANYWAY_S,
 )
-from prefect_gpu_budget.admission.timing import LEASE_S as LEASE_S
-from prefect_gpu_budget.admission.timing import LIMIT_RETRY_S as LIMIT_RETRY_S
-from prefect_gpu_budget.admission.timing import LIVENESS_S as LIVENESS_S
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, price_job
@@ -357,8 +352,7 @@ class Gate(SlotLeases):
                 given_back = True  # what its watcher read before that may say it is admitted
             if deadline is None:  # told once, with the budgets its request was decided against
                 self.events.queued(job_id, decision, rules)
-                max_wait = job.max_wait if job.max_wait is not None else rules[-1].max_wait_s
-                deadline = started + max_wait if max_wait > 0 else float("inf")
+                deadline = wait_deadline(started, max_wait_of(job.max_wait, rules))
             elif (decision.limit, decision.scope) != last_block:
                 self.events.waiting(job_id, decision)
             last_block = (decision.limit, decision.scope)
@@ -383,13 +377,13 @@ class Gate(SlotLeases):
         return self.patiently("deciding", functools.partial(self.ledger.try_admit, job_id, scope))
 
     def _max_wait(self, job: GpuJob, scope: str) -> float:
-        """The job's own max wait, else its deepest budget's (0: wait forever)."""
+        """The job's max wait (`policy.max_wait_of`), its budgets read only when it names none."""
         if job.max_wait is not None:
             return job.max_wait
         rules = self.patiently(
             "reading budgets", functools.partial(self.ledger.path_budgets, scope)
         )
-        return rules[-1].max_wait_s if rules else 0.0
+        return max_wait_of(None, rules)
 
     def _start_heartbeat(self, admission: Admission) -> None:
         """One thread per admitted job: every `preempt_poll_s` it asks the ledger whether the

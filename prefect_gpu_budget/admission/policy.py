@@ -484,19 +484,31 @@ def _blocked(blockers: list[Decision]) -> Decision:
     )
 
 
+def max_wait_of(own: float | None, rules: Sequence[BudgetRule]) -> float:
+    """A job's max wait: its own (`GpuJob.max_wait`), else its deepest budget's; 0 (also with
+    no budget on its path): it waits for ever."""
+    if own is not None:
+        return own
+    return rules[-1].max_wait_s if rules else 0.0
+
+
+def wait_deadline(requested_at: float, max_wait: float) -> float:
+    """When a job asked at `requested_at` stops waiting (`inf`: never)."""
+    return requested_at + max_wait if max_wait > 0 else math.inf
+
+
 def _wait_or_end(
     state: LedgerState, req: Request, rules: list[BudgetRule], wait: Decision
 ) -> Decision:
     """Apply the job's (or its deepest budget's) on_limit and max_wait to a blocked job."""
     deepest = rules[-1]
     on_limit = req.on_limit or deepest.on_limit
-    max_wait = deepest.max_wait_s if req.max_wait_s is None else req.max_wait_s
+    max_wait = max_wait_of(req.max_wait_s, rules)
     if on_limit == "reject":
         return replace(
             wait, verdict="reject", reason=f"over budget: {wait.reason}", blocks=(), preempt=()
         )
-    waited = state.now - req.requested_at
-    if max_wait > 0 and waited >= max_wait:
+    if state.now >= wait_deadline(req.requested_at, max_wait):
         return replace(
             wait,
             verdict="timeout",

@@ -14,7 +14,8 @@ from prefect.schedules import Cron, Interval
 from prefect_gpu_budget.flows.agent import agent_sweep
 from prefect_gpu_budget.flows.reconcile import reconcile_flow
 from prefect_gpu_budget.flows.spend_report import spend_report
-from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+from prefect_gpu_budget.flows.sweep import gpu_sweep
+from prefect_gpu_budget.sweep_spec import SweepSpec
 
 SWEEP = "sweep"
 REPORT = "daily"

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from prefect_gpu_budget._lazy import lazy_exports
 
 _PUBLIC = {
-    "SweepSpec": "prefect_gpu_budget.flows.sweep",
+    "SweepSpec": "prefect_gpu_budget.sweep_spec",
     "agent_sweep": "prefect_gpu_budget.flows.agent",
     "gpu_sweep": "prefect_gpu_budget.flows.sweep",
     "reconcile_flow": "prefect_gpu_budget.flows.reconcile",
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from prefect_gpu_budget.flows.agent import agent_sweep
     from prefect_gpu_budget.flows.reconcile import reconcile_flow
     from prefect_gpu_budget.flows.spend_report import spend_report
-    from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+    from prefect_gpu_budget.flows.sweep import gpu_sweep
+    from prefect_gpu_budget.sweep_spec import SweepSpec
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _PUBLIC, globals())

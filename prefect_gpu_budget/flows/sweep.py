@@ -34,15 +34,11 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows.recording import SweepRecorder
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
-
-# The spec is a model of its own (no Prefect); its names stay importable from here.
-from prefect_gpu_budget.sweep_spec import MAX_FORMAT_WIDTH as MAX_FORMAT_WIDTH
-from prefect_gpu_budget.sweep_spec import MAX_TRIALS as MAX_TRIALS
-from prefect_gpu_budget.sweep_spec import JobShape as JobShape
-from prefect_gpu_budget.sweep_spec import RandomParam as RandomParam
-from prefect_gpu_budget.sweep_spec import Scalar as Scalar
-from prefect_gpu_budget.sweep_spec import SweepSpec as SweepSpec
-from prefect_gpu_budget.sweep_spec import load_spec as load_spec
+from prefect_gpu_budget.sweep_spec import (
+    Scalar,
+    SweepSpec,
+    load_spec,
+)
 from prefect_gpu_budget.tasks.defaults import job_defaults
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (

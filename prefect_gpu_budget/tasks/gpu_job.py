@@ -35,7 +35,6 @@ from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.settings import METRICS_ENV
-from prefect_gpu_budget.tasks.events import AWAITING_BUDGET as AWAITING_BUDGET
 from prefect_gpu_budget.tasks.events import prefect_events
 from prefect_gpu_budget.tasks.logs import install as _reason_once
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, redact_urls

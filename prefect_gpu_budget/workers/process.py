@@ -65,7 +65,6 @@ from prefect_gpu_budget.launchers.local import (
     stop_pid,
 )
 from prefect_gpu_budget.workers import PROCESS_TYPE
-from prefect_gpu_budget.workers.gating import GATE_VARIABLES as GATE_VARIABLES
 from prefect_gpu_budget.workers.gating import (
     GateConfiguration,
     GateVariables,
@@ -73,7 +72,6 @@ from prefect_gpu_budget.workers.gating import (
     admit_flow_run,
     refuse_shared_state,
 )
-from prefect_gpu_budget.workers.gating import overrides_refusal as overrides_refusal
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun

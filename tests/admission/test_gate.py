@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.audit import promise1_violations
-from prefect_gpu_budget.admission.gate import AdmissionGone, AdmissionRefused, Gate
+from prefect_gpu_budget.admission.errors import AdmissionGone
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile

@@ -11,8 +11,9 @@ from pydantic import ValidationError
 
 from prefect_gpu_budget import GpuBudget, SpendLedger
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.flows.sweep import SweepSpec, gpu_sweep
+from prefect_gpu_budget.flows.sweep import gpu_sweep
 from prefect_gpu_budget.job import one_line
+from prefect_gpu_budget.sweep_spec import SweepSpec
 
 TRIAL = (
     "import json, os, sys\n"

@@ -157,8 +157,8 @@ def stop_and_leave(
         for row in ledger.jobs(scope, flow_run_id=run_id)
     )
     typer.echo(
-        f"{what} stopped: {stopped[STOPPING]} running trials stopped, "
-        f"{stopped[CANCELLED]} queued cancelled; it cost {fmt_usd(spent)}",
+        f"{what} stopped: {stopped[STOPPING]} running trial{'s' * (stopped[STOPPING] != 1)} "
+        f"stopped, {stopped[CANCELLED]} queued cancelled; it cost {fmt_usd(spent)}",
         err=True,
     )
     _leave(EXIT_CODE)

@@ -107,7 +107,7 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
 def _stopped_line(err: str, what: str) -> tuple[int, int]:
     """(running trials stopped, queued cancelled) from the command's one line."""
     [said] = [line for line in err.splitlines() if line.startswith(f"{what} stopped:")]
-    found = re.search(r"(\d+) running trials stopped, (\d+) queued cancelled; it cost \$", said)
+    found = re.search(r"(\d+) running trials? stopped, (\d+) queued cancelled; it cost \$", said)
     assert found, said
     return int(found[1]), int(found[2])
 

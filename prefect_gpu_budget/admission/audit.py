@@ -37,7 +37,7 @@ from prefect_gpu_budget.admission.ledger import (
     process_start_ticks,
 )
 from prefect_gpu_budget.admission.limits import RateLimits
-from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
+from prefect_gpu_budget.admission.policy import BudgetRule, held_in
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.units import fmt_usd, scope_path
 
@@ -136,7 +136,7 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
             ]
             touched = period_shares(new.reserved_micro, new.start, new.end, rule)
             for p_start, _ in touched:
-                reserved = sum(share_in(*committed(h, at), rule, p_start) for h in held)
+                reserved = sum(held_in(h, at, rule, p_start) for h in held)
                 total = settled[(rule.scope, p_start)] + reserved
                 if total > budget:
                     found.append(

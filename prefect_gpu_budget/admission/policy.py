@@ -61,6 +61,9 @@ class Hold:
     """For metering: what the job costs per hour while it runs."""
     max_end: float | None = None
     """When the launcher stops it at the latest (start + max_runtime)."""
+    started: bool = True
+    """False while an admitted job has not started (a cloud job waiting for capacity): it may
+    still start in any later period and spend all of its reservation there (`held_in`)."""
 
 
 def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float, float]:
@@ -76,6 +79,21 @@ def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float
         worst = cost_micro(hold.rate_micro_per_hour, until - hold.start, round_up=True)
         return max(hold.reserved_micro, worst), hold.start, until
     return hold.reserved_micro, hold.start, hold.end
+
+
+def held_in(
+    hold: Hold, now: float, rule: BudgetRule, period_start: float, metering: bool = True
+) -> int:
+    """What an admitted job holds in one period of `rule`'s: once started, its commitment
+    (`committed`) spread over its interval; until then all of it in the current period and in
+    every later one, since a late start (a cloud job waiting for capacity hours after its
+    admission) can put all of its spend in any of them. (Spread from `now` instead, as a hold
+    sliding with the clock, a job admitted before midnight and started after it spent in the
+    new day what no decision had counted there.)"""
+    amount, start, end = committed(hold, now, metering)
+    if hold.started:
+        return share_in(amount, start, end, rule, period_start)
+    return amount if periods.bounds(rule.period, rule.timezone, period_start)[1] > now else 0
 
 
 OVERRUN_QUANTILE = 0.9
@@ -220,8 +238,7 @@ class _Usage:
             prefix = rule.scope + "/"
             for hold in self.state.holds:
                 if hold.scope == rule.scope or hold.scope.startswith(prefix):
-                    amount, start, end = committed(hold, self.state.now, self.state.metering)
-                    total += share_in(amount, start, end, rule, period_start)
+                    total += held_in(hold, self.state.now, rule, period_start, self.state.metering)
             self.reserved[key] = total
         return self.reserved[key]
 

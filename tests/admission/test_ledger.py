@@ -80,6 +80,27 @@ def test_a_job_that_waits_for_cloud_capacity_is_held_where_its_spend_can_fall(le
     )  # all of it lies in the day it runs
 
 
+def test_an_admitted_job_that_has_not_started_holds_all_of_it_in_every_day_ahead(ledger):
+    """A flex-start job admitted 17 min before midnight may start after it and spend all of
+    its reservation in the new day: a job asked for beside it is held against that, so the
+    new day's real spend stays within its budget however late the first starts."""
+    day, hour = 86400.0, 3600.0
+    ledger.set_budget(BudgetRule("fs", period_budget_micro=15_000_000, period="day"))
+    midnight = 20_000 * day
+    asked = midnight - 17 * 60
+    rate = {"rate_micro_per_hour": 10_000_000, "rate_cents": 1000, "on_limit": "reject"}
+    a_id, a = ledger.request(new_job("fs/a", max_runtime_s=80 * 60, **rate), now=asked)
+    assert a.verdict == "admit"
+    c_id, c = ledger.request(new_job("fs/a", max_runtime_s=40 * 60, **rate), now=asked)
+    assert c.verdict == "reject" and "day budget of fs" in c.reason, c.reason
+    assert ledger.mark_started(a_id, midnight + 300)  # capacity came after midnight
+    ledger.settle(a_id, ended_at=midnight + 300 + 80 * 60, outcome="timed_out", now=midnight + hour)
+    assert ledger.period_settled("fs", midnight) <= 15_000_000
+    # once it has started, a job is held where it runs: one beside it fits what is left
+    _, fits = ledger.request(new_job("fs/a", max_runtime_s=60, **rate), now=midnight + 2 * hour)
+    assert fits.verdict == "admit", fits.reason
+
+
 def test_estimate_mode_learns_how_far_a_scope_overruns(ledger):
     """After 25 jobs that ran twice their estimate, the next reservation is stretched by 2x."""
     from dataclasses import replace

@@ -15,7 +15,7 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.blocks import GpuBudget
-from prefect_gpu_budget.cli import main
+from prefect_gpu_budget.cli import common, main
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import (
     COLUMNS,
@@ -153,6 +153,7 @@ def test_a_type_with_no_figure_is_refused_with_the_reason(
     # and the listing shows the rows, with the reason
     monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "prices", "list"])
     monkeypatch.setenv("COLUMNS", "400")
+    monkeypatch.setattr(common._Console, "_rich", None)  # made again, as wide as that
     main()
     listed = capsys.readouterr().out
     line = next(x for x in listed.splitlines() if "gcp:a4-highgpu-8g" in x and "flex-start" in x)

@@ -27,7 +27,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
     versions,
 )
-from prefect_gpu_budget.admission.policy import BudgetRule, committed, share_in
+from prefect_gpu_budget.admission.policy import BudgetRule, held_in
 from prefect_gpu_budget.admission.quota import Capacity, Placed, Shape
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.identity import holder_alive
@@ -132,7 +132,7 @@ class ReadsMixin(EngineMixin):
                 ).all()
                 p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
                 reserved = sum(
-                    share_in(*committed(hold_of(r._mapping, rule.scope, now), now), rule, p_start)
+                    held_in(hold_of(r._mapping, rule.scope, now), now, rule, p_start)
                     for r in rows
                     if r.state in ACTIVE
                 )

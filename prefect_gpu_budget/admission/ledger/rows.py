@@ -43,12 +43,14 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
 
     Given `now`, the hold is anchored where its spend can fall: at the job's start once it has
     started (a cloud job may wait hours for capacity after admission), else at `now` (nothing is
-    spent before it starts). Without `now`, at its admission, as the decision then saw it.
+    spent before it starts) and marked unstarted (`policy.held_in` counts it whole in every
+    period from now on). Without `now`, at its admission, as the decision then saw it.
     """
-    start = row["admitted_at"]
+    start, began = row["admitted_at"], True
     if now is not None:
         started = row.get("started_at")
-        start = started if started is not None and started <= now else max(start, now)
+        began = started is not None and started <= now
+        start = started if began else max(start, now)
     return Hold(
         scope or row["scope"],
         row.get("rate_cents", 0),
@@ -57,6 +59,7 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
         start + row["reserve_seconds"],
         row["rate_micro_per_hour"],
         start + row["max_runtime_s"],
+        began,
     )
 
 

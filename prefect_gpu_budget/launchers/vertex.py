@@ -215,7 +215,7 @@ class VertexLauncher(Block):
     Jobs name `gcp:<machine-type>`; the accelerator comes from the price catalog's row. The
     job's max_runtime becomes the custom job's timeout, `nodes` its replica count, and its
     provisioning the scheduling strategy (FLEX_START waits for capacity for at most
-    `capacity_max_wait`, 0 = forever).
+    `capacity_max_wait`, cut to the job's own `max_wait` when it names one; 0 = forever).
     """
 
     _block_type_name = "Vertex AI GPU Launcher"
@@ -345,7 +345,7 @@ class VertexLauncher(Block):
             strategy=STRATEGIES[job.provisioning], timeout=_duration(job.max_runtime)
         )
         if job.provisioning == "flex-start":  # sent even when 0: left out, Vertex waits 1 day
-            scheduling.max_wait_duration = _duration(self.capacity_max_wait)
+            scheduling.max_wait_duration = _duration(self.capacity_wait(job))
         return vertex.CustomJob(
             display_name=(job.name or f"gpu-budget {machine}")[:128],
             job_spec=vertex.CustomJobSpec(
@@ -437,10 +437,18 @@ class VertexLauncher(Block):
     def _wait_deadline(self, created: float, job: GpuJob) -> float | None:
         """When we give up on capacity: Vertex enforces FLEX_START's max wait (we only back it
         up); nothing enforces a wait for SPOT capacity but us."""
-        if job.provisioning == "on-demand" or self.capacity_max_wait == 0:
+        wait = self.capacity_wait(job)
+        if job.provisioning == "on-demand" or wait == 0:
             return None
         slack = FLEX_WAIT_SLACK_S if job.provisioning == "flex-start" else 0.0
-        return created + self.capacity_max_wait + slack
+        return created + wait + slack
+
+    def capacity_wait(self, job: GpuJob) -> float:
+        """How long `job` may wait for capacity (0: forever): `capacity_max_wait`, or the job's
+        own `max_wait` when that is shorter, as a DWS user sets maxWaitDuration per job (the
+        job's max_wait bounds its wait at the gate and, again, this one)."""
+        waits = [w for w in (self.capacity_max_wait, job.max_wait or 0.0) if w > 0]
+        return min(waits) if waits else 0.0
 
     def _describe(self, current: vertex.CustomJob, job: GpuJob, now: float) -> str:
         state = _state(current).removeprefix("JOB_STATE_")
@@ -448,9 +456,8 @@ class VertexLauncher(Block):
         start = _seconds(current.start_time)
         end = _seconds(current.end_time)
         if start is None and end is None:
-            limit = (
-                "forever" if self.capacity_max_wait == 0 else fmt_duration(self.capacity_max_wait)
-            )
+            wait = self.capacity_wait(job)
+            limit = "forever" if wait == 0 else fmt_duration(wait)
             limit = "" if job.provisioning == "on-demand" else f", max wait {limit}"
             return (
                 f"Vertex AI job {state}: waiting for capacity "

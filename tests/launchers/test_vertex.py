@@ -110,13 +110,18 @@ def test_is_a_launcher(launcher: VertexLauncher) -> None:
 
 
 @pytest.mark.parametrize(
-    ("provisioning", "max_wait", "strategy", "wire_wait"),
+    ("provisioning", "max_wait", "strategy", "wire_wait", "job_wait"),
     [
-        ("on-demand", None, "STANDARD", None),
-        ("spot", None, "SPOT", None),
-        ("flex-start", None, "FLEX_START", "86400s"),
-        ("flex-start", "0", "FLEX_START", "0s"),
-        ("flex-start", "90m", "FLEX_START", "5400s"),
+        ("on-demand", None, "STANDARD", None, None),
+        ("spot", None, "SPOT", None, None),
+        ("flex-start", None, "FLEX_START", "86400s", None),
+        ("flex-start", "0", "FLEX_START", "0s", None),
+        ("flex-start", "90m", "FLEX_START", "5400s", None),
+        # the job's own max_wait, as DWS's maxWaitDuration per job, when it is the shorter
+        ("flex-start", None, "FLEX_START", "7200s", "2h"),
+        ("flex-start", "90m", "FLEX_START", "5400s", "2h"),
+        ("flex-start", "0", "FLEX_START", "600s", "10m"),
+        ("flex-start", None, "FLEX_START", "86400s", "0"),
     ],
 )
 def test_custom_job_spec(
@@ -127,6 +132,7 @@ def test_custom_job_spec(
     max_wait: str | None,
     strategy: str,
     wire_wait: str | None,
+    job_wait: str | None,
 ) -> None:
     if max_wait is not None:
         launcher = _with(launcher, capacity_max_wait=max_wait)
@@ -138,6 +144,7 @@ def test_custom_job_spec(
         command=["python", "train.py", "--lr=3e-4"],
         env={"SEED": "7"},
         name="sweep-lr-3e-4",
+        max_wait=job_wait,
     )
     quote = catalog.quote(job.instance_type, job.nodes, job.provisioning)
     result = launcher.run(job, quote, on_start=lambda *a: None, log=lambda line: None)

@@ -363,11 +363,17 @@ def _pump(proc: subprocess.Popen, log: Callable[[str], None]) -> None:
 
 
 def _stop(proc: subprocess.Popen, grace: float) -> int | None:
-    """SIGTERM the job's process group (its holder then stops the whole tree: SIGTERM, grace,
-    SIGKILL); SIGKILL the group if the holder has not ended `HOLDER_SLACK_S` after that."""
-    for sig, wait in ((signal.SIGTERM, grace + HOLDER_SLACK_S), (signal.SIGKILL, 5.0)):
+    """SIGTERM the job's holder, which stops the whole tree (SIGTERM once to each process,
+    grace, SIGKILL), as Slurm signals a job once before its KillWait; SIGKILL the holder's
+    process group if it has not ended `HOLDER_SLACK_S` after that. (A SIGTERM to the group
+    reached the job twice, directly and from its holder: a second SIGTERM is "abort at once,
+    skip the checkpoint" to many training loops.)"""
+    for kill, sig, wait in (
+        (os.kill, signal.SIGTERM, grace + HOLDER_SLACK_S),
+        (os.killpg, signal.SIGKILL, 5.0),
+    ):
         try:
-            os.killpg(proc.pid, sig)
+            kill(proc.pid, sig)
         except ProcessLookupError:
             break
         try:

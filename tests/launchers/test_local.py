@@ -7,6 +7,7 @@ and PostgreSQL. Timing bounds are generous: the test machine is small and busy.
 
 from __future__ import annotations
 
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -111,6 +112,30 @@ def test_children_outliving_max_runtime_are_killed_at_max_runtime(quote):
     assert 2.0 <= result.runtime_s < 2 + 1 + SLACK_S, result.runtime_s
     assert lived < 2 + 1 + SLACK_S, lived
     assert _marked(mark) == []
+
+
+@pytest.mark.parametrize("child", [False, True], ids=["the job", "its child"])
+def test_max_runtime_signals_each_process_once_before_its_grace(quote, child):
+    """One SIGTERM per process, as Slurm sends at a time limit before KillWait: a job that
+    checkpoints on the first and aborts on a second must get only the first."""
+    handler = (
+        "import os, signal, sys, time\n"
+        "def term(*_):\n"
+        "    print(f'TERM {os.getpid()}', flush=True)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "print('ready', flush=True)\n"
+        "deadline = time.time() + 30\n"
+        "while time.time() < deadline: time.sleep(0.05)\n"
+    )
+    command = [sys.executable, "-c", handler]
+    if child:  # the handler runs in a child of a shell that waits for it
+        command = ["sh", "-c", f"{shlex.join(command)}; true"]
+    job = GpuJob(instance_type="local:box", command=command, max_runtime="2s", kill_grace="2s")
+    lines: list[str] = []
+    result = LocalLauncher().run(job, quote, log=lines.append)
+    assert result.outcome == "timed_out", result
+    terms = [line for line in lines if line.startswith("TERM ")]
+    assert len(terms) == 1, lines
 
 
 def test_exit_code_output_and_environment_pass_through(quote, tmp_path):

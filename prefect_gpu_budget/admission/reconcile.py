@@ -75,12 +75,15 @@ def reconcile(
     now: float | None = None,
     stale_after: float = STALE_AFTER_S,
 ) -> list[Reconciled]:
-    """Settle or cancel every orphan; `launchers` (by kind) answer for jobs they ran, else
-    saved launcher blocks named in the ledger rows are loaded. What to do with each is decided
-    by `admission/orphans.py`; this carries it out."""
+    """Settle or cancel every orphan, the queued first; `launchers` (by kind) answer for jobs
+    they ran, else saved launcher blocks named in the ledger rows are loaded. What to do with
+    each is decided by `admission/orphans.py`; this carries it out."""
     now = time.time() if now is None else now
     out = []
-    for row in ledger.orphans(now=now, stale_after=stale_after):
+    found = ledger.orphans(now=now, stale_after=stale_after)
+    # queued ones first: settling a running orphan frees what a queued one of the same gone
+    # holder waits for, and it would be admitted for no one
+    for row in sorted(found, key=lambda r: r["state"] != "queued"):
         awaiting = limits is not None and row["state"] != "queued"
         action = orphans.first_look(
             row, awaiting_lease_expiry=awaiting and awaiting_lease_expiry(ledger, row, now)

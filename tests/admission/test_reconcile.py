@@ -147,3 +147,20 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
         row = ledger.job(started)  # it runs unwatched: now the ledger knows, and meters it
         assert row["state"] == "running"
         assert row["started_at"] == pytest.approx(launcher.probe(started_name).started_at)
+
+
+def test_a_dead_holders_queued_job_is_cancelled_before_its_running_one_is_settled(ledger):
+    """Settling a dead holder's running job frees the cap its queued job waits for: cancelled
+    first, that job is never admitted for a holder that is gone (as Slurm ends a failed
+    node's jobs, pending ones with them)."""
+    dead = "elsewhere:1:1"
+    ledger.set_budget(BudgetRule("rq", hourly_cap_cents=360))
+    running, first = ledger.request(new_job("rq/s", holder=dead))
+    assert first.verdict == "admit" and ledger.mark_started(running, time.time())
+    queued, second = ledger.request(new_job("rq/s", holder=dead))
+    assert second.verdict == "wait"
+    done = {r.job_id: r.action for r in reconcile(ledger, now=time.time() + 3600)}
+    assert done[queued] == "cancelled", done
+    rows = {r["id"]: r for r in ledger.jobs("rq")}
+    assert rows[queued]["state"] == "cancelled" and rows[queued]["admitted_at"] is None
+    assert rows[running]["state"] == "settled"

@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.blocks import GpuBudget
 from tests.conftest import PG_URL
+from tests.jobs import new_job
 from tests.postgres import fresh_database, require_postgres
 
 HEAVY = ("prefect", "pandas", "matplotlib", "boto3", "google.cloud.aiplatform", "prefect_aws")
@@ -409,6 +411,37 @@ def test_a_command_named_alone_prints_its_help_and_no_traceback(tmp_path, argv):
     done = _cli_run(env, *argv)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "Usage: " in done.stdout and "Commands" in done.stdout
+
+
+def test_cancel_ends_a_queued_job_and_stops_a_running_one_as_scancel(tmp_path):
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url}
+    ledger = Ledger(url)
+    ledger.set_budget(BudgetRule("sc", hourly_cap_cents=360))
+    running, _ = ledger.request(new_job("sc/s"))
+    assert ledger.mark_started(running, time.time())
+    queued, waits = ledger.request(new_job("sc/s"))
+    assert waits.verdict == "wait"
+    before = ledger.jobs()
+    for wrong, said in (
+        ("", "no job"),
+        ("zzz", "no job zzz"),
+        ("%", "no job %"),
+    ):
+        done = _cli_run(env, "cancel", queued[:8], wrong)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert ledger.jobs() == before  # a bad id anywhere stops nothing
+    done = _cli_run(env, "cancel", queued[:8], running[:8], "--reason", "runaway sweep")
+    assert done.returncode == 0, done.stderr
+    assert f"{queued[:8]} sc/s: cancelled" in done.stdout
+    assert f"{running[:8]} sc/s: stopping" in done.stdout
+    rows = {r["id"]: r for r in ledger.jobs()}
+    assert rows[queued]["state"] == "cancelled" and rows[queued]["reason"] == "runaway sweep"
+    assert rows[running]["stop_asked_at"] is not None  # its holder stops and settles it
+    again = _cli_run(env, "cancel", queued)
+    assert again.returncode == 2 and "has ended (cancelled)" in again.stderr, again.stderr
+    ledger.dispose()
 
 
 def test_a_child_cap_above_its_parents_is_set_with_a_warning(tmp_path):

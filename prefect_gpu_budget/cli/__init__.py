@@ -27,7 +27,7 @@ from prefect_gpu_budget.cli.capacity import (
     priority_set,
 )
 from prefect_gpu_budget.cli.common import console, fail, set_ledger_url
-from prefect_gpu_budget.cli.jobs import ledger_cmd, reconcile_cmd
+from prefect_gpu_budget.cli.jobs import cancel_cmd, ledger_cmd, reconcile_cmd
 from prefect_gpu_budget.cli.prices import prices_list, prices_refresh, prices_set_local, quote
 from prefect_gpu_budget.cli.runs import demo, deploy, forecast, serve, sweep
 from prefect_gpu_budget.extras import MissingExtra
@@ -67,6 +67,7 @@ priority_app.command("list")(priority_list)
 pool_app.command("set")(pool_set)
 pool_app.command("quota")(pool_quota)
 app.command("ledger")(ledger_cmd)
+app.command("cancel")(cancel_cmd)
 app.command()(quote)
 prices_app.command("set-local")(prices_set_local)
 prices_app.command("refresh")(prices_refresh)

@@ -1,4 +1,5 @@
-"""`ledger` and `reconcile`: the jobs from request to settlement, and the orphans' settling."""
+"""`ledger`, `cancel` and `reconcile`: the jobs from request to settlement, an admin's stop,
+and the orphans' settling."""
 
 from __future__ import annotations
 
@@ -95,6 +96,42 @@ def _sweep_trial(name: str) -> dict[str, Any]:
     if sweep_name and len(index) == 4 and index.isdigit():
         return {"sweep": sweep_name, "trial": int(index)}
     return {"sweep": None, "trial": None}
+
+
+def cancel_cmd(
+    job_ids: list[str] = typer.Argument(
+        ..., help="Job ids, or prefixes of them as `ledger` shows them (8 characters)."
+    ),
+    reason: str = typer.Option("cancelled by an admin", help="Why, for the job's row and run."),
+) -> None:
+    """Cancel queued jobs and stop running ones, as Slurm's scancel: a running job gets
+    SIGTERM, its kill grace, then SIGKILL from its holder, and is settled for what it ran."""
+    from prefect_gpu_budget.admission.ledger import ACTIVE
+    from prefect_gpu_budget.admission.stopping import stop_job
+
+    ledger = current_ledger()
+    open_jobs = ledger.jobs(None, ("queued", *ACTIVE))
+    chosen = []
+    for given in job_ids:  # every id checked before anything is stopped
+        found = [r for r in open_jobs if r["id"].startswith(given)] if given else []
+        if len(found) > 1:
+            fail(f"job_id: {given} names {len(found)} jobs; give more of the id")
+        if not found:
+            ended = [r for r in ledger.jobs(None) if given and r["id"].startswith(given)]
+            fail(
+                f"job_id: job {given} has ended ({ended[0]['state']})"
+                if ended
+                else f"job_id: no job {given} (`prefect-gpu-budget ledger` lists them)"
+            )
+        chosen.append(found[0])
+    for row in chosen:
+        became = stop_job(ledger, row["id"], row["scope"], reason)
+        said = {
+            "cancelled": "cancelled while it waited; nothing spent",
+            "stopping": "stopping: its holder sends SIGTERM, waits its kill grace, then SIGKILL, "
+            "and settles it for what it ran",
+        }.get(became or "", "it had ended already")
+        console.print(f"{row['id'][:8]} {row['scope']}: {said}")
 
 
 def reconcile_cmd(

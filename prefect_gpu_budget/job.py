@@ -65,6 +65,10 @@ class NodeShare:
         return math.ceil(rate_micro_per_hour * self.fraction)
 
 
+FLEX_START_MAX_RUNTIME_S = 7 * 86400
+"""The longest a flex-start job runs: Dynamic Workload Scheduler's limit."""
+
+
 class GpuJob(BaseModel):
     """One GPU job: what runs, on what, for at most how long.
 
@@ -118,10 +122,18 @@ class GpuJob(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> GpuJob:
+        """Checks across fields, each a one-line `BudgetInputError` (a flex-start job past
+        DWS's 7 days is refused here, before any runner or price sees it)."""
         if self.expected_runtime is not None and self.expected_runtime > self.max_runtime:
             raise BudgetInputError("expected_runtime", "must not exceed max_runtime")
         if self.command is not None and not self.command:
             raise BudgetInputError("command", "must not be empty")
+        if self.provisioning == "flex-start" and self.max_runtime > FLEX_START_MAX_RUNTIME_S:
+            raise BudgetInputError(
+                "max_runtime",
+                "a flex-start job runs at most 7 days (Dynamic Workload Scheduler), got "
+                f"{self.max_runtime:g}s",
+            )
         if ":" not in self.instance_type:
             raise BudgetInputError(
                 "instance_type",

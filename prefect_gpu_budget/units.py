@@ -130,10 +130,26 @@ def cost_micro(rate_micro_per_hour: int, seconds: float, *, round_up: bool) -> i
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
 _DURATION_FULL_RE = re.compile(r"^\s*(?:\d+(?:\.\d+)?\s*[dhms]\s*)+$")
 _UNIT_S = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+_SLURM_RE = re.compile(
+    r"^\s*(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+))?(?::(?P<ds>\d+))?"
+    r"|(?P<a>\d+):(?P<b>\d+)(?::(?P<c>\d+))?)\s*$"
+)
+"""Slurm's time limits: `M:S`, `H:M:S`, `D-H`, `D-H:M`, `D-H:M:S` (a bare number stays
+seconds here, where Slurm reads minutes)."""
+
+
+def _slurm_seconds(found: re.Match[str]) -> float:
+    if found["d"] is not None:
+        parts = (found["d"], found["dh"], found["dm"] or 0, found["ds"] or 0)
+        return float(sum(int(n) * u for n, u in zip(parts, (86400, 3600, 60, 1), strict=True)))
+    if found["c"] is None:  # minutes:seconds
+        return float(int(found["a"]) * 60 + int(found["b"]))
+    return float(int(found["a"]) * 3600 + int(found["b"]) * 60 + int(found["c"]))
 
 
 def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> float:
-    """Seconds from `90`, `"90s"`, `"1h30m"`, `"2d"` or a timedelta; anything else is an error."""
+    """Seconds from `90`, `"90s"`, `"1h30m"`, `"2d"`, Slurm's `"1:30:00"` or `"2-00:00:00"`,
+    or a timedelta; anything else is an error."""
     if isinstance(value, bool) or value is None:
         raise BudgetInputError(
             field, f"must be a duration such as '2h' or '90m', got {shown(value)}"
@@ -148,10 +164,13 @@ def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> fl
         seconds = float(value)
     elif isinstance(value, str) and _DURATION_FULL_RE.fullmatch(value.lower()):
         seconds = sum(float(n) * _UNIT_S[u] for n, u in _DURATION_RE.findall(value.lower()))
+    elif isinstance(value, str) and (slurm := _SLURM_RE.fullmatch(value)):
+        seconds = _slurm_seconds(slurm)
     else:
         raise BudgetInputError(
             field,
-            f"must be a duration such as '2h', '90m' or '1h30m' (units d h m s), got {shown(value)}",
+            "must be a duration such as '2h', '90m', '1h30m' (units d h m s) or Slurm's "
+            f"'1:30:00' or '2-00:00:00', got {shown(value)}",
         )
     if not math.isfinite(seconds):
         raise BudgetInputError(field, "must be a finite duration")

@@ -50,6 +50,12 @@ JOB_CASES = [
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "priority": "Urgent!"}, "priority"),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "command": []}, "command"),
     ({"instance_type": "aws:g5.xlarge", "max_runtime": "1h", "gpus": -1}, "gpus"),
+    (  # past Dynamic Workload Scheduler's 7 days, whichever runner would take it
+        {"instance_type": "gcp:a3-highgpu-8g", "max_runtime": "7d1s", "provisioning": "flex-start"},
+        "max_runtime",
+    ),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1:2:3:4"}, "max_runtime"),
+    ({"instance_type": "aws:g5.xlarge", "max_runtime": "1-2-3"}, "max_runtime"),
 ]
 
 CLI_CASES = [

@@ -42,7 +42,21 @@ def test_durations():
     assert parse_duration("2d", "d") == 172800
     assert parse_duration(90, "d") == 90
     assert parse_duration("0", "w", allow_zero=True) == 0
-    for bad in ("", "1y", "-5", "1h-", "nan", "inf", "31d", float("nan"), True, None):
+    # Slurm's forms, as in `--time`: M:S, H:M:S, D-H, D-H:M, D-H:M:S
+    for slurm, seconds in (
+        ("90:00", 5400),
+        ("02:00:00", 7200),
+        ("1-00", 86400),
+        ("1-12:30", 131400),
+        ("2-00:00:01", 172801),
+    ):
+        assert parse_duration(slurm, "d") == seconds, slurm
+    for bad in ("", "1y", "-5", "1h-", "nan", "inf", "31d", float("nan"), True, None) + (
+        "1:2:3:4",
+        "1-2-3",
+        ":30",
+        "31-00:00:00",
+    ):
         with pytest.raises(BudgetInputError):
             parse_duration(bad, "d")
 

@@ -123,8 +123,6 @@ MACHINE_FAMILIES = {
 """GPU machine family -> the only accelerator it comes with."""
 
 STRATEGIES = {"on-demand": "STANDARD", "spot": "SPOT", "flex-start": "FLEX_START"}
-DWS_MAX_RUNTIME_S = 7 * 86400
-"""FLEX_START jobs run at most 7 days."""
 
 WAITING = ("JOB_STATE_QUEUED", "JOB_STATE_PENDING")
 ENDED = (
@@ -299,10 +297,6 @@ class VertexLauncher(Block):
             raise self._error("image_uri: required, the container image the job runs")
         if not self._project():
             raise self._error("project: not set on the launcher nor in its GCP credentials")
-        if job.provisioning == "flex-start" and job.max_runtime > DWS_MAX_RUNTIME_S:
-            raise self._error(
-                f"max_runtime: flex-start jobs run at most 7 days, got {fmt_duration(job.max_runtime)}"
-            )
         try:
             self._client().list_custom_jobs(request={"parent": self._parent(), "page_size": 1})
         except auth_errors.GoogleAuthError as exc:

@@ -392,7 +392,6 @@ def _row(instance_type: str, gpu_model: str, cloud: str = "gcp") -> Quote:
         ({}, {}, _row("n2-standard-8", ""), "instance_type"),
         ({}, {}, _row("a3-highgpu-8g", "L4 24GB"), "instance_type"),
         ({}, {}, _row("p5.48xlarge", "H100 80GB", cloud="aws"), "instance_type"),
-        ({}, {"provisioning": "flex-start", "max_runtime": "8d"}, None, "max_runtime"),
         ({}, {"vcpu": 4}, None, "gpus: Vertex AI runs whole machines"),
         (
             {"project": "someone-elses"},

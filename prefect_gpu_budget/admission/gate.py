@@ -442,8 +442,9 @@ class Gate(SlotLeases):
         admission.preempted.set()
         if asked == PREEMPTED:
             self.events.warning(
-                f"job {admission.job_id[:8]} is preempted: a higher-priority job takes back "
-                f"capacity this one borrowed in pool {admission.pool}; stopping it gracefully"
+                f"job {admission.job_id[:8]} is preempted in pool {admission.pool}: the capacity "
+                "it holds goes to another job (its lender's, or a higher-priority one of its own "
+                "team); stopping it gracefully"
             )
         else:
             self.events.warning(

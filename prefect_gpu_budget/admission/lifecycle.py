@@ -291,7 +291,7 @@ class Running:
         outcome = self.stopped_as(row)
         if outcome == PREEMPTED:
             pool = f" in pool {self.admission.pool}" if self.admission.pool else ""
-            return f"preempted: capacity this job borrowed{pool} was taken back ({why}); {done}"
+            return f"preempted: the capacity this job held{pool} was taken back ({why}); {done}"
         if outcome == CANCELLED:
             return f"{STOPPED_BY_OWNER} ({why}); {done}"
         return f"stopped at max_runtime {fmt_duration(self.admission.job.max_runtime)}; {done}"

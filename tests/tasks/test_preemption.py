@@ -28,6 +28,7 @@ def stop(*_):
     open(ckpt, "w").write("step 3")  # checkpoint inside the grace period, then leave
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
+open(ckpt + ".ready", "w").close()  # it can checkpoint from now on
 time.sleep(float(sys.argv[2]))
 """
 
@@ -76,6 +77,8 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
             _job(tmp_path, "b-borrowed", 60, "low", requeue), "acme/b/s", block
         )
         while len(ledger.jobs("acme/b", states=("running",))) < 2:
+            time.sleep(0.1)
+        while not (tmp_path / "b-borrowed.ckpt.ready").exists():  # its handler is set
             time.sleep(0.1)
         mine = run_gpu_job.submit(_job(tmp_path, "a-own", 1, "high"), "acme/a/s", block)
         for future in (own, borrowed, mine):

@@ -74,7 +74,7 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
     assert took < GRACE_S + 30, f"Ctrl-C took {took:.1f}s to come back"
     assert "can't register atexit" not in err and "Traceback" not in err, err[-3000:]
     [said] = [line for line in err.splitlines() if line.startswith("sweep ctrlc stopped:")]
-    assert "1 running trials stopped, 1 queued cancelled" in said, said
+    assert "1 running trial stopped, 1 queued cancelled" in said, said
 
     jobs = ledger.jobs(scope)
     assert len(jobs) == 2, "a trial was asked for after Ctrl-C"

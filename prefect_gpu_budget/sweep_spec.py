@@ -27,6 +27,10 @@ from prefect_gpu_budget.units import BudgetInputError, near, shown
 Scalar = str | int | float | bool
 MAX_TRIALS = 10_000
 MAX_FORMAT_WIDTH = 64
+MAX_ARGUMENT = 128 * 1024
+"""The longest one argument of a trial's command may grow: Linux's MAX_ARG_STRLEN."""
+MAX_COMMAND = 1024 * 1024
+"""The longest a trial's whole command may grow (Linux allows 2 MiB with the environment)."""
 """Largest width or precision a placeholder's format spec may ask for (`{lr:.6g}` is fine)."""
 _NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 _PARAM_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
@@ -197,8 +201,38 @@ class SweepSpec(BaseModel):
                         f"parameters ({', '.join(names) or 'none given'}), "
                         "and {{ }} write literal braces",
                     )
+        self._check_expansion()
         self.job_for({name: 0 for name in names}, "check")  # the job shape validates now
         return self
+
+    def _check_expansion(self) -> None:
+        """No trial's command can grow past what the kernel takes (`MAX_ARGUMENT`,
+        `MAX_COMMAND`): `{a}` repeated 10,900 times over a 31 kB value is 337 MB per trial,
+        built again by every forecast, from a 64 kB spec."""
+        longest: dict[str, int] = {
+            name: max(len(str(v)) for v in vs) for name, vs in self.grid.items()
+        }
+        for name, dim in self.random.items():
+            longest[name] = max(len(str(v)) for v in dim.choices) if dim.choices else 32
+        total = 0
+        for part in self.command or []:
+            size = 0
+            for literal, field, spec, _ in string.Formatter().parse(part):
+                size += len(literal)
+                if field is not None:
+                    widths = [int(n) for n in re.findall(r"\d+", spec or "")]
+                    size += max([longest[field], *widths])
+            if size > MAX_ARGUMENT:
+                raise BudgetInputError(
+                    "command",
+                    f"{shown(part)} grows to {size:,} characters in a trial; at most "
+                    f"{MAX_ARGUMENT:,} per argument",
+                )
+            total += size
+        if total > MAX_COMMAND:
+            raise BudgetInputError(
+                "command", f"grows to {total:,} characters in a trial; at most {MAX_COMMAND:,}"
+            )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> SweepSpec:

@@ -73,6 +73,13 @@ def agent_spec(
             f"have queued), got {loaded.parallelism}",
         )
     job = loaded.job_for({name: 0 for name in loaded.params()}, "check")
+    if launcher == "local" and (job.gpus, job.vcpu, job.memory_gib) != (None, None, None):
+        raise BudgetInputError(  # priced as a part, nothing would hold it to that part
+            "job.gpus",
+            "an agent's job runs on the local launcher's whole machine: nothing here holds a "
+            "sandboxed job to a part of its GPUs, so a part (gpus, vcpu, memory_gib) is not "
+            "priced as one",
+        )
     priority = job.priority
     if isinstance(priority, str):
         priority = resolve(priority, classes or {}, org_of(scope))

@@ -90,6 +90,11 @@ def _job(**changes: object) -> dict:
         ({**SPEC, "results_dir": "/etc"}, "results_dir"),
         ({**SPEC, "results_dir": "a/../../b"}, "results_dir"),
         ({**SPEC, "command": ["echo", "{lr:>400000000}"]}, "command"),
+        # a 64 kB spec whose trial command grows to 337 MB
+        ({**SPEC, "command": ["echo", "{lr}" * 10_900], "grid": {"lr": ["x" * 31_000]}}, "command"),
+        # a part of the local machine would be priced as a part and run on all of it
+        (_job(gpus=0, vcpu=1), "job.gpus"),
+        (_job(gpus=1), "job.gpus"),
     ],
 )
 def test_an_agent_spec_beyond_its_teams_limits_is_refused(spec, field):

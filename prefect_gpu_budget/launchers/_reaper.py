@@ -44,6 +44,7 @@ import time
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
 WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Blocked and taken with sigtimedwait: no handler ever runs at an awkward moment."""
 HOLDER_GONE = signal.SIGUSR1
@@ -150,6 +151,10 @@ def _spawn(command: list[str], mask: set[int], child: Child) -> int:
                 os.setuid(uid)
                 if os.getuid() != uid or os.geteuid() != uid or os.getegid() != gid:
                     raise PermissionError(f"could not switch to uid {uid}, gid {gid}")
+                # no setuid or setgid program gains it anything: crontab and at (which would
+                # run its work outside this tree, unbilled, for ever), sudo, su, pkexec
+                if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
+                    raise PermissionError("could not set no_new_privs")
             if child.umask is not None:
                 os.umask(child.umask)
             if child.cwd is not None:

@@ -125,6 +125,7 @@ def test_the_job_gets_no_secret_runs_as_nobody_in_a_fresh_home(
         f"; echo known {AWS_SECRET} {LEDGER_PASSWORD} {AUTH_STRING}"
         '; echo "uid=$(id -u)"; echo "pwd=$(pwd)"; echo "home=$HOME"'
         '; touch "$HOME/mine" && echo wrote-home'
+        "; grep NoNewPrivs /proc/self/status"
     )
     job, _ = _job(script, name="sweep/0003")
     target = base / "results" / "trial-0003.jsonl"
@@ -155,6 +156,7 @@ def test_the_job_gets_no_secret_runs_as_nobody_in_a_fresh_home(
         assert "aws=" in lines  # the variable is not there at all
         assert "known *** *** ***" in lines  # ... and what the job knew anyway is redacted
         assert f"uid={_nobody().pw_uid}" in lines
+        assert "NoNewPrivs:\t1" in lines  # no setuid program (crontab, at, sudo) helps it
         home = next(line[5:] for line in lines if line.startswith("home="))
         assert f"pwd={home}" in lines and "wrote-home" in lines
         assert Path(home).parent == sandbox.root and Path(home).name.startswith("sweep-0003-")

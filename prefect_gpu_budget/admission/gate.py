@@ -451,26 +451,27 @@ class Gate(SlotLeases):
                 f"job {admission.job_id[:8]} is stopped by its owner; stopping it gracefully"
             )
 
+    def _record(self, what: str, call: Callable[[], T]) -> T:
+        """A write about a running job, in a thread of its own (a cancellation of the caller
+        cannot break it) and patient through a short ledger outage."""
+        return _off_thread(
+            functools.partial(self.patiently, what, call, SETTLE_PATIENCE_S), SETTLE_PATIENCE_S
+        )
+
     def submitted(self, admission: Admission, external_id: str) -> None:
         """Record the cloud's id of a job that may still wait for capacity."""
-        record = functools.partial(self.ledger.record_submission, admission.job_id, external_id)
-        _off_thread(
-            functools.partial(
-                self.patiently, "recording the submission", record, SETTLE_PATIENCE_S
-            ),
-            SETTLE_PATIENCE_S,
+        self._record(
+            "recording the submission",
+            functools.partial(self.ledger.record_submission, admission.job_id, external_id),
         )
 
     def started(
         self, admission: Admission, started_at: float, external_id: str | None = None
     ) -> None:
         """Record that the launcher started the job; refuse if it is no longer admitted."""
-        record = functools.partial(
-            self.ledger.mark_started, admission.job_id, started_at, external_id
-        )
-        if not _off_thread(
-            functools.partial(self.patiently, "recording the start", record, SETTLE_PATIENCE_S),
-            SETTLE_PATIENCE_S,
+        if not self._record(
+            "recording the start",
+            functools.partial(self.ledger.mark_started, admission.job_id, started_at, external_id),
         ):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"

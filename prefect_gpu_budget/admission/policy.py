@@ -84,16 +84,14 @@ def committed(hold: Hold, now: float, metering: bool = True) -> tuple[int, float
 def held_in(
     hold: Hold, now: float, rule: BudgetRule, period_start: float, metering: bool = True
 ) -> int:
-    """What an admitted job holds in one period of `rule`'s: once started, its commitment
-    (`committed`) spread over its interval; until then all of it in the current period and in
-    every later one, since a late start (a cloud job waiting for capacity hours after its
-    admission) can put all of its spend in any of them. (Spread from `now` instead, as a hold
-    sliding with the clock, a job admitted before midnight and started after it spent in the
-    new day what no decision had counted there.)"""
+    """What an admitted job holds in one period of `rule`'s (the current one or a later one:
+    every caller asks of the periods a hold from now on touches): once started, its commitment
+    (`committed`) spread over its interval; until then all of it, since a late start (a cloud
+    job waiting for capacity hours after its admission) can put all of its spend in any of
+    them. (Spread from `now` instead, as a hold sliding with the clock, a job admitted before
+    midnight and started after it spent in the new day what no decision had counted there.)"""
     amount, start, end = committed(hold, now, metering)
-    if hold.started:
-        return share_in(amount, start, end, rule, period_start)
-    return amount if periods.bounds(rule.period, rule.timezone, period_start)[1] > now else 0
+    return share_in(amount, start, end, rule, period_start) if hold.started else amount
 
 
 OVERRUN_QUANTILE = 0.9

@@ -34,11 +34,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows.recording import SweepRecorder
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
-from prefect_gpu_budget.sweep_spec import (
-    Scalar,
-    SweepSpec,
-    load_spec,
-)
+from prefect_gpu_budget.sweep_spec import Scalar, SweepSpec, load_spec
 from prefect_gpu_budget.tasks.defaults import job_defaults
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (

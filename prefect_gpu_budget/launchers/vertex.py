@@ -339,7 +339,7 @@ class VertexLauncher(Block):
             strategy=STRATEGIES[job.provisioning], timeout=_duration(job.max_runtime)
         )
         if job.provisioning == "flex-start":  # sent even when 0: left out, Vertex waits 1 day
-            scheduling.max_wait_duration = _duration(self.capacity_wait(job))
+            scheduling.max_wait_duration = _duration(self._capacity_wait(job))
         return vertex.CustomJob(
             display_name=(job.name or f"gpu-budget {machine}")[:128],
             job_spec=vertex.CustomJobSpec(
@@ -431,13 +431,13 @@ class VertexLauncher(Block):
     def _wait_deadline(self, created: float, job: GpuJob) -> float | None:
         """When we give up on capacity: Vertex enforces FLEX_START's max wait (we only back it
         up); nothing enforces a wait for SPOT capacity but us."""
-        wait = self.capacity_wait(job)
+        wait = self._capacity_wait(job)
         if job.provisioning == "on-demand" or wait == 0:
             return None
         slack = FLEX_WAIT_SLACK_S if job.provisioning == "flex-start" else 0.0
         return created + wait + slack
 
-    def capacity_wait(self, job: GpuJob) -> float:
+    def _capacity_wait(self, job: GpuJob) -> float:
         """How long `job` may wait for capacity (0: forever): `capacity_max_wait`, or the job's
         own `max_wait` when that is shorter, as a DWS user sets maxWaitDuration per job (the
         job's max_wait bounds its wait at the gate and, again, this one)."""
@@ -450,7 +450,7 @@ class VertexLauncher(Block):
         start = _seconds(current.start_time)
         end = _seconds(current.end_time)
         if start is None and end is None:
-            wait = self.capacity_wait(job)
+            wait = self._capacity_wait(job)
             limit = "forever" if wait == 0 else fmt_duration(wait)
             limit = "" if job.provisioning == "on-demand" else f", max wait {limit}"
             return (

@@ -27,11 +27,11 @@ from prefect_gpu_budget.units import BudgetInputError, near, shown
 Scalar = str | int | float | bool
 MAX_TRIALS = 10_000
 MAX_FORMAT_WIDTH = 64
+"""Largest width or precision a placeholder's format spec may ask for (`{lr:.6g}` is fine)."""
 MAX_ARGUMENT = 128 * 1024
 """The longest one argument of a trial's command may grow: Linux's MAX_ARG_STRLEN."""
 MAX_COMMAND = 1024 * 1024
 """The longest a trial's whole command may grow (Linux allows 2 MiB with the environment)."""
-"""Largest width or precision a placeholder's format spec may ask for (`{lr:.6g}` is fine)."""
 _NAME_RE = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 _PARAM_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 

@@ -139,12 +139,13 @@ seconds here, where Slurm reads minutes)."""
 
 
 def _slurm_seconds(found: re.Match[str]) -> float:
-    if found["d"] is not None:
-        parts = (found["d"], found["dh"], found["dm"] or 0, found["ds"] or 0)
-        return float(sum(int(n) * u for n, u in zip(parts, (86400, 3600, 60, 1), strict=True)))
-    if found["c"] is None:  # minutes:seconds
-        return float(int(found["a"]) * 60 + int(found["b"]))
-    return float(int(found["a"]) * 3600 + int(found["b"]) * 60 + int(found["c"]))
+    if found["d"] is not None:  # days-hours[:minutes[:seconds]]
+        parts = (found["d"], found["dh"], found["dm"], found["ds"])
+    elif found["c"] is None:  # minutes:seconds
+        parts = (None, None, found["a"], found["b"])
+    else:  # hours:minutes:seconds
+        parts = (None, found["a"], found["b"], found["c"])
+    return float(sum(int(n or 0) * u for n, u in zip(parts, (86400, 3600, 60, 1), strict=True)))
 
 
 def parse_duration(value: object, field: str, *, allow_zero: bool = False) -> float:

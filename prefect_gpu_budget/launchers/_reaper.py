@@ -21,7 +21,9 @@ job cannot kill or trace it) and starts the command as another: `--user UID:GID`
 supplementary groups), `--umask 077`, `--cwd DIR` (entered after the switch). `--env-stdin`
 reads the command's environment from stdin (`NAME=value` entries, NUL-separated, until EOF):
 the holder itself then runs with the launcher's minimal environment, never one the job chose
-(`LD_PRELOAD` in a root process), and stdin is /dev/null for the command. `--rlimit NAME=N`
+(`LD_PRELOAD` in a root process), and stdin is /dev/null for the command. `--own-pids` starts
+it in a PID namespace of its own, so that its end at a stop takes every process of it at once,
+however fast they fork (`_spawn_init`). `--rlimit NAME=N`
 (`nproc`, `nofile`, `fsize`, `as`; repeatable) bounds the command and everything it starts:
 set, soft and hard alike (never above the holder's own hard limit), in the command's process
 after the switch of user, so the holder itself is never bounded by them and can always stop
@@ -45,6 +47,7 @@ import time
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWPID = 0x20000000
 WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Blocked and taken with sigtimedwait: no handler ever runs at an awkward moment."""
 HOLDER_GONE = signal.SIGUSR1
@@ -177,15 +180,65 @@ def _spawn(command: list[str], mask: set[int], child: Child) -> int:
     return pid
 
 
-def hold(command: list[str], grace: float, holder: int | None, child: Child | None = None) -> int:
-    """Run `command` and everything it starts to the end; return the command's wait status."""
+def _new_pid_namespace() -> bool:
+    """Whether the next process this one forks starts a PID namespace of its own (root)."""
+    try:
+        unshare = ctypes.CDLL(None, use_errno=True).unshare
+    except (OSError, AttributeError):
+        return False
+    return unshare(CLONE_NEWPID) == 0
+
+
+def _spawn_init(command: list[str], mask: set[int], child: Child, report: int) -> int:
+    """Fork pid 1 of the job's own PID namespace (`_new_pid_namespace` first): it starts the
+    command, writes its wait status to `report` when it ends, reaps every process that ends in
+    the namespace, and leaves once none is left. When it ends, SIGKILLed included, the
+    kernel kills every process left in the namespace at once, so no chain of forks can outrun
+    the stop as one can outrun a walk of /proc. Signals the holder sends the tree stay
+    pending in it (they are blocked, and pid 1 takes no default action from its own
+    namespace's processes), so it lives until its namespace is empty or it is SIGKILLed."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - pid 1 of the namespace
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            job = _spawn(command, mask, child)
+            while True:
+                try:
+                    done, wait_status = os.waitpid(-1, 0)
+                except ChildProcessError:
+                    break
+                if done == job:  # at once: the init may yet be killed for what the job left
+                    os.write(report, wait_status.to_bytes(4, "little"))
+        except BaseException:  # noqa: BLE001 - leave whatever it was; the holder sees it
+            os._exit(127)
+        os._exit(0)
+    return pid
+
+
+def hold(
+    command: list[str],
+    grace: float,
+    holder: int | None,
+    child: Child | None = None,
+    own_pids: bool = False,
+) -> int:
+    """Run `command` and everything it starts to the end; return the command's wait status.
+    With `own_pids`, in a PID namespace of its own (`_spawn_init`) where the kernel allows."""
     subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, HOLDER_GONE)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
     status: int | None = None
     kill_at: float | None = None  # set once a stop is asked for
     now_kill = holder is not None and os.getppid() != holder  # the launcher died already
-    pid = _spawn(command, mask, child or Child())
+    report: int | None = None
+    if own_pids and _new_pid_namespace():
+        report, write_end = os.pipe()
+        pid = _spawn_init(command, mask, child or Child(), write_end)
+        os.close(write_end)
+    else:
+        if own_pids:
+            print("job holder: no PID namespace here; a stop signals the processes it finds")
+        pid = _spawn(command, mask, child or Child())
     if not subreaper:
         print("job holder: no child subreaper here; only direct children are waited for")
     while True:
@@ -195,7 +248,7 @@ def hold(command: list[str], grace: float, holder: int | None, child: Child | No
                 if done == 0:
                     break
                 if done == pid:
-                    status = wait_status
+                    status = wait_status if report is None else _reported(report, wait_status)
         except ChildProcessError:  # nothing left under us
             break
         now = time.monotonic()
@@ -215,6 +268,14 @@ def hold(command: list[str], grace: float, holder: int | None, child: Child | No
             kill_at = time.monotonic() + grace
             _signal_tree(signal.SIGTERM)
     return 0 if status is None else status
+
+
+def _reported(report: int, init_status: int) -> int:
+    """The command's wait status as its namespace's init wrote it, or the init's own (it was
+    killed, and the command with it)."""
+    written = os.read(report, 4)
+    os.close(report)
+    return int.from_bytes(written, "little") if len(written) == 4 else init_status
 
 
 def _read_env() -> dict[bytes, bytes]:
@@ -239,16 +300,19 @@ def _read_env() -> dict[bytes, bytes]:
 
 USAGE = (
     "usage: _reaper.py [--grace S] [--holder PID] [--user UID:GID] [--umask OCTAL] [--cwd DIR]"
-    " [--rlimit nproc|nofile|fsize|as=N]... [--env-stdin] -- command..."
+    " [--rlimit nproc|nofile|fsize|as=N]... [--env-stdin] [--own-pids] -- command..."
 )
 
 
 def main(argv: list[str]) -> None:
-    grace, holder, child, env_stdin = 10.0, None, Child(), False
+    grace, holder, child, env_stdin, own_pids = 10.0, None, Child(), False, False
     while argv and argv[0] != "--":
         flag, *argv = argv
         if flag == "--env-stdin":
             env_stdin = True
+            continue
+        if flag == "--own-pids":
+            own_pids = True
             continue
         if not argv:
             sys.exit(USAGE)
@@ -276,7 +340,7 @@ def main(argv: list[str]) -> None:
         sys.exit(USAGE)
     if env_stdin:
         child.env = _read_env()
-    status = hold(command, grace, holder, child)
+    status = hold(command, grace, holder, child, own_pids)
     sys.stdout.flush()
     if os.WIFSIGNALED(status):  # die of the same signal, so the launcher sees what it saw
         sig = os.WTERMSIG(status)

@@ -424,7 +424,7 @@ class SandboxedJob:
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox."""
-        args = ["--env-stdin", "--umask", "077", "--cwd", str(self.workdir)]
+        args = ["--env-stdin", "--own-pids", "--umask", "077", "--cwd", str(self.workdir)]
         if self.user.switch:
             args += ["--user", f"{self.user.uid}:{self.user.gid}"]
         for name, value in self.limits:

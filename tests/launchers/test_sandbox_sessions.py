@@ -8,6 +8,7 @@ those tests skip otherwise. The users made here are named `gpubt-...` from uids
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
@@ -566,3 +567,53 @@ def test_the_shared_agent_users_temp_files_stay(base: Path, quote) -> None:
     finally:
         for path in _leftovers(token):
             path.unlink()
+
+
+# -- no outliving the bill -------------------------------------------------------------------
+
+FORK_CHAIN = '$| = 1; print "chain\\n"; while (1) { fork and POSIX::_exit(0) }'
+"""A process that forks and leaves at once, for ever: each one lives a fraction of a
+millisecond, far less than one walk of /proc takes, so a stop that signals the processes it
+found in /proc always signals ones already gone."""
+
+
+@as_root
+def test_a_fork_chain_ends_at_max_runtime_with_its_job(sessions: Sandbox, quote) -> None:
+    """Past max_runtime and its kill grace the job's whole tree is gone, however fast it forks:
+    the job runs in a PID namespace of its own, and its init's end takes every process in it
+    with it at once. The job is billed no longer than its reservation's span (plus slack)."""
+    job, mark = _job(
+        'for i in 1 2 3 4; do perl -MPOSIX -e "$CHAIN" & done; sleep 600',
+        uuid.uuid4().hex,
+        env={"CHAIN": FORK_CHAIN},
+        max_runtime="2s",
+        kill_grace=1,
+    )
+    lines: list[str] = []
+    result: list = []
+    thread = threading.Thread(
+        target=lambda: result.append(LocalLauncher(sessions).run(job, quote, log=lines.append)),
+        daemon=True,
+    )
+    thread.start()
+    thread.join(timeout=40)
+    survivors = marked_processes("TEST_TREE", mark)
+    for pid in survivors:  # leave the machine clean whatever happened
+        with contextlib.suppress(OSError):
+            os.kill(pid, 9)
+    assert not thread.is_alive(), f"the job still runs 40 s after a 2 s max_runtime: {lines}"
+    assert "chain" in lines, lines
+    assert result[0].runtime_s < 2 + 1 + 10, result[0]
+    assert survivors == [], survivors
+
+
+@as_root
+def test_a_job_runs_in_a_pid_namespace_of_its_own(sessions: Sandbox, quote) -> None:
+    """The job's processes have a second pid, in its own namespace (where its init is 1)."""
+    job, _ = _job("grep NSpid /proc/self/status; echo parent=$PPID")
+    lines: list[str] = []
+    result = LocalLauncher(sessions).run(job, quote, log=lines.append)
+    assert result.outcome == "completed", (result, lines)
+    nspid = next(x for x in lines if x.startswith("NSpid:")).split()[1:]
+    assert len(nspid) == 2 and int(nspid[1]) > 1, lines
+    assert "parent=1" in lines, lines  # the shell's parent: the namespace's init

@@ -50,7 +50,7 @@ for that pair until it passes: one client's storm of bad (or stale) tokens locks
 not the other agents behind the same address (a shared NAT or proxy)."""
 AUTH_FAILURES_PER_ADDRESS = (200, 60.0)
 """At most this many bad tokens per client address (IPv6: per /64), whatever their prefixes,
-per window (s); then 429 for every token from it until it passes: enumeration stops here."""
+per window (s); then 429 for every bad token from it until it passes (valid ones still pass)."""
 TOKEN_PREFIX = 12
 """How much of a presented token tells one client's failures from another's: `gpub_` and 7
 random characters (a valid token's prefix is no secret worth having: 32 random bytes follow)."""
@@ -66,6 +66,10 @@ LONG_POLL_STEP_S = 1.0
 MIN_LONG_POLL_S = 2.0
 """A long poll answers a change no sooner than this (unless the sweep ended): a trial that
 reports every 100 ms wakes its watching agent every 2 s, well within its calls a minute."""
+LONG_POLLS = (2, 16)
+"""At most this many sweep reads wait at once per grant, and in all: each waits in one of the
+server's worker threads (anyio lends 40), so waiting agents never take the threads every other
+call needs. A read past either bound answers at once, as if `wait_s` were 0."""
 MAX_PAGE = 1000
 """Most records of a learning curve in one page."""
 
@@ -139,6 +143,30 @@ class Window:
             return max(1, math.ceil(frees - now))
 
 
+class Slots:
+    """At most `per_key` held per key and `total` in all; `take` says whether one was free."""
+
+    def __init__(self, per_key: int, total: int) -> None:
+        self.per_key, self.total = per_key, total
+        self._held: dict[Hashable, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: Hashable) -> bool:
+        with self._lock:
+            if self._held.get(key, 0) >= self.per_key or sum(self._held.values()) >= self.total:
+                return False
+            self._held[key] = self._held.get(key, 0) + 1
+            return True
+
+    def give(self, key: Hashable) -> None:
+        with self._lock:
+            left = self._held.get(key, 0) - 1
+            if left > 0:
+                self._held[key] = left
+            else:
+                self._held.pop(key, None)
+
+
 def address_key(address: str) -> str:
     """The key of a client address for the per-address limit: an IPv4 address (also one mapped
     into IPv6) as it is, an IPv6 one by its /64 (one host's usual share); anything else as given."""
@@ -162,6 +190,7 @@ class Door:
         self.records = SweepRecords(ledger)
         self.failures, self.calls = Window(*AUTH_FAILURES), Window(*CALLS)
         self.address_failures = Window(*AUTH_FAILURES_PER_ADDRESS)
+        self.long_polls = Slots(*LONG_POLLS)
         self._session_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
 
     # -- who calls --------------------------------------------------------------------------
@@ -172,24 +201,33 @@ class Door:
         429 past the limits, with `Retry-After`.
 
         Bad tokens are counted per (address, the token's first TOKEN_PREFIX characters) and
-        per address: a client that keeps presenting a bad token is refused (429) while other
-        agents behind the same address are not, until that address as a whole passes
-        AUTH_FAILURES_PER_ADDRESS. While refused, a token is not even looked up."""
+        per address. A client that keeps presenting a bad token is refused (429) without its
+        token being looked up, while other agents behind the same address are not. Past
+        AUTH_FAILURES_PER_ADDRESS every bad token from that address is a 429 rather than a 401,
+        but a valid one is still served: an enumerator behind a shared NAT or proxy slows
+        itself, never locks the other agents there out (a token is 32 random bytes, so the
+        cap is there to keep the storm cheap, not to make guessing harder)."""
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         where = address_key(address)
         pair = (where, token[:TOKEN_PREFIX])
-        for window, key, detail in (
-            (self.address_failures, where, "too many bad tokens from this address; wait"),
-            (self.failures, pair, "too many bad tokens like this one from this address; wait"),
-        ):
-            if window.full(key):
-                raise Refused(429, detail, {"Retry-After": str(window.retry_after(key))})
+        if self.failures.full(pair):
+            raise Refused(
+                429,
+                "too many bad tokens like this one from this address; wait",
+                {"Retry-After": str(self.failures.retry_after(pair))},
+            )
         try:
             if scheme.lower() != "bearer" or not token:
                 raise BudgetInputError("authorization", "a bearer token is required")
             session, grant = self.ledger.agent_grant(token)
         except BudgetInputError:
+            if self.address_failures.full(where):
+                raise Refused(
+                    429,
+                    "too many bad tokens from this address; wait",
+                    {"Retry-After": str(self.address_failures.retry_after(where))},
+                ) from None
             self.address_failures.hit(where)
             self.failures.hit(pair)
             raise Refused(401, "unknown or revoked token", {"WWW-Authenticate": "Bearer"}) from None
@@ -290,17 +328,25 @@ class Door:
     def sweep(self, caller: Caller, run_id: str, wait_s: float = 0) -> dict[str, Any]:
         """The caller's sweep: state, message, spend, every trial (parameters, state, metrics,
         cost, wait) and the best trial. With `wait_s` (at most MAX_LONG_POLL_S), answers as
-        soon as anything in it changed, or when that time is up."""
+        soon as anything in it changed, or when that time is up; at once when the grant (or
+        the gateway) has LONG_POLLS reads waiting already."""
         first = view = self._sweep_view(self._own_run(caller, run_id), caller.session)
-        began = time.monotonic()
-        deadline = began + min(max(0.0, float(wait_s)), MAX_LONG_POLL_S)
-        soonest = began + MIN_LONG_POLL_S  # changes batched a little
-        while time.monotonic() < deadline and view["state"] not in _FINAL_RUN_STATES:
-            time.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
-            view = self._sweep_view(self._own_run(caller, run_id), caller.session)
-            if view != first and time.monotonic() >= soonest:
-                return view
-        return view
+        wait_s = min(max(0.0, float(wait_s)), MAX_LONG_POLL_S)
+        if wait_s <= 0 or view["state"] in _FINAL_RUN_STATES:
+            return view
+        if not self.long_polls.take(caller.grant):
+            return view
+        try:
+            began = time.monotonic()
+            deadline, soonest = began + wait_s, began + MIN_LONG_POLL_S  # changes batched a little
+            while time.monotonic() < deadline and view["state"] not in _FINAL_RUN_STATES:
+                time.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
+                view = self._sweep_view(self._own_run(caller, run_id), caller.session)
+                if view != first and time.monotonic() >= soonest:
+                    return view
+            return view
+        finally:
+            self.long_polls.give(caller.grant)
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
         run_id = str(run.id)

@@ -103,8 +103,12 @@ def agent_spec(
 
 
 def agent_results(session: str) -> Path:
-    """Where an agent session's sweeps keep their results (a fixed root an admin sets)."""
-    return agent_results_root().joinpath(*session.split("/"))
+    """Where an agent session's sweeps keep their results (a fixed root an admin sets). The
+    root is the worker's alone (0700): the sessions' users, which run the agents' jobs, read no
+    session's results from the disk (agents read their own through the gateway)."""
+    from prefect_gpu_budget.launchers.agent_users import private_folder
+
+    return private_folder(agent_results_root(), parents=True).joinpath(*session.split("/"))
 
 
 def runnable(spec: SweepSpec) -> None:

@@ -204,9 +204,12 @@ def _free_id(first: int, last: int) -> int | None:
 # -- the session users' locks, and their leftovers ----------------------------------------
 
 
-def _users_dir(root: Path) -> Path:
-    """`root/.users`, the worker's alone (0700)."""
-    folder = root / USERS_DIR
+def private_folder(folder: Path, parents: bool = False) -> Path:
+    """`folder`, made if absent (with `parents`, the folders above it too, as the umask
+    says), and the worker's alone (0700): LaunchConfigError when it is a link, not a folder,
+    or another user's."""
+    if parents:
+        folder.parent.mkdir(parents=True, exist_ok=True)
     with suppress(FileExistsError):
         folder.mkdir(mode=0o700)
     st = os.lstat(folder)
@@ -215,6 +218,11 @@ def _users_dir(root: Path) -> Path:
     if stat.S_IMODE(st.st_mode) != 0o700:
         os.chmod(folder, 0o700)
     return folder
+
+
+def _users_dir(root: Path) -> Path:
+    """`root/.users`, the worker's alone (0700)."""
+    return private_folder(root / USERS_DIR)
 
 
 def _lock_fd(path: Path) -> int:

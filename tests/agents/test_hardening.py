@@ -19,6 +19,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -94,7 +95,9 @@ def test_a_bad_token_storm_locks_out_its_client_not_the_other_agents_behind_its_
         assert nat.get("/v1/status", headers=_bearer(token)).status_code == 200
 
 
-def test_past_the_address_cap_every_token_from_it_waits_and_other_addresses_do_not(ledger):
+def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger):
+    """An enumerator behind a shared address (NAT, proxy) slows itself: past the cap its bad
+    tokens get 429, while an agent with a valid token behind the same address is served."""
     from prefect_gpu_budget.agents.door import AUTH_FAILURES_PER_ADDRESS
 
     token, other = ledger.grant_agent(SESSION), ledger.grant_agent(OTHER)
@@ -104,11 +107,12 @@ def test_past_the_address_cap_every_token_from_it_waits_and_other_addresses_do_n
         for _ in range(most - 1):
             codes.add(enumerator.get("/v1/status", headers=_bearer(_stale())).status_code)
         assert codes == {401}
-        for valid in (token, _stale()):  # now nothing from it is even looked up
-            refused = enumerator.get("/v1/status", headers=_bearer(valid))
-            assert refused.status_code == 429, refused.text
-            assert refused.json()["detail"] == "too many bad tokens from this address; wait"
-            assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        refused = enumerator.get("/v1/status", headers=_bearer(_stale()))
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["detail"] == "too many bad tokens from this address; wait"
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        served = enumerator.get("/v1/status", headers=_bearer(token))  # same address
+        assert served.status_code == 200, served.text
         assert neighbour.get("/v1/status", headers=_bearer(other)).status_code == 200
 
 
@@ -442,3 +446,54 @@ def test_agents_serve_honours_its_ledger_url_and_uvicorn_believes_no_forwarded_h
         server.wait(timeout=30)
     mode = stat.S_IMODE(private_home.stat().st_mode)
     assert mode == 0o700  # the check changes nothing
+
+
+def test_long_polls_wait_at_most_two_per_grant_and_never_take_every_thread():
+    """A grant's third concurrent long poll answers at once, as does any past the gateway's
+    total: waiting reads hold server threads, and the other calls need some."""
+    from prefect_gpu_budget.agents.door import LONG_POLLS, Caller, Door, Slots
+
+    door = Door(ledger=None)  # type: ignore[arg-type]
+    done = threading.Event()
+    door._own_run = lambda caller, run_id: run_id  # type: ignore[method-assign]
+    door._sweep_view = lambda run, session: {  # type: ignore[method-assign]
+        "state": "Completed" if done.is_set() else "Running"
+    }
+    caller = Caller("acme/ml/agent-1", "grant-1")
+    answers: list[str] = []
+    polls = [
+        threading.Thread(target=lambda: answers.append(door.sweep(caller, "r", 30)["state"]))
+        for _ in range(5)
+    ]
+    for poll in polls:
+        poll.start()
+    deadline = time.monotonic() + 20
+    while len(answers) < 5 - LONG_POLLS[0] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert answers == ["Running"] * (5 - LONG_POLLS[0])  # answered at once, nothing changed
+    assert sum(poll.is_alive() for poll in polls) == LONG_POLLS[0]
+    done.set()  # the sweep ends: the waiting two answer
+    for poll in polls:
+        poll.join(timeout=10)
+    assert answers[-LONG_POLLS[0] :] == ["Completed"] * LONG_POLLS[0]
+    assert door.long_polls._held == {}
+
+    slots = Slots(per_key=2, total=3)
+    assert [slots.take(k) for k in ("a", "a", "a", "b", "c")] == [True, True, False, True, False]
+    slots.give("a")
+    assert slots.take("c") and not slots.take("b")
+
+
+def test_agents_results_root_is_the_workers_alone(tmp_path, monkeypatch):
+    """Other users (the sessions' users run the agents' jobs) cannot read any session's
+    results from the disk: the root is made, or tightened, to 0700."""
+    from prefect_gpu_budget.agents.rules import agent_results
+    from prefect_gpu_budget.settings import AGENT_RESULTS_ENV
+
+    root = tmp_path / "shared" / "results"
+    monkeypatch.setenv(AGENT_RESULTS_ENV, str(root))
+    assert agent_results("acme/ml/agent-1") == root / "acme" / "ml" / "agent-1"
+    assert root.stat().st_mode & 0o777 == 0o700
+    root.chmod(0o755)  # an admin's chmod, or an older version's folder
+    agent_results("acme/ml/agent-2")
+    assert root.stat().st_mode & 0o777 == 0o700

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -554,7 +555,8 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
         assert _raw(gw, path.replace(run, str(uuid.uuid4())), token)[0] == 404, path
     assert gw.call("POST", f"/v1/sweeps/{run}/cancel", theirs, raw=b"")[0] == 404
     keys = {a["key"] for a in _every(house, "/artifacts/filter") if a.get("key")}
-    assert "agent-acme-agents-agent-7-train-trials" in keys, keys  # keyed by its session
+    keyed = re.compile(r"agent-acme-agents-agent-7-train-[0-9a-f]{10}-trials")
+    assert any(keyed.fullmatch(k) for k in keys), keys  # keyed by its session
     assert "train-trials" not in keys  # never an admin's sweep named `train`
 
 

@@ -8,6 +8,7 @@ refused or times out is a row with its state and reason, never a crashed sweep.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -224,9 +225,13 @@ def _sweep(
 
 def _artifact_key(spec: SweepSpec, agent: bool) -> str:
     """The artifacts' key: the sweep's name; an agent's sweep's carries its session too, so an
-    agent naming its sweep `nightly` never becomes the admin's latest `nightly-*`."""
-    name = f"agent-{spec.scope}-{spec.name}" if agent else spec.name
-    return re.sub(r"[^a-z0-9-]", "-", name.lower())
+    agent naming its sweep `nightly` never becomes the admin's latest `nightly-*`, and a digest
+    of both as given, so no other session's name that reads the same in a key (`a/b` and
+    `a-b`, `x_y` and `x-y`) shares its artifacts."""
+    if not agent:
+        return re.sub(r"[^a-z0-9-]", "-", spec.name.lower())
+    digest = hashlib.sha256(f"{spec.scope}\0{spec.name}".encode()).hexdigest()[:10]
+    return re.sub(r"[^a-z0-9-]", "-", f"agent-{spec.scope}-{spec.name}-{digest}".lower())
 
 
 def _waited(row: dict) -> float:

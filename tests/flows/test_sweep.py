@@ -162,3 +162,16 @@ def test_a_cancelled_sweeps_state_raises_as_prefect_does_and_keeps_its_table():
     kept = state.result(raise_on_failure=False)
     assert kept.trials.equals(df)
     assert pickle.loads(pickle.dumps(kept)).trials.equals(df)
+
+
+def test_agent_artifact_keys_differ_for_names_that_read_alike(tmp_path):
+    """`acme/ml/agent-x` + `y` and `acme/ml/agent` + `x-y` slug alike; their keys must not."""
+    from prefect_gpu_budget.flows.sweep import _artifact_key
+
+    one = _spec(tmp_path, scope="acme/ml/agent-x", name="y")
+    two = _spec(tmp_path, scope="acme/ml/agent", name="x-y")
+    three = _spec(tmp_path, scope="acme/ml/agent_x", name="y")
+    keys = {_artifact_key(s, agent=True) for s in (one, two, three)}
+    assert len(keys) == 3, keys
+    assert all(k.startswith("agent-acme-ml-agent-x-y-") for k in keys), keys
+    assert _artifact_key(one, agent=False) == "y"

@@ -3,7 +3,9 @@ its outputs, in the ledger's database (`SweepRecords`), where the agent gateway 
 
 One thread per sweep reads each running trial's metrics file every `TAP_S` (bounded:
 `metrics_file.MetricsTail`) and stores the new records, so an agent sees a learning curve while
-the trial runs and can stop it early. A failed write never stops a sweep: it is logged once.
+the trial runs and can stop it early. Each record is kept as the store keeps it (flat and
+small: `results.flat_record`), in memory too. A failed write never stops a sweep: it is logged
+once.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from logging import Logger, LoggerAdapter
 from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.admission.ledger.results import MAX_RECORDS, SweepRecords
+from prefect_gpu_budget.admission.ledger.results import MAX_RECORDS, SweepRecords, flat_records
 from prefect_gpu_budget.admission.stopping import stop_sweep
 from prefect_gpu_budget.metrics_file import MetricsTail
 from prefect_gpu_budget.sweep_spec import SweepSpec
@@ -106,6 +108,9 @@ class SweepRecorder:
                 )
 
     def _take(self, trial: int, new: list[dict[str, Any]]) -> None:
+        # kept flat and small, as the store keeps them: the learning curves held here for the
+        # plots and the results table cost no more than the gateway's pages of them
+        new = flat_records(new)
         if not new:
             return
         points = self._points.setdefault(trial, [])

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import json
 import math
 import struct
+import tracemalloc
 import zlib
 
 import pytest
+import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import results
 from prefect_gpu_budget.admission.ledger.results import (
+    MAX_RECORD_BYTES,
+    RESULTS_RETENTION_S,
     SUMMARY_SEEN,
     SweepRecords,
     final_metrics,
+    flat_record,
     latest_metrics,
+)
+from prefect_gpu_budget.admission.ledger.tables import (
+    sweep_outputs,
+    sweep_trials,
+    sweeps,
+    trial_metrics,
 )
 
 RUN = "11111111-1111-4111-8111-111111111111"
@@ -80,7 +92,7 @@ def test_reopening_a_sweep_replaces_it(store):
     store.add_records(RUN, 0, [{"step": 0, "val_loss": 1.0}])
     store.end_trial(RUN, 0, "COMPLETED", "")
     store.put_output(RUN, "results.json", "application/json", b"[]")
-    store.cancel(RUN)
+    store.cancel(RUN, now=1500.0)
     store.end_sweep(RUN, "done")
     store.open_sweep(RUN, "team/other", "again", "acc", "max", [{"depth": 4}], now=2000.0)
     sweep = store.sweep(RUN)
@@ -91,7 +103,9 @@ def test_reopening_a_sweep_replaces_it(store):
         "max",
     )
     assert (sweep["trials"], sweep["started_at"], sweep["message"]) == (1, 2000.0, "")
-    assert sweep["ended_at"] is None and not store.cancelled(RUN)
+    assert sweep["ended_at"] is None
+    # a cancelled sweep stays cancelled: its flow run again must not start its trials
+    assert store.cancelled(RUN) and sweep["cancelled_at"] == 1500.0
     assert store.trials(RUN) == [
         {
             "trial": 0,
@@ -111,15 +125,15 @@ def test_records_keep_their_order_across_calls(store):
     _open(store)
     assert store.add_records(RUN, 1, [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.0}]) == 2
     assert store.add_records(RUN, 1, []) == 0
-    assert store.add_records(RUN, 1, [{"step": 2, "loss": 1.0, "extra": {"a": [1, "b"]}}]) == 1
+    assert store.add_records(RUN, 1, [{"step": 2, "loss": 1.0, "note": "ok"}]) == 1
     assert store.records(RUN, 1, 0, 100) == [
         {"step": 0, "loss": 3.0},
         {"step": 1, "loss": 2.0},
-        {"step": 2, "loss": 1.0, "extra": {"a": [1, "b"]}},
+        {"step": 2, "loss": 1.0, "note": "ok"},
     ]
     trials = store.trials(RUN)
     assert trials[1]["records"] == 3
-    assert trials[1]["metrics"] == {"loss": 1.0, "extra": {"a": [1, "b"]}}
+    assert trials[1]["metrics"] == {"loss": 1.0, "note": "ok"}
     assert trials[0]["records"] == 0 and store.records(RUN, 0, 0, 100) == []
 
 
@@ -205,15 +219,96 @@ def test_nan_and_infinities_become_null(store):
     assert store.trials(RUN)[0]["metrics"] == {"loss": None, "n": 3}
 
 
-def test_nested_nan_and_infinities_become_null(store):
+def test_nested_values_are_dropped(store):
     _open(store)
-    records = [{"step": 0, "loss": 1.0}, {"hist": [math.nan, 1]}, {"val": {"loss": math.inf}}]
-    assert store.add_records(RUN, 0, records) == 3
-    assert store.records(RUN, 0, 0, 10) == [
+    records = [
         {"step": 0, "loss": 1.0},
-        {"hist": [None, 1]},
-        {"val": {"loss": None}},
+        {"hist": [math.nan, 1], "n": 2},
+        {"val": {"loss": math.inf}, "step": 1},
     ]
+    assert store.add_records(RUN, 0, records) == 3
+    assert store.records(RUN, 0, 0, 10) == [{"step": 0, "loss": 1.0}, {"n": 2}, {"step": 1}]
+    assert store.trials(RUN)[0]["metrics"] == {}
+
+
+def test_flat_record():
+    assert flat_record({}) == {}
+    assert flat_record({"step": 3, "loss": 0.5, "ok": True, "none": None, "tag": "a"}) == {
+        "step": 3,
+        "loss": 0.5,
+        "ok": True,
+        "none": None,
+        "tag": "a",
+    }
+    # nested values go, non-finite floats become None, long strings are cut
+    assert flat_record(
+        {"a": [[], []], "b": {"c": 1}, "t": (1,), "nan": math.nan, "inf": -math.inf}
+    ) == {"nan": None, "inf": None}
+    assert flat_record({"s": "x" * 1000}) == {"s": "x" * results.MAX_STR_CHARS}
+    # keys: strings of at most MAX_KEY_CHARS, at most MAX_RECORD_KEYS of them
+    assert flat_record({"k" * 65: 1, "k" * 64: 2, 7: 3}) == {"k" * 64: 2, "7": 3}
+    many = flat_record({f"m{i}": i for i in range(200)})
+    assert many == {f"m{i}": i for i in range(results.MAX_RECORD_KEYS)}
+    # however many keys come first, `summary` and `step` are kept
+    late = flat_record({**{f"m{i}": i for i in range(200)}, "summary": True, "step": 9})
+    assert late is not None and len(late) == results.MAX_RECORD_KEYS
+    assert late["summary"] is True and late["step"] == 9
+    # integers past 64 bits go (JSON could not even hold some)
+    assert flat_record({"big": 10**30, "small": -(2**63), "n": 2**63 - 1}) == {
+        "small": -(2**63),
+        "n": 2**63 - 1,
+    }
+    # still over MAX_RECORD_BYTES: dropped whole
+    wide = {f"s{i}": "\u2603" * 256 for i in range(64)}
+    assert flat_record(wide) is None
+    assert flat_record([1, 2]) is None  # type: ignore[arg-type]
+    # twice is once
+    for record in ({"a": [1], "b": "y" * 999, "c": math.nan}, late, many):
+        once = flat_record(record)
+        assert flat_record(once) == once
+
+
+def _hostile_records() -> list[dict]:
+    """Records a trial may write within the metrics file's 64 KiB a line, that cost ~50 times
+    that as Python objects, or nest as deep as JSON parses."""
+    lists = json.loads('{"step": 1, "a": [' + ",".join(["[]"] * 20000) + "]}")
+    deep: dict = {"x": 1}
+    for _ in range(500):
+        deep = {"d": deep}
+    deep["step"] = 2
+    strings = {"step": 3, **{f"s{i}": "q" * 1000 for i in range(60)}}
+    keys = {"step": 4, **{"k" * 70 + str(i): i for i in range(500)}}
+    return [lists, deep, strings, keys]
+
+
+def test_records_are_kept_flat_and_small(store):
+    _open(store)
+    store.add_records(RUN, 0, _hostile_records())
+    kept = store.records(RUN, 0, 0, 10)
+    assert kept == [{"step": 1}, {"step": 2}, {"step": 4}]  # the strings were still too big
+    for record in kept:
+        assert len(json.dumps(record)) <= MAX_RECORD_BYTES
+        assert all(not isinstance(v, (list, dict)) for v in record.values())
+    assert store.trials(RUN)[0]["metrics"] == {}
+
+
+def test_a_page_of_the_largest_records_stays_small(store):
+    """A page of 1000 records, loaded as the gateway loads it, is a few MB of Python objects:
+    the largest records kept, and nested ones a trial wrote (64 KiB lines, ~50x that loaded)."""
+    _open(store)
+    widest = {f"validation_metric_{i:02d}": 1 + i / 7 for i in range(results.MAX_RECORD_KEYS)}
+    record = flat_record(widest)
+    assert record is not None and len(json.dumps(record)) > MAX_RECORD_BYTES // 2
+    nested = _hostile_records()[0]
+    store.add_records(RUN, 0, [nested] * 40 + [record] * 960)
+    tracemalloc.start()
+    try:
+        page = store.records(RUN, 0, 0, 1000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(page) == 1000
+    assert peak < 16 << 20, f"{peak / 2**20:.1f} MiB"
 
 
 def test_latest_and_final_metrics():
@@ -294,8 +389,91 @@ def test_cancel_once(store):
     assert store.cancelled(RUN)
     assert store.cancel(RUN) is False
     assert store.sweep(RUN)["cancelled_at"] == 1234.0
-    assert store.cancel(OTHER) is False
     assert not store.cancelled(OTHER)
+
+
+def test_a_sweep_cancelled_before_it_opens_stays_cancelled(store):
+    assert store.cancel(RUN, now=1000.0) is True
+    assert store.cancel(RUN, now=1001.0) is False  # asked already
+    assert store.cancelled(RUN)
+    # not opened yet: the gateway's "has the flow started?" check still says no
+    assert store.sweep(RUN) is None and not store.started(RUN)
+    assert store.trials(RUN) == [] and store.latest("", "", 0) is None
+    _open(store, now=1100.0)
+    assert store.cancelled(RUN)
+    assert store.started(RUN)
+    sweep = store.sweep(RUN)
+    assert (sweep["scope"], sweep["name"], sweep["goal"], sweep["trials"]) == (
+        "team/sweeps",
+        "lr-search",
+        "min",
+        3,
+    )
+    assert (sweep["started_at"], sweep["cancelled_at"]) == (1100.0, 1000.0)
+    assert store.latest("team/sweeps", "lr-search", 0) == RUN
+    assert store.cancel(RUN) is False
+    assert not store.cancelled(OTHER)
+
+
+def _rows(store: SweepRecords, run_id: str) -> dict[str, int]:
+    with store.ledger._read() as conn:
+        return {
+            t.name: conn.execute(
+                sa.select(sa.func.count()).select_from(t).where(t.c.run_id == run_id)
+            ).scalar_one()
+            for t in (sweeps, sweep_trials, trial_metrics, sweep_outputs)
+        }
+
+
+def _full(store: SweepRecords, run_id: str, started: float, ended: float | None) -> None:
+    _open(store, run_id, params=[{"lr": 1}, {"lr": 2}], now=started)
+    store.add_records(run_id, 0, [{"step": 0}, {"step": 1}])
+    store.put_output(run_id, "results.json", "application/json", b"[]")
+    if ended is not None:
+        store.end_sweep(run_id, "done", now=ended)
+
+
+ALL = {"gpu_sweeps": 1, "gpu_sweep_trials": 2, "gpu_trial_metrics": 2, "gpu_sweep_outputs": 1}
+NONE = dict.fromkeys(ALL, 0)
+
+
+def test_prune_deletes_the_results_of_old_sweeps(store):
+    third = "33333333-3333-4333-8333-333333333333"
+    _full(store, RUN, started=1000.0, ended=2000.0)
+    _full(store, OTHER, started=1000.0, ended=None)  # never ended: its start counts
+    _full(store, third, started=1000.0, ended=5000.0)
+    assert store.prune(1000.0) == 0
+    assert store.prune(1500.0) == 1  # OTHER: started at 1000, never ended
+    assert _rows(store, OTHER) == NONE
+    assert _rows(store, RUN) == ALL and _rows(store, third) == ALL
+    assert store.prune(2000.0) == 0  # RUN ended at 2000: not before it
+    assert store.prune(2000.5) == 1
+    assert _rows(store, RUN) == NONE and _rows(store, third) == ALL
+    assert store.sweep(RUN) is None and store.records(RUN, 0, 0, 10) == []
+    assert store.prune(5001.0) == 1
+    assert _rows(store, third) == NONE
+    assert store.prune(1e12) == 0
+
+
+def test_prune_many_sweeps_at_once(store, monkeypatch):
+    monkeypatch.setattr(results, "_PRUNE_BATCH", 2)
+    runs = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(5)]
+    for i, run in enumerate(runs):
+        _full(store, run, started=1000.0 + i, ended=None if i % 2 else 2000.0 + i)
+    assert store.prune(2003.5) == 4
+    assert [_rows(store, run) == NONE for run in runs] == [True] * 4 + [False]
+    assert _rows(store, runs[4]) == ALL
+
+
+def test_opening_a_sweep_prunes_those_past_the_retention(store):
+    _full(store, RUN, started=1000.0, ended=2000.0)
+    assert store.cancel(OTHER, now=1500.0)  # a placeholder, never opened, goes too
+    _open(store, "33333333-3333-4333-8333-333333333333", now=2000.0 + RESULTS_RETENTION_S)
+    assert _rows(store, RUN) == ALL  # ended exactly RESULTS_RETENTION_S ago: kept
+    assert _rows(store, OTHER) == NONE
+    _open(store, "44444444-4444-4444-8444-444444444444", now=2001.0 + RESULTS_RETENTION_S)
+    assert _rows(store, RUN) == NONE
+    assert store.sweep("33333333-3333-4333-8333-333333333333") is not None
 
 
 def test_version_changes_with_the_results(store):
@@ -322,6 +500,7 @@ def test_version_changes_with_the_results(store):
     changed()
     assert store.version(RUN) == seen[-1]
     store.add_records(OTHER, 0, [{"step": 0}])  # another sweep's (unknown) trial
+    store.cancel(OTHER)  # another sweep's placeholder
     assert store.version(RUN) == seen[-1]
 
 
@@ -358,3 +537,19 @@ def test_sweeps_do_not_see_each_others_results(store):
     assert store.records(RUN, 0, 0, 10) == [{"step": 0, "mine": True}]
     assert store.outputs(RUN) == {"a.png": "image/png"}
     assert store.outputs(OTHER) == {}
+
+
+def test_cancel_without_returning(tmp_path, monkeypatch):
+    """A SQLite before 3.35 (no RETURNING): `cancel` counts the rows its upsert wrote."""
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    led = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    try:
+        monkeypatch.setattr(led.engine.dialect, "insert_returning", False)
+        store = SweepRecords(led)
+        assert store.cancel(RUN, now=1000.0) is True and store.cancel(RUN) is False
+        _open(store, OTHER, now=1000.0)
+        assert store.cancel(OTHER, now=2000.0) is True and store.cancel(OTHER) is False
+        assert store.cancelled(RUN) and store.sweep(OTHER)["cancelled_at"] == 2000.0
+    finally:
+        led.dispose()

@@ -5,6 +5,9 @@ with the ledger's credentials and never the worker's files.
 
 A store of its own over the ledger's database (`SweepRecords(ledger)`): none of it takes part
 in admission, and none of it is read by the gate.
+
+Bounded: each record is kept flat and small (`flat_record`), at most MAX_RECORDS per trial, and a
+sweep's rows go RESULTS_RETENTION_S after it ended (`prune`, run as each sweep opens).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import json
 import math
 import time
 from collections.abc import Iterable, Mapping
+from itertools import chain
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 
 from prefect_gpu_budget.admission.ledger.tables import (
     sweep_outputs,
@@ -28,21 +33,101 @@ MAX_RECORDS = 10_000
 """Records kept per trial: a learning curve longer than this keeps its first MAX_RECORDS."""
 MAX_OUTPUT_BYTES = 16 << 20
 """Largest output (a plot, the results table) kept for a sweep."""
+MAX_RECORD_BYTES = 4096
+"""Largest record kept, as its JSON (after `flat_record`): a page of 1000 records the gateway
+loads stays a few MB of Python objects, whatever the trials wrote."""
+MAX_RECORD_KEYS = 64
+"""Keys kept per record (the first ones with a scalar value)."""
+MAX_KEY_CHARS = 64
+"""A longer key is dropped with its value."""
+MAX_STR_CHARS = 256
+"""A longer string value is cut to this many characters."""
+RESULTS_RETENTION_S = 30 * 86400.0
+"""How long a sweep's results (its rows in all four tables) are kept after it ended (or, never
+ended, after it started): each `open_sweep` prunes the sweeps older than this."""
+_KEPT_FIRST = ("summary", "step")
+"""Keys `flat_record` takes before any other: what `latest_metrics` reads."""
+_INT_BOUND = 1 << 63
+"""Integers kept: those of a signed 64-bit integer (a bigger one could not even be written as
+JSON past 4300 digits)."""
 
 
 def _json(value: Any) -> str:
     return json.dumps(value, default=str, allow_nan=False) if value is not None else "null"
 
 
-def _jsonable(value: Any) -> Any:
-    """`value` without NaN or infinities at any depth (JSON has none): they become null."""
-    if isinstance(value, float) and not math.isfinite(value):
+def flat_record(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What is kept of one reported record: a flat mapping of at most MAX_RECORD_KEYS string keys
+    (of at most MAX_KEY_CHARS characters; a longer key is dropped) to scalars only: an int (of 64
+    bits), a float (NaN and infinities become None: JSON has none), a bool, None, or a string
+    (cut to MAX_STR_CHARS characters). Nested values (lists, mappings) and anything else are
+    dropped. `summary` and `step` (see `latest_metrics`) are taken first, so that many keys
+    never push them out. None, and the record is dropped, when its JSON is still over
+    MAX_RECORD_BYTES (or it is not a mapping).
+
+    A metrics file's line may be 64 KiB of nested lists or mappings (`metrics_file`), ~49 times
+    that as Python objects; flat and small, a record costs a few KB wherever it is loaded (the
+    gateway's pages of records, the sweep flow's learning curves). Applying it twice changes
+    nothing."""
+    if not isinstance(record, Mapping):
         return None
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
+    flat: dict[str, Any] = {}
+    first = [(k, record[k]) for k in _KEPT_FIRST if k in record]
+    for key, value in chain(first, ((k, v) for k, v in record.items() if k not in _KEPT_FIRST)):
+        if len(flat) >= MAX_RECORD_KEYS:
+            break
+        key = key if isinstance(key, str) else str(key)
+        if len(key) > MAX_KEY_CHARS:
+            continue
+        if value is None or isinstance(value, bool):
+            flat[key] = value
+        elif isinstance(value, int):
+            if -_INT_BOUND <= value < _INT_BOUND:
+                flat[key] = int(value)
+        elif isinstance(value, float):
+            flat[key] = float(value) if math.isfinite(value) else None
+        elif isinstance(value, str):
+            flat[key] = str(value[:MAX_STR_CHARS])
+    return flat if len(_json(flat)) <= MAX_RECORD_BYTES else None
+
+
+def flat_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`flat_record` of each record, those dropped left out."""
+    return [f for f in map(flat_record, records) if f is not None]
+
+
+def _upsert(conn: Any, values: Mapping[str, Any]) -> Any:
+    """An INSERT of a `gpu_sweeps` row that can take `.on_conflict_do_update` (on either
+    database the ledger runs on)."""
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    return dialect.insert(sweeps).values(**values)
+
+
+_PRUNE_BATCH = 500
+"""Run ids per DELETE (SQLite before 3.32 takes at most 999 parameters a statement)."""
+
+
+def _prune(conn: Any, before: float) -> int:
+    """Delete the results of the sweeps that ended (never ended: started) before `before`."""
+    old = (
+        conn.execute(
+            sa.select(sweeps.c.run_id).where(
+                sa.func.coalesce(sweeps.c.ended_at, sweeps.c.started_at) < before
+            )
+        )
+        .scalars()
+        .all()
+    )
+    for start in range(0, len(old), _PRUNE_BATCH):
+        batch = old[start : start + _PRUNE_BATCH]
+        for table in (trial_metrics, sweep_trials, sweep_outputs, sweeps):
+            conn.execute(table.delete().where(table.c.run_id.in_(batch)))
+    return len(old)
+
+
+_PLACEHOLDER_GOAL = ""
+"""The goal of a `gpu_sweeps` row that `cancel` made before its flow opened the sweep (a sweep's
+own goal is "min" or "max"): `sweep` answers None for it until `open_sweep` fills it in."""
 
 
 class SweepRecords:
@@ -63,20 +148,27 @@ class SweepRecords:
         params: list[Mapping[str, Any]],
         now: float | None = None,
     ) -> None:
-        """Record a sweep and every trial's parameters, in one transaction (again: replaced)."""
+        """Record a sweep and every trial's parameters, in one transaction (again: replaced,
+        except that a sweep cancelled already, even before it opened, stays cancelled). Prunes
+        the results older than RESULTS_RETENTION_S first."""
+        now = time.time() if now is None else now
         with self.ledger._tx() as conn:
-            for table in (trial_metrics, sweep_trials, sweep_outputs, sweeps):
+            _prune(conn, now - RESULTS_RETENTION_S)
+            for table in (trial_metrics, sweep_trials, sweep_outputs):
                 conn.execute(table.delete().where(table.c.run_id == run_id))
-            conn.execute(
-                sweeps.insert().values(
-                    run_id=run_id,
-                    scope=scope,
-                    name=name,
-                    metric=metric,
-                    goal=goal,
-                    trials=len(params),
-                    started_at=time.time() if now is None else now,
-                    message="",
+            values = {
+                "scope": scope,
+                "name": name,
+                "metric": metric,
+                "goal": goal,
+                "trials": len(params),
+                "started_at": now,
+                "ended_at": None,
+                "message": "",
+            }
+            conn.execute(  # one statement: a concurrent `cancel` is kept, never overwritten
+                _upsert(conn, {"run_id": run_id, **values}).on_conflict_do_update(
+                    index_elements=[sweeps.c.run_id], set_=values
                 )
             )
             if params:
@@ -96,9 +188,10 @@ class SweepRecords:
                 )
 
     def add_records(self, run_id: str, trial: int, records: Iterable[Mapping[str, Any]]) -> int:
-        """Append a trial's newly reported records (up to MAX_RECORDS in all) and keep its
-        latest metrics; returns how many were kept."""
-        records = [_jsonable(r) for r in records]
+        """Append a trial's newly reported records, each as `flat_record` keeps it (up to
+        MAX_RECORDS in all), and keep its latest metrics from them; returns how many were
+        kept."""
+        records = flat_records(records)
         if not records:
             return 0
         with self.ledger._tx() as conn:
@@ -165,22 +258,53 @@ class SweepRecords:
         return True
 
     def cancel(self, run_id: str, now: float | None = None) -> bool:
-        """Ask the sweep to start no more trials; False if it is unknown or asked already."""
+        """Ask the sweep to start no more trials; False if it was asked already. A sweep not yet
+        opened (its flow has not reached `open_sweep`) gets a placeholder row, cancelled, which
+        `open_sweep` fills in and keeps cancelled."""
+        now = time.time() if now is None else now
+        placeholder = {
+            "run_id": run_id,
+            "scope": "",
+            "name": "",
+            "metric": "",
+            "goal": _PLACEHOLDER_GOAL,
+            "trials": 0,
+            "started_at": now,
+            "cancelled_at": now,
+            "message": "",
+        }
         with self.ledger._tx() as conn:
-            return bool(
-                conn.execute(
-                    sweeps.update()
-                    .where(sweeps.c.run_id == run_id, sweeps.c.cancelled_at.is_(None))
-                    .values(cancelled_at=time.time() if now is None else now)
-                ).rowcount
+            upsert = _upsert(conn, placeholder).on_conflict_do_update(
+                index_elements=[sweeps.c.run_id],
+                set_={"cancelled_at": now},
+                where=sweeps.c.cancelled_at.is_(None),
             )
+            if not conn.dialect.insert_returning:  # SQLite before 3.35: its count is right
+                return bool(conn.execute(upsert).rowcount)
+            # psycopg's count of an upsert reads -1 through SQLAlchemy: the row written says it
+            return conn.execute(upsert.returning(sweeps.c.run_id)).first() is not None
+
+    def prune(self, before: float) -> int:
+        """Delete every result (all four tables' rows) of the sweeps that ended before `before`,
+        or never ended and started before it; how many sweeps went. `open_sweep` runs it with
+        `before` RESULTS_RETENTION_S ago."""
+        with self.ledger._tx() as conn:
+            return _prune(conn, before)
 
     # -- reads (the sweep flow's checks, the gateway) --------------------------------------
 
     def sweep(self, run_id: str) -> dict[str, Any] | None:
+        """The sweep's row once its flow opened it (`open_sweep`): None before, even when it was
+        cancelled already (see `cancelled`)."""
         with self.ledger._read() as conn:
-            row = conn.execute(sweeps.select().where(sweeps.c.run_id == run_id)).first()
+            row = conn.execute(
+                sweeps.select().where(sweeps.c.run_id == run_id, sweeps.c.goal != _PLACEHOLDER_GOAL)
+            ).first()
         return None if row is None else dict(row._mapping)
+
+    def started(self, run_id: str) -> bool:
+        """Whether the sweep's flow opened it (`open_sweep`); a cancel before does not count."""
+        return self.sweep(run_id) is not None
 
     def latest(self, scope: str, name: str, since: float) -> str | None:
         """The run id of the newest sweep `name` in `scope` that started at or after `since`."""
@@ -188,7 +312,7 @@ class SweepRecords:
             return conn.execute(
                 sa.select(sweeps.c.run_id)
                 .where(sweeps.c.scope == scope, sweeps.c.name == name)
-                .where(sweeps.c.started_at >= since)
+                .where(sweeps.c.started_at >= since, sweeps.c.goal != _PLACEHOLDER_GOAL)
                 .order_by(sweeps.c.started_at.desc())
                 .limit(1)
             ).scalar_one_or_none()

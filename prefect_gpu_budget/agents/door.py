@@ -370,7 +370,7 @@ class Door:
             "name": run.name,
             "state": state.name if state else "Unknown",
             "message": message,
-            "cancelled": bool(meta and meta["cancelled_at"]),
+            "cancelled": bool(meta["cancelled_at"]) if meta else self.records.cancelled(run_id),
             "metric": meta["metric"] if meta else None,
             "goal": meta["goal"] if meta else None,
             "trials": trials,
@@ -457,12 +457,15 @@ class Door:
         """Stop the caller's sweep: it starts no more trials, its queued ones are cancelled
         and its running ones stopped as `cancel_job` stops them."""
         run = self._own_run(caller, run_id)
-        if self.records.sweep(run_id) is None and run.state and not run.state.is_final():
-            from prefect.states import Cancelled  # not started yet: it never will
+        if not self.records.started(run_id) and run.state and not run.state.is_final():
+            from prefect.states import Cancelled, Cancelling
 
-            self.prefect.set_flow_run_state(
-                run.id, Cancelled(message="cancelled by its agent"), force=True
-            )
+            said = "cancelled by its agent"
+            if run.state.is_scheduled():  # no process has it: it never starts
+                self.prefect.set_flow_run_state(run.id, Cancelled(message=said), force=True)
+            else:  # a process may run it already: its worker stops that process, as Prefect's
+                # own cancel does, and the sweep starts no trial meanwhile (cancelled below)
+                self.prefect.set_flow_run_state(run.id, Cancelling(message=said))
         stopped = stop_sweep(self.ledger, run_id, caller.session, STOPPED_BY_AGENT)
         return {"run_id": run_id, **stopped}
 

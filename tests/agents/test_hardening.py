@@ -23,9 +23,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -497,3 +499,36 @@ def test_agents_results_root_is_the_workers_alone(tmp_path, monkeypatch):
     root.chmod(0o755)  # an admin's chmod, or an older version's folder
     agent_results("acme/ml/agent-2")
     assert root.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize(
+    ("state", "became"), [("SCHEDULED", "CANCELLED"), ("RUNNING", "CANCELLING")]
+)
+def test_cancelling_a_sweep_before_it_opens_holds(ledger, state, became):
+    """Cancelled before its flow recorded it: a scheduled run is Cancelled outright; a run a
+    process may already hold is set Cancelling (its worker stops the process, as Prefect's own
+    cancel does, never a forced Cancelled that leaves it running), and the cancel is kept for
+    when its flow opens the sweep, which then starts no trial."""
+    from prefect.client.schemas.objects import State, StateType
+
+    from prefect_gpu_budget.admission.ledger.results import SweepRecords
+    from prefect_gpu_budget.agents.door import Caller, Door
+
+    run_id = str(uuid.uuid4())
+    set_to: list[tuple[str, bool]] = []
+
+    class Prefect:
+        def read_flow_run(self, _):
+            return SimpleNamespace(
+                id=run_id, parameters={"session": SESSION}, state=State(type=StateType[state])
+            )
+
+        def set_flow_run_state(self, _, new, force=False):
+            set_to.append((new.type.value, force))
+
+    door = Door(ledger, Prefect())
+    door.cancel_sweep(Caller(SESSION, "grant"), run_id)
+    assert set_to == [(became, became == "CANCELLED")]
+    records = SweepRecords(ledger)
+    records.open_sweep(run_id, SESSION, "late", "loss", "min", [{"lr": 0.1}])
+    assert records.cancelled(run_id)  # the flow's recorder reads this before each trial

@@ -47,10 +47,10 @@ def _prepare(url: str) -> None:
 
     ledger = fresh_ledger(url)
     try:
-        ledger.set_budget(BudgetRule(ORG, hourly_cap_cents=10**9))
-        ledger.set_budget(BudgetRule(TEAM, hourly_cap_cents=CAP_JOBS * RATE_CENTS))
+        ledger.config.set_budget(BudgetRule(ORG, hourly_cap_cents=10**9))
+        ledger.config.set_budget(BudgetRule(TEAM, hourly_cap_cents=CAP_JOBS * RATE_CENTS))
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def _measure(url: str, start_at: float) -> dict[str, Any]:
@@ -60,10 +60,10 @@ def _measure(url: str, start_at: float) -> dict[str, Any]:
 
     ledger = Ledger(url, create=False)
     try:
-        with ledger.engine.connect() as conn:
+        with ledger.db.engine.connect() as conn:
             rows = conn.execute(sa.select(jobs.c.requested_at, jobs.c.state)).all()
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
     return {
         "recorded": len(rows),
         "recorded_s": max(r.requested_at for r in rows) - start_at if rows else None,

@@ -30,8 +30,8 @@ def main(url: str, threads: int) -> None:
 
     ledger = Ledger(url, create=False)
     ended = [0]
-    event.listen(ledger.engine, "commit", lambda conn: ended.__setitem__(0, ended[0] + 1))
-    event.listen(ledger.engine, "rollback", lambda conn: ended.__setitem__(0, ended[0] + 1))
+    event.listen(ledger.db.engine, "commit", lambda conn: ended.__setitem__(0, ended[0] + 1))
+    event.listen(ledger.db.engine, "rollback", lambda conn: ended.__setitem__(0, ended[0] + 1))
     job = NewJob(
         scope=f"{TEAM}/agent-{os.getpid()}",
         name="burst",
@@ -46,14 +46,14 @@ def main(url: str, threads: int) -> None:
         holder=holder_id(),
     )
     errors: list[str] = []
-    ledger.budgets(ORG)  # connected: the first request pays no connect
+    ledger.config.budgets(ORG)  # connected: the first request pays no connect
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())
 
     def ask() -> None:
         time.sleep(max(0.0, start_at - time.time()))
         try:
-            ledger.ask(job, str(uuid.uuid4()))
+            ledger.queue.ask(job, str(uuid.uuid4()))
         except Exception as exc:  # counted, not raised: the burst goes on
             errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -65,7 +65,7 @@ def main(url: str, threads: int) -> None:
         t.join()
     report = {"transactions": ended[0], "errors": errors[:3], "failed": len(errors)}
     print(json.dumps({**report, "package": str(Path(prefect_gpu_budget.__file__).parent.parent)}))
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 if __name__ == "__main__":

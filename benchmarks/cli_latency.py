@@ -47,7 +47,9 @@ def fill(url: str, rows: int) -> None:
 
     ledger = Ledger(url)
     for scope, cap in (("bench", 100_000), ("bench/team", 50_000), ("bench/team/s", 10_000)):
-        ledger.set_budget(BudgetRule(scope=scope, hourly_cap_cents=cap, period_budget_micro=10**12))
+        ledger.config.set_budget(
+            BudgetRule(scope=scope, hourly_cap_cents=cap, period_budget_micro=10**12)
+        )
     job = NewJob(
         scope="bench/team/s",
         name="j",
@@ -64,10 +66,10 @@ def fill(url: str, rows: int) -> None:
     t0 = time.time() - rows * 60
     for i in range(rows):
         now = t0 + i * 60
-        job_id, decision = ledger.request(job, now=now)
-        ledger.mark_started(job_id, now)
-        ledger.settle(job_id, ended_at=now + 30, outcome="completed", now=now + 30)
-    ledger.dispose()
+        job_id, decision = ledger.queue.request(job, now=now)
+        ledger.settlements.mark_started(job_id, now)
+        ledger.settlements.settle(job_id, ended_at=now + 30, outcome="completed", now=now + 30)
+    ledger.db.dispose()
 
 
 def commands() -> dict[str, list[str]]:

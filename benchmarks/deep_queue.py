@@ -90,23 +90,23 @@ DEFAULT_PROCESSES = {16: 4, 256: 4, 1024: 8}
 SAMPLE_S = 0.1
 PG_PORT_HEX = f"{5432:04X}"
 COUNTED = [
-    "ask",
-    "request",
-    "path_budgets",
-    "try_admit",
-    "decided",
-    "record_lease",
-    "mark_started",
-    "heartbeat",
-    "settle",
-    "job",
-    "states",
-    "recheck",
-    "versions",
-    "cancel_queued",
-    "unadmit",
-    "stop_asked",
-    "record_submission",
+    "queue.ask",
+    "queue.request",
+    "config.path_budgets",
+    "queue.try_admit",
+    "queue.decided",
+    "settlements.record_lease",
+    "settlements.mark_started",
+    "settlements.heartbeat",
+    "settlements.settle",
+    "views.job",
+    "views.states",
+    "queue.recheck",
+    "views.versions",
+    "queue.cancel_queued",
+    "queue.unadmit",
+    "views.stop_asked",
+    "settlements.record_submission",
 ]
 """The ledger calls an agent counts (each one transaction, retries aside)."""
 
@@ -157,7 +157,7 @@ def agent_main(raw: str) -> None:
     activity = Activity(cfg.running_path)
     ledger = Ledger(cfg.ledger_url, create=False)
     calls = count_calls(ledger, activity)
-    ended = count_transactions(ledger.engine)
+    ended = count_transactions(ledger.db.engine)
     job = GpuJob(instance_type="local:deep", max_runtime="10m")
     left, lock = [cfg.jobs], threading.Lock()
     waited: list[float] = []
@@ -196,7 +196,7 @@ def agent_main(raw: str) -> None:
         for thread in threads:
             thread.join()
         after = os.times()
-    ledger.dispose()
+    ledger.db.dispose()
     cpu = (after.user - before.user) + (after.system - before.system)
     out = {"cpu_s": cpu, "waited_s": sum(waited), "errors": errors, "done": len(waited)}
     out["calls"] = calls
@@ -251,7 +251,7 @@ class Activity:
 def count_calls(ledger: Any, activity: Activity) -> dict[str, int]:
     """Count the `COUNTED` calls on `ledger` (from the gate and the watcher) from now on, and
     tell `activity` of the calls that get a job in line."""
-    calls = dict.fromkeys(COUNTED, 0)
+    calls = dict.fromkeys((c.split(".")[1] for c in COUNTED), 0)
     lock = threading.Lock()
 
     def counted(name: str, method: Any) -> Any:
@@ -270,8 +270,10 @@ def count_calls(ledger: Any, activity: Activity) -> dict[str, int]:
 
         return call
 
-    for name in COUNTED:
-        setattr(ledger, name, counted(name, getattr(ledger, name)))
+    for counted_call in COUNTED:  # `store.method`
+        store, name = counted_call.split(".")
+        target = getattr(ledger, store)
+        setattr(target, name, counted(name, getattr(target, name)))
     return calls
 
 
@@ -422,7 +424,7 @@ def run_depth(
     tag = f"{depth.backend[:2]}{depth.waiters}"
     with fresh_ledger(depth.backend, tmp, tag, server) as url:
         ledger = Ledger(url)
-        ledger.set_budget(
+        ledger.config.set_budget(
             BudgetRule(team, hourly_cap_cents=CAP_JOBS * PRICE_CENTS, max_wait_s=3600)
         )
         limits = RateLimits()
@@ -499,8 +501,8 @@ def run_depth(
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        rows = [r for r in ledger.jobs(org) if r["state"] == "settled"]
-        ledger.dispose()
+        rows = [r for r in ledger.views.jobs(org) if r["state"] == "settled"]
+        ledger.db.dispose()
     pg = None if admin is None else (x1[0] - x0[0], x1[1] - x0[1])
     return figures(depth, rows, reports, sampler, pg, wall)
 

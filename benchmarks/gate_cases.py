@@ -81,11 +81,11 @@ def budgets() -> list[BudgetRule]:
 def fresh_ledger(url: str) -> Ledger:
     """Drop and recreate the gate's tables, then set the benchmark budgets."""
     old = Ledger(url, create=False)
-    metadata.drop_all(old.engine)
-    old.dispose()
+    metadata.drop_all(old.db.engine)
+    old.db.dispose()
     ledger = Ledger(url)
     for rule in budgets():
-        ledger.set_budget(rule)
+        ledger.config.set_budget(rule)
     return ledger
 
 
@@ -164,11 +164,11 @@ def decision_samples(ledger: Ledger, quote: Quote, count: int) -> list[float]:
     for _ in range(count):
         job = new_job(SCOPE, quote)
         start = time.perf_counter()
-        job_id, decision = ledger.request(job)
+        job_id, decision = ledger.queue.request(job)
         samples.append(time.perf_counter() - start)
         if decision.verdict != "admit":
             raise RuntimeError(f"benchmark job not admitted: {decision.reason}")
-        ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope=SCOPE)
+        ledger.settlements.settle(job_id, ended_at=time.time(), outcome="completed", scope=SCOPE)
     return samples
 
 
@@ -198,7 +198,7 @@ def admitter(index: int, api_url: str, commands: Queue, results: Queue) -> None:
                     gate = Gate(ledger, limits, catalog=catalog)
                     op = gate_round_trip(gate, f"{TEAM}/w{index}")
                     done = admitter_round(index, op, commands, results)
-                    ledger.dispose()
+                    ledger.db.dispose()
                 results.put(("done", index, done))
     except Exception as exc:  # report, so the parent does not wait for nothing
         results.put(("failed", index, f"{type(exc).__name__}: {exc}"))
@@ -358,7 +358,7 @@ def bulk_insert(ledger: Ledger, count: int, rng: random.Random, limit_s: float |
     started, done, now = time.perf_counter(), 0, time.time()
     while done < count:
         batch = old_rows(min(INSERT_BATCH, count - done), now, rng)
-        with ledger.engine.begin() as conn:
+        with ledger.db.engine.begin() as conn:
             conn.execute(jobs.insert(), batch)
         done += len(batch)
         if limit_s is not None and time.perf_counter() - started > limit_s and done < count:
@@ -367,7 +367,7 @@ def bulk_insert(ledger: Ledger, count: int, rng: random.Random, limit_s: float |
 
 
 def settled_count(ledger: Ledger) -> int:
-    with ledger.engine.connect() as conn:
+    with ledger.db.engine.connect() as conn:
         query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.state == "settled")
         return int(conn.execute(query).scalar_one())
 
@@ -393,7 +393,7 @@ def bench_size(
         large_rows = settled_count(ledger)
         large = summary_ms(decision_samples(ledger, quote, warmup + iterations)[warmup:])
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
     note = None
     if large_rows < rows[1]:
         note = (
@@ -456,7 +456,7 @@ class Cases:
                 "decision": bench_decision(ledger, self.quote, iterations, warmup),
             }
         finally:
-            ledger.dispose()
+            ledger.db.dispose()
 
     def throughput(self, target: str, workers: int, duration_s: float, pool: int) -> dict[str, Any]:
         """One round of `workers` admitters: bare Prefect limits (`target` "prefect") or the gate

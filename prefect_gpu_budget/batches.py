@@ -6,7 +6,7 @@ caller gets its own result, or its own exception: when a run raises, its callers
 one by one, so one bad call fails only itself.
 
 The ledger records a burst of requests this way: a thousand threads asking at once cost a few
-transactions, not a thousand, each under the org's lock in turn (`Ledger.ask`).
+transactions, not a thousand, each under the org's lock in turn (`Ledger.queue.ask`).
 """
 
 from __future__ import annotations

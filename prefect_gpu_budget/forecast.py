@@ -86,10 +86,10 @@ class Forecast:
 
 
 def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
-    rules = {r.scope: r for r in ledger.budgets(org_of(scope))}
+    rules = {r.scope: r for r in ledger.config.budgets(org_of(scope))}
     team = scope.rsplit("/", 1)[0]
     if scope.count("/") == 2 and scope not in rules:
-        template = {t.scope: t for t in ledger.session_templates()}.get(team)
+        template = {t.scope: t for t in ledger.config.session_templates()}.get(team)
         if template is not None:
             rules[scope] = replace(template, scope=scope)
     return rules
@@ -100,11 +100,11 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     (`price_job`: a part of a machine pays its part), in a scope the gate would accept (a
     `BudgetInputError` naming the level nobody created, as the gate refuses it)."""
     now = time.time() if now is None else now
-    unknown = ledger.unknown_scope(spec.scope)
+    unknown = ledger.views.unknown_scope(spec.scope)
     if unknown is not None:
         raise BudgetInputError("scope", unknown)
     trials = spec.trials()
-    classes = ledger.priority_values(spec.scope)
+    classes = ledger.config.priority_values(spec.scope)
     jobs, warnings = [], {}
     for index, params in enumerate(trials):
         job = spec.job_for(params, f"{spec.name}/{index:04d}")
@@ -186,12 +186,12 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
 def _ledger_state(
     ledger: Ledger, rules: dict[str, BudgetRule], org: str, now: float
 ) -> tuple[list[Hold], dict[tuple[str, float], int]]:
-    holds = [hold_of(row, now=now) for row in ledger.jobs(org, states=ACTIVE)]
+    holds = [hold_of(row, now=now) for row in ledger.views.jobs(org, states=ACTIVE)]
     settled = {}
     for rule in rules.values():
         if rule.period_budget_micro is not None:
             p_start, _ = periods.bounds(rule.period, rule.timezone, now)
-            settled[(rule.scope, p_start)] = ledger.period_settled(rule.scope, p_start)
+            settled[(rule.scope, p_start)] = ledger.views.period_settled(rule.scope, p_start)
     return holds, settled
 
 

@@ -29,12 +29,12 @@ from prefect_gpu_budget.admission.policy import (
     BudgetRule,
     Hold,
     LedgerState,
-    Request,
     max_wait_of,
     overrun_factor,
     plan,
     wait_deadline,
 )
+from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.units import rate_cents, scope_path
 
 

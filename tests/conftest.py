@@ -109,9 +109,9 @@ def _fresh_pg() -> str:
     require_postgres(PG_URL)
     ledger = Ledger(PG_URL, create=False)
     try:
-        metadata.drop_all(ledger.engine)
+        metadata.drop_all(ledger.db.engine)
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
     return PG_URL
 
 
@@ -129,4 +129,4 @@ def ledger(ledger_url: str):
 
     led = Ledger(ledger_url)
     yield led
-    led.dispose()
+    led.db.dispose()

@@ -116,12 +116,12 @@ CLI_CASES = [
 def _snapshot(ledger: Ledger) -> tuple:
     from prefect_gpu_budget.admission.ledger import agent_grants
 
-    with ledger.engine.connect() as conn:
+    with ledger.db.engine.connect() as conn:
         grants = conn.execute(agent_grants.select()).all()
     return (
-        tuple(r.__dict__.items() for r in ledger.budgets()),
-        len(ledger.jobs()),
-        ledger.capacity("acme"),
+        tuple(r.__dict__.items() for r in ledger.config.budgets()),
+        len(ledger.views.jobs()),
+        ledger.config.capacity("acme"),
         grants,
     )
 
@@ -147,7 +147,7 @@ def test_cli_rejects_with_exit_2_and_writes_nothing(argv, field, tmp_path, monke
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(tmp_path / "prices.csv"))
     ledger = Ledger(url)
-    ledger.set_budget(GpuBudget(scope="acme", hourly_cap_usd=10).rule())
+    ledger.config.set_budget(GpuBudget(scope="acme", hourly_cap_usd=10).rule())
     before = _snapshot(ledger)
     monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
     with pytest.raises(SystemExit) as exit_:
@@ -188,7 +188,7 @@ def test_gate_refuses_unknown_price_before_writing(tmp_path):
     from prefect_gpu_budget.pricing.catalog import Catalog
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.set_budget(GpuBudget(scope="acme", hourly_cap_usd=10).rule())
+    ledger.config.set_budget(GpuBudget(scope="acme", hourly_cap_usd=10).rule())
     gate = Gate(ledger, catalog=Catalog.load())
     for job, scope in [
         (GpuJob(instance_type="local:unpriced", max_runtime="1h"), "acme"),
@@ -197,14 +197,14 @@ def test_gate_refuses_unknown_price_before_writing(tmp_path):
         with pytest.raises(BudgetInputError) as exc:
             gate.admit(job, scope)
         assert "\n" not in str(exc.value)
-    assert ledger.jobs() == []
+    assert ledger.views.jobs() == []
 
 
 @pytest.mark.parametrize("template", [False, True])
 def test_a_cap_prefect_cannot_hold_is_refused_in_one_line(template, tmp_path, monkeypatch, capsys):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
-    before = (ledger.budgets(), ledger.session_templates())
+    before = (ledger.config.budgets(), ledger.config.session_templates())
     argv = ["budget", "set", "acme/vision", "--hourly-cap", "25000000"]
     argv += ["--session-template"] if template else []
     monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
@@ -213,7 +213,7 @@ def test_a_cap_prefect_cannot_hold_is_refused_in_one_line(template, tmp_path, mo
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and "\n" not in err, err
     assert err.startswith("error: hourly_cap_usd: must be at most $21,474,836.47/h"), err
-    assert (ledger.budgets(), ledger.session_templates()) == before
+    assert (ledger.config.budgets(), ledger.config.session_templates()) == before
 
 
 GOOD_ROW = "local,box,on-demand,local GPU,1,0,0,3.6,priced by user,2026-01-01,yes\n"

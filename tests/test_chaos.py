@@ -212,15 +212,15 @@ def test_promise1_replay_finds_over_admission() -> None:
 
 def test_audit_finds_orphans_and_double_charges(tmp_path: Path) -> None:
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.set_budget(BudgetRule("au", hourly_cap_cents=720, period_budget_micro=10**6))
-    job_id, decision = ledger.request(new_job("au/t", holder=holder_id()))
+    ledger.config.set_budget(BudgetRule("au", hourly_cap_cents=720, period_budget_micro=10**6))
+    job_id, decision = ledger.queue.request(new_job("au/t", holder=holder_id()))
     assert decision.verdict == "admit"
     started = time.time() - 10
-    ledger.mark_started(job_id, started)
-    ledger.settle(job_id, ended_at=started + 10, outcome="completed")  # exactly $0.01
+    ledger.settlements.mark_started(job_id, started)
+    ledger.settlements.settle(job_id, ended_at=started + 10, outcome="completed")  # exactly $0.01
     assert audit(ledger).ok
 
-    with ledger.engine.begin() as conn:  # book the settlement a second time
+    with ledger.db.engine.begin() as conn:  # book the settlement a second time
         conn.execute(
             period_spend.update()
             .where(period_spend.c.scope == "au")
@@ -231,27 +231,27 @@ def test_audit_finds_orphans_and_double_charges(tmp_path: Path) -> None:
     assert "ledger holds $0.02, its settled jobs cost $0.01" in found.messages[0]
 
     dead = f"{os.uname().nodename}:{2**22 + 7}:1"  # above pid_max: never alive
-    ledger.request(new_job("au/t", holder=dead))
+    ledger.queue.request(new_job("au/t", holder=dead))
     found = audit(ledger, scope="au/t")  # in a capped scope, no lease recorded: it may hold one
     assert (found.orphans_left, found.awaiting_lease_expiry) == (0, 1)
     later = time.time() + UNRECORDED_LEASE_S + 1  # that lease's latest expiry is past
     assert audit(ledger, scope="au/t", now=later).orphans_left == 1
     assert [r.action for r in reconcile(ledger, now=later)] == ["settled"]
     assert audit(ledger, scope="au/t", now=later).orphans_left == 0
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def test_audit_compares_prefect_slots_with_the_ledger(prefect_api: str, tmp_path: Path) -> None:
     from prefect_gpu_budget.admission.limits import RateLimits
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.set_budget(BudgetRule("sl", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("sl", hourly_cap_cents=720))
     limits = RateLimits()
     limits.ensure([("sl", 720)])
-    job_id, _ = ledger.request(new_job("sl/t", holder=holder_id()))
+    job_id, _ = ledger.queue.request(new_job("sl/t", holder=holder_id()))
     lease = limits.acquire(["sl"], 360)
     assert lease is not None
-    ledger.record_lease(job_id, lease)
+    ledger.settlements.record_lease(job_id, lease)
     assert audit(ledger, limits).slot_mismatch_cents == 0
     outside = limits.acquire(["sl"], 100)  # slots the ledger knows nothing about
     assert outside is not None
@@ -259,23 +259,23 @@ def test_audit_compares_prefect_slots_with_the_ledger(prefect_api: str, tmp_path
     assert found.slot_mismatch_cents == 100
     assert "sl: Prefect holds 460 slots, ledger runs 360 cents/h" in found.messages
     limits.release(outside)
-    ledger.settle(job_id, ended_at=time.time(), outcome="completed")
+    ledger.settlements.settle(job_id, ended_at=time.time(), outcome="completed")
     assert audit(ledger, limits).slot_mismatch_cents == 360  # settled, lease not handed back
     limits.release(lease)
     assert audit(ledger, limits).ok
     limits.close()
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def test_audit_counts_rows_awaiting_lease_expiry_apart(prefect_api: str, tmp_path: Path) -> None:
     from prefect_gpu_budget.admission.limits import RateLimits
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.set_budget(BudgetRule("aw", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("aw", hourly_cap_cents=720))
     limits = RateLimits()
     limits.ensure([("aw", 720)])
     dead = f"{os.uname().nodename}:{2**22 + 9}:1"  # above pid_max: never alive
-    job_id, decision = ledger.request(new_job("aw/t", holder=dead))
+    job_id, decision = ledger.queue.request(new_job("aw/t", holder=dead))
     assert decision.verdict == "admit"
 
     def slots(found) -> tuple[int | None, int | None, int | None]:
@@ -309,4 +309,4 @@ def test_audit_counts_rows_awaiting_lease_expiry_apart(prefect_api: str, tmp_pat
     limits.release(lease)
     assert audit(ledger, limits, now=later).ok
     limits.close()
-    ledger.dispose()
+    ledger.db.dispose()

@@ -288,7 +288,9 @@ def _race(url: str, commands: list[list[str]]) -> list[int]:
 
 def _start(url: str) -> Ledger:
     ledger = Ledger(url)
-    ledger.set_budget(GpuBudget(scope="acme", hourly_cap_usd=1000, period_budget_usd=1000).rule())
+    ledger.config.set_budget(
+        GpuBudget(scope="acme", hourly_cap_usd=1000, period_budget_usd=1000).rule()
+    )
     return ledger
 
 
@@ -297,7 +299,7 @@ def test_racing_budget_sets_each_keep_their_field(url: str) -> None:
     try:
         codes = _race(url, [["budget", "set", "acme", *args] for args, _, _ in FIELD_CHANGES])
         assert codes == [0] * len(FIELD_CHANGES)
-        [rule] = ledger.budgets()
+        [rule] = ledger.config.budgets()
         lost = {
             field: (getattr(rule, field), want)
             for _, field, want in FIELD_CHANGES
@@ -305,13 +307,15 @@ def test_racing_budget_sets_each_keep_their_field(url: str) -> None:
         }
         assert lost == {}, f"changes lost to a concurrent `budget set`: {lost}"
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def test_racing_session_template_sets_each_keep_their_field(url: str) -> None:
     ledger = Ledger(url)
     try:
-        ledger.set_session_template(BudgetRule(scope="acme/agents", period_budget_micro=10**9))
+        ledger.config.set_session_template(
+            BudgetRule(scope="acme/agents", period_budget_micro=10**9)
+        )
         codes = _race(
             url,
             [
@@ -320,11 +324,11 @@ def test_racing_session_template_sets_each_keep_their_field(url: str) -> None:
             ],
         )
         assert codes == [0] * len(FIELD_CHANGES)
-        [rule] = ledger.session_templates()
+        [rule] = ledger.config.session_templates()
         lost = {f: getattr(rule, f) for _, f, want in FIELD_CHANGES if getattr(rule, f) != want}
         assert lost == {}, f"changes lost to a concurrent `budget set`: {lost}"
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def test_racing_quotas_and_pool_set_all_survive(url: str) -> None:
@@ -339,13 +343,13 @@ def test_racing_quotas_and_pool_set_all_survive(url: str) -> None:
         ]
         commands.append([*pool, "--gpu-model", "h100"])  # the pool changes while quotas land
         assert _race(url, commands) == [0] * len(commands)
-        [lab], quotas = ledger.capacity("acme")
+        [lab], quotas = ledger.config.capacity("acme")
         assert {q.team: q.quota[0] for q in quotas} == {
             f"acme/{team}": i + 1 for i, team in enumerate(teams)
         }
         assert lab.gpu_model == "h100"
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def test_a_bad_value_in_the_merged_rule_writes_nothing(tmp_path: Path, monkeypatch, capsys):
@@ -353,7 +357,7 @@ def test_a_bad_value_in_the_merged_rule_writes_nothing(tmp_path: Path, monkeypat
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = _start(url)
-    before = ledger.budgets()
+    before = ledger.config.budgets()
     # removing the only two limits is checked against the rule as it stands in the ledger
     argv = ["budget", "set", "acme", "--hourly-cap", "none", "--period-budget", "none"]
     monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "--ledger-url", url, *argv])
@@ -361,7 +365,7 @@ def test_a_bad_value_in_the_merged_rule_writes_nothing(tmp_path: Path, monkeypat
         main()
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 2 and err.startswith("error: budget:") and "\n" not in err
-    assert ledger.budgets() == before
+    assert ledger.config.budgets() == before
 
 
 def _cli_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -383,7 +387,7 @@ def test_mistakes_are_caught_with_did_you_mean(tmp_path):
     assert typo.stderr.strip() == (
         "error: scope: acme/visoin has no budget; did you mean acme/vision? (--new creates it)"
     )
-    assert {r.scope for r in Ledger(env["PREFECT_GPU_BUDGET_LEDGER_URL"]).budgets()} == {
+    assert {r.scope for r in Ledger(env["PREFECT_GPU_BUDGET_LEDGER_URL"]).config.budgets()} == {
         "acme",
         "acme/vision",
     }  # nothing written
@@ -417,12 +421,12 @@ def test_cancel_ends_a_queued_job_and_stops_a_running_one_as_scancel(tmp_path):
     url = f"sqlite:///{tmp_path / 'l.db'}"
     env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url}
     ledger = Ledger(url)
-    ledger.set_budget(BudgetRule("sc", hourly_cap_cents=360))
-    running, _ = ledger.request(new_job("sc/s"))
-    assert ledger.mark_started(running, time.time())
-    queued, waits = ledger.request(new_job("sc/s"))
+    ledger.config.set_budget(BudgetRule("sc", hourly_cap_cents=360))
+    running, _ = ledger.queue.request(new_job("sc/s"))
+    assert ledger.settlements.mark_started(running, time.time())
+    queued, waits = ledger.queue.request(new_job("sc/s"))
     assert waits.verdict == "wait"
-    before = ledger.jobs()
+    before = ledger.views.jobs()
     for wrong, said in (
         ("", "no job"),
         ("zzz", "no job zzz"),
@@ -431,17 +435,17 @@ def test_cancel_ends_a_queued_job_and_stops_a_running_one_as_scancel(tmp_path):
         done = _cli_run(env, "cancel", queued[:8], wrong)
         assert done.returncode == 2 and said in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert ledger.jobs() == before  # a bad id anywhere stops nothing
+    assert ledger.views.jobs() == before  # a bad id anywhere stops nothing
     done = _cli_run(env, "cancel", queued[:8], running[:8], "--reason", "runaway sweep")
     assert done.returncode == 0, done.stderr
     assert f"{queued[:8]} sc/s: cancelled" in done.stdout
     assert f"{running[:8]} sc/s: stopping" in done.stdout
-    rows = {r["id"]: r for r in ledger.jobs()}
+    rows = {r["id"]: r for r in ledger.views.jobs()}
     assert rows[queued]["state"] == "cancelled" and rows[queued]["reason"] == "runaway sweep"
     assert rows[running]["stop_asked_at"] is not None  # its holder stops and settles it
     again = _cli_run(env, "cancel", queued)
     assert again.returncode == 2 and "has ended (cancelled)" in again.stderr, again.stderr
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def test_a_child_cap_above_its_parents_is_set_with_a_warning(tmp_path):
@@ -461,8 +465,8 @@ def test_the_ledger_names_why_a_job_that_never_ran_ended(tmp_path, monkeypatch, 
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100, on_limit="reject"))
-    refused, decision = ledger.request(new_job("acme/t", name="nightly/0007"))
+    ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=100, on_limit="reject"))
+    refused, decision = ledger.queue.request(new_job("acme/t", name="nightly/0007"))
     assert decision.verdict == "reject"
     monkeypatch.setenv("PREFECT_GPU_BUDGET_LEDGER_URL", url)
     monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "ledger", "--json"])

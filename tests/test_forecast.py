@@ -51,7 +51,7 @@ def test_forecast_matches_the_real_sweep(prefect_api, prices, tmp_path):
     held = df[(df["blocked_by"] == "hourly_cap fc/team") & (df["blocked_s"] > 0.5)]
     assert len(held) >= 2, df[["blocked_by", "blocked_s"]]  # the two that waited a whole trial
     assert predicted.stopped_by is None
-    actual = sum(r["actual_micro"] for r in ledger.jobs("fc"))
+    actual = sum(r["actual_micro"] for r in ledger.views.jobs("fc"))
     assert abs(actual - predicted.spend_micro) <= TOLERANCE * predicted.spend_micro
 
 
@@ -122,7 +122,7 @@ def test_forecast_counts_the_trials_max_wait_will_time_out(prefect_api, prices, 
     ledger = Ledger(url)
     GpuBudget(scope="fc", hourly_cap_usd="3.6", period_budget_usd=100).apply(ledger)
     _team(ledger)
-    _, held = ledger.request(new_job("fc/other", max_runtime_s=3600.0))
+    _, held = ledger.queue.request(new_job("fc/other", max_runtime_s=3600.0))
     assert held.verdict == "admit"
     fields = _spec(tmp_path, 4).model_dump()
     spec = SweepSpec.model_validate({**fields, "job": {**fields["job"], "max_wait": "2s"}})
@@ -140,7 +140,7 @@ def test_forecast_counts_rejections(prices, tmp_path):
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     GpuBudget(scope="fc", hourly_cap_usd="7.2", on_limit="reject").apply(ledger)
     _team(ledger, on_limit="reject")
-    _, held = ledger.request(new_job("fc/other", max_runtime_s=3600.0))
+    _, held = ledger.queue.request(new_job("fc/other", max_runtime_s=3600.0))
     assert held.verdict == "admit"
     predicted = forecast(_spec(tmp_path, 5), ledger)  # room for one trial at a time
     assert predicted.rejected >= 1 and predicted.admitted + predicted.rejected == 5
@@ -158,7 +158,7 @@ def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):
     GpuBudget(scope="fc/team", hourly_cap_usd="3.6").apply(ledger)
     spec = _spec(tmp_path, 3)
     typo = SweepSpec.model_validate({**spec.model_dump(), "scope": "fc/taem/agent"})
-    reason = ledger.unknown_scope("fc/taem/agent")
+    reason = ledger.views.unknown_scope("fc/taem/agent")
     assert reason is not None and reason.endswith("did you mean fc/team?")
     with pytest.raises(BudgetInputError) as refused:
         forecast(typo, ledger)
@@ -175,7 +175,7 @@ def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):
     )
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == f"error: scope: {reason}"
-    assert ledger.jobs() == []
+    assert ledger.views.jobs() == []
 
 
 def test_forecast_plot_draws_the_reservations_that_bind(prices, tmp_path, monkeypatch):
@@ -206,7 +206,7 @@ def test_forecast_plot_draws_the_reservations_that_bind(prices, tmp_path, monkey
 
     figures = []
     monkeypatch.setattr(plots._pyplot(), "close", lambda fig: figures.append(fig))
-    [budget] = [r for r in ledger.path_budgets(spec.scope) if r.period_budget_micro]
+    [budget] = [r for r in ledger.config.path_budgets(spec.scope) if r.period_budget_micro]
     assert plot(predicted, tmp_path / "forecast.png", budget) is not None
     top = figures[0].axes[0]
     [band] = top.collections

@@ -113,12 +113,14 @@ def house(tmp_path_factory):
         prices = set_local_price("box", "3.6", path=tmp / "prices.csv")
         set_local_price("cheap", "0.01", path=prices)  # another machine's: not this worker's
         ledger = Ledger(url)
-        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10**8))
+        ledger.config.set_budget(
+            BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10**8)
+        )
         for team in ("acme/agents", "acme/slow"):
-            ledger.set_session_template(
+            ledger.config.set_session_template(
                 BudgetRule(team, hourly_cap_cents=360, period_budget_micro=5 * 10**6, period="day")
             )
-        ledger.set_agent_limits(
+        ledger.grants.set_agent_limits(
             "acme/slow", AgentLimits(team="acme/slow", max_sweeps=1, max_queued=8).stored()
         )
         server = PrefectServer(tmp / "home", auth=AUTH).start()
@@ -175,7 +177,7 @@ def house(tmp_path_factory):
         finally:
             stop_groups(procs, grace=30)
             server.stop()
-            ledger.dispose()
+            ledger.db.dispose()
 
 
 def _admin(house, path: str, body: dict | None = None) -> object:
@@ -250,9 +252,9 @@ def test_an_agent_job_runs_sandboxed_and_cannot_reach_the_admins_keys(house):
     [trial] = run["trials"]
     assert trial["state"] == "settled" and run["spent_usd"] > 0
 
-    [budget] = [b for b in ledger.budgets() if b.scope == "acme"]
+    [budget] = [b for b in ledger.config.budgets() if b.scope == "acme"]
     assert budget.hourly_cap_cents == 2000, "an agent's job changed the org's budget"
-    assert not [s for s in ledger.session_templates() if "agent-x" in s.scope]
+    assert not [s for s in ledger.config.session_templates() if "agent-x" in s.scope]
     assert not (house["tmp"] / "escaped").exists(), "the job could write into the admin's folder"
 
     def job_output() -> list[str]:  # run logs reach the server in batches
@@ -301,11 +303,11 @@ REFUSED = {
 def test_a_spec_beyond_the_agents_limits_is_a_422_and_reserves_nothing(house, attack):
     gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
     spec, field = REFUSED[attack]
-    before = (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {})))
+    before = (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {})))
     code, body = gw.call("POST", "/v1/sweeps", token, spec)
     assert code == 422, body
     assert "\n" not in body["detail"] and field in body["detail"], body
-    assert (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
+    assert (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
 
 
 def test_big_or_unsized_bodies_are_refused_before_parsing(house):
@@ -324,7 +326,7 @@ def test_another_sessions_runs_and_jobs_look_like_absent_ones(house):
         for r in _admin(house, "/flow_runs/filter", {})
         if r["parameters"].get("session") == SESSION
     ][:1]
-    job = ledger.jobs(SESSION)[0]["id"]
+    job = ledger.views.jobs(SESSION)[0]["id"]
     absent = gw.call("GET", f"/v1/sweeps/{uuid.uuid4()}", theirs)
     other = gw.call("GET", f"/v1/sweeps/{run['id']}", theirs)
     assert absent[0] == other[0] == 404
@@ -333,7 +335,7 @@ def test_another_sessions_runs_and_jobs_look_like_absent_ones(house):
     for job_id in (job, str(uuid.uuid4()), "../x"):
         code, _ = gw.call("POST", f"/v1/jobs/{job_id}/cancel", theirs, raw=b"")
         assert code == 404, job_id
-    assert ledger.job(job)["state"] == "settled"
+    assert ledger.views.job(job)["state"] == "settled"
 
 
 def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
@@ -349,11 +351,13 @@ def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
     code, body = gw.call("POST", "/v1/sweeps", token, spec)
     assert code == 429 and "at most 1" in body["detail"], body
     wait_for(
-        lambda: sum(j["state"] == "queued" for j in ledger.jobs(SLOW)) >= 2, 120, "queued trials"
+        lambda: sum(j["state"] == "queued" for j in ledger.views.jobs(SLOW)) >= 2,
+        120,
+        "queued trials",
     )
     revoked = _cli(house["env"], "agent", "revoke", SLOW)
     assert revoked.returncode == 0, revoked.stderr
-    assert not [j for j in ledger.jobs(SLOW) if j["state"] == "queued"]
+    assert not [j for j in ledger.views.jobs(SLOW) if j["state"] == "queued"]
     assert gw.call("GET", "/v1/status", token)[0] == 401
     code, _ = gw.call("GET", f"/v1/sweeps/{started['run_id']}", house["tokens"][SESSION])
     assert code == 404  # another agent still cannot look
@@ -367,9 +371,9 @@ def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
         "the revoked sweep to end",
     )
     assert run["state_type"] == "COMPLETED", run["state"]
-    assert len(ledger.jobs(SLOW)) == 4, "the sweep started trials after its grant was revoked"
-    assert all(j["state"] in ("settled", "cancelled") for j in ledger.jobs(SLOW))
-    started_jobs = [j for j in ledger.jobs(SLOW) if j["started_at"]]
+    assert len(ledger.views.jobs(SLOW)) == 4, "the sweep started trials after its grant was revoked"
+    assert all(j["state"] in ("settled", "cancelled") for j in ledger.views.jobs(SLOW))
+    started_jobs = [j for j in ledger.views.jobs(SLOW) if j["started_at"]]
     assert len(started_jobs) == 1, "a trial was admitted after its grant was revoked"
 
 
@@ -401,8 +405,8 @@ def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path, prices, m
     from prefect_gpu_budget.agents.gateway import create_app
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
-    token = ledger.grant_agent(SESSION)
+    ledger.config.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+    token = ledger.grants.grant_agent(SESSION)
     down = {PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}
     with temporary_settings(updates=down), TestClient(create_app(ledger.url)) as client:
         answer = client.post(
@@ -421,8 +425,8 @@ def test_the_session_status_names_its_figures_as_status_json_does(tmp_path):
     from prefect_gpu_budget.agents.gateway import create_app
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.set_budget(BudgetRule(SESSION, hourly_cap_cents=360))
-    token = ledger.grant_agent(SESSION)
+    ledger.config.set_budget(BudgetRule(SESSION, hourly_cap_cents=360))
+    token = ledger.grants.grant_agent(SESSION)
     down = {PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}
     with temporary_settings(updates=down), TestClient(create_app(ledger.url)) as client:
         mine = client.get("/v1/status", headers={"Authorization": f"Bearer {token}"})
@@ -565,7 +569,9 @@ def _running_job(house, session: str, run_id: str) -> dict:
     ledger = house["ledger"]
 
     def running() -> dict | None:
-        rows = [j for j in ledger.jobs(session, flow_run_id=run_id) if j["state"] == "running"]
+        rows = [
+            j for j in ledger.views.jobs(session, flow_run_id=run_id) if j["state"] == "running"
+        ]
         return rows[0] if rows else None
 
     return wait_for(running, 180, "a running trial")
@@ -585,7 +591,7 @@ def test_an_agent_stops_a_running_trial_and_pays_for_what_ran(house):
     code, stopped = gw.call("POST", f"/v1/jobs/{job['id']}/cancel", token, raw=b"")
     assert code == 200 and stopped["state"] == "stopping", stopped
     settled = wait_for(
-        lambda: (row := ledger.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
+        lambda: (row := ledger.views.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
     )
     assert time.monotonic() - asked < 30  # a poll, the kill grace (1 s) and the holder's slack
     assert settled["outcome"] == "cancelled" and "stopped by its agent" in settled["reason"]
@@ -604,7 +610,7 @@ def test_an_agent_cancels_its_whole_sweep(house):
     run = started["run_id"]
     _running_job(house, SESSION, run)
     wait_for(
-        lambda: any(j["state"] == "queued" for j in ledger.jobs(SESSION, flow_run_id=run)),
+        lambda: any(j["state"] == "queued" for j in ledger.views.jobs(SESSION, flow_run_id=run)),
         120,
         "a queued trial (the session's cap runs one at a time)",
     )
@@ -612,7 +618,7 @@ def test_an_agent_cancels_its_whole_sweep(house):
     assert code == 200 and cancelled["stopping"] == 1 and cancelled["cancelled"] >= 1, cancelled
     view = _until(gw, token, run, _ended)
     assert view["cancelled"] and "cancelled" in view["message"], view
-    rows = ledger.jobs(SESSION, flow_run_id=run)
+    rows = ledger.views.jobs(SESSION, flow_run_id=run)
     assert len(rows) == 2, "the sweep started trials after it was cancelled"
     assert all(j["state"] in ("settled", "cancelled") for j in rows)
     assert sum(1 for j in rows if j["started_at"]) == 1
@@ -620,7 +626,7 @@ def test_an_agent_cancels_its_whole_sweep(house):
 
 def test_specs_that_cannot_run_are_refused_at_the_door(house):
     gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
-    before = (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {})))
+    before = (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {})))
     typo = _spec(job={**_spec()["job"], "instance_type": "local:boxx"})
     code, body = gw.call("POST", "/v1/sweeps", token, typo)
     assert code == 422 and "did you mean local:box?" in body["detail"], body
@@ -629,7 +635,7 @@ def test_specs_that_cannot_run_are_refused_at_the_door(house):
     code, body = gw.call("POST", "/v1/forecast", token, typo)
     assert code == 422 and "instance_type" in body["detail"]
     assert gw.call("GET", "/v1/quote?instance_type=aws:p4d.24xlarg", token)[0] == 422
-    assert (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
+    assert (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
 
 
 def test_nothing_serving_the_agent_deployment_is_a_503_and_starts_nothing(house, monkeypatch):
@@ -745,7 +751,7 @@ def test_an_agent_stops_a_trial_and_cancels_a_sweep_through_mcp(house):
             break
     assert tool("cancel_job", job_id=job["id"]) == {"job_id": job["id"], "state": "stopping"}
     settled = wait_for(
-        lambda: (row := ledger.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
+        lambda: (row := ledger.views.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
     )
     assert settled["outcome"] == "cancelled" and "stopped by its agent" in settled["reason"]
     assert 0 < settled["actual_micro"] < settled["reserved_micro"] / 2, settled
@@ -755,7 +761,7 @@ def test_an_agent_stops_a_trial_and_cancels_a_sweep_through_mcp(house):
     while time.monotonic() < deadline and not _ended(view):
         view = tool("get_sweep", run_id=run, wait_s=10)
     assert _ended(view) and view["cancelled"], view
-    assert all(j["state"] in ("settled", "cancelled") for j in ledger.jobs(session))
+    assert all(j["state"] in ("settled", "cancelled") for j in ledger.views.jobs(session))
 
 
 def test_specs_beyond_the_limits_are_refused_through_mcp_as_through_rest(house):
@@ -764,7 +770,7 @@ def test_specs_beyond_the_limits_are_refused_through_mcp_as_through_rest(house):
     session = "acme/agents/agent-mcp-bad"
     granted = _cli(house["env"], "agent", "grant", session)
     token, ledger = granted.stdout.strip(), house["ledger"]
-    before = (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {})))
+    before = (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {})))
     for attack, (spec, field) in REFUSED.items():
         error, content = call_tool(
             house["gateway"].base + "/mcp", token, "start_sweep", {"spec": spec}
@@ -773,7 +779,7 @@ def test_specs_beyond_the_limits_are_refused_through_mcp_as_through_rest(house):
         if isinstance(spec, dict):  # a list is refused by the tool's own schema
             text = content[0].text
             assert text.startswith("422: ") and field in text and "\n" not in text, (attack, text)
-    assert (len(ledger.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
+    assert (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {}))) == before
 
 
 def test_guessing_tokens_is_rate_limited(house):

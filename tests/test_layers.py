@@ -21,6 +21,7 @@ DECISION = [
     "prefect_gpu_budget.admission.policy",
     "prefect_gpu_budget.admission.quota",
     "prefect_gpu_budget.admission.queueing",
+    "prefect_gpu_budget.admission.requests",
     "prefect_gpu_budget.admission.preemption",
     "prefect_gpu_budget.admission.accounting",
     "prefect_gpu_budget.admission.timing",
@@ -153,3 +154,115 @@ def test_the_ledger_and_the_job_life_do_not_import_prefect(module: str) -> None:
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False", out.stderr
+
+
+# -- the shape of the objects: small classes, no hidden dependencies, no cycles -----------------
+
+MOST_PUBLIC_METHODS = 30
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name (a package by its own)."""
+    found = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def _public_methods() -> dict[str, set[str]]:
+    """Per class of the package (`module.Class`), its public methods, those of its bases in the
+    package included (a base is matched by its name)."""
+    classes: dict[str, tuple[set[str], list[str]]] = {}
+    for module, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                own = {
+                    f.name
+                    for f in node.body
+                    if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and not f.name.startswith("_")
+                }
+                bases = [ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases]
+                classes[f"{module}.{node.name}"] = (own, bases)
+    by_name: dict[str, list[str]] = {}
+    for key in classes:
+        by_name.setdefault(key.rsplit(".", 1)[1], []).append(key)
+
+    def methods(key: str, seen: frozenset[str] = frozenset()) -> set[str]:
+        own, bases = classes[key]
+        found = set(own)
+        for base in bases:
+            for other in by_name.get(base, ()):
+                if other not in seen and other != key:
+                    found |= methods(other, seen | {key})
+        return found
+
+    return {key: methods(key) for key in classes}
+
+
+def test_no_class_has_more_than_thirty_public_methods() -> None:
+    counts = {k: len(v) for k, v in _public_methods().items()}
+    assert counts["prefect_gpu_budget.admission.ledger.decisions.Queue"] >= 5  # it counts
+    big = {k: n for k, n in counts.items() if n > MOST_PUBLIC_METHODS}
+    assert not big, big
+
+
+def test_the_admission_wing_has_no_mixins_and_no_type_only_imports() -> None:
+    """Each collaborator is passed in, so no module declares another's methods for the type
+    checker (`if TYPE_CHECKING:`) and no class is put together from mixins."""
+    for module, path in _modules().items():
+        if not module.startswith(f"{PACKAGE}.admission"):
+            continue
+        text = path.read_text()
+        assert "TYPE_CHECKING" not in text, module
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ClassDef):
+                assert "Mixin" not in node.name, f"{module}.{node.name}"
+                assert not any("Mixin" in ast.unparse(b) for b in node.bases), node.name
+
+
+def _module_level_imports(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules `path` imports at module level, `if TYPE_CHECKING:` included
+    (`from a import b`: a.b when that is a module, else a)."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & modules
+                if len(subs) < len(node.names) and node.module in modules:
+                    found.add(node.module)
+                found.update(subs)
+
+    visit(ast.parse(path.read_text()).body)
+    return found
+
+
+def test_no_import_cycle_not_even_a_type_only_one() -> None:
+    modules = _modules()
+    graph = {m: _module_level_imports(p, set(modules)) - {m} for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def walk(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for other in sorted(graph[module]):
+            if state.get(other) == 1:
+                cycle = path[path.index(other) :] + [other]
+                raise AssertionError(" -> ".join(cycle))
+            if other not in state:
+                walk(other, [*path, other])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module, [module])

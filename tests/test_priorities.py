@@ -24,26 +24,26 @@ def _job(priority: object, **kw) -> GpuJob:
 
 
 def test_an_orgs_own_class_orders_the_queue_and_unknown_names_write_nothing(ledger):
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=101, max_wait_s=86400))
-    ledger.set_budget(BudgetRule("beta", hourly_cap_cents=1000))
+    ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=101, max_wait_s=86400))
+    ledger.config.set_budget(BudgetRule("beta", hourly_cap_cents=1000))
     for team in ("acme/a", "acme/b"):  # the teams jobs run in; the org's cap binds
-        ledger.set_budget(BudgetRule(team, max_wait_s=86400))
-    ledger.set_budget(BudgetRule("beta/x"))
-    ledger.set_priority_class("acme", "urgent", 500, "deadline work")
-    ledger.set_priority_class("acme", "scavenger", -500)
+        ledger.config.set_budget(BudgetRule(team, max_wait_s=86400))
+    ledger.config.set_budget(BudgetRule("beta/x"))
+    ledger.config.set_priority_class("acme", "urgent", 500, "deadline work")
+    ledger.config.set_priority_class("acme", "scavenger", -500)
     gate = Gate(ledger, poll_s=0.02)
 
     running = gate.admit(_job("scavenger"), "acme/a/s")  # the cap holds one g5 at a time
-    assert ledger.job(running.job_id)["priority"] == -500
-    high, waits = ledger.request(_record(gate, _job("high"), "acme/a/s"))
-    urgent, also = ledger.request(_record(gate, _job("urgent"), "acme/b/s"))
+    assert ledger.views.job(running.job_id)["priority"] == -500
+    high, waits = ledger.queue.request(_record(gate, _job("high"), "acme/a/s"))
+    urgent, also = ledger.queue.request(_record(gate, _job("urgent"), "acme/b/s"))
     assert waits.verdict == also.verdict == "wait"
-    assert ledger.job(urgent)["priority"] == 500
+    assert ledger.views.job(urgent)["priority"] == 500
     gate.settle(running, ended_at=time.time(), outcome="completed")
-    assert ledger.try_admit(high, "acme/a/s").verdict == "wait"  # the urgent one goes first
-    assert ledger.try_admit(urgent, "acme/b/s").verdict == "admit"
+    assert ledger.queue.try_admit(high, "acme/a/s").verdict == "wait"  # the urgent one goes first
+    assert ledger.queue.try_admit(urgent, "acme/b/s").verdict == "admit"
 
-    before = len(ledger.jobs())
+    before = len(ledger.views.jobs())
     with pytest.raises(BudgetInputError) as unknown:
         gate.admit(_job("urgnet"), "acme/a/s")
     assert str(unknown.value) == (
@@ -52,17 +52,17 @@ def test_an_orgs_own_class_orders_the_queue_and_unknown_names_write_nothing(ledg
     )
     with pytest.raises(BudgetInputError, match="no priority class 'urgent' in beta"):
         gate.admit(_job("urgent"), "beta/x/s")  # classes are an org's own
-    assert len(ledger.jobs()) == before
+    assert len(ledger.views.jobs()) == before
 
-    ledger.set_priority_class("acme", "urgent", 50)  # redefined: new jobs only, as in Kueue
-    assert ledger.job(urgent)["priority"] == 500
-    assert ledger.priority_values("acme/a/s")["urgent"] == 50
-    assert ledger.remove_priority_class("acme", "urgent")
-    assert not ledger.remove_priority_class("acme", "urgent")
+    ledger.config.set_priority_class("acme", "urgent", 50)  # redefined: new jobs only, as in Kueue
+    assert ledger.views.job(urgent)["priority"] == 500
+    assert ledger.config.priority_values("acme/a/s")["urgent"] == 50
+    assert ledger.config.remove_priority_class("acme", "urgent")
+    assert not ledger.config.remove_priority_class("acme", "urgent")
     with pytest.raises(BudgetInputError, match="high is a class every org has"):
-        ledger.set_priority_class("acme", "high", 5)
+        ledger.config.set_priority_class("acme", "high", 5)
     with pytest.raises(BudgetInputError, match="value: must be an integer in -1000..1000"):
-        ledger.set_priority_class("acme", "huge", 5000)
+        ledger.config.set_priority_class("acme", "huge", 5000)
 
 
 def _record(gate: Gate, job: GpuJob, scope: str) -> NewJob:

@@ -36,12 +36,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_secret_stays_out_of_everything_a_person_sees(prefect_api, prices):
     require_postgres(PG_URL)
     fresh = Ledger(URL, create=False)
-    metadata.drop_all(fresh.engine)
-    fresh.dispose()
+    metadata.drop_all(fresh.db.engine)
+    fresh.db.dispose()
     ledger = Ledger(URL)
     GpuBudget(scope="sec", hourly_cap_usd="3.6", period_budget_usd=10).apply(ledger)
     block = SpendLedger(database_url=URL)
-    assert SECRET not in repr(block) and SECRET not in repr(ledger.engine)
+    assert SECRET not in repr(block) and SECRET not in repr(ledger.db.engine)
 
     @flow
     def job_flow():  # two jobs, room for one: the second logs why it waits (a warning)
@@ -95,9 +95,9 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     GpuBudget(scope="sec2", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)
-    ledger.set_session_template(BudgetRule("sec2/agents", hourly_cap_cents=360))
-    ledger.set_budget(BudgetRule("sec2/t"))  # sec2 has teams: the one its jobs run in too
-    token = ledger.grant_agent("sec2/agents/a1")
+    ledger.config.set_session_template(BudgetRule("sec2/agents", hourly_cap_cents=360))
+    ledger.config.set_budget(BudgetRule("sec2/t"))  # sec2 has teams: the one its jobs run in too
+    token = ledger.grants.grant_agent("sec2/agents/a1")
     block = SpendLedger(database_url=ledger.url)
     with AwsServer() as aws:
         aws.set_training_pace(0.1)
@@ -142,10 +142,12 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
     seen = [log.message for log in logs] + [str(a.data) for a in artifacts] + [events]
     seen += [f"{t.state.name}: {t.state.message}" for t in task_runs if t.state]
     assert any("GPU job not launched" in text for text in seen)  # the logs were read
-    assert [r["outcome"] for r in ledger.jobs()] == ["completed"]  # one ran, one never reserved
+    assert [r["outcome"] for r in ledger.views.jobs()] == [
+        "completed"
+    ]  # one ran, one never reserved
     assert any("role" in text and "LaunchConfigError" in text for text in seen)
     status = _cli(ledger.url, "status", "--json")
-    seen += [status.stdout, status.stderr, repr(launcher), repr(creds), str(ledger.jobs())]
+    seen += [status.stdout, status.stderr, repr(launcher), repr(creds), str(ledger.views.jobs())]
     for secret in (AWS_SECRET, token):
         assert not [text for text in seen if secret in text]
 

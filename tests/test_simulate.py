@@ -62,7 +62,7 @@ def test_simulator_and_live_gate_agree(tmp_path, prices):
         """The scenario on the live gate, in threads; the admission order and the ledger."""
         ledger = Ledger(f"sqlite:///{tmp_path / f'ledger-{attempt}.db'}")
         for rule in BUDGETS:
-            ledger.set_budget(rule)
+            ledger.config.set_budget(rule)
         gate = Gate(ledger, catalog=Catalog.load(prices), poll_s=0.01)
         order: list[str] = []
         lock = threading.Lock()
@@ -94,7 +94,7 @@ def test_simulator_and_live_gate_agree(tmp_path, prices):
     times = sorted([r.job.arrival for r in sim.records] + [r.ended_at for r in sim.records])
     assert min(b - a for a, b in zip(times, times[1:], strict=False)) > 0.14  # the premise
     assert order == sim.order
-    live_total = sum(r["actual_micro"] for r in ledger.jobs("sim"))
+    live_total = sum(r["actual_micro"] for r in ledger.views.jobs("sim"))
     sim_total = sum(r.actual_micro for r in sim.records)
     assert abs(live_total - sim_total) <= 0.05 * sim_total  # live sleeps overrun by a few ms
 

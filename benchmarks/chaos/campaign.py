@@ -68,7 +68,7 @@ def run(
         url = url or f"sqlite:///{tmp}/ledger.db"
         prices = set_local_price("chaos", "3.6", gpus=0, path=Path(tmp) / "prices.csv")
         ledger = empty_ledger(url)
-        log(f"ledger {ledger.engine.dialect.name}; Prefect server {api_url or 'starting'}")
+        log(f"ledger {ledger.db.engine.dialect.name}; Prefect server {api_url or 'starting'}")
         home = Path(tmp) / "prefect-home"
         home.mkdir()
         # the server given, else one of our own (its own PREFECT_HOME, leases in durable
@@ -96,7 +96,7 @@ def run(
                 end = end_state(setup)
             finally:
                 limits.close()
-                ledger.dispose()
+                ledger.db.dispose()
     out = summarise(results, end, fault_results)
     out.update(
         prefect_server="given" if api_url else "prefect server start (filesystem leases)",

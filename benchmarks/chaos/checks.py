@@ -49,8 +49,9 @@ def settle_again(ledger: Ledger, org: str | None) -> int:
     """Settle every finished job of the run (of the ledger: None) once more: how many that
     charged (none may)."""
     return sum(
-        ledger.settle(row["id"], ended_at=time.time() + 3600, outcome="again") is not None
-        for row in ledger.jobs(org)
+        ledger.settlements.settle(row["id"], ended_at=time.time() + 3600, outcome="again")
+        is not None
+        for row in ledger.views.jobs(org)
         if row["state"] not in ACTIVE
     )
 
@@ -58,9 +59,9 @@ def settle_again(ledger: Ledger, org: str | None) -> int:
 def check_slots(setup: Setup, orgs: list[str] | None, awaiting: set[str]) -> dict[str, SlotCheck]:
     """Prefect slots against the ledger's running rate, per org (all orgs with budgets: None)."""
     rules: dict[str, list[BudgetRule]] = defaultdict(list)
-    for rule in setup.ledger.budgets():
+    for rule in setup.ledger.config.budgets():
         rules[org_of(rule.scope)].append(rule)
     return {
-        org: slot_mismatches(setup.limits, setup.ledger.jobs(org), rules[org], awaiting)
+        org: slot_mismatches(setup.limits, setup.ledger.views.jobs(org), rules[org], awaiting)
         for org in (orgs if orgs is not None else sorted(rules))
     }

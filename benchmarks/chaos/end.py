@@ -29,7 +29,7 @@ def end_state(setup: Setup) -> dict[str, Any]:
     started = time.time()
     stamps = [  # an unrecorded lease's latest grant is near its row's last stamp
         max(r["admitted_at"], r["heartbeat_at"])
-        for r in ledger.jobs()
+        for r in ledger.views.jobs()
         if r["admitted_at"] is not None and r["lease_id"] is None
     ]
     deadline = max(stamps, default=started) + UNRECORDED_LEASE_S
@@ -81,7 +81,7 @@ def end_state(setup: Setup) -> dict[str, Any]:
         "capped_scopes_checked": sum(c.scopes for c in slots),
         "prefect_slots_held": sum(c.slots_cents for c in slots),
         "ledger_running_rate_cents": sum(
-            r["rate_cents"] for r in ledger.jobs() if r["state"] in ACTIVE
+            r["rate_cents"] for r in ledger.views.jobs() if r["state"] in ACTIVE
         ),
         "wait": {
             "waited_s": round(waited, 1),

@@ -100,7 +100,7 @@ def fault_run(setup: Setup, index: int, fault: str) -> RunResult:
     org = f"chaos-{setup.tag}-{index}"
     rules = budgets(org)
     for rule in rules:
-        setup.ledger.set_budget(rule)
+        setup.ledger.config.set_budget(rule)
     setup.limits.ensure([(r.scope, r.hourly_cap_cents) for r in rules if r.hourly_cap_cents])
     gate = Gate(setup.ledger, setup.limits, catalog=Catalog.load(Path(setup.prices)))
     value = uuid.uuid4().hex
@@ -129,7 +129,7 @@ def fault_run(setup: Setup, index: int, fault: str) -> RunResult:
         result, row = ended.result, ended.row
     except Exception as exc:  # counted: the fault broke the job's bookkeeping
         log(f"fault run {fault}: {type(exc).__name__}: {exc}")
-        errors, row, result = 1, setup.ledger.job(admission.job_id), None
+        errors, row, result = 1, setup.ledger.views.job(admission.job_id), None
     left = len(marked(value))  # what outlived the job
     gone_by = time.monotonic() + ESCAPED_WATCH_S
     while marked(value) and time.monotonic() < gone_by:  # its real life, to bill it against

@@ -112,7 +112,7 @@ def wait_jobs_gone(ledger: Ledger, org: str, timeout: float = 5.0) -> int:
     while True:
         left = [
             r
-            for r in ledger.orphans(stale_after=STALE_S)
+            for r in ledger.views.orphans(stale_after=STALE_S)
             if r["org"] == org and r["state"] in ACTIVE and local_job_running(r)
         ]
         if not left or time.monotonic() > deadline:
@@ -128,7 +128,7 @@ def one_run(setup: Setup, index: int, phase: str, mark: str | None = None) -> Ru
     org = f"chaos-{setup.tag}-{index}"
     rules = budgets(org)
     for rule in rules:
-        setup.ledger.set_budget(rule)
+        setup.ledger.config.set_budget(rule)
     # as in steady state, the limits exist already (workers racing to create them only make
     # the server log the losers' 409s)
     setup.limits.ensure([(r.scope, r.hourly_cap_cents) for r in rules if r.hourly_cap_cents])

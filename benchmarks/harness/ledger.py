@@ -11,7 +11,7 @@ def fresh_ledger(url: str) -> Ledger:
     is left alone). The caller disposes of it."""
     old = Ledger(url, create=False)
     try:
-        metadata.drop_all(old.engine)
+        metadata.drop_all(old.db.engine)
     finally:
-        old.dispose()
+        old.db.dispose()
     return Ledger(url)

@@ -93,7 +93,7 @@ class Agent:
             raise Stuck
 
     def sample(self) -> dict[str, Any]:
-        pool = self.ledger.engine.pool
+        pool = self.ledger.db.engine.pool
         return {
             "t": time.time(),
             **own_figures(),
@@ -105,8 +105,8 @@ class Agent:
         """One job through the whole path before the clock starts (imports, pools, limits),
         and the ledger's pool filled to its steady size, so that connections the pool opens
         lazily later are not taken for a leak."""
-        pool = self.ledger.engine.pool
-        held = [self.ledger.engine.connect() for _ in range(pool.size())]
+        pool = self.ledger.db.engine.pool
+        held = [self.ledger.db.engine.connect() for _ in range(pool.size())]
         for conn in held:
             conn.close()
         admission = self.gate.admit(self.job("warm-up", None), self.cfg.scope)
@@ -208,4 +208,4 @@ def agent_main(raw: str) -> None:
         print("ready", flush=True)
         start, end = map(float, sys.stdin.readline().split())
         agent.run(start, end)
-    ledger.dispose()
+    ledger.db.dispose()

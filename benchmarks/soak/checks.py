@@ -19,11 +19,11 @@ def check_ledger(cfg: Config, records: list[list[dict[str, Any]]], start: float)
     against the ledger's running rate), and the counts the agents kept against the ledger's."""
     ledger = Ledger(cfg.url, create=False)
     try:
-        rows = ledger.jobs(ORG)
-        status = ledger.status(ORG)
+        rows = ledger.views.jobs(ORG)
+        status = ledger.views.status(ORG)
         found = audit(ledger, scope=ORG)
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
     problems: list[str] = []
     by_state = Counter(r["state"] for r in rows)
     outcomes = Counter(r["outcome"] for r in rows if r["state"] == "settled")

@@ -57,34 +57,45 @@ class Recorder:
 
 
 class TimedLedger(Ledger):
-    """The ledger, timing its decisions (recording the request, and re-deciding a waiter) and
-    when a waiting job last learned it was admitted."""
+    """The ledger, timing its queue's decisions (recording the request, and re-deciding a
+    waiter) and when a waiting job last learned it was admitted."""
 
     recorder: Recorder
     admitted_at = 0.0
     """perf_counter() when the last call that told a waiting job of its admission began: its
     own `try_admit`, or its watcher's `decided` read of what another transaction decided."""
 
-    def ask(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        out = super().ask(*args, **kwargs)
-        self.recorder.latency("decide", time.perf_counter() - began)
-        return out
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        queue = self.queue
+        ask, try_admit, decided = queue.ask, queue.try_admit, queue.decided
 
-    def try_admit(self, *args: Any, **kwargs: Any) -> Decision:
-        began = time.perf_counter()
-        out = super().try_admit(*args, **kwargs)
-        self.recorder.latency("decide", time.perf_counter() - began)
-        if out.verdict == "admit":
-            self.admitted_at = began
-        return out
+        def timed_ask(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            out = ask(*args, **kwargs)
+            self.recorder.latency("decide", time.perf_counter() - began)
+            return out
 
-    def decided(self, *args: Any, **kwargs: Any) -> Any:
-        began = time.perf_counter()
-        out = super().decided(*args, **kwargs)
-        if any(decision.verdict == "admit" for decision, _ in out.values()):
-            self.admitted_at = began
-        return out
+        def timed_try_admit(*args: Any, **kwargs: Any) -> Decision:
+            began = time.perf_counter()
+            out = try_admit(*args, **kwargs)
+            self.recorder.latency("decide", time.perf_counter() - began)
+            if out.verdict == "admit":
+                self.admitted_at = began
+            return out
+
+        def timed_decided(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            out = decided(*args, **kwargs)
+            if any(decision.verdict == "admit" for decision, _ in out.values()):
+                self.admitted_at = began
+            return out
+
+        queue.ask, queue.try_admit, queue.decided = (  # type: ignore[method-assign]
+            timed_ask,
+            timed_try_admit,
+            timed_decided,
+        )
 
 
 class TimedLimits(RateLimits):

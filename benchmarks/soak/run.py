@@ -41,9 +41,9 @@ def set_up_ledger(cfg: Config) -> None:
     ledger = fresh_ledger(cfg.url)
     try:
         for rule in budgets(cfg):
-            ledger.set_budget(rule)
+            ledger.config.set_budget(rule)
     finally:
-        ledger.dispose()  # the parent holds no gate connection during the run
+        ledger.db.dispose()  # the parent holds no gate connection during the run
 
 
 @contextmanager

@@ -165,7 +165,7 @@ def _ownerless(
     from prefect_gpu_budget.admission.reconcile import awaiting_lease_expiry
 
     orphans, awaiting = [], []
-    for row in ledger.orphans(now=now, stale_after=stale_after):
+    for row in ledger.views.orphans(now=now, stale_after=stale_after):
         if not _within(row["scope"], scope) or (row["started_at"] and job_running(row)):
             continue
         (awaiting if awaiting_lease_expiry(ledger, row, now) else orphans).append(row)
@@ -220,7 +220,7 @@ def charge_errors(
     double = missing = 0
     messages = []
     for (scope, p_start), want in sorted(expected.items()):
-        held = ledger.period_settled(scope, p_start)
+        held = ledger.views.period_settled(scope, p_start)
         if held == want:
             continue
         if held > want:
@@ -303,8 +303,8 @@ def audit(
     """Every check over `scope`'s subtree (all of the ledger if None), with the budgets set
     inside it; Prefect slots are compared only when `limits` is given."""
     now = time.time() if now is None else now
-    rows = ledger.jobs(scope)
-    rules = [rule for rule in ledger.budgets() if _within(rule.scope, scope)]
+    rows = ledger.views.jobs(scope)
+    rules = [rule for rule in ledger.config.budgets() if _within(rule.scope, scope)]
     messages: list[str] = []
     orphans, awaiting = _ownerless(ledger, scope, now, stale_after, local_job_running)
     messages += [

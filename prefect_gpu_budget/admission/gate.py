@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefect_gpu_budget.admission.errors import AdmissionRefused
-from prefect_gpu_budget.admission.leases import SlotLeases
+from prefect_gpu_budget.admission.leases import SlotLeases, limit_reason
 from prefect_gpu_budget.admission.ledger import (
     PREEMPTED,
     Ledger,
@@ -93,13 +93,13 @@ class Admission:
     one borrowed, or its owner stopped it (`stop_reason` says which); the job's life
     (`admission/lifecycle.py`) stops the job when it is."""
     stop_reason: str = PREEMPTED
-    """`preempted` or `stopped` (`Ledger.stop_asked`), once `preempted` is set."""
+    """`preempted` or `stopped` (`Ledger.views.stop_asked`), once `preempted` is set."""
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
 
 
-class Gate(SlotLeases):
+class Gate:
     """Admission (request -> wait -> slots -> heartbeat) and settlement of GPU jobs."""
 
     def __init__(
@@ -122,6 +122,7 @@ class Gate(SlotLeases):
         self.recheck_s = recheck_s
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
+        self.leases = SlotLeases(ledger, limits, self.patiently, self.events.warning)
 
     def with_events(self, events: GateEvents) -> Gate:
         """This gate (its ledger, limits, catalog and clocks) telling `events`."""
@@ -204,12 +205,12 @@ class Gate(SlotLeases):
     def _known_scope(self, scope: str) -> None:
         """Refuse (`UnknownScope`, nothing recorded) a scope whose org or team nobody created,
         the team also when it is the scope's last level in an org that has teams, naming the
-        one it may have meant (`Ledger.unknown_scope`): as Kueue admits no workload whose
+        one it may have meant (`Ledger.views.unknown_scope`): as Kueue admits no workload whose
         LocalQueue does not exist. Read in the admission thread,
         as every other read of the ledger."""
         unknown = self.patiently(
             "reading the scope",
-            functools.partial(self.ledger.unknown_scope, scope),
+            functools.partial(self.ledger.views.unknown_scope, scope),
             patience=REQUEST_PATIENCE_S,
         )
         if unknown is not None:
@@ -245,7 +246,7 @@ class Gate(SlotLeases):
         job_id, scope = ticket.job_id, new.scope
         decision, rules = self.patiently(  # a ledger that never answers (a wrong URL) fails
             "recording the request",  # in time
-            functools.partial(self.ledger.ask, new, job_id),
+            functools.partial(self.ledger.queue.ask, new, job_id),
             patience=REQUEST_PATIENCE_S,
         )
         try:
@@ -270,12 +271,14 @@ class Gate(SlotLeases):
     def _give_back(self, job_id: str, scope: str) -> None:
         """A job cancelled while it waited leaves the queue; one admitted meanwhile gives back
         its slots (first, as settle does) and is settled as cancelled."""
-        if self.ledger.cancel_queued(job_id, scope, "cancelled while waiting"):
+        if self.ledger.queue.cancel_queued(job_id, scope, "cancelled while waiting"):
             return
-        lease = self.ledger.job(job_id)["lease_id"]
+        lease = self.ledger.views.job(job_id)["lease_id"]
         if lease and self.limits is not None:
             self.limits.release(lease)
-        self.ledger.settle(job_id, ended_at=time.time(), outcome="cancelled", scope=scope)
+        self.ledger.settlements.settle(
+            job_id, ended_at=time.time(), outcome="cancelled", scope=scope
+        )
 
     def patiently(
         self,
@@ -320,7 +323,13 @@ class Gate(SlotLeases):
                         daemon=True,
                     ).start()
                 try:
-                    lease = self._take_limits(job_id, scope, slots, decision.caps, (job, started))
+                    lease = self.leases.take(
+                        job_id,
+                        scope,
+                        slots,
+                        decision.caps,
+                        (functools.partial(self._max_wait, job, scope), started),
+                    )
                 finally:
                     watched.set()
                 if lease is not False:
@@ -347,7 +356,7 @@ class Gate(SlotLeases):
                         raise
                     return admission
                 decision = Decision(
-                    "wait", self._limit_reason(scope), limit="prefect_limit", scope=scope
+                    "wait", limit_reason(scope), limit="prefect_limit", scope=scope
                 )
                 given_back = True  # what its watcher read before that may say it is admitted
             if deadline is None:  # told once, with the budgets its request was decided against
@@ -374,20 +383,22 @@ class Gate(SlotLeases):
             decision, stamped = handed
             if decision.verdict != "admit" or time.time() - stamped < FRESH_ADMISSION_S:
                 return decision
-        return self.patiently("deciding", functools.partial(self.ledger.try_admit, job_id, scope))
+        return self.patiently(
+            "deciding", functools.partial(self.ledger.queue.try_admit, job_id, scope)
+        )
 
     def _max_wait(self, job: GpuJob, scope: str) -> float:
         """The job's max wait (`policy.max_wait_of`), its budgets read only when it names none."""
         if job.max_wait is not None:
             return job.max_wait
         rules = self.patiently(
-            "reading budgets", functools.partial(self.ledger.path_budgets, scope)
+            "reading budgets", functools.partial(self.ledger.config.path_budgets, scope)
         )
         return max_wait_of(None, rules)
 
     def _start_heartbeat(self, admission: Admission) -> None:
         """One thread per admitted job: every `preempt_poll_s` it asks the ledger whether the
-        job must stop (`Ledger.stop_asked`: preempted, or stopped by its owner), and every
+        job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner), and every
         `heartbeat_s` it stamps the row and renews the lease."""
 
         def beat() -> None:
@@ -399,13 +410,17 @@ class Gate(SlotLeases):
                     continue
                 next_beat = time.monotonic() + self.heartbeat_s
                 try:
-                    self.ledger.heartbeat(admission.job_id)
+                    self.ledger.settlements.heartbeat(admission.job_id)
                     with admission._lease_lock:  # never renew or retake while it settles
                         lease, limits = admission.lease_id, self.limits
                         if admission._stop.is_set() or not lease or limits is None:
                             continue
                         if not limits.renew(lease):
-                            self._retake_limits(admission)
+                            retaken = self.leases.retake(
+                                admission.job_id, admission.caps, admission.slots, self.heartbeat_s
+                            )
+                            if retaken is not None:
+                                admission.lease_id = retaken
                 except Exception as exc:  # keep beating: a dependency may come back
                     self.events.warning(
                         f"heartbeat of job {admission.job_id[:8]} failed: {_outage(exc)}"
@@ -423,7 +438,7 @@ class Gate(SlotLeases):
         machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts."""
         while not done.wait(self.preempt_poll_s):
             try:
-                asked = self.ledger.stop_asked(job_id)
+                asked = self.ledger.views.stop_asked(job_id)
                 if asked:
                     why[0] = asked
                     preempted.set()
@@ -433,7 +448,7 @@ class Gate(SlotLeases):
 
     def _check_stop(self, admission: Admission) -> None:
         try:
-            asked = self.ledger.stop_asked(admission.job_id)
+            asked = self.ledger.views.stop_asked(admission.job_id)
         except Exception:  # an outage: the heartbeat reports it
             return
         if asked is None:
@@ -462,7 +477,9 @@ class Gate(SlotLeases):
         """Record the cloud's id of a job that may still wait for capacity."""
         self._record(
             "recording the submission",
-            functools.partial(self.ledger.record_submission, admission.job_id, external_id),
+            functools.partial(
+                self.ledger.settlements.record_submission, admission.job_id, external_id
+            ),
         )
 
     def started(
@@ -471,7 +488,9 @@ class Gate(SlotLeases):
         """Record that the launcher started the job; refuse if it is no longer admitted."""
         if not self._record(
             "recording the start",
-            functools.partial(self.ledger.mark_started, admission.job_id, started_at, external_id),
+            functools.partial(
+                self.ledger.settlements.mark_started, admission.job_id, started_at, external_id
+            ),
         ):
             raise RuntimeError(
                 f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
@@ -512,7 +531,7 @@ class Gate(SlotLeases):
                 self.patiently("releasing Prefect limits", release, RELEASE_PATIENCE_S)
         finally:
             settle = functools.partial(
-                self.ledger.settle,
+                self.ledger.settlements.settle,
                 admission.job_id,
                 ended_at=ended_at,
                 outcome=outcome,
@@ -523,7 +542,7 @@ class Gate(SlotLeases):
             row = self.patiently("settling", settle, SETTLE_PATIENCE_S)
         if row is None:  # settled already (by reconcile, say): report what the ledger holds
             row = self.patiently(
-                "reading the job", functools.partial(self.ledger.job, admission.job_id)
+                "reading the job", functools.partial(self.ledger.views.job, admission.job_id)
             )
         self.events.settled(admission, row)
         log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))

@@ -1,8 +1,8 @@
 """The Prefect lease protocol of an admission: take the rate slots of every capped scope on the
 path under one lease, record the lease in the ledger (or hand it straight back), give back an
 admission whose slots cannot be taken, and take the slots again when a lease lapsed under a
-running job. A mixin of the gate (`Gate` in admission/gate.py), which supplies `ledger`,
-`limits`, `events`, `heartbeat_s`, `patiently` and `_max_wait`.
+running job. The gate's collaborator (`Gate.leases`), given the ledger, the limits, and how to
+call patiently and to warn.
 """
 
 from __future__ import annotations
@@ -12,47 +12,45 @@ import functools
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefect_gpu_budget.admission.errors import AdmissionGone, AdmissionRefused
-from prefect_gpu_budget.admission.limits import DependencyDown, PrefectRefused
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.limits import DependencyDown, Limits, PrefectRefused
 from prefect_gpu_budget.admission.outages import OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
 from prefect_gpu_budget.admission.timing import GIVE_BACK_S, LIMIT_RETRY_S, LIVENESS_S
 from prefect_gpu_budget.units import fmt_duration
 
-if TYPE_CHECKING:
-    from prefect_gpu_budget.admission.gate import Admission, GateEvents
-    from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.admission.limits import Limits
-    from prefect_gpu_budget.job import GpuJob
+Patiently = Callable[..., Any]
+"""`patiently(what, call, patience=None)`: `call()`, retried while a dependency is down."""
 
 
 class SlotLeases:
-    ledger: Ledger
-    limits: Limits | None
-    events: GateEvents
-    heartbeat_s: float
+    """The Prefect slots of admissions, over `ledger` and `limits` (None: no hourly caps)."""
 
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        ledger: Ledger,
+        limits: Limits | None,
+        patiently: Patiently,
+        warn: Callable[[str], None],
+    ) -> None:
+        self.ledger, self.limits, self.patiently, self.warn = ledger, limits, patiently, warn
 
-        def patiently(self, what: str, call: Callable[[], Any], patience: Any = None) -> Any: ...
-
-        def _max_wait(self, job: GpuJob, scope: str) -> float: ...
-
-    def _take_limits(
+    def take(
         self,
         job_id: str,
         scope: str,
         slots: int,
         caps: tuple[tuple[str, int], ...],
-        asked: tuple[GpuJob, float] | None = None,
+        asked: tuple[Callable[[], float], float] | None = None,
     ) -> str | None | bool:
         """Lease id, None when no scope on the path has an hourly cap, False when full. While
         this talks to Prefect (slow when its API is), another thread stamps the job's row.
 
-        A Prefect outage is retried until the job's max wait (from `asked`: the job and when it
-        asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
+        A Prefect outage is retried until the job's max wait (from `asked`: how to read its max
+        wait, and when it asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
         way the admission is given back and the job ends with the reason, as it does when the
         limit is full and its max wait has run out. Full otherwise: the job is queued again."""
         if self.limits is None or not caps:
@@ -63,13 +61,13 @@ class SlotLeases:
         def left() -> float | None:  # asked only in an outage: no read on the way to admission
             if not asked:
                 return None
-            max_wait[0] = self._max_wait(asked[0], scope)
+            max_wait[0] = asked[0]()
             return None if max_wait[0] <= 0 else max(0.0, asked[1] + max_wait[0] - time.time())
 
         def stamp() -> None:
             while not done.wait(LIVENESS_S):
                 with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
-                    self.ledger.heartbeat(job_id)
+                    self.ledger.settlements.heartbeat(job_id)
 
         threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
         try:
@@ -90,11 +88,11 @@ class SlotLeases:
         finally:
             done.set()
         if left() == 0.0:  # full, and the job's max wait has run out
-            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {self._limit_reason(scope)}"
+            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {limit_reason(scope)}"
             self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
         self.patiently(
             "giving the admission back",
-            lambda: self.ledger.unadmit(job_id, scope, self._limit_reason(scope)),
+            lambda: self.ledger.queue.unadmit(job_id, scope, limit_reason(scope)),
         )
         return False
 
@@ -103,8 +101,8 @@ class SlotLeases:
         AdmissionRefused(`name`, `reason`)."""
 
         def give_back() -> None:
-            if not self.ledger.unadmit(job_id, scope, reason, end=state):  # queued meanwhile
-                self.ledger.cancel_queued(job_id, scope, reason, state=state)
+            if not self.ledger.queue.unadmit(job_id, scope, reason, end=state):  # queued meanwhile
+                self.ledger.queue.cancel_queued(job_id, scope, reason, state=state)
 
         self.patiently("giving the admission back", give_back, patience=GIVE_BACK_S)
         raise AdmissionRefused(name, reason, job_id)
@@ -135,7 +133,7 @@ class SlotLeases:
         try:
             recorded = self.patiently(
                 "recording the lease",
-                functools.partial(self.ledger.record_lease, job_id, lease),
+                functools.partial(self.ledger.settlements.record_lease, job_id, lease),
                 patience=patience,
             )
         finally:
@@ -144,26 +142,32 @@ class SlotLeases:
         if not recorded:
             raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
 
-    def _limit_reason(self, scope: str) -> str:
-        return (
-            f"blocked by Prefect concurrency limits on the path of {scope}: slots are held "
-            "outside this ledger (another tool, or a lease not yet expired)"
-        )
 
-    def _retake_limits(self, admission: Admission) -> None:
+    def retake(
+        self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int, patience: float
+    ) -> str | None:
         """The lease expired while Prefect was unreachable and its slots were repossessed:
-        take them again under a new lease, so Prefect's count matches the ledger again."""
+        take them again under a new lease, so Prefect's count matches the ledger again; the
+        new lease, or None (the limit is full, or the job was settled meanwhile)."""
         assert self.limits is not None
-        lease = self.limits.acquire([s for s, _ in admission.caps], admission.slots)
+        lease = self.limits.acquire([s for s, _ in caps], slots)
         if lease is None:
-            self.events.warning(
-                f"job {admission.job_id[:8]} lost its Prefect lease and the limit is full; "
+            self.warn(
+                f"job {job_id[:8]} lost its Prefect lease and the limit is full; "
                 "the ledger still counts it"
             )
-            return
+            return None
         try:  # bounded: settle waits for this heartbeat (its lock) before it releases
-            self._record_or_release(admission.job_id, lease, patience=self.heartbeat_s)
+            self._record_or_release(job_id, lease, patience=patience)
         except AdmissionGone:  # settled meanwhile: the new lease went back
-            return
-        admission.lease_id = lease
-        self.events.warning(f"job {admission.job_id[:8]} took its Prefect slots again")
+            return None
+        self.warn(f"job {job_id[:8]} took its Prefect slots again")
+        return lease
+
+
+def limit_reason(scope: str) -> str:
+    """Why a job the ledger admitted waits for its Prefect slots."""
+    return (
+        f"blocked by Prefect concurrency limits on the path of {scope}: slots are held "
+        "outside this ledger (another tool, or a lease not yet expired)"
+    )

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from prefect_gpu_budget.admission import periods, queueing
-from prefect_gpu_budget.admission.quota import Capacity, Placed, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.quota import Capacity, Placed, Pool, TeamQuota
+from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.units import (
     MICRO_PER_CENT,
     cost_micro,
@@ -131,26 +132,6 @@ def overrun_factors(
                 windows[path_scope].append(ratio)
     found = {scope: overrun_factor(ratios) for scope, ratios in windows.items()}
     return {scope: factor for scope, factor in found.items() if factor is not None}
-
-
-@dataclass(frozen=True)
-class Request:
-    """A queued job as the decision sees it."""
-
-    job_id: str
-    scope: str
-    rate_micro_per_hour: int
-    rate_cents: int
-    max_runtime_s: float
-    expected_runtime_s: float | None
-    priority: int
-    requested_at: float
-    on_limit: str | None = None
-    """The job's own `queue`/`reject` choice; None follows the deepest budget on its path."""
-    max_wait_s: float | None = None
-    """The job's own max wait (0 = forever); None follows the deepest budget on its path."""
-    shape: Shape | None = None
-    """What it occupies in a capacity pool, if it runs in one."""
 
 
 @dataclass(frozen=True)

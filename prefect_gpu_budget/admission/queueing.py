@@ -27,13 +27,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from prefect_gpu_budget.admission.quota import Capacity, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.units import org_of, scope_path
-
-if TYPE_CHECKING:
-    from prefect_gpu_budget.admission.policy import Request
-    from prefect_gpu_budget.admission.quota import Capacity, Pool, Shape, TeamQuota
 
 
 def holds(pool: Pool, quota: TeamQuota | None, within: bool) -> tuple[str, ...]:

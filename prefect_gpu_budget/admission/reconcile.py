@@ -63,7 +63,7 @@ def awaiting_lease_expiry(ledger: Ledger, row: dict, now: float) -> bool:
     it did not live to record: nothing can hand those back but the lease's expiry, so the row
     stays open (its rate counted by the ledger, as Prefect counts the slots) until then."""
     return orphans.may_hold_unrecorded_lease(row, now) and any(
-        rule.hourly_cap_cents is not None for rule in ledger.path_budgets(row["scope"])
+        rule.hourly_cap_cents is not None for rule in ledger.config.path_budgets(row["scope"])
     )
 
 
@@ -80,7 +80,7 @@ def reconcile(
     each is decided by `admission/orphans.py`; this carries it out."""
     now = time.time() if now is None else now
     out = []
-    found = ledger.orphans(now=now, stale_after=stale_after)
+    found = ledger.views.orphans(now=now, stale_after=stale_after)
     # queued ones first: settling a running orphan frees what a queued one of the same gone
     # holder waits for, and it would be admitted for no one
     for row in sorted(found, key=lambda r: r["state"] != "queued"):
@@ -109,13 +109,15 @@ def _carry_out(
     """Do what was decided for one orphan; what reconcile reports of it."""
     job_id, scope = row["id"], row["scope"]
     if action.verb == "cancel-queued":
-        if ledger.cancel_queued(job_id, scope, "waiter vanished; cancelled by reconcile", now):
+        if ledger.queue.cancel_queued(
+            job_id, scope, "waiter vanished; cancelled by reconcile", now
+        ):
             return [Reconciled(job_id, scope, "cancelled")]
         return []
     if action.verb == "await-lease-expiry":
         return [Reconciled(job_id, scope, "awaiting-lease-expiry")]
     if action.mark_started_at is not None:
-        ledger.mark_started(job_id, action.mark_started_at, row["external_id"])
+        ledger.settlements.mark_started(job_id, action.mark_started_at, row["external_id"])
     if action.verb == "leave-running":
         return [Reconciled(job_id, scope, "left-running")]
     if action.stop:
@@ -124,7 +126,7 @@ def _carry_out(
         if action.real_end_after_stop:
             action = orphans.after_stop(action, launcher.probe(str(row["external_id"])))
     assert action.ended_at is not None
-    done = ledger.settle(
+    done = ledger.settlements.settle(
         job_id,
         ended_at=action.ended_at,
         outcome="reconciled",

@@ -1,6 +1,6 @@
 """Stopping work at its owner's word: one job, or a whole sweep.
 
-A queued job is cancelled at once; an admitted or running one is marked (`Ledger.ask_stop`) and
+A queued job is cancelled at once; an admitted or running one is marked (`Ledger.settlements.ask_stop`) and
 its holder, which polls for that, stops it gracefully (SIGTERM, its kill grace, SIGKILL) and
 settles it for what it ran. A sweep is first marked cancelled (`SweepRecords.cancel`, so it
 starts no more trials), then each of its jobs not yet ended is stopped so. Used by the agent
@@ -17,11 +17,11 @@ CANCELLED, STOPPING = "cancelled", "stopping"
 
 def stop_job(ledger: Ledger, job_id: str, scope: str, reason: str) -> str | None:
     """`cancelled` (it was queued), `stopping` (its holder stops it), or None: it has ended."""
-    if ledger.cancel_queued(job_id, scope, reason):
+    if ledger.queue.cancel_queued(job_id, scope, reason):
         return CANCELLED
-    if ledger.ask_stop(job_id, reason):
+    if ledger.settlements.ask_stop(job_id, reason):
         return STOPPING
-    row = ledger.job(job_id)
+    row = ledger.views.job(job_id)
     return STOPPING if row["state"] not in FINAL and row.get("stop_asked_at") else None
 
 
@@ -29,7 +29,7 @@ def stop_sweep(ledger: Ledger, run_id: str, scope: str, reason: str) -> dict[str
     """Mark the sweep cancelled and stop each of its jobs not yet ended; how many of each."""
     SweepRecords(ledger).cancel(run_id)
     counts = {CANCELLED: 0, STOPPING: 0}
-    for row in ledger.jobs(scope, flow_run_id=run_id):
+    for row in ledger.views.jobs(scope, flow_run_id=run_id):
         if row["state"] not in FINAL:
             became = stop_job(ledger, row["id"], scope, reason)
             if became is not None:

@@ -2,8 +2,8 @@
 
 Waiting jobs do not poll. A job registers a `Ticket` before it asks to be admitted and then
 blocks on it. The transaction that frees headroom decides the org's queue once and names the
-jobs it decided (`Ledger._bump`); the watcher of each process hears of that, reads what was
-decided for those of its jobs in one read for all of them (`Ledger.decided`), and wakes exactly
+jobs it decided (`Queue.headroom`); the watcher of each process hears of that, reads what was
+decided for those of its jobs in one read for all of them (`Ledger.queue.decided`), and wakes exactly
 them, each with its decision (a job still queued, now held by something else, decides itself):
 
 - PostgreSQL: `LISTEN` on the ledger's channel over one connection of the watcher's own; the
@@ -12,7 +12,7 @@ them, each with its decision (a job still queued, now held by something else, de
   reads the state of its jobs there (two small reads, whatever the number of waiters).
 
 Every `recheck_s` the watcher also re-decides each org it waits in and stamps the rows of its
-waiting jobs, in one transaction per org (`Ledger.recheck`): so a waiter keeps its place
+waiting jobs, in one transaction per org (`Ledger.queue.recheck`): so a waiter keeps its place
 (`STALE_WAITER_S`), and a lost notice, a period that rolled over or a waiter gone silent
 elsewhere are caught within `recheck_s`. A dependency that is down is retried here, and every
 waiting job is told, as the gate tells its own calls' outages.
@@ -52,7 +52,7 @@ class Ticket:
     changed: threading.Event = field(default_factory=threading.Event)
     handed: tuple[Decision, float] | None = None
     """What the watcher read of the job when it woke it for a decision another's transaction
-    made: the decision, and when the row was last stamped (`Ledger.decided`)."""
+    made: the decision, and when the row was last stamped (`Ledger.queue.decided`)."""
 
     def hand(self, decided: tuple[Decision, float]) -> None:
         """Wake the job with its recorded decision, read for it: it needs no transaction."""
@@ -145,7 +145,7 @@ class Watcher:
             self._hand_over(decided)
 
     def _hand_over(self, tickets: list[Ticket]) -> None:
-        decided = self.ledger.decided([t.job_id for t in tickets])
+        decided = self.ledger.queue.decided([t.job_id for t in tickets])
         for ticket in tickets:
             found = decided.get(ticket.job_id)
             if found is None:  # still queued: held by something else now
@@ -155,12 +155,12 @@ class Watcher:
 
     def _recheck(self) -> None:
         for org, tickets in self._by_org().items():
-            states = self.ledger.recheck(org, [t.job_id for t in tickets])
+            states = self.ledger.queue.recheck(org, [t.job_id for t in tickets])
             self._wake_changed(tickets, states)
 
     def _check_all(self) -> None:
         for tickets in self._by_org().values():
-            self._wake_changed(tickets, self.ledger.states([t.job_id for t in tickets]))
+            self._wake_changed(tickets, self.ledger.views.states([t.job_id for t in tickets]))
 
     def _tell(self, message: str) -> None:
         with self._lock:
@@ -171,7 +171,7 @@ class Watcher:
     def _run(self) -> None:
         idle: float | None = None
         told = 0.0
-        watch = self._listen if not self.ledger.is_sqlite else self._poll
+        watch = self._listen if not self.ledger.db.is_sqlite else self._poll
         while True:
             try:
                 idle = self._done(idle)
@@ -211,12 +211,14 @@ class Watcher:
         seen: dict[str, int] = {}
         next_recheck = time.monotonic() + self.recheck_s
         while by_org := self._by_org():
-            versions = self.ledger.versions(by_org)
+            versions = self.ledger.views.versions(by_org)
             self._answered()
             for org, tickets in by_org.items():
                 if versions.get(org, 0) != seen.get(org):
                     seen[org] = versions.get(org, 0)
-                    self._wake_changed(tickets, self.ledger.states([t.job_id for t in tickets]))
+                    self._wake_changed(
+                        tickets, self.ledger.views.states([t.job_id for t in tickets])
+                    )
             if time.monotonic() >= next_recheck:
                 self._recheck()
                 next_recheck = time.monotonic() + self.recheck_s
@@ -227,7 +229,7 @@ class Watcher:
         watch; wake the jobs each notice names."""
         conn = None
         try:
-            raw = self.ledger.engine.raw_connection()  # a pool's connect raises psycopg's own
+            raw = self.ledger.db.engine.raw_connection()  # a pool's connect raises psycopg's own
             conn = raw.driver_connection
             raw.detach()  # the watcher's own: not one of the pool's
             conn.autocommit = True

@@ -220,7 +220,7 @@ class Door:
         try:
             if scheme.lower() != "bearer" or not token:
                 raise BudgetInputError("authorization", "a bearer token is required")
-            session, grant = self.ledger.agent_grant(token)
+            session, grant = self.ledger.grants.agent_grant(token)
         except BudgetInputError:
             if self.address_failures.full(where):
                 raise Refused(
@@ -247,7 +247,7 @@ class Door:
         try:
             limits = limits_for(self.ledger, caller.session)
             checked = agent_spec(
-                spec, caller.session, limits, self.ledger.priority_values(caller.session)
+                spec, caller.session, limits, self.ledger.config.priority_values(caller.session)
             )
             runnable(checked)
         except (BudgetInputError, ValidationError, ValueError) as exc:
@@ -353,7 +353,7 @@ class Door:
         meta = self.records.sweep(run_id)
         recorded = {t["trial"]: t for t in self.records.trials(run_id)}
         jobs = {}
-        for row in self.ledger.jobs(session, flow_run_id=run_id):  # the latest per trial
+        for row in self.ledger.views.jobs(session, flow_run_id=run_id):  # the latest per trial
             trial = _trial_number(row["name"])
             if trial is not None:
                 jobs[trial] = row
@@ -514,7 +514,9 @@ class Door:
     def status(self, caller: Caller) -> dict[str, Any]:
         """The caller's session: its budget and spend, and its jobs not yet ended."""
         scope = caller.session
-        budgets = [_usd_row(row) for row in self.ledger.status(scope) if row["scope"] == scope]
+        budgets = [
+            _usd_row(row) for row in self.ledger.views.status(scope) if row["scope"] == scope
+        ]
         for budget in budgets:  # `running_rate_usd` is deprecated: `status --json`'s name
             budget["running_rate_usd_per_hour"] = budget["running_rate_usd"]
         if not budgets:  # no job yet: the team's template is what its first job will get
@@ -531,12 +533,12 @@ class Door:
                     else None,
                     "period": rule.period,
                 }
-                for rule in self.ledger.session_templates()
+                for rule in self.ledger.config.session_templates()
                 if rule.scope == team
             ]
         live = [
             _trial(_trial_number(r["name"]), None, r)
-            for r in self.ledger.jobs(scope, limit=500)
+            for r in self.ledger.views.jobs(scope, limit=500)
             if r["state"] not in FINAL
         ]
         return {"session": scope, "budget": budgets[0] if budgets else None, "jobs": live}

@@ -29,7 +29,7 @@ STOPPED_BY_AGENT = "stopped by its agent"
 def limits_for(ledger: Ledger, session: str) -> AgentLimits:
     """The ceilings for the agents of `session`'s team: the admin's, or the defaults."""
     team = session.rsplit("/", 1)[0]
-    return AgentLimits(team=team, **(ledger.agent_limits(team) or {}))
+    return AgentLimits(team=team, **(ledger.grants.agent_limits(team) or {}))
 
 
 def agent_spec(
@@ -39,7 +39,7 @@ def agent_spec(
     classes: Mapping[str, int] | None = None,
 ) -> SweepSpec:
     """The agent's spec homed in its session and held to its team's limits (`classes`: its
-    org's priority classes by value, `Ledger.priority_values`); anything else is refused with the field and the
+    org's priority classes by value, `Ledger.config.priority_values`); anything else is refused with the field and the
     rule (`BudgetInputError`), before anything is reserved."""
     if isinstance(spec, dict) and "scope" not in spec:
         spec = {**spec, "scope": scope}
@@ -143,7 +143,7 @@ def stop_own_job(ledger: Ledger, job_id: str, scope: str) -> str:
     `stopping`; another session's job is refused untouched (`LookupError`), an ended one is a
     `BudgetInputError`."""
     try:
-        row = ledger.job(job_id)
+        row = ledger.views.job(job_id)
     except NoResultFound:
         row = None
     if row is None or row["scope"] != scope:

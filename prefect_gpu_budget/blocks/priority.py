@@ -24,4 +24,4 @@ class GpuPriorityClass(Block, PriorityClassSettings):
         from prefect_gpu_budget.blocks.ledger import SpendLedger
 
         led = ledger or SpendLedger().ledger()
-        led.set_priority_class(self.org, self.name, self.value, self.description)
+        led.config.set_priority_class(self.org, self.name, self.value, self.description)

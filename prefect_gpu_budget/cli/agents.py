@@ -17,7 +17,7 @@ def agent_grant(
     """Print a new token for an agent: with it, the agent gateway lets it run sweeps and cancel
     jobs in this session only. Shown once; only its hash is stored. The session needs a budget
     of its own or its team's session template."""
-    typer.echo(current_ledger().grant_agent(scope))
+    typer.echo(current_ledger().grants.grant_agent(scope))
 
 
 def agent_revoke(
@@ -27,7 +27,7 @@ def agent_revoke(
     running sweeps admit nothing more (running jobs finish)."""
     from prefect_gpu_budget.units import validate_scope
 
-    revoked, cancelled = current_ledger().revoke_agent(validate_scope(scope))
+    revoked, cancelled = current_ledger().grants.revoke_agent(validate_scope(scope))
     if not revoked:
         fail(f"scope: no live agent token for {scope!r} (unknown session, or revoked already)")
     console.print(f"{revoked} token(s) revoked for {scope}; {cancelled} queued job(s) cancelled")
@@ -66,9 +66,9 @@ def agent_limits_cmd(
         "max_trials": max_trials,
     }
     changes = {k: v for k, v in given.items() if v is not None}
-    limits = AgentLimits(team=team, **{**(led.agent_limits(team) or {}), **changes})
+    limits = AgentLimits(team=team, **{**(led.grants.agent_limits(team) or {}), **changes})
     if changes:
-        led.set_agent_limits(team, limits.stored())
+        led.grants.set_agent_limits(team, limits.stored())
     if as_json:
         typer.echo(json.dumps(limits.model_dump(mode="json")))
         return

@@ -49,7 +49,7 @@ def budget_set(
     from prefect_gpu_budget.units import validate_scope
 
     validate_scope(scope)
-    known = {r.scope for r in current_ledger().budgets()}
+    known = {r.scope for r in current_ledger().config.budgets()}
     if not new:
         _refuse_near_miss(scope, known)
     changes: dict[str, Any] = {}
@@ -80,7 +80,7 @@ def budget_set(
             raise BudgetInputError("budget", "give --hourly-cap, --period-budget or both")
         return BudgetSettings(**fields).rule()
 
-    rule = current_ledger().update_budget(scope, merge, template=session_template)
+    rule = current_ledger().config.update_budget(scope, merge, template=session_template)
     _warn_parent_binds(rule)
     if session_template:
         console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
@@ -109,7 +109,8 @@ def _resize_prefect_limit(rule: Any) -> None:
 
 def budgeted_under(scope: str) -> bool:
     return any(
-        r.scope == scope or r.scope.startswith(scope + "/") for r in current_ledger().budgets()
+        r.scope == scope or r.scope.startswith(scope + "/")
+        for r in current_ledger().config.budgets()
     )
 
 
@@ -117,7 +118,7 @@ def no_such_scope(command: str, scope: str) -> NoReturn:
     """A scope with no budget and no jobs: exit 2, naming the known scopes nearby."""
     from prefect_gpu_budget.units import near
 
-    known = {r.scope for r in current_ledger().budgets()}
+    known = {r.scope for r in current_ledger().config.budgets()}
     close = near(scope, known) or sorted(k for k in known if k.count("/") == scope.count("/"))[:5]
     hint = f"; did you mean {close[0]}?" if near(scope, known) else ""
     if not hint and close:
@@ -146,7 +147,7 @@ def _warn_parent_binds(rule) -> None:
     """A cap or budget above its parent's is allowed, but the parent binds: say so."""
     from prefect_gpu_budget.units import scope_path
 
-    for parent in reversed(current_ledger().path_budgets(rule.scope)):
+    for parent in reversed(current_ledger().config.path_budgets(rule.scope)):
         if parent.scope == rule.scope or parent.scope not in scope_path(rule.scope):
             continue
         mine, theirs = rule.hourly_cap_cents, parent.hourly_cap_cents
@@ -188,7 +189,7 @@ def budget_show(
     """List budgets (under SCOPE if given)."""
     rules = [
         r
-        for r in current_ledger().budgets()
+        for r in current_ledger().config.budgets()
         if scope is None or r.scope == scope or r.scope.startswith(scope + "/")
     ]
     if as_json:
@@ -197,7 +198,7 @@ def budget_show(
     table = rich_table("scope", "budget")
     for rule in rules:
         table.add_row(rule.scope, _describe(rule))
-    for rule in current_ledger().session_templates():
+    for rule in current_ledger().config.session_templates():
         table.add_row(f"{rule.scope}/* (template)", _describe(rule))
     console.print(table)
 
@@ -206,7 +207,7 @@ def status(
     scope: str = typer.Argument(None), as_json: bool = typer.Option(False, "--json")
 ) -> None:
     """Per scope: hourly cap and running rate, period spend, running and queued jobs."""
-    rows = current_ledger().status(scope)
+    rows = current_ledger().views.status(scope)
     if scope is not None and not rows:
         no_such_scope("status", scope)
     if as_json:
@@ -248,11 +249,11 @@ def status(
             str(r["queued"]),
         )
     console.print(table)
-    waiting = current_ledger().jobs(scope, states=("queued",))
+    waiting = current_ledger().views.jobs(scope, states=("queued",))
     for job in waiting:
         console.print(
             f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: {job['reason']}"
         )
     orgs = sorted({org_of(r["scope"]) for r in rows})
-    for pool in (p for org in orgs for p in current_ledger().capacity_status(org)):
+    for pool in (p for org in orgs for p in current_ledger().views.capacity_status(org)):
         print_pool(pool)

@@ -54,7 +54,7 @@ def capacity(
     from prefect_gpu_budget.units import validate_scope
 
     ledger = current_ledger()
-    pools = ledger.capacity_status(validate_scope(org, "org"))
+    pools = ledger.views.capacity_status(validate_scope(org, "org"))
     if as_json:
         typer.echo(json.dumps(pools, indent=2))
         return
@@ -62,7 +62,7 @@ def capacity(
         print_pool(pool)
     if not pools:
         console.print(f"no capacity pools in {org}")
-    classes = ledger.priority_classes(org)
+    classes = ledger.config.priority_classes(org)
     console.print("priority classes: " + ", ".join(f"{c['name']}={c['value']}" for c in classes))
 
 
@@ -74,13 +74,13 @@ def priority_set(
 ) -> None:
     """Define (or redefine) a priority class of an org; jobs recorded from now on that name it
     get its value."""
-    current_ledger().set_priority_class(org, name, value, description)
+    current_ledger().config.set_priority_class(org, name, value, description)
     console.print(f"priority class {name} of {org}: {value}")
 
 
 def priority_remove(org: str = typer.Argument(...), name: str = typer.Argument(...)) -> None:
     """Remove an org's own class (jobs already recorded keep their priority)."""
-    if not current_ledger().remove_priority_class(org, name):
+    if not current_ledger().config.remove_priority_class(org, name):
         fail(f"name: {org} has no priority class {name!r} of its own")
     console.print(f"priority class {name} of {org} removed")
 
@@ -91,7 +91,7 @@ def priority_list(
     """Every class a job of the org may name, highest first, and who defined it."""
     from prefect_gpu_budget.units import validate_scope
 
-    classes = current_ledger().priority_classes(validate_scope(org, "org"))
+    classes = current_ledger().config.priority_classes(validate_scope(org, "org"))
     if as_json:
         typer.echo(json.dumps(classes, indent=2))
         return
@@ -135,7 +135,9 @@ def pool_set(
         if not any(row.priced for row in rows):  # a price for any provisioning will do
             # says why: the nearest known type, or the reason the catalog has no figure
             catalog.quote(instance, provisioning=rows[0].provisioning if rows else "on-demand")
-    current_ledger().set_pool(block.pool())  # its quotas stay: a concurrent `pool quota` survives
+    current_ledger().config.set_pool(
+        block.pool()
+    )  # its quotas stay: a concurrent `pool quota` survives
     console.print(f"pool {org}/{name}: {nodes} x {gpus_per_node} {gpu_model}".rstrip())
 
 
@@ -219,7 +221,7 @@ def pool_quota(
 
     # read, change and write in one locked transaction: a concurrent change to another team's
     # quota, or to the pool, survives
-    target, new = current_ledger().set_team_quota(org, pool, make, team=team)
+    target, new = current_ledger().config.set_team_quota(org, pool, make, team=team)
     console.print(
         f"{team} in {org}/{pool}: {_res(new.quota, target.gpu_model)}, borrow {new.borrow_pct}%, "
         f"lend {new.lend_pct}%, weight {new.weight}; reclaim {new.reclaim}, within team "

@@ -154,7 +154,7 @@ def stop_and_leave(
     spent = sum(
         row["actual_micro"] or 0
         for run_id, scope in ran
-        for row in ledger.jobs(scope, flow_run_id=run_id)
+        for row in ledger.views.jobs(scope, flow_run_id=run_id)
     )
     typer.echo(
         f"{what} stopped: {stopped[STOPPING]} running trial{'s' * (stopped[STOPPING] != 1)} "

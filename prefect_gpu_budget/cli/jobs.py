@@ -30,7 +30,7 @@ def ledger_cmd(
     """Every job from request to settlement."""
     if limit <= 0:
         fail(f"limit: must be at least 1 (the newest N jobs), got {limit}")
-    rows = current_ledger().jobs(scope, limit=limit)
+    rows = current_ledger().views.jobs(scope, limit=limit)
     if scope is not None and not rows and not budgeted_under(scope):
         no_such_scope("ledger", scope)
     out = [
@@ -110,14 +110,14 @@ def cancel_cmd(
     from prefect_gpu_budget.admission.stopping import stop_job
 
     ledger = current_ledger()
-    open_jobs = ledger.jobs(None, ("queued", *ACTIVE))
+    open_jobs = ledger.views.jobs(None, ("queued", *ACTIVE))
     chosen = []
     for given in job_ids:  # every id checked before anything is stopped
         found = [r for r in open_jobs if r["id"].startswith(given)] if given else []
         if len(found) > 1:
             fail(f"job_id: {given} names {len(found)} jobs; give more of the id")
         if not found:
-            ended = [r for r in ledger.jobs(None) if given and r["id"].startswith(given)]
+            ended = [r for r in ledger.views.jobs(None) if given and r["id"].startswith(given)]
             fail(
                 f"job_id: job {given} has ended ({ended[0]['state']})"
                 if ended

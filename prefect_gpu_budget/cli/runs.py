@@ -133,7 +133,7 @@ def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: flo
             worker.join(timeout=1.0)
             rows = [
                 r
-                for r in ledger.jobs(spec.scope)
+                for r in ledger.views.jobs(spec.scope)
                 if r["name"] and r["name"].startswith(prefix) and r["requested_at"] >= started
             ]
             ended = sum(r["state"] not in ("queued", *ACTIVE) for r in rows)
@@ -161,7 +161,7 @@ def forecast(
     ledger = current_ledger()
     result = predict(spec, ledger)
     if plot:
-        path_rules = [r for r in ledger.path_budgets(spec.scope) if r.period_budget_micro]
+        path_rules = [r for r in ledger.config.path_budgets(spec.scope) if r.period_budget_micro]
         draw(result, Path(plot), path_rules[-1] if path_rules else None)
     if as_json:
         typer.echo(json.dumps(result.as_dict()))

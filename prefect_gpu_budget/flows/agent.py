@@ -37,9 +37,11 @@ def agent_sweep(spec: dict[str, Any], session: str, grant: str) -> pd.DataFrame:
     its own. The ledger is the deployment's (`PREFECT_GPU_BUDGET_LEDGER_URL` or the default).
     """
     led = SpendLedger().ledger()
-    if led.grant_scope(grant) != session:
+    if led.grants.grant_scope(grant) != session:
         raise BudgetInputError("grant", f"no live agent grant for {session}")
-    checked = agent_spec(spec, session, limits_for(led, session), led.priority_values(session))
+    checked = agent_spec(
+        spec, session, limits_for(led, session), led.config.priority_values(session)
+    )
     runnable(checked)
     return run_sweep(
         checked, None, sandboxed_launcher(checked), grant=grant, results_root=agent_results(session)

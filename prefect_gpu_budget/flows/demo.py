@@ -148,7 +148,9 @@ def run_demo(
         df = run(demo_spec(out, trials, seconds), SpendLedger(database_url=url))
     finally:
         remove_demo_limits()
-    status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().status()}[DEMO_SCOPE]
+    status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().views.status()}[
+        DEMO_SCOPE
+    ]
     run_dir = df.attrs["results_dir"]
     columns = ["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "waited_s"]
     shown = df[[c for c in columns if c in df.columns]]  # a trial that never ran has no metrics

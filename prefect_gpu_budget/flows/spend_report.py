@@ -207,7 +207,7 @@ def _summary(
 
 def _publish_capacity(led, orgs: list[str]) -> None:
     """Per capacity pool: each team's quota, used, borrowed, lent and lendable; the queue."""
-    pools = [p for org in orgs for p in led.capacity_status(org)]
+    pools = [p for org in orgs for p in led.views.capacity_status(org)]
     if not pools:
         return
     create_table_artifact(
@@ -263,8 +263,8 @@ def spend_report(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    statuses = led.status(scope, now=now)
-    jobs = [r for r in led.jobs(scope) if _in_window(r, since, now)]
+    statuses = led.views.status(scope, now=now)
+    jobs = [r for r in led.views.jobs(scope) if _in_window(r, since, now)]
     in_scope = {
         s["scope"]: [
             r for r in jobs if r["scope"] == s["scope"] or r["scope"].startswith(s["scope"] + "/")

@@ -153,7 +153,7 @@ def _sweep(
     for index, params in enumerate(trials):
         while len(in_flight) >= spec.parallelism:
             finished(next(as_completed(list(in_flight))))
-        if grant is not None and led.grant_scope(grant) is None:
+        if grant is not None and led.grants.grant_scope(grant) is None:
             logger.warning(
                 "sweep %s: its agent's grant was revoked; %d trials not started",
                 spec.name,
@@ -176,7 +176,7 @@ def _sweep(
     for future in as_completed(list(in_flight)):
         finished(future)
 
-    rows_by_name = {r["name"]: r for r in led.jobs(spec.scope, flow_run_id=run_id)}
+    rows_by_name = {r["name"]: r for r in led.views.jobs(spec.scope, flow_run_id=run_id)}
     records, curves = [], {}
     for index, params, name, future in futures:
         future.wait()  # the final state from the task itself: the API's copy may lag behind
@@ -286,7 +286,7 @@ def _publish(
         table=json.loads(df.drop(columns=["job_id"]).to_json(orient="records")),
         description=f"Trials of sweep {spec.name}",
     )
-    status = {s["scope"]: s for s in led.status()}
+    status = {s["scope"]: s for s in led.views.status()}
     path_status = [status[s] for s in reversed(scope_path(spec.scope)) if s in status]
     budget = next((s for s in path_status if s["period_budget_micro"] is not None), None)
     cap = next((s for s in path_status if s["hourly_cap_micro"] is not None), None)
@@ -335,7 +335,7 @@ def _publish_forecast(spec: SweepSpec, led, out: Path, logger, key: str) -> None
         logger.warning("no forecast for sweep %s: %s", spec.name, exc)
         return
     logger.info("forecast for sweep %s: %s", spec.name, predicted.describe().replace("\n", "; "))
-    budgets = [r for r in led.path_budgets(spec.scope) if r.period_budget_micro is not None]
+    budgets = [r for r in led.config.path_budgets(spec.scope) if r.period_budget_micro is not None]
     picture = plot(predicted, out / "forecast.png", budgets[-1] if budgets else None)
     create_markdown_artifact(
         key=f"{key}-forecast",

@@ -7,8 +7,8 @@
   (`gpub-<12 hex>`), made with `useradd` from a free uid of the range, its own group, no
   home, no login (under a lock in `root/.users`, the worker's, 0700), then reused for every
   job of that grant. A grant is one session's: it is made for one session scope
-  (`Ledger.grant_agent`), and the gate refuses a job carrying it in any other scope, with
-  nothing reserved (`Ledger._grant_refusal`), so no two sessions ever share a user (a session
+  (`Ledger.grants.grant_agent`), and the gate refuses a job carrying it in any other scope, with
+  nothing reserved (`agents.grant_refusal`), so no two sessions ever share a user (a session
   granted two tokens has two users, apart as well); jobs without a grant (an admin's) share
   one user, no agent's;
 - the jobs of a session user hold a shared lock, `root/.users/<user>.lock`, while they run

@@ -25,7 +25,7 @@ from datetime import date
 from decimal import Decimal
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, overload
+from typing import Protocol, TypeVar
 
 from prefect_gpu_budget.units import (
     MICRO_PER_USD,
@@ -36,9 +36,6 @@ from prefect_gpu_budget.units import (
     to_decimal_usd,
     usd_to_micro,
 )
-
-if TYPE_CHECKING:
-    from prefect_gpu_budget.job import GpuJob, NodeShare
 
 SHIPPED = Path(__file__).with_name("catalog.csv")
 STALE_AFTER_DAYS = 90
@@ -319,21 +316,29 @@ class Machines:
         return quote, None
 
 
-@overload
+Share = TypeVar("Share", covariant=True)
+
+
+class Priceable(Protocol[Share]):
+    """What `price_job` prices: a shape of machines that says its part of them (`GpuJob`,
+    `Machines`)."""
+
+    @property
+    def instance_type(self) -> str: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def provisioning(self) -> str: ...
+    def priced(self, quote: Quote) -> tuple[Quote, Share]: ...
+
+
 def price_job(
-    job: GpuJob, catalog: Catalog | None = None, today: date | None = None
-) -> tuple[Quote, NodeShare]: ...
-@overload
-def price_job(
-    job: Machines, catalog: Catalog | None = None, today: date | None = None
-) -> tuple[Quote, None]: ...
-def price_job(
-    job: GpuJob | Machines, catalog: Catalog | None = None, today: date | None = None
-) -> tuple[Quote, NodeShare | None]:
+    job: Priceable[Share], catalog: Catalog | None = None, today: date | None = None
+) -> tuple[Quote, Share]:
     """The one way a job is priced (the gate, `quote`, `forecast` and so the simulator): its
     machines' quote from the catalog (`catalog`, else the default one), then its part of
     them (`GpuJob.priced`: a 1-GPU share of an 8-GPU machine pays 1/8 of its price); with
-    what each node takes of a machine (None for `Machines`)."""
+    what each node takes of a machine (a `NodeShare` for a `GpuJob`, None for `Machines`)."""
     machines = (catalog or default_catalog()).quote(
         job.instance_type, job.nodes, job.provisioning, today=today
     )

@@ -187,7 +187,7 @@ def bind_to_agent(
                 "agent_token", "this deployment's runs must carry an agent's token"
             )
         return job, scope
-    session, grant = ledger.agent_grant(token)
+    session, grant = ledger.grants.agent_grant(token)
     if why := narrowing_refusal(session, scope, "the run's"):
         raise BudgetInputError("agent_token", f"the token's session: {why}")
     return job.model_copy(update={"grant": grant}), session
@@ -269,7 +269,7 @@ class WorkerRun:
         `until_settled` sets it again with the cost (or schedules the run again)."""
         if self.flow_run_id is not None:
             try:
-                row = self.gate.ledger.job(self.admission.job_id)
+                row = self.gate.ledger.views.job(self.admission.job_id)
                 _set_state(self.flow_run_id, stopped_state(self.running, row))
             except Exception as exc:  # the stop goes on; the final state follows once settled
                 log.warning("could not show why flow run %s stops: %s", self.flow_run_id, exc)
@@ -426,9 +426,9 @@ def _give_up_when_cancelled(
         try:
             if _still_wanted(flow_run_id):
                 continue
-            for row in ledger.jobs(flow_run_id=str(flow_run_id)):
+            for row in ledger.views.jobs(flow_run_id=str(flow_run_id)):
                 if row["state"] == "queued":
-                    ledger.cancel_queued(row["id"], scope, "its flow run was cancelled")
+                    ledger.queue.cancel_queued(row["id"], scope, "its flow run was cancelled")
             return
         except Exception:  # the API or the ledger is down: the gate's own patience applies
             continue

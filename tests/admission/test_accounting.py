@@ -172,24 +172,26 @@ def test_ledger_audit_and_simulator_book_the_same_money(ledger) -> None:
     sim = simulate(jobs, rules, "guaranteed")
     assert all(r.admitted_at == r.job.arrival for r in sim.records)  # as the ledger will run them
     for rule in rules:
-        ledger.set_budget(rule, now=JAN - 86400)
+        ledger.config.set_budget(rule, now=JAN - 86400)
     for job in jobs:
-        job_id, decision = ledger.request(
+        job_id, decision = ledger.queue.request(
             new_job(job.scope, rate_micro_per_hour=job.rate_micro_per_hour, max_runtime_s=1e5),
             now=job.arrival,
         )
         assert decision.verdict == "admit"
-        ledger.mark_started(job_id, job.arrival)
+        ledger.settlements.mark_started(job_id, job.arrival)
         ended = job.arrival + job.true_s
-        ledger.settle(job_id, ended_at=ended, outcome="completed", scope=job.scope, now=ended)
+        ledger.settlements.settle(
+            job_id, ended_at=ended, outcome="completed", scope=job.scope, now=ended
+        )
 
     expected = sim.spend_by_period()
     assert len(expected) == 4 and sum(expected.values()) == 2 * sum(
         r.actual_micro for r in sim.records if r.job.scope.startswith("org/team")
     ) + sum(r.actual_micro for r in sim.records if r.job.scope == "org")
-    rows = ledger.jobs("org")
+    rows = ledger.views.jobs("org")
     assert sorted(r["actual_micro"] for r in rows) == sorted(r.actual_micro for r in sim.records)
-    with ledger.engine.connect() as conn:
+    with ledger.db.engine.connect() as conn:
         held = {
             (scope, p_start): micro
             for scope, p_start, micro in conn.execute(
@@ -199,4 +201,4 @@ def test_ledger_audit_and_simulator_book_the_same_money(ledger) -> None:
             )
         }
     assert held == {key: micro for key, micro in expected.items() if micro}
-    assert audit.charge_errors(ledger, rows, ledger.budgets()) == (0, 0, [])
+    assert audit.charge_errors(ledger, rows, ledger.config.budgets()) == (0, 0, [])

@@ -96,7 +96,9 @@ def _race_worker(
         gate.started(admission, time.time())
         time.sleep(rng.uniform(0.05, 0.25))
         gate.settle(admission, ended_at=time.time(), outcome="completed")
-        again = ledger.settle(admission.job_id, ended_at=time.time() + 100, outcome="completed")
+        again = ledger.settlements.settle(
+            admission.job_id, ended_at=time.time() + 100, outcome="completed"
+        )
         results.append({"settled": admission.job_id, "second_settle": again})
     out.put(results)
 
@@ -105,7 +107,7 @@ def _race_worker(
 def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
     ledger = Ledger(ledger_url)
     for rule in RACE_BUDGETS:
-        ledger.set_budget(rule)
+        ledger.config.set_budget(rule)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
@@ -122,7 +124,7 @@ def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
         p.join(timeout=30)
         assert p.exitcode == 0
 
-    rows = ledger.jobs("race")
+    rows = ledger.views.jobs("race")
     assert len(rows) == 64
     admitted = [r for r in rows if r["admitted_at"] is not None]
     # every admitted job settled exactly once; a second settle changed nothing
@@ -132,8 +134,8 @@ def test_race_many_processes_never_over_admit(ledger_url, prefect_api, prices):
     assert all(r["ended_at"] < r["settled_at"] + 1 for r in admitted)
     assert promise1_violations(rows, RACE_BUDGETS) == []
     # nothing over-charged: period spend in the ledger equals the sum of the jobs' costs
-    p_start = {s["scope"]: s for s in ledger.status()}["race"]["period_start"]
-    assert ledger.period_settled("race", p_start) == sum(r["actual_micro"] for r in admitted)
+    p_start = {s["scope"]: s for s in ledger.views.status()}["race"]["period_start"]
+    assert ledger.views.period_settled("race", p_start) == sum(r["actual_micro"] for r in admitted)
     # no starvation: jobs only time out once the period budget cannot take another job
     timed_out = [r for r in rows if r["state"] == "timed_out"]
     # (its reason may name a budget or, as legitimately, the job it queued behind)
@@ -154,8 +156,8 @@ def test_a_blocked_job_resumes_when_its_blocker_settles(ledger, prefect_api, pri
     ledger's change can admit it within the test's deadline."""
     from prefect_gpu_budget.admission.limits import RateLimits
 
-    ledger.set_budget(BudgetRule("resume", hourly_cap_cents=400))
-    ledger.set_budget(BudgetRule("resume/t"))  # the team exists: a job may spend there
+    ledger.config.set_budget(BudgetRule("resume", hourly_cap_cents=400))
+    ledger.config.set_budget(BudgetRule("resume/t"))  # the team exists: a job may spend there
     limits = RateLimits()
     gate = Gate(ledger, limits, catalog=Catalog.load(prices), recheck_s=3600)
     job = GpuJob(instance_type="local:box", max_runtime="1m")
@@ -169,7 +171,7 @@ def test_a_blocked_job_resumes_when_its_blocker_settles(ledger, prefect_api, pri
     waiter = threading.Thread(target=second)
     waiter.start()
     [queued] = wait_for(
-        lambda: ledger.jobs("resume", states=("queued",)), 120, "the second job to queue"
+        lambda: ledger.views.jobs("resume", states=("queued",)), 120, "the second job to queue"
     )
     assert "blocked by hourly cap of resume" in queued["reason"], queued["reason"]
     assert "admission" not in got, "admitted over the hourly cap"
@@ -182,7 +184,7 @@ def test_a_blocked_job_resumes_when_its_blocker_settles(ledger, prefect_api, pri
 
 
 def test_priority_then_arrival_order(ledger, prices):
-    ledger.set_budget(BudgetRule("prio", hourly_cap_cents=360))
+    ledger.config.set_budget(BudgetRule("prio", hourly_cap_cents=360))
     gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=0.2)
     running = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "prio/t")
     order: list[str] = []
@@ -200,7 +202,9 @@ def test_priority_then_arrival_order(ledger, prices):
         threads.append(threading.Thread(target=wait, args=(name, priority)))
         threads[-1].start()
         queued = len(threads)  # each waits in line before the next arrives
-        wait_for(lambda n=queued: len(ledger.jobs("prio", states=("queued",))) == n, 120, name)
+        wait_for(
+            lambda n=queued: len(ledger.views.jobs("prio", states=("queued",))) == n, 120, name
+        )
     gate.settle(running, ended_at=time.time(), outcome="completed")
     for t in threads:
         t.join(timeout=120)
@@ -208,8 +212,8 @@ def test_priority_then_arrival_order(ledger, prices):
 
 
 def test_reject_and_timeout_carry_the_reason(ledger, prices):
-    ledger.set_budget(BudgetRule("rt", hourly_cap_cents=360, on_limit="reject"))
-    ledger.set_budget(BudgetRule("rt/wait", hourly_cap_cents=360, max_wait_s=1.0))
+    ledger.config.set_budget(BudgetRule("rt", hourly_cap_cents=360, on_limit="reject"))
+    ledger.config.set_budget(BudgetRule("rt/wait", hourly_cap_cents=360, max_wait_s=1.0))
     gate = Gate(ledger, catalog=Catalog.load(prices))
     held = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "rt")
     with pytest.raises(AdmissionRefused) as refused:
@@ -223,7 +227,7 @@ def test_reject_and_timeout_carry_the_reason(ledger, prices):
     assert "max wait 1s ran out" in timed_out.value.reason
     assert time.time() - started > 0.9  # it waited out its max wait
     gate.settle(held, ended_at=time.time(), outcome="completed")
-    states = sorted(r["state"] for r in ledger.jobs("rt"))
+    states = sorted(r["state"] for r in ledger.views.jobs("rt"))
     assert states == ["rejected", "settled", "timed_out"]
 
 
@@ -247,8 +251,10 @@ CRASHER = textwrap.dedent(
 
 @pytest.mark.parametrize("point", ["admitted", "running"])
 def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, point):
-    ledger.set_budget(BudgetRule("crash", hourly_cap_cents=10_000, period_budget_micro=50_000_000))
-    ledger.set_budget(BudgetRule("crash/t"))
+    ledger.config.set_budget(
+        BudgetRule("crash", hourly_cap_cents=10_000, period_budget_micro=50_000_000)
+    )
+    ledger.config.set_budget(BudgetRule("crash/t"))
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASHER, ledger_url, str(prices), point],
         stdout=subprocess.PIPE,
@@ -259,23 +265,23 @@ def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, 
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
 
-    [row] = ledger.jobs("crash")
+    [row] = ledger.views.jobs("crash")
     assert row["state"] == ("admitted" if point == "admitted" else "running")
     assert row["reserved_micro"] == 610_000  # $3.60/h for 10m plus 10s of kill grace
-    status = ledger.status("crash")[0]
+    status = ledger.views.status("crash")[0]
     assert status["reserved_micro"] == row["reserved_micro"]  # the worst case stays held
 
     done = reconcile(ledger)
     assert [d.action for d in done] == ["settled"]
-    settled = ledger.job(row["id"])
+    settled = ledger.views.job(row["id"])
     assert settled["state"] == "settled"
     if point == "admitted":
         assert settled["actual_micro"] == 0
     else:  # charged up to the last heartbeat plus one interval: at most the reservation
         assert 0 < settled["actual_micro"] <= row["reserved_micro"]
     assert reconcile(ledger) == []  # nothing left; settling again charges nothing
-    assert ledger.settle(row["id"], ended_at=time.time(), outcome="again") is None
-    status = ledger.status("crash")[0]
+    assert ledger.settlements.settle(row["id"], ended_at=time.time(), outcome="again") is None
+    status = ledger.views.status("crash")[0]
     assert status["reserved_micro"] == 0
     assert status["settled_micro"] == settled["actual_micro"]
 
@@ -314,11 +320,11 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S
 
     monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
-    ledger.set_budget(BudgetRule("slow", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("slow", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.6)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     admission = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "slow/t")
-    (row,) = ledger.jobs("slow")
+    (row,) = ledger.views.jobs("slow")
     assert row["lease_id"] == "lease-1"
     assert row["heartbeat_at"] - row["admitted_at"] >= 0.4
 
@@ -344,7 +350,7 @@ def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices
     3.11), or the lease taken a moment later would be recorded on a settled row and never
     released."""
 
-    ledger.set_budget(BudgetRule("intr", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("intr", hourly_cap_cents=720))
     limits = _SlowLimits(delay=300)  # answers when the test says so
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
 
@@ -363,32 +369,32 @@ def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices
     wait_for(lambda: limits.released, 60, "the late lease to be released")
     assert limits.taken == ["lease-1"]
     assert limits.released == ["lease-1"]
-    (row,) = ledger.jobs("intr")
+    (row,) = ledger.views.jobs("intr")
     assert (row["state"], row["outcome"]) == ("settled", "cancelled")
 
 
 def test_a_lease_is_recorded_only_on_an_active_job(ledger):
-    ledger.set_budget(BudgetRule("rec", hourly_cap_cents=720))
-    job_id, decision = ledger.request(new_job("rec/t"))
+    ledger.config.set_budget(BudgetRule("rec", hourly_cap_cents=720))
+    job_id, decision = ledger.queue.request(new_job("rec/t"))
     assert decision.verdict == "admit"
-    assert ledger.record_lease(job_id, "lease-a")
-    ledger.settle(job_id, ended_at=time.time(), outcome="cancelled")
-    assert not ledger.record_lease(job_id, "lease-b")
-    assert ledger.job(job_id)["lease_id"] == "lease-a"
+    assert ledger.settlements.record_lease(job_id, "lease-a")
+    ledger.settlements.settle(job_id, ended_at=time.time(), outcome="cancelled")
+    assert not ledger.settlements.record_lease(job_id, "lease-b")
+    assert ledger.views.job(job_id)["lease_id"] == "lease-a"
 
 
 def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
     """A cancellation can settle the job while its slots are still being taken (it may land
     before the caller even waits for the thread taking them): that thread then finds the job
     no longer active, records nothing and releases the lease itself."""
-    ledger.set_budget(BudgetRule("gone", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("gone", hourly_cap_cents=720))
     limits = _SlowLimits(delay=300)  # answers when the test says so
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
 
     def settle_meanwhile() -> None:
         if limits.asked.wait(120):  # the request for slots is outstanding
-            (row,) = ledger.jobs("gone")
-            ledger.settle(row["id"], ended_at=time.time(), outcome="cancelled")
+            (row,) = ledger.views.jobs("gone")
+            ledger.settlements.settle(row["id"], ended_at=time.time(), outcome="cancelled")
         limits.go.set()  # the slots come after the settlement
 
     threading.Thread(target=settle_meanwhile, daemon=True).start()
@@ -396,7 +402,7 @@ def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
         gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "gone/t")
     wait_for(lambda: limits.released, 60, "the lease to be released")
     assert limits.taken == limits.released == ["lease-1"]
-    (row,) = ledger.jobs("gone")
+    (row,) = ledger.views.jobs("gone")
     assert (row["state"], row["lease_id"]) == ("settled", None)
 
 
@@ -415,7 +421,7 @@ def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, pric
             raise _Interrupted
 
     monkeypatch.setattr(_thread, "start_new_thread", start_then_interrupted)
-    ledger.set_budget(BudgetRule("start", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("start", hourly_cap_cents=720))
     for delay in (0.0, 0.5):  # a quick and a slow Prefect API
         calls.clear()
         limits = _SlowLimits(delay=delay)
@@ -424,8 +430,8 @@ def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, pric
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "start/t")
         assert limits.taken == limits.released
     # the thread may not have recorded the request yet when it heard: then there is no row
-    assert {r["state"] for r in ledger.jobs("start")} <= {"settled", "cancelled"}
-    assert all(s["reserved_micro"] == 0 for s in ledger.status("start"))
+    assert {r["state"] for r in ledger.views.jobs("start")} <= {"settled", "cancelled"}
+    assert all(s["reserved_micro"] == 0 for s in ledger.views.status("start"))
 
 
 def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
@@ -448,9 +454,9 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
             seen.append(("prefect", threading.get_ident()))
             super().release(lease_id)
 
-    ledger.set_budget(BudgetRule("who", hourly_cap_cents=360))  # one job at a time
+    ledger.config.set_budget(BudgetRule("who", hourly_cap_cents=360))  # one job at a time
     sa.event.listen(
-        ledger.engine, "checkout", lambda *a: seen.append(("ledger", threading.get_ident()))
+        ledger.db.engine, "checkout", lambda *a: seen.append(("ledger", threading.get_ident()))
     )
     limits = _Watched(delay=0.0)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
@@ -471,7 +477,11 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
     gate.settle(second, ended_at=time.time(), outcome="done")
     assert {kind for kind, _ in seen} == {"ledger", "prefect"}
     assert [kind for kind, ident in seen if ident == caller] == []
-    assert sorted(r["state"] for r in ledger.jobs("who")) == ["cancelled", "settled", "settled"]
+    assert sorted(r["state"] for r in ledger.views.jobs("who")) == [
+        "cancelled",
+        "settled",
+        "settled",
+    ]
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
@@ -493,7 +503,7 @@ def test_an_interrupt_as_the_job_is_admitted_gives_it_back(ledger, prices, monke
         return won
 
     monkeypatch.setattr(gate_module._Handoff, "claim", claim_with_interrupt)
-    ledger.set_budget(BudgetRule("race-in", hourly_cap_cents=720))
+    ledger.config.set_budget(BudgetRule("race-in", hourly_cap_cents=720))
     limits = _SlowLimits(delay=0.0)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     previous = signal.signal(signal.SIGUSR1, _interrupt)
@@ -502,7 +512,7 @@ def test_an_interrupt_as_the_job_is_admitted_gives_it_back(ledger, prices, monke
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "race-in/t")
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    (row,) = ledger.jobs("race-in")
+    (row,) = ledger.views.jobs("race-in")
     assert (row["state"], row["outcome"]) == ("settled", "cancelled")
     assert limits.taken == limits.released == ["lease-1"]
-    assert ledger.status("race-in")[0]["reserved_micro"] == 0
+    assert ledger.views.status("race-in")[0]["reserved_micro"] == 0

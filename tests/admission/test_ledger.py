@@ -17,22 +17,22 @@ def _job(scope: str) -> NewJob:
 
 
 def test_a_waiter_that_stalled_is_still_decided(ledger):
-    ledger.set_budget(BudgetRule("st", hourly_cap_cents=360))
-    first, admitted = ledger.request(_job("st/a"))
-    second, waiting = ledger.request(_job("st/a"))
+    ledger.config.set_budget(BudgetRule("st", hourly_cap_cents=360))
+    first, admitted = ledger.queue.request(_job("st/a"))
+    second, waiting = ledger.queue.request(_job("st/a"))
     assert admitted.verdict == "admit" and waiting.verdict == "wait"
     later = time.time() + 45  # its own heartbeat is older than the stale limit
-    assert ledger.try_admit(second, "st/a", now=later).verdict == "wait"
+    assert ledger.queue.try_admit(second, "st/a", now=later).verdict == "wait"
 
 
 def test_underscore_in_a_scope_is_not_a_wildcard(ledger):
-    ledger.set_budget(BudgetRule("axb", hourly_cap_cents=10_000, period_budget_micro=10**9))
-    job_id, decision = ledger.request(_job("axb/t"))
-    ledger.mark_started(job_id, time.time() - 100)
-    ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope="axb/t")
-    ledger.set_budget(BudgetRule("a_b", hourly_cap_cents=10_000, period_budget_micro=10**9))
-    assert [s["settled_micro"] for s in ledger.status("a_b")] == [0]
-    assert [len(ledger.jobs(scope)) for scope in ("a_b", "axb")] == [0, 1]
+    ledger.config.set_budget(BudgetRule("axb", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    job_id, decision = ledger.queue.request(_job("axb/t"))
+    ledger.settlements.mark_started(job_id, time.time() - 100)
+    ledger.settlements.settle(job_id, ended_at=time.time(), outcome="completed", scope="axb/t")
+    ledger.config.set_budget(BudgetRule("a_b", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    assert [s["settled_micro"] for s in ledger.views.status("a_b")] == [0]
+    assert [len(ledger.views.jobs(scope)) for scope in ("a_b", "axb")] == [0, 1]
 
 
 def test_calls_go_on_after_the_server_drops_every_connection():
@@ -40,8 +40,8 @@ def test_calls_go_on_after_the_server_drops_every_connection():
 
     _fresh_pg()
     ledger = Ledger(PG_URL)
-    ledger.set_budget(BudgetRule("rc", hourly_cap_cents=10_000))
-    job_id, decision = ledger.request(_job("rc/t"))
+    ledger.config.set_budget(BudgetRule("rc", hourly_cap_cents=10_000))
+    job_id, decision = ledger.queue.request(_job("rc/t"))
     assert decision.verdict == "admit"
     killer = sa.create_engine(normalise_url(PG_URL), isolation_level="AUTOCOMMIT")
     with killer.connect() as conn:
@@ -54,26 +54,29 @@ def test_calls_go_on_after_the_server_drops_every_connection():
         ).scalar_one()
     killer.dispose()
     assert killed >= 1
-    row = ledger.settle(
-        job_id, ended_at=ledger.job(job_id)["admitted_at"] + 1, outcome="completed", scope="rc/t"
+    row = ledger.settlements.settle(
+        job_id,
+        ended_at=ledger.views.job(job_id)["admitted_at"] + 1,
+        outcome="completed",
+        scope="rc/t",
     )
     assert row is not None and row["state"] == "settled"
-    assert ledger.request(_job("rc/t"))[1].verdict == "admit"
-    ledger.dispose()
+    assert ledger.queue.request(_job("rc/t"))[1].verdict == "admit"
+    ledger.db.dispose()
 
 
 def test_a_job_that_waits_for_cloud_capacity_is_held_where_its_spend_can_fall(ledger):
     """Admitted at 23:00, started at 02:00 after a wait for capacity: its reservation counts
     in the day it runs, not in the day it was admitted."""
     day = 86400.0
-    ledger.set_budget(BudgetRule("cw", period_budget_micro=10**9, period="day"))
+    ledger.config.set_budget(BudgetRule("cw", period_budget_micro=10**9, period="day"))
     admitted_at = 20_000 * day + 23 * 3600
-    job_id, decision = ledger.request(_job("cw/a"), now=admitted_at)
+    job_id, decision = ledger.queue.request(_job("cw/a"), now=admitted_at)
     assert decision.verdict == "admit"
-    [before] = ledger.status("cw", now=admitted_at + 1)
+    [before] = ledger.views.status("cw", now=admitted_at + 1)
     assert before["reserved_micro"] > 0  # not started: held from now on, in today
-    assert ledger.mark_started(job_id, admitted_at + 3 * 3600)
-    [today] = ledger.status("cw", now=admitted_at + 3 * 3600 + 1)
+    assert ledger.settlements.mark_started(job_id, admitted_at + 3 * 3600)
+    [today] = ledger.views.status("cw", now=admitted_at + 3 * 3600 + 1)
     assert (
         today["period_start"] == 20_001 * day
         and today["reserved_micro"] == before["reserved_micro"]
@@ -85,19 +88,23 @@ def test_an_admitted_job_that_has_not_started_holds_all_of_it_in_every_day_ahead
     its reservation in the new day: a job asked for beside it is held against that, so the
     new day's real spend stays within its budget however late the first starts."""
     day, hour = 86400.0, 3600.0
-    ledger.set_budget(BudgetRule("fs", period_budget_micro=15_000_000, period="day"))
+    ledger.config.set_budget(BudgetRule("fs", period_budget_micro=15_000_000, period="day"))
     midnight = 20_000 * day
     asked = midnight - 17 * 60
     rate = {"rate_micro_per_hour": 10_000_000, "rate_cents": 1000, "on_limit": "reject"}
-    a_id, a = ledger.request(new_job("fs/a", max_runtime_s=80 * 60, **rate), now=asked)
+    a_id, a = ledger.queue.request(new_job("fs/a", max_runtime_s=80 * 60, **rate), now=asked)
     assert a.verdict == "admit"
-    c_id, c = ledger.request(new_job("fs/a", max_runtime_s=40 * 60, **rate), now=asked)
+    c_id, c = ledger.queue.request(new_job("fs/a", max_runtime_s=40 * 60, **rate), now=asked)
     assert c.verdict == "reject" and "day budget of fs" in c.reason, c.reason
-    assert ledger.mark_started(a_id, midnight + 300)  # capacity came after midnight
-    ledger.settle(a_id, ended_at=midnight + 300 + 80 * 60, outcome="timed_out", now=midnight + hour)
-    assert ledger.period_settled("fs", midnight) <= 15_000_000
+    assert ledger.settlements.mark_started(a_id, midnight + 300)  # capacity came after midnight
+    ledger.settlements.settle(
+        a_id, ended_at=midnight + 300 + 80 * 60, outcome="timed_out", now=midnight + hour
+    )
+    assert ledger.views.period_settled("fs", midnight) <= 15_000_000
     # once it has started, a job is held where it runs: one beside it fits what is left
-    _, fits = ledger.request(new_job("fs/a", max_runtime_s=60, **rate), now=midnight + 2 * hour)
+    _, fits = ledger.queue.request(
+        new_job("fs/a", max_runtime_s=60, **rate), now=midnight + 2 * hour
+    )
     assert fits.verdict == "admit", fits.reason
 
 
@@ -105,28 +112,32 @@ def test_estimate_mode_learns_how_far_a_scope_overruns(ledger):
     """After 25 jobs that ran twice their estimate, the next reservation is stretched by 2x."""
     from dataclasses import replace
 
-    ledger.set_budget(BudgetRule("lrn", period_budget_micro=10**9, reservation_mode="estimate"))
+    ledger.config.set_budget(
+        BudgetRule("lrn", period_budget_micro=10**9, reservation_mode="estimate")
+    )
     job = replace(_job("lrn/a"), expected_runtime_s=10.0, max_runtime_s=60.0)
     t = time.time() - 3600
     for i in range(25):
-        job_id, decision = ledger.request(job, now=t)
+        job_id, decision = ledger.queue.request(job, now=t)
         assert decision.reserve_seconds == (10.0 if i < 20 else 20.0)  # 20 settled jobs teach
-        ledger.mark_started(job_id, t)
-        ledger.settle(job_id, ended_at=t + 20.0, outcome="completed", scope="lrn/a", now=t + 20)
+        ledger.settlements.mark_started(job_id, t)
+        ledger.settlements.settle(
+            job_id, ended_at=t + 20.0, outcome="completed", scope="lrn/a", now=t + 20
+        )
         t += 30
     fresh = type(ledger)(ledger.url)  # a new process reads what the ledger learned
-    _, decision = fresh.request(job, now=t)
+    _, decision = fresh.queue.request(job, now=t)
     assert decision.reserve_seconds == 20.0 and "estimate x2.00, as in lrn/a" in decision.reason
-    fresh.dispose()
+    fresh.db.dispose()
 
 
 def test_a_zero_cap_admits_no_job_however_cheap(ledger):
     from prefect_gpu_budget.blocks import GpuBudget
 
-    ledger.set_budget(GpuBudget(scope="zc", hourly_cap_usd=0, on_limit="reject").rule())
-    _, decision = ledger.request(new_job("zc/a", rate_micro_per_hour=10_000, rate_cents=1))
+    ledger.config.set_budget(GpuBudget(scope="zc", hourly_cap_usd=0, on_limit="reject").rule())
+    _, decision = ledger.queue.request(new_job("zc/a", rate_micro_per_hour=10_000, rate_cents=1))
     assert decision.verdict == "reject", decision
-    assert [j["state"] for j in ledger.jobs("zc")] == ["rejected"]
+    assert [j["state"] for j in ledger.views.jobs("zc")] == ["rejected"]
 
 
 def test_a_cap_beyond_what_a_prefect_limit_holds_is_refused_and_not_written(ledger):
@@ -134,20 +145,20 @@ def test_a_cap_beyond_what_a_prefect_limit_holds_is_refused_and_not_written(ledg
 
     from prefect_gpu_budget.units import BudgetInputError
 
-    for write in (ledger.set_budget, ledger.set_session_template):
+    for write in (ledger.config.set_budget, ledger.config.set_session_template):
         with pytest.raises(BudgetInputError, match="^hourly_cap: must be at most"):
             write(BudgetRule("big/team", hourly_cap_cents=2**31))
-    assert ledger.budgets() == [] and ledger.session_templates() == []
-    ledger.set_budget(BudgetRule("big", hourly_cap_cents=2**31 - 1))
-    assert [r.hourly_cap_cents for r in ledger.budgets()] == [2**31 - 1]
+    assert ledger.config.budgets() == [] and ledger.config.session_templates() == []
+    ledger.config.set_budget(BudgetRule("big", hourly_cap_cents=2**31 - 1))
+    assert [r.hourly_cap_cents for r in ledger.config.budgets()] == [2**31 - 1]
 
 
 def _sqlite_ledger(path):
     from prefect_gpu_budget.admission.ledger import Ledger
 
     ledger = Ledger(f"sqlite:///{path}")
-    ledger.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
-    assert ledger.request(_job("rf/a"))[1].verdict == "admit"
+    ledger.config.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
+    assert ledger.queue.request(_job("rf/a"))[1].verdict == "admit"
     return ledger
 
 
@@ -160,13 +171,13 @@ def test_a_removed_ledger_file_fails_closed_in_the_process_using_it(tmp_path):
     ledger = _sqlite_ledger(path)
     path.unlink()
     with pytest.raises(LedgerFileReplaced, match="was replaced or removed") as exc:
-        ledger.request(_job("rf/a"))
+        ledger.queue.request(_job("rf/a"))
     assert str(path) in str(exc.value) and "\n" not in str(exc.value)
     # a new process sees the orphaned write-ahead log and says so, not `disk I/O error`
     assert (tmp_path / "ledger.db-wal").exists()  # the live process still holds it open
     with pytest.raises(LedgerFileReplaced, match="was removed while a process had it open"):
         Ledger(f"sqlite:///{path}")
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def test_a_replaced_ledger_file_fails_closed_and_admits_nothing(tmp_path):
@@ -180,33 +191,33 @@ def test_a_replaced_ledger_file_fails_closed_and_admits_nothing(tmp_path):
     path = tmp_path / "ledger.db"
     ledger = _sqlite_ledger(path)
     other = Ledger(f"sqlite:///{tmp_path / 'other.db'}")
-    other.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
-    other.dispose()
+    other.config.set_budget(BudgetRule("rf", hourly_cap_cents=100_000))
+    other.db.dispose()
     (tmp_path / "other.db").replace(path)  # e.g. a backup restored over the live file
     gate = Gate(ledger, catalog=Catalog.load())
     with pytest.raises(LedgerFileReplaced, match="was replaced or removed"):
         gate.admit(GpuJob(instance_type="aws:g5.xlarge", max_runtime="1h"), "rf/a")
-    ledger.dispose()
+    ledger.db.dispose()
     fresh = Ledger(f"sqlite:///{path}")  # the file now in place never saw this request
-    assert [j for j in fresh.jobs() if j["instance_type"] == "aws:g5.xlarge"] == []
-    fresh.dispose()
+    assert [j for j in fresh.views.jobs() if j["instance_type"] == "aws:g5.xlarge"] == []
+    fresh.db.dispose()
 
 
 def test_the_newest_jobs_are_chosen_in_sql(ledger):
-    ledger.set_budget(BudgetRule("nw", period_budget_micro=10**9))
-    ids = [ledger.request(_job("nw/a"), now=1_000_000.0 + i)[0] for i in range(5)]
-    ledger.request(new_job("nw/a", flow_run_id="run-1"), now=1_000_010.0)
+    ledger.config.set_budget(BudgetRule("nw", period_budget_micro=10**9))
+    ids = [ledger.queue.request(_job("nw/a"), now=1_000_000.0 + i)[0] for i in range(5)]
+    ledger.queue.request(new_job("nw/a", flow_run_id="run-1"), now=1_000_010.0)
     statements: list[str] = []
 
     def seen(conn, cursor, statement, *args):
         statements.append(statement)
 
-    sa.event.listen(ledger.engine, "before_cursor_execute", seen)
+    sa.event.listen(ledger.db.engine, "before_cursor_execute", seen)
     try:
-        newest = ledger.jobs("nw", limit=3)
-        of_run = ledger.jobs("nw", flow_run_id="run-1")
+        newest = ledger.views.jobs("nw", limit=3)
+        of_run = ledger.views.jobs("nw", flow_run_id="run-1")
     finally:
-        sa.event.remove(ledger.engine, "before_cursor_execute", seen)
+        sa.event.remove(ledger.db.engine, "before_cursor_execute", seen)
     assert [j["id"] for j in newest[:2]] == ids[3:] and newest[2]["flow_run_id"] == "run-1"
     assert [j["flow_run_id"] for j in of_run] == ["run-1"]
     selects = [s for s in statements if "FROM gpu_jobs" in s]
@@ -216,16 +227,16 @@ def test_the_newest_jobs_are_chosen_in_sql(ledger):
 def test_a_job_says_what_held_it_and_for_how_long(ledger):
     from prefect_gpu_budget.admission.ledger import wait_spans
 
-    ledger.set_budget(BudgetRule("wt", hourly_cap_cents=360))
-    ledger.set_budget(BudgetRule("wt/a", hourly_cap_cents=10_000))
-    first, _ = ledger.request(_job("wt/a"), now=1000.0)
-    second, waiting = ledger.request(_job("wt/a"), now=1000.0)
+    ledger.config.set_budget(BudgetRule("wt", hourly_cap_cents=360))
+    ledger.config.set_budget(BudgetRule("wt/a", hourly_cap_cents=10_000))
+    first, _ = ledger.queue.request(_job("wt/a"), now=1000.0)
+    second, waiting = ledger.queue.request(_job("wt/a"), now=1000.0)
     assert waiting.verdict == "wait"
-    assert ledger.try_admit(second, "wt/a", now=1010.0).verdict == "wait"
-    assert wait_spans(ledger.job(second)) and wait_spans(ledger.job(first)) == {}
-    ledger.settle(first, ended_at=1020.0, outcome="completed", scope="wt/a")
-    assert ledger.try_admit(second, "wt/a", now=1025.0).verdict == "admit"
-    assert wait_spans(ledger.job(second)) == {"hourly_cap wt": 25.0}
+    assert ledger.queue.try_admit(second, "wt/a", now=1010.0).verdict == "wait"
+    assert wait_spans(ledger.views.job(second)) and wait_spans(ledger.views.job(first)) == {}
+    ledger.settlements.settle(first, ended_at=1020.0, outcome="completed", scope="wt/a")
+    assert ledger.queue.try_admit(second, "wt/a", now=1025.0).verdict == "admit"
+    assert wait_spans(ledger.views.job(second)) == {"hourly_cap wt": 25.0}
 
 
 def test_a_ledger_of_an_earlier_version_gets_the_new_columns_and_a_current_one_one_query(tmp_path):
@@ -234,43 +245,45 @@ def test_a_ledger_of_an_earlier_version_gets_the_new_columns_and_a_current_one_o
     from prefect_gpu_budget.admission.ledger import Ledger
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
-    Ledger(url).dispose()
+    Ledger(url).db.dispose()
     old = sa.create_engine(url)
     with old.begin() as conn:  # as an earlier version left it: no `waits`, no schema stamp
         conn.exec_driver_sql("ALTER TABLE gpu_jobs DROP COLUMN waits")
         conn.exec_driver_sql("DROP TABLE gpu_schema")
     old.dispose()
     reopened = Ledger(url)
-    columns = {c["name"] for c in sa.inspect(reopened.engine).get_columns("gpu_jobs")}
+    columns = {c["name"] for c in sa.inspect(reopened.db.engine).get_columns("gpu_jobs")}
     assert "waits" in columns
-    reopened.dispose()
+    reopened.db.dispose()
 
     statements: list[str] = []
     current = Ledger(url, create=False)
-    sa.event.listen(current.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
-    current.create()
+    sa.event.listen(current.db.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    current.db.create()
     queries = [s for s in statements if not s.startswith("BEGIN")]
     assert len(queries) == 1 and "gpu_schema" in queries[0], statements
-    current.dispose()
+    current.db.dispose()
 
 
 def test_a_request_joining_a_queue_waits_behind_its_head_unless_it_goes_first(ledger):
     """A request behind a waiter that a budget on its path blocks is decided from that one row
     (`policy.decide_behind`); one of higher priority goes ahead of it, decided in full."""
-    ledger.set_budget(BudgetRule("dq", hourly_cap_cents=360, max_wait_s=3600))
-    running, admitted = ledger.request(_job("dq/t/a"))
-    head, blocked = ledger.request(_job("dq/t/b"))
-    _, behind = ledger.request(_job("dq/t/c"))
-    _, refused = ledger.request(new_job("dq/t/c", on_limit="reject"))
-    urgent, first = ledger.request(new_job("dq/t/d", priority=5))
+    ledger.config.set_budget(BudgetRule("dq", hourly_cap_cents=360, max_wait_s=3600))
+    running, admitted = ledger.queue.request(_job("dq/t/a"))
+    head, blocked = ledger.queue.request(_job("dq/t/b"))
+    _, behind = ledger.queue.request(_job("dq/t/c"))
+    _, refused = ledger.queue.request(new_job("dq/t/c", on_limit="reject"))
+    urgent, first = ledger.queue.request(new_job("dq/t/d", priority=5))
     assert admitted.verdict == "admit"
     assert (blocked.verdict, blocked.limit, blocked.scope) == ("wait", "hourly_cap", "dq")
     assert (behind.verdict, behind.limit, behind.scope) == ("wait", "queue", "dq")
     assert f"waiting behind job {head[:8]}" in behind.reason
     assert refused.verdict == "reject" and refused.reason.startswith("over budget: waiting")
     assert (first.verdict, first.limit) == ("wait", "hourly_cap")  # not behind the head
-    assert ledger.settle(running, ended_at=time.time(), outcome="completed", scope="dq/t/a")
-    states = {r["id"]: r["state"] for r in ledger.jobs("dq")}
+    assert ledger.settlements.settle(
+        running, ended_at=time.time(), outcome="completed", scope="dq/t/a"
+    )
+    states = {r["id"]: r["state"] for r in ledger.views.jobs("dq")}
     assert states[urgent] == "admitted" and states[head] == "queued"
 
 
@@ -279,7 +292,7 @@ def test_an_org_s_writes_go_in_turn_and_a_settlement_before_a_burst_of_requests(
     go first; a write inside a write of the same thread is refused."""
     import threading
 
-    from prefect_gpu_budget.admission.ledger import OrgLock
+    from prefect_gpu_budget.admission.ledger.engine import OrgLock
 
     lock, order, inside, lined_up = OrgLock(), [], threading.Event(), threading.Event()
 
@@ -326,29 +339,29 @@ def test_a_burst_of_requests_is_recorded_once_each_in_a_few_transactions(ledger)
 
     from sqlalchemy import event
 
-    ledger.set_budget(BudgetRule("bu", hourly_cap_cents=10**6))
-    ledger.set_budget(BudgetRule("bu/t", hourly_cap_cents=4 * 360))
+    ledger.config.set_budget(BudgetRule("bu", hourly_cap_cents=10**6))
+    ledger.config.set_budget(BudgetRule("bu/t", hourly_cap_cents=4 * 360))
     ended = [0]
 
     def count(_conn) -> None:
         ended[0] += 1
 
-    event.listen(ledger.engine, "commit", count)
+    event.listen(ledger.db.engine, "commit", count)
     start = threading.Barrier(48)
     told: dict[str, str] = {}
 
     def ask() -> None:
         job_id = str(uuid.uuid4())
         start.wait()
-        told[job_id] = ledger.ask(_job("bu/t/s"), job_id)[0].verdict
+        told[job_id] = ledger.queue.ask(_job("bu/t/s"), job_id)[0].verdict
 
     threads = [threading.Thread(target=ask) for _ in range(48)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    event.remove(ledger.engine, "commit", count)
-    rows = {r["id"]: r for r in ledger.jobs(limit=1000)}
+    event.remove(ledger.db.engine, "commit", count)
+    rows = {r["id"]: r for r in ledger.views.jobs(limit=1000)}
     assert set(rows) == set(told)
     assert sum(v == "admit" for v in told.values()) == 4
     for job_id, verdict in told.items():

@@ -344,11 +344,13 @@ def test_an_admitted_job_holds_at_most_five_threads(ledger, prefect_api, tmp_pat
     from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
 
     prices = set_local_price("h100x8", "8", gpus=8, path=tmp_path / "prices.csv")
-    ledger.set_budget(BudgetRule("threads", hourly_cap_cents=10_000, period_budget_micro=10**9))
-    ledger.set_budget(BudgetRule("threads/a"))
+    ledger.config.set_budget(
+        BudgetRule("threads", hourly_cap_cents=10_000, period_budget_micro=10**9)
+    )
+    ledger.config.set_budget(BudgetRule("threads/a"))
     if in_pool:
         pool = Pool("threads", "lab-t", 2, (8, 192, 2048), ("local:h100x8",), "H100")
-        ledger.set_pool(pool, [TeamQuota("lab-t", "threads/a", proportional(pool, 8))])
+        ledger.config.set_pool(pool, [TeamQuota("lab-t", "threads/a", proportional(pool, 8))])
     limits = RateLimits()
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     job = GpuJob(instance_type="local:h100x8", max_runtime="1m", command=["sleep", "1"])

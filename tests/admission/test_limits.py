@@ -44,7 +44,7 @@ class _FailingClient:
 
 
 def _admit(ledger, prices, client: _FailingClient, **job: object) -> AdmissionRefused:
-    ledger.set_budget(BudgetRule("pf", hourly_cap_cents=720, period_budget_micro=10**8))
+    ledger.config.set_budget(BudgetRule("pf", hourly_cap_cents=720, period_budget_micro=10**8))
     gate = Gate(ledger, RateLimits(client), catalog=Catalog.load(prices))
     with pytest.raises(AdmissionRefused) as refused:
         gate.admit(GpuJob(instance_type="local:box", max_runtime="1h", **job), "pf/t")
@@ -52,9 +52,9 @@ def _admit(ledger, prices, client: _FailingClient, **job: object) -> AdmissionRe
 
 
 def _given_back(ledger, state: str) -> None:
-    (row,) = ledger.jobs("pf")
+    (row,) = ledger.views.jobs("pf")
     assert row["state"] == state and row["reserved_micro"] == 0 and row["lease_id"] is None
-    assert [s["reserved_micro"] for s in ledger.status("pf")] == [0]
+    assert [s["reserved_micro"] for s in ledger.views.status("pf")] == [0]
 
 
 def test_a_5xx_that_repeats_for_the_same_request_fails_it(ledger, prices, monkeypatch):

@@ -40,7 +40,9 @@ def test_prefect_server_restarted_in_the_middle_of_a_sweep(tmp_path: Path):
     try:
         prices = set_local_price("box", "3.6", path=tmp_path / "prices.csv")
         ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=720, period_budget_micro=10**9))
+        ledger.config.set_budget(
+            BudgetRule("acme", hourly_cap_cents=720, period_budget_micro=10**9)
+        )
         spec = tmp_path / "spec.yaml"
         spec.write_text(
             SPEC % {"python": json.dumps(sys.executable), "results": str(tmp_path / "results")}
@@ -59,13 +61,15 @@ def test_prefect_server_restarted_in_the_middle_of_a_sweep(tmp_path: Path):
             stdout=(tmp_path / "sweep.log").open("w"),
             stderr=subprocess.STDOUT,
         )
-        wait_for(lambda: ledger.jobs("acme/sweeps", states=("running",)), 180, "a running trial")
+        wait_for(
+            lambda: ledger.views.jobs("acme/sweeps", states=("running",)), 180, "a running trial"
+        )
         server.stop()  # two trials hold slots; the others wait for the cap
         time.sleep(3)
         server.start()
         assert sweep.wait(timeout=400) == 0, (tmp_path / "sweep.log").read_text()[-3000:]
 
-        rows = ledger.jobs("acme/sweeps")
+        rows = ledger.views.jobs("acme/sweeps")
         assert sorted(r["name"] for r in rows) == [f"restart/{i:04d}" for i in range(6)]
         assert all(r["state"] == "settled" and r["outcome"] == "completed" for r in rows), [
             (r["name"], r["state"], r["outcome"], r["reason"]) for r in rows
@@ -88,8 +92,8 @@ def test_postgresql_restarted_in_the_middle_of_admissions(prices):
 
 def _admit_through_a_restart(cluster: PrivateCluster, url: str) -> None:
     ledger = Ledger(url)
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=1080, period_budget_micro=10**9))
-    ledger.set_budget(BudgetRule("acme/agents"))  # the agents' team; the org's limits bind
+    ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=1080, period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme/agents"))  # the agents' team; the org's limits bind
     messages: list[str] = []
     gate = Gate(ledger, events=GateEvents(warning=messages.append), poll_s=0.05)
     job = GpuJob(instance_type="local:race", max_runtime="60s", kill_grace="1s")
@@ -119,14 +123,14 @@ def _admit_through_a_restart(cluster: PrivateCluster, url: str) -> None:
     assert not errors, errors
     assert len(done) == 30 == len(set(done))
 
-    rows = ledger.jobs()
+    rows = ledger.views.jobs()
     assert len(rows) == 30 and {r["id"] for r in rows} == set(done)  # none lost, none twice
     assert not [r for r in rows if r["state"] in ACTIVE]
-    org, team = ledger.status("acme")  # charged once each: the period's sum is the jobs' sum
+    org, team = ledger.views.status("acme")  # charged once each: the period's sum is the jobs' sum
     assert (org["scope"], team["scope"]) == ("acme", "acme/agents")
     assert org["settled_micro"] == sum(r["actual_micro"] for r in rows) > 0
     assert org["reserved_micro"] == 0 and org["running"] == 0
     assert any("the ledger's database is unreachable" in m for m in messages), messages
     assert any("back after" in m for m in messages), messages
     assert not [m for m in messages if "postgres@" in m or name_of(url) in m]
-    ledger.dispose()
+    ledger.db.dispose()

@@ -10,7 +10,6 @@ from prefect_gpu_budget.admission.policy import (
     BudgetRule,
     Hold,
     LedgerState,
-    Request,
     committed,
     decide,
     decide_behind,
@@ -18,6 +17,7 @@ from prefect_gpu_budget.admission.policy import (
     overrun_factors,
     plan,
 )
+from prefect_gpu_budget.admission.requests import Request
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 

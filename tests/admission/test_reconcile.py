@@ -31,7 +31,7 @@ def aws() -> Iterator[AwsServer]:
 def _orphan(ledger: Ledger, launcher: SageMakerLauncher, max_runtime: float) -> tuple[str, str]:
     """A SageMaker job started by a holder on another host that has since gone silent."""
     job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime=max_runtime, name="orphan")
-    job_id, decision = ledger.request(
+    job_id, decision = ledger.queue.request(
         new_job(
             SCOPE,
             name="orphan",
@@ -45,13 +45,13 @@ def _orphan(ledger: Ledger, launcher: SageMakerLauncher, max_runtime: float) -> 
     assert decision.verdict == "admit"
     name = launcher.training_job_name(job)
     launcher._client().create_training_job(**launcher.training_job_request(job, name))
-    assert ledger.mark_started(job_id, time.time(), name)
+    assert ledger.settlements.mark_started(job_id, time.time(), name)
     return job_id, name
 
 
 def test_reconcile_asks_the_launcher_about_orphans(aws, tmp_path):
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
-    ledger.set_budget(BudgetRule("lab", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("lab", period_budget_micro=10**9))
     launcher = SageMakerLauncher(
         aws_credentials=aws.credentials(),
         role_arn="arn:aws:iam::123456789012:role/Training",
@@ -63,25 +63,25 @@ def test_reconcile_asks_the_launcher_about_orphans(aws, tmp_path):
     running, _ = _orphan(ledger, launcher, max_runtime=3600)
     overdue, overdue_name = _orphan(ledger, launcher, max_runtime=3600)
     later = time.time() + 300  # their holder has been silent for five minutes
-    with ledger.engine.begin() as conn:  # and the second one's max runtime has passed
+    with ledger.db.engine.begin() as conn:  # and the second one's max runtime has passed
         conn.execute(jobs.update().where(jobs.c.id == overdue).values(max_runtime_s=60.0))
     done = {
         r.job_id: r.action for r in reconcile(ledger, launchers={"sagemaker": launcher}, now=later)
     }
     assert done == {running: "left-running", overdue: "stopped"}
-    assert ledger.job(running)["state"] == "running"  # still billing: keeps its reservation
+    assert ledger.views.job(running)["state"] == "running"  # still billing: keeps its reservation
     status = launcher._client().describe_training_job(TrainingJobName=overdue_name)
     assert status["TrainingJobStatus"] in ("Stopping", "Stopped")
 
     aws.set_training_pace(0.05)  # now the first one finishes
     deadline = time.time() + 30
-    while launcher.probe(ledger.job(running)["external_id"]).state != "finished":
+    while launcher.probe(ledger.views.job(running)["external_id"]).state != "finished":
         assert time.time() < deadline
         time.sleep(0.2)
-    probe = launcher.probe(ledger.job(running)["external_id"])
+    probe = launcher.probe(ledger.views.job(running)["external_id"])
     [result] = reconcile(ledger, launchers={"sagemaker": launcher}, now=later)
     assert (result.job_id, result.action) == (running, "settled")
-    row = ledger.job(running)
+    row = ledger.views.job(running)
     assert row["ended_at"] == pytest.approx(probe.ended_at)  # its real end, not a guess
     assert row["billed_seconds"] == probe.billed_seconds
     assert row["actual_micro"] == cost_micro(RATE, probe.billed_seconds, round_up=False)
@@ -99,7 +99,7 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
 
     info, public_key = service_account_info()
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
-    ledger.set_budget(BudgetRule("lab", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("lab", period_budget_micro=10**9))
     job = GpuJob(instance_type="gcp:a2-highgpu-1g", max_runtime="1h", provisioning="flex-start")
     quote = Catalog.load().quote(job.instance_type, 1, "flex-start")
     with serving(FakeVertex(public_key=public_key)) as fake:
@@ -112,7 +112,7 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
         def orphan(script: Script) -> tuple[str, str]:
             """Submitted by a holder that died while Vertex looked for capacity."""
             fake.script = script
-            job_id, decision = ledger.request(
+            job_id, decision = ledger.queue.request(
                 new_job(
                     SCOPE,
                     name="flex",
@@ -128,7 +128,7 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
             created = launcher._client().create_custom_job(
                 parent=launcher._parent(), custom_job=launcher.custom_job(job, quote)
             )
-            ledger.record_submission(job_id, created.name)
+            ledger.settlements.record_submission(job_id, created.name)
             return job_id, created.name
 
         waiting, waiting_name = orphan(Script(queued_s=60, run_s=1))
@@ -143,8 +143,8 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
         }
         assert done == {waiting: "stopped", started: "left-running"}
         assert waiting_name.rsplit("/", 1)[-1] in " ".join(fake.cancelled)
-        assert ledger.job(waiting)["actual_micro"] == 0  # it never ran: nothing billed
-        row = ledger.job(started)  # it runs unwatched: now the ledger knows, and meters it
+        assert ledger.views.job(waiting)["actual_micro"] == 0  # it never ran: nothing billed
+        row = ledger.views.job(started)  # it runs unwatched: now the ledger knows, and meters it
         assert row["state"] == "running"
         assert row["started_at"] == pytest.approx(launcher.probe(started_name).started_at)
 
@@ -154,13 +154,13 @@ def test_a_dead_holders_queued_job_is_cancelled_before_its_running_one_is_settle
     first, that job is never admitted for a holder that is gone (as Slurm ends a failed
     node's jobs, pending ones with them)."""
     dead = "elsewhere:1:1"
-    ledger.set_budget(BudgetRule("rq", hourly_cap_cents=360))
-    running, first = ledger.request(new_job("rq/s", holder=dead))
-    assert first.verdict == "admit" and ledger.mark_started(running, time.time())
-    queued, second = ledger.request(new_job("rq/s", holder=dead))
+    ledger.config.set_budget(BudgetRule("rq", hourly_cap_cents=360))
+    running, first = ledger.queue.request(new_job("rq/s", holder=dead))
+    assert first.verdict == "admit" and ledger.settlements.mark_started(running, time.time())
+    queued, second = ledger.queue.request(new_job("rq/s", holder=dead))
     assert second.verdict == "wait"
     done = {r.job_id: r.action for r in reconcile(ledger, now=time.time() + 3600)}
     assert done[queued] == "cancelled", done
-    rows = {r["id"]: r for r in ledger.jobs("rq")}
+    rows = {r["id"]: r for r in ledger.views.jobs("rq")}
     assert rows[queued]["state"] == "cancelled" and rows[queued]["admitted_at"] is None
     assert rows[running]["state"] == "settled"

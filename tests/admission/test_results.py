@@ -416,7 +416,7 @@ def test_a_sweep_cancelled_before_it_opens_stays_cancelled(store):
 
 
 def _rows(store: SweepRecords, run_id: str) -> dict[str, int]:
-    with store.ledger._read() as conn:
+    with store.ledger.db.read() as conn:
         return {
             t.name: conn.execute(
                 sa.select(sa.func.count()).select_from(t).where(t.c.run_id == run_id)
@@ -545,11 +545,11 @@ def test_cancel_without_returning(tmp_path, monkeypatch):
 
     led = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     try:
-        monkeypatch.setattr(led.engine.dialect, "insert_returning", False)
+        monkeypatch.setattr(led.db.engine.dialect, "insert_returning", False)
         store = SweepRecords(led)
         assert store.cancel(RUN, now=1000.0) is True and store.cancel(RUN) is False
         _open(store, OTHER, now=1000.0)
         assert store.cancel(OTHER, now=2000.0) is True and store.cancel(OTHER) is False
         assert store.cancelled(RUN) and store.sweep(OTHER)["cancelled_at"] == 2000.0
     finally:
-        led.dispose()
+        led.db.dispose()

@@ -61,7 +61,7 @@ def test_the_defaults_are_the_clocks() -> None:
     assert _default(gate.Gate, "heartbeat_s") == HEARTBEAT_S
     assert _default(gate.Gate, "recheck_s") == RECHECK_S
     for function in (
-        ledger.Ledger.orphans,
+        ledger.Views.orphans,
         reconcile.reconcile,
         audit.audit,
         audit.orphans_left,

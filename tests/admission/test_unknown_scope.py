@@ -34,8 +34,10 @@ def _job(**kw) -> GpuJob:
 @pytest.fixture
 def acme(ledger, prices):
     """An org with one team, `acme/vision`; a gate over it."""
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100_000, period_budget_micro=10**9))
-    ledger.set_budget(BudgetRule("acme/vision", hourly_cap_cents=10_000))
+    ledger.config.set_budget(
+        BudgetRule("acme", hourly_cap_cents=100_000, period_budget_micro=10**9)
+    )
+    ledger.config.set_budget(BudgetRule("acme/vision", hourly_cap_cents=10_000))
     return Gate(ledger, catalog=Catalog.load(prices), poll_s=0.02)
 
 
@@ -43,19 +45,19 @@ def _run(gate: Gate, scope: str) -> dict:
     admission = gate.admit(_job(), scope)
     gate.started(admission, time.time())
     gate.settle(admission, ended_at=time.time(), outcome="completed")
-    return gate.ledger.job(admission.job_id)
+    return gate.ledger.views.job(admission.job_id)
 
 
 def test_a_typo_in_the_team_is_refused_with_did_you_mean_and_nothing_recorded(ledger, acme):
-    before = (ledger.jobs(), ledger.status(), ledger.budgets())
+    before = (ledger.views.jobs(), ledger.views.status(), ledger.config.budgets())
     for _ in range(2):  # a refusal leaves nothing that would let the next one in
         with pytest.raises(AdmissionRefused) as refused:
             acme.admit(_job(), "acme/visoin/agent-8")
         assert refused.value.state_name == "UnknownScope"
         assert refused.value.reason == TYPO and "\n" not in refused.value.reason
         assert str(refused.value) == f"UnknownScope: {TYPO}"
-    assert (ledger.jobs(), ledger.status(), ledger.budgets()) == before
-    assert ledger.unknown_scope("acme/visoin/agent-8") == TYPO
+    assert (ledger.views.jobs(), ledger.views.status(), ledger.config.budgets()) == before
+    assert ledger.views.unknown_scope("acme/visoin/agent-8") == TYPO
 
 
 def test_a_typo_in_the_org_and_a_team_nobody_named(ledger, acme):
@@ -71,51 +73,55 @@ def test_a_typo_in_the_org_and_a_team_nobody_named(ledger, acme):
     )
     with pytest.raises(AdmissionRefused, match="^UnknownScope: org newco of scope newco/t "):
         acme.admit(_job(), "newco/t")  # an org nobody created, above a new last level
-    assert ledger.jobs() == []
+    assert ledger.views.jobs() == []
 
 
 def test_the_last_level_stays_automatic(ledger, acme):
     # a new session under a known team: no budget of its own, the team's and org's bind
     row = _run(acme, "acme/vision/agent-8")
     assert row["state"] == "settled" and row["outcome"] == "completed"
-    assert "acme/vision/agent-8" not in {r.scope for r in ledger.budgets()}
+    assert "acme/vision/agent-8" not in {r.scope for r in ledger.config.budgets()}
     # the org itself
     assert _run(acme, "acme")["state"] == "settled"
     # a session under a team known by its session template gets the template
-    ledger.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+    ledger.config.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
     assert _run(acme, "acme/agents/agent-1")["state"] == "settled"
-    assert {r.scope: r.hourly_cap_cents for r in ledger.budgets()}["acme/agents/agent-1"] == 360
+    assert {r.scope: r.hourly_cap_cents for r in ledger.config.budgets()}[
+        "acme/agents/agent-1"
+    ] == 360
 
 
 def test_every_way_a_team_comes_to_exist(ledger, acme):
     from prefect_gpu_budget.models import AgentLimits
 
-    assert ledger.unknown_scope("acme/lab/s") is not None
+    assert ledger.views.unknown_scope("acme/lab/s") is not None
     pool = Pool("acme", "lab-a", 1, (8, 64, 256), ("local:box8",), "H100")
-    ledger.set_pool(pool, [TeamQuota("lab-a", "acme/lab", proportional(pool, 8))])
-    assert ledger.unknown_scope("acme/lab/s") is None  # a share in a pool
+    ledger.config.set_pool(pool, [TeamQuota("lab-a", "acme/lab", proportional(pool, 8))])
+    assert ledger.views.unknown_scope("acme/lab/s") is None  # a share in a pool
 
-    assert ledger.unknown_scope("acme/bots/s") is not None
-    ledger.set_agent_limits("acme/bots", AgentLimits(team="acme/bots", max_sweeps=1).stored())
-    assert ledger.unknown_scope("acme/bots/s") is None  # the limits on its agents
+    assert ledger.views.unknown_scope("acme/bots/s") is not None
+    ledger.grants.set_agent_limits(
+        "acme/bots", AgentLimits(team="acme/bots", max_sweeps=1).stored()
+    )
+    assert ledger.views.unknown_scope("acme/bots/s") is None  # the limits on its agents
 
-    assert ledger.unknown_scope("acme/nlp/s") is not None
-    ledger.set_budget(BudgetRule("acme/nlp/s"))  # a budget under it names it too
-    assert ledger.unknown_scope("acme/nlp/other") is None
-    assert ledger.unknown_scope("acme/nlpp/s").endswith("did you mean acme/nlp?")
+    assert ledger.views.unknown_scope("acme/nlp/s") is not None
+    ledger.config.set_budget(BudgetRule("acme/nlp/s"))  # a budget under it names it too
+    assert ledger.views.unknown_scope("acme/nlp/other") is None
+    assert ledger.views.unknown_scope("acme/nlpp/s").endswith("did you mean acme/nlp?")
 
     # a job never makes a team: rows of a job recorded without the check let nothing in
-    ledger.request(new_job("acme/legacy/s1"))
-    ledger.request(new_job("acme/legacy"))
+    ledger.queue.request(new_job("acme/legacy/s1"))
+    ledger.queue.request(new_job("acme/legacy"))
     for scope in ("acme/legacy/s2", "acme/legacy"):
-        assert ledger.unknown_scope(scope).startswith(f"team acme/legacy of scope {scope} ")
+        assert ledger.views.unknown_scope(scope).startswith(f"team acme/legacy of scope {scope} ")
 
 
 def test_a_team_that_is_the_last_level_must_exist_where_the_org_has_teams(ledger, acme):
     """Budgets on `acme` and `acme/vision`: a job in `acme/visoin` is refused as one in
     `acme/visoin/agent-8` is, nothing reserved; one refused leaves nothing that lets the
     deeper scope in. An org that has no team keeps its two-level scopes as sessions."""
-    before = (ledger.jobs(), ledger.status())
+    before = (ledger.views.jobs(), ledger.views.status())
     for team, scope in (
         ("acme/visoin", "acme/visoin"),
         ("acme/visoin", "acme/visoin/agent-8"),
@@ -125,18 +131,18 @@ def test_a_team_that_is_the_last_level_must_exist_where_the_org_has_teams(ledger
             acme.admit(_job(), scope)
         assert refused.value.state_name == "UnknownScope"
         assert refused.value.reason.startswith(f"team {team} of scope {scope} does not exist")
-    assert (ledger.jobs(), ledger.status()) == before
+    assert (ledger.views.jobs(), ledger.views.status()) == before
     assert _run(acme, "acme/vision")["state"] == "settled"  # the team itself
-    ledger.set_budget(BudgetRule("solo", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("solo", hourly_cap_cents=10_000, period_budget_micro=10**9))
     assert _run(acme, "solo/agent-8")["state"] == "settled"  # no team in solo: a session
-    assert ledger.unknown_scope("solo/agent-9") is None
-    assert ledger.unknown_scope("solo/agent-8/x") is None  # its accepted job's rows name it
-    assert ledger.unknown_scope("solo/agent-7/x") is not None  # deeper: a team it needs
+    assert ledger.views.unknown_scope("solo/agent-9") is None
+    assert ledger.views.unknown_scope("solo/agent-8/x") is None  # its accepted job's rows name it
+    assert ledger.views.unknown_scope("solo/agent-7/x") is not None  # deeper: a team it needs
     pool = Pool("solo", "lab", 1, (8, 64, 256), ("local:box8",), "H100")
-    ledger.set_pool(pool, [TeamQuota("lab", "solo/ml", proportional(pool, 8))])
+    ledger.config.set_pool(pool, [TeamQuota("lab", "solo/ml", proportional(pool, 8))])
     for scope in ("solo/agent-9", "solo/agent-8", "solo/agent-8/x"):  # solo now has a team
         team = "/".join(scope.split("/")[:2])
-        assert ledger.unknown_scope(scope).startswith(f"team {team} of scope {scope} ")
+        assert ledger.views.unknown_scope(scope).startswith(f"team {team} of scope {scope} ")
 
 
 def test_run_gpu_job_and_gpu_task_end_in_the_named_state(prefect_api, prices, tmp_path):
@@ -168,4 +174,4 @@ def test_run_gpu_job_and_gpu_task_end_in_the_named_state(prefect_api, prices, tm
     for state in (by_job, by_task):
         assert state.name == "UnknownScope" and state.message == TYPO, state
     assert fine.outcome == "completed"
-    assert {r["scope"] for r in ledger.jobs()} == {"acme/vision/agent-8"}  # nothing else
+    assert {r["scope"] for r in ledger.views.jobs()} == {"acme/vision/agent-8"}  # nothing else

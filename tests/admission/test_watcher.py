@@ -36,27 +36,27 @@ def _until(check, timeout: float, what: str) -> None:
 def _counting(ledger: Ledger) -> list[str]:
     """Count the decisions waiters make for themselves (each one a transaction)."""
     calls: list[str] = []
-    try_admit = ledger.try_admit
+    try_admit = ledger.queue.try_admit
 
     def counted(job_id, scope, now=None):
         calls.append(job_id)
         return try_admit(job_id, scope, now)
 
-    ledger.try_admit = counted  # type: ignore[method-assign]
+    ledger.queue.try_admit = counted  # type: ignore[method-assign]
     return calls
 
 
 def _handed_admissions(ledger: Ledger) -> list[str]:
     """Count the admissions a watcher reads for the jobs it wakes (one read for them all)."""
     handed: list[str] = []
-    decided = ledger.decided
+    decided = ledger.queue.decided
 
     def counted(job_ids):
         out = decided(job_ids)
         handed.extend(i for i, (d, _) in out.items() if d.verdict == "admit")
         return out
 
-    ledger.decided = counted  # type: ignore[method-assign]
+    ledger.queue.decided = counted  # type: ignore[method-assign]
     return handed
 
 
@@ -87,13 +87,13 @@ def test_a_freed_slot_wakes_the_job_it_admitted_not_every_waiter(ledger, prices)
     """Before, every change of the org woke every waiter into a decision: n jobs through a
     one-job cap cost about n^2 / 2 decisions. Now a waiter decides when woken for its own
     row: when it is admitted, or when what holds it changes (it became the queue's head)."""
-    ledger.set_budget(BudgetRule("wake", hourly_cap_cents=360))
+    ledger.config.set_budget(BudgetRule("wake", hourly_cap_cents=360))
     gate = Gate(ledger, catalog=Catalog.load(prices))
     calls, handed = _counting(ledger), _handed_admissions(ledger)
     n = 16
     order = _queue_up(gate, ledger, "wake/t", n, hold_s=0.05)
     assert len(order) == len(set(order)) == n
-    rows = ledger.jobs("wake")
+    rows = ledger.views.jobs("wake")
     assert len(rows) == n and {r["state"] for r in rows} == {"settled"}
     assert len(calls) <= 4 * n, (len(calls), n)  # polling waiters made ~n^2/2 = 128 and more
     # an admission made by another's transaction is read for its job by the watcher, most
@@ -125,7 +125,7 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
     ledger = Ledger(url)
     holder = Ledger(url)
     try:
-        ledger.set_budget(BudgetRule("conn", hourly_cap_cents=360))
+        ledger.config.set_budget(BudgetRule("conn", hourly_cap_cents=360))
         gate = Gate(ledger, catalog=Catalog.load(prices))
         # another process: no heartbeat and no stop poll of its running job in the window
         holding = Gate(holder, catalog=Catalog.load(prices), heartbeat_s=3600, preempt_poll_s=3600)
@@ -133,7 +133,7 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
         # its watcher (it listened in case the job had to wait) lingers, then closes its own;
         # then the holder's pooled connections close (settling reopens one)
         _until(lambda: watcher_for(holder)._thread is None, 30, "the holder's watcher to end")
-        holder.dispose()
+        holder.db.dispose()
         waiters = [
             threading.Thread(
                 target=lambda: gate.settle(
@@ -164,38 +164,38 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
         for thread in waiters:
             thread.join(timeout=120)
         assert 1 <= peak <= 2, peak  # the watcher's LISTEN and the pool's one
-        assert {r["state"] for r in ledger.jobs("conn")} == {"settled"}
+        assert {r["state"] for r in ledger.views.jobs("conn")} == {"settled"}
     finally:
-        holder.dispose()
-        ledger.dispose()
+        holder.db.dispose()
+        ledger.db.dispose()
 
 
 def test_a_lost_notice_is_caught_by_the_recheck(prices, monkeypatch):
     """PostgreSQL: a notice that never arrives (a dropped LISTEN connection) delays a waiter
     by one recheck at most; the recheck's own decision admits it."""
-    monkeypatch.setattr(ledger_engine, "notice_payloads", lambda org, ids: [])  # `_bump` calls it
+    monkeypatch.setattr(ledger_engine, "notice_payloads", lambda org, ids: [])  # `Db.bump` calls it
     ledger = Ledger(_fresh_pg())
     try:
-        ledger.set_budget(BudgetRule("lost", hourly_cap_cents=360))
+        ledger.config.set_budget(BudgetRule("lost", hourly_cap_cents=360))
         gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=0.5)
         order = _queue_up(gate, ledger, "lost/t", 3, hold_s=0.05)
         assert len(order) == 3
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def test_a_waiting_jobs_row_is_stamped_while_it_only_waits(ledger, prices):
     """It keeps its place (`STALE_WAITER_S`) without deciding: its watcher stamps it."""
-    ledger.set_budget(BudgetRule("stamp", hourly_cap_cents=360))
+    ledger.config.set_budget(BudgetRule("stamp", hourly_cap_cents=360))
     gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=0.3)
     held = gate.admit(JOB, "stamp/t")
     got: list = []
     waiter = threading.Thread(target=lambda: got.append(gate.admit(JOB, "stamp/t")))
     waiter.start()
-    _until(lambda: ledger.jobs("stamp", states=("queued",)), 30, "the queued job")
-    (first,) = ledger.jobs("stamp", states=("queued",))
+    _until(lambda: ledger.views.jobs("stamp", states=("queued",)), 30, "the queued job")
+    (first,) = ledger.views.jobs("stamp", states=("queued",))
     _until(
-        lambda: ledger.job(first["id"])["heartbeat_at"] > first["heartbeat_at"] + 0.5,
+        lambda: ledger.views.job(first["id"])["heartbeat_at"] > first["heartbeat_at"] + 0.5,
         30,
         "a stamp",
     )
@@ -207,7 +207,7 @@ def test_a_waiting_jobs_row_is_stamped_while_it_only_waits(ledger, prices):
 @pytest.mark.parametrize("depth", [40])
 def test_a_deep_queue_keeps_its_order_and_admits_everyone(ledger, prices, depth):
     """Priority then arrival, through queue-wide decisions made by other jobs' settlements."""
-    ledger.set_budget(BudgetRule("deep", hourly_cap_cents=360))
+    ledger.config.set_budget(BudgetRule("deep", hourly_cap_cents=360))
     gate = Gate(ledger, catalog=Catalog.load(prices))
     held = gate.admit(JOB, "deep/t")
     admitted: list[int] = []
@@ -222,7 +222,7 @@ def test_a_deep_queue_keeps_its_order_and_admits_everyone(ledger, prices, depth)
     for i in range(depth):
         threads.append(threading.Thread(target=one, args=(i % 4,)))
         threads[-1].start()
-    _until(lambda: len(ledger.jobs("deep", states=("queued",))) == depth, 60, "the queue")
+    _until(lambda: len(ledger.views.jobs("deep", states=("queued",))) == depth, 60, "the queue")
     gate.settle(held, ended_at=time.time(), outcome="completed")
     for thread in threads:
         thread.join(timeout=120)
@@ -242,4 +242,4 @@ def test_a_ledger_the_watcher_cannot_reach_is_told_to_its_waiters_as_an_outage()
         assert "does not exist" in told[0] and "\n" not in told[0]
     finally:
         watcher_for(ledger).unregister(ticket)
-        ledger.dispose()
+        ledger.db.dispose()

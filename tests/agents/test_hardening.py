@@ -51,9 +51,9 @@ def _bearer(token: str, **headers: str) -> dict[str, str]:
 @pytest.fixture
 def ledger(tmp_path: Path) -> Iterator[Ledger]:
     led = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    led.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+    led.config.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
     yield led
-    led.dispose()
+    led.db.dispose()
 
 
 @contextmanager
@@ -77,7 +77,7 @@ def _gateway(ledger: Ledger, *peers: str, trusted: str | None = "") -> Iterator[
 
 
 def test_a_bad_token_storm_locks_out_its_client_not_the_other_agents_behind_its_address(ledger):
-    token = ledger.grant_agent(SESSION)
+    token = ledger.grants.grant_agent(SESSION)
     stale = _stale()
     with _gateway(ledger, "192.0.2.10") as (nat,):
         codes = [nat.get("/v1/status", headers=_bearer(stale)).status_code for _ in range(15)]
@@ -102,7 +102,7 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger):
     tokens get 429, while an agent with a valid token behind the same address is served."""
     from prefect_gpu_budget.agents.door import AUTH_FAILURES_PER_ADDRESS
 
-    token, other = ledger.grant_agent(SESSION), ledger.grant_agent(OTHER)
+    token, other = ledger.grants.grant_agent(SESSION), ledger.grants.grant_agent(OTHER)
     most = AUTH_FAILURES_PER_ADDRESS[0]
     with _gateway(ledger, "192.0.2.20", "192.0.2.21") as (enumerator, neighbour):
         codes = {enumerator.get("/v1/status", headers=_bearer(_stale())).status_code}
@@ -146,7 +146,7 @@ def test_the_window_sweeps_keys_seen_once_and_says_when_it_has_room():
 
 
 def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(ledger):
-    token, stale = ledger.grant_agent(SESSION), _stale()
+    token, stale = ledger.grants.grant_agent(SESSION), _stale()
     with _gateway(ledger, "192.0.2.30") as (client,):
         for n in range(10):  # each claims another origin: the peer is what counts
             spoofed = _bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
@@ -308,7 +308,7 @@ def open_folder() -> Iterator[Path]:
 
 def _sqlite(path: Path, mode: int) -> str:
     led = Ledger(f"sqlite:///{path}")
-    led.dispose()
+    led.db.dispose()
     for leftover in (Path(f"{path}-wal"), Path(f"{path}-shm")):
         leftover.unlink(missing_ok=True)
     path.chmod(mode)
@@ -414,7 +414,7 @@ def _get(base: str, path: str, headers: dict[str, str]) -> int:
 def test_agents_serve_honours_its_ledger_url_and_uvicorn_believes_no_forwarded_header(
     tmp_path, private_home, ledger
 ):
-    token, stale = ledger.grant_agent(SESSION), _stale()
+    token, stale = ledger.grants.grant_agent(SESSION), _stale()
     port, base = _free_port(), ""
     server = subprocess.Popen(
         [sys.executable, "-m", "prefect_gpu_budget.cli", "agents", "serve", "--port", str(port)]

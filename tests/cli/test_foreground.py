@@ -55,7 +55,9 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
     try:
         try:
             wait_for(
-                lambda: sorted(j["state"] for j in ledger.jobs(scope)) == ["queued", "running"],
+                lambda: (
+                    sorted(j["state"] for j in ledger.views.jobs(scope)) == ["queued", "running"]
+                ),
                 300,
                 "one running and one queued trial",
             )
@@ -76,7 +78,7 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
     [said] = [line for line in err.splitlines() if line.startswith("sweep ctrlc stopped:")]
     assert "1 running trial stopped, 1 queued cancelled" in said, said
 
-    jobs = ledger.jobs(scope)
+    jobs = ledger.views.jobs(scope)
     assert len(jobs) == 2, "a trial was asked for after Ctrl-C"
     assert all(j["state"] in FINAL for j in jobs), [(j["state"], j["reason"]) for j in jobs] + [
         err[-4000:]
@@ -101,7 +103,7 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
         (t.name, t.state.name) for t in trials
     ]
     assert any(t.state.type.value == "CANCELLED" for t in trials)
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def _stopped_line(err: str, what: str) -> tuple[int, int]:
@@ -155,8 +157,8 @@ def test_ctrl_c_stops_the_demo_and_settles_what_ran(tmp_path):
         ledger = Ledger(f"sqlite:///{out / 'ledger.db'}")
         _wait_or_show(
             lambda: (
-                [j["state"] for j in ledger.jobs()].count("running") == 2
-                and "queued" in [j["state"] for j in ledger.jobs()]
+                [j["state"] for j in ledger.views.jobs()].count("running") == 2
+                and "queued" in [j["state"] for j in ledger.views.jobs()]
             ),
             "two running trials and one waiting",
             demo,
@@ -176,10 +178,10 @@ def test_ctrl_c_stops_the_demo_and_settles_what_ran(tmp_path):
     assert "Traceback" not in said and "can't register atexit" not in said, said[-3000:]
     stopped, cancelled = _stopped_line(said, "sweep demo")
     assert stopped >= 1 and cancelled >= 1, said[-1000:]
-    jobs = ledger.jobs()
+    jobs = ledger.views.jobs()
     assert len(jobs) == 4
     _assert_settled_for_what_ran(jobs, interrupted, 1.0)
-    ledger.dispose()
+    ledger.db.dispose()
 
     prefect_db = sqlite3.connect(tmp_path / "home" / "prefect.db")
     [(run_state,)] = prefect_db.execute("SELECT state_type FROM flow_run").fetchall()
@@ -238,7 +240,7 @@ def test_ctrl_c_stops_a_served_sweep_then_the_runner(prefect_api, prices, tmp_pa
             deployment = client.read_deployment_by_name("gpu-sweep/sweep")
             run = client.create_flow_run_from_deployment(deployment.id)
         _wait_or_show(
-            lambda: sorted(j["state"] for j in ledger.jobs(scope)) == ["queued", "running"],
+            lambda: sorted(j["state"] for j in ledger.views.jobs(scope)) == ["queued", "running"],
             "one running and one queued trial",
             serve,
             log,
@@ -255,11 +257,11 @@ def test_ctrl_c_stops_a_served_sweep_then_the_runner(prefect_api, prices, tmp_pa
     assert serve.returncode == 130, said[-3000:]
     assert took < GRACE_S + 30, f"Ctrl-C took {took:.1f}s to come back"
     assert _stopped_line(said, "serve") == (1, 1), said[-3000:]
-    jobs = ledger.jobs(scope)
+    jobs = ledger.views.jobs(scope)
     assert len(jobs) == 2, "a trial was asked for after Ctrl-C"
     _assert_settled_for_what_ran(jobs, interrupted, GRACE_S)
     assert {j["flow_run_id"] for j in jobs} == {str(run.id)}
-    ledger.dispose()
+    ledger.db.dispose()
 
     with get_client(sync_client=True) as client:
         ended = client.read_flow_run(run.id)
@@ -304,14 +306,14 @@ def test_a_second_ctrl_c_leaves_at_once_and_reconcile_settles_the_rest(
     )
     try:
         _wait_or_show(
-            lambda: [j["state"] for j in ledger.jobs(scope)] == ["running"],
+            lambda: [j["state"] for j in ledger.views.jobs(scope)] == ["running"],
             "the trial running",
             sweep,
             log,
         )
         sweep.send_signal(signal.SIGINT)
         _wait_or_show(
-            lambda: ledger.jobs(scope)[0]["stop_asked_at"] is not None, "the stop", sweep, log
+            lambda: ledger.views.jobs(scope)[0]["stop_asked_at"] is not None, "the stop", sweep, log
         )
         assert sweep.poll() is None, "the first Ctrl-C did not wait for the kill grace"
         again = time.time()
@@ -329,9 +331,9 @@ def test_a_second_ctrl_c_leaves_at_once_and_reconcile_settles_the_rest(
 
     def settled() -> bool:
         subprocess.run([*cli, "reconcile"], env=env, check=True, capture_output=True)
-        return all(j["state"] in FINAL for j in ledger.jobs(scope))
+        return all(j["state"] in FINAL for j in ledger.views.jobs(scope))
 
     wait_for(settled, 120, "reconcile to settle the trial the command left")
-    [job] = ledger.jobs(scope)
+    [job] = ledger.views.jobs(scope)
     assert 0 < job["actual_micro"] < job["reserved_micro"], job
-    ledger.dispose()
+    ledger.db.dispose()

@@ -73,10 +73,10 @@ def served(tmp_path_factory):
         prices = set_local_price("box", "3.6", path=tmp / "prices.csv")
         ledger_url = f"sqlite:///{tmp / 'ledger.db'}"
         ledger = Ledger(ledger_url)
-        ledger.set_budget(
+        ledger.config.set_budget(
             BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=100_000_000)
         )
-        ledger.set_session_template(
+        ledger.config.set_session_template(
             BudgetRule(
                 "acme/agents", hourly_cap_cents=720, period_budget_micro=5_000_000, period="day"
             )
@@ -134,9 +134,9 @@ def test_agent_triggers_a_sweep_over_http(served):
         -3000:
     ]
     ledger = served["ledger"]
-    [budget] = [b for b in ledger.budgets() if b.scope == SESSION]
+    [budget] = [b for b in ledger.config.budgets() if b.scope == SESSION]
     assert budget.period_budget_micro == 5_000_000 and budget.hourly_cap_cents == 720
-    rows = ledger.jobs(SESSION)
+    rows = ledger.views.jobs(SESSION)
     assert len(rows) == 3 and all(r["state"] == "settled" for r in rows)
     assert all(r["flow_run_id"] == served["run"]["id"] for r in rows)
     assert sum(r["actual_micro"] for r in rows) > 0

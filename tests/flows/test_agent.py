@@ -27,39 +27,39 @@ LIMITS = AgentLimits(team="acme/vision")
 @pytest.fixture
 def bounded(ledger):
     """A ledger whose team acme/vision gives each session a small template budget."""
-    ledger.set_session_template(BudgetRule("acme/vision", hourly_cap_cents=720))
+    ledger.config.set_session_template(BudgetRule("acme/vision", hourly_cap_cents=720))
     return ledger
 
 
 def test_a_token_names_one_session_and_only_its_hash_is_kept(bounded):
-    token = bounded.grant_agent(SESSION)
-    scope, grant = bounded.agent_grant(token)
+    token = bounded.grants.grant_agent(SESSION)
+    scope, grant = bounded.grants.agent_grant(token)
     assert scope == SESSION and grant == hashlib.sha256(token.encode()).hexdigest()
-    assert bounded.grant_scope(grant) == SESSION
-    with bounded.engine.connect() as conn:
+    assert bounded.grants.grant_scope(grant) == SESSION
+    with bounded.db.engine.connect() as conn:
         stored = [tuple(r) for r in conn.execute(agent_grants.select())]
     assert stored and token not in repr(stored)
     for bad in ("", "gpub_forged", token + "x", "' OR 1=1 --"):
         with pytest.raises(BudgetInputError, match="unknown or revoked"):
-            bounded.agent_scope(bad)
-    assert bounded.revoke_agent(SESSION) == (1, 0)
+            bounded.grants.agent_scope(bad)
+    assert bounded.grants.revoke_agent(SESSION) == (1, 0)
     with pytest.raises(BudgetInputError, match="unknown or revoked"):
-        bounded.agent_scope(token)
-    assert bounded.grant_scope(grant) is None
+        bounded.grants.agent_scope(token)
+    assert bounded.grants.grant_scope(grant) is None
 
 
 @pytest.mark.parametrize("scope", ["acme", "acme/vision", "acme/../x/y", "Acme/v/a"])
 def test_tokens_are_granted_for_sessions_only(bounded, scope):
     with pytest.raises(BudgetInputError, match="scope"):
-        bounded.grant_agent(scope)
+        bounded.grants.grant_agent(scope)
 
 
 def test_no_token_for_a_session_bounded_only_by_its_org(ledger):
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100_000))
+    ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=100_000))
     with pytest.raises(BudgetInputError, match="no budget and acme/nlp no session template"):
-        ledger.grant_agent("acme/nlp/agent-1")
-    ledger.set_budget(BudgetRule("acme/nlp/agent-1", hourly_cap_cents=360))
-    assert ledger.grant_agent("acme/nlp/agent-1").startswith("gpub_")
+        ledger.grants.grant_agent("acme/nlp/agent-1")
+    ledger.config.set_budget(BudgetRule("acme/nlp/agent-1", hourly_cap_cents=360))
+    assert ledger.grants.grant_agent("acme/nlp/agent-1").startswith("gpub_")
 
 
 def test_an_agent_spec_stays_in_its_session():
@@ -132,35 +132,42 @@ def test_an_admin_widens_what_agents_may_ask_for():
 
 def test_limits_are_kept_per_team_in_the_ledger(ledger):
     assert limits_for(ledger, SESSION) == LIMITS  # the defaults until an admin sets some
-    ledger.set_agent_limits("acme/vision", AgentLimits(team="acme/vision", max_sweeps=5).stored())
+    ledger.grants.set_agent_limits(
+        "acme/vision", AgentLimits(team="acme/vision", max_sweeps=5).stored()
+    )
     assert limits_for(ledger, SESSION).max_sweeps == 5
     assert limits_for(ledger, "acme/nlp/agent-1").max_sweeps == 2
     with pytest.raises(BudgetInputError, match="team"):
-        ledger.set_agent_limits("acme", {})
+        ledger.grants.set_agent_limits("acme", {})
 
 
 def test_a_grant_is_checked_at_every_admission(bounded):
-    token = bounded.grant_agent(SESSION)
-    _, grant = bounded.agent_grant(token)
-    _, admitted = bounded.request(new_job(SESSION, grant=grant))
-    queued, waiting = bounded.request(
+    token = bounded.grants.grant_agent(SESSION)
+    _, grant = bounded.grants.agent_grant(token)
+    _, admitted = bounded.queue.request(new_job(SESSION, grant=grant))
+    queued, waiting = bounded.queue.request(
         new_job(SESSION, grant=grant, rate_micro_per_hour=7_200_000, rate_cents=720)
     )
     assert admitted.verdict == "admit" and waiting.verdict == "wait"
-    assert bounded.revoke_agent(SESSION) == (1, 1)
-    assert bounded.job(queued)["state"] == "cancelled"
-    late, refused = bounded.request(new_job(SESSION, grant=grant))
+    assert bounded.grants.revoke_agent(SESSION) == (1, 1)
+    assert bounded.views.job(queued)["state"] == "cancelled"
+    late, refused = bounded.queue.request(new_job(SESSION, grant=grant))
     assert refused.verdict == "reject" and "revoked" in refused.reason
-    assert bounded.job(late)["state"] == "rejected" and bounded.job(late)["reserved_micro"] == 0
-    _, forged = bounded.request(new_job("acme/vision/agent-8", grant=grant))
+    assert (
+        bounded.views.job(late)["state"] == "rejected"
+        and bounded.views.job(late)["reserved_micro"] == 0
+    )
+    _, forged = bounded.queue.request(new_job("acme/vision/agent-8", grant=grant))
     assert forged.verdict == "reject", "a grant spends in its own session only"
 
 
 def test_a_session_queues_at_most_its_agents_limit(bounded):
-    bounded.set_agent_limits("acme/vision", AgentLimits(team="acme/vision", max_queued=2).stored())
-    _, grant = bounded.agent_grant(bounded.grant_agent(SESSION))
+    bounded.grants.set_agent_limits(
+        "acme/vision", AgentLimits(team="acme/vision", max_queued=2).stored()
+    )
+    _, grant = bounded.grants.agent_grant(bounded.grants.grant_agent(SESSION))
     verdicts = [
-        bounded.request(
+        bounded.queue.request(
             new_job(SESSION, grant=grant, rate_micro_per_hour=7_200_000, rate_cents=720)
         )[1]
         for _ in range(4)
@@ -170,16 +177,16 @@ def test_a_session_queues_at_most_its_agents_limit(bounded):
 
 
 def test_an_agent_cancels_its_own_queued_jobs_and_no_one_elses(ledger):
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=360))
-    ledger.request(new_job(SESSION))  # takes the whole cap
-    mine, _ = ledger.request(new_job(SESSION))
-    theirs, _ = ledger.request(new_job("acme/vision/agent-8"))
+    ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=360))
+    ledger.queue.request(new_job(SESSION))  # takes the whole cap
+    mine, _ = ledger.queue.request(new_job(SESSION))
+    theirs, _ = ledger.queue.request(new_job("acme/vision/agent-8"))
     for job_id in (theirs, "not-a-job"):
         with pytest.raises(LookupError, match="no job"):
             stop_own_job(ledger, job_id, SESSION)
-    assert ledger.job(theirs)["state"] == "queued"
+    assert ledger.views.job(theirs)["state"] == "queued"
     stop_own_job(ledger, mine, SESSION)
-    assert ledger.job(mine)["state"] == "cancelled"
+    assert ledger.views.job(mine)["state"] == "cancelled"
     with pytest.raises(BudgetInputError, match="it has ended"):
         stop_own_job(ledger, mine, SESSION)
 

@@ -58,7 +58,7 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     for plot in ("spend.png", "metric_vs_params.png", "learning_curves.png"):
         assert (run_dir / plot).stat().st_size > 1000
     ledger = Ledger(f"sqlite:///{out / 'ledger.db'}")
-    charged = sum(r["actual_micro"] or 0 for r in ledger.jobs())
+    charged = sum(r["actual_micro"] or 0 for r in ledger.views.jobs())
     assert charged == round(trials["cost_usd"].fillna(0).sum() * 1_000_000)
 
 

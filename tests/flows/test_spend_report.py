@@ -21,7 +21,7 @@ from tests.jobs import new_job
 
 def _queued_job(ledger, scope: str, rate_micro: int) -> str:
     """A job that asks for admission once and stays queued, with the reason it waits."""
-    job_id, decision = ledger.request(
+    job_id, decision = ledger.queue.request(
         new_job(
             scope,
             name="waiter",
@@ -30,7 +30,7 @@ def _queued_job(ledger, scope: str, rate_micro: int) -> str:
         )
     )
     assert decision.verdict == "wait"
-    assert ledger.try_admit(job_id, scope).verdict == "wait"
+    assert ledger.queue.try_admit(job_id, scope).verdict == "wait"
     return job_id
 
 
@@ -38,10 +38,10 @@ def _queued_job(ledger, scope: str, rate_micro: int) -> str:
 def test_spend_report_publishes_tables_summary_and_plots(
     prefect_api, ledger, ledger_url, prices, tmp_path
 ):
-    ledger.set_budget(
+    ledger.config.set_budget(
         BudgetRule("rep", hourly_cap_cents=1000, period_budget_micro=5_000_000, period="day")
     )
-    ledger.set_budget(BudgetRule("rep/team"))  # the team the jobs' scopes name
+    ledger.config.set_budget(BudgetRule("rep/team"))  # the team the jobs' scopes name
     gate = Gate(ledger, catalog=Catalog.load(prices))
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     done = gate.admit(job, "rep/team/s1")
@@ -53,7 +53,7 @@ def test_spend_report_publishes_tables_summary_and_plots(
         for admission in running:
             gate.started(admission, time.time() - 5)
         waiter = _queued_job(ledger, "rep/team/s4", done.quote.rate_micro_per_hour)
-        reason = ledger.job(waiter)["reason"]
+        reason = ledger.views.job(waiter)["reason"]
         assert reason
 
         out = tmp_path / "reports"
@@ -70,7 +70,7 @@ def test_spend_report_publishes_tables_summary_and_plots(
         for admission in running:
             gate.settle(admission, ended_at=time.time(), outcome="completed")
 
-    settled = [r for r in ledger.jobs() if r["state"] == "settled" and r["id"] == done.job_id]
+    settled = [r for r in ledger.views.jobs() if r["state"] == "settled" and r["id"] == done.job_id]
     charged = sum(r["actual_micro"] for r in settled)
     assert charged > 0
     row = df.set_index("scope").loc["rep"]
@@ -120,9 +120,9 @@ def test_spend_report_shows_team_quotas_and_the_capacity_queue(prefect_api, tmp_
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
-    ledger.set_budget(BudgetRule("cap", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("cap", period_budget_micro=10**9))
     pool = Pool("cap", "lab-a", 2, (8, 192, 2048), ("local:box",), "H100")
-    ledger.set_pool(
+    ledger.config.set_pool(
         pool,
         [
             TeamQuota("lab-a", "cap/a", proportional(pool, 8), borrow_pct=100),
@@ -130,9 +130,9 @@ def test_spend_report_shows_team_quotas_and_the_capacity_queue(prefect_api, tmp_
         ],
     )
     job = new_job("cap/a/s", rate_micro_per_hour=1_000_000, rate_cents=100, node_gpus=8)
-    ledger.request(job)
-    ledger.request(job)  # borrowed from b
-    waiter, decision = ledger.request(job)
+    ledger.queue.request(job)
+    ledger.queue.request(job)  # borrowed from b
+    waiter, decision = ledger.queue.request(job)
     assert decision.verdict == "wait"
 
     state = spend_report(

@@ -55,7 +55,7 @@ def test_sweep_end_to_end(prefect_api, prices, tmp_path):
     assert all("exit code 3" in reason for reason in failed["reason"])
     assert done.set_index(["lr", "width"])["loss"].to_dict()[(0.5, 8)] == pytest.approx(0.5 * 8 / 3)
     # the ledger charged exactly what the trials report
-    charged = sum(r["actual_micro"] for r in ledger.jobs("lab"))
+    charged = sum(r["actual_micro"] for r in ledger.views.jobs("lab"))
     assert charged == round(df["cost_usd"].sum() * 1_000_000)
     run_dir = next((tmp_path / "results").glob("unit-*"))
     for name in (

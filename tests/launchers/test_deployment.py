@@ -125,12 +125,14 @@ def gate(prices: Path) -> Iterator[Gate]:
     """A gate on a PostgreSQL ledger of this test's own."""
     with fresh_database(PG_URL) as url:
         ledger = Ledger(url)
-        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10_000_000))
-        ledger.set_budget(BudgetRule("acme/vision"))  # SCOPE's team exists; the org's bind
+        ledger.config.set_budget(
+            BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10_000_000)
+        )
+        ledger.config.set_budget(BudgetRule("acme/vision"))  # SCOPE's team exists; the org's bind
         try:
             yield Gate(ledger)
         finally:
-            ledger.dispose()
+            ledger.db.dispose()
 
 
 def _launcher(out: Path, seconds: float, forge: str = "", **kwargs: Any) -> DeploymentLauncher:
@@ -246,7 +248,7 @@ def test_max_runtime_cancels_the_flow_run_and_bills_only_what_ran(pool, gate, tm
     runner.start()
     try:
         # (d) reconcile's view of it while it runs: running, since its real start
-        [live] = wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a started job")
+        [live] = wait_for(lambda: gate.ledger.views.jobs(SCOPE, ("running",)), 90, "a started job")
         probe = launcher.probe(live["external_id"])
         assert probe.state == "running" and probe.started_at == live["started_at"]
     finally:
@@ -312,7 +314,7 @@ def test_a_final_state_forced_from_outside_is_billed_until_the_process_ends(
     with caplog.at_level("WARNING", logger="prefect_gpu_budget.launchers.deployment"):
         runner = _in_thread(gate, launcher, job, done)
         try:
-            [live] = wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a start")
+            [live] = wait_for(lambda: gate.ledger.views.jobs(SCOPE, ("running",)), 90, "a start")
             run_id = live["external_id"]
             wait_for(lambda: (out / f"{run_id}.json").exists(), 30, "the target's record")
             pid = _record(out, run_id)["pid"]
@@ -359,7 +361,7 @@ def test_a_job_that_forges_its_own_end_is_billed_until_it_really_stops(pool, gat
     done: list[tuple[LaunchResult | None, dict]] = []
     runner = _in_thread(gate, launcher, job, done)
     try:
-        [live] = wait_for(lambda: gate.ledger.jobs(SCOPE, ("running",)), 90, "a start")
+        [live] = wait_for(lambda: gate.ledger.views.jobs(SCOPE, ("running",)), 90, "a start")
         run_id = live["external_id"]
         wait_for(lambda: (out / f"{run_id}.forged").exists(), 60, "the job to forge its end")
         forged_at = float((out / f"{run_id}.forged").read_text())
@@ -416,7 +418,7 @@ def test_an_interrupted_run_cancels_the_flow_run_before_reraising(pool, gate, tm
     with pytest.raises(Interrupted):
         _run(gate, launcher, job, log)
     flow_run = _flow_run(ids[0])
-    [row] = gate.ledger.jobs(SCOPE)
+    [row] = gate.ledger.views.jobs(SCOPE)
     assert row["state"] == "settled" and row["outcome"] == "cancelled"
     if at == "created":
         # Cancelled at once, or (if a worker had taken it) Cancelling, which can never run
@@ -463,7 +465,7 @@ def test_preflight_refuses_a_wrong_deployment_in_one_line_and_writes_nothing(poo
             _run(gate, launcher, job)
         assert reason in str(info.value) and "\n" not in str(info.value)
         assert str(info.value).startswith("deployment launcher: ")
-    assert gate.ledger.jobs() == []
+    assert gate.ledger.views.jobs() == []
     with pytest.raises(ValidationError, match="flow-name/deployment-name"):
         DeploymentLauncher(deployment="sweep")
     # past preflight (deleted since, say): a launch error, nothing started

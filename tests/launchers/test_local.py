@@ -261,7 +261,9 @@ def test_a_ledger_stall_at_start_does_not_stretch_the_run(stall_url, prices):
 
     ledger = Ledger(normalise_url(stall_url))
     try:
-        ledger.set_budget(BudgetRule("stall", hourly_cap_cents=1000, period_budget_micro=10**7))
+        ledger.config.set_budget(
+            BudgetRule("stall", hourly_cap_cents=1000, period_budget_micro=10**7)
+        )
         gate = Gate(ledger, catalog=Catalog.load(prices))
         job, mark = _tree_job("sleep 60", max_runtime="3s", kill_grace="2s")
         admission = gate.admit(job, "stall/s")
@@ -282,7 +284,7 @@ def test_a_ledger_stall_at_start_does_not_stretch_the_run(stall_url, prices):
         assert 0 < row["actual_micro"] <= row["reserved_micro"], row
         assert _marked(mark) == []
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def test_a_short_stall_within_the_kill_grace_lets_the_job_run(prices, tmp_path):
@@ -291,7 +293,7 @@ def test_a_short_stall_within_the_kill_grace_lets_the_job_run(prices, tmp_path):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
     try:
-        ledger.set_budget(BudgetRule("short", hourly_cap_cents=1000))
+        ledger.config.set_budget(BudgetRule("short", hourly_cap_cents=1000))
         gate = Gate(ledger, catalog=Catalog.load(prices))
         job = GpuJob(
             instance_type="local:box",
@@ -310,7 +312,7 @@ def test_a_short_stall_within_the_kill_grace_lets_the_job_run(prices, tmp_path):
         assert result.outcome == "completed", result
         assert row["billed_seconds"] >= 2.5
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 def test_a_100_mb_line_of_output_does_not_grow_the_worker(prices):

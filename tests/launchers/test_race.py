@@ -61,8 +61,10 @@ def _agent(url: str, aws_url: str, index: int) -> None:
 @pytest.mark.timeout(600)
 def test_racing_agents_with_sagemaker_never_over_admit(ledger_url):
     ledger = Ledger(ledger_url)
-    ledger.set_budget(BudgetRule("lab", hourly_cap_cents=CAP_CENTS, period_budget_micro=10**9))
-    ledger.set_budget(BudgetRule("lab/race"))  # the agents' team; the org's cap binds
+    ledger.config.set_budget(
+        BudgetRule("lab", hourly_cap_cents=CAP_CENTS, period_budget_micro=10**9)
+    )
+    ledger.config.set_budget(BudgetRule("lab/race"))  # the agents' team; the org's cap binds
     with AwsServer() as aws:
         aws.set_training_pace(0.2)
         ctx = multiprocessing.get_context("spawn")
@@ -80,7 +82,7 @@ def test_racing_agents_with_sagemaker_never_over_admit(ledger_url):
             for j in page["TrainingJobSummaries"]
         }
 
-    rows = ledger.jobs()
+    rows = ledger.views.jobs()
     assert len(rows) == PROCESSES * JOBS and all(r["state"] == "settled" for r in rows)
     assert {r["external_id"] for r in rows} == names  # one training job per admission
     assert all(r["outcome"] == "completed" and r["billed_seconds"] > 0 for r in rows)

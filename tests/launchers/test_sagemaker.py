@@ -59,10 +59,12 @@ def _catalog() -> Catalog:
 @pytest.fixture
 def gate(tmp_path: Path) -> Iterator[Gate]:
     ledger = Ledger(f"sqlite:///{tmp_path}/l.db")
-    ledger.set_budget(BudgetRule("lab", hourly_cap_cents=5_000, period_budget_micro=100_000_000))
-    ledger.set_budget(BudgetRule("lab/vision"))  # SCOPE's team exists; the org's limits bind
+    ledger.config.set_budget(
+        BudgetRule("lab", hourly_cap_cents=5_000, period_budget_micro=100_000_000)
+    )
+    ledger.config.set_budget(BudgetRule("lab/vision"))  # SCOPE's team exists; the org's limits bind
     yield Gate(ledger, catalog=_catalog())
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def _launcher(aws: AwsServer, region: str = "us-east-1", **fields: Any) -> SageMakerLauncher:
@@ -114,7 +116,7 @@ class Run:
             billed_seconds=self.result.billed_seconds,
             actual_micro=self.result.actual_micro,
         )
-        return self.gate.ledger.job(admission.job_id)
+        return self.gate.ledger.views.job(admission.job_id)
 
 
 def _described(aws: AwsServer, name: str) -> dict[str, Any]:
@@ -213,7 +215,7 @@ def test_cancelling_the_run_stops_the_training_job(aws: AwsServer, gate: Gate) -
     while (spec := _described(aws, name))["TrainingJobStatus"] != "Stopped":
         assert time.monotonic() < deadline, f"still {spec['TrainingJobStatus']}"
         time.sleep(0.05)
-    assert gate.ledger.job(run.job_id)["state"] == "settled"
+    assert gate.ledger.views.job(run.job_id)["state"] == "settled"
 
 
 def test_stop_and_probe_answer_for_reconcile(aws: AwsServer, gate: Gate) -> None:
@@ -324,7 +326,7 @@ def test_wrong_settings_fail_before_anything_is_reserved_or_created(
     assert (
         aws.credentials().get_client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
     )
-    assert gate.ledger.jobs() == []
+    assert gate.ledger.views.jobs() == []
 
 
 def test_training_job_names_are_valid_and_unique() -> None:

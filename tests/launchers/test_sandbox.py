@@ -654,11 +654,11 @@ def test_a_new_sqlite_ledger_is_its_owners_alone(tmp_path) -> None:
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'gpu-budget' / 'ledger.db'}")
     try:
-        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100))
+        ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=100))
         for path in (tmp_path / "gpu-budget").iterdir():  # the -wal and -shm files too
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     finally:
-        ledger.dispose()
+        ledger.db.dispose()
 
 
 @as_root
@@ -678,7 +678,7 @@ def test_nobody_cannot_touch_the_ledger_prices_or_prefect_home(
     monkeypatch.delenv("PREFECT_GPU_BUDGET_PRICES", raising=False)
     ledger = Ledger(ledger_url())
     try:
-        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=100))
+        ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=100))
         set_local_price("box", "3.6", gpus=1, path=prices_path())
         db = home / "gpu-budget" / "ledger.db"
         assert db.exists() and prefect_home() == home
@@ -699,6 +699,6 @@ def test_nobody_cannot_touch_the_ledger_prices_or_prefect_home(
         assert not [x for x in lines if x.startswith(("wrote", "read-", "sqlite-"))], lines
         assert not (home / "agent-was-here").exists()
         assert {p: p.read_bytes() for p in before} == before
-        ledger.set_budget(BudgetRule("acme", hourly_cap_cents=200))  # the worker still can
+        ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=200))  # the worker still can
     finally:
-        ledger.dispose()
+        ledger.db.dispose()

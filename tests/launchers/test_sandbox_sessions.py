@@ -197,14 +197,14 @@ def gate(prices: Path) -> Iterator[Gate]:
     with fresh_database(PG_URL) as url:
         ledger = Ledger(url)
         try:
-            ledger.set_budget(
+            ledger.config.set_budget(
                 BudgetRule("acme", hourly_cap_cents=2000, period_budget_micro=10_000_000)
             )
             for scope in ("acme/vision", SESSION_A, SESSION_B):
-                ledger.set_budget(BudgetRule(scope))
+                ledger.config.set_budget(BudgetRule(scope))
             yield Gate(ledger)
         finally:
-            ledger.dispose()
+            ledger.db.dispose()
 
 
 def _run_admitted(gate: Gate, admission: Admission, launcher: LocalLauncher, lines: list[str]):
@@ -234,8 +234,8 @@ def test_a_grant_is_one_sessions_so_no_two_sessions_share_a_user(
     own grant it runs as another user, and can neither signal A's running job, nor read its
     environment, nor list, read or write its folder or its file in /tmp."""
     ledger = gate.ledger
-    grant_a = ledger.agent_grant(ledger.grant_agent(SESSION_A))[1]
-    grant_b = ledger.agent_grant(ledger.grant_agent(SESSION_B))[1]
+    grant_a = ledger.grants.agent_grant(ledger.grants.grant_agent(SESSION_A))[1]
+    grant_b = ledger.grants.agent_grant(ledger.grants.grant_agent(SESSION_B))[1]
     launcher = LocalLauncher(sessions)
     token = uuid.uuid4().hex[:12]
     job_a, mark_a = _job(
@@ -271,9 +271,9 @@ def test_a_grant_is_one_sessions_so_no_two_sessions_share_a_user(
         env = {"A_PID": str(pid_a), "A_DIR": folder_a, "T": token}
         with pytest.raises(AdmissionRefused, match="grant") as refused:
             gate.admit(_job(spy, grant_a, env=env)[0], SESSION_B)
-        [row] = [r for r in ledger.jobs(SESSION_B) if r["id"] == refused.value.job_id]
+        [row] = [r for r in ledger.views.jobs(SESSION_B) if r["id"] == refused.value.job_id]
         assert row["started_at"] is None and not row["reserved_micro"] and not row["actual_micro"]
-        assert ledger.jobs(SESSION_B, ("admitted", "running")) == []
+        assert ledger.views.jobs(SESSION_B, ("admitted", "running")) == []
 
         # B's job with its own grant: another user, which reaches nothing of A's
         lines_b: list[str] = []
@@ -293,7 +293,7 @@ def test_a_grant_is_one_sessions_so_no_two_sessions_share_a_user(
             Path(folder_a, "stop").touch()
         run_a.join(timeout=60)
     assert "ready" in lines_a and not run_a.is_alive()
-    [settled_a] = ledger.jobs(SESSION_A)
+    [settled_a] = ledger.views.jobs(SESSION_A)
     assert settled_a["state"] == "settled" and settled_a["outcome"] == "completed", settled_a
     assert not list(Path("/tmp").glob(f"gpubt-{token}-*"))  # A's last job out swept its file
 

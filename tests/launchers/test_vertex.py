@@ -69,10 +69,14 @@ def catalog(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Catalog:
 @pytest.fixture
 def gate(tmp_path: Path, catalog: Catalog) -> Iterator[Gate]:
     ledger = Ledger(f"sqlite:///{tmp_path}/l.db")
-    ledger.set_budget(BudgetRule("acme", hourly_cap_cents=50_000, period_budget_micro=50_000_000))
-    ledger.set_budget(BudgetRule("acme/vision"))  # SCOPE's team exists; the org's limits bind
+    ledger.config.set_budget(
+        BudgetRule("acme", hourly_cap_cents=50_000, period_budget_micro=50_000_000)
+    )
+    ledger.config.set_budget(
+        BudgetRule("acme/vision")
+    )  # SCOPE's team exists; the org's limits bind
     yield Gate(ledger, catalog=catalog)
-    ledger.dispose()
+    ledger.db.dispose()
 
 
 def _with(launcher: VertexLauncher, **change: object) -> VertexLauncher:
@@ -102,7 +106,7 @@ def _run_gated(
         log=log or lines.append,
     )
     row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
-    return admission, result, gate.ledger.job(admission.job_id), row, lines
+    return admission, result, gate.ledger.views.job(admission.job_id), row, lines
 
 
 def test_is_a_launcher(launcher: VertexLauncher) -> None:
@@ -207,7 +211,7 @@ def test_flex_start_waits_holding_its_reservation_then_runs(
 
     def log(line: str) -> None:  # while Vertex waits for capacity, look at the ledger
         if line.startswith(("Vertex AI job QUEUED", "Vertex AI job PENDING")):
-            [waiting] = [j for j in gate.ledger.jobs() if j["state"] != "settled"]
+            [waiting] = [j for j in gate.ledger.views.jobs() if j["state"] != "settled"]
             seen.append(waiting)
 
     admission, result, row, settled, _ = _run_gated(gate, launcher, job, log=log)
@@ -243,7 +247,7 @@ def test_flex_start_wait_runs_out(fake: FakeVertex, launcher: VertexLauncher, ga
     assert "maxWaitDuration" in result.detail and "\n" not in result.detail
     assert result.capacity_wait_s == pytest.approx(1.0, abs=1e-5)
     assert settled["actual_micro"] == 0 and settled["billed_seconds"] == 0
-    assert gate.ledger.job(admission.job_id)["outcome"] == "wait_expired"
+    assert gate.ledger.views.job(admission.job_id)["outcome"] == "wait_expired"
     assert any("waiting for capacity" in line for line in lines)
 
 

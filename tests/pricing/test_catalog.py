@@ -118,8 +118,8 @@ def test_a_type_with_no_figure_is_refused_with_the_reason(
 ) -> None:
     url = f"sqlite:///{isolated / 'ledger.db'}"
     ledger = Ledger(url)
-    ledger.set_budget(GpuBudget(scope="acme", hourly_cap_usd=1000).rule())
-    before = (ledger.budgets(), ledger.jobs(), ledger.capacity("acme"))
+    ledger.config.set_budget(GpuBudget(scope="acme", hourly_cap_usd=1000).rule())
+    before = (ledger.config.budgets(), ledger.views.jobs(), ledger.config.capacity("acme"))
 
     for argv in (
         ["quote", "gcp:a4-highgpu-8g", "--provisioning", "flex-start"],
@@ -139,7 +139,7 @@ def test_a_type_with_no_figure_is_refused_with_the_reason(
             r"prices CSV \(PREFECT_GPU_BUDGET_PRICES\)",
             err,
         ), err
-    assert (ledger.budgets(), ledger.jobs(), ledger.capacity("acme")) == before
+    assert (ledger.config.budgets(), ledger.views.jobs(), ledger.config.capacity("acme")) == before
 
     # the gate refuses before it writes anything
     from prefect_gpu_budget.admission.gate import Gate
@@ -148,7 +148,7 @@ def test_a_type_with_no_figure_is_refused_with_the_reason(
     job = GpuJob(instance_type="gcp:a4-highgpu-8g", provisioning="flex-start", max_runtime="1h")
     with pytest.raises(BudgetInputError, match=NO_FIGURE):
         gate.admit(job, "acme")
-    assert ledger.jobs() == []
+    assert ledger.views.jobs() == []
 
     # and the listing shows the rows, with the reason
     monkeypatch.setattr(sys, "argv", ["prefect-gpu-budget", "prices", "list"])

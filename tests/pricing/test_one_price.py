@@ -82,14 +82,14 @@ def test_the_gate_quote_and_forecast_price_a_part_of_a_machine_alike(ledger, iso
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith(f"{P4D} (on-demand) x1: $2.74475/h  1/8 of each node's price")
 
-    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
     pool = Pool("acme", "p4d", 1, (8, 96, 1152), (P4D,), "A100")
-    ledger.set_pool(pool, [TeamQuota("p4d", "acme/ml", proportional(pool, 8))])
+    ledger.config.set_pool(pool, [TeamQuota("p4d", "acme/ml", proportional(pool, 8))])
     gate = Gate(ledger)
     job = GpuJob(instance_type=P4D, gpus=1, max_runtime="1h", kill_grace="1s")
     assert gate.quote(job).rate_micro_per_hour == PART_OF_P4D
     admission = gate.admit(job, "acme/ml/s")  # what the gate charges
-    row = ledger.job(admission.job_id)
+    row = ledger.views.job(admission.job_id)
     assert (row["rate_micro_per_hour"], row["node_gpus"]) == (PART_OF_P4D, 1)
     gate.settle(admission, ended_at=time.time(), outcome="cancelled")
 
@@ -169,14 +169,14 @@ def test_quote_says_it_is_an_upper_bound(isolated):
 
 
 def test_the_gate_and_forecast_charge_and_tell_the_bound(ledger, isolated):
-    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
-    ledger.set_budget(BudgetRule("acme/ml"))
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme/ml"))
     told: list[tuple[str, ...]] = []
     gate = Gate(ledger, events=GateEvents(admitted=lambda a: told.append(a.quote.warnings)))
     job = GpuJob(instance_type="gcp:g2-standard-4", provisioning="flex-start", max_runtime="1h")
     admission = gate.admit(job, "acme/ml/s")
     assert admission.quote.bound
-    row = ledger.job(admission.job_id)
+    row = ledger.views.job(admission.job_id)
     assert (row["provisioning"], row["rate_micro_per_hour"]) == ("flex-start", 706_800)
     assert told and f"price of gcp:g2-standard-4 (flex-start) is an {BOUND_NOTE}" in told[0]
     gate.settle(admission, ended_at=time.time(), outcome="cancelled")

@@ -43,7 +43,7 @@ def test_flow_runs_settles_and_names_refusals(prefect_api, prices, tmp_path):
     assert result.outcome == "completed" and result.exit_code == 0
     assert rejected.name == "OverBudget" and "hourly cap of lab" in rejected.message
     assert timed_out.name == "AdmissionTimeout" and "max wait 1s ran out" in timed_out.message
-    rows = {r["state"]: r for r in ledger.jobs("lab")}
+    rows = {r["state"]: r for r in ledger.views.jobs("lab")}
     assert set(rows) == {"settled", "rejected", "timed_out"}
     settled = rows["settled"]
     assert settled["actual_micro"] == round(3_600_000 * settled["billed_seconds"] / 3600)
@@ -67,7 +67,7 @@ def test_max_runtime_stops_the_job_and_bills_what_ran(prefect_api, prices, tmp_p
 
     name, message = too_long()
     assert name == "TimedOut" and "timed_out" in message  # as a @gpu_task's and a worker's
-    [row] = ledger.jobs("lab")
+    [row] = ledger.views.jobs("lab")
     assert row["outcome"] == "timed_out"
     assert 2.0 <= row["billed_seconds"] < 5.0  # stopped at 2 s (sleep dies at SIGTERM)
     assert row["actual_micro"] <= row["reserved_micro"]
@@ -95,7 +95,7 @@ def test_identical_jobs_are_never_served_from_cache(prefect_api, prices, tmp_pat
 
     first, second, billed = twice()
     assert first != second
-    assert len(ledger.jobs("lab")) == 3
+    assert len(ledger.views.jobs("lab")) == 3
     assert 0.9 < billed < 2
 
 
@@ -299,7 +299,7 @@ def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefe
         ensure_database(aside)
         staged = Ledger(aside)
         GpuBudget(scope="late", hourly_cap_usd="3.6", period_budget_usd=5).apply(staged)
-        staged.dispose()
+        staged.db.dispose()
         admin = sa.create_engine(
             sa.make_url(url).set(database="postgres"),
             isolation_level="AUTOCOMMIT",
@@ -320,7 +320,7 @@ def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefe
     try:
         result = experiment()
         assert result.outcome == "completed"
-        (row,) = Ledger(url).jobs("late")
+        (row,) = Ledger(url).views.jobs("late")
         assert row["state"] == "settled" and row["id"] == result.job_id
     finally:
         drop_database(url)

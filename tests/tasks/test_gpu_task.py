@@ -45,7 +45,7 @@ def lab(prefect_api, prices, tmp_path):
     GpuBudget(scope="lab", hourly_cap_usd="7.2", period_budget_usd=50).apply(ledger)
     GpuBudget(scope="lab/tight", hourly_cap_usd="1", on_limit="reject").apply(ledger)
     for team in ("sweep", "slow", "retry", "a", "b", "flow"):  # lab has teams: each must exist
-        ledger.set_budget(BudgetRule(f"lab/{team}"))
+        ledger.config.set_budget(BudgetRule(f"lab/{team}"))
     return ledger, SpendLedger(database_url=url)
 
 
@@ -69,7 +69,7 @@ def test_a_cap_of_two_never_runs_three_bodies_and_each_run_settles_once(lab):
         return [f.result() for f in train.map([1.0, 2.0, 3.0, 4.0, 5.0])]
 
     assert search() == [2.0, 4.0, 6.0, 8.0, 10.0]
-    rows = ledger.jobs("lab/sweep")
+    rows = ledger.views.jobs("lab/sweep")
     assert len(rows) == 5 and {r["outcome"] for r in rows} == {"completed"}
     assert {r["launcher"] for r in rows} == {"task"}
     assert _most_at_once(spans) <= 2  # from the bodies' own clocks
@@ -105,7 +105,7 @@ def test_past_max_runtime_a_body_is_stopped_and_pays_for_what_it_ran(lab):
     name, message = run()
     assert name == "TimedOut" and "stopped at max_runtime 2s" in message
     assert time.time() - begun < 30
-    [row] = ledger.jobs("lab/slow")
+    [row] = ledger.views.jobs("lab/slow")
     assert row["outcome"] == "timed_out" and 2.0 <= row["billed_seconds"] < 6
     assert row["actual_micro"] < row["reserved_micro"]
 
@@ -118,16 +118,16 @@ def teams(prefect_api, ledger_url, tmp_path, monkeypatch):
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
     default_catalog.cache_clear()
     ledger = Ledger(ledger_url)
-    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
     pool = Pool("acme", "lab-a", 2, (8, 192, 2048), (MACHINE,), "H100")
-    ledger.set_pool(
+    ledger.config.set_pool(
         pool,
         [
             TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
             TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
         ],
     )
-    own, decision = ledger.request(
+    own, decision = ledger.queue.request(
         new_job(
             "acme/b/s",
             name="b-own",
@@ -140,13 +140,15 @@ def teams(prefect_api, ledger_url, tmp_path, monkeypatch):
     )
     assert decision.verdict == "admit", decision.reason
     yield ledger, SpendLedger(database_url=ledger_url)
-    ledger.settle(own, ended_at=time.time(), outcome="completed", scope="acme/b/s")
-    ledger.dispose()
+    ledger.settlements.settle(own, ended_at=time.time(), outcome="completed", scope="acme/b/s")
+    ledger.db.dispose()
     default_catalog.cache_clear()
 
 
 def _running(ledger: Ledger, scope: str, count: int) -> None:
-    wait_for(lambda: len(ledger.jobs(scope, states=("running",))) >= count, 120, f"{scope} runs")
+    wait_for(
+        lambda: len(ledger.views.jobs(scope, states=("running",))) >= count, 120, f"{scope} runs"
+    )
 
 
 @pytest.mark.timeout(300)
@@ -188,8 +190,8 @@ def test_a_borrowing_body_is_stopped_when_its_lender_takes_the_capacity_back(tea
         return taken.state, mine.result()
 
     state, mine = contention()
-    first, *again = [r for r in ledger.jobs("acme/b") if r["name"] != "b-own"]
-    lent = ledger.job(mine)
+    first, *again = [r for r in ledger.views.jobs("acme/b") if r["name"] != "b-own"]
+    lent = ledger.views.job(mine)
     assert first["outcome"] == "preempted" and first["preempt_at"] is not None, first
     assert 0 < first["actual_micro"] < first["reserved_micro"]  # paid for what it ran
     assert lent["outcome"] == "completed" and lent["admitted_at"] >= first["ended_at"]
@@ -211,13 +213,13 @@ def test_a_body_its_owner_stops_ends_cancelled_and_pays_for_what_ran(lab, kind):
     reaches a command: a sync body in the flow's own (main) thread, an async one in the task
     runner's event loop."""
     ledger, block = lab
-    ledger.set_budget(BudgetRule("lab/stop"))  # the team it spends in
+    ledger.config.set_budget(BudgetRule("lab/stop"))  # the team it spends in
     settings = {"instance_type": "local:box", "scope": "lab/stop/s", "max_runtime": "5m"}
 
     def stop_when_running() -> None:
         _running(ledger, "lab/stop", 1)
-        [row] = ledger.jobs("lab/stop", states=("running",))
-        ledger.ask_stop(row["id"], "stopped from a test")
+        [row] = ledger.views.jobs("lab/stop", states=("running",))
+        ledger.settlements.ask_stop(row["id"], "stopped from a test")
 
     if kind == "sync":
 
@@ -244,7 +246,7 @@ def test_a_body_its_owner_stops_ends_cancelled_and_pays_for_what_ran(lab, kind):
         return state.is_cancelled(), state.message
 
     cancelled, message = run()
-    [row] = ledger.jobs("lab/stop")
+    [row] = ledger.views.jobs("lab/stop")
     assert cancelled and "stopped by its owner (stopped from a test)" in message
     assert row["outcome"] == "cancelled" and 0 < row["actual_micro"] < row["reserved_micro"]
 
@@ -267,9 +269,9 @@ def test_refusals_are_final_and_retries_are_new_admissions(lab):
 
     name, message, retried = run()
     assert name == "OverBudget" and "hourly cap $1.00/h of lab/tight" in message
-    assert len(ledger.jobs("lab/tight")) == 1  # refused once, never retried into a loop
+    assert len(ledger.views.jobs("lab/tight")) == 1  # refused once, never retried into a loop
     assert retried == "ok" and len(tries) == 2 and tries[0] != tries[1]
-    rows = {r["id"]: r["outcome"] for r in ledger.jobs("lab/retry")}
+    rows = {r["id"]: r["outcome"] for r in ledger.views.jobs("lab/retry")}
     assert rows == {tries[0]: "failed", tries[1]: "completed"}
 
 
@@ -287,7 +289,7 @@ def test_async_bodies_and_per_call_settings(lab):
         return [f.result() for f in moved]
 
     assert run() == ["lab/b", "lab/b"]
-    assert len(ledger.jobs("lab/b")) == 2 and ledger.jobs("lab/a") == []
+    assert len(ledger.views.jobs("lab/b")) == 2 and ledger.views.jobs("lab/a") == []
     with pytest.raises(ValueError, match="unknown setting 'colour'"):
         evaluate.with_options(gpu={"colour": "red"})
 
@@ -332,14 +334,14 @@ def test_a_flows_defaults_fill_what_a_task_leaves_out_and_its_scope_only_narrows
     assert moved.name == "GateRefused"
     assert moved.message == "scope 'other/x' is not within its flow's scope 'lab/flow'"
     assert other.name == "GateRefused" and "another ledger" in other.message
-    assert ledger.jobs("other/x") == [] and not (tmp_path / "own.db").exists()  # nothing held
-    assert {r["scope"] for r in ledger.jobs()} == {"lab/flow", "lab/flow/a", "lab/flow/b"}
+    assert ledger.views.jobs("other/x") == [] and not (tmp_path / "own.db").exists()  # nothing held
+    assert {r["scope"] for r in ledger.views.jobs()} == {"lab/flow", "lab/flow/a", "lab/flow/b"}
 
 
 def test_a_sweep_gives_its_tasks_its_scope_shape_ledger_and_agent_grant(lab, monkeypatch):
     ledger, block = lab
     GpuBudget(scope="lab/agents/a7", hourly_cap_usd="7.2").apply(ledger)
-    _, grant = ledger.agent_grant(ledger.grant_agent("lab/agents/a7"))
+    _, grant = ledger.grants.agent_grant(ledger.grants.grant_agent("lab/agents/a7"))
 
     @gpu_task()
     def inside() -> str:
@@ -367,11 +369,11 @@ def test_a_sweep_gives_its_tasks_its_scope_shape_ledger_and_agent_grant(lab, mon
 
     agent_like()
     ran, refused = seen
-    row = ledger.job(ran.result())
+    row = ledger.views.job(ran.result())
     assert row["scope"] == "lab/agents/a7" and row["instance_type"] == "local:box"
     assert row["outcome"] == "completed" and row["priority"] == 5
     assert refused.name == "GateRefused" and "within its flow's scope" in refused.message
-    ledger.revoke_agent("lab/agents/a7")  # the grant is the flow's: revoked, its tasks stop
+    ledger.grants.revoke_agent("lab/agents/a7")  # the grant is the flow's: revoked, its tasks stop
     seen.clear()
     agent_like()
     assert seen[0].name != "Completed" and "grant was revoked" in seen[0].message

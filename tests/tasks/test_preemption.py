@@ -57,9 +57,9 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
     default_catalog.cache_clear()
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
-    ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
     pool = Pool("acme", "lab-a", 2, (8, 192, 2048), ("local:h100x8",), "H100")
-    ledger.set_pool(
+    ledger.config.set_pool(
         pool,
         [
             TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
@@ -71,12 +71,12 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
     @flow
     def contention() -> str:
         own = run_gpu_job.submit(_job(tmp_path, "b-own", 6, "low"), "acme/b/s", block)
-        while not ledger.jobs("acme/b", states=("running",)):
+        while not ledger.views.jobs("acme/b", states=("running",)):
             time.sleep(0.1)
         borrowed = run_gpu_job.submit(
             _job(tmp_path, "b-borrowed", 60, "low", requeue), "acme/b/s", block
         )
-        while len(ledger.jobs("acme/b", states=("running",))) < 2:
+        while len(ledger.views.jobs("acme/b", states=("running",))) < 2:
             time.sleep(0.1)
         while not (tmp_path / "b-borrowed.ckpt.ready").exists():  # its handler is set
             time.sleep(0.1)
@@ -88,7 +88,7 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
 
     ended_as = contention()
     rows = {}
-    for row in ledger.jobs():
+    for row in ledger.views.jobs():
         rows.setdefault(row["name"], []).append(row)
     [own], [mine] = rows["b-own"], rows["a-own"]
     first, *again = sorted(rows["b-borrowed"], key=lambda r: r["requested_at"])

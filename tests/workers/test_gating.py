@@ -60,7 +60,9 @@ def test_a_worker_whose_ledger_is_not_there_yet_waits_for_it(prefect_api, monkey
             started = time.monotonic()
             gate = gating._open_gate()
         assert time.monotonic() - started >= 1.5
-        assert gate.ledger.budgets() == []  # its schema was created once the database was there
+        assert (
+            gate.ledger.config.budgets() == []
+        )  # its schema was created once the database was there
         said = [r.getMessage() for r in caplog.records if r.name == "prefect_gpu_budget.worker"]
         assert said and said[0].startswith(
             "opening the ledger: the ledger's database is unreachable"
@@ -68,7 +70,7 @@ def test_a_worker_whose_ledger_is_not_there_yet_waits_for_it(prefect_api, monkey
     finally:
         appear.join()
         for opened in gpu_job._gates.values():
-            opened.ledger.dispose()
+            opened.ledger.db.dispose()
         drop_database(url)
 
 

@@ -51,9 +51,9 @@ def house(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     marks = {name: uuid.uuid4().hex for name in DEPLOYMENTS}
     with fresh_database(PG_URL) as url:
         ledger = Ledger(url)
-        ledger.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+        ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
         pool = Pool("acme", "lab-a", 2, (8, 192, 2048), (MACHINE,), "H100")
-        ledger.set_pool(
+        ledger.config.set_pool(
             pool,
             [
                 TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
@@ -104,11 +104,11 @@ def house(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             yield {"ledger": ledger, "marks": marks, "tmp": tmp, "log": tmp / "worker.log"}
         finally:
             stop_groups([worker])
-            ledger.dispose()
+            ledger.db.dispose()
 
 
 def _rows(ledger: Ledger, run: Any, state: str | None = None) -> list[dict]:
-    rows = [r for r in ledger.jobs() if r["flow_run_id"] == str(run.id)]
+    rows = [r for r in ledger.views.jobs() if r["flow_run_id"] == str(run.id)]
     return sorted(
         (r for r in rows if state is None or r["state"] == state),
         key=lambda r: r["requested_at"],
@@ -144,7 +144,7 @@ def _explain(house: dict[str, Any], run: Any) -> str:
 
 def _own_node(ledger: Ledger) -> str:
     """Team B's own node, taken by a job held elsewhere: B's next job borrows A's."""
-    job_id, decision = ledger.request(
+    job_id, decision = ledger.queue.request(
         new_job(
             "acme/b/s",
             name="b-own",
@@ -177,7 +177,7 @@ def _borrow_then_reclaim(house: dict[str, Any], deployment: str, **params: Any) 
 
 
 def _give_back(ledger: Ledger, job_id: str) -> None:
-    ledger.settle(job_id, ended_at=time.time(), outcome="completed", scope="acme/b/s")
+    ledger.settlements.settle(job_id, ended_at=time.time(), outcome="completed", scope="acme/b/s")
 
 
 @pytest.mark.timeout(400)
@@ -238,7 +238,7 @@ def test_a_worker_run_its_owner_stops_is_stopped_the_same_way_and_ends_cancelled
         180,
         "the run to start",
     )
-    assert ledger.ask_stop(started["id"], "stopped from a test")
+    assert ledger.settlements.ask_stop(started["id"], "stopped from a test")
     state = _final(run, settled=True)
     [row] = _rows(ledger, run, "settled")
     assert state.is_cancelled(), (state, _explain(house, run))

@@ -84,7 +84,7 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     try:
         with fresh_database(PG_URL) as url:
             ledgers.append(Ledger(url))
-            ledgers[0].set_budget(
+            ledgers[0].config.set_budget(
                 BudgetRule("lab", hourly_cap_cents=360, period_budget_micro=10**8)
             )
             env = server.client_env(
@@ -141,7 +141,7 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 }
                 stop_groups(procs)
                 procs.clear()
-                ledgers[0].dispose()
+                ledgers[0].db.dispose()
     finally:
         stop_groups(procs)
         server.stop()
@@ -161,7 +161,7 @@ def _settled(ledger: Ledger, scope: str, count: int) -> list[dict]:
     its process exits, a moment after the run's final state)."""
     return wait_for(
         lambda: (
-            (rows := [r for r in ledger.jobs(scope) if r["state"] == "settled"])
+            (rows := [r for r in ledger.views.jobs(scope) if r["state"] == "settled"])
             and len(rows) >= count
             and rows
         ),
@@ -194,7 +194,7 @@ def test_runs_whose_cap_fits_one_run_one_after_the_other(house):
 @pytest.mark.timeout(300)
 def test_a_run_may_only_narrow_its_scope(house):
     ledger = house["ledger"]
-    before = len(ledger.jobs())
+    before = len(ledger.views.jobs())
     moved = run_deployment("gated-target/gated", job_variables={"scope": "other/x"}, timeout=0)
     cheaper = run_deployment(
         "gated-target/gated", job_variables={"instance_type": "local:free"}, timeout=0
@@ -210,7 +210,7 @@ def test_a_run_may_only_narrow_its_scope(house):
     assert "not within the deployment's scope 'lab/gpu'" in moved.state.message
     assert cheaper.state.name == "GateRefused" and "instance_type" in cheaper.state.message
     assert narrowed.state.name == "Completed"
-    assert len(ledger.jobs()) == before + 1 and ledger.jobs(f"{SCOPE}/a")
+    assert len(ledger.views.jobs()) == before + 1 and ledger.views.jobs(f"{SCOPE}/a")
 
 
 @pytest.mark.timeout(300)
@@ -254,7 +254,7 @@ def test_a_run_may_set_nothing_else_of_its_own(house):
         "run_may_set: max_runtime is the gate's; a run can never set it"
     )
     for run in runs.values():
-        assert not [r for r in ledger.jobs() if r["flow_run_id"] == str(run.id)], run.name
+        assert not [r for r in ledger.views.jobs() if r["flow_run_id"] == str(run.id)], run.name
     assert not pwned.exists()
     [done] = _wait_final([allowed.id])
     assert done.state.name == "Completed", done.state
@@ -352,14 +352,14 @@ def test_a_deployment_that_requires_an_agent_token_binds_the_run_to_its_session(
     deployment's scope: refused, nothing reserved. With the agent's own: the run spends in its
     session, under its grant."""
     ledger = house["ledger"]
-    ledger.set_budget(BudgetRule(f"{SCOPE}/agent-1", period_budget_micro=10**7))
-    ledger.set_budget(BudgetRule("lab/elsewhere/agent-2", period_budget_micro=10**7))
-    token = ledger.grant_agent(f"{SCOPE}/agent-1")
-    outside = ledger.grant_agent("lab/elsewhere/agent-2")
-    revoked = ledger.grant_agent(f"{SCOPE}/agent-1")
-    ledger.revoke_agent(f"{SCOPE}/agent-1")  # revokes both of that session's tokens
-    token = ledger.grant_agent(f"{SCOPE}/agent-1")
-    before = len(ledger.jobs())
+    ledger.config.set_budget(BudgetRule(f"{SCOPE}/agent-1", period_budget_micro=10**7))
+    ledger.config.set_budget(BudgetRule("lab/elsewhere/agent-2", period_budget_micro=10**7))
+    token = ledger.grants.grant_agent(f"{SCOPE}/agent-1")
+    outside = ledger.grants.grant_agent("lab/elsewhere/agent-2")
+    revoked = ledger.grants.grant_agent(f"{SCOPE}/agent-1")
+    ledger.grants.revoke_agent(f"{SCOPE}/agent-1")  # revokes both of that session's tokens
+    token = ledger.grants.grant_agent(f"{SCOPE}/agent-1")
+    before = len(ledger.views.jobs())
     runs = {
         "none": run_deployment("gated-target/agents", parameters={"seconds": 0}, timeout=0),
         "revoked": run_deployment(
@@ -392,7 +392,7 @@ def test_a_deployment_that_requires_an_agent_token_binds_the_run_to_its_session(
     for run in ended.values():
         assert token not in (run.state.message or "") and outside not in (run.state.message or "")
     assert ended["own"].state.name == "Completed", ended["own"].state
-    assert len(ledger.jobs()) == before + 1
+    assert len(ledger.views.jobs()) == before + 1
     [row] = _settled(ledger, f"{SCOPE}/agent-1", 1)
     assert row["flow_run_id"] == str(runs["own"].id) and row["outcome"] == "completed"
 
@@ -407,7 +407,7 @@ def test_max_runtime_stops_the_run_and_bills_what_ran(house):
         lambda: next(
             (
                 r
-                for r in ledger.jobs(SCOPE)
+                for r in ledger.views.jobs(SCOPE)
                 if r["flow_run_id"] == str(run.id) and r["state"] == "settled"
             ),
             None,
@@ -419,7 +419,7 @@ def test_max_runtime_stops_the_run_and_bills_what_ran(house):
 
 
 def _row_of(ledger: Ledger, run: Any, state: str | None = None) -> dict | None:
-    rows = [r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id)]
+    rows = [r for r in ledger.views.jobs(SCOPE) if r["flow_run_id"] == str(run.id)]
     return next((r for r in rows if state is None or r["state"] == state), None)
 
 
@@ -462,7 +462,7 @@ def test_a_worker_killed_mid_run_leaves_a_job_reconcile_settles(house):
     run = run_deployment("gated-target/gated", parameters={"seconds": 30}, timeout=0)
 
     def admitted():
-        rows = [r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id)]
+        rows = [r for r in ledger.views.jobs(SCOPE) if r["flow_run_id"] == str(run.id)]
         return rows[0] if rows and rows[0]["started_at"] else None
 
     wait_for(admitted, 120, "the run to start")
@@ -471,8 +471,8 @@ def test_a_worker_killed_mid_run_leaves_a_job_reconcile_settles(house):
     house["procs"].remove(house["worker"])
     time.sleep(1)
     done = {r.job_id: r.action for r in reconcile(ledger)}
-    row = admitted() or next(r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id))
+    row = admitted() or next(r for r in ledger.views.jobs(SCOPE) if r["flow_run_id"] == str(run.id))
     assert done.get(row["id"]) == "settled", done
-    assert ledger.job(row["id"])["state"] == "settled"
+    assert ledger.views.job(row["id"])["state"] == "settled"
     # the run's holder saw its worker die and killed the run's tree: nothing runs unmetered
     wait_for(lambda: not marked_processes("TEST_TREE", house["marks"]["gated"]), 10, "no tree")

@@ -49,7 +49,9 @@ def house(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         rate = Catalog.load().quote(MACHINE, 1, "on-demand").rate_micro_per_hour
     url = f"sqlite:///{tmp / 'ledger.db'}"
     cap_cents = rate * 3 // 2 // 10_000  # one job fits, two do not
-    Ledger(url).set_budget(BudgetRule("lab", hourly_cap_cents=cap_cents, period_budget_micro=10**9))
+    Ledger(url).config.set_budget(
+        BudgetRule("lab", hourly_cap_cents=cap_cents, period_budget_micro=10**9)
+    )
     env = {
         **os.environ,
         "PREFECT_API_URL": prefect_api,
@@ -110,7 +112,7 @@ def _settled(ledger: Ledger, runs: list, timeout: float = 180) -> list[dict]:
     ids = {str(r.id) for r in runs}
 
     def done() -> list[dict] | None:
-        rows = [r for r in ledger.jobs(SCOPE) if r["flow_run_id"] in ids]
+        rows = [r for r in ledger.views.jobs(SCOPE) if r["flow_run_id"] in ids]
         return (
             rows if len(rows) == len(ids) and all(r["state"] == "settled" for r in rows) else None
         )
@@ -162,7 +164,7 @@ def test_runs_whose_cap_fits_one_submit_one_after_the_other_and_settle_at_the_jo
 @pytest.mark.timeout(300)
 def test_an_override_outside_the_deployments_scope_submits_nothing(house):
     ledger, fake = house["ledger"], house["fake"]
-    before, rows = len(fake.created), len(ledger.jobs())
+    before, rows = len(fake.created), len(ledger.views.jobs())
     run = run_deployment("vertex-target/gated", job_variables={"scope": "other/x"}, timeout=0)
 
     def ended():
@@ -173,7 +175,7 @@ def test_an_override_outside_the_deployments_scope_submits_nothing(house):
     state = wait_for(ended, 120, "the run to be refused")
     assert state.name == "GateRefused"
     assert state.message == "scope 'other/x' is not within the deployment's scope 'lab/vertex'"
-    assert len(fake.created) == before and len(ledger.jobs()) == rows
+    assert len(fake.created) == before and len(ledger.views.jobs()) == rows
 
 
 @pytest.mark.timeout(300)
@@ -181,7 +183,7 @@ def test_a_run_that_sets_what_its_deployment_did_not_allow_submits_nothing(house
     """Another image, another endpoint (a stand-in that bills nothing), an `env` or a
     `command` of the run's own: GateRefused naming it, no custom job, no ledger row."""
     ledger, fake = house["ledger"], house["fake"]
-    before, rows = len(fake.created), len(ledger.jobs())
+    before, rows = len(fake.created), len(ledger.views.jobs())
     attacks = {
         "image": "docker.io/someone/else:latest",
         "api_endpoint": "http://127.0.0.1:9",
@@ -202,7 +204,7 @@ def test_a_run_that_sets_what_its_deployment_did_not_allow_submits_nothing(house
         state = wait_for(lambda run=run: ended(run), 120, "the run to be refused")
         assert state.name == "GateRefused", (key, state)
         assert state.message.startswith(f"job variable {key} is the deployment's to set")
-    assert len(fake.created) == before and len(ledger.jobs()) == rows
+    assert len(fake.created) == before and len(ledger.views.jobs()) == rows
 
 
 @pytest.mark.timeout(300)
@@ -225,13 +227,17 @@ def test_a_job_its_owner_stops_is_cancelled_and_pays_for_what_ran(house):
     run = run_deployment("vertex-target/gated", timeout=0)
     started = wait_for(
         lambda: next(
-            (r for r in ledger.jobs(SCOPE) if r["flow_run_id"] == str(run.id) and r["started_at"]),
+            (
+                r
+                for r in ledger.views.jobs(SCOPE)
+                if r["flow_run_id"] == str(run.id) and r["started_at"]
+            ),
             None,
         ),
         120,
         "the custom job to start",
     )
-    assert ledger.ask_stop(started["id"], "stopped from a test")
+    assert ledger.settlements.ask_stop(started["id"], "stopped from a test")
     [row] = _settled(ledger, [run], timeout=120)
     assert row["external_id"] in fake.cancelled
     assert row["outcome"] == "cancelled" and row["billed_seconds"] < 60, row

@@ -6,46 +6,49 @@ PostgreSQL: a transaction-scoped advisory lock on the org), so any number of pro
 number of machines see one order. Settled spend is also summed per (scope, period) in
 `gpu_period_spend`, so a decision reads a few rows however long the ledger grows.
 
-`Ledger` is assembled from one mixin per concern:
+A `Ledger` is one database object and the stores over it, each a class of its own whose
+collaborators are passed in:
 
-- `engine`: URLs, the engine, transactions, the schema, the version bump and its notices;
-- `decisions`: the admission transaction, the org's queue, unadmitting and cancelling;
-- `settlement`: a started job's writes and its settlement;
-- `config`: budgets, session templates, pools and team quotas, priority classes;
-- `agents`: agent grants (tokens) and the limits on a team's agents;
-- `reads`: versions, states, jobs, status and the other read models;
+- `ledger.db` (`engine.Db`): URLs, the engine, transactions, the schema, the version bump and
+  its notices;
+- `ledger.queue` (`decisions.Queue`): the admission transaction, the org's queue (`headroom`,
+  which every write that may have made room ends in), unadmitting and cancelling;
+- `ledger.settlements` (`settlement.Settlements`): a started job's writes and its settlement;
+- `ledger.config` (`config.Config`): budgets, session templates, pools and team quotas,
+  priority classes;
+- `ledger.grants` (`agents.Grants`): agent grants (tokens) and the limits on a team's agents;
+- `ledger.views` (`reads.Views`): versions, states, jobs, status and the other read models;
 
-with the tables in `tables` and the rows' domain values in `rows`. Every name other modules
-import from `prefect_gpu_budget.admission.ledger` is re-exported here.
+with the tables in `tables` and the rows' domain values in `rows` (SQL several stores share, as
+functions over a connection). Every name other modules import from
+`prefect_gpu_budget.admission.ledger` is re-exported here.
 """
 
 from __future__ import annotations
 
 import threading
 
-from prefect_gpu_budget.admission.ledger.agents import AgentsMixin
-from prefect_gpu_budget.admission.ledger.config import ConfigMixin, check_pool, check_rule
+from prefect_gpu_budget.admission.ledger.agents import Grants
+from prefect_gpu_budget.admission.ledger.config import Config, check_pool, check_rule
 from prefect_gpu_budget.admission.ledger.decisions import (
     LEARNED_OUTCOMES,
     OVERRUN_REFRESH_S,
     OVERRUN_SAMPLE,
-    DecisionsMixin,
     NewJob,
+    Queue,
 )
 from prefect_gpu_budget.admission.ledger.engine import (
     NOTICE_CHANNEL,
-    EngineMixin,
+    Db,
     LedgerFileReplaced,
-    OrgLock,
-    _make_engine,
     default_url,
     normalise_url,
     notice_payloads,
     read_notice,
 )
-from prefect_gpu_budget.admission.ledger.reads import ReadsMixin, wait_spans
+from prefect_gpu_budget.admission.ledger.reads import Views, wait_spans
 from prefect_gpu_budget.admission.ledger.rows import hold_of, wait_key
-from prefect_gpu_budget.admission.ledger.settlement import SettlementMixin
+from prefect_gpu_budget.admission.ledger.settlement import Settlements
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     FINAL,
@@ -71,6 +74,12 @@ from prefect_gpu_budget.units import AGENT_MAX_QUEUED
 
 __all__ = [
     "ACTIVE",
+    "Config",
+    "Db",
+    "Grants",
+    "Queue",
+    "Settlements",
+    "Views",
     "AGENT_MAX_QUEUED",
     "FINAL",
     "LEARNED_OUTCOMES",
@@ -113,19 +122,20 @@ __all__ = [
 ]
 
 
-class Ledger(DecisionsMixin, SettlementMixin, ConfigMixin, AgentsMixin, ReadsMixin, EngineMixin):
-    """Durable admission records. Safe to share between threads and processes."""
+class Ledger:
+    """Durable admission records: the database and its stores (see the module's docstring).
+    Safe to share between threads and processes."""
 
     def __init__(self, url: str | None = None, *, create: bool = True) -> None:
-        self.url = normalise_url(url or default_url())
-        self.engine = _make_engine(self.url)
-        self.is_sqlite = self.engine.dialect.name == "sqlite"
-        self._org_locks: dict[str, OrgLock] = {}
-        self._held = threading.local()
-        self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
-        self._asks = {}
+        self.db = Db(url)
+        self.url = self.db.url
+        self.queue = Queue(self.db)
+        self.settlements = Settlements(self.db, self.queue.headroom)
+        self.config = Config(self.db, self.queue.headroom)
+        self.grants = Grants(self.db, self.queue.headroom)
+        self.views = Views(self.db)
         if create:
-            self.create()
+            self.db.create()
 
 
 _open: dict[str, Ledger] = {}

@@ -8,12 +8,13 @@ import hashlib
 import json
 import secrets
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.tables import (
     _ended_unrun,
     agent_grants,
@@ -24,12 +25,13 @@ from prefect_gpu_budget.admission.ledger.tables import (
 )
 from prefect_gpu_budget.units import AGENT_MAX_QUEUED, BudgetInputError, validate_scope
 
-if TYPE_CHECKING:
-    from prefect_gpu_budget.admission.ledger.decisions import NewJob
 
+class Grants:
+    """Agent grants (tokens), their revocation, and the limits on a team's agents, over the
+    ledger's database; `headroom` (the queue's) ends a revocation."""
 
-class AgentsMixin(EngineMixin):
-    """Agent grants (tokens), their revocation, and the limits on a team's agents."""
+    def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
+        self.db, self.headroom = db, headroom
 
     @_reconnecting
     def grant_agent(self, scope: str, now: float | None = None) -> str:
@@ -41,7 +43,7 @@ class AgentsMixin(EngineMixin):
                 "scope", f"an agent is granted one session 'org/team/session', got {scope!r}"
             )
         team = scope.rsplit("/", 1)[0]
-        with self._read() as conn:
+        with self.db.read() as conn:
             bounded = (
                 conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first()
                 or conn.execute(
@@ -55,7 +57,7 @@ class AgentsMixin(EngineMixin):
                 f"(`budget set {scope} ...` or `budget set {team} --session-template ...`)",
             )
         token = "gpub_" + secrets.token_urlsafe(32)
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             conn.execute(
                 agent_grants.insert().values(
                     token_sha256=_token_hash(token),
@@ -71,7 +73,7 @@ class AgentsMixin(EngineMixin):
         transaction under the org's lock: no job of the session is admitted after it (its
         running jobs go on). Returns (tokens revoked, queued jobs cancelled)."""
         org = validate_scope(scope).split("/")[0]
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             now = time.time() if now is None else now
             revoked = conn.execute(
                 agent_grants.update()
@@ -83,7 +85,7 @@ class AgentsMixin(EngineMixin):
                 .where(jobs.c.scope == scope, jobs.c.state == "queued")
                 .values(**_ended_unrun("cancelled", "its agent's grant was revoked", now))
             ).rowcount
-            self._bump(conn, org)
+            self.headroom(conn, org)
         return revoked, cancelled
 
     @_reconnecting
@@ -102,7 +104,7 @@ class AgentsMixin(EngineMixin):
     @_reconnecting
     def grant_scope(self, grant: str) -> str | None:
         """The session of a live grant (by id); None when unknown or revoked."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             return _live_grant(conn, grant)
 
     @_reconnecting
@@ -114,7 +116,7 @@ class AgentsMixin(EngineMixin):
                 "team", f"agent limits belong to a team 'org/team', got {team!r}"
             )
         org = team.split("/")[0]
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             conn.execute(agent_limits.delete().where(agent_limits.c.team == team))
             conn.execute(
                 agent_limits.insert().values(
@@ -128,24 +130,25 @@ class AgentsMixin(EngineMixin):
     @_reconnecting
     def agent_limits(self, team: str) -> dict[str, Any] | None:
         """The ceilings an admin set for `team`'s agents; None: the defaults apply."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             return _limits_of(conn, team)
 
-    def _grant_refusal(self, conn: Connection, job: NewJob) -> str:
-        """Why an agent's job may not even queue: its grant is gone, or its session already
-        has as many queued jobs as its team's agents may."""
-        if _live_grant(conn, job.grant or "") != job.scope:
-            return "its agent's grant was revoked"
-        limits = _limits_of(conn, job.scope.rsplit("/", 1)[0]) or {}
-        most = int(limits.get("max_queued", AGENT_MAX_QUEUED))
-        queued = conn.execute(
-            sa.select(sa.func.count())
-            .select_from(jobs)
-            .where(jobs.c.scope == job.scope, jobs.c.state == "queued")
-        ).scalar_one()
-        if queued >= most:
-            return f"{job.scope} has {queued} queued jobs, the most its agents may have queued"
-        return ""
+
+def grant_refusal(conn: Connection, scope: str, grant: str) -> str:
+    """Why an agent's job in `scope` may not even queue: its grant is gone, or its session
+    already has as many queued jobs as its team's agents may ("" when it may)."""
+    if _live_grant(conn, grant) != scope:
+        return "its agent's grant was revoked"
+    limits = _limits_of(conn, scope.rsplit("/", 1)[0]) or {}
+    most = int(limits.get("max_queued", AGENT_MAX_QUEUED))
+    queued = conn.execute(
+        sa.select(sa.func.count())
+        .select_from(jobs)
+        .where(jobs.c.scope == scope, jobs.c.state == "queued")
+    ).scalar_one()
+    if queued >= most:
+        return f"{scope} has {queued} queued jobs, the most its agents may have queued"
+    return ""
 
 
 def _token_hash(token: object) -> str:

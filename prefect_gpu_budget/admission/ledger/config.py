@@ -13,8 +13,14 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission import accounting, periods
-from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import _load_pools, _load_quotas, _path_rules, _rule
+from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
+from prefect_gpu_budget.admission.ledger.rows import (
+    _budgets,
+    _load_pools,
+    _load_quotas,
+    _path_rules,
+    _rule,
+)
 from prefect_gpu_budget.admission.ledger.tables import (
     budgets,
     jobs,
@@ -89,8 +95,12 @@ MAX_ORG_CLASSES = 10
 """An org's own priority classes, at most (HyperPod's limit; built-in ones are not counted)."""
 
 
-class ConfigMixin(EngineMixin):
-    """Budgets, session templates, pools and team quotas, priority classes."""
+class Config:
+    """Budgets, session templates, pools and team quotas, priority classes, over the ledger's
+    database; `headroom` (the queue's) ends a change that may have made room."""
+
+    def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
+        self.db, self.headroom = db, headroom
 
     @_reconnecting
     def set_budget(self, rule: BudgetRule, now: float | None = None) -> None:
@@ -98,10 +108,10 @@ class ConfigMixin(EngineMixin):
         now = time.time() if now is None else now
         org = rule.scope.split("/")[0]
         check_rule(rule)
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             _upsert_rule(conn, budgets, rule, now)
             self._rebuild_period(conn, rule, now)
-            self._bump(conn, org)
+            self.headroom(conn, org)
 
     @_reconnecting
     def set_session_template(self, rule: BudgetRule, now: float | None = None) -> None:
@@ -113,7 +123,7 @@ class ConfigMixin(EngineMixin):
             )
         check_rule(rule)
         now = time.time() if now is None else now
-        with self._write(rule.scope.split("/")[0]) as conn:
+        with self.db.write(rule.scope.split("/")[0]) as conn:
             _upsert_rule(conn, templates, rule, now)
 
     @_reconnecting
@@ -138,7 +148,7 @@ class ConfigMixin(EngineMixin):
             )
         table = templates if template else budgets
         org = scope.split("/")[0]
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             row = conn.execute(sa.select(table).where(table.c.scope == scope)).mappings().first()
             rule = merge(None if row is None else _rule(row))
@@ -148,26 +158,16 @@ class ConfigMixin(EngineMixin):
             _upsert_rule(conn, table, rule, now)
             if not template:
                 self._rebuild_period(conn, rule, now)
-                self._bump(conn, org)
+                self.headroom(conn, org)
         return rule
 
     @_reconnecting
     def session_templates(self) -> list[BudgetRule]:
-        with self._read() as conn:
+        with self.db.read() as conn:
             return [
                 _rule(row)
                 for row in conn.execute(sa.select(templates).order_by(templates.c.scope)).mappings()
             ]
-
-    def _ensure_session_budget(self, conn: Connection, scope: str, now: float) -> None:
-        if scope.count("/") != 2:
-            return
-        if conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first():
-            return
-        team = scope.rsplit("/", 1)[0]
-        row = conn.execute(sa.select(templates).where(templates.c.scope == team)).mappings().first()
-        if row is not None:
-            _upsert_rule(conn, budgets, replace(_rule(row), scope=scope), now)
 
     def _rebuild_period(self, conn: Connection, rule: BudgetRule, now: float) -> None:
         p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
@@ -203,16 +203,13 @@ class ConfigMixin(EngineMixin):
 
     @_reconnecting
     def budgets(self, org: str | None = None) -> list[BudgetRule]:
-        query = sa.select(budgets).order_by(budgets.c.scope)
-        if org:
-            query = query.where(budgets.c.org == org)
-        with self._read() as conn:
-            return [_rule(row) for row in conn.execute(query).mappings()]
+        with self.db.read() as conn:
+            return _budgets(conn, org)
 
     @_reconnecting
     def path_budgets(self, scope: str) -> list[BudgetRule]:
         """The budgets a job in `scope` must fit, outermost first."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             return _path_rules(conn, scope)
 
     @_reconnecting
@@ -233,7 +230,7 @@ class ConfigMixin(EngineMixin):
             "backfill": pool.backfill,
             "updated_at": now,
         }
-        with self._write(pool.org) as conn:
+        with self.db.write(pool.org) as conn:
             where = sa.and_(pools.c.org == pool.org, pools.c.name == pool.name)
             if conn.execute(pools.update().where(where).values(**values)).rowcount == 0:
                 conn.execute(pools.insert().values(org=pool.org, name=pool.name, **values))
@@ -245,7 +242,7 @@ class ConfigMixin(EngineMixin):
                 )
                 for q in quotas:
                     conn.execute(team_quotas.insert().values(**_quota_row(pool, q, now)))
-            self._bump(conn, pool.org)
+            self.headroom(conn, pool.org)
 
     @_reconnecting
     def set_team_quota(
@@ -261,7 +258,7 @@ class ConfigMixin(EngineMixin):
         quotas as they are. `make` builds the quota from the pool and the team's quota as they
         stand (None: it has none yet), inside the transaction that holds the org's lock, so
         that what an admin leaves out keeps its value; what it raises writes nothing."""
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             now = time.time() if now is None else now
             found = [p for p in _load_pools(conn, org) if p.name == pool_name]
             if not found:
@@ -280,12 +277,12 @@ class ConfigMixin(EngineMixin):
                 )
             )
             conn.execute(team_quotas.insert().values(**_quota_row(pool, quota, now)))
-            self._bump(conn, org)
+            self.headroom(conn, org)
         return pool, quota
 
     @_reconnecting
     def capacity(self, org: str) -> tuple[list[Pool], list[TeamQuota]]:
-        with self._read() as conn:
+        with self.db.read() as conn:
             return _load_pools(conn, org), _load_quotas(conn, org)
 
     @_reconnecting
@@ -299,7 +296,7 @@ class ConfigMixin(EngineMixin):
         if validate_scope(org).count("/"):
             raise BudgetInputError("org", f"priority classes belong to an org, got {org!r}")
         name, value = priorities.check_class(name, value)
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             others = sorted(
                 conn.execute(
                     sa.select(priority_classes.c.name).where(
@@ -332,7 +329,7 @@ class ConfigMixin(EngineMixin):
     @_reconnecting
     def remove_priority_class(self, org: str, name: str) -> bool:
         """Remove one of `org`'s own classes; False if it had none of that name."""
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             gone = conn.execute(
                 priority_classes.delete().where(
                     priority_classes.c.org == org, priority_classes.c.name == name
@@ -344,7 +341,7 @@ class ConfigMixin(EngineMixin):
     def priority_classes(self, org: str) -> list[dict[str, Any]]:
         """Every class a job of `org` may name, highest first: `org`'s own and the built-in
         and environment ones (`defined_by`: org, built-in or environment)."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             rows = conn.execute(
                 sa.select(priority_classes).where(priority_classes.c.org == org)
             ).mappings()
@@ -368,6 +365,19 @@ class ConfigMixin(EngineMixin):
     def priority_values(self, scope: str) -> dict[str, int]:
         """The value of every class a job in `scope`'s org may name."""
         return {c["name"]: c["value"] for c in self.priority_classes(scope.split("/")[0])}
+
+
+def ensure_session_budget(conn: Connection, scope: str, now: float) -> None:
+    """Give a session scope (`org/team/session`) with no budget its team's session template,
+    if there is one, in the caller's transaction (its first request)."""
+    if scope.count("/") != 2:
+        return
+    if conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first():
+        return
+    team = scope.rsplit("/", 1)[0]
+    row = conn.execute(sa.select(templates).where(templates.c.scope == team)).mappings().first()
+    if row is not None:
+        _upsert_rule(conn, budgets, replace(_rule(row), scope=scope), now)
 
 
 def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float) -> None:

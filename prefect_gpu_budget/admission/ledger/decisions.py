@@ -1,7 +1,7 @@
 """The admission transaction: a job recorded and decided, the org's queue decided, a job
 given back to the queue or ended unrun.
 
-Each runs under its org's lock (`EngineMixin._write`), loads what the policy needs (`_load`:
+Each runs under its org's lock (`Db.write`), loads what the policy needs (`_load`:
 the org's queued and active jobs, the budgets on their paths, the period spend, pools and
 quotas where a job uses one), and writes what `policy.decide` / `policy.plan` says.
 """
@@ -13,14 +13,15 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
-from prefect_gpu_budget.admission.ledger.config import _classes_of
-from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.agents import grant_refusal
+from prefect_gpu_budget.admission.ledger.config import _classes_of, ensure_session_budget
+from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
     _load_pools,
     _load_quotas,
@@ -46,13 +47,13 @@ from prefect_gpu_budget.admission.policy import (
     BudgetRule,
     Decision,
     LedgerState,
-    Request,
     decide,
     decide_behind,
     overrun_factors,
     plan,
 )
 from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, job_share, pool_for, team_of
+from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.admission.timing import STALE_WAITER_S
 from prefect_gpu_budget.batches import Batcher
 from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
@@ -104,19 +105,24 @@ class _Batch:
     """Per (scope, priority): the live waiter a new job joins behind, until a full decision."""
 
 
-class DecisionsMixin(EngineMixin):
-    """Requests and their decisions, the org's queue, and what leaves the queue unrun."""
+class Queue:
+    """Requests and their decisions, the org's queue, and what leaves the queue unrun, over the
+    ledger's database (`Db`). `headroom` is what every other store's write that may have made
+    room ends in."""
 
-    _overrun_cache: dict[str, tuple[float, dict[str, float]]]
-    """Per org: when `_overrun` last read it, and what it read."""
-    _asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]]
-    """Per org: this process's requests, recorded together when they arrive together."""
+    def __init__(self, db: Db) -> None:
+        self.db = db
+        self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
+        """Per org: when `_overrun` last read it, and what it read."""
+        self._asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]] = {}
+        """Per org: this process's requests, recorded together when they arrive together."""
 
-    if TYPE_CHECKING:
-
-        def _grant_refusal(self, conn: Connection, job: NewJob) -> str: ...
-
-        def _ensure_session_budget(self, conn: Connection, scope: str, now: float) -> None: ...
+    def headroom(self, conn: Connection, org: str) -> None:
+        """Headroom may have appeared in `org` (a job settled or left the queue, a budget, a
+        pool or a grant changed): decide its queue once, admitting every job that now fits
+        whichever process holds it, then bump the org's version and notify the jobs decided,
+        all in the caller's transaction."""
+        self.db.bump(conn, org, self._decide_queue(conn, org, time.time()))
 
     def request(
         self, job: NewJob, now: float | None = None, job_id: str | None = None
@@ -154,7 +160,7 @@ class DecisionsMixin(EngineMixin):
     ) -> list[tuple[Decision, list[BudgetRule]]]:
         """Record and decide jobs of `org` asking to be admitted, in order, in one transaction
         (a job already recorded under its id, before a connection dropped, is recorded once)."""
-        with self._write(org, request=True) as conn:  # after the org's other writes waiting
+        with self.db.write(org, request=True) as conn:  # after the org's other writes waiting
             ids = [job_id for job_id, _ in asked]
             found = conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()
             batch = _Batch(recorded={row["id"]: row for row in found})
@@ -176,13 +182,13 @@ class DecisionsMixin(EngineMixin):
             return _recorded(conn, batch.recorded[job_id]), _path_rules(conn, job.scope)
         rules = batch.rules.get(job.scope)
         if rules is None:
-            self._ensure_session_budget(conn, job.scope, now)
+            ensure_session_budget(conn, job.scope, now)
             rules = batch.rules[job.scope] = _path_rules(conn, job.scope)
         if job.priority_class is not None:
             if batch.classes is None:
                 batch.classes = _classes_of(conn, org)
             job = replace(job, priority=priorities.resolve(job.priority_class, batch.classes, org))
-        refusal = self._grant_refusal(conn, job) if job.grant is not None else ""
+        refusal = grant_refusal(conn, job.scope, job.grant) if job.grant is not None else ""
         if batch.pools is None:
             batch.pools = _load_pools(conn, org)
         job = _in_pool(batch.pools, org, job)
@@ -299,7 +305,7 @@ class DecisionsMixin(EngineMixin):
         time-out, or the reason it still waits (so `status` can say why).
         """
         org = scope.split("/")[0]
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             row = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if row["state"] == "admitted":  # by another's transaction: its holder takes over
@@ -317,7 +323,7 @@ class DecisionsMixin(EngineMixin):
         decision = decide(state, queue, job_id)
         _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
         if decision.verdict != "wait" or asked:
-            self._bump(conn, org)
+            self.headroom(conn, org)
         return decision
 
     def _write_decision(
@@ -506,7 +512,7 @@ class DecisionsMixin(EngineMixin):
         make room: a period rolls over, a waiter elsewhere went silent), and return `states`.
         It catches what a lost notice would have said."""
         waiting = list(waiting)
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             now = time.time() if now is None else now
             if waiting:
                 conn.execute(
@@ -516,7 +522,7 @@ class DecisionsMixin(EngineMixin):
                 )
             decided = self._decide_queue(conn, org, now)
             if decided:
-                self._bump(conn, org, decided, decide=False)
+                self.db.bump(conn, org, decided)
             return _states(conn, waiting)
 
     @_reconnecting
@@ -524,7 +530,7 @@ class DecisionsMixin(EngineMixin):
         """The recorded decision of each of `job_ids` no longer queued, with when its row was
         last stamped, in one read: a watcher hands them to the jobs it wakes, so a job decided
         by another's transaction learns it without a transaction of its own."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             rows = list(
                 conn.execute(
                     sa.select(jobs).where(jobs.c.id.in_(list(job_ids)), jobs.c.state != "queued")
@@ -551,7 +557,7 @@ class DecisionsMixin(EngineMixin):
         now = time.time() if now is None else now
         org = scope.split("/")[0]
         back = {"state": "queued", "reason": reason, "heartbeat_at": now}
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             done = conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "admitted")
@@ -562,7 +568,7 @@ class DecisionsMixin(EngineMixin):
                     **(back if end is None else _ended_unrun(end, reason, now)),
                 )
             ).rowcount
-            self._bump(conn, org)
+            self.headroom(conn, org)
         return bool(done)
 
     @_reconnecting
@@ -577,13 +583,13 @@ class DecisionsMixin(EngineMixin):
         """End a queued job: `cancelled`, or `timed_out` when its max wait ran out."""
         now = time.time() if now is None else now
         org = scope.split("/")[0]
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             done = conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "queued")
                 .values(**_ended_unrun(state, reason, now))
             ).rowcount
-            self._bump(conn, org)
+            self.headroom(conn, org)
         return bool(done)
 
     def _overrun(self, conn: Connection, org: str, now: float) -> dict[str, float]:

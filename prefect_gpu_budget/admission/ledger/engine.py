@@ -2,8 +2,9 @@
 
 Writes run in a transaction serialised per org (SQLite: `BEGIN IMMEDIATE`; PostgreSQL: a
 transaction-scoped advisory lock on the org), so any number of processes on any number of
-machines see one order. A write that may have made headroom ends in `_bump`: the org's queue
-is decided, its version bumped and (PostgreSQL) the jobs decided are named on NOTICE_CHANNEL.
+machines see one order. A write that may have made headroom ends in `Queue.headroom`: the
+org's queue is decided, its version bumped and (PostgreSQL) the jobs decided are named on
+NOTICE_CHANNEL (`Db.bump`).
 A SQLite ledger file is watched for being replaced under a live process (`_FileIdentity`).
 """
 
@@ -18,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -185,7 +186,7 @@ def _make_engine(url: str) -> Engine:
     # No pre-ping (a round trip per checkout on the hot path): a connection the server dropped
     # fails its first statement, the pool is invalidated, and `_reconnecting` runs the call again.
     # One connection per process, which its threads take in turn (a call is one short
-    # transaction, and no thread holds two: `EngineMixin._connection`): a process holds it and
+    # transaction, and no thread holds two: `Db.connection`): a process holds it and
     # its watcher's, however many of its jobs wait; and none is opened and closed under load (a
     # new backend costs PostgreSQL two transactions of its own).
     return sa.create_engine(
@@ -252,21 +253,20 @@ class OrgLock:
             line.popleft().set()
 
 
-class EngineMixin:
-    """The engine and its transactions, and the ledger's schema brought up to date. The other
-    parts of the `Ledger` run their transactions on this engine, mostly through `_write` (under
-    the org's lock) and `_read`; a write that may make headroom ends in `_bump`."""
+class Db:
+    """The ledger's database: its engine, its transactions and its schema brought up to date.
+    The stores (`Queue`, `Settlements`, `Config`, `Grants`, `Views`) run their transactions on
+    it: `write` (under the org's lock), `tx` (one row of its own) and `read`. A write that may
+    have made headroom ends in the queue's `headroom`, which decides the org's queue and then
+    `bump`s its version."""
 
-    url: str
-    engine: Engine
-    is_sqlite: bool
-    _org_locks: dict[str, OrgLock]
-    _held: threading.local
-    """`conn`: whether this thread holds a pooled connection (`_connection`)."""
-
-    if TYPE_CHECKING:
-
-        def _decide_queue(self, conn: Connection, org: str, now: float) -> list[str]: ...
+    def __init__(self, url: str | None = None) -> None:
+        self.url = normalise_url(url or default_url())
+        self.engine = _make_engine(self.url)
+        self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self._org_locks: dict[str, OrgLock] = {}
+        self._held = threading.local()
+        """`conn`: whether this thread holds a pooled connection (`connection`)."""
 
     def create(self) -> None:
         """Make the tables, and the columns an earlier version lacked, unless the ledger says it
@@ -314,24 +314,24 @@ class EngineMixin:
         self.engine.dispose()
 
     @contextmanager
-    def _write(self, org: str, request: bool = False) -> Iterator[Connection]:
+    def write(self, org: str, request: bool = False) -> Iterator[Connection]:
         """A transaction under the org's lock. The org's writes are serialised anyway (the
         advisory lock, SQLite's one writer): the threads of this process queue for it here, in
         turn (`OrgLock`; a `request` after the other writes waiting), instead of each holding a
         pooled connection while the database makes it wait."""
-        with self._org_lock(org).held(request), self._connection() as conn, conn.begin():
+        with self._org_lock(org).held(request), self.connection() as conn, conn.begin():
             if not self.is_sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
             yield conn
 
     @contextmanager
-    def _tx(self) -> Iterator[Connection]:
+    def tx(self) -> Iterator[Connection]:
         """A write transaction that needs no org's lock (one job's own row, a grant)."""
-        with self._connection() as conn, conn.begin():
+        with self.connection() as conn, conn.begin():
             yield conn
 
     @contextmanager
-    def _connection(self, read: bool = False) -> Iterator[Connection]:
+    def connection(self, read: bool = False) -> Iterator[Connection]:
         """A pooled connection for one transaction. A thread never takes a second while it
         holds one: with one pooled connection per process (PostgreSQL) that would wait for
         itself, so it is refused at once instead."""
@@ -352,18 +352,13 @@ class EngineMixin:
             return self._org_locks[org]
 
     @contextmanager
-    def _read(self) -> Iterator[Connection]:
-        with self._connection(read=True) as conn, conn.begin():
+    def read(self) -> Iterator[Connection]:
+        with self.connection(read=True) as conn, conn.begin():
             yield conn
 
-    def _bump(
-        self, conn: Connection, org: str, decided: Iterable[str] = (), *, decide: bool = True
-    ) -> None:
-        """Headroom may have appeared in `org` (a job settled, left the queue, a budget or a pool
-        changed): decide its queue once, admitting every job that now fits whichever process
-        holds it, bump the org's version and notify (PostgreSQL) the jobs decided, `decided`
-        included, all in the caller's transaction. Their holders' watchers wake only them."""
-        decided = [*decided, *(self._decide_queue(conn, org, time.time()) if decide else ())]
+    def bump(self, conn: Connection, org: str, decided: Iterable[str] = ()) -> None:
+        """Bump the org's version and notify (PostgreSQL) the jobs `decided`, in the caller's
+        transaction: their holders' watchers wake only them (`Queue.headroom` decides them)."""
         updated = conn.execute(
             versions.update().where(versions.c.org == org).values(version=versions.c.version + 1)
         )

@@ -6,13 +6,19 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import _load_pools, _load_quotas, _states, hold_of
+from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
+from prefect_gpu_budget.admission.ledger.rows import (
+    _budgets,
+    _load_pools,
+    _load_quotas,
+    _states,
+    hold_of,
+)
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     PREEMPTED,
@@ -27,25 +33,26 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
     versions,
 )
-from prefect_gpu_budget.admission.policy import BudgetRule, held_in
+from prefect_gpu_budget.admission.policy import held_in
 from prefect_gpu_budget.admission.quota import Capacity, Placed, Shape
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
 from prefect_gpu_budget.identity import holder_alive
 from prefect_gpu_budget.units import near, org_of, scope_path
 
 
-class ReadsMixin(EngineMixin):
-    """The read models: versions and states (what waiters watch), jobs, per-scope status,
-    orphans, period spend, and each pool's use and queue."""
+class Views:
+    """The read models over the ledger's database: versions and states (what waiters watch),
+    jobs, per-scope status, orphans, period spend, and each pool's use and queue."""
 
-    if TYPE_CHECKING:
-
-        def budgets(self, org: str | None = None) -> list[BudgetRule]: ...
+    def __init__(self, db: Db) -> None:
+        self.db = db
+        self._scopes_that_exist: set[str] = set()
+        """Levels `unknown_scope` found to exist (none is ever removed)."""
 
     @_reconnecting
     def version(self, org: str) -> int:
         """Changes whenever headroom may have appeared in `org`: waiters poll this cheaply."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             return (
                 conn.execute(
                     sa.select(versions.c.version).where(versions.c.org == org)
@@ -56,7 +63,7 @@ class ReadsMixin(EngineMixin):
     @_reconnecting
     def versions(self, orgs: Iterable[str]) -> dict[str, int]:
         """`version` of several orgs in one read (a watcher's poll on SQLite)."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             return dict(
                 conn.execute(
                     sa.select(versions.c.org, versions.c.version).where(
@@ -69,12 +76,12 @@ class ReadsMixin(EngineMixin):
     def states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str | None]]:
         """(state, what holds it) of each job, in one read: how a watcher learns which of the
         jobs it waits for were decided."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             return _states(conn, list(job_ids))
 
     @_reconnecting
     def job(self, job_id: str) -> dict[str, Any]:
-        with self._read() as conn:
+        with self.db.read() as conn:
             return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
 
     @_reconnecting
@@ -103,7 +110,7 @@ class ReadsMixin(EngineMixin):
             )
         if states:
             query = query.where(jobs.c.state.in_(states))
-        with self._read() as conn:
+        with self.db.read() as conn:
             found = [dict(row) for row in conn.execute(query).mappings()]
         return found[::-1] if limit is not None else found
 
@@ -111,10 +118,9 @@ class ReadsMixin(EngineMixin):
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
         """Per budgeted scope: cap, running rate, period spend (settled, reserved), queue."""
         now = time.time() if now is None else now
-        rules = [r for r in self.budgets() if _within(r.scope, scope)]
         out = []
-        with self._read() as conn:
-            for rule in rules:
+        with self.db.read() as conn:
+            for rule in [r for r in _budgets(conn) if _within(r.scope, scope)]:
                 subtree = sa.or_(
                     jobs.c.scope == rule.scope,
                     jobs.c.scope.startswith(rule.scope + "/", autoescape=True),
@@ -183,7 +189,7 @@ class ReadsMixin(EngineMixin):
 
     @_reconnecting
     def period_settled(self, scope: str, period_start: float) -> int:
-        with self._read() as conn:
+        with self.db.read() as conn:
             return (
                 conn.execute(
                     sa.select(period_spend.c.settled_micro).where(
@@ -197,7 +203,7 @@ class ReadsMixin(EngineMixin):
     def capacity_status(self, org: str) -> list[dict[str, Any]]:
         """Per pool: its size, used, each team's quota / used / borrowed / lendable, and its
         queue with the reasons (for `status` and the spend report)."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             org_pools, quotas = _load_pools(conn, org), _load_quotas(conn, org)
             if not org_pools:
                 return []
@@ -277,12 +283,12 @@ class ReadsMixin(EngineMixin):
 
         A level found to exist is remembered by this ledger object (no budget or share is
         ever removed), so a gate reads nothing more for the jobs after the first of a team."""
-        seen: set[str] = self.__dict__.setdefault("_scopes_that_exist", set())
+        seen = self._scopes_that_exist
         path = scope_path(scope)
         levels = [level for level in path[:2] if level not in seen]
         if not levels or len(path) == 1:
             return None
-        with self._read() as conn:
+        with self.db.read() as conn:
             for level in levels:
                 if level == path[-1] and ("/" not in level or not _has_teams(conn, org_of(level))):
                     continue  # the last level: a new session, or a team in a teamless org
@@ -313,7 +319,7 @@ class ReadsMixin(EngineMixin):
         """Why this admitted or running job must stop now: `preempted` (a job within its team's
         quota takes back capacity this one borrowed) or `stopped` (its owner asked:
         `ask_stop`); None while it may run on."""
-        with self._read() as conn:
+        with self.db.read() as conn:
             row = conn.execute(
                 sa.select(jobs.c.preempt_at, jobs.c.stop_asked_at).where(jobs.c.id == job_id)
             ).first()

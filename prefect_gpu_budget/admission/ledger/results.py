@@ -152,7 +152,7 @@ class SweepRecords:
         except that a sweep cancelled already, even before it opened, stays cancelled). Prunes
         the results older than RESULTS_RETENTION_S first."""
         now = time.time() if now is None else now
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             _prune(conn, now - RESULTS_RETENTION_S)
             for table in (trial_metrics, sweep_trials, sweep_outputs):
                 conn.execute(table.delete().where(table.c.run_id == run_id))
@@ -194,7 +194,7 @@ class SweepRecords:
         records = flat_records(records)
         if not records:
             return 0
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             row = conn.execute(
                 sa.select(sweep_trials.c.records, sweep_trials.c.metrics).where(
                     sweep_trials.c.run_id == run_id, sweep_trials.c.trial == trial
@@ -225,7 +225,7 @@ class SweepRecords:
         return len(kept)
 
     def end_trial(self, run_id: str, trial: int, state: str, reason: str) -> None:
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             conn.execute(
                 sweep_trials.update()
                 .where(sweep_trials.c.run_id == run_id, sweep_trials.c.trial == trial)
@@ -233,7 +233,7 @@ class SweepRecords:
             )
 
     def end_sweep(self, run_id: str, message: str, now: float | None = None) -> None:
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             conn.execute(
                 sweeps.update()
                 .where(sweeps.c.run_id == run_id)
@@ -244,7 +244,7 @@ class SweepRecords:
         """Keep one output of a sweep (replacing one of the same name); False when too big."""
         if len(content) > MAX_OUTPUT_BYTES:
             return False
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             conn.execute(
                 sweep_outputs.delete().where(
                     sweep_outputs.c.run_id == run_id, sweep_outputs.c.name == name
@@ -273,7 +273,7 @@ class SweepRecords:
             "cancelled_at": now,
             "message": "",
         }
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             upsert = _upsert(conn, placeholder).on_conflict_do_update(
                 index_elements=[sweeps.c.run_id],
                 set_={"cancelled_at": now},
@@ -288,7 +288,7 @@ class SweepRecords:
         """Delete every result (all four tables' rows) of the sweeps that ended before `before`,
         or never ended and started before it; how many sweeps went. `open_sweep` runs it with
         `before` RESULTS_RETENTION_S ago."""
-        with self.ledger._tx() as conn:
+        with self.ledger.db.tx() as conn:
             return _prune(conn, before)
 
     # -- reads (the sweep flow's checks, the gateway) --------------------------------------
@@ -296,7 +296,7 @@ class SweepRecords:
     def sweep(self, run_id: str) -> dict[str, Any] | None:
         """The sweep's row once its flow opened it (`open_sweep`): None before, even when it was
         cancelled already (see `cancelled`)."""
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             row = conn.execute(
                 sweeps.select().where(sweeps.c.run_id == run_id, sweeps.c.goal != _PLACEHOLDER_GOAL)
             ).first()
@@ -308,7 +308,7 @@ class SweepRecords:
 
     def latest(self, scope: str, name: str, since: float) -> str | None:
         """The run id of the newest sweep `name` in `scope` that started at or after `since`."""
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             return conn.execute(
                 sa.select(sweeps.c.run_id)
                 .where(sweeps.c.scope == scope, sweeps.c.name == name)
@@ -318,7 +318,7 @@ class SweepRecords:
             ).scalar_one_or_none()
 
     def cancelled(self, run_id: str) -> bool:
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             return (
                 conn.execute(
                     sa.select(sweeps.c.cancelled_at).where(sweeps.c.run_id == run_id)
@@ -328,7 +328,7 @@ class SweepRecords:
 
     def trials(self, run_id: str) -> list[dict[str, Any]]:
         """Each trial: its number, parameters, latest metrics, record count, final state."""
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             rows = conn.execute(
                 sweep_trials.select()
                 .where(sweep_trials.c.run_id == run_id)
@@ -347,7 +347,7 @@ class SweepRecords:
         ]
 
     def records(self, run_id: str, trial: int, offset: int, limit: int) -> list[dict[str, Any]]:
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             rows = conn.execute(
                 sa.select(trial_metrics.c.record)
                 .where(trial_metrics.c.run_id == run_id, trial_metrics.c.trial == trial)
@@ -359,7 +359,7 @@ class SweepRecords:
 
     def outputs(self, run_id: str) -> dict[str, str]:
         """Name -> media type of a sweep's outputs."""
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             rows = conn.execute(
                 sa.select(sweep_outputs.c.name, sweep_outputs.c.media_type)
                 .where(sweep_outputs.c.run_id == run_id)
@@ -368,7 +368,7 @@ class SweepRecords:
         return {r.name: r.media_type for r in rows}
 
     def output(self, run_id: str, name: str) -> tuple[str, bytes] | None:
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             row = conn.execute(
                 sa.select(sweep_outputs.c.media_type, sweep_outputs.c.content).where(
                     sweep_outputs.c.run_id == run_id, sweep_outputs.c.name == name
@@ -378,7 +378,7 @@ class SweepRecords:
 
     def version(self, run_id: str) -> tuple[Any, ...]:
         """What changes whenever the sweep's results do (records, trial states, outputs)."""
-        with self.ledger._read() as conn:
+        with self.ledger.db.read() as conn:
             trials = conn.execute(
                 sa.select(
                     sa.func.count(),

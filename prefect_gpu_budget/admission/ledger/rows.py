@@ -30,6 +30,14 @@ def _rule(row: Any) -> BudgetRule:
     )
 
 
+def _budgets(conn: Connection, org: str | None = None) -> list[BudgetRule]:
+    """Every budget (of `org`), by scope."""
+    query = sa.select(budgets).order_by(budgets.c.scope)
+    if org:
+        query = query.where(budgets.c.org == org)
+    return [_rule(row) for row in conn.execute(query).mappings()]
+
+
 def _path_rules(conn: Connection, scope: str) -> list[BudgetRule]:
     """The budgets a job in `scope` must fit, outermost first."""
     path = scope_path(scope)

@@ -5,20 +5,25 @@ every budget on its path."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget.admission import accounting, periods
-from prefect_gpu_budget.admission.ledger.engine import EngineMixin, _reconnecting
+from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import _rule
 from prefect_gpu_budget.admission.ledger.tables import ACTIVE, budgets, jobs, period_spend
 from prefect_gpu_budget.units import scope_path
 
 
-class SettlementMixin(EngineMixin):
-    """The writes of an admitted job's launcher and of its settlement."""
+class Settlements:
+    """The writes of an admitted job's launcher and of its settlement, over the ledger's
+    database; `headroom` (the queue's) ends a settlement."""
+
+    def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
+        self.db, self.headroom = db, headroom
 
     @_reconnecting
     def mark_started(self, job_id: str, started_at: float, external_id: str | None = None) -> bool:
@@ -26,7 +31,7 @@ class SettlementMixin(EngineMixin):
 
         False if the job is no longer admitted (reconcile settled it): it must not run.
         """
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             return bool(
                 conn.execute(
                     jobs.update()
@@ -43,7 +48,7 @@ class SettlementMixin(EngineMixin):
     @_reconnecting
     def record_submission(self, job_id: str, external_id: str) -> None:
         """A cloud accepted the admitted job (it may wait for capacity before it starts)."""
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "admitted")
@@ -55,7 +60,7 @@ class SettlementMixin(EngineMixin):
         """Remember the Prefect lease an admission holds, so reconcile can hand it back; False
         (nothing written) when the job is no longer admitted or running: its holder must then
         release the lease itself, as nobody else will."""
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             return (
                 conn.execute(
                     jobs.update()
@@ -69,7 +74,7 @@ class SettlementMixin(EngineMixin):
     def ask_stop(self, job_id: str, reason: str, now: float | None = None) -> bool:
         """Ask the holder of an admitted or running job to stop it (SIGTERM, its kill grace,
         SIGKILL) and settle it for what it ran; False when it is not admitted or running."""
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             return bool(
                 conn.execute(
                     jobs.update()
@@ -81,7 +86,7 @@ class SettlementMixin(EngineMixin):
 
     @_reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id)
@@ -107,12 +112,12 @@ class SettlementMixin(EngineMixin):
         rate x billed seconds (by default the time from start to end).
         """
         if scope is None:
-            with self._read() as probe:
+            with self.db.read() as probe:
                 scope = probe.execute(
                     sa.select(jobs.c.scope).where(jobs.c.id == job_id)
                 ).scalar_one()
         org = scope.split("/")[0]
-        with self._write(org) as conn:
+        with self.db.write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             job = conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one()
             if job["state"] not in ACTIVE:
@@ -135,7 +140,7 @@ class SettlementMixin(EngineMixin):
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
             start, end = accounting.incurred_span(job["started_at"], ended_at)
             self._add_spend(conn, job["scope"], actual, start, end)
-            self._bump(conn, org)
+            self.headroom(conn, org)
         return {**job, **values}
 
     def _add_spend(

@@ -12,7 +12,7 @@ checks the state it changes from (a job that moved on meanwhile is left as it is
 - queued -> admitted: a decision admits it (its own, or another job's transaction deciding the
   org's queue), with its reservation.
 - queued -> rejected / timed_out: the decision refuses it, or its max wait ran out; rejected
-  also when an agent's job may not even queue (`_grant_refusal`).
+  also when an agent's job may not even queue (`agents.grant_refusal`).
 - queued -> cancelled (or timed_out): `cancel_queued`, and `revoke_agent` for a session's jobs.
 - admitted -> queued: `unadmit` (its Prefect concurrency slots could not be taken); with
   `end`, admitted -> rejected or timed_out in the same transaction.

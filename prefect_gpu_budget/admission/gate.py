@@ -355,9 +355,7 @@ class Gate:
                         self.settle(admission, ended_at=time.time(), outcome="cancelled")
                         raise
                     return admission
-                decision = Decision(
-                    "wait", limit_reason(scope), limit="prefect_limit", scope=scope
-                )
+                decision = Decision("wait", limit_reason(scope), limit="prefect_limit", scope=scope)
                 given_back = True  # what its watcher read before that may say it is admitted
             if deadline is None:  # told once, with the budgets its request was decided against
                 self.events.queued(job_id, decision, rules)

@@ -142,7 +142,6 @@ class SlotLeases:
         if not recorded:
             raise AdmissionGone(f"job {job_id[:8]} is no longer admitted")
 
-
     def retake(
         self, job_id: str, caps: tuple[tuple[str, int], ...], slots: int, patience: float
     ) -> str | None:

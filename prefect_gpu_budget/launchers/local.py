@@ -227,7 +227,13 @@ class LocalLauncher:
             reader.join(timeout=2)
             record.finish()  # the start is on record before the gate settles
             return LaunchResult(
-                outcome, started, ended, exit_code=code, detail=detail, external_id=external_id
+                outcome,
+                started,
+                ended,
+                exit_code=code,
+                detail=detail,
+                external_id=external_id,
+                billed_seconds=_billed(job, outcome, ended - started),
             )
         finally:
             _release(gpus)
@@ -290,6 +296,14 @@ def _wait(
             ("completed" if code == 0 else "failed"),
             ("" if code == 0 else f"exit code {code}"),
         )
+
+
+def _billed(job: GpuJob, outcome: str, ran_s: float) -> float | None:
+    """What a job stopped at max_runtime is billed: at most max_runtime + its kill grace, the
+    bound its reservation holds. Its last process was SIGKILLed by then (in its own PID
+    namespace, all of them at once); the milliseconds the kernel and this thread take to see
+    it gone are the launcher's, not the job's. Any other ending: its time as it ran (None)."""
+    return min(ran_s, job.reserve_runtime_s) if outcome == "timed_out" else None
 
 
 def _holder_env(mark: str) -> dict[str, str]:

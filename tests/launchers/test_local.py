@@ -112,6 +112,11 @@ def test_children_outliving_max_runtime_are_killed_at_max_runtime(quote):
     assert 2.0 <= result.runtime_s < 2 + 1 + SLACK_S, result.runtime_s
     assert lived < 2 + 1 + SLACK_S, lived
     assert _marked(mark) == []
+    # killed at its bound, billed at most its bound: never the kill's latency past the
+    # reservation (max_runtime + kill grace)
+    assert result.billed_seconds is not None
+    assert result.billed_seconds <= job.reserve_runtime_s == 3.0
+    assert result.billed_seconds == min(result.runtime_s, 3.0)
 
 
 @pytest.mark.parametrize("child", [False, True], ids=["the job", "its child"])

@@ -1,7 +1,7 @@
 """Benchmark: a burst of requests recorded (prefect_gpu_budget/admission/ledger/decisions.py).
 
 `--processes` agent processes (subprocesses of this one) x `--requests / --processes` threads
-each ask the ledger for admission at the same instant (`Ledger.ask`, what `Gate.admit` calls
+each ask the ledger for admission at the same instant (`Ledger.queue.ask`, what `Gate.admit` calls
 first), against one team whose hourly cap admits 8 of them: the other jobs queue. Measured per
 backend, with a fresh ledger each (a PostgreSQL database of its own, or a SQLite file):
 

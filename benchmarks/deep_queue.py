@@ -179,10 +179,10 @@ def agent_main(raw: str) -> None:
                     finally:
                         activity.asking(-1)
                     count(1)
-                    gate.started(admission, time.time())
+                    gate.holding.started(admission, time.time())
                     waited.append(admission.waited_s)
                     time.sleep(cfg.job_s)
-                    gate.settle(admission, ended_at=time.time(), outcome="completed")
+                    gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
                     count(-1)
                 except Exception as exc:  # counted and reported, the run goes on
                     errors.append(f"{type(exc).__name__}: {exc}"[:300])

@@ -145,7 +145,7 @@ def bench_gate(gate: Gate, iterations: int, warmup: int) -> dict[str, Any]:
         start = time.perf_counter()
         admission = gate.admit(job, SCOPE)
         admitted = time.perf_counter()
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
         done = time.perf_counter()
         admits.append(admitted - start)
         settles.append(done - admitted)
@@ -208,7 +208,7 @@ def gate_round_trip(gate: Gate, scope: str) -> Callable[[], None]:
     job = bench_job()
 
     def op() -> None:
-        gate.settle(gate.admit(job, scope), ended_at=time.time(), outcome="completed")
+        gate.holding.settle(gate.admit(job, scope), ended_at=time.time(), outcome="completed")
 
     return op
 

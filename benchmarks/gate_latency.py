@@ -5,7 +5,7 @@ Measured side by side in one run, against one throwaway Prefect server (`prefect
 
 1. bare Prefect: acquire + release one slot of a global concurrency limit (raw client API);
 2. the gate: `admit` + `settle` uncontended, with Prefect limits in the loop, and the ledger's
-   own decision (`Ledger.request`: record the job and decide, one transaction) alone, on
+   own decision (`Ledger.queue.request`: record the job and decide, one transaction) alone, on
    SQLite and on PostgreSQL;
 3. admissions per second with 1, 4, 16 and 32 admitters in separate processes;
 4. the ledger's decision latency with 10^3 and with 10^6 settled rows in the ledger.

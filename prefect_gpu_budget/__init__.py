@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from prefect_gpu_budget._lazy import lazy_exports
 
 _PUBLIC = {
-    "Admission": "prefect_gpu_budget.admission.gate",
+    "Admission": "prefect_gpu_budget.admission.holding",
     "AdmissionRefused": "prefect_gpu_budget.admission.gate",
     "CapacityPool": "prefect_gpu_budget.blocks",
     "DeploymentLauncher": "prefect_gpu_budget.launchers.deployment",
@@ -58,7 +58,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
+    from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+    from prefect_gpu_budget.admission.holding import Admission
     from prefect_gpu_budget.admission.ledger import Ledger
     from prefect_gpu_budget.blocks import CapacityPool, GpuBudget, GpuPriorityClass, SpendLedger
     from prefect_gpu_budget.job import GpuJob

@@ -172,7 +172,7 @@ def test_random_and_exact_kills_lose_nothing(
 
 
 def _row(job_id: str, admitted: float, settled: float | None, **extra: object) -> dict:
-    """A ledger row as `Ledger.jobs` returns it: $3.60/h for a minute, reserved $0.06."""
+    """A ledger row as `Ledger.views.jobs` returns it: $3.60/h for a minute, reserved $0.06."""
     return {
         "id": job_id,
         "scope": "p1/t",

@@ -58,7 +58,7 @@ def test_forecast_matches_the_real_sweep(prefect_api, prices, tmp_path):
 def _team(ledger: Ledger, **kw: str) -> None:
     """The sweeps' team, `fc/team`, with no limits of its own (and, `kw`, the org's manner of
     waiting: the deepest budget's applies): the gate refuses a scope whose team nobody
-    created (`Ledger.unknown_scope`), and so does the forecast."""
+    created (`Ledger.views.unknown_scope`), and so does the forecast."""
     GpuBudget(scope="fc/team", **kw).apply(ledger)
 
 

@@ -39,7 +39,7 @@ def test_an_orgs_own_class_orders_the_queue_and_unknown_names_write_nothing(ledg
     urgent, also = ledger.queue.request(_record(gate, _job("urgent"), "acme/b/s"))
     assert waits.verdict == also.verdict == "wait"
     assert ledger.views.job(urgent)["priority"] == 500
-    gate.settle(running, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(running, ended_at=time.time(), outcome="completed")
     assert ledger.queue.try_admit(high, "acme/a/s").verdict == "wait"  # the urgent one goes first
     assert ledger.queue.try_admit(urgent, "acme/b/s").verdict == "admit"
 

@@ -74,9 +74,9 @@ def test_simulator_and_live_gate_agree(tmp_path, prices):
             admission = gate.admit(jobs[i], scope)
             with lock:
                 order.append(str(i))
-            gate.started(admission, time.time())
+            gate.holding.started(admission, time.time())
             time.sleep(runtime)
-            gate.settle(admission, ended_at=time.time(), outcome="completed")
+            gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
 
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(SCENARIO))]
         for t in threads:

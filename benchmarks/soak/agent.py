@@ -28,7 +28,8 @@ from benchmarks.soak.config import (
 )
 from benchmarks.soak.jobs import Runner, Sleeper
 from benchmarks.soak.recording import Recorder, TimedLedger, TimedLimits
-from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.holding import Admission, GateEvents
 from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
@@ -190,7 +191,7 @@ class Agent:
         else:
             self.recorder.latency("admit", elapsed)
         if kind == "withdraw":
-            self.gate.settle(admission, ended_at=time.time(), outcome="withdrawn")
+            self.gate.holding.settle(admission, ended_at=time.time(), outcome="withdrawn")
             self.recorder.count("withdrawn")
             return
         self.runner.add(self.rng.uniform(*RUN_S), admission)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from benchmarks.soak.recording import Recorder
-from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import (

@@ -1,26 +1,33 @@
-"""The gate: request -> quote -> admission (ledger, then Prefect limits) -> settlement.
+"""The gate: the admission stage only. A job passes, in order:
 
-The ledger's decision comes first and carries the order and the reasons; the Prefect limits are
-then taken atomically for every capped scope on the path. A waiter does not poll: the
-transaction that frees headroom decides the org's queue, and the process's watcher
-(`admission/watcher.py`) wakes the jobs it decided, so a job is admitted well within a second of
-headroom appearing, without Prefect's Retry-After sleeps, at a cost that grows with events, not
-with waiters. A waiter re-decides its own job only when woken, at its max wait, or when the
-period that blocks it resets.
+1. price (`quote`, `price_job`): its rate, taken once;
+2. scope (`_known_scope`): an org or team nobody created is refused, nothing recorded;
+3. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
+   this process to the same org that arrive meanwhile;
+4. wait (`_wait`): a waiter does not poll. The transaction that frees headroom decides the org's
+   queue, and the process's watcher (`admission/watcher.py`) wakes the jobs it decided, so a job
+   is admitted well within a second of headroom appearing, at a cost that grows with events,
+   not with waiters; a waiter re-decides its own job (`Queue.try_admit`) only when woken, at its
+   max wait, or when the period that blocks it resets;
+5. slots (`SlotLeases.take`): the Prefect limits of every capped scope on its path, under one
+   lease;
+6. hold (`Holding.hold`): the admitted job's one thread starts, and the caller gets its
+   `Admission`.
+
+What the job holds from then on, and its settlement, are `Holding`'s (`gate.holding`).
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefect_gpu_budget.admission.errors import AdmissionRefused
+from prefect_gpu_budget.admission.holding import Admission, GateEvents, Holding
 from prefect_gpu_budget.admission.leases import SlotLeases, limit_reason
 from prefect_gpu_budget.admission.ledger import (
     PREEMPTED,
@@ -30,7 +37,6 @@ from prefect_gpu_budget.admission.ledger import (
     wait_key,
 )
 from prefect_gpu_budget.admission.limits import Limits
-from prefect_gpu_budget.admission.outages import describe as _outage
 from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.policy import BudgetRule, Decision, max_wait_of, wait_deadline
 from prefect_gpu_budget.admission.timing import (
@@ -38,19 +44,14 @@ from prefect_gpu_budget.admission.timing import (
     GIVE_BACK_S,
     HEARTBEAT_S,
     RECHECK_S,
-    RELEASE_PATIENCE_S,
     REQUEST_PATIENCE_S,
-    SETTLE_PATIENCE_S,
     WAKE_ANYWAY_S,
 )
 from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, price_job
 from prefect_gpu_budget.threads import Handoff as _Handoff
-from prefect_gpu_budget.threads import off_thread as _off_thread
-from prefect_gpu_budget.units import fmt_usd, org_of, rate_cents, validate_scope
-
-log = logging.getLogger("prefect_gpu_budget.gate")
+from prefect_gpu_budget.units import org_of, rate_cents, validate_scope
 
 T = TypeVar("T")
 
@@ -59,48 +60,9 @@ class _Cancelled(BaseException):
     """Raised in the admission thread when its caller was cancelled."""
 
 
-@dataclass
-class GateEvents:
-    """What the gate tells the outside world; the Prefect task fills these in."""
-
-    queued: Callable[[str, Decision, list[BudgetRule]], None] = lambda *a: None
-    waiting: Callable[[str, Decision], None] = lambda *a: None
-    admitted: Callable[[Admission], None] = lambda *a: None
-    refused: Callable[[str, AdmissionRefused], None] = lambda *a: None
-    settled: Callable[[Admission, dict], None] = lambda *a: None
-    warning: Callable[[str], None] = lambda message: log.warning("%s", message)
-    """Something the researcher should know: a dependency (the ledger's database, the Prefect
-    API) is down and the gate keeps trying, or a running job is being preempted."""
-
-
-@dataclass
-class Admission:
-    """An admitted job: its ledger row, the rate slots it holds and its heartbeat."""
-
-    job_id: str
-    scope: str
-    job: GpuJob
-    quote: Quote
-    reserved_micro: int
-    waited_s: float
-    reason: str
-    lease_id: str | None = None
-    caps: tuple[tuple[str, int], ...] = ()
-    slots: int = 0
-    pool: str | None = None
-    preempted: threading.Event = field(default_factory=threading.Event, repr=False)
-    """Set when the job must stop: a job within its team's quota asked for the capacity this
-    one borrowed, or its owner stopped it (`stop_reason` says which); the job's life
-    (`admission/lifecycle.py`) stops the job when it is."""
-    stop_reason: str = PREEMPTED
-    """`preempted` or `stopped` (`Ledger.views.stop_asked`), once `preempted` is set."""
-    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
-    _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _beat: threading.Thread | None = field(default=None, repr=False)
-
-
 class Gate:
-    """Admission (request -> wait -> slots -> heartbeat) and settlement of GPU jobs."""
+    """Admission of GPU jobs: request -> wait -> slots; what an admitted job then holds, and
+    its settlement, are `holding`'s (`admission/holding.py`)."""
 
     def __init__(
         self,
@@ -123,6 +85,15 @@ class Gate:
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
         self.leases = SlotLeases(ledger, limits, self.patiently, self.events.warning)
+        self.holding = Holding(
+            ledger,
+            limits,
+            self.leases,
+            self.events,
+            self.patiently,
+            heartbeat_s=heartbeat_s,
+            preempt_poll_s=preempt_poll_s,
+        )
 
     def with_events(self, events: GateEvents) -> Gate:
         """This gate (its ledger, limits, catalog and clocks) telling `events`."""
@@ -191,7 +162,7 @@ class Gate:
             self._known_scope(scope)  # before anything is recorded: a typo reserves nothing
             admission = self._admit_here(new, job, quote, handoff)
             if not handoff.claim("admitted"):  # the caller was cancelled a moment before
-                self.settle(admission, ended_at=time.time(), outcome="cancelled")
+                self.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
             return admission
 
         try:
@@ -199,7 +170,7 @@ class Gate:
         except BaseException:  # refused; or cancelled, and the job was given back, unless
             if handoff.claims[:1] == ["admitted"] and handoff.result is not None:
                 # it was admitted just before the cancellation: that admission goes back here
-                self.settle(handoff.result, ended_at=time.time(), outcome="cancelled")
+                self.holding.settle(handoff.result, ended_at=time.time(), outcome="cancelled")
             raise
 
     def _known_scope(self, scope: str) -> None:
@@ -317,7 +288,7 @@ class Gate:
                 preempted, watched, why = threading.Event(), threading.Event(), [PREEMPTED]
                 if decision.pool is not None:  # borrowed capacity may be reclaimed at once
                     threading.Thread(
-                        target=self._watch_while_taking_slots,
+                        target=self.holding.watch_admitted,
                         args=(job_id, preempted, watched, why),
                         name=f"gpu-budget-preempt-early-{job_id[:8]}",
                         daemon=True,
@@ -349,10 +320,10 @@ class Gate:
                         stop_reason=why[0],
                     )
                     try:
-                        self._start_heartbeat(admission)
+                        self.holding.hold(admission)
                         self.events.admitted(admission)
                     except BaseException:  # nothing ran: hand back the lease and the money
-                        self.settle(admission, ended_at=time.time(), outcome="cancelled")
+                        self.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
                         raise
                     return admission
                 decision = Decision("wait", limit_reason(scope), limit="prefect_limit", scope=scope)
@@ -393,155 +364,3 @@ class Gate:
             "reading budgets", functools.partial(self.ledger.config.path_budgets, scope)
         )
         return max_wait_of(None, rules)
-
-    def _start_heartbeat(self, admission: Admission) -> None:
-        """One thread per admitted job: every `preempt_poll_s` it asks the ledger whether the
-        job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner), and every
-        `heartbeat_s` it stamps the row and renews the lease."""
-
-        def beat() -> None:
-            next_beat = time.monotonic() + self.heartbeat_s
-            while not admission._stop.wait(min(self.preempt_poll_s, self.heartbeat_s)):
-                if not admission.preempted.is_set():
-                    self._check_stop(admission)
-                if time.monotonic() < next_beat:
-                    continue
-                next_beat = time.monotonic() + self.heartbeat_s
-                try:
-                    self.ledger.settlements.heartbeat(admission.job_id)
-                    with admission._lease_lock:  # never renew or retake while it settles
-                        lease, limits = admission.lease_id, self.limits
-                        if admission._stop.is_set() or not lease or limits is None:
-                            continue
-                        if not limits.renew(lease):
-                            retaken = self.leases.retake(
-                                admission.job_id, admission.caps, admission.slots, self.heartbeat_s
-                            )
-                            if retaken is not None:
-                                admission.lease_id = retaken
-                except Exception as exc:  # keep beating: a dependency may come back
-                    self.events.warning(
-                        f"heartbeat of job {admission.job_id[:8]} failed: {_outage(exc)}"
-                    )
-
-        admission._beat = threading.Thread(
-            target=beat, name=f"gpu-budget-heartbeat-{admission.job_id[:8]}", daemon=True
-        )
-        admission._beat.start()
-
-    def _watch_while_taking_slots(
-        self, job_id: str, preempted: threading.Event, done: threading.Event, why: list[str]
-    ) -> None:
-        """From the moment of admission until its Prefect slots are taken (seconds, on a busy
-        machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts."""
-        while not done.wait(self.preempt_poll_s):
-            try:
-                asked = self.ledger.views.stop_asked(job_id)
-                if asked:
-                    why[0] = asked
-                    preempted.set()
-                    return
-            except Exception:  # an outage: the heartbeat reports it
-                continue
-
-    def _check_stop(self, admission: Admission) -> None:
-        try:
-            asked = self.ledger.views.stop_asked(admission.job_id)
-        except Exception:  # an outage: the heartbeat reports it
-            return
-        if asked is None:
-            return
-        admission.stop_reason = asked
-        admission.preempted.set()
-        if asked == PREEMPTED:
-            self.events.warning(
-                f"job {admission.job_id[:8]} is preempted in pool {admission.pool}: the capacity "
-                "it holds goes to another job (its lender's, or a higher-priority one of its own "
-                "team); stopping it gracefully"
-            )
-        else:
-            self.events.warning(
-                f"job {admission.job_id[:8]} is stopped by its owner; stopping it gracefully"
-            )
-
-    def _record(self, what: str, call: Callable[[], T]) -> T:
-        """A write about a running job, in a thread of its own (a cancellation of the caller
-        cannot break it) and patient through a short ledger outage."""
-        return _off_thread(
-            functools.partial(self.patiently, what, call, SETTLE_PATIENCE_S), SETTLE_PATIENCE_S
-        )
-
-    def submitted(self, admission: Admission, external_id: str) -> None:
-        """Record the cloud's id of a job that may still wait for capacity."""
-        self._record(
-            "recording the submission",
-            functools.partial(
-                self.ledger.settlements.record_submission, admission.job_id, external_id
-            ),
-        )
-
-    def started(
-        self, admission: Admission, started_at: float, external_id: str | None = None
-    ) -> None:
-        """Record that the launcher started the job; refuse if it is no longer admitted."""
-        if not self._record(
-            "recording the start",
-            functools.partial(
-                self.ledger.settlements.mark_started, admission.job_id, started_at, external_id
-            ),
-        ):
-            raise RuntimeError(
-                f"job {admission.job_id[:8]} is no longer admitted (settled by reconcile?)"
-            )
-
-    def settle(
-        self,
-        admission: Admission,
-        *,
-        ended_at: float,
-        outcome: str,
-        billed_seconds: float | None = None,
-        actual_micro: int | None = None,
-    ) -> dict:
-        """Write the actual cost once, then give back the rate slots. Returns the ledger row.
-        (In a thread of its own, as `admit`: a cancellation of the caller cannot break it.)"""
-        return _off_thread(
-            functools.partial(
-                self._settle, admission, ended_at, outcome, billed_seconds, actual_micro
-            ),
-            SETTLE_PATIENCE_S,
-        )
-
-    def _settle(
-        self,
-        admission: Admission,
-        ended_at: float,
-        outcome: str,
-        billed_seconds: float | None,
-        actual_micro: int | None,
-    ) -> dict:
-        with admission._lease_lock:  # a heartbeat in flight finishes first, then stops
-            admission._stop.set()
-        lease, limits = admission.lease_id, self.limits
-        try:  # slots first: a crash between the two leaves an open row for reconcile to settle
-            if lease and limits is not None:
-                release = functools.partial(limits.release, lease)
-                self.patiently("releasing Prefect limits", release, RELEASE_PATIENCE_S)
-        finally:
-            settle = functools.partial(
-                self.ledger.settlements.settle,
-                admission.job_id,
-                ended_at=ended_at,
-                outcome=outcome,
-                billed_seconds=billed_seconds,
-                actual_micro=actual_micro,
-                scope=admission.scope,
-            )
-            row = self.patiently("settling", settle, SETTLE_PATIENCE_S)
-        if row is None:  # settled already (by reconcile, say): report what the ledger holds
-            row = self.patiently(
-                "reading the job", functools.partial(self.ledger.views.job, admission.job_id)
-            )
-        self.events.settled(admission, row)
-        log.debug("settled %s: %s", admission.job_id[:8], fmt_usd(row["actual_micro"] or 0))
-        return row

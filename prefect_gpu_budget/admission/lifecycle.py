@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
-from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import Launcher, LaunchResult
@@ -115,7 +116,7 @@ class Settlement:
                 return self._row
             then, self._then = self._then, None
             try:
-                self._row = self.gate.settle(
+                self._row = self.gate.holding.settle(
                     self.admission,
                     ended_at=time.time() if ended_at is None else ended_at,
                     outcome=outcome,
@@ -191,7 +192,7 @@ class Running:
             if self.started_at is not None:
                 return
             self.started_at = at
-        self.gate.started(self.admission, at, external_id)
+        self.gate.holding.started(self.admission, at, external_id)
         if stop is not None:
             self.stoppable(stop)
 
@@ -329,7 +330,7 @@ def run_admitted(
             on_start=on_start,
             log=log,
             env=env or {},
-            on_submit=partial(gate.submitted, admission),
+            on_submit=partial(gate.holding.submitted, admission),
         )
     finally:
         running.over()

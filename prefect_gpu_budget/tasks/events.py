@@ -16,7 +16,8 @@ from prefect.states import Cancelled, Failed, Running, Scheduled, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, GateEvents
+from prefect_gpu_budget.admission.gate import AdmissionRefused
+from prefect_gpu_budget.admission.holding import Admission, GateEvents
 from prefect_gpu_budget.admission.ledger import PREEMPTED
 from prefect_gpu_budget.admission.lifecycle import TIMED_OUT
 from prefect_gpu_budget.admission.lifecycle import Running as RunningJob

@@ -18,7 +18,8 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed
 
-from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import PREEMPTED
 from prefect_gpu_budget.admission.lifecycle import (
     CANCELLED,
@@ -131,8 +132,10 @@ def settle(
     """Settle an admitted job once: actual cost replaces the reservation; slots are released."""
     gate = gate_for_run(admission.scope, admission.job, ledger)
     if started_at is not None:
-        gate.started(admission, started_at)
-    return gate.settle(admission, ended_at=ended_at, outcome=outcome, actual_micro=actual_usd_micro)
+        gate.holding.started(admission, started_at)
+    return gate.holding.settle(
+        admission, ended_at=ended_at, outcome=outcome, actual_micro=actual_usd_micro
+    )
 
 
 # Never cached: a cached result would skip the gate and the spend it guards.

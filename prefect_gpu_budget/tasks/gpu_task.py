@@ -54,7 +54,8 @@ from prefect.context import TaskRunContext
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
 
-from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused
+from prefect_gpu_budget.admission.gate import AdmissionRefused
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.lifecycle import FAILED, PastMaxRuntime, Running, StopAsked
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import _grant, _release, visible_gpus

@@ -35,7 +35,8 @@ from prefect.client.orchestration import get_client
 from prefect.states import Failed, Pending, Scheduled, State
 from pydantic import BaseModel, Field, PrivateAttr
 
-from prefect_gpu_budget.admission.gate import Admission, AdmissionRefused, Gate, GateEvents
+from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
+from prefect_gpu_budget.admission.holding import Admission, GateEvents
 from prefect_gpu_budget.admission.lifecycle import CANCELLED, COMPLETED, Running
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
@@ -277,7 +278,7 @@ class WorkerRun:
 
     def submitted(self, external_id: str) -> None:
         """The cloud's id of a job that may still wait for capacity, for reconcile."""
-        self.gate.submitted(self.admission, external_id)
+        self.gate.holding.submitted(self.admission, external_id)
 
     async def until_settled(
         self,

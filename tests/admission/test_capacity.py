@@ -100,9 +100,9 @@ def _racer(url: str, index: int, count: int) -> None:
             kill_grace="1s",
         )
         admission = gate.admit(job, f"{team}/r{index}")
-        gate.started(admission, time.time(), f"race:{index}:{i}")
+        gate.holding.started(admission, time.time(), f"race:{index}:{i}")
         time.sleep(0.05)
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
 
 
 @pytest.mark.timeout(600)
@@ -182,7 +182,7 @@ def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, m
         row = ledger.views.job(admission.job_id)
         assert len(row["placement"].split(",")) == 2  # all its nodes, or none
         time.sleep(0.3)
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
         spans.append(admission.job_id)
 
     racers = [threading.Thread(target=run, args=(n,)) for n in ("a", "b")]
@@ -287,7 +287,7 @@ def test_a_reclaim_asked_while_a_borrower_takes_its_slots_is_seen_at_once(
     taking.join(timeout=30)
     [admission] = admitted
     assert admission.preempted.is_set()  # already when admit returns: the job stops as it starts
-    gate.settle(admission, ended_at=time.time(), outcome="preempted")
+    gate.holding.settle(admission, ended_at=time.time(), outcome="preempted")
     ledger.queue.cancel_queued(owner, "acme/a/s", "test over")
 
 
@@ -367,4 +367,4 @@ def test_partial_node_jobs_share_a_machine_and_pay_their_part(ledger, tmp_path):
         gate.admit(part(gpus=0), "acme/a/s")
     assert len(ledger.views.jobs("acme")) == before
     for admission in admitted:
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")

@@ -93,9 +93,9 @@ def _race_worker(
         except AdmissionRefused as refused:
             results.append({"refused": refused.state_name})
             continue
-        gate.started(admission, time.time())
+        gate.holding.started(admission, time.time())
         time.sleep(rng.uniform(0.05, 0.25))
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
         again = ledger.settlements.settle(
             admission.job_id, ended_at=time.time() + 100, outcome="completed"
         )
@@ -162,7 +162,7 @@ def test_a_blocked_job_resumes_when_its_blocker_settles(ledger, prefect_api, pri
     gate = Gate(ledger, limits, catalog=Catalog.load(prices), recheck_s=3600)
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     first = gate.admit(job, "resume/t/s")
-    gate.started(first, time.time())
+    gate.holding.started(first, time.time())
     got: dict[str, object] = {}
 
     def second() -> None:
@@ -175,10 +175,10 @@ def test_a_blocked_job_resumes_when_its_blocker_settles(ledger, prefect_api, pri
     )
     assert "blocked by hourly cap of resume" in queued["reason"], queued["reason"]
     assert "admission" not in got, "admitted over the hourly cap"
-    gate.settle(first, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(first, ended_at=time.time(), outcome="completed")
     waiter.join(timeout=120)
     assert "admission" in got, "still waiting after its blocker settled"
-    gate.settle(got["admission"], ended_at=time.time(), outcome="completed")
+    gate.holding.settle(got["admission"], ended_at=time.time(), outcome="completed")
     assert limits.active_slots("resume") == 0
     limits.close()
 
@@ -195,7 +195,7 @@ def test_priority_then_arrival_order(ledger, prices):
         )
         order.append(name)
         time.sleep(0.3)
-        gate.settle(a, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(a, ended_at=time.time(), outcome="completed")
 
     threads = []
     for name, priority in [("low-1", -100), ("normal-1", 0), ("high-1", 100), ("normal-2", 0)]:
@@ -205,7 +205,7 @@ def test_priority_then_arrival_order(ledger, prices):
         wait_for(
             lambda n=queued: len(ledger.views.jobs("prio", states=("queued",))) == n, 120, name
         )
-    gate.settle(running, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(running, ended_at=time.time(), outcome="completed")
     for t in threads:
         t.join(timeout=120)
     assert order == ["high-1", "normal-1", "normal-2", "low-1"]
@@ -226,7 +226,7 @@ def test_reject_and_timeout_carry_the_reason(ledger, prices):
     assert timed_out.value.state_name == "AdmissionTimeout"
     assert "max wait 1s ran out" in timed_out.value.reason
     assert time.time() - started > 0.9  # it waited out its max wait
-    gate.settle(held, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(held, ended_at=time.time(), outcome="completed")
     states = sorted(r["state"] for r in ledger.views.jobs("rt"))
     assert states == ["rejected", "settled", "timed_out"]
 
@@ -242,7 +242,7 @@ CRASHER = textwrap.dedent(
     gate = Gate(Ledger(sys.argv[1]), catalog=Catalog.load(Path(sys.argv[2])), heartbeat_s=0.2)
     a = gate.admit(GpuJob(instance_type="local:box", max_runtime="10m"), "crash/t/s")
     if sys.argv[3] == "running":
-        gate.started(a, time.time())
+        gate.holding.started(a, time.time())
     print("admitted", flush=True)
     time.sleep(600)
     """
@@ -332,7 +332,7 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     late = row["admitted_at"] + UNRECORDED_LEASE_S + 0.3  # past the window of admission alone
     assert awaiting_lease_expiry(ledger, row, late)
     assert not awaiting_lease_expiry(ledger, row, row["heartbeat_at"] + UNRECORDED_LEASE_S + 1)
-    gate.settle(admission, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
     assert limits.released == ["lease-1"]
 
 
@@ -463,7 +463,7 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     first = gate.admit(job, "who/t")
     threading.Timer(
-        0.3, gate.settle, (first,), {"ended_at": time.time(), "outcome": "done"}
+        0.3, gate.holding.settle, (first,), {"ended_at": time.time(), "outcome": "done"}
     ).start()
     second = gate.admit(job, "who/t")  # waits for the first, then is admitted
     previous = signal.signal(signal.SIGUSR1, _interrupt)
@@ -473,8 +473,8 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
             gate.admit(job, "who/t")  # waits behind the second, is cancelled
     finally:
         signal.signal(signal.SIGUSR1, previous)
-    gate.started(second, time.time())
-    gate.settle(second, ended_at=time.time(), outcome="done")
+    gate.holding.started(second, time.time())
+    gate.holding.settle(second, ended_at=time.time(), outcome="done")
     assert {kind for kind, _ in seen} == {"ledger", "prefect"}
     assert [kind for kind, ident in seen if ident == caller] == []
     assert sorted(r["state"] for r in ledger.views.jobs("who")) == [

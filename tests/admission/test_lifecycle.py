@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from prefect_gpu_budget.admission.gate import Admission
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import STOPPED
 from prefect_gpu_budget.admission.lifecycle import (
     PREEMPTED,
@@ -32,12 +32,13 @@ from prefect_gpu_budget.launchers.base import LaunchResult, Probe
 
 
 class RecordingGate:
-    """What the lifecycle calls on a gate, recorded."""
+    """What the lifecycle calls on a gate (its `holding`), recorded."""
 
     preempt_poll_s = 0.01
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.holding = self  # the gate's `Holding`: started, submitted, settle
 
     def started(self, admission: Admission, at: float, external_id: str | None = None) -> None:
         self.calls.append(("started", external_id))

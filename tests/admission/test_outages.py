@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.harness.postgres import ensure_database, name_of
-from prefect_gpu_budget.admission.gate import Gate, GateEvents
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import GateEvents
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
@@ -104,9 +105,9 @@ def _admit_through_a_restart(cluster: PrivateCluster, url: str) -> None:
         try:
             for _ in range(5):
                 admission = gate.admit(job, f"acme/agents/a{index}")
-                gate.started(admission, time.time(), f"test:{index}")
+                gate.holding.started(admission, time.time(), f"test:{index}")
                 time.sleep(0.3)
-                gate.settle(admission, ended_at=time.time(), outcome="completed")
+                gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
                 done.append(admission.job_id)
         except BaseException as exc:  # reported below
             errors.append(exc)

@@ -70,7 +70,7 @@ def _queue_up(gate: Gate, ledger: Ledger, scope: str, n: int, hold_s: float) -> 
             admission = gate.admit(JOB, scope)
             order.append(admission.job_id)
             time.sleep(hold_s)
-            gate.settle(admission, ended_at=time.time(), outcome="completed")
+            gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
         except BaseException as exc:  # reported below
             errors.append(exc)
 
@@ -136,7 +136,7 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
         holder.db.dispose()
         waiters = [
             threading.Thread(
-                target=lambda: gate.settle(
+                target=lambda: gate.holding.settle(
                     gate.admit(JOB, "conn/t"), ended_at=time.time(), outcome="completed"
                 ),
                 daemon=True,
@@ -160,7 +160,7 @@ def _count_connections_while_waiting(url: str, prices, asleep: list[int]) -> Non
                 peak = max(peak, count)
                 time.sleep(0.1)
         observer.dispose()
-        holding.settle(held, ended_at=time.time(), outcome="completed")
+        holding.holding.settle(held, ended_at=time.time(), outcome="completed")
         for thread in waiters:
             thread.join(timeout=120)
         assert 1 <= peak <= 2, peak  # the watcher's LISTEN and the pool's one
@@ -199,9 +199,9 @@ def test_a_waiting_jobs_row_is_stamped_while_it_only_waits(ledger, prices):
         30,
         "a stamp",
     )
-    gate.settle(held, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(held, ended_at=time.time(), outcome="completed")
     waiter.join(timeout=30)
-    gate.settle(got[0], ended_at=time.time(), outcome="completed")
+    gate.holding.settle(got[0], ended_at=time.time(), outcome="completed")
 
 
 @pytest.mark.parametrize("depth", [40])
@@ -217,13 +217,13 @@ def test_a_deep_queue_keeps_its_order_and_admits_everyone(ledger, prices, depth)
         job = GpuJob(instance_type="local:box", max_runtime="1m", priority=priority)
         admission = gate.admit(job, "deep/t")
         admitted.append(priority)
-        gate.settle(admission, ended_at=time.time(), outcome="completed")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
 
     for i in range(depth):
         threads.append(threading.Thread(target=one, args=(i % 4,)))
         threads[-1].start()
     _until(lambda: len(ledger.views.jobs("deep", states=("queued",))) == depth, 60, "the queue")
-    gate.settle(held, ended_at=time.time(), outcome="completed")
+    gate.holding.settle(held, ended_at=time.time(), outcome="completed")
     for thread in threads:
         thread.join(timeout=120)
     assert admitted == sorted(admitted, reverse=True), admitted

@@ -45,13 +45,13 @@ def test_spend_report_publishes_tables_summary_and_plots(
     gate = Gate(ledger, catalog=Catalog.load(prices))
     job = GpuJob(instance_type="local:box", max_runtime="1m")
     done = gate.admit(job, "rep/team/s1")
-    gate.started(done, time.time() - 30)
-    gate.settle(done, ended_at=time.time(), outcome="completed")
+    gate.holding.started(done, time.time() - 30)
+    gate.holding.settle(done, ended_at=time.time(), outcome="completed")
     # two running jobs fill the $10/h cap ($7.20/h), so a third at $3.60/h must wait
     running = [gate.admit(job, f"rep/team/s{i}") for i in (2, 3)]
     try:
         for admission in running:
-            gate.started(admission, time.time() - 5)
+            gate.holding.started(admission, time.time() - 5)
         waiter = _queued_job(ledger, "rep/team/s4", done.quote.rate_micro_per_hour)
         reason = ledger.views.job(waiter)["reason"]
         assert reason
@@ -68,7 +68,7 @@ def test_spend_report_publishes_tables_summary_and_plots(
         flow_run_id = state.state_details.flow_run_id
     finally:
         for admission in running:
-            gate.settle(admission, ended_at=time.time(), outcome="completed")
+            gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
 
     settled = [r for r in ledger.views.jobs() if r["state"] == "settled" and r["id"] == done.job_id]
     charged = sum(r["actual_micro"] for r in settled)

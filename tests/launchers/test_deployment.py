@@ -156,15 +156,15 @@ def _run(
         result = launcher.run(
             job,
             admission.quote,
-            on_start=lambda started, ext: gate.started(admission, started, ext),
+            on_start=lambda started, ext: gate.holding.started(admission, started, ext),
             log=log,
             env={METRICS_ENV: METRICS_FILE},
         )
     finally:
         if result is None:
-            row = gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+            row = gate.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
         else:
-            row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+            row = gate.holding.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
     return result, row
 
 

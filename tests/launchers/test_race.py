@@ -45,11 +45,11 @@ def _agent(url: str, aws_url: str, index: int) -> None:
         result = launcher.run(
             job,
             quote,
-            on_start=lambda started, name, a=admission: gate.started(a, started, name),
-            on_submit=lambda name, a=admission: gate.submitted(a, name),
+            on_start=lambda started, name, a=admission: gate.holding.started(a, started, name),
+            on_submit=lambda name, a=admission: gate.holding.submitted(a, name),
             log=lambda line: None,
         )
-        gate.settle(
+        gate.holding.settle(
             admission,
             ended_at=result.ended_at,
             outcome=result.outcome,

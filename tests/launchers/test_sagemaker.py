@@ -100,16 +100,16 @@ class Run:
 
         def on_start(started_at: float, external_id: str) -> None:
             self.starts.append((started_at, external_id))
-            self.gate.started(admission, started_at, external_id)
+            self.gate.holding.started(admission, started_at, external_id)
 
         try:
             self.result = self.launcher.run(
                 self.job, quote, on_start=on_start, log=log or self.logs.append, env=env
             )
         except BaseException:
-            self.gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+            self.gate.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
             raise
-        self.gate.settle(
+        self.gate.holding.settle(
             admission,
             ended_at=self.result.ended_at,
             outcome=self.result.outcome,

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.errors import AdmissionRefused
-from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
@@ -214,13 +215,13 @@ def _run_admitted(gate: Gate, admission: Admission, launcher: LocalLauncher, lin
         result = launcher.run(
             admission.job,
             admission.quote,
-            on_start=lambda started, ext: gate.started(admission, started, ext),
+            on_start=lambda started, ext: gate.holding.started(admission, started, ext),
             log=lines.append,
         )
     finally:
         ended = time.time() if result is None else result.ended_at
         outcome = "cancelled" if result is None else result.outcome
-        gate.settle(admission, ended_at=ended, outcome=outcome)
+        gate.holding.settle(admission, ended_at=ended, outcome=outcome)
     return result
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from prefect_gcp import GcpCredentials
 
-from prefect_gpu_budget.admission.gate import Admission, Gate
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
@@ -102,10 +103,10 @@ def _run_gated(
     result = launcher.run(
         job,
         admission.quote,
-        on_start=lambda started, name: gate.started(admission, started, name),
+        on_start=lambda started, name: gate.holding.started(admission, started, name),
         log=log or lines.append,
     )
-    row = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+    row = gate.holding.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
     return admission, result, gate.ledger.views.job(admission.job_id), row, lines
 
 
@@ -240,7 +241,7 @@ def test_flex_start_wait_runs_out(fake: FakeVertex, launcher: VertexLauncher, ga
     result = launcher.run(
         job, admission.quote, on_start=lambda s, n: started.append(s), log=lines.append
     )
-    settled = gate.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
+    settled = gate.holding.settle(admission, ended_at=result.ended_at, outcome=result.outcome)
 
     assert fake.created[0]["jobSpec"]["scheduling"]["maxWaitDuration"] == "1s"
     assert result.outcome == "wait_expired" and not started

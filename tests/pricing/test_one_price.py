@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_budget.admission.gate import Gate, GateEvents
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import GateEvents
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.forecast import forecast
@@ -91,7 +92,7 @@ def test_the_gate_quote_and_forecast_price_a_part_of_a_machine_alike(ledger, iso
     admission = gate.admit(job, "acme/ml/s")  # what the gate charges
     row = ledger.views.job(admission.job_id)
     assert (row["rate_micro_per_hour"], row["node_gpus"]) == (PART_OF_P4D, 1)
-    gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+    gate.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
 
     predicted = forecast(_spec("acme/ml/s", instance_type=P4D, gpus=1), ledger)
     assert {r.job.rate_micro_per_hour for r in predicted.result.records} == {PART_OF_P4D}
@@ -179,7 +180,7 @@ def test_the_gate_and_forecast_charge_and_tell_the_bound(ledger, isolated):
     row = ledger.views.job(admission.job_id)
     assert (row["provisioning"], row["rate_micro_per_hour"]) == ("flex-start", 706_800)
     assert told and f"price of gcp:g2-standard-4 (flex-start) is an {BOUND_NOTE}" in told[0]
-    gate.settle(admission, ended_at=time.time(), outcome="cancelled")
+    gate.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
 
     predicted = forecast(
         _spec("acme/ml/s", instance_type="gcp:g2-standard-4", provisioning="flex-start"), ledger

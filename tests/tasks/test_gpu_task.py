@@ -209,7 +209,7 @@ def test_a_borrowing_body_is_stopped_when_its_lender_takes_the_capacity_back(tea
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_body_its_owner_stops_ends_cancelled_and_pays_for_what_ran(lab, kind):
-    """`ledger.ask_stop` (an agent's cancel of its running trial) reaches a body as it
+    """`ledger.settlements.ask_stop` (an agent's cancel of its running trial) reaches a body as it
     reaches a command: a sync body in the flow's own (main) thread, an async one in the task
     runner's event loop."""
     ledger, block = lab

@@ -251,11 +251,11 @@ class Activity:
 def count_calls(ledger: Any, activity: Activity) -> dict[str, int]:
     """Count the `COUNTED` calls on `ledger` (from the gate and the watcher) from now on, and
     tell `activity` of the calls that get a job in line."""
-    calls = dict.fromkeys((c.split(".")[1] for c in COUNTED), 0)
+    calls = dict.fromkeys(COUNTED, 0)
     lock = threading.Lock()
 
     def counted(name: str, method: Any) -> Any:
-        in_line = name in ("ask", "request")
+        in_line = name in ("queue.ask", "queue.request")
 
         def call(*args: Any, **kwargs: Any) -> Any:
             with lock:
@@ -273,7 +273,7 @@ def count_calls(ledger: Any, activity: Activity) -> dict[str, int]:
     for counted_call in COUNTED:  # `store.method`
         store, name = counted_call.split(".")
         target = getattr(ledger, store)
-        setattr(target, name, counted(name, getattr(target, name)))
+        setattr(target, name, counted(counted_call, getattr(target, name)))
     return calls
 
 

@@ -22,6 +22,8 @@ DECISION = {
     # The per-team queues and the victim choice the policy decides with.
     f"{PACKAGE}.admission.queueing",
     f"{PACKAGE}.admission.preemption",
+    # A queued job as the decision sees it.
+    f"{PACKAGE}.admission.requests",
     # Pure like the policy (see test_layers): the calendar periods it decides with, the money
     # rule and the liveness clocks.
     f"{PACKAGE}.admission.periods",
@@ -35,6 +37,8 @@ DECISION = {
 
 GATE = {
     f"{PACKAGE}.admission.gate",
+    # What an admitted job holds while it runs, and its settlement (the gate hands it over).
+    f"{PACKAGE}.admission.holding",
     # An admitted job's life runs on the gate: the task, the benchmarks and the workers call it.
     f"{PACKAGE}.admission.lifecycle",
 }

@@ -72,11 +72,11 @@ def worker(spec: WorkerSpec, conn: Connection) -> None:
         gate = Gate(ledger, limits, catalog=Catalog.load(Path(spec.prices)))
         # the gate calls these on its ledger and limits: each becomes a marked step
         for target, name, before, after in [
-            (ledger, "ask", "before_reserve", "requested"),
+            (ledger.queue, "ask", "before_reserve", "requested"),
             (limits, "ensure", "after_reserve", None),
             (limits, "acquire", None, None),
-            (ledger, "record_lease", None, None),
-            (ledger, "settle", None, None),
+            (ledger.settlements, "record_lease", None, None),
+            (ledger.settlements, "settle", None, None),
             (limits, "release", None, None),
         ]:
             setattr(target, name, step(getattr(target, name), before, after))

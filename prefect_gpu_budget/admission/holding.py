@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -78,6 +79,26 @@ class Admission:
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
+    watch: Callable[[], float | None] | None = field(default=None, repr=False)
+    """The job's life's look (`lifecycle.Running`), which the job's one thread (`Holding.hold`)
+    takes on each of its ticks: it stops the job if it must stop, and says in how many seconds
+    it wants the next look (None: never again)."""
+
+
+def _look(admission: Admission) -> float:
+    """Take the job's life's look (`Admission.watch`), if it has one; seconds until the next."""
+    watch = admission.watch
+    if watch is None:
+        return math.inf
+    try:
+        left = watch()
+    except Exception:  # never the heartbeat's end: the look is taken again next tick
+        log.exception("job %s: its watch failed", admission.job_id[:8])
+        return math.inf
+    if left is None:
+        admission.watch = None
+        return math.inf
+    return max(0.0, left)
 
 
 class Holding:
@@ -100,15 +121,18 @@ class Holding:
         self.heartbeat_s, self.preempt_poll_s = heartbeat_s, preempt_poll_s
 
     def hold(self, admission: Admission) -> None:
-        """One thread per admitted job: every `preempt_poll_s` it asks the ledger whether the
-        job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner), and every
+        """The admitted job's one thread: every `preempt_poll_s` it asks the ledger whether the
+        job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner) and takes
+        the job's life's look (`Admission.watch`: the stop, its max_runtime deadline), and every
         `heartbeat_s` it stamps the row and renews the lease."""
 
         def beat() -> None:
             next_beat = time.monotonic() + self.heartbeat_s
-            while not admission._stop.wait(min(self.preempt_poll_s, self.heartbeat_s)):
+            tick = min(self.preempt_poll_s, self.heartbeat_s)
+            while not admission._stop.wait(tick):
                 if not admission.preempted.is_set():
                     self._check_stop(admission)
+                tick = min(self.preempt_poll_s, self.heartbeat_s, _look(admission))
                 if time.monotonic() < next_beat:
                     continue
                 next_beat = time.monotonic() + self.heartbeat_s

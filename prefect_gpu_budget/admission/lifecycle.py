@@ -21,6 +21,7 @@ job), the `@gpu_task` body (`tasks/gpu_task.py`) and the worker types' flow runs
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -152,11 +153,11 @@ class Running:
     - `started` records the start once (`Gate.started`) and hands over how to stop the job:
       gracefully, as the runner's own stop does (a process tree: SIGTERM, its kill grace,
       SIGKILL; a cloud job: the cloud's cancel; a body: an exception raised in its thread);
-    - from then on one thread watches for the admission's stop (`Admission.preempted`: its
-      borrowed capacity reclaimed, or its owner's stop, `Admission.stop_reason`) and, with
-      `deadline=True` (a runner without a max_runtime stop of its own), for max_runtime counted
-      from the start; the first of them stops the job, once; a stop asked before the job
-      started stops it as it starts;
+    - from then on the admission's one thread (`Holding.hold`) looks (`look`) for its stop
+      (`Admission.preempted`: its borrowed capacity reclaimed, or its owner's stop,
+      `Admission.stop_reason`) and, with `deadline=True` (a runner without a max_runtime stop
+      of its own), for max_runtime counted from the start; the first of them stops the job,
+      once; a stop asked before the job started stops it as it starts;
     - `outcome` names how it ended: by the stop that ended it (`STOP_OUTCOMES`), else as the
       runner says (`outcome_of`);
     - `ended` settles once (`Settlement`), at the moment the job really ended: a job pays for
@@ -172,7 +173,6 @@ class Running:
     ) -> None:
         self.gate, self.admission = gate, admission
         self.settlement = Settlement(gate, admission, then=then)
-        self.poll_s = gate.preempt_poll_s
         self._deadline = deadline
         self.started_at: float | None = None
         self.stopped: str | None = None
@@ -198,25 +198,35 @@ class Running:
 
     def stoppable(self, stop: Callable[[], None]) -> None:
         """From now on stop the started job with `stop`, once, when it must stop (at once if
-        it was asked to before): one thread watches until it ends (`over`)."""
+        it was asked to before): the admission's own thread (`Holding.hold`) takes `look` on
+        each of its ticks until it ends (`over`)."""
         with self._lock:
             if self._stop is not None or self._over.is_set():
                 return
             self._stop = stop
-        threading.Thread(
-            target=self._watch, name=f"gpu-budget-running-{self.admission.job_id[:8]}", daemon=True
-        ).start()
+        self.admission.watch = self.look
+        self.look()  # a stop asked already stops it now
 
-    def _watch(self) -> None:
-        deadline = self.started_at + self.admission.job.max_runtime  # type: ignore[operator]
-        while not self._over.is_set():
-            left = deadline - time.time() if self._deadline else self.poll_s
-            if self.admission.preempted.wait(max(0.0, min(self.poll_s, left))):
-                self.stop(self.admission.stop_reason)
-                return
-            if self._deadline and time.time() >= deadline:
-                self.stop(TIMED_OUT)
-                return
+    def look(self) -> float | None:
+        """Stop the job if its admission must stop (`Admission.preempted`) or, with a
+        deadline, once max_runtime has passed since its start; seconds until the next look
+        matters (None: the job is over or stopped: no more looks). The stop runs in a thread
+        of its own: a runner's stop may take its kill grace, and the heartbeat goes on."""
+        if self._over.is_set() or self.stopped is not None:
+            return None
+        why: str | None = None
+        left = math.inf
+        if self.admission.preempted.is_set():
+            why = self.admission.stop_reason
+        elif self._deadline:
+            left = self.started_at + self.admission.job.max_runtime - time.time()  # type: ignore[operator]
+            why = TIMED_OUT if left <= 0 else None
+        if why is None:
+            return left
+        threading.Thread(
+            target=self.stop, args=(why,), name=f"gpu-budget-stop-{self.admission.job_id[:8]}"
+        ).start()
+        return None
 
     def stop(self, why: str) -> None:
         """Stop the job once (`why`: `preempted`, `stopped` or `timed_out`), if it started and

@@ -25,4 +25,4 @@ class GpuBudget(Block, BudgetSettings):
         """Write this budget into the ledger (the default one unless given)."""
         from prefect_gpu_budget.blocks.ledger import SpendLedger
 
-        (ledger or SpendLedger().ledger().config).set_budget(self.rule())
+        (ledger or SpendLedger().ledger()).config.set_budget(self.rule())

@@ -27,4 +27,4 @@ class CapacityPool(Block, PoolSettings):
         """Write the pool and its team quotas into the ledger (the default one unless given)."""
         from prefect_gpu_budget.blocks.ledger import SpendLedger
 
-        (ledger or SpendLedger().ledger().config).set_pool(self.pool(), self.quotas())
+        (ledger or SpendLedger().ledger()).config.set_pool(self.pool(), self.quotas())

@@ -42,9 +42,13 @@ def test_an_admitted_job_s_clocks_nest() -> None:
     assert FRESH_ADMISSION_S + LIMIT_RETRY_S < LIMIT_RETRY_S + LIVENESS_S - 2
 
 
-class _CappedLedger:
+class _CappedConfig:
     def path_budgets(self, scope: str) -> list[BudgetRule]:
         return [BudgetRule(scope.split("/")[0], hourly_cap_cents=100)]
+
+
+class _CappedLedger:
+    config = _CappedConfig()
 
 
 def test_a_row_found_by_its_silence_never_awaits_an_unrecorded_lease() -> None:

@@ -172,8 +172,8 @@ def test_a_password_with_an_unencoded_at_stays_whole_and_out_of_errors():
 def test_the_gates_outage_warnings_carry_no_url_credentials():
     import sqlalchemy as sa
 
-    from prefect_gpu_budget.admission.outages import describe as _outage
     from prefect_gpu_budget.admission.limits import DependencyDown
+    from prefect_gpu_budget.admission.outages import describe as _outage
 
     orig = Exception(f"connection to postgresql://postgres:{AT_SECRET}@db:5432/test failed")
     for exc in (sa.exc.OperationalError("SELECT 1", {}, orig), DependencyDown(str(orig))):

@@ -8,7 +8,7 @@ adds what only a Prefect run has (its states, its run logger, its events: `tasks
 `Running` is the one life after admission for every runner: `run_admitted` here (a launcher's
 job), the `@gpu_task` body (`tasks/gpu_task.py`) and the worker types' flow runs
 (`workers/gating.py`). It
-- records the start once (`Gate.started`);
+- records the start once (`Holding.started`);
 - stops the job once, gracefully, as its runner stops it, when the gate says it must stop (the
   admission's `preempted` event): preempted (its capacity taken back, as the pool's team
   settings allow: named `preempted`) or stopped by its owner (named `cancelled`); and at
@@ -82,7 +82,7 @@ def outcome_of(error: BaseException | None, returned: str = COMPLETED) -> str:
 
 
 class Settlement:
-    """Settles one admission exactly once, whatever way its job ends (`Gate.settle`).
+    """Settles one admission exactly once, whatever way its job ends (`Holding.settle`).
 
     The first call settles; a later call, or one made meanwhile from another thread (it waits),
     settles nothing and returns the same row. A first call that raised (the ledger down past
@@ -150,7 +150,7 @@ class Running:
     a launcher's job (`run_admitted`), a `@gpu_task` body (`tasks/gpu_task.py`) and the worker
     types' flow runs (`workers/gating.py`).
 
-    - `started` records the start once (`Gate.started`) and hands over how to stop the job:
+    - `started` records the start once (`Holding.started`) and hands over how to stop the job:
       gracefully, as the runner's own stop does (a process tree: SIGTERM, its kill grace,
       SIGKILL; a cloud job: the cloud's cancel; a body: an exception raised in its thread);
     - from then on the admission's one thread (`Holding.hold`) looks (`look`) for its stop
@@ -187,7 +187,7 @@ class Running:
     ) -> None:
         """The job started at `at` (as `external_id`): record it, once (a later call records
         nothing), and from now on stop it with `stop` when it must stop. Raises when the
-        admission is no longer on record (`Gate.started`)."""
+        admission is no longer on record (`Holding.started`)."""
         with self._lock:
             if self.started_at is not None:
                 return
@@ -224,7 +224,10 @@ class Running:
         if why is None:
             return left
         threading.Thread(
-            target=self.stop, args=(why,), name=f"gpu-budget-stop-{self.admission.job_id[:8]}"
+            target=self.stop,
+            args=(why,),
+            name=f"gpu-budget-stop-{self.admission.job_id[:8]}",
+            daemon=True,
         ).start()
         return None
 

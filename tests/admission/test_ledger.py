@@ -287,6 +287,35 @@ def test_a_request_joining_a_queue_waits_behind_its_head_unless_it_goes_first(le
     assert states[urgent] == "admitted" and states[head] == "queued"
 
 
+def test_the_policy_runs_once_for_a_request_decided_at_once(ledger, monkeypatch):
+    """A new job admitted (or refused) at once made no room for any other: its request loads
+    the org's snapshot and runs the policy once. A waiter admitted later may have held jobs
+    behind it, so its admission decides the org's queue again."""
+    from prefect_gpu_budget.admission.ledger import decisions
+
+    ledger.config.set_budget(BudgetRule("once", hourly_cap_cents=360, max_wait_s=3600))
+    loads: list[str] = []
+    load = decisions.Queue._load
+
+    def counted(self, conn, org, now, deciding):
+        loads.append(deciding)
+        return load(self, conn, org, now, deciding)
+
+    monkeypatch.setattr(decisions.Queue, "_load", counted)
+    first, admitted = ledger.queue.request(_job("once/t/a"))
+    assert admitted.verdict == "admit" and loads == [first]
+    loads.clear()
+    _, refused = ledger.queue.request(new_job("once/t/b", on_limit="reject"))
+    assert refused.verdict == "reject" and len(loads) == 1
+    loads.clear()
+    waiter, waiting = ledger.queue.request(_job("once/t/c"))
+    assert waiting.verdict == "wait" and loads == [waiter]
+    loads.clear()
+    ledger.settlements.settle(first, ended_at=time.time(), outcome="completed", scope="once/t/a")
+    assert loads == [""]  # the settlement decides the queue: the waiter is admitted
+    assert ledger.views.job(waiter)["state"] == "admitted"
+
+
 def test_an_org_s_writes_go_in_turn_and_a_settlement_before_a_burst_of_requests():
     """`OrgLock`: first come, first served, except that waiting requests let the other writes
     go first; a write inside a write of the same thread is refused."""

@@ -318,11 +318,16 @@ class Queue:
         self, conn: Connection, job_id: str, org: str, now: float, reason: str, waited: Any
     ) -> Decision:
         """Run the policy for a queued job and write what it says, heartbeat included, and what
-        held it for how long (`waited`: the job's row as it stood, None for a new job)."""
+        held it for how long (`waited`: the job's row as it stood, None for a new job).
+
+        A waiter that leaves the queue (admitted, refused) may have held the jobs behind it, so
+        the org's queue is decided again (`headroom`), as it is when a decision asks jobs to
+        stop. A new job decided at once held nothing and made no room (an admission only
+        takes), so the policy runs once for it: no second load and plan of the org's queue."""
         state, queue = self._load(conn, org, now, job_id)
         decision = decide(state, queue, job_id)
         _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
-        if decision.verdict != "wait" or asked:
+        if asked or (decision.verdict != "wait" and waited is not None):
             self.headroom(conn, org)
         return decision
 

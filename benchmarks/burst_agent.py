@@ -1,5 +1,6 @@
 """One agent process of `benchmarks/burst.py`: it imports only the package (from the tree its
-PYTHONPATH names), so the same agent runs against an earlier checkout too.
+PYTHONPATH names), so the same agent runs against an earlier checkout too (one whose ledger is
+one object rather than stores: `getattr(ledger, "queue", ledger)`).
 
 Usage (by burst.py): python benchmarks/burst_agent.py URL THREADS
 """
@@ -30,8 +31,16 @@ def main(url: str, threads: int) -> None:
 
     ledger = Ledger(url, create=False)
     ended = [0]
-    event.listen(ledger.db.engine, "commit", lambda conn: ended.__setitem__(0, ended[0] + 1))
-    event.listen(ledger.db.engine, "rollback", lambda conn: ended.__setitem__(0, ended[0] + 1))
+    event.listen(
+        getattr(ledger, "db", ledger).engine,
+        "commit",
+        lambda conn: ended.__setitem__(0, ended[0] + 1),
+    )
+    event.listen(
+        getattr(ledger, "db", ledger).engine,
+        "rollback",
+        lambda conn: ended.__setitem__(0, ended[0] + 1),
+    )
     job = NewJob(
         scope=f"{TEAM}/agent-{os.getpid()}",
         name="burst",
@@ -46,14 +55,14 @@ def main(url: str, threads: int) -> None:
         holder=holder_id(),
     )
     errors: list[str] = []
-    ledger.config.budgets(ORG)  # connected: the first request pays no connect
+    getattr(ledger, "config", ledger).budgets(ORG)  # connected: the first request pays no connect
     print("ready", flush=True)
     start_at = float(sys.stdin.readline())
 
     def ask() -> None:
         time.sleep(max(0.0, start_at - time.time()))
         try:
-            ledger.queue.ask(job, str(uuid.uuid4()))
+            getattr(ledger, "queue", ledger).ask(job, str(uuid.uuid4()))
         except Exception as exc:  # counted, not raised: the burst goes on
             errors.append(f"{type(exc).__name__}: {exc}")
 
@@ -65,7 +74,7 @@ def main(url: str, threads: int) -> None:
         t.join()
     report = {"transactions": ended[0], "errors": errors[:3], "failed": len(errors)}
     print(json.dumps({**report, "package": str(Path(prefect_gpu_budget.__file__).parent.parent)}))
-    ledger.db.dispose()
+    getattr(ledger, "db", ledger).dispose()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from uuid import UUID
 import sqlalchemy as sa
 
 import prefect_gpu_budget
+from benchmarks.harness.parts import part
 from benchmarks.harness.report import logger
 from benchmarks.harness.stats import percentile, summary_ms
 from prefect_gpu_budget.admission import periods
@@ -81,11 +82,11 @@ def budgets() -> list[BudgetRule]:
 def fresh_ledger(url: str) -> Ledger:
     """Drop and recreate the gate's tables, then set the benchmark budgets."""
     old = Ledger(url, create=False)
-    metadata.drop_all(old.db.engine)
-    old.db.dispose()
+    metadata.drop_all(part(old, "db").engine)
+    part(old, "db").dispose()
     ledger = Ledger(url)
     for rule in budgets():
-        ledger.config.set_budget(rule)
+        part(ledger, "config").set_budget(rule)
     return ledger
 
 
@@ -145,7 +146,7 @@ def bench_gate(gate: Gate, iterations: int, warmup: int) -> dict[str, Any]:
         start = time.perf_counter()
         admission = gate.admit(job, SCOPE)
         admitted = time.perf_counter()
-        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
+        part(gate, "holding").settle(admission, ended_at=time.time(), outcome="completed")
         done = time.perf_counter()
         admits.append(admitted - start)
         settles.append(done - admitted)
@@ -164,11 +165,13 @@ def decision_samples(ledger: Ledger, quote: Quote, count: int) -> list[float]:
     for _ in range(count):
         job = new_job(SCOPE, quote)
         start = time.perf_counter()
-        job_id, decision = ledger.queue.request(job)
+        job_id, decision = part(ledger, "queue").request(job)
         samples.append(time.perf_counter() - start)
         if decision.verdict != "admit":
             raise RuntimeError(f"benchmark job not admitted: {decision.reason}")
-        ledger.settlements.settle(job_id, ended_at=time.time(), outcome="completed", scope=SCOPE)
+        part(ledger, "settlements").settle(
+            job_id, ended_at=time.time(), outcome="completed", scope=SCOPE
+        )
     return samples
 
 
@@ -198,7 +201,7 @@ def admitter(index: int, api_url: str, commands: Queue, results: Queue) -> None:
                     gate = Gate(ledger, limits, catalog=catalog)
                     op = gate_round_trip(gate, f"{TEAM}/w{index}")
                     done = admitter_round(index, op, commands, results)
-                    ledger.db.dispose()
+                    part(ledger, "db").dispose()
                 results.put(("done", index, done))
     except Exception as exc:  # report, so the parent does not wait for nothing
         results.put(("failed", index, f"{type(exc).__name__}: {exc}"))
@@ -208,7 +211,9 @@ def gate_round_trip(gate: Gate, scope: str) -> Callable[[], None]:
     job = bench_job()
 
     def op() -> None:
-        gate.holding.settle(gate.admit(job, scope), ended_at=time.time(), outcome="completed")
+        part(gate, "holding").settle(
+            gate.admit(job, scope), ended_at=time.time(), outcome="completed"
+        )
 
     return op
 
@@ -358,7 +363,7 @@ def bulk_insert(ledger: Ledger, count: int, rng: random.Random, limit_s: float |
     started, done, now = time.perf_counter(), 0, time.time()
     while done < count:
         batch = old_rows(min(INSERT_BATCH, count - done), now, rng)
-        with ledger.db.engine.begin() as conn:
+        with part(ledger, "db").engine.begin() as conn:
             conn.execute(jobs.insert(), batch)
         done += len(batch)
         if limit_s is not None and time.perf_counter() - started > limit_s and done < count:
@@ -367,7 +372,7 @@ def bulk_insert(ledger: Ledger, count: int, rng: random.Random, limit_s: float |
 
 
 def settled_count(ledger: Ledger) -> int:
-    with ledger.db.engine.connect() as conn:
+    with part(ledger, "db").engine.connect() as conn:
         query = sa.select(sa.func.count()).select_from(jobs).where(jobs.c.state == "settled")
         return int(conn.execute(query).scalar_one())
 
@@ -393,7 +398,7 @@ def bench_size(
         large_rows = settled_count(ledger)
         large = summary_ms(decision_samples(ledger, quote, warmup + iterations)[warmup:])
     finally:
-        ledger.db.dispose()
+        part(ledger, "db").dispose()
     note = None
     if large_rows < rows[1]:
         note = (
@@ -456,7 +461,7 @@ class Cases:
                 "decision": bench_decision(ledger, self.quote, iterations, warmup),
             }
         finally:
-            ledger.db.dispose()
+            part(ledger, "db").dispose()
 
     def throughput(self, target: str, workers: int, duration_s: float, pool: int) -> dict[str, Any]:
         """One round of `workers` admitters: bare Prefect limits (`target` "prefect") or the gate

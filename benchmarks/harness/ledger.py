@@ -3,6 +3,7 @@ nothing whatever an earlier run left in the same database."""
 
 from __future__ import annotations
 
+from benchmarks.harness.parts import part
 from prefect_gpu_budget.admission.ledger import Ledger, metadata
 
 
@@ -11,7 +12,7 @@ def fresh_ledger(url: str) -> Ledger:
     is left alone). The caller disposes of it."""
     old = Ledger(url, create=False)
     try:
-        metadata.drop_all(old.db.engine)
+        metadata.drop_all(part(old, "db").engine)
     finally:
-        old.db.dispose()
+        part(old, "db").dispose()
     return Ledger(url)

@@ -459,6 +459,26 @@ def test_a_child_cap_above_its_parents_is_set_with_a_warning(tmp_path):
     assert "budget set for acme/vision: cap $500.00/h" in done.stdout  # one line when piped
 
 
+def test_a_cap_that_is_not_whole_cents_is_set_with_a_warning(tmp_path):
+    """Caps are whole cents per hour, rounded down: a finer cap is kept lower, said in one
+    line; one under a cent admits nothing, and says so. A whole-cent cap says nothing."""
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'l.db'}"}
+    done = _cli_run(env, "budget", "set", "acme", "--hourly-cap", "3.605")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (
+        "warning: the cap $3.605/h of acme is kept as $3.60/h "
+        "(caps are whole cents per hour, rounded down)"
+    )
+    done = _cli_run(env, "budget", "set", "acme/tiny", "--hourly-cap", "0.004", "--new")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (
+        "warning: the cap $0.004/h of acme/tiny is kept as $0.00/h (caps are whole cents per "
+        "hour, rounded down): no job will be admitted in it"
+    )
+    done = _cli_run(env, "budget", "set", "acme", "--hourly-cap", "3.61")
+    assert done.returncode == 0 and done.stderr.strip() == "", done.stderr
+
+
 def test_the_ledger_names_why_a_job_that_never_ran_ended(tmp_path, monkeypatch, capsys):
     from prefect_gpu_budget.cli import main
     from tests.jobs import new_job

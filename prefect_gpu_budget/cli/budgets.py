@@ -81,6 +81,7 @@ def budget_set(
         return BudgetSettings(**fields).rule()
 
     rule = current_ledger().config.update_budget(scope, merge, template=session_template)
+    _warn_cap_rounded(changes.get("hourly_cap_usd"), rule)
     _warn_parent_binds(rule)
     if session_template:
         console.print(f"session template set for [bold]{scope}/*[/]: {_describe(rule)}")
@@ -141,6 +142,25 @@ def _refuse_near_miss(scope: str, known: set[str]) -> None:
         close = near(path, peers)
         if close:
             fail(f"scope: {path} has no budget; did you mean {close[0]}? (--new creates it)")
+
+
+def _warn_cap_rounded(given: Any, rule: Any) -> None:
+    """A cap is kept in whole cents per hour, rounded down (Prefect's limit counts cents): say
+    so when the cap given was not, above all when it rounds to nothing and admits no job."""
+    from prefect_gpu_budget.units import usd_to_micro
+
+    if given is None or rule.hourly_cap_cents is None:
+        return
+    wanted = usd_to_micro(given)
+    if wanted == rule.hourly_cap_cents * 10_000:
+        return
+    kept = fmt_usd(rule.hourly_cap_cents * 10_000)
+    tail = ": no job will be admitted in it" if rule.hourly_cap_cents == 0 else ""
+    typer.echo(
+        f"warning: the cap ${given}/h of {rule.scope} is kept as {kept}/h (caps are "
+        f"whole cents per hour, rounded down){tail}",
+        err=True,
+    )
 
 
 def _warn_parent_binds(rule) -> None:

@@ -245,6 +245,7 @@ def status(
                         "reserved_usd": usd(r["reserved_micro"]),
                         "remaining_usd": usd(r["remaining_micro"]),
                         "running": r["running"],
+                        "admitted": r["admitted"],
                         "queued": r["queued"],
                     }
                     for r in rows
@@ -265,7 +266,7 @@ def status(
             fmt_usd(r["settled_micro"]),
             fmt_usd(r["reserved_micro"]),
             "-" if r["remaining_micro"] is None else fmt_usd(r["remaining_micro"]),
-            str(r["running"]),
+            str(r["running"]) + (f" (+{r['admitted']} starting)" if r["admitted"] else ""),
             str(r["queued"]),
         )
     console.print(table)

@@ -113,6 +113,7 @@ def _scope_row(
         "reserved_usd": _usd(status["reserved_micro"]),
         "remaining_usd": _usd(status["remaining_micro"]),
         "running": status["running"],
+        "admitted": status["admitted"],
         "queued": status["queued"],
         "window_spend_usd": _usd(_window_spend(rows, since, now)),
         "window_jobs": len(rows),

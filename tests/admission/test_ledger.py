@@ -108,6 +108,18 @@ def test_an_admitted_job_that_has_not_started_holds_all_of_it_in_every_day_ahead
     assert fits.verdict == "admit", fits.reason
 
 
+def test_status_tells_a_job_admitted_but_not_started_from_a_running_one(ledger):
+    """As squeue tells CONFIGURING from RUNNING: an admitted job a cloud is still finding
+    capacity for is `admitted`, not `running`; both hold their rate in the cap."""
+    ledger.config.set_budget(BudgetRule("st2", hourly_cap_cents=10_000))
+    started, _ = ledger.queue.request(_job("st2/t/a"))
+    ledger.queue.request(_job("st2/t/b"))
+    ledger.settlements.mark_started(started, time.time())
+    (row,) = ledger.views.status("st2")
+    assert (row["running"], row["admitted"], row["queued"]) == (1, 1, 0)
+    assert row["running_rate_micro"] == 2 * _job("st2/t/a").rate_micro_per_hour
+
+
 def test_estimate_mode_learns_how_far_a_scope_overruns(ledger):
     """After 25 jobs that ran twice their estimate, the next reservation is stretched by 2x."""
     from dataclasses import replace

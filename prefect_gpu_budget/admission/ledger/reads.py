@@ -116,7 +116,10 @@ class Views:
 
     @_reconnecting
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
-        """Per budgeted scope: cap, running rate, period spend (settled, reserved), queue."""
+        """Per budgeted scope: cap, running rate (of its admitted and running jobs: both hold
+        their slots), period spend (settled, reserved), and its jobs: `running` (started),
+        `admitted` (not started yet: a cloud may still be finding capacity, as Slurm's
+        CONFIGURING or a flex-start job's wait) and `queued`."""
         now = time.time() if now is None else now
         out = []
         with self.db.read() as conn:
@@ -169,7 +172,8 @@ class Views:
                         "settled_micro": settled,
                         "reserved_micro": reserved,
                         "remaining_micro": None if budget is None else budget - settled - reserved,
-                        "running": sum(1 for r in rows if r.state in ACTIVE),
+                        "running": sum(1 for r in rows if r.state == "running"),
+                        "admitted": sum(1 for r in rows if r.state == "admitted"),
                         "queued": sum(1 for r in rows if r.state == "queued"),
                     }
                 )

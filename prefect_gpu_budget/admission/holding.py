@@ -80,9 +80,9 @@ class Admission:
     _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
     watch: Callable[[], float | None] | None = field(default=None, repr=False)
-    """The job's life's look (`lifecycle.Running`), which the job's one thread (`Holding.hold`)
-    takes on each of its ticks: it stops the job if it must stop, and says in how many seconds
-    it wants the next look (None: never again)."""
+    """The job's life's look (`lifecycle.Running.look`), which the job's one thread
+    (`Holding.hold`) takes on each of its ticks: it stops the job if its admission must stop,
+    and says in how many seconds it wants the next look (None: never again)."""
 
 
 def _look(admission: Admission) -> float:
@@ -123,8 +123,8 @@ class Holding:
     def hold(self, admission: Admission) -> None:
         """The admitted job's one thread: every `preempt_poll_s` it asks the ledger whether the
         job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner) and takes
-        the job's life's look (`Admission.watch`: the stop, its max_runtime deadline), and every
-        `heartbeat_s` it stamps the row and renews the lease."""
+        the job's life's look (`Admission.watch`), which stops it, and every `heartbeat_s` it
+        stamps the row and renews the lease."""
 
         def beat() -> None:
             next_beat = time.monotonic() + self.heartbeat_s

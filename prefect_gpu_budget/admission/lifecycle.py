@@ -156,8 +156,9 @@ class Running:
     - from then on the admission's one thread (`Holding.hold`) looks (`look`) for its stop
       (`Admission.preempted`: its borrowed capacity reclaimed, or its owner's stop,
       `Admission.stop_reason`) and, with `deadline=True` (a runner without a max_runtime stop
-      of its own), for max_runtime counted from the start; the first of them stops the job,
-      once; a stop asked before the job started stops it as it starts;
+      of its own: the worker types), a timer waits for max_runtime counted from the start;
+      the first of them stops the job, once; a stop asked before the job started stops it as
+      it starts;
     - `outcome` names how it ended: by the stop that ended it (`STOP_OUTCOMES`), else as the
       runner says (`outcome_of`);
     - `ended` settles once (`Settlement`), at the moment the job really ended: a job pays for
@@ -179,6 +180,7 @@ class Running:
         """Why a stop was sent (`preempted`, `stopped` or `timed_out`); None while none was."""
         self.stopped_at: float | None = None
         self._stop: Callable[[], None] | None = None
+        self._timer: threading.Timer | None = None
         self._lock = threading.Lock()
         self._over = threading.Event()
 
@@ -199,33 +201,34 @@ class Running:
     def stoppable(self, stop: Callable[[], None]) -> None:
         """From now on stop the started job with `stop`, once, when it must stop (at once if
         it was asked to before): the admission's own thread (`Holding.hold`) takes `look` on
-        each of its ticks until it ends (`over`)."""
+        each of its ticks until it ends (`over`). A deadline has a timer of its own: that
+        thread also waits on the ledger and Prefect (heartbeat, lease), and max_runtime must
+        not wait for them."""
         with self._lock:
             if self._stop is not None or self._over.is_set():
                 return
             self._stop = stop
+            if self._deadline:
+                left = self.started_at + self.admission.job.max_runtime - time.time()  # type: ignore[operator]
+                self._timer = threading.Timer(max(0.0, left), self.stop, args=(TIMED_OUT,))
+                self._timer.name = f"gpu-budget-deadline-{self.admission.job_id[:8]}"
+                self._timer.daemon = True
+                self._timer.start()
         self.admission.watch = self.look
         self.look()  # a stop asked already stops it now
 
     def look(self) -> float | None:
-        """Stop the job if its admission must stop (`Admission.preempted`) or, with a
-        deadline, once max_runtime has passed since its start; seconds until the next look
-        matters (None: the job is over or stopped: no more looks). The stop runs in a thread
-        of its own: a runner's stop may take its kill grace, and the heartbeat goes on."""
+        """Stop the job if its admission must stop (`Admission.preempted`: its borrowed
+        capacity reclaimed, or its owner's stop); None once the job is over or stopped (no
+        more looks). The stop runs in a thread of its own: a runner's stop may take its kill
+        grace, and the heartbeat goes on."""
         if self._over.is_set() or self.stopped is not None:
             return None
-        why: str | None = None
-        left = math.inf
-        if self.admission.preempted.is_set():
-            why = self.admission.stop_reason
-        elif self._deadline:
-            left = self.started_at + self.admission.job.max_runtime - time.time()  # type: ignore[operator]
-            why = TIMED_OUT if left <= 0 else None
-        if why is None:
-            return left
+        if not self.admission.preempted.is_set():
+            return math.inf
         threading.Thread(
             target=self.stop,
-            args=(why,),
+            args=(self.admission.stop_reason,),
             name=f"gpu-budget-stop-{self.admission.job_id[:8]}",
             daemon=True,
         ).start()
@@ -245,6 +248,8 @@ class Running:
         """The job ended: stop watching; a stop is no longer sent."""
         with self._lock:
             self._over.set()
+            if self._timer is not None:
+                self._timer.cancel()
 
     def outcome(
         self, error: BaseException | None = None, returned: str = COMPLETED, ended_at: float = 0.0

@@ -51,6 +51,10 @@ not the other agents behind the same address (a shared NAT or proxy)."""
 AUTH_FAILURES_PER_ADDRESS = (200, 60.0)
 """At most this many bad tokens per client address (IPv6: per /64), whatever their prefixes,
 per window (s); then 429 for every bad token from it until it passes (valid ones still pass)."""
+LOOKUPS_PAST_THE_CAP = (20, 1.0)
+"""Past AUTH_FAILURES_PER_ADDRESS, at most this many tokens from that address are looked up per
+window (s); the rest get 429 unread: an enumerator's storm costs the ledger 20 reads a second
+at most, while a valid agent behind the same address gets through between them."""
 TOKEN_PREFIX = 12
 """How much of a presented token tells one client's failures from another's: `gpub_` and 7
 random characters (a valid token's prefix is no secret worth having: 32 random bytes follow)."""
@@ -190,6 +194,7 @@ class Door:
         self.records = SweepRecords(ledger)
         self.failures, self.calls = Window(*AUTH_FAILURES), Window(*CALLS)
         self.address_failures = Window(*AUTH_FAILURES_PER_ADDRESS)
+        self.lookups_past_the_cap = Window(*LOOKUPS_PAST_THE_CAP)
         self.long_polls = Slots(*LONG_POLLS)
         self._session_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
 
@@ -205,8 +210,10 @@ class Door:
         token being looked up, while other agents behind the same address are not. Past
         AUTH_FAILURES_PER_ADDRESS every bad token from that address is a 429 rather than a 401,
         but a valid one is still served: an enumerator behind a shared NAT or proxy slows
-        itself, never locks the other agents there out (a token is 32 random bytes, so the
-        cap is there to keep the storm cheap, not to make guessing harder)."""
+        itself, and does not lock the other agents there out. It stays cheap: past the cap, at
+        most LOOKUPS_PAST_THE_CAP tokens a second from that address are looked up, the rest
+        refused unread (a token is 32 random bytes: the cap bounds the storm's cost, guessing
+        is hopeless anyway)."""
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         where = address_key(address)
@@ -217,12 +224,19 @@ class Door:
                 "too many bad tokens like this one from this address; wait",
                 {"Retry-After": str(self.failures.retry_after(pair))},
             )
+        past_the_cap = self.address_failures.full(where)
+        if past_the_cap and self.lookups_past_the_cap.hit(where):
+            raise Refused(
+                429,
+                "too many bad tokens from this address; wait",
+                {"Retry-After": str(self.address_failures.retry_after(where))},
+            )
         try:
             if scheme.lower() != "bearer" or not token:
                 raise BudgetInputError("authorization", "a bearer token is required")
             session, grant = self.ledger.grants.agent_grant(token)
         except BudgetInputError:
-            if self.address_failures.full(where):
+            if past_the_cap:
                 raise Refused(
                     429,
                     "too many bad tokens from this address; wait",

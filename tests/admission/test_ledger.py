@@ -328,6 +328,26 @@ def test_the_policy_runs_once_for_a_request_decided_at_once(ledger, monkeypatch)
     assert ledger.views.job(waiter)["state"] == "admitted"
 
 
+def test_a_new_job_decided_at_once_still_admits_a_waiter_time_made_room_for(ledger, monkeypatch):
+    """A waiter ahead goes silent (its holder died): the live waiter behind it now fits. A new
+    job decided at once must not go before it: its request decides the org's queue, and the
+    waiter is admitted in the same transaction (FIFO holds)."""
+    from prefect_gpu_budget.admission.ledger import decisions, jobs
+
+    monkeypatch.setattr(decisions, "STALE_WAITER_S", 1.0)
+    ledger.config.set_budget(BudgetRule("fifo", hourly_cap_cents=400))
+    _, running = ledger.queue.request(new_job("fifo", rate_cents=200))
+    _, silent = ledger.queue.request(new_job("fifo", rate_cents=300))
+    live, behind = ledger.queue.request(new_job("fifo", rate_cents=100))
+    assert (running.verdict, silent.verdict, behind.verdict) == ("admit", "wait", "wait")
+    time.sleep(1.5)  # the silent waiter's row goes stale; the live one's watcher stamps it
+    with ledger.db.engine.begin() as conn:
+        conn.execute(jobs.update().where(jobs.c.id == live).values(heartbeat_at=time.time()))
+    _, new = ledger.queue.request(new_job("fifo", rate_cents=100))
+    assert new.verdict == "admit"
+    assert ledger.views.job(live)["state"] == "admitted"
+
+
 def test_an_org_s_writes_go_in_turn_and_a_settlement_before_a_burst_of_requests():
     """`OrgLock`: first come, first served, except that waiting requests let the other writes
     go first; a write inside a write of the same thread is refused."""

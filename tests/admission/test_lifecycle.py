@@ -36,13 +36,16 @@ class RecordingGate:
     thread takes its life's looks (`Admission.watch`) every 10 ms, as the admission's own
     thread does (`Holding.hold`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, looks: bool = True) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.holding = self  # the gate's `Holding`: started, submitted, settle
+        self.looks = looks
+        """False: the admission's thread never gets to look (stuck on the ledger, say)."""
 
     def started(self, admission: Admission, at: float, external_id: str | None = None) -> None:
         self.calls.append(("started", external_id))
-        threading.Thread(target=_looks, args=(admission,), daemon=True).start()
+        if self.looks:
+            threading.Thread(target=_looks, args=(admission,), daemon=True).start()
 
     def submitted(self, admission: Admission, external_id: str) -> None:
         self.calls.append(("submitted", external_id))
@@ -181,6 +184,20 @@ def test_running_stops_a_job_at_its_deadline_once_and_names_it_timed_out() -> No
     assert len(stops.calls) == 1 and running.stopped == "timed_out"
     assert gate.calls[0] == ("started", "pid:1") and gate.settles() == ["timed_out"]
     assert row["outcome"] == "timed_out" and not running.requeue
+
+
+def test_the_deadline_does_not_wait_for_the_admissions_thread() -> None:
+    """The admission's one thread also waits on the ledger and Prefect (a heartbeat, a lease
+    renewal that hangs): a worker run's max_runtime is kept by a timer of its own, not by it."""
+    gate, stops = RecordingGate(looks=False), Stops()
+    job = GpuJob(instance_type="local:box", command=["true"], max_runtime="1s")
+    admission = Admission("job-2", "lab/s", job, None, 0, 0.0, "fits")  # type: ignore[arg-type]
+    running = Running(gate, admission, deadline=True)  # type: ignore[arg-type]
+    began = time.time()
+    running.started(began, "pid:1", stops)
+    assert stops.called.wait(10), "the deadline waited for a look that never came"
+    assert began + 1.0 <= stops.calls[0] < began + 5
+    assert running.ended(RuntimeError("killed"))["outcome"] == "timed_out"
 
 
 @pytest.mark.parametrize(("why", "outcome"), [(PREEMPTED, "preempted"), (STOPPED, "cancelled")])

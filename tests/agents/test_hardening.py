@@ -100,7 +100,7 @@ def test_a_bad_token_storm_locks_out_its_client_not_the_other_agents_behind_its_
 def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger):
     """An enumerator behind a shared address (NAT, proxy) slows itself: past the cap its bad
     tokens get 429, while an agent with a valid token behind the same address is served."""
-    from prefect_gpu_budget.agents.door import AUTH_FAILURES_PER_ADDRESS
+    from prefect_gpu_budget.agents.door import AUTH_FAILURES_PER_ADDRESS, LOOKUPS_PAST_THE_CAP
 
     token, other = ledger.grants.grant_agent(SESSION), ledger.grants.grant_agent(OTHER)
     most = AUTH_FAILURES_PER_ADDRESS[0]
@@ -116,6 +116,21 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger):
         served = enumerator.get("/v1/status", headers=_bearer(token))  # same address
         assert served.status_code == 200, served.text
         assert neighbour.get("/v1/status", headers=_bearer(other)).status_code == 200
+        # and the storm stays cheap: past the cap, at most 20 tokens a second are looked up
+        looked_up, lookup = [], ledger.grants.agent_grant
+        ledger.grants.agent_grant = lambda t: (looked_up.append(t), lookup(t))[1]
+        began = time.monotonic()
+        storm = {
+            enumerator.get("/v1/status", headers=_bearer(_stale())).status_code for _ in range(100)
+        }
+        seconds = time.monotonic() - began
+        assert storm == {429}
+        assert 0 < len(looked_up) <= LOOKUPS_PAST_THE_CAP[0] * (seconds + 1), (
+            len(looked_up),
+            seconds,
+        )
+        time.sleep(LOOKUPS_PAST_THE_CAP[1] * 1.1)  # between storms, a valid token gets through
+        assert enumerator.get("/v1/status", headers=_bearer(token)).status_code == 200
 
 
 def test_ipv6_clients_are_capped_per_64_and_mapped_ipv4_as_ipv4():

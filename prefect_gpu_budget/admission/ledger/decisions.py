@@ -322,12 +322,15 @@ class Queue:
 
         A waiter that leaves the queue (admitted, refused) may have held the jobs behind it, so
         the org's queue is decided again (`headroom`), as it is when a decision asks jobs to
-        stop. A new job decided at once held nothing and made no room (an admission only
-        takes), so the policy runs once for it: no second load and plan of the org's queue."""
+        stop, or when other jobs wait in the org at all: time alone may have made room for one
+        of them (a silent waiter ahead, a period's turn), and the policy's walk to this job may
+        have counted it admitted, which only a decision of the queue writes. A new job decided
+        at once in an org where nothing else waits runs the policy once."""
         state, queue = self._load(conn, org, now, job_id)
         decision = decide(state, queue, job_id)
         _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
-        if asked or (decision.verdict != "wait" and waited is not None):
+        others_wait = any(request.job_id != job_id for request in queue)
+        if asked or (decision.verdict != "wait" and (waited is not None or others_wait)):
             self.headroom(conn, org)
         return decision
 

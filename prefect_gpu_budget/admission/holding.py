@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -79,26 +78,16 @@ class Admission:
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _lease_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beat: threading.Thread | None = field(default=None, repr=False)
-    watch: Callable[[], float | None] | None = field(default=None, repr=False)
-    """The job's life's look (`lifecycle.Running.look`), which the job's one thread
-    (`Holding.hold`) takes on each of its ticks: it stops the job if its admission must stop,
-    and says in how many seconds it wants the next look (None: never again)."""
+    on_stop: Callable[[], None] | None = field(default=None, repr=False)
+    """What the job's life does when the admission must stop (`lifecycle.Running`): the job's
+    one thread (`Holding.hold`) calls it once, as soon as `preempted` is set."""
 
 
-def _look(admission: Admission) -> float:
-    """Take the job's life's look (`Admission.watch`), if it has one; seconds until the next."""
-    watch = admission.watch
-    if watch is None:
-        return math.inf
-    try:
-        left = watch()
-    except Exception:  # never the heartbeat's end: the look is taken again next tick
-        log.exception("job %s: its watch failed", admission.job_id[:8])
-        return math.inf
-    if left is None:
-        admission.watch = None
-        return math.inf
-    return max(0.0, left)
+def _hand_over_stop(admission: Admission) -> None:
+    """Hand a stop the ledger asked for to the job's life, once (`Admission.on_stop`)."""
+    on_stop, admission.on_stop = admission.on_stop, None
+    if on_stop is not None:
+        on_stop()
 
 
 class Holding:
@@ -122,17 +111,17 @@ class Holding:
 
     def hold(self, admission: Admission) -> None:
         """The admitted job's one thread: every `preempt_poll_s` it asks the ledger whether the
-        job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner) and takes
-        the job's life's look (`Admission.watch`), which stops it, and every `heartbeat_s` it
-        stamps the row and renews the lease."""
+        job must stop (`Ledger.views.stop_asked`: preempted, or stopped by its owner) and, once
+        it must, hands that to the job's life (`Admission.on_stop`), which stops it; and every
+        `heartbeat_s` it stamps the row and renews the lease."""
 
         def beat() -> None:
             next_beat = time.monotonic() + self.heartbeat_s
-            tick = min(self.preempt_poll_s, self.heartbeat_s)
-            while not admission._stop.wait(tick):
+            while not admission._stop.wait(min(self.preempt_poll_s, self.heartbeat_s)):
                 if not admission.preempted.is_set():
                     self._check_stop(admission)
-                tick = min(self.preempt_poll_s, self.heartbeat_s, _look(admission))
+                if admission.preempted.is_set():
+                    _hand_over_stop(admission)
                 if time.monotonic() < next_beat:
                     continue
                 next_beat = time.monotonic() + self.heartbeat_s

@@ -21,7 +21,6 @@ job), the `@gpu_task` body (`tasks/gpu_task.py`) and the worker types' flow runs
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -153,7 +152,7 @@ class Running:
     - `started` records the start once (`Holding.started`) and hands over how to stop the job:
       gracefully, as the runner's own stop does (a process tree: SIGTERM, its kill grace,
       SIGKILL; a cloud job: the cloud's cancel; a body: an exception raised in its thread);
-    - from then on the admission's one thread (`Holding.hold`) looks (`look`) for its stop
+    - from then on the admission's one thread (`Holding.hold`) hands over its stop
       (`Admission.preempted`: its borrowed capacity reclaimed, or its owner's stop,
       `Admission.stop_reason`) and, with `deadline=True` (a runner without a max_runtime stop
       of its own: the worker types), a timer waits for max_runtime counted from the start;
@@ -200,8 +199,8 @@ class Running:
 
     def stoppable(self, stop: Callable[[], None]) -> None:
         """From now on stop the started job with `stop`, once, when it must stop (at once if
-        it was asked to before): the admission's own thread (`Holding.hold`) takes `look` on
-        each of its ticks until it ends (`over`). A deadline has a timer of its own: that
+        it was asked to before): the admission's own thread (`Holding.hold`) hands over its
+        stop (`Admission.on_stop`) until it ends (`over`). A deadline has a timer of its own: that
         thread also waits on the ledger and Prefect (heartbeat, lease), and max_runtime must
         not wait for them."""
         with self._lock:
@@ -214,25 +213,20 @@ class Running:
                 self._timer.name = f"gpu-budget-deadline-{self.admission.job_id[:8]}"
                 self._timer.daemon = True
                 self._timer.start()
-        self.admission.watch = self.look
-        self.look()  # a stop asked already stops it now
+        self.admission.on_stop = self._stop_asked
+        if self.admission.preempted.is_set():  # a stop asked already stops it now
+            self._stop_asked()
 
-    def look(self) -> float | None:
-        """Stop the job if its admission must stop (`Admission.preempted`: its borrowed
-        capacity reclaimed, or its owner's stop); None once the job is over or stopped (no
-        more looks). The stop runs in a thread of its own: a runner's stop may take its kill
-        grace, and the heartbeat goes on."""
-        if self._over.is_set() or self.stopped is not None:
-            return None
-        if not self.admission.preempted.is_set():
-            return math.inf
+    def _stop_asked(self) -> None:
+        """The admission must stop (`Admission.preempted`: its borrowed capacity reclaimed, or
+        its owner's stop): stop the job, in a thread of its own (a runner's stop may take its
+        kill grace, and the heartbeat goes on). `stop` sends it once."""
         threading.Thread(
             target=self.stop,
             args=(self.admission.stop_reason,),
             name=f"gpu-budget-stop-{self.admission.job_id[:8]}",
             daemon=True,
         ).start()
-        return None
 
     def stop(self, why: str) -> None:
         """Stop the job once (`why`: `preempted`, `stopped` or `timed_out`), if it started and

@@ -33,14 +33,14 @@ from prefect_gpu_budget.launchers.base import LaunchResult, Probe
 
 class RecordingGate:
     """What the lifecycle calls on a gate (its `holding`), recorded; from a job's start, a
-    thread takes its life's looks (`Admission.watch`) every 10 ms, as the admission's own
-    thread does (`Holding.hold`)."""
+    thread hands a stop over to its life (`Admission.on_stop`), looking every 10 ms, as the
+    admission's own thread does (`Holding.hold`)."""
 
     def __init__(self, looks: bool = True) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.holding = self  # the gate's `Holding`: started, submitted, settle
         self.looks = looks
-        """False: the admission's thread never gets to look (stuck on the ledger, say)."""
+        """False: the admission's thread never gets to hand a stop over (stuck on the ledger)."""
 
     def started(self, admission: Admission, at: float, external_id: str | None = None) -> None:
         self.calls.append(("started", external_id))
@@ -59,14 +59,16 @@ class RecordingGate:
 
 
 def _looks(admission: Admission, most_s: float = 60.0) -> None:
-    """Take the admission's looks until one says there will be no more (or `most_s`)."""
+    """As the admission's thread does: once `preempted` is set, hand the stop over to the
+    job's life (`Admission.on_stop`), once (or give up after `most_s`)."""
     until = time.monotonic() + most_s
     while time.monotonic() < until:
-        watch = admission.watch
-        left = 0.01 if watch is None else watch()
-        if left is None:
+        on_stop = admission.on_stop
+        if admission.preempted.is_set() and on_stop is not None:
+            admission.on_stop = None
+            on_stop()
             return
-        time.sleep(min(0.01, max(0.0, left)))
+        time.sleep(0.01)
 
 
 class Scripted:
@@ -364,7 +366,7 @@ def test_an_admitted_job_holds_at_most_five_threads(ledger, prefect_api, tmp_pat
     """From its admission until it is settled, a job run by the local launcher through a gate
     with Prefect's limits (an hourly cap), in a capacity pool or not, holds at most 5 threads
     at once: its one thread (`Holding.hold`: its heartbeat, which also renews its lease, polls
-    for a stop and takes `Running`'s looks), the launcher's output pump, and the short
+    for a stop and hands it over to `Running`), the launcher's output pump, and the short
     hand-offs that record its start and its settlement."""
     from prefect_gpu_budget.admission.gate import Gate
     from prefect_gpu_budget.admission.limits import RateLimits

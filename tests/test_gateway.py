@@ -436,7 +436,7 @@ def test_the_session_status_names_its_figures_as_status_json_does(tmp_path):
 
 
 def test_the_rate_window_counts_within_its_span_and_forgets_idle_keys():
-    from prefect_gpu_budget.agents.door import Window
+    from prefect_gpu_budget.agents.throttle import Window
 
     window = Window(2, 60.0)
     assert [window.hit("10.0.0.1") for _ in range(3)] == [False, False, True]

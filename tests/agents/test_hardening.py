@@ -137,7 +137,7 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger, 
 
 
 def test_ipv6_clients_are_capped_per_64_and_mapped_ipv4_as_ipv4():
-    from prefect_gpu_budget.agents.door import address_key
+    from prefect_gpu_budget.agents.throttle import address_key
 
     assert address_key("2001:db8:1:2:aaaa::1") == address_key("2001:db8:1:2:bbbb::9")
     assert address_key("2001:db8:1:2::1") != address_key("2001:db8:1:3::1")
@@ -146,7 +146,7 @@ def test_ipv6_clients_are_capped_per_64_and_mapped_ipv4_as_ipv4():
 
 
 def test_the_window_sweeps_keys_seen_once_and_says_when_it_has_room():
-    from prefect_gpu_budget.agents.door import Window
+    from prefect_gpu_budget.agents.throttle import Window
 
     brief = Window(1, 0.05)
     for n in range(50):  # a storm of one-off keys
@@ -471,7 +471,8 @@ def test_agents_serve_honours_its_ledger_url_and_uvicorn_believes_no_forwarded_h
 def test_long_polls_wait_at_most_two_per_grant_and_never_take_every_thread():
     """A grant's third concurrent long poll answers at once, as does any past the gateway's
     total: waiting reads hold server threads, and the other calls need some."""
-    from prefect_gpu_budget.agents.door import LONG_POLLS, Caller, Door, Slots
+    from prefect_gpu_budget.agents.door import LONG_POLLS, Caller, Door
+    from prefect_gpu_budget.agents.throttle import Slots
 
     door = Door(ledger=None)  # type: ignore[arg-type]
     done = threading.Event()

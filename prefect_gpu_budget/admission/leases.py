@@ -50,9 +50,10 @@ class SlotLeases:
         this talks to Prefect (slow when its API is), another thread stamps the job's row.
 
         A Prefect outage is retried until the job's max wait (from `asked`: how to read its max
-        wait, and when it asked) runs out, and a request Prefect refuses (`PrefectRefused`) is not retried: either
-        way the admission is given back and the job ends with the reason, as it does when the
-        limit is full and its max wait has run out. Full otherwise: the job is queued again."""
+        wait, and when it asked) runs out, and a request Prefect refuses (`PrefectRefused`) is
+        not retried: either way the admission is given back and the job ends with the reason,
+        as it does when the limit is full and its max wait has run out. Full otherwise: the job
+        is queued again."""
         if self.limits is None or not caps:
             return None
         limits, done = self.limits, threading.Event()

@@ -208,8 +208,10 @@ class Running:
                 return
             self._stop = stop
             if self._deadline:
-                left = self.started_at + self.admission.job.max_runtime - time.time()  # type: ignore[operator]
-                self._timer = threading.Timer(max(0.0, left), self.stop, args=(TIMED_OUT,))
+                deadline = (self.started_at or time.time()) + self.admission.job.max_runtime
+                self._timer = threading.Timer(
+                    max(0.0, deadline - time.time()), self.stop, args=(TIMED_OUT,)
+                )
                 self._timer.name = f"gpu-budget-deadline-{self.admission.job_id[:8]}"
                 self._timer.daemon = True
                 self._timer.start()

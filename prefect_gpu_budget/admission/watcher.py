@@ -3,8 +3,8 @@
 Waiting jobs do not poll. A job registers a `Ticket` before it asks to be admitted and then
 blocks on it. The transaction that frees headroom decides the org's queue once and names the
 jobs it decided (`Queue.headroom`); the watcher of each process hears of that, reads what was
-decided for those of its jobs in one read for all of them (`Ledger.queue.decided`), and wakes exactly
-them, each with its decision (a job still queued, now held by something else, decides itself):
+decided for those of its jobs in one read for all of them (`Ledger.queue.decided`), and wakes
+exactly them, each with its decision (a job still queued, now held by something else, decides itself):
 
 - PostgreSQL: `LISTEN` on the ledger's channel over one connection of the watcher's own; the
   notice is sent in the deciding transaction, so it arrives only once the decision is visible.

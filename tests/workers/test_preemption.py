@@ -228,8 +228,8 @@ def test_a_preempted_worker_run_that_asks_for_it_is_queued_again(house):
 
 @pytest.mark.timeout(300)
 def test_a_worker_run_its_owner_stops_is_stopped_the_same_way_and_ends_cancelled(house):
-    """`ledger.settlements.ask_stop` (an agent's cancel of its running trial) reaches a worker run as a
-    preemption does: its tree is stopped, it is settled `cancelled` for what ran, and its flow
+    """`ledger.settlements.ask_stop` (an agent's cancel of its running trial) reaches a worker
+    run as a preemption does: its tree is stopped, it is settled `cancelled` for what ran, and its flow
     run ends Cancelled saying why; no pool is needed."""
     ledger, mark = house["ledger"], house["marks"]["lender"]
     run = run_deployment("gated-target/lender", parameters={"seconds": 120}, timeout=0)

@@ -219,8 +219,8 @@ def test_a_job_past_max_runtime_is_cancelled_and_pays_for_what_ran(house):
 
 @pytest.mark.timeout(300)
 def test_a_job_its_owner_stops_is_cancelled_and_pays_for_what_ran(house):
-    """`ledger.settlements.ask_stop` (an agent's cancel of its running trial) reaches a Vertex run as a
-    preemption does (`lifecycle.Running`): its custom job is cancelled, it is settled
+    """`ledger.settlements.ask_stop` (an agent's cancel of its running trial) reaches a Vertex
+    run as a preemption does (`lifecycle.Running`): its custom job is cancelled, it is settled
     `cancelled` from the job's own times, and its flow run ends Cancelled saying why."""
     ledger, fake = house["ledger"], house["fake"]
     fake.script = Script(run_s=60)

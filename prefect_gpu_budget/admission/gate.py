@@ -4,13 +4,15 @@
 2. scope (`_known_scope`): an org or team nobody created is refused, nothing recorded;
 3. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
    this process to the same org that arrive meanwhile;
-4. wait (`_wait`): a waiter does not poll. The transaction that frees headroom decides the org's
+4. wait (`_wait`): a job not admitted at once is watched from then on (`_watch`), and does not
+   poll. The transaction that frees headroom decides the org's
    queue, and the process's watcher (`admission/watcher.py`) wakes the jobs it decided, so a job
    is admitted well within a second of headroom appearing, at a cost that grows with events,
    not with waiters; a waiter re-decides its own job (`Queue.try_admit`) only when woken, at its
    max wait, or when the period that blocks it resets;
 5. slots (`SlotLeases.take`): the Prefect limits of every capped scope on its path, under one
-   lease;
+   lease, asked for while step 3 runs when the scope's last job here was admitted at once
+   (`SlotLeases.early`), and given back at once if the ledger does not admit it;
 6. hold (`Holding.hold`): the admitted job's one thread starts, and the caller gets its
    `Admission`.
 
@@ -28,7 +30,7 @@ from typing import TypeVar
 
 from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.holding import Admission, GateEvents, Holding
-from prefect_gpu_budget.admission.leases import SlotLeases, limit_reason
+from prefect_gpu_budget.admission.leases import Caps, EarlyLease, SlotLeases, limit_reason
 from prefect_gpu_budget.admission.ledger import (
     PREEMPTED,
     Ledger,
@@ -47,7 +49,7 @@ from prefect_gpu_budget.admission.timing import (
     REQUEST_PATIENCE_S,
     WAKE_ANYWAY_S,
 )
-from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
+from prefect_gpu_budget.admission.watcher import Ticket, Watcher, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote, price_job
 from prefect_gpu_budget.threads import Handoff as _Handoff
@@ -75,6 +77,7 @@ class Gate:
         recheck_s: float = RECHECK_S,
         heartbeat_s: float = HEARTBEAT_S,
         preempt_poll_s: float = 0.5,
+        admitted_at_once: dict[str, Caps] | None = None,
     ) -> None:
         self.ledger = ledger
         self.limits = limits
@@ -84,7 +87,9 @@ class Gate:
         self.recheck_s = recheck_s
         self.heartbeat_s = heartbeat_s
         self.preempt_poll_s = preempt_poll_s
-        self.leases = SlotLeases(ledger, limits, self.patiently, self.events.warning)
+        self.leases = SlotLeases(
+            ledger, limits, self.patiently, self.events.warning, admitted_at_once
+        )
         self.holding = Holding(
             ledger,
             limits,
@@ -106,6 +111,7 @@ class Gate:
             recheck_s=self.recheck_s,
             heartbeat_s=self.heartbeat_s,
             preempt_poll_s=self.preempt_poll_s,
+            admitted_at_once=self.leases.admitted_at_once,
         )
 
     def quote(self, job: GpuJob) -> Quote:
@@ -197,13 +203,28 @@ class Gate:
             raise _Cancelled
         scope, started = new.scope, time.time()
         job_id = str(uuid.uuid4())  # fixed before any retry: a retried request records once
-        watcher = watcher_for(self.ledger, self.poll_s, self.recheck_s)
-        ticket = watcher.register(job_id, org_of(scope), self.events.warning)
+        ticket = Ticket(job_id, org_of(scope), self.events.warning)  # watched once it waits
         handoff.on_cancel.append(ticket.changed.set)
         try:
             return self._request_and_wait(new, job, quote, handoff, ticket, started)
         finally:
-            watcher.unregister(ticket)
+            if ticket.watched:
+                self._watcher().unregister(ticket)
+
+    def _watcher(self) -> Watcher:
+        return watcher_for(self.ledger, self.poll_s, self.recheck_s)
+
+    def _watch(self, ticket: Ticket) -> None:
+        """Have the process's watcher wake the job from now on, then read once what another's
+        transaction decided for it since its request, which named it to no watcher. (A job
+        admitted at once is never watched: its admission starts no watcher thread, and no
+        LISTEN connection.)"""
+        self._watcher().watch(ticket)
+        decided = self.patiently(
+            "reading the decision", functools.partial(self.ledger.queue.decided, [ticket.job_id])
+        )
+        if ticket.job_id in decided:
+            ticket.hand(decided[ticket.job_id])
 
     def _request_and_wait(
         self,
@@ -215,29 +236,37 @@ class Gate:
         started: float,
     ) -> Admission:
         job_id, scope = ticket.job_id, new.scope
-        decision, rules = self.patiently(  # a ledger that never answers (a wrong URL) fails
-            "recording the request",  # in time
-            functools.partial(self.ledger.queue.ask, new, job_id),
-            patience=REQUEST_PATIENCE_S,
-        )
+        early = self.leases.early(scope, new.rate_cents)  # slots asked while the ledger decides
         try:
-            return self._wait(
-                job_id,
-                scope,
-                job,
-                quote,
-                new.rate_cents,
-                (decision, rules, started),
-                handoff,
-                ticket,
+            decision, rules = self.patiently(  # a ledger that never answers (a wrong URL)
+                "recording the request",  # fails in time
+                functools.partial(self.ledger.queue.ask, new, job_id),
+                patience=REQUEST_PATIENCE_S,
             )
-        except AdmissionRefused as refused:
-            self.events.refused(job_id, refused)
-            raise
-        except BaseException:  # cancelled while waiting: give the place (or the admission) back
-            give_back = functools.partial(self._give_back, job_id, scope)
-            self.patiently("giving back a cancelled job", give_back, patience=GIVE_BACK_S)
-            raise
+            self.leases.decided(scope, decision.caps if decision.verdict == "admit" else None)
+            if early is not None and decision.verdict != "admit":
+                early.drop()
+            try:
+                return self._wait(
+                    job_id,
+                    scope,
+                    job,
+                    quote,
+                    new.rate_cents,
+                    (decision, rules, started, early),
+                    handoff,
+                    ticket,
+                )
+            except AdmissionRefused as refused:
+                self.events.refused(job_id, refused)
+                raise
+            except BaseException:  # cancelled while waiting: give the place (or admission) back
+                give_back = functools.partial(self._give_back, job_id, scope)
+                self.patiently("giving back a cancelled job", give_back, patience=GIVE_BACK_S)
+                raise
+        finally:
+            if early is not None:
+                early.drop()  # unless its admission took the slots over
 
     def _give_back(self, job_id: str, scope: str) -> None:
         """A job cancelled while it waited leaves the queue; one admitted meanwhile gives back
@@ -268,11 +297,13 @@ class Gate:
         job: GpuJob,
         quote: Quote,
         slots: int,
-        first: tuple[Decision, list[BudgetRule], float],
+        first: tuple[Decision, list[BudgetRule], float, EarlyLease | None],
         handoff: _Handoff[Admission],
         ticket: Ticket,
     ) -> Admission:
-        decision, rules, started = first
+        """Until admitted with its slots, from the `first` decision (with the budgets it was
+        decided against, when the job asked, and the slots asked early)."""
+        decision, rules, started, early = first
         deadline: float | None = None  # known once the job is told it waits
         given_back = False  # an admission it could not take slots for went back to the queue
         last_block: tuple[str | None, str | None] = (None, None)
@@ -300,7 +331,9 @@ class Gate:
                         slots,
                         decision.caps,
                         (functools.partial(self._max_wait, job, scope), started),
+                        early,
                     )
+                    early = None  # asked for the first decision only
                 finally:
                     watched.set()
                 if lease is not False:
@@ -335,6 +368,8 @@ class Gate:
                 self.events.waiting(job_id, decision)
             last_block = (decision.limit, decision.scope)
             ticket.wait_key = wait_key(decision) if decision.limit != "prefect_limit" else None
+            if not ticket.watched:
+                self._watch(ticket)
             # asleep until the ledger may have decided this job, its max wait runs out or the
             # period that blocks it resets (or, should every notice be lost, WAKE_ANYWAY_S)
             wake_at = min(deadline, decision.resumes_at or deadline, time.time() + WAKE_ANYWAY_S)

@@ -32,6 +32,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule, Decision
 from prefect_gpu_budget.admission.timing import RELEASE_PATIENCE_S, SETTLE_PATIENCE_S
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Quote
+from prefect_gpu_budget.threads import Handoff
 from prefect_gpu_budget.threads import off_thread as _off_thread
 from prefect_gpu_budget.units import fmt_usd
 
@@ -240,12 +241,21 @@ class Holding:
     ) -> dict:
         with admission._lease_lock:  # a heartbeat in flight finishes first, then stops
             admission._stop.set()
+        # The slots go back while the row settles: one round trip's time, not two. Either
+        # order is safe for the money: slots still held after the row settled only make the
+        # Prefect limit stricter (a job the ledger admits meanwhile retries its slots), and a
+        # crash between the two leaves either an open row for reconcile or a lease that lapses.
         lease, limits = admission.lease_id, self.limits
-        try:  # slots first: a crash between the two leaves an open row for reconcile to settle
-            if lease and limits is not None:
-                release = functools.partial(limits.release, lease)
-                self.patiently("releasing Prefect limits", release, RELEASE_PATIENCE_S)
-        finally:
+        released: Handoff[None] | None = None
+        if lease and limits is not None:
+            release = functools.partial(limits.release, lease)
+            released = Handoff()
+            released.start(
+                functools.partial(
+                    self.patiently, "releasing Prefect limits", release, RELEASE_PATIENCE_S
+                )
+            )
+        try:
             settle = functools.partial(
                 self.ledger.settlements.settle,
                 admission.job_id,
@@ -256,6 +266,11 @@ class Holding:
                 scope=admission.scope,
             )
             row = self.patiently("settling", settle, SETTLE_PATIENCE_S)
+        finally:
+            if released is not None:
+                released.done.wait(RELEASE_PATIENCE_S + 10.0)
+        if released is not None and released.error is not None:
+            raise released.error
         if row is None:  # settled already (by reconcile, say): report what the ledger holds
             row = self.patiently(
                 "reading the job", functools.partial(self.ledger.views.job, admission.job_id)

@@ -19,15 +19,68 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.limits import DependencyDown, Limits, PrefectRefused
 from prefect_gpu_budget.admission.outages import OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
-from prefect_gpu_budget.admission.timing import GIVE_BACK_S, LIMIT_RETRY_S, LIVENESS_S
+from prefect_gpu_budget.admission.timing import (
+    GIVE_BACK_S,
+    LEASE_S,
+    LIMIT_RETRY_S,
+    LIVENESS_S,
+)
+from prefect_gpu_budget.threads import Handoff
 from prefect_gpu_budget.units import fmt_duration
 
 Patiently = Callable[..., Any]
 """`patiently(what, call, patience=None)`: `call()`, retried while a dependency is down."""
 
 
+Caps = tuple[tuple[str, int], ...]
+"""(scope, hourly cap in cents) of every capped scope on a job's path: its Prefect limits."""
+
+
+class EarlyLease:
+    """Slots asked of Prefect while the ledger decides (`SlotLeases.early`): the job's admission
+    takes them over (`SlotLeases.take`), or they go straight back (`drop`)."""
+
+    def __init__(self, limits: Limits, caps: Caps, slots: int) -> None:
+        self.limits, self.caps, self.slots = limits, caps, slots
+        self.taken: Handoff[str | None] = Handoff()
+        self.taken.start(functools.partial(limits.acquire, [s for s, _ in caps], slots))
+        self.used = self.dropped = False
+
+    def lease(self, caps: Caps, slots: int) -> str | None:
+        """The lease taken, for an admission under these caps; None when it is for others (a
+        cap changed meanwhile), or Prefect said full or did not answer: the caller then takes
+        the slots itself."""
+        if (caps, slots) != (self.caps, self.slots):
+            return None
+        # taken within LIMIT_RETRY_S of the admission, as every lease (`timing`), or not at all
+        if not self.taken.done.wait(LIMIT_RETRY_S) or self.taken.result is None:
+            return None
+        self.used = True
+        return self.taken.result
+
+    def drop(self) -> None:
+        """Give the lease back, unless an admission took it over: in a thread of its own, once
+        Prefect has answered (a process killed first leaves it to lapse, `LEASE_S`)."""
+        if self.used or self.dropped:
+            return
+        self.dropped = True
+
+        def give_back() -> None:
+            if self.taken.done.wait(LEASE_S) and self.taken.result:
+                with contextlib.suppress(Exception):  # not given back: it lapses, LEASE_S
+                    self.limits.release(self.taken.result)
+
+        threading.Thread(target=give_back, name="gpu-budget-early-release", daemon=True).start()
+
+
 class SlotLeases:
-    """The Prefect slots of admissions, over `ledger` and `limits` (None: no hourly caps)."""
+    """The Prefect slots of admissions, over `ledger` and `limits` (None: no hourly caps).
+
+    `admitted_at_once` remembers, per scope, the caps of its last job the ledger admitted at
+    once in this process (shared by the gates `Gate.with_events` makes): the next job of that
+    scope asks for those slots while the ledger decides (`early`), so an uncontended admission
+    costs one round trip's time, not two. A job that has to wait makes its scope forgotten:
+    jobs of a busy scope do not ask Prefect for slots the ledger would not give them."""
 
     def __init__(
         self,
@@ -35,19 +88,41 @@ class SlotLeases:
         limits: Limits | None,
         patiently: Patiently,
         warn: Callable[[str], None],
+        admitted_at_once: dict[str, Caps] | None = None,
     ) -> None:
         self.ledger, self.limits, self.patiently, self.warn = ledger, limits, patiently, warn
+        self.admitted_at_once: dict[str, Caps] = (
+            {} if admitted_at_once is None else admitted_at_once
+        )
+
+    def early(self, scope: str, slots: int) -> EarlyLease | None:
+        """Ask for the slots a job of `scope` took last time, while the ledger decides; None
+        when its scope's last job waited, or none was admitted here yet."""
+        caps = self.admitted_at_once.get(scope)
+        if self.limits is None or not caps:
+            return None
+        return EarlyLease(self.limits, caps, slots)
+
+    def decided(self, scope: str, caps: Caps | None) -> None:
+        """The ledger's first decision for a job of `scope`: admitted at once (`caps`), or not
+        (None: its scope is forgotten until a job of it is admitted at once again)."""
+        if caps:
+            self.admitted_at_once[scope] = caps
+        else:
+            self.admitted_at_once.pop(scope, None)
 
     def take(
         self,
         job_id: str,
         scope: str,
         slots: int,
-        caps: tuple[tuple[str, int], ...],
+        caps: Caps,
         asked: tuple[Callable[[], float], float] | None = None,
+        early: EarlyLease | None = None,
     ) -> str | None | bool:
         """Lease id, None when no scope on the path has an hourly cap, False when full. While
-        this talks to Prefect (slow when its API is), another thread stamps the job's row.
+        this talks to Prefect (slow when its API is), another thread stamps the job's row. The
+        slots asked `early` for these caps, if Prefect gave them, are taken over.
 
         A Prefect outage is retried until the job's max wait (from `asked`: how to read its max
         wait, and when it asked) runs out, and a request Prefect refuses (`PrefectRefused`) is
@@ -56,6 +131,12 @@ class SlotLeases:
         is queued again."""
         if self.limits is None or not caps:
             return None
+        if early is not None:
+            taken = early.lease(caps, slots)
+            if taken is not None:
+                self._record_or_release(job_id, taken)
+                return taken
+            early.drop()
         limits, done = self.limits, threading.Event()
         max_wait = [0.0]
 

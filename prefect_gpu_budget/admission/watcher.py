@@ -50,6 +50,8 @@ class Ticket:
     wait_key: str | None = None
     """What held the job when its holder last looked: a change wakes it too (to say so)."""
     changed: threading.Event = field(default_factory=threading.Event)
+    watched: bool = False
+    """Whether a watcher wakes it (`Watcher.watch`): a job admitted at once never is."""
     handed: tuple[Decision, float] | None = None
     """What the watcher read of the job when it woke it for a decision another's transaction
     made: the decision, and when the row was last stamped (`Ledger.queue.decided`)."""
@@ -81,17 +83,24 @@ class Watcher:
         self._down_since: float | None = None
 
     def register(self, job_id: str, org: str, warning: Callable[[str], None]) -> Ticket:
-        """Watch `job_id` from now on. A new watcher reads the state of every job it watches
-        once it listens, so what was decided before that is not missed either."""
+        """Watch `job_id` from now on (`watch`)."""
         ticket = Ticket(job_id, org, warning)
+        self.watch(ticket)
+        return ticket
+
+    def watch(self, ticket: Ticket) -> None:
+        """Watch the ticket's job from now on. A new watcher reads the state of every job it
+        watches once it listens; a watcher already listening wakes it for the notices that
+        arrive from now on, so the caller reads once what was decided before (the gate does:
+        `Gate._watch`)."""
+        ticket.watched = True
         with self._lock:
-            self._tickets[job_id] = ticket
+            self._tickets[ticket.job_id] = ticket
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="gpu-budget-watcher", daemon=True
                 )
                 self._thread.start()
-        return ticket
 
     def unregister(self, ticket: Ticket) -> None:
         with self._lock:
@@ -181,7 +190,7 @@ class Watcher:
                 time.sleep(0.1)
                 continue
             try:
-                watch()
+                idle = watch()
             except OUTAGES as exc:
                 now = time.monotonic()
                 self._down_since = down = self._down_since or now
@@ -206,8 +215,9 @@ class Watcher:
             )
             self._down_since = None
 
-    def _poll(self) -> None:
-        """SQLite: read the org versions every `poll_s` until there is nothing to watch."""
+    def _poll(self) -> float:
+        """SQLite: read the org versions every `poll_s` until there is nothing to watch; when
+        that was (`time.monotonic()`)."""
         seen: dict[str, int] = {}
         next_recheck = time.monotonic() + self.recheck_s
         while by_org := self._by_org():
@@ -223,11 +233,14 @@ class Watcher:
                 self._recheck()
                 next_recheck = time.monotonic() + self.recheck_s
             time.sleep(self.poll_s)
+        return time.monotonic()
 
-    def _listen(self) -> None:
-        """PostgreSQL: LISTEN on a connection of the watcher's own until there is nothing to
-        watch; wake the jobs each notice names."""
-        conn = None
+    def _listen(self) -> float:
+        """PostgreSQL: LISTEN on a connection of the watcher's own until there has been nothing
+        to watch for `LINGER_S` (when that began: `time.monotonic()`); wake the jobs each notice
+        names. The connection stays open while jobs come and go: a new one costs PostgreSQL a
+        backend of its own."""
+        conn, idle = None, None
         try:
             raw = self.ledger.db.engine.raw_connection()  # a pool's connect raises psycopg's own
             conn = raw.driver_connection
@@ -237,7 +250,11 @@ class Watcher:
             self._check_all()  # what was decided before this connection listened
             self._answered()
             next_recheck = time.monotonic() + self.recheck_s
-            while self._by_org():
+            while True:
+                if self._by_org():
+                    idle = None
+                elif (idle := idle or time.monotonic()) <= time.monotonic() - LINGER_S:
+                    return idle
                 timeout = max(0.0, min(0.25, next_recheck - time.monotonic()))
                 named = [i for n in conn.notifies(timeout=timeout, stop_after=1) for i in _ids(n)]
                 if named:  # and those already here: the decisions of a burst, read at once

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import NewJob
@@ -63,6 +64,34 @@ def test_calls_go_on_after_the_server_drops_every_connection():
     assert row is not None and row["state"] == "settled"
     assert ledger.queue.request(_job("rc/t"))[1].verdict == "admit"
     ledger.db.dispose()
+
+
+def test_a_request_whose_commit_went_unheard_is_recorded_once_when_asked_again(ledger):
+    """The connection drops as the request commits: the gate asks again under the same job id,
+    and that second try reads the row the first one recorded (a first try has none to read)."""
+    import uuid
+    from contextlib import contextmanager
+
+    ledger.config.set_budget(BudgetRule("unheard", hourly_cap_cents=10_000))
+    write, lost = ledger.db.write, []
+
+    @contextmanager
+    def commit_unheard(org: str, request: bool = False):
+        with write(org, request) as conn:
+            yield conn
+        if request and not lost:  # committed; the answer is lost on the way back
+            lost.append(org)
+            raise sa.exc.OperationalError("COMMIT", {}, Exception("server closed the connection"))
+
+    ledger.db.write = commit_unheard
+    job_id = str(uuid.uuid4())
+    with pytest.raises(sa.exc.OperationalError):
+        ledger.queue.ask(_job("unheard/t"), job_id)
+    assert lost == ["unheard"]
+    decision, rules = ledger.queue.ask(_job("unheard/t"), job_id)
+    assert decision.verdict == "admit" and [r.scope for r in rules] == ["unheard"]
+    assert [row["id"] for row in ledger.views.jobs("unheard")] == [job_id]
+    assert not ledger.queue._unsure
 
 
 def test_a_job_that_waits_for_cloud_capacity_is_held_where_its_spend_can_fall(ledger):
@@ -309,9 +338,9 @@ def test_the_policy_runs_once_for_a_request_decided_at_once(ledger, monkeypatch)
     loads: list[str] = []
     load = decisions.Queue._load
 
-    def counted(self, conn, org, now, deciding):
+    def counted(self, conn, org, now, deciding, *known):
         loads.append(deciding)
-        return load(self, conn, org, now, deciding)
+        return load(self, conn, org, now, deciding, *known)
 
     monkeypatch.setattr(decisions.Queue, "_load", counted)
     first, admitted = ledger.queue.request(_job("once/t/a"))

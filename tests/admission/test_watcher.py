@@ -243,3 +243,43 @@ def test_a_ledger_the_watcher_cannot_reach_is_told_to_its_waiters_as_an_outage()
     finally:
         watcher_for(ledger).unregister(ticket)
         ledger.db.dispose()
+
+
+def test_a_job_admitted_at_once_starts_no_watcher(ledger, prices):
+    """Only a job that waits is watched: an admission at once costs no watcher thread (and, on
+    PostgreSQL, no LISTEN connection of its own)."""
+    ledger.config.set_budget(BudgetRule("once", hourly_cap_cents=3600))
+    gate = Gate(ledger, catalog=Catalog.load(prices))
+    for _ in range(3):
+        admission = gate.admit(JOB, "once/t")
+        gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
+    watcher = watcher_for(ledger)
+    assert watcher._thread is None and watcher.waiting() == 0
+
+
+def test_a_decision_made_before_a_waiter_is_watched_reaches_it(ledger, prices, monkeypatch):
+    """The job that frees the cap settles between the waiter's request and its watch, while the
+    process's watcher already listens for another job: the notice named a job it did not know
+    yet. The waiter reads its decision once it is watched, not at its recheck an hour away."""
+    ledger.config.set_budget(BudgetRule("gap", hourly_cap_cents=360))
+    gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=3600)
+    other = watcher_for(ledger).register("someone-else", "gap", lambda message: None)
+    held = gate.admit(JOB, "gap/t")
+    watch = Gate._watch
+
+    def settle_first(self, ticket: Ticket) -> None:
+        gate.holding.settle(held, ended_at=time.time(), outcome="completed")
+        _until(lambda: ledger.views.job(ticket.job_id)["state"] == "admitted", 30, "the admission")
+        time.sleep(0.5)  # the watcher has heard (or polled) the change by now
+        watch(self, ticket)
+
+    monkeypatch.setattr(Gate, "_watch", settle_first)
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(gate.admit(JOB, "gap/t")), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(timeout=60)  # else asleep until WAKE_ANYWAY_S
+        assert got, "the waiter did not hear of its admission"
+        gate.holding.settle(got[0], ended_at=time.time(), outcome="completed")
+    finally:
+        watcher_for(ledger).unregister(other)

@@ -367,17 +367,20 @@ class Config:
         return {c["name"]: c["value"] for c in self.priority_classes(scope.split("/")[0])}
 
 
-def ensure_session_budget(conn: Connection, scope: str, now: float) -> None:
-    """Give a session scope (`org/team/session`) with no budget its team's session template,
-    if there is one, in the caller's transaction (its first request)."""
-    if scope.count("/") != 2:
-        return
-    if conn.execute(sa.select(budgets.c.scope).where(budgets.c.scope == scope)).first():
-        return
+def request_rules(conn: Connection, scope: str, now: float) -> list[BudgetRule]:
+    """The budgets a request in `scope` must fit, outermost first (`_path_rules`), a session
+    scope (`org/team/session`) with no budget first given its team's session template, if
+    there is one, in the caller's transaction (its first request)."""
+    rules = _path_rules(conn, scope)
+    if scope.count("/") != 2 or (rules and rules[-1].scope == scope):
+        return rules
     team = scope.rsplit("/", 1)[0]
     row = conn.execute(sa.select(templates).where(templates.c.scope == team)).mappings().first()
-    if row is not None:
-        _upsert_rule(conn, budgets, replace(_rule(row), scope=scope), now)
+    if row is None:
+        return rules
+    session = replace(_rule(row), scope=scope)
+    _upsert_rule(conn, budgets, session, now)
+    return [*rules, session]
 
 
 def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float) -> None:

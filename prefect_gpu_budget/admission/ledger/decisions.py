@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission.ledger.agents import grant_refusal
-from prefect_gpu_budget.admission.ledger.config import _classes_of, ensure_session_budget
+from prefect_gpu_budget.admission.ledger.config import _classes_of, request_rules
 from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
     _load_pools,
@@ -116,6 +116,9 @@ class Queue:
         """Per org: when `_overrun` last read it, and what it read."""
         self._asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]] = {}
         """Per org: this process's requests, recorded together when they arrive together."""
+        self._unsure: set[str] = set()
+        """Job ids whose request transaction did not return: it may have committed, so their
+        next try reads what it recorded (a first try has nothing to read)."""
 
     def headroom(self, conn: Connection, org: str) -> None:
         """Headroom may have appeared in `org` (a job settled or left the queue, a budget, a
@@ -160,13 +163,21 @@ class Queue:
     ) -> list[tuple[Decision, list[BudgetRule]]]:
         """Record and decide jobs of `org` asking to be admitted, in order, in one transaction
         (a job already recorded under its id, before a connection dropped, is recorded once)."""
+        ids = [job_id for job_id, _ in asked]
+        retried = [job_id for job_id in ids if job_id in self._unsure]
+        self._unsure.update(ids)
         with self.db.write(org, request=True) as conn:  # after the org's other writes waiting
-            ids = [job_id for job_id, _ in asked]
-            found = conn.execute(sa.select(jobs).where(jobs.c.id.in_(ids))).mappings()
+            found = (
+                conn.execute(sa.select(jobs).where(jobs.c.id.in_(retried))).mappings()
+                if retried
+                else ()
+            )
             batch = _Batch(recorded={row["id"]: row for row in found})
-            return [
+            decided = [
                 self._record_request(conn, org, job_id, job, now, batch) for job_id, job in asked
             ]
+        self._unsure.difference_update(ids)
+        return decided
 
     def _record_request(
         self,
@@ -182,8 +193,7 @@ class Queue:
             return _recorded(conn, batch.recorded[job_id]), _path_rules(conn, job.scope)
         rules = batch.rules.get(job.scope)
         if rules is None:
-            ensure_session_budget(conn, job.scope, now)
-            rules = batch.rules[job.scope] = _path_rules(conn, job.scope)
+            rules = batch.rules[job.scope] = request_rules(conn, job.scope, now)
         if job.priority_class is not None:
             if batch.classes is None:
                 batch.classes = _classes_of(conn, org)
@@ -221,7 +231,7 @@ class Queue:
         decision = self._behind_a_waiter(conn, job_id, org, job, now, rules, batch)
         if decision is None:
             batch.waiters.clear()  # the whole queue decided: the waiters found may have moved
-            decision = self._decide(conn, job_id, org, now, reason="", waited=None)
+            decision = self._decide(conn, job_id, org, now, reason="", waited=None, path=rules)
         else:
             self._write_decision(conn, job_id, decision, now, None, reason="")
         return decision, rules
@@ -315,7 +325,14 @@ class Queue:
             return self._decide(conn, job_id, org, now, reason=row["reason"], waited=row)
 
     def _decide(
-        self, conn: Connection, job_id: str, org: str, now: float, reason: str, waited: Any
+        self,
+        conn: Connection,
+        job_id: str,
+        org: str,
+        now: float,
+        reason: str,
+        waited: Any,
+        path: list[BudgetRule] | None = None,
     ) -> Decision:
         """Run the policy for a queued job and write what it says, heartbeat included, and what
         held it for how long (`waited`: the job's row as it stood, None for a new job).
@@ -325,8 +342,9 @@ class Queue:
         stop, or when other jobs wait in the org at all: time alone may have made room for one
         of them (a silent waiter ahead, a period's turn), and the policy's walk to this job may
         have counted it admitted, which only a decision of the queue writes. A new job decided
-        at once in an org where nothing else waits runs the policy once."""
-        state, queue = self._load(conn, org, now, job_id)
+        at once in an org where nothing else waits runs the policy once. (`path`: the budgets
+        on the job's path, when this transaction read them already.)"""
+        state, queue = self._load(conn, org, now, job_id, path)
         decision = decide(state, queue, job_id)
         _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
         others_wait = any(request.job_id != job_id for request in queue)
@@ -385,8 +403,15 @@ class Queue:
         return decision.verdict != "wait" or bool(tally), bool(asked)
 
     def _load(
-        self, conn: Connection, org: str, now: float, deciding: str
+        self,
+        conn: Connection,
+        org: str,
+        now: float,
+        deciding: str,
+        path: list[BudgetRule] | None = None,
     ) -> tuple[LedgerState, list[Request]]:
+        """The org's ledger state and queue, as the policy sees them (`path`: the budgets on the
+        path of the job `deciding`, read already in this transaction: not read again)."""
         rows = conn.execute(
             sa.select(
                 jobs.c.id,
@@ -415,6 +440,8 @@ class Queue:
                 jobs.c.preempt_at,
             ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
         ).all()
+        if not deciding and all(r.state != "queued" for r in rows):  # no queue to decide
+            return LedgerState(now=now, budgets={}, holds=(), settled={}), []
         holds, queue, placed = [], [], []
         scopes = {s for scope in {r.scope for r in rows} for s in scope_path(scope)}
         for r in rows:
@@ -446,12 +473,17 @@ class Queue:
                     where = tuple(int(i) for i in (r.placement or "").split(",") if i)
                     stopping = r.preempt_at is not None
                     placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at, stopping))
-        rules = {
-            row["scope"]: _rule(row)
-            for row in conn.execute(
-                sa.select(budgets).where(budgets.c.scope.in_(scopes))
-            ).mappings()
-        }
+        rules: dict[str, BudgetRule] = {}
+        if path is not None:
+            rules = {rule.scope: rule for rule in path}
+            scopes -= set(scope_path(next(r.scope for r in rows if r.id == deciding)))
+        if scopes:
+            rules |= {
+                row["scope"]: _rule(row)
+                for row in conn.execute(
+                    sa.select(budgets).where(budgets.c.scope.in_(scopes))
+                ).mappings()
+            }
         settled = {
             (r.scope, r.period_start): r.settled_micro
             for r in conn.execute(

@@ -1,0 +1,143 @@
+"""The Prefect lease protocol of an admission (admission/leases.py): a job whose scope's last job
+was admitted at once asks for its slots while the ledger decides, and what it asked for goes
+back whenever the ledger does not admit it under those caps."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from prefect_gpu_budget.admission.errors import AdmissionRefused
+from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.prefect_server import wait_for
+
+JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # 360 cents an hour
+
+
+class _Limits:
+    """Prefect limits that answer at once and remember what they were asked, and when."""
+
+    def __init__(self) -> None:
+        self.taken: list[str] = []
+        self.released: list[str] = []
+        self.asked_at: list[float] = []
+        self.caps: list[list[str]] = []
+
+    def ensure(self, caps) -> None:
+        pass
+
+    def acquire(self, scopes: list[str], slots: int) -> str:
+        self.asked_at.append(time.monotonic())
+        self.caps.append(list(scopes))
+        time.sleep(0.05)  # a round trip
+        self.taken.append(f"lease-{len(self.taken) + 1}")
+        return self.taken[-1]
+
+    def renew(self, lease_id: str) -> bool:
+        return True
+
+    def release(self, lease_id: str) -> None:
+        self.released.append(lease_id)
+
+
+def _timed_asks(ledger) -> list[tuple[float, float]]:
+    """When each request to the ledger began and returned."""
+    spans: list[tuple[float, float]] = []
+    ask = ledger.queue.ask
+
+    def timed(new, job_id):
+        began = time.monotonic()
+        try:
+            return ask(new, job_id)
+        finally:
+            spans.append((began, time.monotonic()))
+
+    ledger.queue.ask = timed
+    return spans
+
+
+def test_a_job_after_one_admitted_at_once_asks_for_its_slots_while_the_ledger_decides(
+    ledger, prices
+):
+    ledger.config.set_budget(BudgetRule("early", hourly_cap_cents=3600))
+    limits, spans = _Limits(), _timed_asks(ledger)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    first = gate.admit(JOB, "early/t")  # nothing known yet: asked after the ledger admitted
+    assert limits.asked_at[0] >= spans[0][1]
+    gate.holding.settle(first, ended_at=time.time(), outcome="completed")
+    # the next job of the scope, through a gate with other events (as every task makes one)
+    second = gate.with_events(gate.events).admit(JOB, "early/t")
+    assert limits.asked_at[1] < spans[1][1], "the slots were asked only after the decision"
+    assert second.lease_id == "lease-2" == ledger.views.job(second.job_id)["lease_id"]
+    gate.holding.settle(second, ended_at=time.time(), outcome="completed")
+    assert limits.taken == limits.released == ["lease-1", "lease-2"]  # one lease a job
+
+
+def test_slots_asked_under_caps_that_changed_meanwhile_go_back(ledger, prices):
+    """An admin raised the cap between two jobs: the slots asked under the old caps go back and
+    the job takes them under the new ones."""
+    ledger.config.set_budget(BudgetRule("moved", hourly_cap_cents=3600))
+    limits = _Limits()
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    gate.holding.settle(gate.admit(JOB, "moved/t"), ended_at=time.time(), outcome="completed")
+    ledger.config.set_budget(BudgetRule("moved", hourly_cap_cents=7200))
+    second = gate.admit(JOB, "moved/t")
+    assert second.lease_id == "lease-3" and second.caps == (("moved", 7200),)
+    wait_for(lambda: "lease-2" in limits.released, 30, "the early lease to go back")
+    gate.holding.settle(second, ended_at=time.time(), outcome="completed")
+    assert sorted(limits.released) == sorted(limits.taken) == ["lease-1", "lease-2", "lease-3"]
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_slots_asked_for_a_job_the_ledger_makes_wait_go_back_at_once(ledger, prices):
+    """Real Prefect limits with room (the hourly cap fits two jobs) while the org's period
+    budget has none: the second job's early slots go back as soon as it is told it waits, not
+    when it ends, and its scope's next job asks for none while the decision is pending."""
+    from prefect_gpu_budget.admission.limits import RateLimits
+
+    ledger.config.set_budget(BudgetRule("spec", hourly_cap_cents=720))
+    limits = RateLimits()
+    acquired: list[str] = []
+    acquire = limits.acquire
+
+    def counted(scopes: list[str], slots: int) -> str | None:
+        lease = acquire(scopes, slots)
+        acquired.append(str(lease))
+        return lease
+
+    limits.acquire = counted  # type: ignore[method-assign]
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices), recheck_s=3600)
+    running = gate.admit(JOB, "spec/t")
+    assert limits.active_slots("spec") == 360
+    full = ledger.views.job(running.job_id)["reserved_micro"]
+    ledger.config.set_budget(
+        BudgetRule("spec", hourly_cap_cents=720, period_budget_micro=full, period="month")
+    )
+    refused: list[AdmissionRefused] = []
+
+    def waiter() -> None:
+        try:
+            gate.admit(GpuJob(instance_type="local:box", max_runtime="1m", max_wait=6), "spec/t")
+        except AdmissionRefused as exc:
+            refused.append(exc)
+
+    thread = threading.Thread(target=waiter)
+    try:
+        thread.start()
+        wait_for(lambda: ledger.views.jobs("spec", states=("queued",)), 60, "the job to wait")
+        assert len(acquired) == 2 and acquired[1] != "None", acquired  # asked early: given
+        wait_for(lambda: limits.active_slots("spec") == 360, 30, "the early slots to go back")
+        assert "spec/t" not in gate.leases.admitted_at_once
+        thread.join(timeout=60)
+        assert refused and refused[0].state_name == "AdmissionTimeout"
+        assert limits.active_slots("spec") == 360 and len(acquired) == 2
+    finally:
+        thread.join(timeout=60)
+        gate.holding.settle(running, ended_at=time.time(), outcome="completed")
+    assert limits.active_slots("spec") == 0
+    limits.close()

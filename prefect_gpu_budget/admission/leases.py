@@ -52,8 +52,8 @@ class EarlyLease:
         the slots itself."""
         if (caps, slots) != (self.caps, self.slots):
             return None
-        # taken within LIMIT_RETRY_S of the admission, as every lease (`timing`), or not at all
-        if not self.taken.done.wait(LIMIT_RETRY_S) or self.taken.result is None:
+        # a busy Prefect is waited for, not asked twice (the caller stamps the row meanwhile)
+        if not self.taken.done.wait(LEASE_S) or self.taken.result is None:
             return None
         self.used = True
         return self.taken.result
@@ -131,12 +131,6 @@ class SlotLeases:
         is queued again."""
         if self.limits is None or not caps:
             return None
-        if early is not None:
-            taken = early.lease(caps, slots)
-            if taken is not None:
-                self._record_or_release(job_id, taken)
-                return taken
-            early.drop()
         limits, done = self.limits, threading.Event()
         max_wait = [0.0]
 
@@ -153,6 +147,12 @@ class SlotLeases:
 
         threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
         try:
+            if early is not None:  # Prefect's answer to it, however slow, the row stamped
+                taken = early.lease(caps, slots)
+                if taken is not None:
+                    self._record_or_release(job_id, taken)
+                    return taken
+                early.drop()
             self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left)
             deadline = time.monotonic() + LIMIT_RETRY_S
             while True:

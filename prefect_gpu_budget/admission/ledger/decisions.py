@@ -105,6 +105,69 @@ class _Batch:
     """Per (scope, priority): the live waiter a new job joins behind, until a full decision."""
 
 
+_WAITER_AHEAD = {
+    team_is_none: sa.select(
+        jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
+    )
+    .where(
+        jobs.c.org == sa.bindparam("org"),
+        jobs.c.state == "queued",
+        jobs.c.id != sa.bindparam("job_id"),
+        jobs.c.pool.is_(None),
+        jobs.c.team.is_(None) if team_is_none else jobs.c.team == sa.bindparam("team"),
+        jobs.c.wait_key.in_(sa.bindparam("keys", expanding=True)),
+        jobs.c.heartbeat_at >= sa.bindparam("alive_since"),
+        sa.or_(
+            jobs.c.priority > sa.bindparam("priority"),
+            sa.and_(
+                jobs.c.priority == sa.bindparam("priority"),
+                jobs.c.requested_at <= sa.bindparam("now"),
+            ),
+        ),
+    )
+    .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
+    .limit(1)
+    for team_is_none in (False, True)
+}
+"""The live waiter a new job would queue behind (`Queue._behind_a_waiter`), by whether the
+job's scope has a team. Like the statements below, built once: building a statement costs more
+than running it, and these run on every request."""
+
+_OPEN_JOBS = sa.select(
+    jobs.c.id,
+    jobs.c.scope,
+    jobs.c.state,
+    jobs.c.rate_micro_per_hour,
+    jobs.c.rate_cents,
+    jobs.c.max_runtime_s,
+    jobs.c.expected_runtime_s,
+    jobs.c.priority,
+    jobs.c.requested_at,
+    jobs.c.heartbeat_at,
+    jobs.c.on_limit,
+    jobs.c.max_wait_s,
+    jobs.c.reserved_micro,
+    jobs.c.admitted_at,
+    jobs.c.started_at,
+    jobs.c.reserve_seconds,
+    jobs.c.nodes,
+    jobs.c.pool,
+    jobs.c.team,
+    jobs.c.node_gpus,
+    jobs.c.node_vcpu,
+    jobs.c.node_memory_gib,
+    jobs.c.placement,
+    jobs.c.preempt_at,
+).where(jobs.c.org == sa.bindparam("org"), jobs.c.state.in_(("queued", *ACTIVE)))
+"""An org's queued and admitted or running jobs, as the policy sees them (`Queue._load`)."""
+
+_OPEN_PERIODS = sa.select(period_spend).where(
+    period_spend.c.scope.in_(sa.bindparam("scopes", expanding=True)),
+    period_spend.c.period_end > sa.bindparam("now"),
+)
+"""The settled spend of the named scopes' periods not yet over."""
+
+
 class Queue:
     """Requests and their decisions, the org's queue, and what leaves the queue unrun, over the
     ledger's database (`Db`). `headroom` is what every other store's write that may have made
@@ -257,27 +320,18 @@ class Queue:
         row = batch.waiters.get(key)
         if row is None:
             path = scope_path(job.scope)
-            keys = [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path]
             team = team_of(job.scope)  # a budget holds only its own team's later jobs
             row = conn.execute(
-                sa.select(
-                    jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
-                )
-                .where(
-                    jobs.c.org == org,
-                    jobs.c.state == "queued",
-                    jobs.c.id != job_id,
-                    jobs.c.pool.is_(None),
-                    jobs.c.team.is_(None) if team is None else jobs.c.team == team,
-                    jobs.c.wait_key.in_(keys),
-                    jobs.c.heartbeat_at >= now - STALE_WAITER_S,
-                    sa.or_(
-                        jobs.c.priority > job.priority,
-                        sa.and_(jobs.c.priority == job.priority, jobs.c.requested_at <= now),
-                    ),
-                )
-                .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
-                .limit(1)
+                _WAITER_AHEAD[team is None],
+                {
+                    "org": org,
+                    "job_id": job_id,
+                    "team": team,
+                    "keys": [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path],
+                    "alive_since": now - STALE_WAITER_S,
+                    "priority": job.priority,
+                    "now": now,
+                },
             ).first()
             if row is None:
                 return None
@@ -412,34 +466,7 @@ class Queue:
     ) -> tuple[LedgerState, list[Request]]:
         """The org's ledger state and queue, as the policy sees them (`path`: the budgets on the
         path of the job `deciding`, read already in this transaction: not read again)."""
-        rows = conn.execute(
-            sa.select(
-                jobs.c.id,
-                jobs.c.scope,
-                jobs.c.state,
-                jobs.c.rate_micro_per_hour,
-                jobs.c.rate_cents,
-                jobs.c.max_runtime_s,
-                jobs.c.expected_runtime_s,
-                jobs.c.priority,
-                jobs.c.requested_at,
-                jobs.c.heartbeat_at,
-                jobs.c.on_limit,
-                jobs.c.max_wait_s,
-                jobs.c.reserved_micro,
-                jobs.c.admitted_at,
-                jobs.c.started_at,
-                jobs.c.reserve_seconds,
-                jobs.c.nodes,
-                jobs.c.pool,
-                jobs.c.team,
-                jobs.c.node_gpus,
-                jobs.c.node_vcpu,
-                jobs.c.node_memory_gib,
-                jobs.c.placement,
-                jobs.c.preempt_at,
-            ).where(jobs.c.org == org, jobs.c.state.in_(("queued", *ACTIVE)))
-        ).all()
+        rows = conn.execute(_OPEN_JOBS, {"org": org}).all()
         if not deciding and all(r.state != "queued" for r in rows):  # no queue to decide
             return LedgerState(now=now, budgets={}, holds=(), settled={}), []
         holds, queue, placed = [], [], []
@@ -486,11 +513,7 @@ class Queue:
             }
         settled = {
             (r.scope, r.period_start): r.settled_micro
-            for r in conn.execute(
-                sa.select(period_spend).where(
-                    period_spend.c.scope.in_(list(rules)), period_spend.c.period_end > now
-                )
-            )
+            for r in conn.execute(_OPEN_PERIODS, {"scopes": list(rules), "now": now})
         }
         overrun = (
             self._overrun(conn, org, now)

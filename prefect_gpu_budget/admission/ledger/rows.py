@@ -38,10 +38,14 @@ def _budgets(conn: Connection, org: str | None = None) -> list[BudgetRule]:
     return [_rule(row) for row in conn.execute(query).mappings()]
 
 
+_PATH_RULES = sa.select(budgets).where(budgets.c.scope.in_(sa.bindparam("path", expanding=True)))
+"""Built once: building a statement costs more than running it (hot-path reads do this)."""
+
+
 def _path_rules(conn: Connection, scope: str) -> list[BudgetRule]:
     """The budgets a job in `scope` must fit, outermost first."""
     path = scope_path(scope)
-    rows = conn.execute(sa.select(budgets).where(budgets.c.scope.in_(path))).mappings()
+    rows = conn.execute(_PATH_RULES, {"path": path}).mappings()
     found = {row["scope"]: _rule(row) for row in rows}
     return [found[s] for s in path if s in found]
 
@@ -83,8 +87,11 @@ def _load_pools(conn: Connection, org: str) -> list[Pool]:
             kind=r.kind,
             backfill=bool(r.backfill),
         )
-        for r in conn.execute(sa.select(pools).where(pools.c.org == org).order_by(pools.c.name))
+        for r in conn.execute(_POOLS, {"org": org})
     ]
+
+
+_POOLS = sa.select(pools).where(pools.c.org == sa.bindparam("org")).order_by(pools.c.name)
 
 
 def _load_quotas(conn: Connection, org: str) -> list[TeamQuota]:

@@ -1,0 +1,59 @@
+"""The ledger's read views (admission/ledger/reads.py): scopes matched exactly, a job admitted but
+not started told from a running one, the newest jobs chosen in SQL."""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+
+from prefect_gpu_budget.admission.ledger import NewJob
+from prefect_gpu_budget.admission.policy import BudgetRule
+from tests.jobs import new_job
+
+
+def _job(scope: str) -> NewJob:
+    return new_job(scope)
+
+
+def test_underscore_in_a_scope_is_not_a_wildcard(ledger):
+    ledger.config.set_budget(BudgetRule("axb", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    job_id, decision = ledger.queue.request(_job("axb/t"))
+    ledger.settlements.mark_started(job_id, time.time() - 100)
+    ledger.settlements.settle(job_id, ended_at=time.time(), outcome="completed", scope="axb/t")
+    ledger.config.set_budget(BudgetRule("a_b", hourly_cap_cents=10_000, period_budget_micro=10**9))
+    assert [s["settled_micro"] for s in ledger.views.status("a_b")] == [0]
+    assert [len(ledger.views.jobs(scope)) for scope in ("a_b", "axb")] == [0, 1]
+
+
+def test_status_tells_a_job_admitted_but_not_started_from_a_running_one(ledger):
+    """As squeue tells CONFIGURING from RUNNING: an admitted job a cloud is still finding
+    capacity for is `admitted`, not `running`; both hold their rate in the cap."""
+    ledger.config.set_budget(BudgetRule("st2", hourly_cap_cents=10_000))
+    started, _ = ledger.queue.request(_job("st2/t/a"))
+    ledger.queue.request(_job("st2/t/b"))
+    ledger.settlements.mark_started(started, time.time())
+    (row,) = ledger.views.status("st2")
+    assert (row["running"], row["admitted"], row["queued"]) == (1, 1, 0)
+    assert row["running_rate_micro"] == 2 * _job("st2/t/a").rate_micro_per_hour
+
+
+def test_the_newest_jobs_are_chosen_in_sql(ledger):
+    ledger.config.set_budget(BudgetRule("nw", period_budget_micro=10**9))
+    ids = [ledger.queue.request(_job("nw/a"), now=1_000_000.0 + i)[0] for i in range(5)]
+    ledger.queue.request(new_job("nw/a", flow_run_id="run-1"), now=1_000_010.0)
+    statements: list[str] = []
+
+    def seen(conn, cursor, statement, *args):
+        statements.append(statement)
+
+    sa.event.listen(ledger.db.engine, "before_cursor_execute", seen)
+    try:
+        newest = ledger.views.jobs("nw", limit=3)
+        of_run = ledger.views.jobs("nw", flow_run_id="run-1")
+    finally:
+        sa.event.remove(ledger.db.engine, "before_cursor_execute", seen)
+    assert [j["id"] for j in newest[:2]] == ids[3:] and newest[2]["flow_run_id"] == "run-1"
+    assert [j["flow_run_id"] for j in of_run] == ["run-1"]
+    selects = [s for s in statements if "FROM gpu_jobs" in s]
+    assert "LIMIT" in selects[0] and "flow_run_id =" in selects[1], selects

@@ -29,6 +29,7 @@ from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import scope_path
 from tests.jobs import new_job
+from tests.limits import SlowLimits
 from tests.prefect_server import wait_for
 
 RACE_SCOPES = ["race/a/s1", "race/a/s2", "race/b/s1", "race/b/s2"]
@@ -286,31 +287,6 @@ def test_sigkill_between_reservation_and_settlement(ledger, ledger_url, prices, 
     assert status["settled_micro"] == settled["actual_micro"]
 
 
-class _SlowLimits:
-    """Prefect limits answering a request for slots only after `delay` seconds, or as soon as
-    the test sets `go` (a Prefect API coming back from an outage): the gate's side of the
-    conversation, nothing else. `asked` is set once a request for slots is outstanding."""
-
-    def __init__(self, delay: float) -> None:
-        self.delay, self.taken, self.released = delay, [], []
-        self.asked, self.go = threading.Event(), threading.Event()
-
-    def ensure(self, caps) -> None:
-        pass
-
-    def acquire(self, scopes: list[str], slots: int) -> str:
-        self.asked.set()
-        self.go.wait(self.delay)
-        self.taken.append(f"lease-{len(self.taken) + 1}")
-        return self.taken[-1]
-
-    def renew(self, lease_id: str) -> bool:
-        return True
-
-    def release(self, lease_id: str) -> None:
-        self.released.append(lease_id)
-
-
 def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeypatch):
     """Reconcile counts a lease a crashed admission may have taken unrecorded from the row's
     last stamp: while the request is outstanding the row is stamped, so a grant that comes late
@@ -321,7 +297,7 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
 
     monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
     ledger.config.set_budget(BudgetRule("slow", hourly_cap_cents=720))
-    limits = _SlowLimits(delay=0.6)
+    limits = SlowLimits(delay=0.6)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     admission = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "slow/t")
     (row,) = ledger.views.jobs("slow")
@@ -351,7 +327,7 @@ def test_an_interrupt_while_slots_are_being_taken_leaves_no_lease(ledger, prices
     released."""
 
     ledger.config.set_budget(BudgetRule("intr", hourly_cap_cents=720))
-    limits = _SlowLimits(delay=300)  # answers when the test says so
+    limits = SlowLimits(delay=300)  # answers when the test says so
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
 
     def interrupt_while_asked() -> None:
@@ -388,7 +364,7 @@ def test_slots_taken_for_a_job_settled_meanwhile_go_back(ledger, prices):
     before the caller even waits for the thread taking them): that thread then finds the job
     no longer active, records nothing and releases the lease itself."""
     ledger.config.set_budget(BudgetRule("gone", hourly_cap_cents=720))
-    limits = _SlowLimits(delay=300)  # answers when the test says so
+    limits = SlowLimits(delay=300)  # answers when the test says so
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
 
     def settle_meanwhile() -> None:
@@ -424,7 +400,7 @@ def test_an_interrupt_as_the_admission_thread_starts_leaves_nothing(ledger, pric
     ledger.config.set_budget(BudgetRule("start", hourly_cap_cents=720))
     for delay in (0.0, 0.5):  # a quick and a slow Prefect API
         calls.clear()
-        limits = _SlowLimits(delay=delay)
+        limits = SlowLimits(delay=delay)
         gate = Gate(ledger, limits, catalog=Catalog.load(prices))
         with pytest.raises(_Interrupted):
             gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "start/t")
@@ -445,7 +421,7 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
     caller = threading.get_ident()
     seen: list[tuple[str, int]] = []
 
-    class _Watched(_SlowLimits):
+    class _Watched(SlowLimits):
         def acquire(self, scopes, slots):
             seen.append(("prefect", threading.get_ident()))
             return super().acquire(scopes, slots)
@@ -504,7 +480,7 @@ def test_an_interrupt_as_the_job_is_admitted_gives_it_back(ledger, prices, monke
 
     monkeypatch.setattr(gate_module._Handoff, "claim", claim_with_interrupt)
     ledger.config.set_budget(BudgetRule("race-in", hourly_cap_cents=720))
-    limits = _SlowLimits(delay=0.0)
+    limits = SlowLimits(delay=0.0)
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:

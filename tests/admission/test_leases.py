@@ -14,35 +14,22 @@ from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.limits import SlowLimits
 from tests.prefect_server import wait_for
 
 JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # 360 cents an hour
 
 
-class _Limits:
-    """Prefect limits that answer at once and remember what they were asked, and when."""
+class _Limits(SlowLimits):
+    """Prefect limits that answer after a round trip and remember when they were asked."""
 
     def __init__(self) -> None:
-        self.taken: list[str] = []
-        self.released: list[str] = []
+        super().__init__(delay=0.05)
         self.asked_at: list[float] = []
-        self.caps: list[list[str]] = []
-
-    def ensure(self, caps) -> None:
-        pass
 
     def acquire(self, scopes: list[str], slots: int) -> str:
         self.asked_at.append(time.monotonic())
-        self.caps.append(list(scopes))
-        time.sleep(0.05)  # a round trip
-        self.taken.append(f"lease-{len(self.taken) + 1}")
-        return self.taken[-1]
-
-    def renew(self, lease_id: str) -> bool:
-        return True
-
-    def release(self, lease_id: str) -> None:
-        self.released.append(lease_id)
+        return super().acquire(scopes, slots)
 
 
 def _asked_while_deciding(ledger, limits: _Limits) -> list[bool]:

@@ -275,8 +275,15 @@ class Running:
         returned, as `returned`), named by `outcome`; returns the settled row."""
         self.over()
         ended_at = time.time() if ended_at is None else ended_at
+        outcome = self.outcome(error, returned, ended_at)
+        timed_out = outcome == TIMED_OUT and billed_seconds is None
+        if self._deadline and timed_out and self.started_at is not None:
+            # stopped at its deadline by this life's own timer: billed at most its reservation,
+            # max_runtime + kill_grace (as `local._billed`); what the kill takes to land past it
+            # is the runner's, not the job's (a launcher's run reports its own end and bill)
+            ended_at = min(ended_at, self.started_at + self.admission.job.reserve_runtime_s)
         return self.settlement.settle(
-            self.outcome(error, returned, ended_at),
+            outcome,
             ended_at=ended_at,
             billed_seconds=billed_seconds,
             actual_micro=actual_micro,

@@ -33,6 +33,9 @@ class WorkerSpec:
 
 PHASE_WORDS = {"started": "running", "settling": "settling"}
 """The lifecycle's phases (`admission/lifecycle.py`) as the words a worker tells the parent."""
+HELD_WHILE_PARKED = {"<release": "settle"}
+"""The gate settles the row while the slots go back (`Holding._settle`): a worker parked once
+they went back must not settle meanwhile, or its kill would find the row settled already."""
 
 
 def worker(spec: WorkerSpec, conn: Connection) -> None:
@@ -55,6 +58,8 @@ def worker(spec: WorkerSpec, conn: Connection) -> None:
             if before:
                 say(before)
             time.sleep(PAUSE_S)
+            if HELD_WHILE_PARKED.get(spec.park_at or "") == name:
+                time.sleep(3600)  # the step parked beside: the parent kills it before this
             mark(f">{name}")
             out = call(*args, **kwargs)
             mark(f"<{name}")

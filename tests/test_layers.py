@@ -159,6 +159,8 @@ def test_the_ledger_and_the_job_life_do_not_import_prefect(module: str) -> None:
 # -- the shape of the objects: small classes, no hidden dependencies, no cycles -----------------
 
 MOST_PUBLIC_METHODS = 30
+MOST_LINES = 600
+"""A module longer than this holds more than one concern, or one that wants splitting."""
 
 
 def _modules() -> dict[str, Path]:
@@ -206,6 +208,13 @@ def test_no_class_has_more_than_thirty_public_methods() -> None:
     assert counts["prefect_gpu_budget.admission.ledger.decisions.Queue"] >= 5  # it counts
     big = {k: n for k, n in counts.items() if n > MOST_PUBLIC_METHODS}
     assert not big, big
+
+
+def test_no_module_is_over_six_hundred_lines() -> None:
+    lines = {k: len(p.read_text().splitlines()) for k, p in _modules().items()}
+    assert lines["prefect_gpu_budget.admission.ledger.decisions"] > 300  # it counts
+    long = {k: n for k, n in lines.items() if n > MOST_LINES}
+    assert not long, long
 
 
 def test_the_admission_wing_has_no_mixins_and_no_type_only_imports() -> None:

@@ -1,7 +1,8 @@
 """How a waiting job hears that the ledger decided it: one watcher per process and ledger.
 
-Waiting jobs do not poll. A job registers a `Ticket` before it asks to be admitted and then
-blocks on it. The transaction that frees headroom decides the org's queue once and names the
+Waiting jobs do not poll. A job whose request was told to wait is watched (`watch`, its
+`Ticket`), reads its own decision once (one made before the watch is not missed), and then
+blocks on the ticket; a job admitted at once is never watched. The transaction that frees headroom decides the org's queue once and names the
 jobs it decided (`Queue.headroom`); the watcher of each process hears of that, reads what was
 decided for those of its jobs in one read for all of them (`Ledger.queue.decided`), and wakes
 exactly them, each with its decision (a job still queued, now held by something else, decides itself):
@@ -81,12 +82,6 @@ class Watcher:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._down_since: float | None = None
-
-    def register(self, job_id: str, org: str, warning: Callable[[str], None]) -> Ticket:
-        """Watch `job_id` from now on (`watch`)."""
-        ticket = Ticket(job_id, org, warning)
-        self.watch(ticket)
-        return ticket
 
     def watch(self, ticket: Ticket) -> None:
         """Watch the ticket's job from now on. A new watcher reads the state of every job it

@@ -49,13 +49,9 @@ the flow run's code cannot write.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable
-from datetime import datetime
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -67,6 +63,7 @@ from prefect.states import Cancelling
 from pydantic import Field, field_validator
 
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers import flow_runs
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
     LaunchResult,
@@ -77,7 +74,6 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
-from prefect_gpu_budget.launchers.local import marked_processes
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
 from prefect_gpu_budget.workers import GATED_TYPES
@@ -87,79 +83,17 @@ logger = logging.getLogger("prefect_gpu_budget.launchers.deployment")
 PROCESS_ENDED_EVENT = "prefect.worker.executed-flow-run"
 """What a worker emits once the process of a flow run it started has exited (anyone with the
 run's API access can emit it too: it may lengthen a bill, never end one)."""
-RUN_ID_ENV = "PREFECT__FLOW_RUN_ID"
-"""The variable every Prefect worker and runner gives a flow run's process: how the launcher
-finds the run's processes on its own host."""
 END_NOT_OBSERVED = "end not observed: billed to max_runtime"
 """What a job's detail and log say when nothing later than max_runtime was reported or seen."""
-
-OUTCOME_OF = {
-    StateType.COMPLETED: "completed",
-    StateType.FAILED: "failed",
-    StateType.CRASHED: "failed",
-    StateType.CANCELLED: "cancelled",
-    StateType.CANCELLING: "cancelled",  # only when it never ran: see `_over`
-}
-
-
-def _epoch(moment: datetime | None) -> float | None:
-    return None if moment is None else moment.timestamp()
-
-
-def _ran(flow_run: FlowRun) -> bool:
-    """Whether the flow run ever entered Running. (At a final state the server fills in a
-    never-run flow run's start_time with its end time, so start_time alone cannot tell.)"""
-    return flow_run.run_count > 0
-
-
-def _over(flow_run: FlowRun) -> bool:
-    """Final, or cancelled before it ever ran. The server refuses Running after Cancelling, so
-    such a run can never start; with no worker-side cancellation
-    (PREFECT_WORKER_ENABLE_CANCELLATION) it would stay Cancelling until the server's
-    cancelling timeout."""
-    state = flow_run.state
-    return state is not None and (
-        state.is_final() or (state.type == StateType.CANCELLING and not _ran(flow_run))
-    )
-
-
-def _ended_at(flow_run: FlowRun) -> float:
-    """When an `_over` flow run ended: its end time, else when it was set to Cancelling."""
-    state = flow_run.state
-    return _epoch(flow_run.end_time) or _epoch(state.timestamp if state else None) or time.time()
 
 
 def _first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-def _seen_here(flow_run_id: UUID) -> list[int]:
-    """The flow run's live processes on this host (those that still carry its id in their
-    environment, and that this process may read)."""
-    return marked_processes(RUN_ID_ENV, str(flow_run_id))
-
-
-def _kill(flow_run_id: UUID, pids: list[int], log: Callable[[str], None]) -> None:
-    """SIGKILL the flow run's processes that still run here after it was asked to end."""
-    if not pids:
-        return
-    log(f"flow run {flow_run_id}: {len(pids)} of its processes still run here; killing them")
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
-
 def _billed_to(ended: float, deadline: float) -> str:
     """How a bill that ran past max_runtime ended."""
     return f"billed {ended - deadline:.1f}s past max_runtime, to its last reported or seen end"
-
-
-def _state_line(flow_run: FlowRun) -> str:
-    state = flow_run.state
-    if state is None:
-        return f"flow run {flow_run.name}: no state"
-    message = f": {state.message}" if state.message else ""
-    return f"flow run {flow_run.name} ({flow_run.id}): {state.name}{message}"
 
 
 class DeploymentLauncher(Block):
@@ -325,17 +259,17 @@ class DeploymentLauncher(Block):
 
         try:  # from here on, whatever interrupts us cancels the flow run
             on_submit(str(flow_run.id))
-            log(f"created {_state_line(flow_run)} of deployment {self.deployment}")
+            log(f"created {flow_runs.state_line(flow_run)} of deployment {self.deployment}")
             with get_client(sync_client=True) as client:
                 return self._follow(client, flow_run, job, note_start, log)
         except BaseException:
             try:
                 self._cancel(flow_run.id, "the calling run was interrupted", log)
                 last = self._wait_final(flow_run.id, job.kill_grace + self.cancel_wait_s)
-                if _ran(last) and last.start_time is not None:
+                if flow_runs.ran(last) and last.start_time is not None:
                     # it may have started since: bill from then; what runs on here is killed
                     record = note_start(last.start_time.timestamp())
-                    _kill(flow_run.id, _seen_here(flow_run.id), log)
+                    flow_runs.kill_left(flow_run.id, flow_runs.seen_here(flow_run.id), log)
                     record.finish()
                 elif noted:
                     noted[0].finish()
@@ -353,12 +287,12 @@ class DeploymentLauncher(Block):
                 flow_run = client.read_flow_run(UUID(external_id))
         except Exception:  # a bad id, a deleted run, an unreachable API: reconcile must wait
             return Probe("unknown")
-        if not _ran(flow_run):
-            if _over(flow_run):
-                ended = _ended_at(flow_run)
+        if not flow_runs.ran(flow_run):
+            if flow_runs.over(flow_run):
+                ended = flow_runs.ended_at(flow_run)
                 return Probe("finished", started_at=ended, ended_at=ended)
             return Probe("running")
-        return Probe("running", started_at=_epoch(flow_run.start_time))
+        return Probe("running", started_at=flow_runs.epoch(flow_run.start_time))
 
     def stop(self, external_id: str, grace: float = 10.0) -> None:
         """Cancel the flow run and wait up to `grace` plus `cancel_wait_s` for it to end."""
@@ -407,7 +341,7 @@ class DeploymentLauncher(Block):
         over, max_runtime has passed since its start, and none of its processes is seen on
         this host. An unreadable API is waited out (the job may still be running and
         billing); a deleted flow run is billed as one that says it is over."""
-        created = _epoch(flow_run.created) or time.time()
+        created = flow_runs.epoch(flow_run.created) or time.time()
         run_id = flow_run.id
         started: float | None = None
         record: StartRecord | None = None
@@ -439,19 +373,21 @@ class DeploymentLauncher(Block):
                 continue
             if not deleted:
                 state = flow_run.state
-                if started is None and _ran(flow_run) and flow_run.start_time is not None:
+                if started is None and flow_runs.ran(flow_run) and flow_run.start_time is not None:
                     started = flow_run.start_time.timestamp()  # max_runtime counts from here
                     record = note_start(started)  # before anything else can interrupt
                 if state is not None and (state.type, state.name, state.message) != state_seen:
                     state_seen = (state.type, state.name, state.message)
-                    log(_state_line(flow_run))
-                if _over(flow_run):
+                    log(flow_runs.state_line(flow_run))
+                if flow_runs.over(flow_run):
                     over = True
-                    claimed = max(claimed, _ended_at(flow_run))
+                    claimed = max(claimed, flow_runs.ended_at(flow_run))
             now = time.time()
             if started is None:
                 if over:  # it never ran: nothing to meter
-                    return self._result(flow_run, created, None, stopped_for, _ended_at(flow_run))
+                    return self._result(
+                        flow_run, created, None, stopped_for, flow_runs.ended_at(flow_run)
+                    )
                 if (
                     stopped_for is None
                     and self.start_timeout is not None
@@ -462,7 +398,7 @@ class DeploymentLauncher(Block):
                 time.sleep(self.poll_s)
                 continue
             deadline = started + job.max_runtime
-            pids = _seen_here(run_id) if now >= deadline else []  # before: billed anyway
+            pids = flow_runs.seen_here(run_id) if now >= deadline else []  # before: billed anyway
             scanned = time.time()  # none of them seen by now: the earliest end to bill
             seen_late = seen_late or bool(pids)
             if over and now < deadline and not told_over:
@@ -500,7 +436,7 @@ class DeploymentLauncher(Block):
             if asked is not None and now >= asked + job.kill_grace + self.cancel_wait_s:
                 if pids and not killed:
                     killed = True
-                    _kill(run_id, pids, log)
+                    flow_runs.kill_left(run_id, pids, log)
                 elif not over and not told_overdue:
                     told_overdue = True  # say it once; keep metering until it really ends
                     log(f"flow run {run_id} has not ended since it was cancelled; still metered")
@@ -605,7 +541,7 @@ class DeploymentLauncher(Block):
         """The outcome its state and `stopped_for` say, from `started` (None: it never ran)
         to `ended`."""
         assert flow_run.state is not None
-        outcome = OUTCOME_OF.get(flow_run.state.type, "failed")
+        outcome = flow_runs.OUTCOME_OF.get(flow_run.state.type, "failed")
         if outcome != "completed" and stopped_for == "timed_out":
             outcome = "timed_out"
         elif outcome == "cancelled" and stopped_for == "wait_expired" and started is None:
@@ -628,18 +564,18 @@ class DeploymentLauncher(Block):
         is cancelled at once by the server; a running one by its worker or runner."""
         with get_client(sync_client=True) as client:
             flow_run = client.read_flow_run(flow_run_id)
-            if flow_run.state is None or _over(flow_run):
+            if flow_run.state is None or flow_runs.over(flow_run):
                 return
             if flow_run.state.type != StateType.CANCELLING:
                 client.set_flow_run_state(flow_run_id, Cancelling(message=f"Cancelled: {why}"))
         log(f"cancelling flow run {flow_run.name} ({flow_run_id}): {why}")
 
     def _wait_final(self, flow_run_id: UUID, timeout: float) -> FlowRun:
-        """The flow run once it is `_over`, or as it is after `timeout` seconds."""
+        """The flow run once it is `over`, or as it is after `timeout` seconds."""
         deadline = time.monotonic() + timeout
         with get_client(sync_client=True) as client:
             while True:
                 flow_run = client.read_flow_run(flow_run_id)
-                if _over(flow_run) or time.monotonic() >= deadline:
+                if flow_runs.over(flow_run) or time.monotonic() >= deadline:
                     return flow_run
                 time.sleep(min(self.poll_s, 1.0))

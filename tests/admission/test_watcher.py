@@ -235,7 +235,8 @@ def test_a_ledger_the_watcher_cannot_reach_is_told_to_its_waiters_as_an_outage()
     gone = sa.make_url(PG_URL).set(database=f"gpu_budget_never_{uuid.uuid4().hex[:8]}")
     ledger = Ledger(gone.render_as_string(hide_password=False), create=False)
     told: list[str] = []
-    ticket = watcher_for(ledger).register("job-1", "org", told.append)
+    ticket = Ticket("job-1", "org", told.append)
+    watcher_for(ledger).watch(ticket)
     try:
         _until(lambda: told, 30, "an outage message")
         assert told[0].startswith("waiting for admission: the ledger's database is unreachable")
@@ -263,7 +264,8 @@ def test_a_decision_made_before_a_waiter_is_watched_reaches_it(ledger, prices, m
     yet. The waiter reads its decision once it is watched, not at its recheck an hour away."""
     ledger.config.set_budget(BudgetRule("gap", hourly_cap_cents=360))
     gate = Gate(ledger, catalog=Catalog.load(prices), recheck_s=3600)
-    other = watcher_for(ledger).register("someone-else", "gap", lambda message: None)
+    other = Ticket("someone-else", "gap", lambda message: None)
+    watcher_for(ledger).watch(other)
     held = gate.admit(JOB, "gap/t")
     watch = Gate._watch
 

@@ -30,13 +30,7 @@ import threading
 
 from prefect_gpu_budget.admission.ledger.agents import Grants
 from prefect_gpu_budget.admission.ledger.config import Config, check_pool, check_rule
-from prefect_gpu_budget.admission.ledger.decisions import (
-    LEARNED_OUTCOMES,
-    OVERRUN_REFRESH_S,
-    OVERRUN_SAMPLE,
-    NewJob,
-    Queue,
-)
+from prefect_gpu_budget.admission.ledger.decisions import NewJob, Queue
 from prefect_gpu_budget.admission.ledger.engine import (
     NOTICE_CHANNEL,
     Db,
@@ -47,7 +41,13 @@ from prefect_gpu_budget.admission.ledger.engine import (
     read_notice,
 )
 from prefect_gpu_budget.admission.ledger.reads import Views, wait_spans
-from prefect_gpu_budget.admission.ledger.rows import hold_of, wait_key
+from prefect_gpu_budget.admission.ledger.rows import (
+    LEARNED_OUTCOMES,
+    OVERRUN_REFRESH_S,
+    OVERRUN_SAMPLE,
+    hold_of,
+    wait_key,
+)
 from prefect_gpu_budget.admission.ledger.settlement import Settlements
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,

@@ -23,8 +23,13 @@ from prefect_gpu_budget.admission.ledger.agents import grant_refusal
 from prefect_gpu_budget.admission.ledger.config import _classes_of, request_rules
 from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
+    _OPEN_JOBS,
+    _OPEN_PERIODS,
+    _WAITER_AHEAD,
+    OVERRUN_REFRESH_S,
     _load_pools,
     _load_quotas,
+    _overrun,
     _path_rules,
     _recorded,
     _recorded_all,
@@ -38,18 +43,15 @@ from prefect_gpu_budget.admission.ledger.tables import (
     _ended_unrun,
     budgets,
     jobs,
-    period_spend,
 )
 from prefect_gpu_budget.admission.policy import (
     HOLDING_LIMITS,
     NOT_REACHED,
-    OVERRUN_WINDOW,
     BudgetRule,
     Decision,
     LedgerState,
     decide,
     decide_behind,
-    overrun_factors,
     plan,
 )
 from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, job_share, pool_for, team_of
@@ -103,69 +105,6 @@ class _Batch:
     pools: list[Pool] | None = None
     waiters: dict[tuple[str, int], Any] = field(default_factory=dict)
     """Per (scope, priority): the live waiter a new job joins behind, until a full decision."""
-
-
-_WAITER_AHEAD = {
-    team_is_none: sa.select(
-        jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
-    )
-    .where(
-        jobs.c.org == sa.bindparam("org"),
-        jobs.c.state == "queued",
-        jobs.c.id != sa.bindparam("job_id"),
-        jobs.c.pool.is_(None),
-        jobs.c.team.is_(None) if team_is_none else jobs.c.team == sa.bindparam("team"),
-        jobs.c.wait_key.in_(sa.bindparam("keys", expanding=True)),
-        jobs.c.heartbeat_at >= sa.bindparam("alive_since"),
-        sa.or_(
-            jobs.c.priority > sa.bindparam("priority"),
-            sa.and_(
-                jobs.c.priority == sa.bindparam("priority"),
-                jobs.c.requested_at <= sa.bindparam("now"),
-            ),
-        ),
-    )
-    .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
-    .limit(1)
-    for team_is_none in (False, True)
-}
-"""The live waiter a new job would queue behind (`Queue._behind_a_waiter`), by whether the
-job's scope has a team. Like the statements below, built once: building a statement costs more
-than running it, and these run on every request."""
-
-_OPEN_JOBS = sa.select(
-    jobs.c.id,
-    jobs.c.scope,
-    jobs.c.state,
-    jobs.c.rate_micro_per_hour,
-    jobs.c.rate_cents,
-    jobs.c.max_runtime_s,
-    jobs.c.expected_runtime_s,
-    jobs.c.priority,
-    jobs.c.requested_at,
-    jobs.c.heartbeat_at,
-    jobs.c.on_limit,
-    jobs.c.max_wait_s,
-    jobs.c.reserved_micro,
-    jobs.c.admitted_at,
-    jobs.c.started_at,
-    jobs.c.reserve_seconds,
-    jobs.c.nodes,
-    jobs.c.pool,
-    jobs.c.team,
-    jobs.c.node_gpus,
-    jobs.c.node_vcpu,
-    jobs.c.node_memory_gib,
-    jobs.c.placement,
-    jobs.c.preempt_at,
-).where(jobs.c.org == sa.bindparam("org"), jobs.c.state.in_(("queued", *ACTIVE)))
-"""An org's queued and admitted or running jobs, as the policy sees them (`Queue._load`)."""
-
-_OPEN_PERIODS = sa.select(period_spend).where(
-    period_spend.c.scope.in_(sa.bindparam("scopes", expanding=True)),
-    period_spend.c.period_end > sa.bindparam("now"),
-)
-"""The settled spend of the named scopes' periods not yet over."""
 
 
 class Queue:
@@ -346,18 +285,7 @@ class Queue:
             overrun=self._overrun(conn, org, now) if estimate else {},
         )
         ahead = Request(row.id, row.scope, 0, 0, 0.0, None, row.priority, row.requested_at)
-        req = Request(
-            job_id=job_id,
-            scope=job.scope,
-            rate_micro_per_hour=job.rate_micro_per_hour,
-            rate_cents=job.rate_cents,
-            max_runtime_s=job.max_runtime_s,
-            expected_runtime_s=job.expected_runtime_s,
-            priority=job.priority,
-            requested_at=now,
-            on_limit=job.on_limit,
-            max_wait_s=job.max_wait_s,
-        )
+        req = Request.of(job_id, job, now)
         limit, _, scope = row.wait_key.partition(" ")
         return decide_behind(state, req, ahead, scope, limit)
 
@@ -479,21 +407,7 @@ class Queue:
             )
             if r.state == "queued":
                 if r.heartbeat_at >= now - STALE_WAITER_S or r.id == deciding:
-                    queue.append(
-                        Request(
-                            job_id=r.id,
-                            scope=r.scope,
-                            rate_micro_per_hour=r.rate_micro_per_hour,
-                            rate_cents=r.rate_cents,
-                            max_runtime_s=r.max_runtime_s,
-                            expected_runtime_s=r.expected_runtime_s,
-                            priority=r.priority,
-                            requested_at=r.requested_at,
-                            on_limit=r.on_limit,
-                            max_wait_s=r.max_wait_s,
-                            shape=shape,
-                        )
-                    )
+                    queue.append(Request.of(r.id, r, r.requested_at, shape))
             else:
                 holds.append(hold_of(r._mapping, now=now))
                 if shape is not None:
@@ -663,30 +577,6 @@ class Queue:
             cached = (now, _overrun(conn, org))
             self._overrun_cache[org] = cached
         return cached[1]
-
-
-LEARNED_OUTCOMES = ("completed", "failed", "timed_out")
-"""Jobs that ran their course: cancelled, preempted or reconciled ones teach nothing."""
-OVERRUN_SAMPLE = 20 * OVERRUN_WINDOW
-"""How many of an org's latest settled jobs estimate mode learns from."""
-OVERRUN_REFRESH_S = 30.0
-
-
-def _overrun(conn: Connection, org: str) -> dict[str, float]:
-    """Per scope, how far its latest settled jobs ran past their expected runtime."""
-    rows = conn.execute(
-        sa.select(jobs.c.scope, jobs.c.billed_seconds, jobs.c.expected_runtime_s)
-        .where(
-            jobs.c.org == org,
-            jobs.c.state == "settled",
-            jobs.c.outcome.in_(LEARNED_OUTCOMES),
-            jobs.c.expected_runtime_s > 0,
-            jobs.c.billed_seconds > 0,
-        )
-        .order_by(jobs.c.settled_at.desc(), jobs.c.id)
-        .limit(OVERRUN_SAMPLE)
-    )
-    return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)
 
 
 def _in_pool(pools: list[Pool], org: str, job: NewJob) -> NewJob:

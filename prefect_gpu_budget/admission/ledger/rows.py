@@ -10,8 +10,21 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.tables import ACTIVE, budgets, jobs, pools, team_quotas
-from prefect_gpu_budget.admission.policy import BudgetRule, Decision, Hold
+from prefect_gpu_budget.admission.ledger.tables import (
+    ACTIVE,
+    budgets,
+    jobs,
+    period_spend,
+    pools,
+    team_quotas,
+)
+from prefect_gpu_budget.admission.policy import (
+    OVERRUN_WINDOW,
+    BudgetRule,
+    Decision,
+    Hold,
+    overrun_factors,
+)
 from prefect_gpu_budget.admission.quota import TEAM_SETTINGS, Pool, TeamQuota
 from prefect_gpu_budget.units import scope_path
 
@@ -178,3 +191,90 @@ def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
         waits[old] = round(waits.get(old, 0.0) + now - (row["wait_since"] or now), 3)
         out["waits"] = json.dumps(waits)
     return out
+
+
+_WAITER_AHEAD = {
+    team_is_none: sa.select(
+        jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
+    )
+    .where(
+        jobs.c.org == sa.bindparam("org"),
+        jobs.c.state == "queued",
+        jobs.c.id != sa.bindparam("job_id"),
+        jobs.c.pool.is_(None),
+        jobs.c.team.is_(None) if team_is_none else jobs.c.team == sa.bindparam("team"),
+        jobs.c.wait_key.in_(sa.bindparam("keys", expanding=True)),
+        jobs.c.heartbeat_at >= sa.bindparam("alive_since"),
+        sa.or_(
+            jobs.c.priority > sa.bindparam("priority"),
+            sa.and_(
+                jobs.c.priority == sa.bindparam("priority"),
+                jobs.c.requested_at <= sa.bindparam("now"),
+            ),
+        ),
+    )
+    .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
+    .limit(1)
+    for team_is_none in (False, True)
+}
+"""The live waiter a new job would queue behind (`Queue._behind_a_waiter`), by whether the
+job's scope has a team. Like the statements below, built once: building a statement costs more
+than running it, and these run on every request."""
+
+_OPEN_JOBS = sa.select(
+    jobs.c.id,
+    jobs.c.scope,
+    jobs.c.state,
+    jobs.c.rate_micro_per_hour,
+    jobs.c.rate_cents,
+    jobs.c.max_runtime_s,
+    jobs.c.expected_runtime_s,
+    jobs.c.priority,
+    jobs.c.requested_at,
+    jobs.c.heartbeat_at,
+    jobs.c.on_limit,
+    jobs.c.max_wait_s,
+    jobs.c.reserved_micro,
+    jobs.c.admitted_at,
+    jobs.c.started_at,
+    jobs.c.reserve_seconds,
+    jobs.c.nodes,
+    jobs.c.pool,
+    jobs.c.team,
+    jobs.c.node_gpus,
+    jobs.c.node_vcpu,
+    jobs.c.node_memory_gib,
+    jobs.c.placement,
+    jobs.c.preempt_at,
+).where(jobs.c.org == sa.bindparam("org"), jobs.c.state.in_(("queued", *ACTIVE)))
+"""An org's queued and admitted or running jobs, as the policy sees them (`Queue._load`)."""
+
+_OPEN_PERIODS = sa.select(period_spend).where(
+    period_spend.c.scope.in_(sa.bindparam("scopes", expanding=True)),
+    period_spend.c.period_end > sa.bindparam("now"),
+)
+"""The settled spend of the named scopes' periods not yet over."""
+
+
+LEARNED_OUTCOMES = ("completed", "failed", "timed_out")
+"""Jobs that ran their course: cancelled, preempted or reconciled ones teach nothing."""
+OVERRUN_SAMPLE = 20 * OVERRUN_WINDOW
+"""How many of an org's latest settled jobs estimate mode learns from."""
+OVERRUN_REFRESH_S = 30.0
+
+
+def _overrun(conn: Connection, org: str) -> dict[str, float]:
+    """Per scope, how far its latest settled jobs ran past their expected runtime."""
+    rows = conn.execute(
+        sa.select(jobs.c.scope, jobs.c.billed_seconds, jobs.c.expected_runtime_s)
+        .where(
+            jobs.c.org == org,
+            jobs.c.state == "settled",
+            jobs.c.outcome.in_(LEARNED_OUTCOMES),
+            jobs.c.expected_runtime_s > 0,
+            jobs.c.billed_seconds > 0,
+        )
+        .order_by(jobs.c.settled_at.desc(), jobs.c.id)
+        .limit(OVERRUN_SAMPLE)
+    )
+    return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)

@@ -1,6 +1,8 @@
-"""What the ledger's rows stand for, read by more than one part of the `Ledger`: a budget row
-as a `BudgetRule`, an admitted job's row as a `Hold`, an org's pools and team quotas, the
-states of jobs, a decided job's recorded `Decision`, and what holds a waiting job."""
+"""What the ledger's rows stand for, and the reads that find them: a budget row as a
+`BudgetRule`, an admitted job's row as a `Hold`, an org's pools and team quotas, the states of
+jobs, a decided job's recorded `Decision`, what holds a waiting job, the statements every
+request runs (built once: `_WAITER_AHEAD`, `_OPEN_JOBS`, `_OPEN_PERIODS`), and how far a
+scope's jobs overran their estimates (`_overrun`)."""
 
 from __future__ import annotations
 

@@ -192,6 +192,12 @@ class GpuJob(BaseModel):
         """The longest the job can be billed for: max_runtime plus the launcher's kill grace."""
         return self.max_runtime + self.kill_grace
 
+    def stopped_run_s(self, ran_s: float) -> float:
+        """What a run stopped at max_runtime is billed for: at most `reserve_runtime_s`, the
+        bound its reservation holds. It was killed by then; the moments the kill takes to land
+        and to be seen are the runner's, not the job's."""
+        return min(ran_s, self.reserve_runtime_s)
+
 
 def one_line(exc: BaseException) -> str:
     """A user-facing one-line message, naming the field, for validation and input errors."""

@@ -278,10 +278,10 @@ class Running:
         outcome = self.outcome(error, returned, ended_at)
         timed_out = outcome == TIMED_OUT and billed_seconds is None
         if self._deadline and timed_out and self.started_at is not None:
-            # stopped at its deadline by this life's own timer: billed at most its reservation,
-            # max_runtime + kill_grace (as `local._billed`); what the kill takes to land past it
-            # is the runner's, not the job's (a launcher's run reports its own end and bill)
-            ended_at = min(ended_at, self.started_at + self.admission.job.reserve_runtime_s)
+            # stopped at its deadline by this life's own timer (a launcher's run reports its own
+            # end and bill)
+            ran_s = self.admission.job.stopped_run_s(ended_at - self.started_at)
+            ended_at = self.started_at + ran_s
         return self.settlement.settle(
             outcome,
             ended_at=ended_at,

@@ -2,10 +2,11 @@
 
 Waiting jobs do not poll. A job whose request was told to wait is watched (`watch`, its
 `Ticket`), reads its own decision once (one made before the watch is not missed), and then
-blocks on the ticket; a job admitted at once is never watched. The transaction that frees headroom decides the org's queue once and names the
-jobs it decided (`Queue.headroom`); the watcher of each process hears of that, reads what was
-decided for those of its jobs in one read for all of them (`Ledger.queue.decided`), and wakes
-exactly them, each with its decision (a job still queued, now held by something else, decides itself):
+blocks on the ticket; a job admitted at once is never watched. The transaction that frees
+headroom decides the org's queue once and names the jobs it decided (`Queue.headroom`); the
+watcher of each process hears of that, reads what was decided for those of its jobs in one
+read for all of them (`Ledger.queue.decided`), and wakes exactly them, each with its decision
+(a job still queued, now held by something else, decides itself):
 
 - PostgreSQL: `LISTEN` on the ledger's channel over one connection of the watcher's own; the
   notice is sent in the deciding transaction, so it arrives only once the decision is visible.

@@ -299,11 +299,10 @@ def _wait(
 
 
 def _billed(job: GpuJob, outcome: str, ran_s: float) -> float | None:
-    """What a job stopped at max_runtime is billed: at most max_runtime + its kill grace, the
-    bound its reservation holds. Its last process was SIGKILLed by then (in its own PID
-    namespace, all of them at once); the milliseconds the kernel and this thread take to see
-    it gone are the launcher's, not the job's. Any other ending: its time as it ran (None)."""
-    return min(ran_s, job.reserve_runtime_s) if outcome == "timed_out" else None
+    """What a job stopped at max_runtime is billed (`GpuJob.stopped_run_s`: its last process
+    was SIGKILLed by then, in its own PID namespace, all of them at once). Any other ending:
+    its time as it ran (None)."""
+    return job.stopped_run_s(ran_s) if outcome == "timed_out" else None
 
 
 def _holder_env(mark: str) -> dict[str, str]:

@@ -14,6 +14,7 @@ class SlowLimits:
     def __init__(self, delay: float) -> None:
         self.delay, self.taken, self.released = delay, [], []
         self.asked, self.go = threading.Event(), threading.Event()
+        self._lock = threading.Lock()
 
     def ensure(self, caps) -> None:
         pass
@@ -21,8 +22,9 @@ class SlowLimits:
     def acquire(self, scopes: list[str], slots: int) -> str:
         self.asked.set()
         self.go.wait(self.delay)
-        self.taken.append(f"lease-{len(self.taken) + 1}")
-        return self.taken[-1]
+        with self._lock:  # asks from two threads (an early one beside an admission's own)
+            self.taken.append(f"lease-{len(self.taken) + 1}")
+            return self.taken[-1]
 
     def renew(self, lease_id: str) -> bool:
         return True

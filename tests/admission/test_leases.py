@@ -77,8 +77,10 @@ def test_slots_asked_under_caps_that_changed_meanwhile_go_back(ledger, prices):
     gate.holding.settle(gate.admit(JOB, "moved/t"), ended_at=time.time(), outcome="completed")
     ledger.config.set_budget(BudgetRule("moved", hourly_cap_cents=7200))
     second = gate.admit(JOB, "moved/t")
-    assert second.lease_id == "lease-3" and second.caps == (("moved", 7200),)
-    wait_for(lambda: "lease-2" in limits.released, 30, "the early lease to go back")
+    assert second.caps == (("moved", 7200),)
+    # the early ask and the admission's own run side by side: either may be answered first
+    wait_for(lambda: len(limits.released) == 2, 30, "the early lease to go back")
+    assert second.lease_id in limits.taken and second.lease_id not in limits.released
     gate.holding.settle(second, ended_at=time.time(), outcome="completed")
     assert sorted(limits.released) == sorted(limits.taken) == ["lease-1", "lease-2", "lease-3"]
 
@@ -120,7 +122,9 @@ def test_slots_asked_for_a_job_the_ledger_makes_wait_go_back_at_once(ledger, pri
     try:
         thread.start()
         wait_for(lambda: ledger.views.jobs("spec", states=("queued",)), 60, "the job to wait")
-        assert len(acquired) == 2 and acquired[1] != "None", acquired  # asked early: given
+        # the early ask runs beside the ledger's decision: it may be answered after the job waits
+        wait_for(lambda: len(acquired) == 2, 30, "Prefect to answer the early ask")
+        assert acquired[1] != "None", acquired  # asked early: given
         wait_for(lambda: limits.active_slots("spec") == 360, 30, "the early slots to go back")
         assert "spec/t" not in gate.leases.admitted_at_once
         thread.join(timeout=60)

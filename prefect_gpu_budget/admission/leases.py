@@ -48,9 +48,9 @@ class EarlyLease:
 
     def lease(self, caps: Caps, slots: int) -> str | None:
         """The lease taken, for an admission under these caps; None when it is for others (a
-        cap changed meanwhile), or Prefect said full or did not answer: the caller then takes
-        the slots itself."""
-        if (caps, slots) != (self.caps, self.slots):
+        cap changed meanwhile), was given back (`drop`: the job was told it waits), or Prefect
+        said full or did not answer: the caller then takes the slots itself."""
+        if self.dropped or (caps, slots) != (self.caps, self.slots):
             return None
         # a busy Prefect is waited for, not asked twice (the caller stamps the row meanwhile)
         if not self.taken.done.wait(LEASE_S) or self.taken.result is None:

@@ -11,6 +11,7 @@ import pytest
 
 from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.gate import Gate
+from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
@@ -135,3 +136,29 @@ def test_slots_asked_for_a_job_the_ledger_makes_wait_go_back_at_once(ledger, pri
         gate.holding.settle(running, ended_at=time.time(), outcome="completed")
     assert limits.active_slots("spec") == 0
     limits.close()
+
+
+def test_a_job_that_waited_takes_slots_of_its_own_not_those_it_gave_back(ledger, prices):
+    """Prefect has room, the ledger's period budget has not: the waiter's early slots go back
+    when it is told it waits, and once admitted it holds a lease of its own, not the one it
+    gave back (which would leave its slots uncounted while it runs)."""
+    ledger.config.set_budget(BudgetRule("late", hourly_cap_cents=3600))
+    limits = _Limits()
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices), recheck_s=3600)
+    first = gate.admit(JOB, "late/t")  # admitted at once: the scope's next job asks early
+    full = ledger.views.job(first.job_id)["reserved_micro"]
+    ledger.config.set_budget(  # room for one reservation, not two
+        BudgetRule("late", hourly_cap_cents=3600, period_budget_micro=2 * full - 1)
+    )
+    got: dict[str, Admission] = {}
+    waiter = threading.Thread(target=lambda: got.update(second=gate.admit(JOB, "late/t")))
+    waiter.start()
+    wait_for(lambda: ledger.views.jobs("late", states=("queued",)), 60, "the second job to wait")
+    wait_for(lambda: limits.released == ["lease-2"], 30, "its early slots to go back")
+    gate.holding.settle(first, ended_at=time.time(), outcome="completed")
+    waiter.join(timeout=60)
+    second = got["second"]
+    assert second.lease_id == ledger.views.job(second.job_id)["lease_id"] == "lease-3"
+    assert limits.released == ["lease-2", "lease-1"]  # its own lease is still held
+    gate.holding.settle(second, ended_at=time.time(), outcome="completed")
+    assert sorted(limits.released) == sorted(limits.taken) == ["lease-1", "lease-2", "lease-3"]

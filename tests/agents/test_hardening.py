@@ -5,7 +5,7 @@ from configured proxies (and never by uvicorn itself); no ledger password on the
 no start while PREFECT_HOME or a SQLite ledger is open to other users.
 
 The gateway runs in process over a SQLite ledger with FastAPI's TestClient (whose `client`
-sets the socket peer) and the Prefect API pointed at a closed port, as tests/test_gateway.py
+sets the socket peer) and the Prefect API pointed at a closed port, as tests/agents/test_gateway.py
 does; once as `agents serve`, a real uvicorn on loopback. The CLI runs as a subprocess.
 """
 

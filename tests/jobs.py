@@ -1,11 +1,16 @@
-"""One way for tests to describe a job asking the ledger for admission."""
+"""How tests describe jobs: a job asking the ledger for admission (`new_job`), and a GPU job
+that runs until the test says (`held_job`)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.admission.ledger import NewJob
+from prefect_gpu_budget.admission.ledger import Ledger, NewJob
+from prefect_gpu_budget.job import GpuJob
+from tests.prefect_server import wait_for
 
 _DEFAULT = NewJob(
     scope="acme",
@@ -25,3 +30,25 @@ _DEFAULT = NewJob(
 
 def new_job(scope: str, **changes: Any) -> NewJob:
     return replace(_DEFAULT, scope=scope, **changes)
+
+
+def held_job(marker: Path, **kw) -> GpuJob:
+    """A job that runs until the test creates `marker` (exit 1 if it never does), so the test,
+    not the machine's speed, decides when it ends."""
+    code = (
+        "import os, sys, time\n"
+        "deadline = time.monotonic() + 120\n"
+        f"while not os.path.exists({str(marker)!r}):\n"
+        "    if time.monotonic() > deadline: sys.exit(1)\n"
+        "    time.sleep(0.05)\n"
+    )
+    return GpuJob(instance_type="local:box", command=[sys.executable, "-c", code], **kw)
+
+
+def until_in(url: str, scope: str, state: str) -> None:
+    """Wait until a job of `scope` is in `state` in the ledger at `url`."""
+    ledger = Ledger(url)
+    try:
+        wait_for(lambda: ledger.views.jobs(scope, states=(state,)), 120, f"a {state} job")
+    finally:
+        ledger.db.dispose()

@@ -444,7 +444,12 @@ def test_the_caller_of_admit_runs_no_ledger_or_prefect_code(ledger, prices):
     second = gate.admit(job, "who/t")  # waits for the first, then is admitted
     previous = signal.signal(signal.SIGUSR1, _interrupt)
     try:
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+
+        def interrupt_once_it_waits() -> None:  # an interrupt before its request records none
+            wait_for(lambda: ledger.views.jobs("who", states=("queued",)), 60, "the job to wait")
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+        threading.Thread(target=interrupt_once_it_waits, daemon=True).start()
         with pytest.raises(_Interrupted):
             gate.admit(job, "who/t")  # waits behind the second, is cancelled
     finally:

@@ -4,36 +4,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 from prefect import flow
 
 from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
 from prefect_gpu_budget.admission.ledger import Ledger
-from tests.prefect_server import wait_for
+from tests.jobs import held_job, until_in
 
 
 def _job(seconds: float, **kw) -> GpuJob:
     code = f"import time; print('step 1'); time.sleep({seconds}); print('done')"
     return GpuJob(instance_type="local:box", command=[sys.executable, "-c", code], **kw)
-
-
-def _held(marker: Path, **kw) -> GpuJob:
-    """A job that runs until the test creates `marker` (exit 1 if it never does), so the test,
-    not the machine's speed, decides when it ends."""
-    code = (
-        "import os, sys, time\n"
-        "deadline = time.monotonic() + 120\n"
-        f"while not os.path.exists({str(marker)!r}):\n"
-        "    if time.monotonic() > deadline: sys.exit(1)\n"
-        "    time.sleep(0.05)\n"
-    )
-    return GpuJob(instance_type="local:box", command=[sys.executable, "-c", code], **kw)
-
-
-def _until_in(url: str, scope: str, state: str) -> None:
-    """Wait until a job of `scope` is in `state` in the ledger at `url`."""
-    wait_for(lambda: Ledger(url).views.jobs(scope, states=(state,)), 120, f"a {state} job")
 
 
 def test_flow_runs_settles_and_names_refusals(prefect_api, prices, tmp_path):
@@ -49,8 +30,8 @@ def test_flow_runs_settles_and_names_refusals(prefect_api, prices, tmp_path):
 
     @flow
     def experiment():
-        running = run_gpu_job.submit(_held(done, max_runtime="1m"), scope="lab/a", ledger=block)
-        _until_in(url, "lab/a", "running")  # the first job takes the whole cap
+        running = run_gpu_job.submit(held_job(done, max_runtime="1m"), scope="lab/a", ledger=block)
+        until_in(url, "lab/a", "running")  # the first job takes the whole cap
         rejected = run_gpu_job(
             _job(0, max_runtime="1m"), scope="lab/reject", ledger=block, return_state=True
         )
@@ -157,10 +138,10 @@ def test_researcher_is_told_once_when_a_job_starts_waiting(prefect_api, prices, 
 
     @flow
     def two_jobs():
-        a = run_gpu_job.submit(_held(done, max_runtime="1m"), scope="lab/s", ledger=block)
-        _until_in(url, "lab/s", "running")  # the first job takes the whole cap
+        a = run_gpu_job.submit(held_job(done, max_runtime="1m"), scope="lab/s", ledger=block)
+        until_in(url, "lab/s", "running")  # the first job takes the whole cap
         b = run_gpu_job.submit(_job(0.1, max_runtime="1m"), scope="lab/s", ledger=block)
-        _until_in(url, "lab/s", "queued")
+        until_in(url, "lab/s", "queued")
         done.touch()
         return a.result().outcome, b.result().outcome
 
@@ -185,10 +166,10 @@ def test_a_waiting_job_shows_awaiting_budget_then_running(prefect_api, prices, t
 
     @flow
     def two_jobs():
-        a = run_gpu_job.submit(_held(done, max_runtime="1m"), scope="wait/s", ledger=block)
-        _until_in(url, "wait/s", "running")  # the first job takes the whole cap
+        a = run_gpu_job.submit(held_job(done, max_runtime="1m"), scope="wait/s", ledger=block)
+        until_in(url, "wait/s", "running")  # the first job takes the whole cap
         b = run_gpu_job.submit(_job(0.1, max_runtime="1m"), scope="wait/s", ledger=block)
-        _until_in(url, "wait/s", "queued")
+        until_in(url, "wait/s", "queued")
         done.touch()
         return str(b.task_run_id), a.result().outcome, b.result().outcome
 

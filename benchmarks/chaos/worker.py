@@ -3,6 +3,7 @@ a real `Gate`, telling the parent each phase and step through a pipe."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ PHASE_WORDS = {"started": "running", "settling": "settling"}
 HELD_WHILE_PARKED = {"<release": "settle"}
 """The gate settles the row while the slots go back (`Holding._settle`): a worker parked once
 they went back must not settle meanwhile, or its kill would find the row settled already."""
+PARKED_AFTER = {"<settle": "<release"}
+"""And a worker parked once the row settled waits for the slots to go back first, so that its
+kill finds both done, and its last step mark is the one it parked at."""
 
 
 def worker(spec: WorkerSpec, conn: Connection) -> None:
@@ -45,8 +49,14 @@ def worker(spec: WorkerSpec, conn: Connection) -> None:
     def say(word: str) -> None:
         conn.send((word, time.time()))
 
+    said = {word: threading.Event() for word in PARKED_AFTER.values()}
+
     def mark(word: str) -> None:
+        if word == spec.park_at and word in PARKED_AFTER:
+            said[PARKED_AFTER[word]].wait(60)
         say(word)
+        if word in said:
+            said[word].set()
         if word == spec.park_at:
             time.sleep(3600)  # parked: the parent kills it here
 

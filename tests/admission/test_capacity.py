@@ -14,6 +14,7 @@ from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.quota import Pool, TeamQuota, add, fits_in, proportional
 from prefect_gpu_budget.job import GpuJob
 from tests.jobs import new_job
+from tests.prefect_server import wait_for
 
 NODE = (8, 192, 2048)
 
@@ -176,11 +177,15 @@ def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, m
     gate = Gate(ledger, poll_s=0.02)
     job = GpuJob(instance_type="local:h100x8", max_runtime="60s", nodes=2, kill_grace="1s")
     spans: list[str] = []
+    admitted: list[str] = []
 
     def run(name: str) -> None:
         admission = gate.admit(job, f"acme/{name}/s")
+        admitted.append(name)
         row = ledger.views.job(admission.job_id)
         assert len(row["placement"].split(",")) == 2  # all its nodes, or none
+        if len(admitted) == 1:  # the first in holds its nodes until the other waits
+            wait_for(lambda: ledger.views.jobs(states=("queued",)), 60, "the other job to wait")
         time.sleep(0.3)
         gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
         spans.append(admission.job_id)

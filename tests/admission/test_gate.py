@@ -297,7 +297,7 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
 
     monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
     ledger.config.set_budget(BudgetRule("slow", hourly_cap_cents=720))
-    limits = SlowLimits(delay=0.6)
+    limits = SlowLimits(delay=1.5)  # stamps every 0.05 s: one late in the wait, even if starved
     gate = Gate(ledger, limits, catalog=Catalog.load(prices))
     admission = gate.admit(GpuJob(instance_type="local:box", max_runtime="1m"), "slow/t")
     (row,) = ledger.views.jobs("slow")

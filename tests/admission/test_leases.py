@@ -162,3 +162,36 @@ def test_a_job_that_waited_takes_slots_of_its_own_not_those_it_gave_back(ledger,
     assert limits.released == ["lease-2", "lease-1"]  # its own lease is still held
     gate.holding.settle(second, ended_at=time.time(), outcome="completed")
     assert sorted(limits.released) == sorted(limits.taken) == ["lease-1", "lease-2", "lease-3"]
+
+
+def test_a_job_stopped_while_its_slots_are_refused_ends_cancelled(ledger, prices):
+    """The ledger admits the job, Prefect's limit is full (an admission elsewhere holds it), and
+    its owner stops it while the gate retries: when the gate gives the admission back, the job
+    ends Cancelled, not queued again until its max wait runs out."""
+    from prefect_gpu_budget.admission.stopping import stop_job
+
+    class Full(SlowLimits):
+        def acquire(self, scopes: list[str], slots: int) -> None:
+            self.asked.set()
+            return None
+
+    ledger.config.set_budget(BudgetRule("full", hourly_cap_cents=3600))
+    limits = Full(delay=0)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    refused: list[AdmissionRefused] = []
+
+    def admit() -> None:
+        try:
+            gate.admit(GpuJob(instance_type="local:box", max_runtime="1m", max_wait=120), "full/t")
+        except AdmissionRefused as exc:
+            refused.append(exc)
+
+    waiter = threading.Thread(target=admit, daemon=True)
+    waiter.start()
+    assert limits.asked.wait(60)
+    [row] = ledger.views.jobs("full", states=("admitted",))
+    assert stop_job(ledger, row["id"], "full/t", "stopped by its owner") == "stopping"
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and refused and refused[0].state_name == "Cancelled"
+    assert ledger.views.job(row["id"])["state"] == "cancelled"
+

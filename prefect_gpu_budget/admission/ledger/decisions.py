@@ -528,23 +528,24 @@ class Queue:
         *,
         end: str | None = None,
     ) -> bool:
-        """Put an admitted job that could not start back in the queue (keeping its place), or,
-        with `end` (`rejected`, `timed_out`), end it unrun. One transaction either way: the
-        queue decision it makes could otherwise admit the job again before it ends."""
+        """Put an admitted job that could not start back in the queue (keeping its place; it
+        holds nothing, so it is no longer asked to make room), or end it unrun: with `end`
+        (`rejected`, `timed_out`), or `cancelled` if its owner asked it to stop (`ask_stop`).
+        One transaction: the queue decision it makes could otherwise admit the job again first."""
         now = time.time() if now is None else now
         org = scope.split("/")[0]
-        back = {"state": "queued", "reason": reason, "heartbeat_at": now}
+        admitted = jobs.update().where(jobs.c.id == job_id, jobs.c.state == "admitted")
+        unheld = {"admitted_at": None, "reserved_micro": 0, "reserve_seconds": 0.0}
+        unheld |= {"preempt_at": None, "heartbeat_at": now}
+        then = _ended_unrun(end, reason, now) if end else {"state": "queued", "reason": reason}
+        stopped = {**_ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
         with self.db.write(org) as conn:
-            done = conn.execute(
-                jobs.update()
-                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
-                .values(
-                    admitted_at=None,
-                    reserved_micro=0,
-                    reserve_seconds=0.0,
-                    **(back if end is None else _ended_unrun(end, reason, now)),
-                )
-            ).rowcount
+            done = 0
+            if not end:  # its owner asked it to stop meanwhile: it ends here, unrun
+                asked = admitted.where(jobs.c.stop_asked_at.is_not(None))
+                done = conn.execute(asked.values(**unheld, **stopped)).rowcount
+            if not done:
+                done = conn.execute(admitted.values(**unheld, **then)).rowcount
             self.headroom(conn, org)
         return bool(done)
 

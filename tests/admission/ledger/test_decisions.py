@@ -252,3 +252,29 @@ def test_a_burst_of_requests_is_recorded_once_each_in_a_few_transactions(ledger)
     for job_id, verdict in told.items():
         assert rows[job_id]["state"] == ("admitted" if verdict == "admit" else "queued")
     assert ended[0] < 48
+
+
+def test_an_admission_given_back_ends_if_its_owner_asked_it_to_stop(ledger):
+    """Prefect's limit was full, so an admission goes back to the queue (`unadmit`): a stop its
+    owner asked for meanwhile ends it there, cancelled for the owner's reason, and a preemption
+    asked of another is forgotten (it holds nothing now: were it admitted again, it would be
+    stopped at once for nothing)."""
+    from prefect_gpu_budget.admission.ledger.tables import jobs
+
+    ledger.config.set_budget(BudgetRule("back", hourly_cap_cents=3600))
+    stopped, admitted = ledger.queue.request(_job("back/t"))
+    assert admitted.verdict == "admit"
+    assert ledger.settlements.ask_stop(stopped, "stopped by its owner")
+    assert ledger.queue.unadmit(stopped, "back/t", "blocked by Prefect's limit")
+    row = ledger.views.job(stopped)
+    assert (row["state"], row["reason"]) == ("cancelled", "stopped by its owner")
+    assert (row["reserved_micro"], row["actual_micro"]) == (0, 0)
+    assert ledger.queue.try_admit(stopped, "back/t").limit == "cancelled"
+
+    preempted, _ = ledger.queue.request(_job("back/t"))
+    with ledger.db.tx() as conn:
+        conn.execute(jobs.update().where(jobs.c.id == preempted).values(preempt_at=time.time()))
+    assert ledger.views.stop_asked(preempted) == "preempted"
+    assert ledger.queue.unadmit(preempted, "back/t", "blocked by Prefect's limit")
+    assert ledger.views.job(preempted)["state"] == "admitted"  # at once again: the ledger has room
+    assert ledger.views.stop_asked(preempted) is None

@@ -42,18 +42,35 @@ class EarlyLease:
 
     def __init__(self, limits: Limits, caps: Caps, slots: int) -> None:
         self.limits, self.caps, self.slots = limits, caps, slots
+        self.granted_at = 0.0  # monotonic, once Prefect answered
         self.taken: Handoff[str | None] = Handoff()
-        self.taken.start(functools.partial(limits.acquire, [s for s, _ in caps], slots))
+        self.taken.start(self._ask)
         self.used = self.dropped = False
+
+    def _ask(self) -> str | None:
+        lease = self.limits.acquire([s for s, _ in self.caps], self.slots)
+        self.granted_at = time.monotonic()
+        return lease
+
+    def _alive(self, lease: str) -> bool:
+        """Whether the lease still holds its slots: one granted over half its life ago (a ledger
+        slow to decide) is renewed first, and one Prefect no longer knows is not taken over."""
+        if time.monotonic() - self.granted_at < LEASE_S / 2:
+            return True
+        with contextlib.suppress(Exception):  # Prefect did not answer: the caller asks anew
+            return self.limits.renew(lease)
+        return False
 
     def lease(self, caps: Caps, slots: int) -> str | None:
         """The lease taken, for an admission under these caps; None when it is for others (a
-        cap changed meanwhile), was given back (`drop`: the job was told it waits), or Prefect
-        said full or did not answer: the caller then takes the slots itself."""
+        cap changed meanwhile), was given back (`drop`: the job was told it waits) or lapsed,
+        or Prefect said full or did not answer: the caller then takes the slots itself."""
         if self.dropped or (caps, slots) != (self.caps, self.slots):
             return None
         # a busy Prefect is waited for, not asked twice (the caller stamps the row meanwhile)
         if not self.taken.done.wait(LEASE_S) or self.taken.result is None:
+            return None
+        if not self._alive(self.taken.result):
             return None
         self.used = True
         return self.taken.result

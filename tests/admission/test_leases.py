@@ -195,3 +195,37 @@ def test_a_job_stopped_while_its_slots_are_refused_ends_cancelled(ledger, prices
     assert not waiter.is_alive() and refused and refused[0].state_name == "Cancelled"
     assert ledger.views.job(row["id"])["state"] == "cancelled"
 
+
+@pytest.mark.parametrize("lapsed", [False, True])
+def test_slots_asked_early_are_renewed_before_a_slow_decision_takes_them_over(
+    ledger, prices, monkeypatch, lapsed
+):
+    """A ledger slow to decide (an outage, retried): the early lease is past half its life, so
+    it is renewed before the admission takes it over; one Prefect no longer knows is not taken
+    over, and the job takes slots of its own."""
+    from prefect_gpu_budget.admission import leases
+
+    monkeypatch.setattr(leases, "LEASE_S", 0.4)
+    renewed: list[str] = []
+
+    class Renewing(_Limits):
+        def renew(self, lease_id: str) -> bool:
+            renewed.append(lease_id)
+            return not (lapsed and lease_id == "lease-2")  # the early one
+
+    ledger.config.set_budget(BudgetRule("lapse", hourly_cap_cents=3600))
+    limits = Renewing()
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices))
+    gate.holding.settle(gate.admit(JOB, "lapse/t"), ended_at=time.time(), outcome="completed")
+    ask = ledger.queue.ask
+
+    def slow(new, job_id):
+        time.sleep(0.5)
+        return ask(new, job_id)
+
+    ledger.queue.ask = slow
+    second = gate.admit(JOB, "lapse/t")
+    assert renewed[:1] == ["lease-2"]
+    assert second.lease_id == ("lease-3" if lapsed else "lease-2")
+    gate.holding.settle(second, ended_at=time.time(), outcome="completed")
+    wait_for(lambda: sorted(limits.released) == sorted(limits.taken), 30, "every lease back")

@@ -317,10 +317,11 @@ class Gate:
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
                 preempted, watched, why = threading.Event(), threading.Event(), [PREEMPTED]
+                guard = threading.Lock()
                 if decision.pool is not None:  # borrowed capacity may be reclaimed at once
                     threading.Thread(
                         target=self.holding.watch_admitted,
-                        args=(job_id, preempted, watched, why),
+                        args=(job_id, preempted, watched, why, guard),
                         name=f"gpu-budget-preempt-early-{job_id[:8]}",
                         daemon=True,
                     ).start()
@@ -335,7 +336,8 @@ class Gate:
                     )
                     early = None  # asked for the first decision only
                 finally:
-                    watched.set()
+                    with guard:  # what the watcher saw is final from here
+                        watched.set()
                 if lease is not False:
                     admission = Admission(
                         job_id=job_id,

@@ -149,19 +149,28 @@ class Holding:
         admission._beat.start()
 
     def watch_admitted(
-        self, job_id: str, preempted: threading.Event, done: threading.Event, why: list[str]
+        self,
+        job_id: str,
+        preempted: threading.Event,
+        done: threading.Event,
+        why: list[str],
+        guard: threading.Lock,
     ) -> None:
         """From the moment of admission until its Prefect slots are taken (seconds, on a busy
-        machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts."""
+        machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts.
+        What it saw counts only until `done` is set under `guard` (the admission is then built
+        from `why`); a stop read later is the job's own thread's to see."""
         while not done.wait(self.preempt_poll_s):
             try:
                 asked = self.ledger.views.stop_asked(job_id)
-                if asked:
-                    why[0] = asked
-                    preempted.set()
-                    return
             except Exception:  # an outage: the heartbeat reports it
                 continue
+            if asked:
+                with guard:
+                    if not done.is_set():
+                        why[0] = asked
+                        preempted.set()
+                return
 
     def _check_stop(self, admission: Admission) -> None:
         try:

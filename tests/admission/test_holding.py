@@ -48,3 +48,48 @@ def test_the_slots_go_back_while_the_row_settles(ledger, prices):
     row = gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
     assert row["state"] == "settled"
     assert limits.saw_settled == [True]  # one after the other, it would have seen it open
+
+
+def test_a_stop_read_as_the_admission_is_built_is_named_for_what_it_is(ledger, prices):
+    """Its owner stops a pool job while its slots are being taken, and the early watcher's read
+    of that stop is still on its way as the admission is built: the job's own thread then sees
+    the stop, named `stopped` (not `preempted`, which would queue it again)."""
+    import threading
+
+    from prefect_gpu_budget.admission.quota import Pool
+
+    class SlowLimits(_ReleaseWatchingLimits):
+        asked = threading.Event()
+
+        def acquire(self, scopes: list[str], slots: int) -> str:
+            self.asked.set()
+            time.sleep(0.6)
+            return "lease-1"
+
+        def release(self, lease_id: str) -> None:
+            pass
+
+    ledger.config.set_budget(BudgetRule("q", hourly_cap_cents=3600))
+    ledger.config.set_pool(Pool("q", "lab", 1, (1, 8, 32), ("local:box",), "X"))
+    read = ledger.views.stop_asked
+
+    def late_for_the_early_watcher(job_id: str) -> str | None:
+        if threading.current_thread().name.startswith("gpu-budget-preempt-early"):
+            time.sleep(0.3)  # answers after the slots were taken
+        return read(job_id)
+
+    ledger.views.stop_asked = late_for_the_early_watcher
+    limits = SlowLimits(ledger)
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices), preempt_poll_s=0.5)
+    got = {}
+    job = GpuJob(instance_type="local:box", max_runtime="1m")
+    admitting = threading.Thread(target=lambda: got.update(a=gate.admit(job, "q/t")), daemon=True)
+    admitting.start()
+    assert limits.asked.wait(30)
+    [row] = ledger.views.jobs("q/t")
+    assert ledger.settlements.ask_stop(row["id"], "stopped by its owner")
+    admitting.join(timeout=30)
+    admission = got["a"]
+    assert admission.preempted.wait(10)
+    assert admission.stop_reason == "stopped"
+    gate.holding.settle(admission, ended_at=time.time(), outcome="cancelled")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 from prefect.client.orchestration import get_client
-from prefect.states import Failed, Pending, Scheduled, State
+from prefect.states import Cancelled, Failed, Pending, Scheduled, State
 from pydantic import BaseModel, Field, PrivateAttr
 
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
@@ -401,10 +401,21 @@ def _open_gate() -> Gate:
 
 
 async def _end(flow_run: FlowRun, state: State | None = None) -> None:
-    """End a run that never starts: in `state`, or as it stands (cancelled)."""
+    """End a run that never starts: in `state`, or cancelled."""
     if state is not None:
         await anyio.to_thread.run_sync(_set_state, flow_run.id, state)
+    else:
+        await anyio.to_thread.run_sync(_cancelled, flow_run.id)
     raise RunNotStarted(state.name if state else "cancelled")
+
+
+def _cancelled(flow_run_id: Any) -> None:
+    """Set a run left Cancelling Cancelled, as Prefect's worker does for a run with no
+    infrastructure: that worker hears of a cancel from an event, which it may miss."""
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+    if state is not None and state.is_cancelling():
+        _set_state(flow_run_id, Cancelled(message="cancelled while it waited: nothing ran"))
 
 
 def _pool_default(work_pool: Any, key: str) -> Any:

@@ -148,12 +148,17 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 
 
 def _wait_final(flow_run_ids: list, timeout: float = 150) -> list:
+    seen: list = []
+
     def final():
         with get_client(sync_client=True) as client:
-            runs = [client.read_flow_run(i) for i in flow_run_ids]
-        return runs if all(r.state and r.state.is_final() for r in runs) else None
+            seen[:] = [client.read_flow_run(i) for i in flow_run_ids]
+        return seen if all(r.state and r.state.is_final() for r in seen) else None
 
-    return wait_for(final, timeout, "the flow runs to end")
+    try:
+        return wait_for(final, timeout, "the flow runs to end")
+    except AssertionError as late:  # say which run is stuck where
+        raise AssertionError(f"{late}: {[r.state and r.state.name for r in seen]}") from None
 
 
 def _settled(ledger: Ledger, scope: str, count: int) -> list[dict]:

@@ -528,24 +528,24 @@ class Queue:
         *,
         end: str | None = None,
     ) -> bool:
-        """Put an admitted job that could not start back in the queue (keeping its place; it
-        holds nothing, so it is no longer asked to make room), or end it unrun: with `end`
-        (`rejected`, `timed_out`), or `cancelled` if its owner asked it to stop (`ask_stop`).
-        One transaction: the queue decision it makes could otherwise admit the job again first."""
+        """Put an admitted job that could not start back in the queue, keeping its place (no
+        longer asked to make room), or end it unrun: `end` (rejected, timed_out), or cancelled
+        if its owner asked it to stop. One transaction, or its decision could admit it first."""
         now = time.time() if now is None else now
-        org = scope.split("/")[0]
-        admitted = jobs.update().where(jobs.c.id == job_id, jobs.c.state == "admitted")
         unheld = {"admitted_at": None, "reserved_micro": 0, "reserve_seconds": 0.0}
-        unheld |= {"preempt_at": None, "heartbeat_at": now}
-        then = _ended_unrun(end, reason, now) if end else {"state": "queued", "reason": reason}
-        stopped = {**_ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
-        with self.db.write(org) as conn:
-            done = 0
-            if not end:  # its owner asked it to stop meanwhile: it ends here, unrun
-                asked = admitted.where(jobs.c.stop_asked_at.is_not(None))
-                done = conn.execute(asked.values(**unheld, **stopped)).rowcount
-            if not done:
-                done = conn.execute(admitted.values(**unheld, **then)).rowcount
+        then: dict[str, Any] = {"preempt_at": None, "heartbeat_at": now}
+        if end:
+            then |= _ended_unrun(end, reason, now)
+        else:  # one statement, so that a stop asked meanwhile (no org lock) is seen, or follows
+            asked, back = jobs.c.stop_asked_at.is_not(None), {"state": "queued", "reason": reason}
+            gone = {**_ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
+            then |= {k: sa.case((asked, v), else_=back.get(k, jobs.c[k])) for k, v in gone.items()}
+        with self.db.write(org := scope.split("/")[0]) as conn:
+            done = conn.execute(
+                jobs.update()
+                .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+                .values(**unheld, **then)
+            ).rowcount
             self.headroom(conn, org)
         return bool(done)
 

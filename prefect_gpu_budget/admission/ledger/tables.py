@@ -6,7 +6,7 @@ checks the state it changes from (a job that moved on meanwhile is left as it is
     queued --> admitted --> running --> settled
       |          |   |                     ^
       |          |   +---------------------+  (settled unstarted: cancelled, reconciled)
-      |          +--> queued                  (`unadmit`: it could not start; keeps its place)
+      |          +--> queued | cancelled      (`unadmit`: it could not start; keeps its place)
       +--> rejected | timed_out | cancelled   (the unrun endings)
 
 - queued -> admitted: a decision admits it (its own, or another job's transaction deciding the
@@ -14,8 +14,9 @@ checks the state it changes from (a job that moved on meanwhile is left as it is
 - queued -> rejected / timed_out: the decision refuses it, or its max wait ran out; rejected
   also when an agent's job may not even queue (`agents.grant_refusal`).
 - queued -> cancelled (or timed_out): `cancel_queued`, and `revoke_agent` for a session's jobs.
-- admitted -> queued: `unadmit` (its Prefect concurrency slots could not be taken); with
-  `end`, admitted -> rejected or timed_out in the same transaction.
+- admitted -> queued: `unadmit` (its Prefect concurrency slots could not be taken), or
+  cancelled if its owner asked it to stop meanwhile; with `end`, admitted -> rejected or
+  timed_out in the same transaction.
 - admitted -> running: `mark_started` (False, and nothing written, once it is not admitted).
 - admitted or running: `ask_stop` marks it (`stop_asked_at`); its holder stops it and
   settles it for what it ran.

@@ -329,9 +329,9 @@ class Views:
             ).first()
         if row is None:
             return None
-        if row.preempt_at is not None:
-            return PREEMPTED
-        return STOPPED if row.stop_asked_at is not None else None
+        if row.stop_asked_at is not None:  # its owner's word wins: not queued again
+            return STOPPED
+        return PREEMPTED if row.preempt_at is not None else None
 
 
 def wait_spans(row: dict[str, Any]) -> dict[str, float]:

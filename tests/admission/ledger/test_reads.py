@@ -1,5 +1,5 @@
 """The ledger's read views (admission/ledger/reads.py): scopes matched exactly, a job admitted but
-not started told from a running one, the newest jobs chosen in SQL."""
+not started told from a running one, the newest jobs chosen in SQL, and why a job must stop."""
 
 from __future__ import annotations
 
@@ -57,3 +57,17 @@ def test_the_newest_jobs_are_chosen_in_sql(ledger):
     assert [j["flow_run_id"] for j in of_run] == ["run-1"]
     selects = [s for s in statements if "FROM gpu_jobs" in s]
     assert "LIMIT" in selects[0] and "flow_run_id =" in selects[1], selects
+
+
+def test_an_owners_stop_wins_over_a_preemption(ledger):
+    """A job both preempted and stopped by its owner is named stopped: a preempted job may be
+    queued again, one its owner stopped must not be."""
+    from prefect_gpu_budget.admission.ledger.tables import jobs
+
+    ledger.config.set_budget(BudgetRule("both", hourly_cap_cents=3600))
+    job_id, _ = ledger.queue.request(new_job("both/t"))
+    with ledger.db.tx() as conn:
+        conn.execute(jobs.update().where(jobs.c.id == job_id).values(preempt_at=time.time()))
+    assert ledger.views.stop_asked(job_id) == "preempted"
+    assert ledger.settlements.ask_stop(job_id, "stopped by its owner")
+    assert ledger.views.stop_asked(job_id) == "stopped"

@@ -405,7 +405,10 @@ async def _end(flow_run: FlowRun, state: State | None = None) -> None:
     if state is not None:
         await anyio.to_thread.run_sync(_set_state, flow_run.id, state)
     else:
-        await anyio.to_thread.run_sync(_cancelled, flow_run.id)
+        try:
+            await anyio.to_thread.run_sync(_cancelled, flow_run.id)
+        except Exception as exc:  # the API down: Prefect's worker sets it when it hears
+            log.warning("could not set cancelled run %s Cancelled: %s", flow_run.id, exc)
     raise RunNotStarted(state.name if state else "cancelled")
 
 

@@ -42,14 +42,15 @@ class EarlyLease:
 
     def __init__(self, limits: Limits, caps: Caps, slots: int) -> None:
         self.limits, self.caps, self.slots = limits, caps, slots
-        self.granted_at = 0.0  # monotonic, once Prefect answered
+        self.granted_at = 0.0  # monotonic: when it was asked, set once Prefect answered
         self.taken: Handoff[str | None] = Handoff()
         self.taken.start(self._ask)
         self.used = self.dropped = False
 
     def _ask(self) -> str | None:
+        asked_at = time.monotonic()  # Prefect's clock starts before its answer comes back
         lease = self.limits.acquire([s for s, _ in self.caps], self.slots)
-        self.granted_at = time.monotonic()
+        self.granted_at = asked_at
         return lease
 
     def _alive(self, lease: str) -> bool:

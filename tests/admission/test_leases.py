@@ -219,8 +219,9 @@ def test_slots_asked_early_are_renewed_before_a_slow_decision_takes_them_over(
     gate.holding.settle(gate.admit(JOB, "lapse/t"), ended_at=time.time(), outcome="completed")
     ask = ledger.queue.ask
 
-    def slow(new, job_id):
-        time.sleep(0.5)
+    def slow(new, job_id):  # decides once the early lease is past half its life
+        wait_for(lambda: len(limits.taken) == 2, 30, "Prefect to answer the early ask")
+        time.sleep(0.3)
         return ask(new, job_id)
 
     ledger.queue.ask = slow

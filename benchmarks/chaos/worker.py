@@ -11,7 +11,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from benchmarks.chaos.config import MAX_WAIT, PAUSE_S
+from benchmarks.chaos.config import MAX_WAIT, PAUSE_S, REACH_S
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.lifecycle import run_admitted
@@ -53,7 +53,7 @@ def worker(spec: WorkerSpec, conn: Connection) -> None:
 
     def mark(word: str) -> None:
         if word == spec.park_at and word in PARKED_AFTER:
-            said[PARKED_AFTER[word]].wait(60)
+            said[PARKED_AFTER[word]].wait(REACH_S / 2)  # never said: the run is not injected
         say(word)
         if word in said:
             said[word].set()

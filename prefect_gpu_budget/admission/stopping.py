@@ -4,8 +4,8 @@ A queued job is cancelled at once; an admitted or running one is marked
 (`Ledger.settlements.ask_stop`) and its holder, which polls for that, stops it gracefully
 (SIGTERM, its kill grace, SIGKILL) and settles it for what it ran. A sweep is first marked
 cancelled (`SweepRecords.cancel`, so it starts no more trials), then each of its jobs not yet
-ended is stopped so. Used by the agent
-gateway, the sweep's own watch and Ctrl-C on `prefect-gpu-budget sweep`.
+ended is stopped so. Used by the agent gateway, the sweep's own watch and Ctrl-C on
+`prefect-gpu-budget sweep`.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ Both stop through `stop_and_leave`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -132,15 +133,13 @@ def stop_and_leave(
     stopped as an agent's cancel stops it, `wait()` returns once they have ended, `cleanup`
     runs, one line says what was stopped and what it cost, and the command exits 130. A second
     Ctrl-C meanwhile leaves at once."""
-    from prefect_gpu_budget.admission.stopping import CANCELLED, STOPPING, stop_sweep
+    from prefect_gpu_budget.admission.stopping import stop_sweep
 
     typer.echo(f"\nstopping {what}: {how} (Ctrl-C again to leave at once)", err=True)
-    stopped = {CANCELLED: 0, STOPPING: 0}
     ran: list[tuple[str, str]] = []
     try:
         for run_id, scope in runs():
-            for key, count in stop_sweep(ledger, run_id, scope, STOPPED_AT_CTRL_C).items():
-                stopped[key] += count
+            stop_sweep(ledger, run_id, scope, STOPPED_AT_CTRL_C)
             ran.append((run_id, scope))
         wait()
         if cleanup is not None:
@@ -151,14 +150,17 @@ def stop_and_leave(
         )
         _stop_temporary_server()
         os._exit(EXIT_CODE)
-    spent = sum(
-        row["actual_micro"] or 0
-        for run_id, scope in ran
-        for row in ledger.views.jobs(scope, flow_run_id=run_id)
+    rows = [row for run_id, scope in ran for row in ledger.views.jobs(scope, flow_run_id=run_id)]
+    # read from the ledger, not from the asks above: each sweep's own watch, seeing it
+    # cancelled, stops the same jobs and may be first
+    running = sum(1 for r in rows if r["started_at"] and r["outcome"] == "cancelled")
+    queued = sum(
+        1 for r in rows if not r["started_at"] and "cancelled" in (r["state"], r["outcome"])
     )
+    spent = sum(row["actual_micro"] or 0 for row in rows)
     typer.echo(
-        f"{what} stopped: {stopped[STOPPING]} running trial{'s' * (stopped[STOPPING] != 1)} "
-        f"stopped, {stopped[CANCELLED]} queued cancelled; it cost {fmt_usd(spent)}",
+        f"{what} stopped: {running} running trial{'s' * (running != 1)} stopped, {queued} "
+        f"queued cancelled; it cost {fmt_usd(spent)}",
         err=True,
     )
     _leave(EXIT_CODE)
@@ -204,12 +206,15 @@ def _stop_temporary_server() -> None:
 
 
 def _flush_run_logs() -> None:
-    try:
-        from prefect.logging.handlers import APILogHandler
+    """Send the runs' last log lines, and their last events: the server records a trial's
+    final state from its event. Nothing to send, or the API gone: leave anyway."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler
 
+    with contextlib.suppress(Exception):
         APILogHandler.flush()
-    except Exception:  # nothing to send, or the API is gone: leave anyway
-        pass
+    with contextlib.suppress(Exception):
+        EventsWorker.drain_all(timeout=4.0)
 
 
 def _run_of(ledger: Any, spec: Any, began: float, done: threading.Event) -> list[tuple[str, str]]:

@@ -96,14 +96,32 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
 
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(run_id)
-        tasks = client.read_task_runs()
     assert run.state.type.value == "CANCELLED", run.state
-    trials = [t for t in tasks if t.flow_run_id == run.id and t.name.startswith("trial ")]
-    assert trials and all(t.state.type.value in ("CANCELLED", "FAILED") for t in trials), [
-        (t.name, t.state.name) for t in trials
-    ]
+    trials = _trials_ended(run.id, ("CANCELLED", "FAILED"))
     assert any(t.state.type.value == "CANCELLED" for t in trials)
     ledger.db.dispose()
+
+
+def _trials_ended(run_id, states: tuple[str, ...]) -> list:
+    """The run's trials once each is in one of `states`: the server records a task run's
+    state from its events, a moment after the command ended."""
+    from prefect.client.orchestration import get_client
+
+    seen: list = []
+
+    def ended() -> list | None:
+        with get_client(sync_client=True) as client:
+            seen[:] = [
+                t
+                for t in client.read_task_runs()
+                if t.flow_run_id == run_id and t.name.startswith("trial ")
+            ]
+        return seen if seen and all(t.state.type.value in states for t in seen) else None
+
+    try:
+        return wait_for(ended, 60, "the trials' final states")
+    except AssertionError as late:
+        raise AssertionError(f"{late}: {[(t.name, t.state.name) for t in seen]}") from None
 
 
 def _stopped_line(err: str, what: str) -> tuple[int, int]:
@@ -265,12 +283,8 @@ def test_ctrl_c_stops_a_served_sweep_then_the_runner(prefect_api, prices, tmp_pa
 
     with get_client(sync_client=True) as client:
         ended = client.read_flow_run(run.id)
-        tasks = [t for t in client.read_task_runs() if t.flow_run_id == run.id]
     assert ended.state.type.value == "CANCELLED", ended.state
-    trials = [t for t in tasks if t.name.startswith("trial ")]
-    assert len(trials) == 2 and all(t.state.type.value == "CANCELLED" for t in trials), [
-        (t.name, t.state.name) for t in trials
-    ]
+    assert len(_trials_ended(run.id, ("CANCELLED",))) == 2
 
 
 @pytest.mark.timeout(400)

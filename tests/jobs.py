@@ -42,7 +42,7 @@ def held_job(marker: Path, **kw) -> GpuJob:
         "    if time.monotonic() > deadline: sys.exit(1)\n"
         "    time.sleep(0.05)\n"
     )
-    return GpuJob(instance_type="local:box", command=[sys.executable, "-c", code], **kw)
+    return GpuJob(**{"instance_type": "local:box", **kw}, command=[sys.executable, "-c", code])
 
 
 def until_in(url: str, scope: str, state: str) -> None:

@@ -18,6 +18,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
+from tests.jobs import held_job
 
 TRAINER = """
 import os, signal, sys, time
@@ -70,7 +71,14 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
 
     @flow
     def contention() -> str:
-        own = run_gpu_job.submit(_job(tmp_path, "b-own", 6, "low"), "acme/b/s", block)
+        own_job = held_job(  # runs until a's job is admitted
+            tmp_path / "b-own.release",
+            instance_type="local:h100x8",
+            max_runtime="2m",
+            name="b-own",
+            priority="low",
+        )
+        own = run_gpu_job.submit(own_job, "acme/b/s", block)
         while not ledger.views.jobs("acme/b", states=("running",)):
             time.sleep(0.1)
         borrowed = run_gpu_job.submit(
@@ -81,6 +89,9 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
         while not (tmp_path / "b-borrowed.ckpt.ready").exists():  # its handler is set
             time.sleep(0.1)
         mine = run_gpu_job.submit(_job(tmp_path, "a-own", 1, "high"), "acme/a/s", block)
+        while not [r for r in ledger.views.jobs("acme/a") if r["admitted_at"]]:
+            time.sleep(0.1)
+        (tmp_path / "b-own.release").touch()
         for future in (own, borrowed, mine):
             future.wait()
         assert own.state.is_completed() and mine.state.is_completed()
@@ -95,7 +106,7 @@ def test_borrowed_work_is_preempted_gracefully_and_requeued(
     assert own["outcome"] == "completed" and mine["outcome"] == "completed"
     assert first["outcome"] == "preempted" and first["preempt_at"] is not None
     assert (tmp_path / "b-borrowed.ckpt").read_text() == "step 3"  # it checkpointed
-    assert first["ended_at"] - mine["requested_at"] < 5  # stopped promptly, not at the grace
+    assert first["ended_at"] - first["preempt_at"] < 5  # at its SIGTERM, not its 5 s grace
     assert 0 < first["actual_micro"] < first["reserved_micro"]  # paid only for what it used
     assert mine["admitted_at"] >= first["settled_at"]  # the capacity was free when a took it
     if not requeue:

@@ -344,14 +344,14 @@ def test_revocation_cancels_queued_jobs_and_admits_nothing_more(house):
     later, and the sweep starts none of its last two."""
     gw, token, ledger = house["gateway"], house["tokens"][SLOW], house["ledger"]
     spec = _spec(
-        command=["sh", "-c", f"sleep 15; {REPORT}"], grid={"lr": [1, 2, 3, 4, 5, 6]}, parallelism=4
-    )
+        command=["sh", "-c", f"sleep 30; {REPORT}"], grid={"lr": [1, 2, 3, 4, 5, 6]}, parallelism=4
+    )  # the first trial runs on past the revocation, on a loaded host too
     code, started = gw.call("POST", "/v1/sweeps", token, spec)
     assert code == 201, started
     code, body = gw.call("POST", "/v1/sweeps", token, spec)
     assert code == 429 and "at most 1" in body["detail"], body
-    wait_for(
-        lambda: sum(j["state"] == "queued" for j in ledger.views.jobs(SLOW)) >= 2,
+    wait_for(  # all four asked for: none is asked for after the revocation (and refused)
+        lambda: sum(j["state"] == "queued" for j in ledger.views.jobs(SLOW)) == 3,
         120,
         "queued trials",
     )

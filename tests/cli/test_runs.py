@@ -81,7 +81,7 @@ def test_a_failed_trial_says_its_reason_once(prefect_api, prices, tmp_path):
         "name": "fails",
         "scope": "failing/team",
         "job": {"instance_type": "local:box", "max_runtime": "1m"},
-        "command": ["sh", "-c", "sleep 1; exit $(( {lr} ))"],
+        "command": ["sh", "-c", "sleep 10; exit $(( {lr} ))"],  # running when the other asks
         "grid": {"lr": [0, 3]},
         "parallelism": 2,
         "results_dir": str(tmp_path / "results"),

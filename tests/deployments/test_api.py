@@ -26,9 +26,10 @@ SPEC = """
 name: agent-sweep
 scope: acme/agents
 job: {instance_type: "local:box", max_runtime: 30s, kill_grace: 1s}
-command: [%(python)s, -c, "import json,os,sys; f=open(os.environ['GPU_BUDGET_METRICS_FILE'],'a'); [f.write(json.dumps(dict(step=s, loss=float(sys.argv[1])/s))+chr(10)) for s in (1,2,3)]; f.write(json.dumps(dict(summary=True, loss=float(sys.argv[1])/3))+chr(10))", "{lr}"]
+command: [%(python)s, -c, "import json,os,sys,time; time.sleep(3); f=open(os.environ['GPU_BUDGET_METRICS_FILE'],'a'); [f.write(json.dumps(dict(step=s, loss=float(sys.argv[1])/s))+chr(10)) for s in (1,2,3)]; f.write(json.dumps(dict(summary=True, loss=float(sys.argv[1])/3))+chr(10))", "{lr}"]
 grid: {lr: [0.1, 0.3, 0.9]}
 parallelism: 3
+# each trial runs 3 s: the session's cap fits two, so the third always waits (its reason is shown)
 results_dir: results
 """
 

@@ -32,7 +32,7 @@ def new_job(scope: str, **changes: Any) -> NewJob:
     return replace(_DEFAULT, scope=scope, **changes)
 
 
-def held_job(marker: Path, **kw) -> GpuJob:
+def held_job(marker: Path, **kw: Any) -> GpuJob:
     """A job that runs until the test creates `marker` (exit 1 if it never does), so the test,
     not the machine's speed, decides when it ends."""
     code = (

@@ -29,10 +29,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from prefect_gpu_budget.admission.errors import AdmissionRefused
-from prefect_gpu_budget.admission.holding import Admission, GateEvents, Holding
+from prefect_gpu_budget.admission.holding import Admission, EarlyStop, GateEvents, Holding
 from prefect_gpu_budget.admission.leases import Caps, EarlyLease, SlotLeases, limit_reason
 from prefect_gpu_budget.admission.ledger import (
-    PREEMPTED,
     Ledger,
     NewJob,
     holder_id,
@@ -316,12 +315,11 @@ class Gate:
             if decision.verdict == "timeout":
                 raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
             if decision.verdict == "admit":
-                preempted, watched, why = threading.Event(), threading.Event(), [PREEMPTED]
-                guard = threading.Lock()
+                early_stop = EarlyStop()
                 if decision.pool is not None:  # borrowed capacity may be reclaimed at once
                     threading.Thread(
                         target=self.holding.watch_admitted,
-                        args=(job_id, preempted, watched, why, guard),
+                        args=(job_id, early_stop),
                         name=f"gpu-budget-preempt-early-{job_id[:8]}",
                         daemon=True,
                     ).start()
@@ -336,8 +334,7 @@ class Gate:
                     )
                     early = None  # asked for the first decision only
                 finally:
-                    with guard:  # what the watcher saw is final from here
-                        watched.set()
+                    early_stop.close()  # what the watcher saw is final from here
                 if lease is not False:
                     admission = Admission(
                         job_id=job_id,
@@ -351,8 +348,8 @@ class Gate:
                         caps=decision.caps,
                         slots=slots,
                         pool=decision.pool,
-                        preempted=preempted,
-                        stop_reason=why[0],
+                        preempted=early_stop.preempted,
+                        stop_reason=early_stop.why,
                     )
                     try:
                         self.holding.hold(admission)

@@ -91,6 +91,27 @@ def _hand_over_stop(admission: Admission) -> None:
         on_stop()
 
 
+class EarlyStop:
+    """A stop asked of a job between its admission and its hold (`Holding.watch_admitted`):
+    what the watcher saw counts until `close`, after which the admission is built from it (a
+    stop read later is the job's own thread's to see)."""
+
+    def __init__(self) -> None:
+        self.preempted, self.closed = threading.Event(), threading.Event()
+        self.why = PREEMPTED
+        self._lock = threading.Lock()
+
+    def saw(self, asked: str) -> None:
+        with self._lock:
+            if not self.closed.is_set():
+                self.why = asked
+                self.preempted.set()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed.set()
+
+
 class Holding:
     """The admitted jobs of one gate, while they run: over its ledger, limits and leases,
     telling its events, with its clocks."""
@@ -148,28 +169,16 @@ class Holding:
         )
         admission._beat.start()
 
-    def watch_admitted(
-        self,
-        job_id: str,
-        preempted: threading.Event,
-        done: threading.Event,
-        why: list[str],
-        guard: threading.Lock,
-    ) -> None:
+    def watch_admitted(self, job_id: str, early: EarlyStop) -> None:
         """From the moment of admission until its Prefect slots are taken (seconds, on a busy
-        machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts.
-        What it saw counts only until `done` is set under `guard` (the admission is then built
-        from `why`); a stop read later is the job's own thread's to see."""
-        while not done.wait(self.preempt_poll_s):
+        machine): a reclaim asked meanwhile is seen at once, and the job stops as it starts."""
+        while not early.closed.wait(self.preempt_poll_s):
             try:
                 asked = self.ledger.views.stop_asked(job_id)
             except Exception:  # an outage: the heartbeat reports it
                 continue
             if asked:
-                with guard:
-                    if not done.is_set():
-                        why[0] = asked
-                        preempted.set()
+                early.saw(asked)
                 return
 
     def _check_stop(self, admission: Admission) -> None:

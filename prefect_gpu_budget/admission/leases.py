@@ -42,7 +42,7 @@ class EarlyLease:
 
     def __init__(self, limits: Limits, caps: Caps, slots: int) -> None:
         self.limits, self.caps, self.slots = limits, caps, slots
-        self.granted_at = 0.0  # monotonic: when it was asked, set once Prefect answered
+        self.asked_at = 0.0  # monotonic, set once Prefect answered
         self.taken: Handoff[str | None] = Handoff()
         self.taken.start(self._ask)
         self.used = self.dropped = False
@@ -50,13 +50,13 @@ class EarlyLease:
     def _ask(self) -> str | None:
         asked_at = time.monotonic()  # Prefect's clock starts before its answer comes back
         lease = self.limits.acquire([s for s, _ in self.caps], self.slots)
-        self.granted_at = asked_at
+        self.asked_at = asked_at
         return lease
 
     def _alive(self, lease: str) -> bool:
         """Whether the lease still holds its slots: one granted over half its life ago (a ledger
         slow to decide) is renewed first, and one Prefect no longer knows is not taken over."""
-        if time.monotonic() - self.granted_at < LEASE_S / 2:
+        if time.monotonic() - self.asked_at < LEASE_S / 2:
             return True
         with contextlib.suppress(Exception):  # Prefect did not answer: the caller asks anew
             return self.limits.renew(lease)

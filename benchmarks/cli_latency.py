@@ -139,8 +139,8 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="cli-latency-"))
     ledgers = {"sqlite": f"sqlite:///{home / 'ledger.db'}"}
     pg_url = f"{args.pg_server}/gpu_budget_cli_{os.getpid()}"
+    created = not args.no_pg and ensure_database(pg_url)  # dropped at the end only if so
     if not args.no_pg:
-        ensure_database(pg_url)
         ledgers["postgresql"] = pg_url
     base = {
         **os.environ,
@@ -166,7 +166,7 @@ def main() -> None:
                 if t:
                     report[kind][name]["before_median_s"] = statistics.median(t)
     finally:
-        if not args.no_pg:
+        if created:
             drop_database(pg_url)
     if args.json:
         print(json.dumps(report, indent=2))

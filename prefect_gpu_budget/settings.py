@@ -161,9 +161,17 @@ AGENT_LIMIT_ENVS = {
     "nofile": "PREFECT_GPU_BUDGET_AGENT_LIMIT_NOFILE",
     "fsize": "PREFECT_GPU_BUDGET_AGENT_LIMIT_FSIZE",
     "as": "PREFECT_GPU_BUDGET_AGENT_LIMIT_AS",
+    "disk": "PREFECT_GPU_BUDGET_AGENT_LIMIT_DISK",
+    "output": "PREFECT_GPU_BUDGET_AGENT_LIMIT_OUTPUT",
 }
-"""Each agent job's resource limits (RLIMIT_NPROC, _NOFILE, _FSIZE, _AS): a number (a size may
-end in K, M, G or T, powers of 1024) or `unlimited`; unset: the sandbox's defaults."""
+"""Each agent job's resource limits (RLIMIT_NPROC, _NOFILE, _FSIZE, _AS; and, enforced by the
+launcher, the size of its folder, /tmp included, and of its output): a number (a size may end
+in K, M, G or T, powers of 1024) or `unlimited`; unset: the sandbox's defaults."""
+AGENT_NETWORK_ENV = "PREFECT_GPU_BUDGET_AGENT_NETWORK"
+"""The network agents' jobs get: `none` (the default: a network namespace of their own with
+only its own loopback, and their own /proc), an HTTP(S) proxy's URL (`http://proxy:3128`:
+their one way out, through a relay on their own loopback), or `host` (the admin's opt-out:
+the host's network and /proc, the host's own services included)."""
 
 
 def local_machine() -> str | None:
@@ -207,6 +215,12 @@ def agent_limits() -> dict[str, str]:
     left out): the sandbox parses them and keeps its defaults for the rest."""
     found = {name: os.environ.get(env, "").strip() for name, env in AGENT_LIMIT_ENVS.items()}
     return {name: text for name, text in found.items() if text}
+
+
+def agent_network() -> str:
+    """PREFECT_GPU_BUDGET_AGENT_NETWORK as given, `none` when unset or blank (the sandbox
+    checks it when a job is)."""
+    return os.environ.get(AGENT_NETWORK_ENV, "").strip() or "none"
 
 
 def agent_jobs_root() -> Path:

@@ -23,7 +23,19 @@ reads the command's environment from stdin (`NAME=value` entries, NUL-separated,
 the holder itself then runs with the launcher's minimal environment, never one the job chose
 (`LD_PRELOAD` in a root process), and stdin is /dev/null for the command. `--own-pids` starts
 it in a PID namespace of its own, so that its end at a stop takes every process of it at once,
-however fast they fork (`_spawn_init`). `--rlimit NAME=N`
+however fast they fork (`_spawn_init`). `--isolate` goes further, for an agent's job (`isolate`),
+and refuses to start the command (exit code ISOLATION_REFUSED, one line) where the kernel will not:
+the command gets, beside its own PID namespace, a network namespace of its own (only its own
+loopback: no address of the host, the host's loopback included, is reachable) and a mount
+namespace with `/proc` mounted for its PID namespace (it sees its own processes only, not the
+host's command lines and environments) and a fresh tmpfs over its `/dev/shm`, so nothing it
+leaves there outlives it or is seen by another job (its /tmp stays the host's: the job's own
+folder, its interpreter or this package may live there). `--proxy HOST:PORT` (with `--isolate`) is the one way
+out: a relay in the holder listens on the job's own 127.0.0.1:PROXY_PORT and carries each
+connection to HOST:PORT (the admin's HTTP(S) proxy), opened from the holder's network.
+Without root, the namespaces are made in a user namespace of the holder's own, the job keeping
+the holder's uid. `--probe` only tells (exit 0, or ISOLATION_REFUSED with the reason) whether
+`--isolate` can be had here. `--rlimit NAME=N`
 (`nproc`, `nofile`, `fsize`, `as`; repeatable) bounds the command and everything it starts:
 set, soft and hard alike (never above the holder's own hard limit), in the command's process
 after the switch of user, so the holder itself is never bounded by them and can always stop
@@ -47,7 +59,15 @@ import time
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_PRIVATE = 2, 4, 8, 16384, 1 << 18
+ISOLATION_REFUSED = 125
+"""The holder's exit code when `--isolate` cannot be had: the command never started."""
+PROXY_PORT = 3128
+"""Where, on the job's own loopback, `--proxy`'s relay listens."""
 WATCHED = (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 """Blocked and taken with sigtimedwait: no handler ever runs at an awkward moment."""
 HOLDER_GONE = signal.SIGUSR1
@@ -180,27 +200,112 @@ def _spawn(command: list[str], mask: set[int], child: Child) -> int:
     return pid
 
 
-def _new_pid_namespace() -> bool:
-    """Whether the next process this one forks starts a PID namespace of its own (root)."""
+def _unshare(flags: int) -> str:
+    """Move this process into new namespaces (`CLONE_NEW*`): '' when done, else why not."""
     try:
         unshare = ctypes.CDLL(None, use_errno=True).unshare
     except (OSError, AttributeError):
-        return False
-    return unshare(CLONE_NEWPID) == 0
+        return "no namespaces on this system"
+    if unshare(flags) == 0:
+        return ""
+    return os.strerror(ctypes.get_errno()) or "refused"
 
 
-def _spawn_init(command: list[str], mask: set[int], child: Child, report: int) -> int:
+def _new_pid_namespace(isolate: bool = False) -> str:
+    """Whether the next process this one forks starts a PID namespace of its own: '' if so,
+    else why not. With `isolate` and no root, in a user namespace of this process's own
+    that maps its uid and gid to themselves (so its children may make the other namespaces
+    `_isolate_init` makes, and the job keeps the holder's uid)."""
+    if not isolate or os.geteuid() == 0:
+        return _unshare(CLONE_NEWPID)
+    uid, gid = os.geteuid(), os.getegid()
+    why = _unshare(CLONE_NEWUSER | CLONE_NEWPID)
+    if why:
+        return f"no user namespace for a worker that is not root ({why})"
+    try:
+        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1")):
+            with open(f"/proc/self/{name}", "w") as handle:
+                handle.write(text)
+        with open("/proc/self/gid_map", "w") as handle:
+            handle.write(f"{gid} {gid} 1")
+    except OSError as exc:
+        return f"could not map the worker's user into its namespace ({exc.strerror})"
+    return ""
+
+
+def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
+    mount = ctypes.CDLL(None, use_errno=True).mount
+    enc = [None if x is None else os.fsencode(x) for x in (source, target, fstype)]
+    if mount(*enc, flags, os.fsencode(data) if data else None) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"mount {target}: {os.strerror(error)}")
+
+
+def _loopback_up() -> None:
+    """Bring up the namespace's own loopback (a new network namespace starts with it down)."""
+    import fcntl
+    import socket
+    import struct
+
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        asked = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(sock, siocgifflags, asked)[:18])[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH", b"lo", flags | iff_up))
+
+
+def _isolate_init(relay: int | None) -> None:  # pragma: no cover - in pid 1
+    """In the job's pid 1, before the command starts: a network namespace of its own (its own
+    loopback up, nothing else), a mount namespace of its own whose mounts do not reach back
+    to the host's, `/proc` for its PID namespace and a fresh tmpfs over /dev/shm; with `relay`
+    (a socket to the holder), a listener on the job's 127.0.0.1:PROXY_PORT handed to the
+    holder's relay. Raises OSError saying what failed."""
+    why = _unshare(CLONE_NEWNET | CLONE_NEWNS)
+    if why:
+        raise OSError(f"no network and mount namespace of its own here ({why})")
+    _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    if os.path.isdir("/dev/shm"):
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+    _loopback_up()
+    if relay is not None:
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", PROXY_PORT))
+            listener.listen(64)
+            with socket.socket(fileno=relay) as channel:
+                socket.send_fds(channel, [b"L"], [listener.fileno()])
+
+
+def _spawn_init(
+    command: list[str],
+    mask: set[int],
+    child: Child,
+    report: int,
+    isolate: bool = False,
+    relay: int | None = None,
+) -> int:
     """Fork pid 1 of the job's own PID namespace (`_new_pid_namespace` first): it starts the
     command, writes its wait status to `report` when it ends, reaps every process that ends in
     the namespace, and leaves once none is left. When it ends, SIGKILLed included, the
     kernel kills every process left in the namespace at once, so no chain of forks can outrun
     the stop as one can outrun a walk of /proc. Signals the holder sends the tree stay
     pending in it (they are blocked, and pid 1 takes no default action from its own
-    namespace's processes), so it lives until its namespace is empty or it is SIGKILLed."""
+    namespace's processes), so it lives until its namespace is empty or it is SIGKILLed.
+    With `isolate`, it first makes the rest of the job's walls (`_isolate_init`), and leaves
+    with ISOLATION_REFUSED, the command never started, if it cannot."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - pid 1 of the namespace
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            if isolate:
+                try:
+                    _isolate_init(relay)
+                except OSError as exc:
+                    refused = f"could not start {command[0]!r}: isolation refused: {exc}\n"
+                    os.write(2, refused.encode())
+                    os._exit(ISOLATION_REFUSED)
             job = _spawn(command, mask, child)
             while True:
                 try:
@@ -215,15 +320,81 @@ def _spawn_init(command: list[str], mask: set[int], child: Child, report: int) -
     return pid
 
 
+def _spawn_relay(channel: int, target: tuple[str, int]) -> int:
+    """Fork the relay of `--proxy`, right after the job's pid 1 (so it lives in the job's PID
+    namespace, where threads may be made, and ends with it), on the holder's network and as
+    the holder's user: it takes the listener the job's pid 1 hands over `channel` and carries
+    each connection made to it to `target`."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the relay
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _relay(channel, target)
+        finally:
+            os._exit(0)
+    os.close(channel)
+    return pid
+
+
+def _relay(channel: int, target: tuple[str, int]) -> None:  # pragma: no cover - the relay
+    import socket
+    import threading
+
+    def carry(conn: socket.socket) -> None:
+        with conn:
+            try:
+                upstream = socket.create_connection(target, timeout=30)
+            except OSError:
+                return
+            with upstream:
+                upstream.settimeout(None)
+                back = threading.Thread(target=_pipe, args=(upstream, conn), daemon=True)
+                back.start()
+                _pipe(conn, upstream)
+                back.join()
+
+    with socket.socket(fileno=channel) as sock:
+        try:
+            _, fds, _, _ = socket.recv_fds(sock, 16, 1)
+        except OSError:
+            return
+    if not fds:
+        return  # the job's pid 1 failed before it listened
+    with socket.socket(fileno=fds[0]) as listener:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=carry, args=(conn,), daemon=True).start()
+
+
+def _pipe(source, sink) -> None:
+    """Copy `source` to `sink` until `source` ends, then end `sink`'s sending side."""
+    try:
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sink.shutdown(1)  # SHUT_WR
+
+
 def hold(
     command: list[str],
     grace: float,
     holder: int | None,
     child: Child | None = None,
     own_pids: bool = False,
+    isolate: bool = False,
+    proxy: tuple[str, int] | None = None,
 ) -> int:
     """Run `command` and everything it starts to the end; return the command's wait status.
-    With `own_pids`, in a PID namespace of its own (`_spawn_init`) where the kernel allows."""
+    With `own_pids`, in a PID namespace of its own (`_spawn_init`) where the kernel allows.
+    With `isolate`, in its own PID, network and mount namespaces, or not at all (the status
+    then says exit code ISOLATION_REFUSED); `proxy` is then its one way out."""
+    child = child or Child()
     subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, HOLDER_GONE)
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, WATCHED)
@@ -231,14 +402,27 @@ def hold(
     kill_at: float | None = None  # set once a stop is asked for
     now_kill = holder is not None and os.getppid() != holder  # the launcher died already
     report: int | None = None
-    if own_pids and _new_pid_namespace():
+    why = _new_pid_namespace(isolate) if own_pids or isolate else "not asked"
+    if isolate and why:
+        print(f"could not start {command[0]!r}: isolation refused: {why}", flush=True)
+        return ISOLATION_REFUSED << 8
+    if not why:
         report, write_end = os.pipe()
-        pid = _spawn_init(command, mask, child or Child(), write_end)
+        relay = None
+        if proxy is not None:
+            import socket
+
+            channel, relay_end = socket.socketpair()
+            relay = relay_end.detach()
+        pid = _spawn_init(command, mask, child, write_end, isolate, relay)
         os.close(write_end)
+        if proxy is not None:
+            os.close(relay)
+            _spawn_relay(channel.detach(), proxy)
     else:
         if own_pids:
             print("job holder: no PID namespace here; a stop signals the processes it finds")
-        pid = _spawn(command, mask, child or Child())
+        pid = _spawn(command, mask, child)
     if not subreaper:
         print("job holder: no child subreaper here; only direct children are waited for")
     while True:
@@ -300,19 +484,22 @@ def _read_env() -> dict[bytes, bytes]:
 
 USAGE = (
     "usage: _reaper.py [--grace S] [--holder PID] [--user UID:GID] [--umask OCTAL] [--cwd DIR]"
-    " [--rlimit nproc|nofile|fsize|as=N]... [--env-stdin] [--own-pids] -- command..."
+    " [--rlimit nproc|nofile|fsize|as=N]... [--env-stdin] [--own-pids] [--isolate]"
+    " [--proxy HOST:PORT] [--probe] -- command..."
 )
 
 
 def main(argv: list[str]) -> None:
     grace, holder, child, env_stdin, own_pids = 10.0, None, Child(), False, False
+    isolate, proxy = False, None
+    if argv == ["--probe"]:  # can --isolate be had here? (a command of the holder's own)
+        argv = ["--isolate", "--", sys.executable, "-I", "-S", "-c", ""]
     while argv and argv[0] != "--":
         flag, *argv = argv
-        if flag == "--env-stdin":
-            env_stdin = True
-            continue
-        if flag == "--own-pids":
-            own_pids = True
+        if flag in ("--env-stdin", "--own-pids", "--isolate"):
+            env_stdin = env_stdin or flag == "--env-stdin"
+            own_pids = own_pids or flag == "--own-pids"
+            isolate = isolate or flag == "--isolate"
             continue
         if not argv:
             sys.exit(USAGE)
@@ -328,6 +515,11 @@ def main(argv: list[str]) -> None:
             child.umask = int(value, 8)
         elif flag == "--cwd":
             child.cwd = value
+        elif flag == "--proxy":
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit():
+                sys.exit(USAGE)
+            proxy = (host.strip("[]"), int(port))
         elif flag == "--rlimit":
             name, _, number = value.partition("=")
             if name not in RLIMITS or not number.isdigit():
@@ -340,7 +532,9 @@ def main(argv: list[str]) -> None:
         sys.exit(USAGE)
     if env_stdin:
         child.env = _read_env()
-    status = hold(command, grace, holder, child, own_pids)
+    if proxy is not None and not isolate:
+        sys.exit(USAGE)
+    status = hold(command, grace, holder, child, own_pids, isolate, proxy)
     sys.stdout.flush()
     if os.WIFSIGNALED(status):  # die of the same signal, so the launcher sees what it saw
         sig = os.WTERMSIG(status)

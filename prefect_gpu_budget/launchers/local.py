@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 from prefect_gpu_budget import settings
@@ -30,10 +29,11 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
+from prefect_gpu_budget.launchers.isolation import REAPER
+from prefect_gpu_budget.launchers.job_limits import OverLimit
 from prefect_gpu_budget.launchers.sandbox import Sandbox, SandboxedJob
 from prefect_gpu_budget.pricing.catalog import Quote
 
-REAPER = str(Path(__file__).with_name("_reaper.py"))
 """The job holder each local job runs under: stdlib only, started as a file (fast)."""
 JOB_MARK_ENV = "GPU_BUDGET_JOB_MARK"
 """Set, unique, in each local job's environment: what finds a process that left its tree."""
@@ -188,7 +188,7 @@ class LocalLauncher:
                     return LaunchResult("launch_error", now, now, detail=reason)
                 holder += sandboxed.holder_args()
                 holder_env, stdin = _holder_env(mark), subprocess.PIPE
-                log = _redacting(log, sandboxed)
+                log = _sandboxed_log(log, sandboxed)
             holder += ["--", *(sandboxed.command if sandboxed is not None else job.command)]
             try:
                 proc = subprocess.Popen(
@@ -216,7 +216,7 @@ class LocalLauncher:
                 record = StartRecord(
                     on_start, started, external_id, min(job.kill_grace, job.max_runtime)
                 )
-                tick = sandboxed.sync_metrics if sandboxed is not None else None
+                tick = sandboxed.tick if sandboxed is not None else None
                 code, outcome, detail = _wait(proc, job, record, tick)
             except BaseException:
                 _stop(proc, job.kill_grace)
@@ -271,11 +271,14 @@ def _wait(
 ) -> tuple[int | None, str, str]:
     """Wait for the job's last process, timing max_runtime from its real start; stop it at
     max_runtime, or when its start cannot be recorded (`record.check`). `tick` runs about
-    every TICK_S meanwhile."""
+    every TICK_S meanwhile; the job is stopped, `failed`, when it raises `OverLimit`."""
     deadline = record.started_at + job.max_runtime
     while True:
         if tick is not None:
-            tick()
+            try:
+                tick()
+            except OverLimit as over:  # its folder passed its disk limit, say
+                return _stop(proc, job.kill_grace), "failed", over.reason
         now = time.time()
         try:
             record.check(now)
@@ -324,8 +327,15 @@ def _send_env(proc: subprocess.Popen, sandboxed: SandboxedJob) -> None:
         proc.stdin.close()
 
 
-def _redacting(log: Callable[[str], None], sandboxed: SandboxedJob) -> Callable[[str], None]:
-    return lambda line: log(sandboxed.redact(line))
+def _sandboxed_log(log: Callable[[str], None], sandboxed: SandboxedJob) -> Callable[[str], None]:
+    """`log` for a sandboxed job's output: redacted, and no more than its `output` limit."""
+
+    def shown(line: str) -> None:
+        text = sandboxed.output(line)
+        if text is not None:
+            log(text)
+
+    return shown
 
 
 def _not_runnable(program: str) -> str:

@@ -60,21 +60,30 @@ from pathlib import Path
 
 from prefect_gpu_budget import settings
 from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers._reaper import PROXY_PORT
 from prefect_gpu_budget.launchers.agent_users import (
     SESSION_USER_PREFIX,
     JobUser,
     hold_user_lock,
     session_user,
-    sweep_leftovers,
     uid_range,
     unreachable,
     user_name,
 )
 from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.launchers.isolation import (
+    NETWORK_HOST,
+    PROXY_ENVS,
+    isolation_refused,
+    proxy_of,
+)
 from prefect_gpu_budget.launchers.job_env import DEFAULT_ENV_ALLOW, Redactor, allowed_env
+from prefect_gpu_budget.launchers.job_limits import (
+    DEFAULT_LIMITS,
+    parse_limits,
+)
+from prefect_gpu_budget.launchers.sandboxed_job import SandboxedJob
 
-MAX_METRICS_BYTES = 64 << 20
-"""At most this much of a job's metrics file is copied to the launcher's."""
 SYSTEM_PYTHONS: tuple[str, ...] = ("/usr/bin/python3", "/usr/local/bin/python3")
 """Where an interpreter for the job is looked for when this worker's own is out of its reach."""
 PYTHON_NAMES: tuple[str, ...] = ("python", "python3")
@@ -93,29 +102,6 @@ ROOT_REFUSED = (
     "agent jobs do not run as root: set PREFECT_GPU_BUDGET_AGENT_USER to an unprivileged user "
     "(or PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT=1)"
 )
-GIB = 1 << 30
-DEFAULT_LIMITS: dict[str, int | None] = {
-    "nproc": 8192,
-    "nofile": 65536,
-    "fsize": 256 * GIB,
-    "as": None,
-}
-"""Each agent job's resource limits, unless `PREFECT_GPU_BUDGET_AGENT_LIMIT_<NAME>` says
-otherwise (None: unlimited, i.e. the worker's own limit). Set soft and hard on the job's
-processes, never above the worker's hard limit. Chosen not to stop a normal GPU training job:
-
-- `nproc` (RLIMIT_NPROC): processes and threads of the job's user, all of its jobs together
-  (every agent's, with one shared agent user; not enforced for root). A DDP job of 8 ranks
-  with data-loader workers runs some hundreds or a thousand threads; a fork bomb stops here.
-- `nofile` (RLIMIT_NOFILE): open files per process (data loaders sharing tensors through
-  file descriptors need thousands).
-- `fsize` (RLIMIT_FSIZE): the largest file the job may write (SIGXFSZ past it): room for an
-  unsharded checkpoint of a 13B model with its optimizer state; a quota bounds the disk.
-- `as` (RLIMIT_AS): address space, unlimited: CUDA reserves far more virtual memory than it
-  uses, so any bound an admin would pick for memory stops CUDA from starting."""
-_SIZE_RE = re.compile(r"(\d+)\s*([kmgt]?)(?:i?b)?", re.IGNORECASE)
-_UNLIMITED = ("unlimited", "infinity", "inf", "none")
-
 logger = logging.getLogger(__name__)
 _warned_own_user = False
 _warn_lock = threading.Lock()
@@ -149,6 +135,9 @@ class Sandbox:
     limits: tuple[tuple[str, str], ...] = ()
     """The job's resource limits, by name (`DEFAULT_LIMITS`' names): a number, a size (`16G`)
     or `unlimited`; a mapping may be given. Those not given keep their defaults."""
+    network: str = "none"
+    """`none`: a network namespace of the job's own, only its own loopback; an HTTP(S) proxy's
+    URL: that proxy its one way out; `host` (the opt-out): the host's network and /proc."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "user", (self.user or "").strip() or None)
@@ -160,12 +149,13 @@ class Sandbox:
         merged = {**DEFAULT_LIMITS, **given}
         text = {k: "unlimited" if v is None else str(v).strip() for k, v in merged.items()}
         object.__setattr__(self, "limits", tuple(sorted(text.items())))
+        object.__setattr__(self, "network", (self.network or "").strip() or "none")
 
     @classmethod
     def from_env(cls) -> Sandbox:
         """The admin's settings: PREFECT_GPU_BUDGET_AGENT_USER, _AGENT_ALLOW_ROOT, _AGENT_ENV
-        (added to `DEFAULT_ENV_ALLOW`), _AGENT_ROOT, _AGENT_PYTHON, _AGENT_UIDS and
-        _AGENT_LIMIT_* (checked when a job is: a bad one refuses it in one line)."""
+        (added to `DEFAULT_ENV_ALLOW`), _AGENT_ROOT, _AGENT_PYTHON, _AGENT_UIDS, _AGENT_NETWORK
+        and _AGENT_LIMIT_* (checked when a job is: a bad one refuses it in one line)."""
         extra = tuple(n for n in settings.agent_env_extra() if n not in DEFAULT_ENV_ALLOW)
         return cls(
             user=settings.agent_user(),
@@ -175,6 +165,7 @@ class Sandbox:
             python=settings.agent_python(),
             uids=settings.agent_uids(),
             limits=tuple(settings.agent_limits().items()),
+            network=settings.agent_network(),
         )
 
     # -- may it run? ----------------------------------------------------------------------
@@ -229,23 +220,21 @@ class Sandbox:
     def job_limits(self) -> tuple[tuple[str, int], ...]:
         """The job's resource limits that bound it (unlimited ones left out), by name;
         `LaunchConfigError` naming the setting for a bad one."""
-        found = []
-        for name, text in self.limits:
-            env = settings.AGENT_LIMIT_ENVS.get(name)
-            if env is None:
-                known = ", ".join(DEFAULT_LIMITS)
-                raise _refuse(f"unknown agent job limit {name!r}; known: {known}")
-            if text.lower() in _UNLIMITED:
-                continue
-            match = _SIZE_RE.fullmatch(text)
-            value = int(match[1]) << (10 * " kmgt".index(match[2].lower() or " ")) if match else 0
-            if not 0 < value < 2**63:
-                raise _refuse(
-                    f"{env} must be a positive number (a size may end in K, M, G or T) or "
-                    f"'unlimited', got {text[:40]!r}"
-                )
-            found.append((name, value))
-        return tuple(found)
+        return parse_limits(self.limits)
+
+    def check_isolation(self) -> None:
+        """`LaunchConfigError` (one line) for a bad `network`, or when the job's own network
+        and /proc are wanted (any `network` but `host`) and this host cannot give them."""
+        proxy_of(self.network)
+        if self.network == NETWORK_HOST:
+            return
+        why = isolation_refused(os.geteuid())
+        if why:
+            raise _refuse(
+                f"agent jobs get a network and a /proc of their own, and this host refuses "
+                f"them ({why}): run the worker as root (or allow user namespaces), or set "
+                f"{settings.AGENT_NETWORK_ENV}=host to run them on the host's network"
+            )
 
     def interpreter(self, user: JobUser) -> str | None:
         """The Python the job's `python` starts: `self.python` (`LaunchConfigError` if `user`
@@ -276,6 +265,7 @@ class Sandbox:
         """`check`, and the job's interpreter; with `create`, the job's session user made."""
         user = self.job_user(job)
         self.job_limits()
+        self.check_isolation()
         self._ensure_root(user)
         if create and user.session and user.uid < 0:
             user = self.session_user(job.grant if job is not None else None, create=True)
@@ -348,6 +338,8 @@ class Sandbox:
         source = _package_source() if source is None else source
         python_path = os.pathsep.join(p for p in (source, allowed.get("PYTHONPATH", "")) if p)
         own = {"HOME": str(workdir), "TMPDIR": str(workdir / "tmp"), "PYTHONPATH": python_path}
+        if proxy_of(self.network) is not None:  # the relay on the job's own loopback
+            own.update(dict.fromkeys(PROXY_ENVS, f"http://127.0.0.1:{PROXY_PORT}"))
         env = {**allowed, **own, **job.env, **extra}
         if bin_dir:
             env["PATH"] = os.pathsep.join((bin_dir, env.get("PATH") or os.defpath))
@@ -399,62 +391,17 @@ class Sandbox:
         if python and command and command[0] == sys.executable:  # a `callable:` trial
             command[0] = python
         redact = Redactor.withheld(env, environ)
-        return SandboxedJob(user, workdir, env, redact, metrics, command, limits=limits, lock=lock)
-
-
-@dataclass
-class SandboxedJob:
-    """One job's sandbox, made by `Sandbox.prepare`."""
-
-    user: JobUser
-    workdir: Path
-    env: dict[str, str]
-    redact: Redactor
-    metrics: tuple[Path, Path] | None = None
-    """(the job's metrics file, the launcher's): copied over by `finish`."""
-    command: list[str] = field(default_factory=list)
-    """What to run: the job's command, with this worker's interpreter, when it starts with
-    it, replaced by the job's (`Sandbox.interpreter`)."""
-    copied: int = 0
-    """How much of the job's metrics file is in the launcher's already (`sync_metrics`)."""
-    limits: tuple[tuple[str, int], ...] = ()
-    """The resource limits the holder sets on the job (`Sandbox.job_limits`)."""
-    lock: int | None = None
-    """A session user's lock (`root/.users/<user>.lock`), held shared while the job runs."""
-
-    def holder_args(self) -> list[str]:
-        """The job holder's (`_reaper.py`) options that start the command in this sandbox."""
-        args = ["--env-stdin", "--own-pids", "--umask", "077", "--cwd", str(self.workdir)]
-        if self.user.switch:
-            args += ["--user", f"{self.user.uid}:{self.user.gid}"]
-        for name, value in self.limits:
-            args += ["--rlimit", f"{name}={value}"]
-        return args
-
-    def env_bytes(self) -> bytes:
-        """The environment as `--env-stdin` reads it: NUL-separated `NAME=value`."""
-        return b"".join(os.fsencode(k) + b"=" + os.fsencode(v) + b"\0" for k, v in self.env.items())
-
-    def sync_metrics(self, final: bool = False) -> None:
-        """Append what the job reported since the last sync to the launcher's file, so its
-        learning curve is read while it runs (each read as careful as the last one's)."""
-        if self.metrics is not None:
-            self.copied = _copy_metrics(*self.metrics, self.user, self.copied, final)
-
-    def finish(self) -> None:
-        """Append the rest of the job's metrics to the launcher's file; remove the job's
-        folder (its TMPDIR with it); for a session user, when no other job of it runs any
-        more, remove what it left in TEMP_DIRS. Only once the job's last process has ended."""
-        try:
-            self.sync_metrics(final=True)
-        finally:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-            lock, self.lock = self.lock, None
-            if lock is not None:
-                try:
-                    sweep_leftovers(lock, self.user)
-                finally:
-                    os.close(lock)
+        return SandboxedJob(
+            user,
+            workdir,
+            env,
+            redact,
+            metrics,
+            command,
+            limits=limits,
+            lock=lock,
+            network=self.network,
+        )
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -525,34 +472,3 @@ def _write_file(path: Path, data: bytes, mode: int) -> None:
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
     os.chmod(path, mode)
-
-
-def _copy_metrics(
-    mine: Path, theirs: Path, user: JobUser, start: int = 0, final: bool = True
-) -> int:
-    """Append the job's metrics file from `start` to the launcher's: only a regular file of the
-    job's user (never a link, a FIFO, or a file of another user linked in), up to
-    MAX_METRICS_BYTES of it, and only whole lines (a line still being written waits for the
-    next copy, unless `final` or past the bound). Returns how far the file is copied now."""
-    try:
-        fd = os.open(mine, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return start  # the job removed it: no metrics
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != user.uid:
-        os.close(fd)
-        logger.warning("job metrics file %s is not the job's own regular file: ignored", mine)
-        return MAX_METRICS_BYTES
-    with os.fdopen(fd, "rb") as handle:
-        handle.seek(start)
-        data = handle.read(max(0, MAX_METRICS_BYTES - start))
-    if not final and start + len(data) < MAX_METRICS_BYTES:
-        data = data[: data.rfind(b"\n") + 1]
-    if not data:
-        return start
-    try:
-        with open(theirs, "ab") as out:
-            out.write(data)
-    except OSError as exc:
-        logger.warning("could not copy the job's metrics to %s: %s", theirs, exc)
-    return start + len(data)

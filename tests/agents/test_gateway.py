@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -268,6 +269,59 @@ def test_an_agent_job_runs_sandboxed_and_cannot_reach_the_admins_keys(house):
     params = [r["parameters"] for r in _admin(house, "/flow_runs/filter", {})]
     assert params and not any("token" in json.dumps(p) for p in params)
     assert house["tokens"][SESSION] not in json.dumps(params)
+
+
+def _network_probe(db: str, ports: dict[str, int]) -> str:
+    """What a hostile trial tries (a Python program without braces, which the spec's
+    placeholders would read): `psql` into the ledger's database as the superuser, TCP to each
+    of `ports` on the host's loopback, and a count of the processes its /proc shows; it
+    reports as a summary metric."""
+    tries = ", ".join(f"{name}=tcp({port})" for name, port in ports.items())
+    return (
+        "import json, os, socket, subprocess\n"
+        "def tcp(port):\n"
+        "    try:\n"
+        "        socket.create_connection(('127.0.0.1', port), timeout=5).close()\n"
+        "        return 'open'\n"
+        "    except OSError as exc:\n"
+        "        return type(exc).__name__\n"
+        f"sql = ['psql', '-h', '127.0.0.1', '-U', 'postgres', '-d', {db!r}, '-c',"
+        " 'create table pwned_by_agent (x int)']\n"
+        "psql = subprocess.run(sql, capture_output=True).returncode\n"
+        "procs = sum(p.isdigit() for p in os.listdir('/proc'))\n"
+        f"report = dict(summary=True, loss=0.5, psql=psql, procs=procs, {tries})\n"
+        "with open(os.environ['GPU_BUDGET_METRICS_FILE'], 'a') as f:\n"
+        "    f.write(json.dumps(report) + chr(10))\n"
+    )
+
+
+def test_an_agent_job_reaches_no_service_of_its_host(house):
+    """From inside a sweep's trial, as a hostile agent would: the ledger's PostgreSQL (which
+    trusts local connections), the Prefect API and the gateway, all on the host's loopback,
+    are out of reach, and its /proc shows its own processes only."""
+    gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
+    db = ledger.db.engine.url.database
+    ports = {
+        "ledger": 5432,
+        "api": urllib.parse.urlsplit(house["server"].api).port,
+        "gateway": urllib.parse.urlsplit(gw.base).port,
+    }
+    probe = _network_probe(db, ports)
+    code, started = gw.call("POST", "/v1/sweeps", token, _spec(command=["python3", "-c", probe]))
+    assert code == 201, started
+    run = gw.sweep_until_done(token, started["run_id"])
+    assert run["state"] == "Completed", run
+    [trial] = run["trials"]
+    seen = trial["metrics"]
+    assert {name: seen.get(name) for name in ports} == dict.fromkeys(
+        ports, "ConnectionRefusedError"
+    ), seen  # the job's own loopback: nothing of the host's listens there
+    assert seen["psql"] != 0 and 0 < seen["procs"] <= 6, seen
+    with ledger.db.engine.connect() as conn:
+        tables = conn.exec_driver_sql(
+            "select count(*) from pg_tables where tablename = 'pwned_by_agent'"
+        ).scalar_one()
+    assert tables == 0, "the agent's job wrote into the ledger's database"
 
 
 REFUSED = {

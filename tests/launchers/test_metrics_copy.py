@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_budget.launchers import sandbox
+from prefect_gpu_budget.launchers import sandboxed_job as sandbox
 from prefect_gpu_budget.launchers.agent_users import JobUser
 from prefect_gpu_budget.launchers.job_env import Redactor
-from prefect_gpu_budget.launchers.sandbox import SandboxedJob, _copy_metrics
+from prefect_gpu_budget.launchers.sandboxed_job import SandboxedJob, _copy_metrics
 
 NOBODY_UID = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")

@@ -365,7 +365,13 @@ def test_from_env_reads_the_range_and_the_limits(
     monkeypatch.setenv("PREFECT_GPU_BUDGET_AGENT_LIMIT_AS", "")
     box = Sandbox.from_env()
     assert box.uids == "60000-60999" and box.uid_range() == (60000, 60999)
-    assert dict(box.job_limits()) == {"nproc": 512, "nofile": 65536, "fsize": 16 << 30}
+    assert dict(box.job_limits()) == {
+        "nproc": 512,
+        "nofile": 65536,
+        "fsize": 16 << 30,
+        "disk": DEFAULT_LIMITS["disk"],
+        "output": DEFAULT_LIMITS["output"],
+    }
     assert box == Sandbox.from_env() and hash(box) == hash(Sandbox.from_env())
     for name in ("UIDS", "LIMIT_FSIZE", "LIMIT_NPROC", "LIMIT_AS"):
         monkeypatch.delenv(f"PREFECT_GPU_BUDGET_AGENT_{name}")
@@ -506,9 +512,10 @@ LEAVE = (
 
 @as_root
 def test_a_sessions_temp_files_are_gone_when_its_jobs_end(sessions: Sandbox, quote) -> None:
-    """TMPDIR is in the job's folder; what the session's user leaves in /tmp, /var/tmp and
-    /dev/shm stays while another job of it runs, and is removed when the last one ends. The
-    files of others (root's, another session's running job's) stay."""
+    """TMPDIR is in the job's folder; what the session's user leaves in /tmp and /var/tmp
+    stays while another job of it runs, and is removed when the last one ends; its /dev/shm
+    is its own, never the host's. The files of others (root's, another session's running
+    job's) stay."""
     token = uuid.uuid4().hex[:12]
     grant, other = uuid.uuid4().hex, uuid.uuid4().hex
     mine = Path(f"/tmp/gpubt-{token}-root")
@@ -536,8 +543,9 @@ def test_a_sessions_temp_files_are_gone_when_its_jobs_end(sessions: Sandbox, quo
         assert made.parent == tmp and tmp.parent.parent == sessions.root
         assert not tmp.parent.exists()  # the job's folder, its TMPDIR with it, is gone
         names = {p.name for p in _leftovers(token)}
-        for left in ("shm", "tmp", "dir", "link", "first", "second", "other", "root"):
+        for left in ("tmp", "dir", "link", "first", "second", "other", "root"):
             assert f"gpubt-{token}-{left}" in names, (left, names)  # the first job still runs
+        assert f"gpubt-{token}-shm" not in names, names  # in the job's own /dev/shm
     finally:
         running.stop()
     try:
@@ -610,11 +618,13 @@ def test_a_fork_chain_ends_at_max_runtime_with_its_job(sessions: Sandbox, quote)
 
 @as_root
 def test_a_job_runs_in_a_pid_namespace_of_its_own(sessions: Sandbox, quote) -> None:
-    """The job's processes have a second pid, in its own namespace (where its init is 1)."""
-    job, _ = _job("grep NSpid /proc/self/status; echo parent=$PPID")
+    """The job runs in its own PID namespace (the shell's parent is its init, pid 1), and its
+    /proc is that namespace's: its own pid there, and none of the host's processes."""
+    job, _ = _job("grep NSpid /proc/self/status; echo parent=$PPID; ls /proc | grep -c '^[0-9]'")
     lines: list[str] = []
     result = LocalLauncher(sessions).run(job, quote, log=lines.append)
     assert result.outcome == "completed", (result, lines)
     nspid = next(x for x in lines if x.startswith("NSpid:")).split()[1:]
-    assert len(nspid) == 2 and int(nspid[1]) > 1, lines
+    assert len(nspid) == 1 and 1 < int(nspid[0]) < 10, lines  # no host pid to be seen
     assert "parent=1" in lines, lines  # the shell's parent: the namespace's init
+    assert int(lines[-1]) <= 5, lines  # init, sh, ls, grep: nothing of the host's

@@ -23,14 +23,17 @@ def agent_grant(
 def agent_revoke(
     scope: str = typer.Argument(..., help="The session whose tokens to revoke."),
 ) -> None:
-    """Revoke every token granted for a session and cancel its queued jobs at once; its
-    running sweeps admit nothing more (running jobs finish)."""
+    """Revoke every token granted for a session, cancel its queued jobs and stop its running
+    ones at once (each settled for what it ran); its sweeps admit nothing more."""
     from prefect_gpu_budget.units import validate_scope
 
-    revoked, cancelled = current_ledger().grants.revoke_agent(validate_scope(scope))
+    revoked, cancelled, stopped = current_ledger().grants.revoke_agent(validate_scope(scope))
     if not revoked:
         fail(f"scope: no live agent token for {scope!r} (unknown session, or revoked already)")
-    console.print(f"{revoked} token(s) revoked for {scope}; {cancelled} queued job(s) cancelled")
+    console.print(
+        f"{revoked} token(s) revoked for {scope}; {cancelled} queued job(s) cancelled, "
+        f"{stopped} running job(s) stopped"
+    )
 
 
 def agent_limits_cmd(

@@ -681,6 +681,42 @@ def test_an_agent_cancels_its_whole_sweep(house):
     assert sum(1 for j in rows if j["started_at"]) == 1
 
 
+def _processes_with(marker: str) -> list[int]:
+    """This machine's live processes whose command line holds `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                if entry.isdigit() and marker.encode() in handle.read():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_a_revoked_grant_leaves_no_process_of_its_session(house):
+    """`agent revoke` stops the session's running jobs too: within seconds none of its
+    processes is left, its trial is settled for what it ran, named for the revocation."""
+    session = f"acme/agents/revoked-{uuid.uuid4().hex[:6]}"
+    granted = _cli(house["env"], "agent", "grant", session)
+    assert granted.returncode == 0, granted.stderr
+    gw, token, ledger = house["gateway"], granted.stdout.strip(), house["ledger"]
+    marker = f"revoked-{uuid.uuid4().hex}"
+    command = ["sh", "-c", f"{REPORT}; sleep 600; echo {marker}"]
+    code, started = gw.call("POST", "/v1/sweeps", token, _spec(command=command))
+    assert code == 201, started
+    job = _running_job(house, session, started["run_id"])
+    wait_for(lambda: _processes_with(marker), 60, "the trial's processes")
+    revoked = _cli(house["env"], "agent", "revoke", session)
+    assert revoked.returncode == 0 and "1 running job(s) stopped" in revoked.stdout, revoked
+    wait_for(lambda: not _processes_with(marker), 60, "the revoked session's processes to end")
+    row = wait_for(
+        lambda: (r := ledger.views.job(job["id"]))["state"] == "settled" and r, 120, "settlement"
+    )
+    assert row["outcome"] == "cancelled" and "grant was revoked" in row["reason"], row
+    assert gw.call("GET", f"/v1/sweeps/{started['run_id']}", token)[0] == 401
+
+
 def test_specs_that_cannot_run_are_refused_at_the_door(house):
     gw, token, ledger = house["gateway"], house["tokens"][SESSION], house["ledger"]
     before = (len(ledger.views.jobs()), len(_admin(house, "/flow_runs/filter", {})))

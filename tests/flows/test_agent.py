@@ -42,7 +42,7 @@ def test_a_token_names_one_session_and_only_its_hash_is_kept(bounded):
     for bad in ("", "gpub_forged", token + "x", "' OR 1=1 --"):
         with pytest.raises(BudgetInputError, match="unknown or revoked"):
             bounded.grants.agent_scope(bad)
-    assert bounded.grants.revoke_agent(SESSION) == (1, 0)
+    assert bounded.grants.revoke_agent(SESSION) == (1, 0, 0)
     with pytest.raises(BudgetInputError, match="unknown or revoked"):
         bounded.grants.agent_scope(token)
     assert bounded.grants.grant_scope(grant) is None
@@ -144,13 +144,14 @@ def test_limits_are_kept_per_team_in_the_ledger(ledger):
 def test_a_grant_is_checked_at_every_admission(bounded):
     token = bounded.grants.grant_agent(SESSION)
     _, grant = bounded.grants.agent_grant(token)
-    _, admitted = bounded.queue.request(new_job(SESSION, grant=grant))
+    running, admitted = bounded.queue.request(new_job(SESSION, grant=grant))
     queued, waiting = bounded.queue.request(
         new_job(SESSION, grant=grant, rate_micro_per_hour=7_200_000, rate_cents=720)
     )
     assert admitted.verdict == "admit" and waiting.verdict == "wait"
-    assert bounded.grants.revoke_agent(SESSION) == (1, 1)
+    assert bounded.grants.revoke_agent(SESSION) == (1, 1, 1)
     assert bounded.views.job(queued)["state"] == "cancelled"
+    assert bounded.views.stop_asked(running) == "its agent's grant was revoked"
     late, refused = bounded.queue.request(new_job(SESSION, grant=grant))
     assert refused.verdict == "reject" and "revoked" in refused.reason
     assert (

@@ -16,6 +16,7 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.tables import (
+    ACTIVE,
     _ended_unrun,
     agent_grants,
     agent_limits,
@@ -24,6 +25,9 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
 )
 from prefect_gpu_budget.units import AGENT_MAX_QUEUED, BudgetInputError, validate_scope
+
+REVOKED = "its agent's grant was revoked"
+"""Why a revoked session's jobs were cancelled or stopped, and why its next one is refused."""
 
 
 class Grants:
@@ -68,10 +72,13 @@ class Grants:
         return token
 
     @_reconnecting
-    def revoke_agent(self, scope: str, now: float | None = None) -> tuple[int, int]:
-        """Revoke every token granted for `scope` and cancel the session's queued jobs, in one
-        transaction under the org's lock: no job of the session is admitted after it (its
-        running jobs go on). Returns (tokens revoked, queued jobs cancelled)."""
+    def revoke_agent(self, scope: str, now: float | None = None) -> tuple[int, int, int]:
+        """Revoke every token granted for `scope`, cancel the session's queued jobs and ask its
+        holders to stop its admitted and running ones, in one transaction under the org's
+        lock: no job of the session is admitted after it, and none of its processes is left
+        once their holders have seen the ask (within a second; each is settled for what it
+        ran, and its user's leftovers go with its last job). Returns (tokens revoked, queued
+        jobs cancelled, running jobs stopped)."""
         org = validate_scope(scope).split("/")[0]
         with self.db.write(org) as conn:
             now = time.time() if now is None else now
@@ -83,10 +90,16 @@ class Grants:
             cancelled = conn.execute(
                 jobs.update()
                 .where(jobs.c.scope == scope, jobs.c.state == "queued")
-                .values(**_ended_unrun("cancelled", "its agent's grant was revoked", now))
+                .values(**_ended_unrun("cancelled", REVOKED, now))
+            ).rowcount
+            stopped = conn.execute(
+                jobs.update()
+                .where(jobs.c.scope == scope, jobs.c.state.in_(ACTIVE))
+                .where(jobs.c.stop_asked_at.is_(None))
+                .values(stop_asked_at=now, reason=REVOKED)
             ).rowcount
             self.headroom(conn, org)
-        return revoked, cancelled
+        return revoked, cancelled, stopped
 
     @_reconnecting
     def agent_grant(self, token: str) -> tuple[str, str]:
@@ -138,7 +151,7 @@ def grant_refusal(conn: Connection, scope: str, grant: str) -> str:
     """Why an agent's job in `scope` may not even queue: its grant is gone, or its session
     already has as many queued jobs as its team's agents may ("" when it may)."""
     if _live_grant(conn, grant) != scope:
-        return "its agent's grant was revoked"
+        return REVOKED
     limits = _limits_of(conn, scope.rsplit("/", 1)[0]) or {}
     most = int(limits.get("max_queued", AGENT_MAX_QUEUED))
     queued = conn.execute(

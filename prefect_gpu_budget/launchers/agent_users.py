@@ -154,7 +154,7 @@ def _create_user(
             entry = _lookup_user(name)
             if entry is not None:
                 return entry
-            uid = _free_id(first, last)
+            uid = _free_id(first, last, root)
             if uid is None:
                 raise _refuse(
                     f"no free uid left in {settings.AGENT_UIDS_ENV}={uids} for the "
@@ -195,10 +195,35 @@ def _useradd() -> str | None:
     return found[0] if found else shutil.which("useradd")
 
 
-def _free_id(first: int, last: int) -> int | None:
-    """The lowest id of first..last that is neither a user's uid nor a group's gid."""
+def _free_id(first: int, last: int, root: Path) -> int | None:
+    """The lowest id of first..last that is neither a user's uid nor a group's gid, nor the
+    owner of a live process or of a file left at the top of TEMP_DIRS or of `root` (the jobs'
+    folders): a new session never inherits what an old one of a removed user left behind."""
     taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
+    taken |= _owners(first, last, root)
     return next((i for i in range(first, last + 1) if i not in taken), None)
+
+
+def _owners(first: int, last: int, root: Path) -> set[int]:
+    """The uids of first..last that own a live process, or an entry at the top of TEMP_DIRS
+    or of `root`."""
+    owners: set[int] = set()
+
+    def owned(folder: str) -> bool:
+        uid = os.stat(folder).st_uid
+        if first <= uid <= last:
+            owners.add(uid)
+        return False
+
+    live_processes(owned)
+    for folder in (*TEMP_DIRS, str(root)):
+        with suppress(OSError):
+            for entry in os.scandir(folder):
+                with suppress(OSError):
+                    uid = entry.stat(follow_symlinks=False).st_uid
+                    if first <= uid <= last:
+                        owners.add(uid)
+    return owners
 
 
 # -- the session users' locks, and their leftovers ----------------------------------------

@@ -322,6 +322,28 @@ def test_a_session_user_is_made_once_by_concurrent_jobs(sessions: Sandbox, quote
 
 
 @as_root
+def test_a_uid_is_not_given_again_while_a_file_of_its_old_user_is_left(
+    sessions: Sandbox, base: Path
+) -> None:
+    """An admin removed an old session's user (`userdel`) while a file of it was left in
+    /var/tmp: a new session's user does not get that uid (it would own the file) until the
+    file is gone."""
+    sessions.check()  # makes the jobs' folder, where the users' lock lives
+    old = sessions.session_user(uuid.uuid4().hex, create=True)
+    left = Path(tempfile.mkdtemp(prefix="gpubt-left-", dir="/var/tmp"))
+    try:
+        os.chown(left, old.uid, old.gid)
+        for tool in ("userdel", "groupdel"):
+            subprocess.run([tool, old.name], capture_output=True, check=False)
+        new = sessions.session_user(uuid.uuid4().hex, create=True)
+        assert new.uid != old.uid and FIRST <= new.uid <= LAST, (old, new)
+    finally:
+        shutil.rmtree(left)
+    again = sessions.session_user(uuid.uuid4().hex, create=True)
+    assert again.uid == old.uid, (old, again)  # nothing of it is left: free once more
+
+
+@as_root
 def test_check_makes_no_user(sessions: Sandbox, quote) -> None:
     """A preflight (the gateway's, the gate's) looks the user up; only a launch makes it."""
     grant = uuid.uuid4().hex

@@ -81,7 +81,8 @@ def agent_limits_cmd(
 
 def startup_check(url: str | None, allow_shared: bool) -> None:
     """`settings.check_private_state` for a command that serves: exit 2 with its one line, or,
-    allowed, a loud warning on stderr."""
+    allowed, a loud warning on stderr; and one line of warning when the ledger's database lets
+    its user in without a password (`passwordless_login`)."""
     from prefect_gpu_budget import settings
 
     try:
@@ -90,6 +91,17 @@ def startup_check(url: str | None, allow_shared: bool) -> None:
         fail(str(exc))
     if warning:
         typer.echo(f"WARNING: running with shared state, as allowed: {warning}", err=True)
+    from prefect_gpu_budget.admission.ledger.engine import passwordless_login
+
+    trusted = passwordless_login(settings.ledger_url(url))
+    if trusted:
+        typer.echo(
+            f"WARNING: the ledger's database {trusted} let its user in without a password: "
+            "agents' jobs are kept off it by a network of their own, but any local process "
+            "may rewrite every budget; use scram-sha-256 for it in pg_hba.conf and put the "
+            "password in the ledger URL",
+            err=True,
+        )
 
 
 def _serving_ledger_url(

@@ -377,6 +377,72 @@ def test_allowed_shared_state_is_a_loud_warning(open_folder, tmp_path):
         assert "chmod 600" in warning and "'nope'" in error, run.stderr
 
 
+def test_serving_agents_over_a_ledger_that_trusts_everyone_says_so_in_one_line(
+    tmp_path, private_home
+):
+    """The test machines' PostgreSQL trusts local connections, as many do: `agents serve` and
+    `serve` start, with one line that says so and how to close it; a URL's password is never
+    shown; a database that asks for a password (or cannot be reached) gets no line."""
+    from tests.conftest import PG_URL
+    from tests.postgres import fresh_database
+
+    with fresh_database(PG_URL) as plain:
+        url = plain.replace("//postgres@", "//postgres:pw-planted-here@")
+        # a bad proxy list stops `agents serve` right after its checks: nothing serves
+        env = _env(private_home, PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES="nope")
+        run = _cli(env, tmp_path, "agents", "serve", "--ledger-url", plain)
+        assert run.returncode == 2, run.stderr
+        warning, error = run.stderr.strip().splitlines()
+        assert warning.startswith("WARNING: the ledger's database") and "'nope'" in error
+        assert "without a password" in warning and "scram-sha-256" in warning, warning
+        served = subprocess.Popen(
+            [sys.executable, "-m", "prefect_gpu_budget.cli", "serve"],
+            env=_env(private_home, PREFECT_GPU_BUDGET_LEDGER_URL=url, PREFECT_API_URL=DOWN_API),
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        try:
+            first = served.stderr.readline()
+        finally:
+            os.killpg(served.pid, 9)
+            served.wait(timeout=30)
+            served.stderr.close()
+        assert first.startswith("WARNING: the ledger's database"), first
+        assert "pw-planted-here" not in first and "postgres@127.0.0.1" in first, first
+    closed = plain.rsplit("@", 1)[0] + f"@127.0.0.1:{_free_port()}/nothing"
+    run = _cli(env, tmp_path, "agents", "serve", "--ledger-url", closed)
+    assert "WARNING" not in run.stderr, run.stderr
+
+
+def test_a_ledger_that_asks_for_a_password_gets_no_warning():
+    """A PostgreSQL of its own that asks every TCP connection for a password (scram-sha-256):
+    the ledger's URL, password included, reaches it; without the password nothing does, so no
+    warning."""
+    import sqlalchemy as sa
+
+    from prefect_gpu_budget.admission.ledger.engine import passwordless_login
+    from tests.postgres import private_cluster
+
+    with private_cluster() as cluster:
+        with sa.create_engine(
+            cluster.server.replace("postgresql:", "postgresql+psycopg:")
+        ).begin() as conn:
+            conn.exec_driver_sql("ALTER USER postgres PASSWORD 'pw-scram'")
+        hba = cluster.folder / "data" / "pg_hba.conf"
+        hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
+        cluster._pg_ctl("reload")
+        url = cluster.server.replace("postgres@", "postgres:pw-scram@") + "/postgres"
+        assert Ledger(url).views.jobs() == []  # with its password: in
+        deadline = time.monotonic() + 60
+        while passwordless_login(url) is not None:  # the reload may take a moment
+            assert time.monotonic() < deadline, "the server still trusts a bare login"
+            time.sleep(0.2)
+        assert passwordless_login(cluster.server + "/postgres") is None
+
+
 def test_the_startup_check_passes_private_state_and_knows_closed_folders(
     open_folder, tmp_path, monkeypatch
 ):

@@ -56,6 +56,33 @@ def normalise_url(url: str) -> str:
     return url
 
 
+def passwordless_login(url: str) -> str | None:
+    """For a PostgreSQL ledger: its URL without the password (as it may be shown) when the
+    server let its user in without one (trust authentication: then anyone who reaches its
+    port may write every budget); None when it asked for a password, or for SQLite, or when
+    it could not be reached at all."""
+    parsed = sa.engine.make_url(normalise_url(url))
+    if parsed.get_backend_name() != "postgresql":
+        return None
+    bare = sa.engine.URL.create(  # `URL.set(password=None)` would keep the password
+        parsed.drivername,
+        username=parsed.username,
+        host=parsed.host,
+        port=parsed.port,
+        database=parsed.database,
+        query=parsed.query,
+    )
+    engine = sa.create_engine(bare, poolclass=sa.pool.NullPool, connect_args={"connect_timeout": 5})
+    try:
+        with engine.connect():
+            pass
+    except sa.exc.SQLAlchemyError:
+        return None
+    finally:
+        engine.dispose()
+    return bare.render_as_string()
+
+
 def _reconnecting(method: Callable[P, T]) -> Callable[P, T]:
     """Run a ledger call once more if the database dropped its pooled connection (a restart).
 

@@ -10,7 +10,8 @@ import typer
 
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.cli.capacity import print_pool
-from prefect_gpu_budget.cli.common import console, current_ledger, fail, iso, rich_table, usd
+from prefect_gpu_budget.cli.common import console, current_ledger, fail, iso, usd
+from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import BudgetInputError, fmt_usd, org_of, to_decimal_usd
 
 
@@ -215,12 +216,26 @@ def budget_show(
     if as_json:
         typer.echo(json.dumps([r.__dict__ for r in rules], indent=2))
         return
-    table = rich_table("scope", "budget")
-    for rule in rules:
-        table.add_row(rule.scope, _describe(rule))
-    for rule in current_ledger().config.session_templates():
-        table.add_row(f"{rule.scope}/* (template)", _describe(rule))
-    console.print(table)
+    templates = current_ledger().config.session_templates()
+    print_table(
+        (Col("scope"), Col("budget", "text")),
+        [(rule.scope, _describe(rule)) for rule in rules]
+        + [(f"{rule.scope}/* (template)", _describe(rule)) for rule in templates],
+    )
+
+
+_STATUS_COLUMNS = (
+    Col("scope"),
+    Col("rate / cap"),
+    Col("period", "text", drop=6),
+    Col("settled", drop=5),
+    Col("reserved", drop=4),
+    Col("remaining"),
+    Col("running", "name", drop=2),
+    Col("queued", drop=3),
+)
+"""What a narrow terminal leaves out first: when the period began, then the parts of what is
+left (settled, reserved), then the job counts."""
 
 
 def status(
@@ -254,22 +269,23 @@ def status(
             )
         )
         return
-    table = rich_table(
-        "scope", "rate / cap", "period", "settled", "reserved", "remaining", "running", "queued"
+    print_table(
+        _STATUS_COLUMNS,
+        [
+            (
+                r["scope"],
+                f"{fmt_usd(r['running_rate_micro'])} / "
+                + ("-" if r["hourly_cap_micro"] is None else fmt_usd(r["hourly_cap_micro"])),
+                f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
+                fmt_usd(r["settled_micro"]),
+                fmt_usd(r["reserved_micro"]),
+                "-" if r["remaining_micro"] is None else fmt_usd(r["remaining_micro"]),
+                str(r["running"]) + (f" (+{r['admitted']} starting)" if r["admitted"] else ""),
+                str(r["queued"]),
+            )
+            for r in rows
+        ],
     )
-    for r in rows:
-        cap = "-" if r["hourly_cap_micro"] is None else fmt_usd(r["hourly_cap_micro"])
-        table.add_row(
-            r["scope"],
-            f"{fmt_usd(r['running_rate_micro'])} / {cap}",
-            f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
-            fmt_usd(r["settled_micro"]),
-            fmt_usd(r["reserved_micro"]),
-            "-" if r["remaining_micro"] is None else fmt_usd(r["remaining_micro"]),
-            str(r["running"]) + (f" (+{r['admitted']} starting)" if r["admitted"] else ""),
-            str(r["queued"]),
-        )
-    console.print(table)
     waiting = current_ledger().views.jobs(scope, states=("queued",))
     for job in waiting:
         console.print(

@@ -7,7 +7,8 @@ import json
 
 import typer
 
-from prefect_gpu_budget.cli.common import console, current_ledger, fail, rich_table
+from prefect_gpu_budget.cli.common import console, current_ledger, fail
+from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import org_of
 
 
@@ -15,18 +16,20 @@ def _res(r: tuple[int, int, int], model: str = "") -> str:
     return f"{r[0]} {model} / {r[1]} vCPU / {r[2]} GiB".replace("  ", " ")
 
 
+_POOL_COLUMNS = (
+    Col("team"),
+    Col("quota", "name"),
+    Col("used", "name"),
+    Col("borrowed", drop=1),
+    Col("lent", drop=2),
+    Col("borrow / lend / weight", "name", drop=3),
+    Col("reclaim / within team / queue", "name", drop=4),
+)
+
+
 def print_pool(pool: dict) -> None:
-    table = rich_table(
-        "team",
-        "quota",
-        "used",
-        "borrowed",
-        "lent",
-        "borrow / lend / weight",
-        "reclaim / within team / queue",
-    )
-    for t in pool["teams"]:
-        table.add_row(
+    rows = [
+        (
             t["team"],
             _res(t["quota"], pool["gpu_model"]),
             _res(t["used"]),
@@ -35,13 +38,15 @@ def print_pool(pool: dict) -> None:
             f"{t['borrow_pct']}% / {t['lend_pct']}% / {t['weight']}",
             f"{t['reclaim']} / {t['within_team']} / {t['queueing']}",
         )
+        for t in pool["teams"]
+    ]
     console.print(
         f"pool {pool['org']}/{pool['pool']} ({pool['kind']}, {pool['nodes']} x "
         f"{_res(pool['node'], pool['gpu_model'])}): {pool['used'][0]} of {pool['total'][0]} "
         "accelerators in use"
     )
-    if pool["teams"]:
-        console.print(table)
+    if rows:
+        print_table(_POOL_COLUMNS, rows)
     for q in pool["queue"]:
         console.print(f"[yellow]queued[/] {q['job_id'][:8]} {q['scope']}: {q['reason']}")
 

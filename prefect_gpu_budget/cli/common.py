@@ -31,12 +31,6 @@ class _Console:
         self.rich().print(*args, **kwargs)
 
 
-def rich_table(*columns: str) -> Any:
-    from rich.table import Table
-
-    return Table(*columns)
-
-
 console = _Console()
 _state: dict[str, Any] = {"ledger_url": None}
 

@@ -16,9 +16,9 @@ from prefect_gpu_budget.cli.common import (
     fail,
     iso,
     limits_if_configured,
-    rich_table,
     usd,
 )
+from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import fmt_usd, micro_to_usd
 
 
@@ -58,32 +58,40 @@ def ledger_cmd(
     if as_json:
         typer.echo(json.dumps(out, indent=2))
         return
-    table = rich_table(
-        "id",
-        "scope",
-        "job",
-        "instance",
-        "rate/h",
-        "reserved",
-        "actual",
-        "state",
-        "requested",
-        "run",
+    print_table(
+        _LEDGER_COLUMNS,
+        [
+            (
+                r["id"][:8],
+                r["scope"],
+                r["name"],
+                f"{r['instance_type']} x{r['nodes']}",
+                fmt_usd(raw["rate_micro_per_hour"]),
+                fmt_usd(raw["reserved_micro"]),
+                "-" if raw["actual_micro"] is None else fmt_usd(raw["actual_micro"]),
+                r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
+                (r["requested_at"] or "")[:19],
+                (r["flow_run_id"] or "")[:8],
+            )
+            for raw, r in zip(rows, out, strict=True)
+        ],
     )
-    for raw, r in zip(rows, out, strict=True):
-        table.add_row(
-            r["id"][:8],
-            r["scope"],
-            r["name"],
-            f"{r['instance_type']} x{r['nodes']}",
-            fmt_usd(raw["rate_micro_per_hour"]),
-            fmt_usd(raw["reserved_micro"]),
-            "-" if raw["actual_micro"] is None else fmt_usd(raw["actual_micro"]),
-            r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
-            (r["requested_at"] or "")[:19],
-            (r["flow_run_id"] or "")[:8],
-        )
-    console.print(table)
+
+
+_LEDGER_COLUMNS = (
+    Col("id"),
+    Col("scope"),
+    Col("job", "name", drop=4),
+    Col("instance", "name", drop=6),
+    Col("rate/h", drop=5),
+    Col("reserved", drop=3),
+    Col("actual", drop=2),
+    Col("state", "text", drop=1),
+    Col("requested", "name", drop=7),
+    Col("run", drop=8),
+)
+"""What a narrow terminal leaves out first: the flow run, when it was asked for, the machine,
+its rate, the job's name, then the money."""
 
 
 _UNRUN = {"rejected": "refused", "timed_out": "timed_out", "cancelled": "cancelled"}

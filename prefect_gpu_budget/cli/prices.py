@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from prefect_gpu_budget.cli.common import console, fail, rich_table
+from prefect_gpu_budget.cli.common import console, fail
+from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import fmt_usd
 
 
@@ -118,16 +119,28 @@ def prices_list() -> None:
     from prefect_gpu_budget.pricing.catalog import default_catalog
 
     catalog = default_catalog()
-    table = rich_table("instance", "provisioning", "GPUs", "USD/h", "as of", "source")
+    rows = []
     for row in catalog.rows():
         bound = catalog.bound_of(row.key, row.provisioning)
         figure = "no figure" if bound is None else f"no figure; at most {bound} (on-demand)"
-        table.add_row(
-            row.key,
-            row.provisioning,
-            f"{row.gpus}x {row.gpu_model}",
-            figure if row.usd_per_hour is None else str(row.usd_per_hour),
-            f"{row.as_of}{'' if row.verified or not row.priced else ' (unverified)'}",
-            row.source,
+        rows.append(
+            (
+                row.key,
+                row.provisioning,
+                f"{row.gpus}x {row.gpu_model}",
+                figure if row.usd_per_hour is None else str(row.usd_per_hour),
+                f"{row.as_of}{'' if row.verified or not row.priced else ' (unverified)'}",
+                row.source,
+            )
         )
-    console.print(table)
+    print_table(
+        (
+            Col("instance"),
+            Col("provisioning", "name"),
+            Col("GPUs", "name", drop=2),
+            Col("USD/h", "name"),  # a figure, or why there is none
+            Col("as of", "name", drop=3),
+            Col("source", "text", drop=1),
+        ),
+        rows,
+    )

@@ -10,6 +10,8 @@ only when the working directory holds a file that Prefect would also read is Pre
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -322,26 +324,32 @@ def _open_to_others(path: Path, bits: int) -> int:
     return mode
 
 
-def check_private_state(url: str | None = None, allow_shared: bool = False) -> str | None:
-    """The startup check of `serve`, the workers and `agents serve`: PREFECT_HOME (its profiles
-    hold the Prefect API's auth string) must be closed to other users (`mode & 0o007`), and a
-    SQLite ledger file (every session's rows; `url`, default the configured ledger) to group
-    and others (`mode & 0o077`), counting the folders above them (a 0755 folder inside a 0700
-    one is closed). None when they are; else the one-line problem and its fix, raised as
-    `SharedStateError`, or, with `allow_shared` or PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME,
-    returned for the caller to warn with. A path that does not exist yet is not checked (the
-    ledger creates its file 0600). Never imports Prefect unless `prefect_home` must."""
+@dataclass(frozen=True)
+class _Open:
+    """A path of this process's state that other users can reach."""
+
+    name: str
+    """How a message names it: `PREFECT_HOME /x`, `the ledger file /x/ledger.db`."""
+    path: Path
+    detail: str
+    """Its mode, as a message shows it."""
+    private: int
+    """The mode that closes it: 0700 for PREFECT_HOME, 0600 for a ledger file."""
+
+
+def _open_state(url: str | None) -> list[_Open]:
+    """PREFECT_HOME if other users can reach it (`mode & 0o007`), and the SQLite ledger's files
+    (`url`, default the configured ledger) if group or others can (`mode & 0o077`), counting the
+    folders above them. A path that does not exist (yet) is not among them."""
     import stat
 
-    if os.name == "nt":
-        return None
-    problems = []
+    found = []
     home = prefect_home()
     try:
         if home.is_dir() and (mode := _open_to_others(home, 0o007)):
-            problems.append(
-                f"PREFECT_HOME {home} is open to other users (mode "
-                f"{stat.S_IMODE(home.stat().st_mode):04o}, others: {mode:03o}): chmod 700 {home}"
+            full = stat.S_IMODE(home.stat().st_mode)
+            found.append(
+                _Open(f"PREFECT_HOME {home}", home, f"mode {full:04o}, others: {mode:03o}", 0o700)
             )
     except OSError:
         pass
@@ -349,16 +357,70 @@ def check_private_state(url: str | None = None, allow_shared: bool = False) -> s
     for path in () if ledger is None else (ledger, Path(f"{ledger}-wal"), Path(f"{ledger}-shm")):
         try:
             if path.is_file() and _open_to_others(path, 0o077):
-                problems.append(
-                    f"the ledger file {path} is open to other users (mode "
-                    f"{stat.S_IMODE(path.stat().st_mode):04o}): chmod 600 {path}"
-                )
+                full = stat.S_IMODE(path.stat().st_mode)
+                found.append(_Open(f"the ledger file {path}", path, f"mode {full:04o}", 0o600))
         except OSError:
             continue
+    return found
+
+
+def _close_own(found: _Open) -> str | None:
+    """Close `found` to group and others if this user owns it (its owner's bits kept, at most
+    `found.private`): the line that says so, else None (another user's, or gone)."""
+    import stat
+
+    try:
+        fd = os.open(found.path, os.O_RDONLY)  # what is checked is what is changed
+    except OSError:
+        return None
+    try:
+        held = os.fstat(fd)
+        if held.st_uid != os.geteuid():
+            return None
+        mode = stat.S_IMODE(held.st_mode) & found.private
+        os.fchmod(fd, mode)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return f"{found.name} was open to other users ({found.detail}): made it {mode:04o}"
+
+
+def check_private_state(
+    url: str | None = None,
+    allow_shared: bool = False,
+    closed: Callable[[str], None] | None = None,
+) -> str | None:
+    """The startup check of `serve`, the workers and `agents serve`: PREFECT_HOME (its profiles
+    hold the Prefect API's auth string) must be closed to other users, and a SQLite ledger
+    file (every session's rows) to group and others (`_open_state`). None when they are; else
+    the one-line problem and its fix, raised as `SharedStateError`, or, with `allow_shared` or
+    PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME, returned for the caller to warn with. Given `closed`,
+    and not allowed to share, it first closes what this user owns (PREFECT_HOME to 0700, a
+    ledger file to 0600) and says each in one line through `closed`: only another user's path
+    is refused. The ledger creates its file 0600. Never imports Prefect unless `prefect_home`
+    must."""
+    if os.name == "nt":
+        return None
+    allowed = allow_shared or allow_shared_home()
+    problems = []
+    for found in _open_state(url):
+        said = None if allowed or closed is None else _close_own(found)
+        if said is not None:
+            closed(said)
+            continue
+        try:
+            owner = found.path.stat().st_uid
+        except OSError:
+            continue
+        fix = f"chmod {found.private:o} {found.path}"
+        if owner != os.geteuid():
+            fix = f"it belongs to uid {owner}, not to this user: its owner can {fix}"
+        problems.append(f"{found.name} is open to other users ({found.detail}): {fix}")
     if not problems:
         return None
     message = "; ".join(problems)
-    if allow_shared or allow_shared_home():
+    if allowed:
         return message
     raise SharedStateError(
         f"{message} (or, knowingly, --allow-shared-home or {ALLOW_SHARED_HOME_ENV}=1)"

@@ -80,13 +80,17 @@ def agent_limits_cmd(
 
 
 def startup_check(url: str | None, allow_shared: bool) -> None:
-    """`settings.check_private_state` for a command that serves: exit 2 with its one line, or,
-    allowed, a loud warning on stderr; and one line of warning when the ledger's database lets
-    its user in without a password (`passwordless_login`)."""
+    """`settings.check_private_state` for a command that serves: what this user owns and
+    others can reach is made private, with one line on stderr each; another user's is refused
+    (exit 2 with its one line) or, allowed, left as it is with a loud warning on stderr; and one
+    line of warning when the ledger's database lets its user in without a password
+    (`passwordless_login`)."""
     from prefect_gpu_budget import settings
 
     try:
-        warning = settings.check_private_state(url, allow_shared)
+        warning = settings.check_private_state(
+            url, allow_shared, closed=lambda line: typer.echo(line, err=True)
+        )
     except settings.SharedStateError as exc:
         fail(str(exc))
     if warning:
@@ -160,15 +164,16 @@ def agents_serve(
     allow_shared_home: bool = typer.Option(
         False,
         "--allow-shared-home",
-        help="Start even when PREFECT_HOME or a SQLite ledger is open to other users (a loud "
-        f"warning instead; or {ALLOW_SHARED_HOME_ENV}=1).",
+        help="Leave PREFECT_HOME and a SQLite ledger open to other users as they are, and "
+        f"start (a loud warning instead; or {ALLOW_SHARED_HOME_ENV}=1).",
     ),
 ) -> None:
     """Run the agent gateway: the HTTP API agents use with their token (OpenAPI at /docs).
     It starts sweeps on the Prefect API of this process's settings, which agents must not
     reach: close that server with PREFECT_SERVER_API_AUTH_STRING and give this process
-    PREFECT_API_AUTH_STRING. It refuses to start while PREFECT_HOME or a SQLite ledger is open
-    to other users. Behind a proxy, name it in PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES: only
+    PREFECT_API_AUTH_STRING. A PREFECT_HOME or SQLite ledger of this user's that other users
+    can reach it makes private (one line says so); another user's it refuses to start with.
+    Behind a proxy, name it in PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES: only
     its X-Forwarded-For is believed."""
     from prefect_gpu_budget import settings
 

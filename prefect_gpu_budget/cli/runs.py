@@ -179,13 +179,14 @@ def serve(
     allow_shared_home: bool = typer.Option(
         False,
         "--allow-shared-home",
-        help="Start even when PREFECT_HOME or a SQLite ledger is open to other users (a loud "
-        "warning instead; or PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME=1).",
+        help="Leave PREFECT_HOME and a SQLite ledger open to other users as they are, and "
+        "start (a loud warning instead; or PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME=1).",
     ),
 ) -> None:
-    """Serve the sweep, spend-report and reconcile deployments from this process. Refuses to
-    start while PREFECT_HOME or a SQLite ledger is open to other users. Ctrl-C (or SIGTERM)
-    stops the running sweeps as `sweep` stops its own, then the runner."""
+    """Serve the sweep, spend-report and reconcile deployments from this process. A
+    PREFECT_HOME or SQLite ledger of this user's that other users can reach it makes private
+    (one line says so); another user's it refuses to start with. Ctrl-C (or SIGTERM) stops the
+    running sweeps as `sweep` stops its own, then the runner."""
     from prefect_gpu_budget.cli.agents import startup_check
     from prefect_gpu_budget.cli.common import _state
 

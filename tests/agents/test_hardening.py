@@ -333,28 +333,78 @@ def _sqlite(path: Path, mode: int) -> str:
     return f"sqlite:///{path}"
 
 
-def test_serve_refuses_a_prefect_home_others_can_read(open_folder):
+def _not_ours(path: Path) -> int:
+    """Make `path` another user's (nobody's, as root); skip where this user cannot."""
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    os.chown(path, 65534, 65534)
+    return 65534
+
+
+def _first_line(env: dict[str, str], cwd: Path, *args: str) -> str:
+    """The first line a serving command writes on stderr; then it is stopped."""
+    served = subprocess.Popen(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        return served.stderr.readline().rstrip("\n")
+    finally:
+        os.killpg(served.pid, 9)
+        served.wait(timeout=30)
+        served.stderr.close()
+
+
+def test_serve_makes_its_own_prefect_home_private_and_refuses_another_users(open_folder):
+    """A home is made 0755 by default: `serve` closes one of this user's itself, in one line,
+    and starts; one that belongs to another user it refuses, in one line that says whose."""
     home = open_folder / "home"
     home.mkdir(mode=0o755)
     home.chmod(0o755)
-    led = _sqlite(home / "ledger.db", 0o600)
-    line = _one_line_error(
-        _cli(_env(home, PREFECT_GPU_BUDGET_LEDGER_URL=led), open_folder, "serve")
+    env = _env(home, PREFECT_GPU_BUDGET_LEDGER_URL=_sqlite(home / "ledger.db", 0o600))
+    first = _first_line(env, open_folder, "serve")
+    assert first == (
+        f"PREFECT_HOME {home} was open to other users (mode 0755, others: 005): made it 0700"
     )
-    assert f"PREFECT_HOME {home} is open to other users" in line and f"chmod 700 {home}" in line
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    home.chmod(0o755)
+    owner = _not_ours(home)
+    line = _one_line_error(_cli(env, open_folder, "serve"))
+    assert f"PREFECT_HOME {home} is open to other users" in line, line
+    assert f"belongs to uid {owner}, not to this user: its owner can chmod 700 {home}" in line
     assert "--allow-shared-home" in line and "ledger file" not in line, line
+    assert stat.S_IMODE(home.stat().st_mode) == 0o755  # another user's is left as it is
 
 
-def test_agents_serve_refuses_a_sqlite_ledger_others_can_read(open_folder, tmp_path):
+def test_agents_serve_makes_its_own_sqlite_ledger_private_and_refuses_another_users(
+    open_folder, tmp_path
+):
     home = open_folder / "home"
     home.mkdir(mode=0o700)
     ledger_file = open_folder / "ledger.db"
     led = _sqlite(ledger_file, 0o644)
-    line = _one_line_error(
-        _cli(_env(home), tmp_path, "agents", "serve", "--ledger-url", led)  # honoured
+    # a bad proxy list stops it right after the check: nothing serves
+    env = _env(home, PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES="nope")
+    run = _cli(env, tmp_path, "agents", "serve", "--ledger-url", led)  # honoured
+    assert run.returncode == 2, run.stderr
+    said, error = run.stderr.strip().splitlines()
+    assert (
+        said == f"the ledger file {ledger_file} was open to other users (mode 0644): made it 0600"
     )
+    assert "'nope'" in error and stat.S_IMODE(ledger_file.stat().st_mode) == 0o600
+    ledger_file.chmod(0o644)
+    owner = _not_ours(ledger_file)
+    line = _one_line_error(_cli(_env(home), tmp_path, "agents", "serve", "--ledger-url", led))
     assert f"the ledger file {ledger_file} is open to other users (mode 0644)" in line, line
-    assert f"chmod 600 {ledger_file}" in line and "PREFECT_HOME" not in line, line
+    assert (
+        f"belongs to uid {owner}, not to this user: its owner can chmod 600 {ledger_file}" in line
+    )
+    assert "PREFECT_HOME" not in line, line
     holder = tmp_path / "ledger-url"  # the same URL from a file
     holder.write_text(led)
     again = _cli(_env(home), tmp_path, "agents", "serve", "--ledger-url-file", str(holder))

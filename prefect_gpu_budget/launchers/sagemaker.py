@@ -58,6 +58,8 @@ NAME_PART = re.compile(r"[^a-zA-Z0-9]+")
 
 FINISHED = ("Completed", "Failed", "Stopped")
 STOP_REASONS = ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
+MAX_RUNTIME_S = 28 * 86400
+"""SageMaker's limit on a training job's StoppingCondition.MaxRuntimeInSeconds: 28 days."""
 MAX_DESCRIBE_ERRORS = 20
 """Consecutive failed DescribeTrainingJob calls after which `run` stops the job and gives up."""
 
@@ -71,6 +73,11 @@ def _first_line(text: str) -> str:
     may carry them)."""
     text = redact_urls(text).strip()
     return text.splitlines()[0] if text else ""
+
+
+def _runtime_s(job: GpuJob) -> int:
+    """The job's MaxRuntimeInSeconds: its max_runtime in whole seconds, rounded up."""
+    return math.ceil(job.max_runtime)
 
 
 def _seconds(value: Any) -> float | None:
@@ -175,6 +182,11 @@ class SageMakerLauncher(Block):
             raise self._fail(
                 "SageMaker training has no flex-start provisioning: use on-demand or spot"
             )
+        if _runtime_s(job) > MAX_RUNTIME_S:
+            raise self._fail(
+                "max_runtime: SageMaker runs a training job at most 28 days "
+                f"(MaxRuntimeInSeconds {MAX_RUNTIME_S:,}), got {_runtime_s(job):,}s"
+            )
         region = self.region()
         if region not in SAGEMAKER_REGIONS:
             raise self._fail(f"region {shown(region)} has no SageMaker endpoint")
@@ -234,7 +246,7 @@ class SageMakerLauncher(Block):
             algorithm["ContainerEntrypoint"] = job.command[:1]
             if job.command[1:]:
                 algorithm["ContainerArguments"] = job.command[1:]
-        max_runtime = math.ceil(job.max_runtime)
+        max_runtime = _runtime_s(job)
         stopping: dict[str, int] = {"MaxRuntimeInSeconds": max_runtime}
         request: dict[str, Any] = {
             "TrainingJobName": name,

@@ -311,6 +311,12 @@ G5 = "sagemaker:ml.g5.xlarge"
         ({"checkpoint_s3_uri": None}, {"provisioning": "spot"}, "spot jobs need checkpoint_s3_uri"),
         ({}, {"env": {"BAD-NAME": "1"}}, "env: 'BAD-NAME' is not a valid"),
         ({}, {"vcpu": 2}, "gpus: SageMaker training runs whole instances"),
+        (
+            {},
+            {"max_runtime": "29d"},
+            "max_runtime: SageMaker runs a training job at most 28 days (MaxRuntimeInSeconds "
+            "2,419,200), got 2,505,600s",
+        ),
     ],
 )
 def test_wrong_settings_fail_before_anything_is_reserved_or_created(
@@ -327,6 +333,18 @@ def test_wrong_settings_fail_before_anything_is_reserved_or_created(
         aws.credentials().get_client("sagemaker").list_training_jobs()["TrainingJobSummaries"] == []
     )
     assert gate.ledger.views.jobs() == []
+
+
+def test_the_longest_training_job_is_28_days(aws: AwsServer, gate: Gate) -> None:
+    launcher = _launcher(aws)
+    longest = GpuJob(instance_type=G5, max_runtime="28d")
+    launcher.preflight(longest, gate.quote(longest))
+    assert launcher.training_job_request(longest, "n")["StoppingCondition"] == {
+        "MaxRuntimeInSeconds": 2_419_200
+    }
+    past = GpuJob(instance_type=G5, max_runtime=2_419_200.5)  # a part of a second is a second
+    with pytest.raises(LaunchConfigError, match=r"got 2,419,201s$"):
+        launcher.preflight(past, gate.quote(past))
 
 
 def test_training_job_names_are_valid_and_unique() -> None:

@@ -69,6 +69,16 @@ FLEX_START_MAX_RUNTIME_S = 7 * 86400
 """The longest a flex-start job runs: Dynamic Workload Scheduler's limit."""
 
 
+def check_flex_start_runtime(provisioning: str, max_runtime: float) -> None:
+    """A flex-start job past DWS's 7 days: a one-line `BudgetInputError`."""
+    if provisioning == "flex-start" and max_runtime > FLEX_START_MAX_RUNTIME_S:
+        raise BudgetInputError(
+            "max_runtime",
+            "a flex-start job runs at most 7 days (Dynamic Workload Scheduler), got "
+            f"{max_runtime:g}s",
+        )
+
+
 class GpuJob(BaseModel):
     """One GPU job: what runs, on what, for at most how long.
 
@@ -128,12 +138,7 @@ class GpuJob(BaseModel):
             raise BudgetInputError("expected_runtime", "must not exceed max_runtime")
         if self.command is not None and not self.command:
             raise BudgetInputError("command", "must not be empty")
-        if self.provisioning == "flex-start" and self.max_runtime > FLEX_START_MAX_RUNTIME_S:
-            raise BudgetInputError(
-                "max_runtime",
-                "a flex-start job runs at most 7 days (Dynamic Workload Scheduler), got "
-                f"{self.max_runtime:g}s",
-            )
+        check_flex_start_runtime(self.provisioning, self.max_runtime)
         if ":" not in self.instance_type:
             raise BudgetInputError(
                 "instance_type",

@@ -37,7 +37,7 @@ from prefect.blocks.core import Block
 from prefect_gcp import GcpCredentials
 from pydantic import BeforeValidator, Field
 
-from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.job import GpuJob, check_flex_start_runtime
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
     LauncherNeedsExtra,
@@ -50,7 +50,7 @@ from prefect_gpu_budget.launchers.base import (
     ignore_submission,
 )
 from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.units import fmt_duration, parse_duration, redact_urls
+from prefect_gpu_budget.units import BudgetInputError, fmt_duration, parse_duration, redact_urls
 
 if TYPE_CHECKING:
     from google.cloud import aiplatform_v1 as vertex
@@ -280,9 +280,10 @@ class VertexLauncher(Block):
     def preflight(self, job: GpuJob, quote: Quote) -> None:
         """One-line `LaunchConfigError` for a setting Vertex would refuse; creates nothing.
 
-        Checks the region, the machine type and accelerator, the image, the project, the
-        flex-start 7-day limit, and, with one read-only list call, that the credentials may
-        use Vertex AI in this project and region.
+        Checks what needs no network first: the region, the machine type and accelerator, the
+        image, the project and the flex-start 7-day limit (a job copied past the check of its
+        own fields included); then, with one read-only list call, that the credentials may use
+        Vertex AI in this project and region.
         """
         _sdk()  # a missing `vertex` extra first: no setting can be right without it
         if self.region not in VERTEX_TRAINING_REGIONS:
@@ -297,6 +298,10 @@ class VertexLauncher(Block):
             raise self._error("image_uri: required, the container image the job runs")
         if not self._project():
             raise self._error("project: not set on the launcher nor in its GCP credentials")
+        try:
+            check_flex_start_runtime(job.provisioning, job.max_runtime)
+        except BudgetInputError as exc:
+            raise self._error(str(exc)) from None
         try:
             self._client().list_custom_jobs(request={"parent": self._parent(), "page_size": 1})
         except auth_errors.GoogleAuthError as exc:

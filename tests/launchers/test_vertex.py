@@ -8,6 +8,7 @@ key; the stand-in accepts only JWTs signed with that key.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -441,6 +442,36 @@ def test_preflight_passes_with_one_read(
     job = _job(provisioning="flex-start")
     launcher.preflight(job, catalog.quote(job.instance_type, 1, "flex-start"))
     assert fake.calls == [("GET", "/v1/projects/demo-project/locations/us-central1/customJobs")]
+
+
+@pytest.fixture
+def unreachable(key: tuple[dict, str]) -> Iterator[VertexLauncher]:
+    """A launcher on a host without Vertex access: its endpoint is a local port that is bound
+    but never listens, so every connection to it is refused."""
+    with socket.socket() as bound:
+        bound.bind(("127.0.0.1", 0))
+        yield VertexLauncher(
+            gcp_credentials=GcpCredentials(service_account_info=key[0]),
+            image_uri=IMAGE,
+            api_endpoint=f"http://127.0.0.1:{bound.getsockname()[1]}",
+        )
+
+
+def test_preflight_refuses_what_needs_no_network_before_it_calls_vertex(
+    unreachable: VertexLauncher, catalog: Catalog
+) -> None:
+    job = _job(provisioning="flex-start")
+    quote = catalog.quote(job.instance_type, 1, "flex-start")
+    with pytest.raises(LaunchConfigError, match="region or api_endpoint: cannot use Vertex AI"):
+        unreachable.preflight(job, quote)  # the network is checked, and is out of reach here
+    # a job copied past the check of its own fields: 8 days, where DWS runs at most 7
+    too_long = job.model_copy(update={"max_runtime": 8 * 86400.0})
+    with pytest.raises(LaunchConfigError) as refused:
+        unreachable.preflight(too_long, quote)
+    assert str(refused.value) == (
+        "vertex launcher: max_runtime: a flex-start job runs at most 7 days (Dynamic Workload "
+        "Scheduler), got 691200s"
+    )
 
 
 def test_a_start_the_ledger_cannot_record_in_time_stops_the_job(

@@ -1,0 +1,277 @@
+"""What the export readers share: a local export file opened as its columns and its rows
+(`open_rows`), whatever its format, and the values of a row read as text, times and money.
+
+The format is told from the file's first bytes, never its name (an export's data files are named
+by the provider, and a copy may be renamed): Parquet (`PAR1`), gzip (then CSV or JSON Lines
+inside), JSON Lines (the first non-blank character is `{`), else CSV with a header row.
+
+Rows come as dicts of the file's own values: from Parquet, pyarrow's Python values (a map column
+as a list of (key, value) tuples, a struct as a dict, a timestamp as a datetime); from CSV, text,
+an empty field as None; from JSON Lines, JSON values. Row 1 is the first row of data.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import re
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import date, datetime, timezone
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
+
+PARQUET_MAGIC = b"PAR1"
+GZIP_MAGIC = b"\x1f\x8b"
+_BATCH = 10_000
+"""Parquet rows decoded at a time: a month's export may hold millions."""
+
+
+@dataclass
+class Rows:
+    """An open export file: its columns (for JSON Lines, the first row's keys) and its rows."""
+
+    where: str
+    """The file, as messages name it."""
+    kind: str
+    """parquet, csv, csv.gz, jsonl or jsonl.gz."""
+    columns: list[str]
+    rows: Iterator[dict[str, Any]]
+
+
+def open_rows(path: str | Path, where: str | None = None) -> Rows:
+    """The export file at `path` as `Rows`; `where` names it in messages (default: the path).
+
+    Refuses (`BillError`, one line naming the file) an empty file, an unreadable or truncated
+    Parquet or gzip file, and text that is not UTF-8. Errors met later, while the rows are read,
+    are raised by the iterator as `BillError`s too, with the row number where one is known.
+    """
+    where = where or str(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as exc:
+        raise BillError(where, f"cannot open: {exc.strerror or exc}") from None
+    if not head:
+        raise BillError(where, "empty file")
+    if head == PARQUET_MAGIC:
+        return _parquet(path, where)
+    if head[:2] == GZIP_MAGIC:
+        return _text(lambda: gzip.open(path, "rt", encoding="utf-8-sig", newline=""), where, True)
+    return _text(lambda: open(path, encoding="utf-8-sig", newline=""), where, False)
+
+
+def _parquet(path: str | Path, where: str) -> Rows:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+        columns = list(file.schema_arrow.names)
+    except (pa.ArrowException, OSError) as exc:
+        raise BillError(where, f"not a readable Parquet file (truncated?): {_short(exc)}") from None
+
+    def rows() -> Iterator[dict[str, Any]]:
+        try:
+            for batch in file.iter_batches(batch_size=_BATCH):
+                yield from batch.to_pylist()
+        except (pa.ArrowException, OSError) as exc:
+            raise BillError(where, f"unreadable Parquet data: {_short(exc)}") from None
+        finally:
+            file.close()
+
+    return Rows(where, "parquet", columns, rows())
+
+
+def _text(opener: Callable[[], io.TextIOBase], where: str, zipped: bool) -> Rows:
+    """CSV or JSON Lines, plain or gzip: opened once to tell which and read the header, then
+    streamed."""
+    suffix = ".gz" if zipped else ""
+    try:
+        with opener() as f:
+            first = ""
+            for line in f:
+                if line.strip():
+                    first = line
+                    break
+    except (EOFError, OSError, zlib.error) as exc:
+        raise BillError(where, f"unreadable gzip file (truncated?): {_short(exc)}") from None
+    except UnicodeDecodeError:
+        raise BillError(where, "not UTF-8 text") from None
+    if not first:
+        raise BillError(where, "empty file")
+    if first.lstrip().startswith("{"):
+        try:
+            columns = list(json.loads(first))
+        except (ValueError, TypeError):
+            raise BillError(where, "not a JSON object", row=1) from None
+        return Rows(where, "jsonl" + suffix, columns, _jsonl(opener, where))
+    header = next(csv.reader([first]))
+    return Rows(where, "csv" + suffix, header, _csv(opener, where))
+
+
+@contextmanager
+def _guarded(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[io.TextIOBase]:
+    """The opened file; a truncated or corrupt gzip stream or bad text met while it is read
+    (in the body of the `with`) becomes a `BillError`."""
+    try:
+        with opener() as f:
+            yield f
+    except (EOFError, OSError, zlib.error) as exc:
+        raise BillError(where, f"unreadable gzip file (truncated?): {_short(exc)}") from None
+    except UnicodeDecodeError:
+        raise BillError(where, "not UTF-8 text") from None
+
+
+def _csv(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[dict[str, Any]]:
+    with _guarded(opener, where) as f:
+        reader = csv.reader(f)
+        header: list[str] | None = None
+        n = 0
+        try:
+            for fields in reader:
+                if not fields or fields == [""]:
+                    continue
+                if header is None:
+                    header = fields
+                    continue
+                n += 1
+                if len(fields) != len(header):
+                    raise BillError(
+                        where, f"{len(fields)} fields where the header has {len(header)}", row=n
+                    )
+                yield {k: (v if v != "" else None) for k, v in zip(header, fields, strict=True)}
+        except csv.Error as exc:
+            raise BillError(where, f"not CSV: {_short(exc)}", row=n + 1) from None
+
+
+def _jsonl(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[dict[str, Any]]:
+    with _guarded(opener, where) as f:
+        n = 0
+        for line in f:
+            if not line.strip():
+                continue
+            n += 1
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise BillError(where, "not a JSON object (a cut line?)", row=n) from None
+            if not isinstance(row, dict):
+                raise BillError(where, "not a JSON object", row=n)
+            yield row
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+# -- values -------------------------------------------------------------------------------------
+
+
+def at(where: str, n: int) -> str:
+    """A line's `where`: its file and row, as `split_where` reads it back."""
+    return f"{where}, row {n}"
+
+
+def split_where(where: str) -> tuple[str, int | None]:
+    """A `BillLine.where` back into its file and row."""
+    head, sep, tail = where.rpartition(", row ")
+    return (head, int(tail)) if sep and tail.isdigit() else (where, None)
+
+
+def text(value: object, where: str, column: str, n: int, *, required: bool = True) -> str | None:
+    """A text value, stripped; None for an empty optional one."""
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    if value is None or (isinstance(value, str) and not value.strip()):
+        if required:
+            raise BillError(where, "empty", column, n)
+        return None
+    raise BillError(where, f"not text: {type(value).__name__}", column, n)
+
+
+def money(value: object, where: str, column: str, n: int) -> Decimal:
+    """An amount of money as given (checked by `to_micro`: a number or a number's text)."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise BillError(where, "empty", column, n)
+    to_micro(value, where, column, n)
+    return Decimal(str(value).strip())
+
+
+_ISO = re.compile(
+    r"(\d{4})-(\d{2})-(\d{2})(?:[T ](\d{2}):(\d{2})(?::(\d{2})(?:\.(\d{1,9}))?)?)?"
+    r"\s*(Z|UTC|[+-]\d{2}:?\d{2})?"
+)
+
+
+def when(value: object, where: str, column: str, n: int) -> datetime:
+    """A point in time, UTC: a datetime (a naive one is UTC, as Parquet timestamps without a
+    zone are in these exports), a date (its midnight, UTC), or ISO 8601 text (`Z`, an offset,
+    BigQuery's ` UTC`, or none for UTC; a date alone is its midnight)."""
+    if isinstance(value, datetime):
+        return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value
+    if isinstance(value, date):
+        return datetime(value.year, value.month, value.day, tzinfo=timezone.utc)
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise BillError(where, "empty", column, n)
+    if not isinstance(value, str):
+        raise BillError(where, f"not a date and time: {type(value).__name__}", column, n)
+    m = _ISO.fullmatch(value.strip())
+    if m is None:
+        raise BillError(where, f"not an ISO 8601 date and time: {value[:40]!r}", column, n)
+    year, month, day, hour, minute, second, fraction, zone = m.groups()
+    try:
+        moment = datetime(
+            int(year),
+            int(month),
+            int(day),
+            int(hour or 0),
+            int(minute or 0),
+            int(second or 0),
+            int((fraction or "0")[:6].ljust(6, "0")),
+            tzinfo=timezone.utc,
+        )
+    except ValueError:
+        raise BillError(where, f"not a real date: {value[:40]!r}", column, n) from None
+    if zone and zone not in ("Z", "UTC"):
+        sign = -1 if zone[0] == "-" else 1
+        digits = zone[1:].replace(":", "")
+        offset = sign * (int(digits[:2]) * 3600 + int(digits[2:]) * 60)
+        moment = datetime.fromtimestamp(moment.timestamp() - offset, timezone.utc)
+    return moment
+
+
+def span(
+    start: object, end: object, where: str, columns: tuple[str, str], n: int
+) -> tuple[float, float]:
+    """A usage interval in epoch seconds; `BillError` if it ends before it starts."""
+    began = when(start, where, columns[0], n).timestamp()
+    ended = when(end, where, columns[1], n).timestamp()
+    if ended < began:
+        raise BillError(where, "ends before it starts", columns[1], n)
+    return began, ended
+
+
+def number_repeats(lines: list[BillLine]) -> list[BillLine]:
+    """The lines, those whose `line_id` repeats within the read numbered `#2`, `#3`... The
+    numbers go by amount (then position), not by file order, so that the same delivery read
+    again, in another order, gives each amount the same id."""
+    seen: dict[str, list[int]] = {}
+    for i, line in enumerate(lines):
+        seen.setdefault(line.line_id, []).append(i)
+    out = list(lines)
+    for line_id, indexes in seen.items():
+        if len(indexes) < 2:
+            continue
+        ordered = sorted(indexes, key=lambda i: (lines[i].billed_micro, lines[i].usage_start, i))
+        for k, i in enumerate(ordered[1:], start=2):
+            out[i] = replace(lines[i], line_id=f"{line_id}#{k}")
+    return out

@@ -13,6 +13,9 @@ the ledger to the micro-dollar by construction, not by a mirror kept in step.
   session) counts the whole cost, each in its own calendar periods, shared between them in
   proportion to the time the job ran in each (`period_shares`; the shares sum exactly to the
   cost, see `periods.split`).
+- The true-up rule (`book_trueup`): once the cloud's bill for a job is final, its lines replace
+  its settlement in every period budget on its path, each line in the periods its usage fell
+  in; the ledger, a rebuilt period and the audit all book it through this one function.
 """
 
 from __future__ import annotations
@@ -111,3 +114,23 @@ def settled_in_period(spends: Iterable[Spend], rule: BudgetRule, period_start: f
         for p_start, share in period_shares(amount, start, end, rule)
         if p_start == period_start
     )
+
+
+def book_trueup(
+    scope: str,
+    billed: Iterable[Spend],
+    settled: Spend,
+    rules: Mapping[str, BudgetRule] | Iterable[BudgetRule],
+) -> dict[tuple[str, float], int]:
+    """What a job's bill changes in each period budget once its figure is final: its bill's
+    lines (`billed`), each booked over the span its usage fell in, in place of its settlement
+    (`settled`, as `book` booked it, taken back share for share). Zero shares left out."""
+    if not isinstance(rules, Mapping):
+        rules = {rule.scope: rule for rule in rules}
+    out: dict[tuple[str, float], int] = {}
+    for amount, start, end in billed:
+        for key, share in book(scope, amount, start, max(start, end), rules).items():
+            out[key] = out.get(key, 0) + share
+    for key, share in book(scope, *settled, rules).items():
+        out[key] = out.get(key, 0) - share
+    return {key: amount for key, amount in out.items() if amount}

@@ -36,6 +36,7 @@ from prefect_gpu_budget.admission.ledger import (
     hold_of,
     process_start_ticks,
 )
+from prefect_gpu_budget.admission.ledger.bills import trueup_shares, trueups
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.policy import BudgetRule, held_in
 from prefect_gpu_budget.admission.timing import STALE_AFTER_S
@@ -86,10 +87,15 @@ def _within(scope: str, parent: str | None) -> bool:
 # -- promise 1 ---------------------------------------------------------------------------------
 
 
-def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> list[str]:
+def promise1_violations(
+    rows: Iterable[Row],
+    rules: Iterable[BudgetRule],
+    trueups: Iterable[tuple[float, Mapping[tuple[str, float], int]]] = (),
+) -> list[str]:
     """Replay admissions and settlements in the order of the ledger's timestamps and check each
     admission instant: rate per capped scope <= cap; settled + committed spend in each period
-    the new reservation touches <= the period budget.
+    the new reservation touches <= the period budget. `trueups`: what bills booked on top of
+    settlements, and when (`ledger.bills.trueups`), replayed as settlements are.
 
     Settlements sort before admissions stamped at the same instant. The rules are today's
     budgets; an admission later put back in the queue (its Prefect slots were busy) keeps only
@@ -103,6 +109,8 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
         events.append((row["admitted_at"], 1, row))
         if row["state"] not in ACTIVE and row["settled_at"] is not None:
             events.append((row["settled_at"], 0, row))
+    for at, shares in trueups:
+        events.append((at, 0, {"trueup": shares}))
     events.sort(key=lambda e: (e[0], e[1]))
 
     active: dict[str, Row] = {}
@@ -110,6 +118,10 @@ def promise1_violations(rows: Iterable[Row], rules: Iterable[BudgetRule]) -> lis
     settled: dict[tuple[str, float], int] = defaultdict(int)
     found: list[str] = []
     for at, kind, row in events:
+        if "trueup" in row:
+            for key, share in row["trueup"].items():
+                settled[key] += share
+            continue
         path = [by_scope[s] for s in scope_path(row["scope"]) if s in by_scope]
         if kind == 0:
             del active[row["id"]]
@@ -205,7 +217,8 @@ def charge_errors(
     ledger: Ledger, rows: Iterable[Row], rules: Iterable[BudgetRule]
 ) -> tuple[int, int, list[str]]:
     """(double, missing, messages): the spend the ledger keeps per (budget scope, period)
-    against the sum of the settled jobs' costs that fall in that period.
+    against the sum of the settled jobs' costs that fall in that period (where a job's bill is
+    final, its lines in place of its settlement: `accounting.book_trueup`).
 
     A job settled before its budget existed is booked only if it falls in the period the
     budget was set in (setting a budget rebuilds that period); in an earlier period it shows
@@ -213,10 +226,15 @@ def charge_errors(
     """
     expected: dict[tuple[str, float], int] = defaultdict(int)
     by_scope = {rule.scope: rule for rule in rules}
+    settled = []
     for row in rows:
         if row["state"] == "settled":
+            settled.append(row["id"])
             for key, share in book(row["scope"], *row_spend(row), by_scope).items():
                 expected[key] += share
+    with ledger.db.read() as conn:  # the bill's word, where it is final
+        for key, share in trueup_shares(conn, settled, by_scope).items():
+            expected[key] += share
     double = missing = 0
     messages = []
     for (scope, p_start), want in sorted(expected.items()):
@@ -317,7 +335,9 @@ def audit(
     if limits is not None:
         slots = slot_mismatches(limits, rows, rules, {r["id"] for r in awaiting})
         messages += slots.messages
-    violations = promise1_violations(rows, rules)
+    with ledger.db.read() as conn:
+        billed = trueups(conn, [r["id"] for r in rows], {r.scope: r for r in rules})
+    violations = promise1_violations(rows, rules, billed)
     messages += violations
     return Audit(
         jobs=len(rows),

@@ -18,6 +18,8 @@ collaborators are passed in:
   priority classes;
 - `ledger.grants` (`agents.Grants`): agent grants (tokens) and the limits on a team's agents;
 - `ledger.views` (`reads.Views`): versions, states, jobs, status and the other read models;
+- `ledger.bills` (`bills.Bills`): the clouds' bills as imported, and their true-up of the
+  period spend;
 
 with the tables in `tables` and the rows' domain values in `rows` (SQL several stores share, as
 functions over a connection). Every name other modules import from
@@ -29,6 +31,7 @@ from __future__ import annotations
 import threading
 
 from prefect_gpu_budget.admission.ledger.agents import Grants
+from prefect_gpu_budget.admission.ledger.bills import Bills
 from prefect_gpu_budget.admission.ledger.config import Config, check_pool, check_rule
 from prefect_gpu_budget.admission.ledger.decisions import NewJob, Queue
 from prefect_gpu_budget.admission.ledger.engine import (
@@ -134,6 +137,7 @@ class Ledger:
         self.config = Config(self.db, self.queue.headroom)
         self.grants = Grants(self.db, self.queue.headroom)
         self.views = Views(self.db)
+        self.bills = Bills(self.db, self.queue.headroom)
         if create:
             self.db.create()
 

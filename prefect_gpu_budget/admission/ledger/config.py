@@ -13,6 +13,7 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission import accounting, periods
+from prefect_gpu_budget.admission.ledger.bills import final_bill_jobs, trueup_shares
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
     _budgets,
@@ -190,6 +191,8 @@ class Config:
             rule,
             p_start,
         )
+        billed = trueup_shares(conn, final_bill_jobs(conn, rule.scope))  # the bill's word
+        total += billed.get((rule.scope, p_start), 0)
         conn.execute(
             period_spend.delete().where(
                 period_spend.c.scope == rule.scope, period_spend.c.period_start == p_start

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
@@ -349,6 +349,24 @@ class Db:
         with self._org_lock(org).held(request), self.connection() as conn, conn.begin():
             if not self.is_sqlite:
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)})
+            yield conn
+
+    @contextmanager
+    def write_orgs(self, orgs: Iterable[str]) -> Iterator[Connection]:
+        """One transaction under several orgs' locks (a bill's import touches every org its
+        lines name), taken in order of name: two such writers, or one and a writer of one
+        org, never wait for each other."""
+        ordered = sorted(set(orgs))
+        with ExitStack() as held:
+            for org in ordered:
+                held.enter_context(self._org_lock(org).held(False))
+            conn = held.enter_context(self.connection())
+            held.enter_context(conn.begin())
+            if not self.is_sqlite:
+                for org in ordered:
+                    conn.execute(
+                        sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _org_lock_key(org)}
+                    )
             yield conn
 
     @contextmanager

@@ -12,6 +12,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     budgets,
@@ -63,6 +64,28 @@ def _path_rules(conn: Connection, scope: str) -> list[BudgetRule]:
     rows = conn.execute(_PATH_RULES, {"path": path}).mappings()
     found = {row["scope"]: _rule(row) for row in rows}
     return [found[s] for s in path if s in found]
+
+
+def add_to_periods(
+    conn: Connection, shares: dict[tuple[str, float], int], rules: dict[str, BudgetRule]
+) -> None:
+    """Add each (budget scope, period start) share (`accounting.book`'s) to that period's
+    settled spend, making its row where it has none (`rules`, by scope, give its end)."""
+    for (budget_scope, p_start), share in shares.items():
+        key = (period_spend.c.scope == budget_scope) & (period_spend.c.period_start == p_start)
+        updated = conn.execute(
+            period_spend.update()
+            .where(key)
+            .values(settled_micro=period_spend.c.settled_micro + share)
+        )
+        if updated.rowcount == 0:
+            rule = rules[budget_scope]
+            p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
+            conn.execute(
+                period_spend.insert().values(
+                    scope=budget_scope, period_start=p_start, period_end=p_end, settled_micro=share
+                )
+            )
 
 
 def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hold:

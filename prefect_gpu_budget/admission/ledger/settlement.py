@@ -11,11 +11,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission import accounting, periods
+from prefect_gpu_budget.admission import accounting
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import _rule
-from prefect_gpu_budget.admission.ledger.tables import ACTIVE, budgets, jobs, period_spend
-from prefect_gpu_budget.units import scope_path
+from prefect_gpu_budget.admission.ledger.rows import _path_rules, add_to_periods
+from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs
 
 
 class Settlements:
@@ -146,29 +145,5 @@ class Settlements:
     def _add_spend(
         self, conn: Connection, scope: str, actual: int, start: float, end: float
     ) -> None:
-        rules = conn.execute(
-            sa.select(budgets).where(
-                budgets.c.scope.in_(scope_path(scope)), budgets.c.period_budget_micro.is_not(None)
-            )
-        ).mappings()
-        by_scope = {rule.scope: rule for rule in map(_rule, rules)}
-        for (budget_scope, p_start), share in accounting.book(
-            scope, actual, start, end, by_scope
-        ).items():
-            key = (period_spend.c.scope == budget_scope) & (period_spend.c.period_start == p_start)
-            updated = conn.execute(
-                period_spend.update()
-                .where(key)
-                .values(settled_micro=period_spend.c.settled_micro + share)
-            )
-            if updated.rowcount == 0:
-                rule = by_scope[budget_scope]
-                p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
-                conn.execute(
-                    period_spend.insert().values(
-                        scope=budget_scope,
-                        period_start=p_start,
-                        period_end=p_end,
-                        settled_micro=share,
-                    )
-                )
+        by_scope = {rule.scope: rule for rule in _path_rules(conn, scope)}
+        add_to_periods(conn, accounting.book(scope, actual, start, end, by_scope), by_scope)

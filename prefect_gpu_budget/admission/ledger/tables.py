@@ -253,6 +253,66 @@ sweep_outputs = sa.Table(
 )
 """A sweep's published outputs: its results table (JSON), summary (markdown) and plots (PNG)."""
 
+bill_imports = sa.Table(
+    "gpu_bill_imports",
+    metadata,
+    sa.Column("source", sa.String(16), primary_key=True),
+    sa.Column("billing_period", sa.String(7), primary_key=True),
+    sa.Column("imported_at", sa.Float, nullable=False),
+    sa.Column("digest", sa.String(64), nullable=False),
+    sa.Column("lines", sa.Integer, nullable=False),
+    sa.Column("read_from", sa.Text, nullable=False),
+)
+"""The last import of each (source, billing period): what it was read from, and a digest of
+its lines (a second import of the same export is known as such)."""
+
+bill_lines = sa.Table(
+    "gpu_bill_lines",
+    metadata,
+    sa.Column("source", sa.String(16), primary_key=True),
+    sa.Column("billing_period", sa.String(7), primary_key=True),
+    sa.Column("line_id", sa.String(400), primary_key=True),
+    sa.Column("job_id", sa.String(36)),
+    sa.Column("kind", sa.String(10), nullable=False),
+    sa.Column("line_type", sa.String(60), nullable=False),
+    sa.Column("usage_start", sa.Float, nullable=False),
+    sa.Column("usage_end", sa.Float, nullable=False),
+    sa.Column("billed_micro", sa.BigInteger, nullable=False),
+    sa.Column("currency", sa.String(8), nullable=False),
+    sa.Column("mark", sa.String(200)),
+    sa.Column("resource_id", sa.String(400)),
+    sa.Column("description", sa.String(400), nullable=False, default=""),
+    sa.Index("ix_gpu_bill_lines_job", "job_id"),
+)
+"""Every line of the imported bills: `kind` `job` (it bills a ledger job: `job_id`),
+`untagged` (usage no job's mark names) or `account` (a tax, fee, credit or refund of the
+account); lines of the last two kinds are shown apart and never spread over scopes."""
+
+bill_jobs = sa.Table(
+    "gpu_bill_jobs",
+    metadata,
+    sa.Column("job_id", sa.String(36), primary_key=True),
+    sa.Column("org", sa.String(48), nullable=False),
+    sa.Column("scope", sa.String(160), nullable=False),
+    sa.Column("billed_micro", sa.BigInteger, nullable=False),
+    sa.Column("final", sa.Boolean, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+)
+"""Each job a bill names: what its lines bill in all, and whether that figure is final (its
+settlement is replaced by its lines in the periods: `billing.trueup`) or still provisional."""
+
+over_by_bill = sa.Table(
+    "gpu_over_by_bill",
+    metadata,
+    sa.Column("scope", sa.String(160), primary_key=True),
+    sa.Column("period_start", sa.Float, primary_key=True),
+    sa.Column("period_end", sa.Float, nullable=False),
+    sa.Column("budget_micro", sa.BigInteger, nullable=False),
+    sa.Column("spent_micro", sa.BigInteger, nullable=False),
+    sa.Column("marked_at", sa.Float, nullable=False),
+)
+"""Closed periods whose spend, trued up from the bill, passed their budget."""
+
 versions = sa.Table(
     "gpu_versions",
     metadata,

@@ -1,0 +1,68 @@
+"""Local bill files in either export's schema (`read_bill_files`), and the currency check the
+ledger makes before it books them (`check_currency`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from prefect_gpu_budget.billing.aws_cur2 import cur2_lines, is_cur2
+from prefect_gpu_budget.billing.gcp_billing import gcp_lines, is_gcp
+from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine
+from prefect_gpu_budget.billing.reading import number_repeats, open_rows, split_where
+
+CURRENCY_COLUMN = {"aws-cur2": "line_item_currency_code", "gcp-billing": "currency"}
+
+
+def read_bill_files(
+    paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str], source: str | None = None
+) -> list[BillLine]:
+    """The lines of local export files (Parquet, CSV, gzip CSV, JSON Lines; the format told
+    from each file's bytes), as one read: a line id repeated across them is numbered.
+
+    With `source` None each file's schema is told from its columns: CUR 2.0's snake_case
+    `identity_`/`line_item_`/`bill_` columns, or the GCP export's nested `invoice` and `cost`
+    fields; a file with neither, or both, is refused naming its columns. `source`
+    (`aws-cur2` or `gcp-billing`) reads every file in that schema. A file named twice is
+    refused (it would bill twice). GCP rows are nested, so a GCP file is JSON Lines or Parquet.
+    """
+    if isinstance(paths, str | os.PathLike):
+        paths = [paths]
+    if source is not None and source not in SOURCES:
+        raise ValueError(f"source is one of {', '.join(SOURCES)}, not {source!r}")
+    seen: set[Path] = set()
+    lines: list[BillLine] = []
+    for path in paths:
+        real = Path(path).resolve()
+        if real in seen:
+            raise BillError(str(path), "named twice: its lines would be billed twice")
+        seen.add(real)
+        rows = open_rows(path)
+        kind = source or _schema(rows.columns, rows.where)
+        lines += cur2_lines(rows) if kind == "aws-cur2" else gcp_lines(rows)
+    return number_repeats(lines)
+
+
+def _schema(columns: list[str], where: str) -> str:
+    aws, gcp = is_cur2(columns), is_gcp(columns)
+    if aws != gcp:
+        return "aws-cur2" if aws else "gcp-billing"
+    shown = ", ".join(columns[:8]) + (", ..." if len(columns) > 8 else "")
+    what = "both a CUR 2.0 and" if aws else "neither a CUR 2.0 nor"
+    raise BillError(where, f"{what} a GCP billing export by its columns ({shown or 'none'})")
+
+
+def check_currency(lines: Iterable[BillLine], currency: str = "USD") -> None:
+    """Refuse lines in another currency than `currency` (the budget's): `BillError` naming the
+    file, the column and the row of the first such line. Codes compare case-insensitively."""
+    want = currency.strip().upper()
+    for line in lines:
+        if line.currency.strip().upper() != want:
+            where, row = split_where(line.where)
+            raise BillError(
+                where or line.source,
+                f"billed in {line.currency!r}, not in the budget's {want}",
+                CURRENCY_COLUMN.get(line.source),
+                row,
+            )

@@ -13,18 +13,19 @@ Columns (CUR 2.0's snake_case names):
 - optional: `identity_time_interval` (the line id is `identity_line_item_id/identity_time_interval`
   where it is given, as the item id alone repeats over the hours), `line_item_net_unblended_cost`
   (the billed amount where the column exists and the row's value is not null, else
-  `line_item_unblended_cost`), `line_item_currency_code` (an export without the column is taken
-  to be in USD, as AWS bills in USD unless the account pays in another currency; a row with an
-  empty one is refused), `line_item_resource_id` (only with "include resource IDs"),
+  `line_item_unblended_cost`), `line_item_currency_code` (AWS's exports always have it; a file
+  without the column, such as a query that left it out, is taken to be in USD, while a row
+  with an empty one is refused), `line_item_resource_id` (only with "include resource IDs"),
   `line_item_usage_type` (the description).
 
 Dates are ISO 8601 text or Parquet timestamps (a naive one is UTC); money is a number or a
 number's text. Formats: Parquet, CSV, gzip CSV and JSON Lines, told from the file's bytes.
 
 The job mark is the tag `gpu-budget-job`. Once activated as a cost allocation tag it appears as
-a key of the `resource_tags` map; the key is matched case-insensitively in each of the forms
-it is documented or seen in: `user_gpu_budget_job` (CUR 2.0's normalized form), `user:gpu-budget-job`
-(the console's and the legacy CUR's), and `gpu-budget-job` bare. The map may be a Parquet
+a key of the `resource_tags` map. Which form that key takes is not settled by AWS's pages, so
+each form it may take is matched, case-insensitively: `user_gpu_budget_job` (snake_case with
+the `user_` prefix, as CUR 2.0 names its columns), `user:gpu-budget-job` (the tag as the
+Billing console and the legacy CUR name it), and `gpu-budget-job` bare. The map may be a Parquet
 map (pyarrow's list of (key, value) pairs), a list of `{"key", "value"}` records, a JSON object,
 or a JSON object's text (CSV). Two of those keys with different values on one line are refused.
 

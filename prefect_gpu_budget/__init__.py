@@ -16,6 +16,7 @@ from prefect_gpu_budget._lazy import lazy_exports
 _PUBLIC = {
     "Admission": "prefect_gpu_budget.admission.holding",
     "AdmissionRefused": "prefect_gpu_budget.admission.gate",
+    "BillingExport": "prefect_gpu_budget.blocks",
     "CapacityPool": "prefect_gpu_budget.blocks",
     "DeploymentLauncher": "prefect_gpu_budget.launchers.deployment",
     "Gate": "prefect_gpu_budget.admission.gate",
@@ -38,6 +39,7 @@ _PUBLIC = {
 __all__ = [
     "Admission",
     "AdmissionRefused",
+    "BillingExport",
     "CapacityPool",
     "DeploymentLauncher",
     "Gate",
@@ -61,7 +63,13 @@ if TYPE_CHECKING:
     from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
     from prefect_gpu_budget.admission.holding import Admission
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.blocks import CapacityPool, GpuBudget, GpuPriorityClass, SpendLedger
+    from prefect_gpu_budget.blocks import (
+        BillingExport,
+        CapacityPool,
+        GpuBudget,
+        GpuPriorityClass,
+        SpendLedger,
+    )
     from prefect_gpu_budget.job import GpuJob
     from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
     from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +53,23 @@ def until_in(url: str, scope: str, state: str) -> None:
         wait_for(lambda: ledger.views.jobs(scope, states=(state,)), 120, f"a {state} job")
     finally:
         ledger.db.dispose()
+
+
+def _utc(text: str) -> float:
+    """An ISO 8601 instant as epoch seconds."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def ran_job(ledger: Ledger, scope: str, start: str, end: str, rate_usd: float, **job) -> str:
+    """A job that ran from `start` to `end` at `rate_usd` an hour, settled as its launcher
+    would settle it."""
+    micro = round(rate_usd * 1_000_000)
+    asked = new_job(scope, rate_micro_per_hour=micro, rate_cents=-(-micro // 10_000), **job)
+    job_id, decision = ledger.queue.request(asked, now=_utc(start) - 5)
+    assert decision.verdict == "admit", decision
+    assert ledger.settlements.mark_started(job_id, _utc(start))
+    ended = ledger.settlements.settle(
+        job_id, ended_at=_utc(end), outcome="completed", scope=scope, now=_utc(end)
+    )
+    assert ended is not None
+    return job_id

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
-from prefect_gpu_budget.units import MICRO_PER_USD
+from prefect_gpu_budget.units import MICRO_PER_USD, BudgetInputError
 
 SOURCES: tuple[str, ...] = ("aws-cur2", "gcp-billing")
 """The exports a bill is read from: AWS Cost and Usage Report 2.0, GCP's billing export."""
@@ -14,18 +14,18 @@ JOB_MARK = "gpu-budget-job"
 """The tag (SageMaker) or label (Vertex AI) every cloud job carries: its ledger job id."""
 
 
-class BillError(ValueError):
+class BillError(BudgetInputError):
     """A bill that cannot be read: one line naming the file, the column and the row (row 1 is
-    the first line of data), whatever is known of them."""
+    the first line of data), whatever is known of them. Bad input: the CLI exits 2 with it."""
 
     def __init__(
         self, where: str, rule: str, column: str | None = None, row: int | None = None
     ) -> None:
-        self.where, self.rule, self.column, self.row = where, rule, column, row
         at = "".join(
             (f", column {column}" if column else "", f", row {row}" if row is not None else "")
         )
-        super().__init__(f"{where}{at}: {rule}")
+        super().__init__(f"{where}{at}", rule)
+        self.where, self.column, self.row = where, column, row
 
 
 @dataclass(frozen=True)

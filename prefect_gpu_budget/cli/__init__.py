@@ -17,6 +17,7 @@ import sys
 import typer
 
 from prefect_gpu_budget.cli.agents import agent_grant, agent_limits_cmd, agent_revoke, agents_serve
+from prefect_gpu_budget.cli.bill import bill_drift, bill_import
 from prefect_gpu_budget.cli.budgets import budget_set, budget_show, status
 from prefect_gpu_budget.cli.capacity import (
     capacity,
@@ -54,7 +55,12 @@ app.add_typer(agent_app, name="agents", hidden=True)  # `agents serve` reads bet
 pool_app = typer.Typer(help="Capacity pools and team quotas.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
 priority_app = typer.Typer(help="An org's own priority classes.", no_args_is_help=True)
+bill_app = typer.Typer(
+    help="The cloud's own bill: import it, and see it against the settlements.",
+    no_args_is_help=True,
+)
 app.add_typer(priority_app, name="priority")
+app.add_typer(bill_app, name="bill")
 
 app.callback()(set_ledger_url)
 budget_app.command("set")(budget_set)
@@ -77,6 +83,8 @@ agent_app.command("revoke")(agent_revoke)
 agent_app.command("limits")(agent_limits_cmd)
 agent_app.command("serve")(agents_serve)
 app.command("reconcile")(reconcile_cmd)
+bill_app.command("import")(bill_import)
+bill_app.command("drift")(bill_drift)
 app.command()(demo)
 app.command()(sweep)
 app.command()(forecast)

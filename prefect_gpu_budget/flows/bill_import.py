@@ -1,0 +1,105 @@
+"""The daily import of the cloud's bill (`bill-import/daily`), and what an import tells: a
+closed period over its budget by the bill as a Prefect event and a notification.
+
+The flow reads a `BillingExport` block (by name, `default` unless told) for the periods the
+providers may still restate (`billing.trueup.periods_to_read`), imports each whole
+(`billing.imports`), and publishes the drift per scope as a table artifact.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_table_artifact
+from prefect.events import emit_event
+
+from prefect_gpu_budget.billing.imports import import_lines, over_line, summary
+from prefect_gpu_budget.billing.trueup import periods_to_read
+from prefect_gpu_budget.blocks.billing import BillingExport
+from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.units import micro_to_usd
+
+OVER_BY_BILL_EVENT = "gpu-budget.period.over-by-bill"
+
+
+def announce_over_by_bill(ledger: Any, marks: list[Any]) -> None:
+    """For each closed period the bill put over its budget: a Prefect event, and a
+    notification through the nearest budget on its path that names a notification block."""
+    from prefect.blocks.core import Block
+
+    for mark in marks:
+        emit_event(
+            event=OVER_BY_BILL_EVENT,
+            resource={
+                "prefect.resource.id": f"gpu-budget.scope.{mark.scope}",
+                "prefect.resource.name": mark.scope,
+                "gpu-budget.scope": mark.scope,
+            },
+            payload={
+                "period_start": mark.period_start,
+                "period_end": mark.period_end,
+                "budget_usd": micro_to_usd(mark.budget_micro),
+                "spent_usd": micro_to_usd(mark.spent_micro),
+            },
+        )
+        targets = [r.notify_block for r in reversed(ledger.config.path_budgets(mark.scope))]
+        targets = [t for t in targets if t]
+        if targets:
+            Block.load(targets[0]).notify(
+                body=over_line(mark), subject=f"GPU budget: {mark.scope} over by the bill"
+            )
+
+
+@flow(name="gpu-budget-bill-import")
+def bill_import(
+    export: str = "default",
+    periods: list[str] | None = None,
+    ledger: SpendLedger | None = None,
+) -> list[dict[str, Any]]:
+    """Import the bill of `periods` (default: the current one, and the last one for 15 days
+    after it closed) from the `BillingExport` block named `export`; a missing block is said in
+    the logs, and nothing is imported."""
+    logger = get_run_logger()
+    try:
+        block = BillingExport.load(export)
+    except ValueError:
+        logger.warning(
+            "no BillingExport block named %r: save one (kind aws-cur2, gcp-billing or file) to "
+            "true the ledger up from the cloud's bill",
+            export,
+        )
+        return []
+    led = (ledger or SpendLedger()).ledger()
+    wanted = periods or periods_to_read(time.time())
+    read = block.read(wanted)
+    lines = [line for group in read.values() for line in group]
+    done = import_lines(
+        led,
+        lines,
+        read_from=block.where(),
+        provisional_hours=block.provisional_hours,
+        periods=read.keys(),
+    )
+    for item in done:
+        logger.info(summary(item))
+        for mark in item.over_by_bill:
+            logger.warning(over_line(mark))
+        announce_over_by_bill(led, item.over_by_bill)
+    drift = led.bills.drift()
+    rows = [
+        {
+            "scope": scope,
+            "settled_usd": micro_to_usd(t["settled_micro"]),
+            "billed_usd": micro_to_usd(t["billed_micro"]),
+            "drift_usd": micro_to_usd(t["drift_micro"]),
+            "provisional_jobs": t["provisional"],
+        }
+        for scope, t in sorted(drift["scopes"].items())
+    ]
+    if rows:
+        create_table_artifact(rows, key="gpu-bill-drift", description="Settled vs billed")
+    return [
+        item.__dict__ | {"over_by_bill": [m.__dict__ for m in item.over_by_bill]} for item in done
+    ]

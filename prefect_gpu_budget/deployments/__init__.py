@@ -1,4 +1,5 @@
-"""Deployments: a nightly sweep, a daily spend report, reconcile every few minutes.
+"""Deployments: a nightly sweep, a daily spend report, the cloud's bill imported daily,
+reconcile every few minutes.
 
 `prefect-gpu-budget serve` runs them in one process (`flow.serve`); `prefect-gpu-budget deploy`
 registers them on a work pool; `prefect.yaml` beside this file does the same for `prefect deploy`.
@@ -12,6 +13,7 @@ from typing import Any
 from prefect.schedules import Cron, Interval
 
 from prefect_gpu_budget.flows.agent import agent_sweep
+from prefect_gpu_budget.flows.bill_import import bill_import
 from prefect_gpu_budget.flows.reconcile import reconcile_flow
 from prefect_gpu_budget.flows.spend_report import spend_report
 from prefect_gpu_budget.flows.sweep import gpu_sweep
@@ -34,6 +36,7 @@ def _flows(from_source: bool) -> tuple[Any, ...]:
         (spend_report, "spend_report.py:spend_report"),
         (reconcile_flow, "reconcile.py:reconcile_flow"),
         (agent_sweep, "agent.py:agent_sweep"),
+        (bill_import, "bill_import.py:bill_import"),
     )
     if not from_source:
         return tuple(flow for flow, _ in flows)
@@ -49,14 +52,17 @@ def deployments(
     report_cron: str = "0 7 * * *",
     reconcile_every_s: int = 300,
     from_source: bool = False,
+    bill_cron: str = "0 6 * * *",
 ) -> list[Any]:
     """The deployments, ready for `prefect.serve` (or, `from_source`, for a work pool).
 
     The sweep's schedule carries its own parameters (the spec). `agent-sweep/agents` is started
     by the agent gateway with the agent's session and grant (agents hold no Prefect access).
+    `gpu-budget-bill-import/daily` reads the `BillingExport` block named `default` (none saved:
+    it says so and imports nothing).
     """
     spec = SweepSpec.from_yaml(sweep_spec).model_dump(mode="json")
-    sweep, report, reconcile, agent_run = _flows(from_source)
+    sweep, report, reconcile, agent_run, bill = _flows(from_source)
     return [
         sweep.to_deployment(
             name=SWEEP,
@@ -68,6 +74,11 @@ def deployments(
         reconcile.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
         agent_run.to_deployment(
             name=AGENT, description="A GPU sweep in an agent's session, started by the gateway."
+        ),
+        bill.to_deployment(
+            name=REPORT,
+            schedules=[Cron(bill_cron, timezone="UTC")],
+            description="The cloud's bill, imported from the BillingExport block `default`.",
         ),
     ]
 

@@ -12,10 +12,20 @@ def test_deploy_to_a_process_work_pool(prefect_api):
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="gpu-test", type="process"))
     ids = deploy("gpu-test", sweep_cron="30 1 * * *")
-    assert len(ids) == 4
+    assert len(ids) == 5
     with get_client(sync_client=True) as client:
-        found = {d.name: d for d in client.read_deployments() if d.work_pool_name == "gpu-test"}
-    assert set(found) == {"sweep", "daily", "every-5-minutes", "agents"}
+        mine = [d for d in client.read_deployments() if d.work_pool_name == "gpu-test"]
+        flows = {f.id: f.name for f in client.read_flows()}
+    assert {(flows[d.flow_id], d.name) for d in mine} == {
+        ("gpu-sweep", "sweep"),
+        ("gpu-budget-spend-report", "daily"),
+        ("gpu-budget-bill-import", "daily"),
+        ("gpu-budget-reconcile", "every-5-minutes"),
+        ("agent-sweep", "agents"),
+    }
+    found = {d.name: d for d in mine}
+    [bill] = [d for d in mine if d.entrypoint.endswith("bill_import.py:bill_import")]
+    assert bill.schedules[0].schedule.cron == "0 6 * * *"
     sweep = found["sweep"]
     assert sweep.entrypoint == "prefect_gpu_budget/flows/sweep.py:gpu_sweep"
     assert sweep.pull_steps[0]["prefect.deployments.steps.set_working_directory"][

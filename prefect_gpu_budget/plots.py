@@ -270,6 +270,50 @@ def spend_over_time(
     return path
 
 
+def settled_vs_billed(
+    scopes: dict[str, dict[str, int]], path: Path, *, unowned_micro: int = 0
+) -> Path | None:
+    """Per scope, what the ledger settled beside what the cloud billed for the jobs a bill
+    names (`Bills.drift`'s `scopes`), the drift written at the end of each pair; scopes with a
+    provisional figure marked so. `unowned_micro`: the bill's lines no job owns, named under
+    the plot, never spread over the scopes."""
+    if not scopes:
+        return None
+    plt = _pyplot()
+    names = sorted(scopes)
+    fig, ax = plt.subplots(figsize=(7.6, 1.2 + 0.55 * len(names)))
+    ys = range(len(names))
+    settled = [micro_to_usd(scopes[n]["settled_micro"]) for n in names]
+    billed = [micro_to_usd(scopes[n]["billed_micro"]) for n in names]
+    ax.barh([y + 0.2 for y in ys], settled, height=0.38, color="tab:blue", label="settled (ledger)")
+    ax.barh([y - 0.2 for y in ys], billed, height=0.38, color="tab:orange", label="billed (cloud)")
+    top = max([*settled, *billed, 0.0]) or 1.0
+    for y, name in zip(ys, names, strict=True):
+        drift = micro_to_usd(scopes[name]["drift_micro"])
+        note = f"{drift:+,.4g} USD" + (" (provisional)" if scopes[name]["provisional"] else "")
+        ax.annotate(
+            note,
+            (max(settled[y], billed[y]), y),
+            textcoords="offset points",
+            xytext=(4, -3),
+            fontsize=8,
+            color="tab:red" if drift > 0 else "tab:green",
+        )
+    ax.set_yticks(list(ys), names, fontsize=8)
+    ax.set_xlim(0, top * 1.35)
+    ax.set_xlabel("USD")
+    title = "settled vs billed, per scope"
+    if unowned_micro:
+        title += f"\n(the bill's lines no job owns: {micro_to_usd(unowned_micro):,.4g} USD, apart)"
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
 def embed(paths: Iterable[Path | None], heading: str = "Plots") -> str:
     """Markdown that shows PNG files inline (as data URIs) in the Prefect UI."""
     parts = [f"## {heading}"]

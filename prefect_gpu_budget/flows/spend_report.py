@@ -6,6 +6,8 @@ For a scope (or every scope) and the last `hours`, the flow reads the ledger and
   settled, reserved and remaining spend, running and queued jobs, and the window's spend, job
   count and queue wait (mean and p95 of `admitted_at - requested_at` for admitted jobs);
 - a table artifact of the ten costliest jobs of the window;
+- once a cloud's bill was imported, a table artifact of each billed job's reservation,
+  settlement, bill and drift, and a settled-vs-billed plot per scope;
 - a markdown artifact with a short summary (total, biggest scope, who waits and why) and the
   plots, which are also PNG files in `out_dir`.
 
@@ -25,7 +27,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from prefect_gpu_budget.blocks import SpendLedger
-from prefect_gpu_budget.plots import embed, spend_over_time
+from prefect_gpu_budget.plots import embed, settled_vs_billed, spend_over_time
 from prefect_gpu_budget.units import (
     BudgetInputError,
     cost_micro,
@@ -246,6 +248,30 @@ def _publish_capacity(led, orgs: list[str]) -> None:
     )
 
 
+def _publish_bill(led: Any, scope: str | None, out: Path) -> Path | None:
+    """The cloud's bill against the settlements (`Bills.drift`): a table artifact per job and
+    per scope, and the settled-vs-billed plot; nothing before a bill was imported."""
+    drift = led.bills.drift(scope)
+    if not drift["jobs"]:
+        return None
+    money = ("reserved", "settled", "billed", "drift")
+    create_table_artifact(
+        key="gpu-budget-bill-drift",
+        table=[
+            {
+                "job_id": j["job_id"][:8],
+                "scope": j["scope"],
+                **{f"{m}_usd": micro_to_usd(j[f"{m}_micro"]) for m in money},
+                "figure": "final" if j["final"] else "provisional",
+            }
+            for j in drift["jobs"]
+        ],
+        description="What the cloud billed against what the ledger settled, per job",
+    )
+    unowned = sum(x["billed_micro"] for kind in ("untagged", "account") for x in drift[kind])
+    return settled_vs_billed(drift["scopes"], out / "settled-vs-billed.png", unowned_micro=unowned)
+
+
 @flow(name="gpu-budget-spend-report")
 def spend_report(
     scope: str | None = None,
@@ -304,6 +330,7 @@ def spend_report(
         )
     if not df.empty:
         plots.append(_wait_chart(df, out / "queue-wait.png"))
+    plots.append(_publish_bill(led, scope, out))
     create_markdown_artifact(
         key="gpu-budget-spend-summary",
         markdown=_summary(jobs, scope, hours, since, now) + "\n\n" + embed(plots, "Plots"),

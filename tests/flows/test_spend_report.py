@@ -152,3 +152,52 @@ def test_spend_report_shows_team_quotas_and_the_capacity_queue(prefect_api, tmp_
     assert quotas["cap/b"]["quota_vcpu"] == 192 and quotas["cap/b"]["lent_gpus"] == 8
     [queued] = by_key["gpu-budget-capacity-queue"]
     assert queued["job_id"] == waiter[:8] and "cap/a" in queued["reason"]
+
+
+def test_spend_report_sets_the_bill_beside_the_settlements(
+    prefect_api, ledger, ledger_url, tmp_path
+):
+    from prefect_gpu_budget.billing.lines import BillLine
+    from prefect_gpu_budget.billing.trueup import month_of
+    from tests.jobs import ran_job
+
+    ledger.config.set_budget(BudgetRule("bil", period_budget_micro=100 * 10**6, period="month"))
+    start = time.time() - 5 * 86400
+    at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))
+    end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start + 3600))
+    jobs = [ran_job(ledger, f"bil/team/s{i}", at, end, 3.6) for i in (1, 2)]
+
+    def line(job: str | None, usd: float, kind: str = "Usage") -> BillLine:
+        return BillLine(
+            source="aws-cur2",
+            billing_period=month_of(start),
+            line_id=f"{job}-{usd}",
+            line_type=kind,
+            usage_start=start,
+            usage_end=start + 3600,
+            billed_micro=round(usd * 1_000_000),
+            currency="USD",
+            job_mark=job,
+        )
+
+    lines = [line(jobs[0], 2.9), line(jobs[1], 4.1), line(None, 0.7, "Tax")]
+    ledger.bills.import_bill("aws-cur2", month_of(start), lines, provisional_hours=0)
+    out = tmp_path / "reports"
+    state = spend_report(
+        hours=24 * 7,
+        ledger=SpendLedger(database_url=ledger_url),
+        out_dir=str(out),
+        return_state=True,
+    )
+    assert state.is_completed(), state.message
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])
+            )
+        )
+    [drift] = [a for a in artifacts if a.key == "gpu-budget-bill-drift"]
+    rows = {r["scope"]: r for r in json.loads(drift.data)}
+    assert rows["bil/team/s1"]["billed_usd"] == 2.9 and rows["bil/team/s1"]["settled_usd"] == 3.6
+    assert rows["bil/team/s2"]["drift_usd"] == pytest.approx(0.5)
+    assert (out / "settled-vs-billed.png").stat().st_size > 1000

@@ -152,6 +152,11 @@ def _limit_line(ax: Any, value: float, top: float, colour: str, label: str, unit
         )
 
 
+OWN_SCALE_RATIO = 8
+"""Reservations this many times the spend, or more, would flatten the spend line: it is then
+drawn on a scale of its own (the right axis)."""
+
+
 def spend_over_time(
     rows: Iterable[dict[str, Any]],
     path: Path,
@@ -166,7 +171,8 @@ def spend_over_time(
     against the period budget; `forecast`: the line is the expected cost and the band the
     reservations the gate would hold, the most held at once named (what meets the budget).
     Bottom: the running rate against the hourly cap. Axes fit the data, so the plot reads at
-    any budget; a limit far above the data is named rather than drawn. `resets` are the instants
+    any budget; a limit far above the data is named rather than drawn; a spend far below the
+    reservations gets a scale of its own (right axis, OWN_SCALE_RATIO). `resets` are the instants
     at which the period budget starts again: the spend shown starts from zero there, as the
     budget does."""
     rows = [r for r in rows if r.get("admitted_at") is not None]
@@ -213,14 +219,22 @@ def spend_over_time(
         else "reserved (held until settled)",
     )
     spent = "expected spend" if forecast else "spent"
-    top.step(
+    # reservations far above the spend would flatten it to the axis: it gets a scale of its own
+    own_scale = 0 < max(settled) * OWN_SCALE_RATIO < max(committed)
+    spend_ax = top.twinx() if own_scale else top
+    spend_ax.step(
         xs,
         settled,
         where="post",
         color="tab:blue",
         linewidth=2,
-        label="expected spend (expected runtime)" if forecast else "spent (settled)",
+        label=("expected spend (expected runtime)" if forecast else "spent (settled)")
+        + (", right axis" if own_scale else ""),
     )
+    if own_scale:
+        spend_ax.set_ylim(0, max(settled) * 1.3)
+        spend_ax.set_ylabel("USD spent (its own scale)", color="tab:blue")
+        spend_ax.tick_params(axis="y", colors="tab:blue")
     if forecast:
         peak = max(range(len(xs)), key=lambda i: committed[i])
         top.annotate(
@@ -231,7 +245,7 @@ def spend_over_time(
             fontsize=8,
             color="tab:purple",
         )
-    top.annotate(
+    spend_ax.annotate(
         f"{spent} ${settled[-1]:,.4g}",
         (xs[-1], settled[-1]),
         textcoords="offset points",
@@ -263,7 +277,18 @@ def spend_over_time(
     for ax in (top, bottom):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        handles, labels = ax.get_legend_handles_labels()
+        if ax is top and own_scale:
+            more = spend_ax.get_legend_handles_labels()
+            handles, labels = handles + more[0], labels + more[1]
+        ax.legend(
+            handles,
+            labels,
+            fontsize=8,
+            loc="upper left",
+            bbox_to_anchor=(1.2 if ax is top and own_scale else 1.01, 1.0),
+            frameon=False,
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -79,3 +79,31 @@ def test_spend_plot_draws_period_resets_and_counts_each_period_from_zero(tmp_pat
     settled = next(line for line in top.get_lines() if line.get_label() == "spent (settled)")
     assert max(settled.get_ydata()) == 10.0  # never the $30 of all three days
     assert figures[0].axes[1].get_xlabel() == "hours since first admission"  # 50 h
+
+
+def test_a_spend_far_below_its_reservations_gets_a_scale_of_its_own(tmp_path, monkeypatch):
+    """$0.02 spent against $40 reserved: on the reservations' axis the spend line would lie
+    flat on zero; it is drawn on the right axis, scaled to itself."""
+    figures = []
+    plt = plots._pyplot()
+    monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
+    rows = [
+        {
+            "admitted_at": 60.0 * i,
+            "started_at": 60.0 * i,
+            "ended_at": 60.0 * i + 20 if i < 2 else None,
+            "settled_at": 60.0 * i + 20 if i < 2 else None,
+            "reserved_micro": 10_000_000,
+            "actual_micro": 10_000 if i < 2 else None,
+            "rate_micro_per_hour": 1_800_000,
+        }
+        for i in range(6)
+    ]
+    assert plots.spend_over_time(rows, tmp_path / "s.png", budget_micro=50_000_000) is not None
+    top, spend = figures[0].axes[0], figures[0].axes[-1]
+    [line] = [x for x in spend.get_lines() if x.get_label().startswith("spent (settled)")]
+    assert spend is not top and max(line.get_ydata()) == 0.02
+    assert spend.get_ylim()[1] < 0.1 and top.get_ylim()[1] > 40  # each read on its own scale
+    even = [{**r, "reserved_micro": 10_000} for r in rows[:2]]  # held what it spent
+    plots.spend_over_time(even, tmp_path / "t.png")  # one scale reads both
+    assert len(figures[1].axes) == 2

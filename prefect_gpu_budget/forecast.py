@@ -1,20 +1,29 @@
 """What a sweep will do before it spends anything: the simulator run from the ledger's state.
 
-Each trial is taken to run for its expected runtime (or its max runtime if no estimate is
-given); at most `parallelism` trials ask for admission at once, as in the sweep itself; a trial
-that would wait past its `max_wait`, or meet a limit with `on_limit: reject`, ends unadmitted
-as the gate would end it.
+Two runs of the one simulation, told apart (a figure says what it is):
+
+- the likely outcome: each trial runs as long as this sweep's finished trials have run (the mean
+  of its latest ones in the ledger: a forecast made mid-sweep, or after an earlier run of it),
+  else its `expected_runtime`, else its `max_runtime`;
+- the bound: each trial runs to its `max_runtime` and kill grace, the most it can cost and what
+  the gate holds for it in guaranteed mode.
+
+Both reserve what the gate would reserve; at most `parallelism` trials ask for admission at once,
+as in the sweep itself; a trial that would wait past its `max_wait`, or meet a limit with
+`on_limit: reject`, ends unadmitted as the gate would end it.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger, hold_of
+from prefect_gpu_budget.admission.ledger import ACTIVE, LEARNED_OUTCOMES, Ledger, hold_of
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold, max_wait_of
+from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import price_job
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
@@ -29,12 +38,20 @@ from prefect_gpu_budget.units import (
 )
 
 HORIZON_S = 7 * 86400
+HISTORY_TRIALS = 20
+"""How many of a sweep's latest finished trials its likely runtime is the mean of."""
+HISTORY_ROWS = 2000
+"""How many of the scope's latest settled jobs are searched for them."""
 
 
 @dataclass(frozen=True)
-class Forecast:
-    trials: int
+class Outcome:
+    """The sweep's figures in one run of the simulation, each trial running `runtime_s`."""
+
+    runtime_s: float
     admitted: int
+    timed_out: int
+    rejected: int
     spend_micro: int
     makespan_s: float
     waiting: int
@@ -42,17 +59,10 @@ class Forecast:
     stopped_by: str | None
     """The period budget that leaves trials unadmitted within the horizon, and when it resets."""
     result: SimResult
-    timed_out: int = 0
-    rejected: int = 0
-    max_wait_s: float = 0.0
-    """The max wait that times trials out (0: they wait as long as it takes)."""
-    warnings: tuple[str, ...] = ()
-    """The price warnings of the trials' quotes (stale, unverified, an upper bound)."""
 
     def as_dict(self) -> dict[str, object]:
-        """The figures as `forecast --json` and the agent gateway give them."""
         return {
-            "trials": self.trials,
+            "runtime_s": round(self.runtime_s, 1),
             "admitted": self.admitted,
             "timed_out": self.timed_out,
             "rejected": self.rejected,
@@ -60,27 +70,109 @@ class Forecast:
             "makespan_s": round(self.makespan_s, 1),
             "waiting": self.waiting,
             "mean_wait_s": round(self.mean_wait_s, 1),
-            "max_wait_s": self.max_wait_s,
             "stopped_by": self.stopped_by,
+        }
+
+    def headline(self, trials: int, max_wait_s: float) -> str:
+        """`9 of 12 trials admitted within 7d, 3 time out after 30s (max_wait); spend ...`."""
+        ended = [f"{self.admitted} of {trials} trials admitted within {fmt_duration(HORIZON_S)}"]
+        if self.timed_out:
+            ended.append(f"{self.timed_out} time out after {fmt_duration(max_wait_s)} (max_wait)")
+        if self.rejected:
+            ended.append(f"{self.rejected} rejected (on_limit: reject)")
+        return (
+            f"{', '.join(ended)}; spend {fmt_usd(self.spend_micro)}; "
+            f"makespan {fmt_duration(self.makespan_s)}"
+        )
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """The likely outcome and the bound of a sweep; its bare figures (`admitted`, `spend_micro`
+    ...) are the likely ones."""
+
+    trials: int
+    likely: Outcome
+    bound: Outcome
+    runtime_from: str
+    """What the likely runtime is taken from: the sweep's finished trials, its expected_runtime,
+    or its max_runtime when it has neither."""
+    reserve_s: float = 0.0
+    """What the gate reserves each trial for in guaranteed mode: max_runtime + kill grace."""
+    max_wait_s: float = 0.0
+    """The max wait that times trials out (0: they wait as long as it takes)."""
+    warnings: tuple[str, ...] = ()
+    """The price warnings of the trials' quotes (stale, unverified, an upper bound)."""
+
+    @property
+    def admitted(self) -> int:
+        return self.likely.admitted
+
+    @property
+    def timed_out(self) -> int:
+        return self.likely.timed_out
+
+    @property
+    def rejected(self) -> int:
+        return self.likely.rejected
+
+    @property
+    def spend_micro(self) -> int:
+        return self.likely.spend_micro
+
+    @property
+    def makespan_s(self) -> float:
+        return self.likely.makespan_s
+
+    @property
+    def waiting(self) -> int:
+        return self.likely.waiting
+
+    @property
+    def mean_wait_s(self) -> float:
+        return self.likely.mean_wait_s
+
+    @property
+    def stopped_by(self) -> str | None:
+        return self.likely.stopped_by
+
+    @property
+    def result(self) -> SimResult:
+        return self.likely.result
+
+    def as_dict(self) -> dict[str, object]:
+        """The figures as `forecast --json` and the agent gateway give them: `likely` and
+        `bound` each with the same fields; the top-level `admitted`, `timed_out`, `rejected`,
+        `spend_usd`, `makespan_s`, `waiting`, `mean_wait_s` and `stopped_by` are the likely
+        ones, as `likely` gives them (kept at the top for clients that read them there)."""
+        likely = self.likely.as_dict()
+        return {
+            "trials": self.trials,
+            **{k: v for k, v in likely.items() if k != "runtime_s"},
+            "likely": likely,
+            "bound": self.bound.as_dict(),
+            "runtime_from": self.runtime_from,
+            "reserve_s": round(self.reserve_s, 1),
+            "max_wait_s": self.max_wait_s,
             "warnings": list(self.warnings),
             "summary": self.describe(),
         }
 
     def describe(self) -> str:
+        likely, bound = self.likely, self.bound
         lines = [
-            f"{self.admitted} of {self.trials} trials admitted within {fmt_duration(HORIZON_S)}; "
-            f"spend {fmt_usd(self.spend_micro)}; makespan {fmt_duration(self.makespan_s)}",
-            f"{self.waiting} trials wait (mean {fmt_duration(self.mean_wait_s)})",
+            f"likely, each trial {fmt_duration(likely.runtime_s)} ({self.runtime_from}): "
+            + likely.headline(self.trials, self.max_wait_s)
         ]
-        if self.timed_out:
-            lines.append(
-                f"{self.timed_out} trials will time out after {fmt_duration(self.max_wait_s)} "
-                "(max_wait)"
-            )
-        if self.rejected:
-            lines.append(f"{self.rejected} trials will be rejected (on_limit: reject)")
-        if self.stopped_by:
-            lines.append(f"stopped by {self.stopped_by}")
+        if likely.waiting:
+            lines.append(f"{likely.waiting} trials wait (mean {fmt_duration(likely.mean_wait_s)})")
+        if likely.stopped_by:
+            lines.append(f"stopped by {likely.stopped_by}")
+        lines.append(
+            f"bound, if every trial ran to its max_runtime ({fmt_duration(self.reserve_s)} with "
+            "kill grace, what the gate reserves for it): "
+            + bound.headline(self.trials, self.max_wait_s)
+        )
         lines += [f"price warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 
@@ -95,10 +187,31 @@ def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
     return rules
 
 
+def likely_runtime(spec: SweepSpec, ledger: Ledger, job: GpuJob) -> tuple[float, str]:
+    """How long a trial of `spec` likely runs, and what says so: the mean billed runtime of the
+    sweep's latest finished trials (its jobs named `<name>/<index>` in its scope that ran their
+    course, `LEARNED_OUTCOMES`), else the job's expected_runtime, else its max_runtime."""
+    named = re.compile(re.escape(spec.name) + r"/\d{4,}")
+    shown = [
+        row["billed_seconds"]
+        for row in ledger.views.jobs(spec.scope, states=("settled",), limit=HISTORY_ROWS)
+        if row["scope"] == spec.scope
+        and named.fullmatch(row["name"] or "")
+        and row["outcome"] in LEARNED_OUTCOMES
+        and (row["billed_seconds"] or 0) > 0
+    ][-HISTORY_TRIALS:]
+    if shown:
+        many = f"{len(shown)} finished trials" if len(shown) > 1 else "1 finished trial"
+        return sum(shown) / len(shown), f"as its {many} ran"
+    if job.expected_runtime:
+        return job.expected_runtime, "its expected_runtime"
+    return job.max_runtime, "its max_runtime: no expected_runtime and no finished trial"
+
+
 def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forecast:
-    """The sweep as the gate would run it: each trial priced as the gate prices it
-    (`price_job`: a part of a machine pays its part), in a scope the gate would accept (a
-    `BudgetInputError` naming the level nobody created, as the gate refuses it)."""
+    """The sweep as the gate would run it, likely and at worst: each trial priced as the gate
+    prices it (`price_job`: a part of a machine pays its part), in a scope the gate would accept
+    (a `BudgetInputError` naming the level nobody created, as the gate refuses it)."""
     now = time.time() if now is None else now
     unknown = ledger.views.unknown_scope(spec.scope)
     if unknown is not None:
@@ -110,15 +223,14 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         job = spec.job_for(params, f"{spec.name}/{index:04d}")
         quote = price_job(job)[0]
         warnings.update(dict.fromkeys(quote.warnings))
-        runtime = job.expected_runtime or job.max_runtime
         jobs.append(
             SimJob(
                 job_id=f"{index:04d}",
                 scope=spec.scope,
                 arrival=now + index * 1e-6,
                 rate_micro_per_hour=quote.rate_micro_per_hour,
-                expected_s=runtime,
-                true_s=runtime,
+                expected_s=job.expected_runtime or job.reserve_runtime_s,  # as the gate asks
+                true_s=job.reserve_runtime_s,  # each run below says how long trials take
                 max_runtime_s=job.reserve_runtime_s,
                 priority=job.priority
                 if isinstance(job.priority, int)
@@ -136,16 +248,38 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         else "estimate-metered"
     )
     holds, settled = _ledger_state(ledger, rules, org_of(spec.scope), now)
-    result = simulate(
-        jobs,
-        rules.values(),
-        mode,
-        until=now + HORIZON_S,
-        settled=settled,
-        holds=holds,
-        in_flight=spec.parallelism,
-        limits=True,
+
+    def run(runtime_s: float) -> Outcome:
+        result = simulate(
+            [replace(job, true_s=runtime_s) for job in jobs],
+            rules.values(),
+            mode,
+            until=now + HORIZON_S,
+            settled=settled,
+            holds=holds,
+            in_flight=spec.parallelism,
+            limits=True,
+        )
+        return _outcome(result, runtime_s, rules, now)
+
+    first = spec.job_for(trials[0] if trials else {}, spec.name)
+    runtime, runtime_from = likely_runtime(spec, ledger, first)
+    path = [rules[s] for s in scope_path(spec.scope) if s in rules]
+    return Forecast(
+        trials=len(trials),
+        likely=run(runtime),
+        bound=run(first.reserve_runtime_s),
+        runtime_from=runtime_from,
+        reserve_s=first.reserve_runtime_s,
+        max_wait_s=max_wait_of(first.max_wait, path),
+        warnings=tuple(warnings),
     )
+
+
+def _outcome(
+    result: SimResult, runtime_s: float, rules: dict[str, BudgetRule], now: float
+) -> Outcome:
+    """The figures of one run of the simulation, from `now`."""
     admitted = [r for r in result.records if r.admitted_at is not None]
     waits = [r.wait_s for r in admitted if r.wait_s and r.wait_s > 1e-3]  # not ties of the clock
     ends = [r.ended_at for r in admitted if r.ended_at is not None]
@@ -164,22 +298,17 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
             f"{len(late)} trials wait until it resets "
             f"{periods.fmt_instant(resumes, rule.timezone) if resumes else 'later'}"
         )
-    path = [rules[s] for s in scope_path(spec.scope) if s in rules]
-    own_wait = spec.job_for(trials[0], spec.name).max_wait if trials else None
-    max_wait = max_wait_of(own_wait, path)
-    return Forecast(
-        trials=len(trials),
+    return Outcome(
+        runtime_s=runtime_s,
         admitted=len(admitted),
+        timed_out=sum(r.refused == "timeout" for r in result.records),
+        rejected=sum(r.refused == "reject" for r in result.records),
         spend_micro=sum(r.actual_micro for r in admitted),
         makespan_s=(max(ends) - now) if ends else 0.0,
         waiting=len(waits),
         mean_wait_s=sum(waits) / len(waits) if waits else 0.0,
         stopped_by=stopped_by,
         result=result,
-        timed_out=sum(r.refused == "timeout" for r in result.records),
-        rejected=sum(r.refused == "reject" for r in result.records),
-        max_wait_s=max_wait,
-        warnings=tuple(warnings),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -110,6 +111,16 @@ def test_forecast_command(tmp_path, prices):
     out = json.loads(done.stdout)
     assert out["admitted"] == 4 and out["waiting"] == 1 and out["stopped_by"] is None
     assert out["spend_usd"] == pytest.approx(4 * 3.6 * 1.5 / 3600, rel=1e-3)
+    # the top-level figures are the likely ones; the bound runs every trial 30 s + 1 s grace
+    assert {k: out["likely"][k] for k in ("admitted", "spend_usd")} == {
+        "admitted": 4,
+        "spend_usd": out["spend_usd"],
+    }
+    assert out["likely"]["runtime_s"] == 1.5 and out["bound"]["runtime_s"] == 31.0
+    # two at a time: the third waits past its max_wait (20 s) for the first to end at 31 s
+    assert (out["bound"]["admitted"], out["bound"]["timed_out"]) == (3, 1)
+    assert out["bound"]["spend_usd"] == pytest.approx(3 * 3.6 * 31 / 3600, rel=1e-3)
+    assert out["runtime_from"] == "its expected_runtime" and out["reserve_s"] == 31.0
     assert (tmp_path / "forecast.png").stat().st_size > 1000
 
 
@@ -128,7 +139,9 @@ def test_forecast_counts_the_trials_max_wait_will_time_out(prefect_api, prices, 
     spec = SweepSpec.model_validate({**fields, "job": {**fields["job"], "max_wait": "2s"}})
     predicted = forecast(spec, ledger)
     assert predicted.admitted == 0 and predicted.timed_out == 4
-    assert "4 trials will time out after 2s (max_wait)" in predicted.describe()
+    assert "0 of 4 trials admitted within 7d, 4 time out after 2s (max_wait)" in (
+        predicted.describe()
+    )
 
     df = gpu_sweep(spec, ledger=SpendLedger(database_url=url))
     assert (df["state"] == "AdmissionTimeout").sum() == predicted.timed_out
@@ -144,7 +157,88 @@ def test_forecast_counts_rejections(prices, tmp_path):
     assert held.verdict == "admit"
     predicted = forecast(_spec(tmp_path, 5), ledger)  # room for one trial at a time
     assert predicted.rejected >= 1 and predicted.admitted + predicted.rejected == 5
-    assert "will be rejected (on_limit: reject)" in predicted.describe()
+    assert f"{predicted.rejected} rejected (on_limit: reject)" in predicted.describe()
+
+
+def _short_trials(tmp_path, **job: str) -> SweepSpec:
+    """Six trials at $3.60/h ($0.001 a second) that may run 9 s (10 s with their grace)."""
+    fields = _spec(tmp_path, 6).model_dump()
+    base = {"instance_type": "local:box", "max_runtime": "9s", "kill_grace": "1s"}
+    return SweepSpec.model_validate({**fields, "job": {**base, "max_wait": "30s", **job}})
+
+
+def test_the_likely_outcome_and_the_bound_are_two_runs_told_apart(prices, tmp_path):
+    """Trials expected to run 1 s of their 9 s max_runtime, under a day budget that holds two
+    reservations ($0.01 each, what the gate holds for 10 s): likely, all six run, two at a time;
+    the bound, every trial running its whole reservation, spends the budget on the first two
+    and the other four time out. Both are given, each named; the bare figures are the likely."""
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", period_budget_usd="0.025", period="day").apply(ledger)
+    _team(ledger)
+    predicted = forecast(_short_trials(tmp_path, expected_runtime="1s"), ledger, now=1e9)
+
+    likely, bound = predicted.likely, predicted.bound
+    assert (likely.runtime_s, bound.runtime_s) == (1.0, 10.0)
+    assert (likely.admitted, likely.timed_out, likely.spend_micro) == (6, 0, 6_000)
+    assert likely.makespan_s == pytest.approx(3.0)
+    assert (bound.admitted, bound.timed_out, bound.spend_micro) == (2, 4, 20_000)
+    assert bound.makespan_s == pytest.approx(10.0)
+    assert (predicted.admitted, predicted.spend_micro) == (6, 6_000)
+
+    lines = predicted.describe().splitlines()
+    assert lines[0] == (
+        "likely, each trial 1s (its expected_runtime): 6 of 6 trials admitted within 7d; "
+        "spend $0.006; makespan 3s"
+    )
+    assert lines[-1] == (
+        "bound, if every trial ran to its max_runtime (10s with kill grace, what the gate "
+        "reserves for it): 2 of 6 trials admitted within 7d, 4 time out after 30s (max_wait); "
+        "spend $0.02; makespan 10s"
+    )
+    out = predicted.as_dict()
+    assert (out["admitted"], out["timed_out"]) == (6, 0)  # the likely, as `likely` has them
+    assert out["likely"]["admitted"] == 6 and out["likely"]["spend_usd"] == 0.006
+    assert out["bound"]["admitted"] == 2 and out["bound"]["timed_out"] == 4
+    assert out["bound"]["spend_usd"] == 0.02 and out["bound"]["makespan_s"] == 10.0
+
+
+def _finished(ledger: Ledger, scope: str, name: str, seconds: float, outcome: str) -> None:
+    """A trial that ran `seconds` and ended `outcome`, in the ledger as its sweep leaves it."""
+    from tests.jobs import new_job
+
+    now = time.time()
+    job_id, decision = ledger.queue.request(new_job(scope, name=name), now=now - seconds - 1)
+    assert decision.verdict == "admit"
+    assert ledger.settlements.mark_started(job_id, now - seconds)
+    assert ledger.settlements.settle(job_id, ended_at=now, outcome=outcome) is not None
+
+
+def test_the_likely_runtime_is_what_the_sweeps_finished_trials_took(prices, tmp_path):
+    """Asked again mid-sweep (or after a run), a sweep without an expected_runtime is likely to
+    run as its finished trials ran (completed or failed), not to its max_runtime; a cancelled
+    trial, another sweep's and the same name in another scope are not its."""
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(ledger)
+    _team(ledger)
+    spec = _short_trials(tmp_path)  # no expected_runtime
+    before = forecast(spec, ledger)
+    assert before.likely.runtime_s == 9.0
+    assert before.runtime_from == "its max_runtime: no expected_runtime and no finished trial"
+
+    _finished(ledger, spec.scope, "fc/0000", 2.0, "completed")
+    _finished(ledger, spec.scope, "fc/0001", 4.0, "failed")
+    _finished(ledger, spec.scope, "fc/0002", 8.0, "cancelled")
+    _finished(ledger, spec.scope, "other/0000", 8.0, "completed")
+    _finished(ledger, "fc/team/else", "fc/0003", 8.0, "completed")
+    during = forecast(spec, ledger)
+    assert during.likely.runtime_s == pytest.approx(3.0, abs=0.01)
+    assert during.runtime_from == "as its 2 finished trials ran"
+    # two at a time under the cap: 3 rounds of 3 s likely, of 10 s at worst
+    assert during.likely.makespan_s == pytest.approx(9.0, abs=0.1)
+    assert during.likely.spend_micro == pytest.approx(6 * 3_000, rel=0.01)
+    assert during.bound.makespan_s == pytest.approx(30.0, abs=0.1)
+    assert during.bound.spend_micro == 6 * 10_000
+    assert "likely, each trial 3s (as its 2 finished trials ran)" in during.describe()
 
 
 def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):

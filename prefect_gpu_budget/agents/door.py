@@ -394,7 +394,11 @@ class Door:
         return {"run_id": run_id, **stopped}
 
     def forecast(self, caller: Caller, spec: Any) -> dict[str, Any]:
-        """What the sweep would do under the caller's budgets now, before anything starts."""
+        """What the sweep would do under the caller's budgets now, before anything starts:
+        `likely` (each trial as long as the sweep's finished trials ran, else its
+        expected_runtime) and `bound` (each trial to its max_runtime, as the gate reserves it),
+        each with trials admitted, timed out and rejected, spend, makespan and waits; the
+        top-level figures are the likely ones (`Forecast.as_dict`)."""
         from prefect_gpu_budget.forecast import forecast
 
         return forecast(self._checked(caller, spec)[0], self.ledger).as_dict()

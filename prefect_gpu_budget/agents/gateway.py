@@ -179,7 +179,9 @@ def create_app(
     @app.post("/v1/forecast")
     def forecast(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, Any]:
         """What the sweep would do under the caller's budgets now: trials admitted, timed out
-        and rejected, spend, makespan and what binds. Nothing is started or reserved."""
+        and rejected, spend, makespan and what binds, `likely` (trials as long as the sweep's
+        finished trials ran, else its expected_runtime; also the top-level figures) and `bound`
+        (every trial to its max_runtime). Nothing is started or reserved."""
         return door.forecast(who, spec)
 
     @app.get("/v1/quote")

@@ -190,7 +190,8 @@ def mcp_app(
     @server.tool()
     async def forecast_sweep(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
         """What a sweep spec would cost and take, and whether this session's budget allows
-        it, without starting it."""
+        it, without starting it: `likely` figures and the `bound` if every trial ran to its
+        max_runtime."""
         return await act(ctx, lambda door, caller: door.forecast(caller, spec))
 
     @server.tool()

@@ -1,7 +1,10 @@
 """The demo: a real small sweep under a budget whose caps bite, on a temporary Prefect server.
 
 Twelve trials of a tiny numpy network (4 learning rates x 3 widths) on `local:demo-gpu`, priced
-so that the hourly cap lets two run at once and the day budget stops the tail.
+so that the hourly cap lets two run at once and the day budget stops the tail. Each trial takes
+`seconds` from its start (its `expected_runtime`), so the forecast the sweep logs first says what
+its run does: at 2.5 s, 9 trials run and 3 time out waiting for the spent budget; if every trial
+ran to its max_runtime, the bound beside it, 2 would run.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ DEMO_SCOPE = "demo-lab/sweeps/agent-1"
 SERVER_START_TIMEOUT_S = 180
 LEARNING_RATES = [0.05, 0.2, 0.5, 1.0]
 WIDTHS = [4, 16, 64]
+MAX_RUNTIME_S = 10.0
+"""Each trial reserves $12/h x 11 s (with its kill grace), $0.0367, of the $0.11 day budget."""
 
 
 def prepare(out: Path) -> str:
@@ -43,7 +48,7 @@ def prepare(out: Path) -> str:
         ledger
     )
     GpuBudget(
-        scope=DEMO_SCOPE, hourly_cap_usd=30, period_budget_usd="0.12", period="day", max_wait="30s"
+        scope=DEMO_SCOPE, hourly_cap_usd=30, period_budget_usd="0.11", period="day", max_wait="30s"
     ).apply(ledger)
     return url
 
@@ -54,7 +59,12 @@ def demo_spec(out: Path, trials: int, seconds: float) -> SweepSpec:
     return SweepSpec(
         name="demo",
         scope=DEMO_SCOPE,
-        job={"instance_type": "local:demo-gpu", "max_runtime": "10s", "kill_grace": "1s"},
+        job={
+            "instance_type": "local:demo-gpu",
+            "max_runtime": MAX_RUNTIME_S,
+            "expected_runtime": min(seconds, MAX_RUNTIME_S),  # what a trial takes, start-up in
+            "kill_grace": "1s",
+        },
         command=[
             sys.executable,
             "-m",

@@ -62,6 +62,46 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     assert charged == round(trials["cost_usd"].fillna(0).sum() * 1_000_000)
 
 
+@pytest.mark.timeout(300)
+def test_the_demos_first_forecast_says_what_its_run_does(prefect_api, tmp_path, monkeypatch):
+    """The demo as it runs by default (12 trials of 2.5 s): the likely figures of the forecast
+    its sweep publishes before its first trial are what the ledger then records, within one
+    trial and 10% of spend; the bound beside them, every trial running to its max_runtime, is
+    not (it admits 2 where about 9 run)."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_gpu_budget.flows.demo import DEMO_SCOPE, run_demo
+    from prefect_gpu_budget.flows.sweep import gpu_sweep
+    from prefect_gpu_budget.forecast import forecast
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", "")  # the demo sets its own; put back after
+    predicted = []
+
+    def run(spec, ledger):  # what the sweep publishes first, from the same ledger, just before
+        predicted.append(forecast(spec, ledger.ledger()))
+        return gpu_sweep(spec, ledger=ledger)
+
+    try:
+        run_demo(str(tmp_path / "out"), run=run)
+    finally:
+        default_catalog.cache_clear()
+    [said] = predicted
+    jobs = Ledger(f"sqlite:///{tmp_path / 'out' / 'ledger.db'}").views.jobs(DEMO_SCOPE)
+    admitted = sum(j["admitted_at"] is not None for j in jobs)
+    timed_out = sum(j["state"] == "timed_out" for j in jobs)
+    spent = sum(j["actual_micro"] or 0 for j in jobs)
+    likely = said.likely
+    assert said.runtime_from == "its expected_runtime" and likely.runtime_s == 2.5
+    assert abs(likely.admitted - admitted) <= 1, (likely, jobs)
+    assert abs(likely.timed_out - timed_out) <= 1, (likely, jobs)
+    assert abs(likely.spend_micro - spent) <= 0.1 * spent, (likely.spend_micro, spent)
+    assert said.bound.admitted == 2 and admitted - said.bound.admitted > 1
+    with get_client(sync_client=True) as client:
+        published = {a.key: a for a in client.read_artifacts() if a.key}["demo-forecast"].data
+    assert said.describe().splitlines()[0] in published
+
+
 def test_no_server_and_no_temporary_one_is_one_line_saying_what_to_run(tmp_path, prices):
     """A temporary server that cannot start in time (here: given one second, less than its
     import takes) ends the command with one line naming what to run, and no traceback."""

@@ -3,12 +3,20 @@
 PostgreSQL is expected at 127.0.0.1:5432 (trust auth); the databases the suite creates there,
 and the variables that name others, are listed in tests/postgres.py. When it is missing the
 PostgreSQL tests fail: they never skip.
+
+A run leaves no process and no database behind, however it is stopped: Ctrl-C (SIGINT to every
+process of the terminal's group) or SIGTERM to the pytest process (made a KeyboardInterrupt
+here). Its processes and databases are named for it (tests/runs.py), so at its end its top
+process ends those still there and drops those left, an interrupted worker's teardown being cut
+short by pytest-xdist after a few seconds; a run killed outright (SIGKILL) leaves them to the
+next run, which reaps them at its start.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -17,13 +25,48 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import pytest  # noqa: E402
 
-from tests.postgres import database_url, drop_created, require_postgres  # noqa: E402
+from tests import runs  # noqa: E402
+from tests.postgres import (  # noqa: E402
+    database_url,
+    drop_created,
+    drop_databases,
+    require_postgres,
+)
 
+os.environ[runs.MARK] = runs.OWNER  # every process this run starts carries its owner
 PG_URL = database_url("test", "GPU_BUDGET_TEST_PG_URL")
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    drop_created()  # each worker of a parallel run drops the databases it created
+def _reap(whose: Callable[[str], bool]) -> None:
+    runs.end_processes(whose)  # first: a server would hold its database
+    drop_databases(whose)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM stops the run as Ctrl-C does (a second one at once)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    raise KeyboardInterrupt
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's top process (not an xdist worker) reaps what runs that ended left, and turns
+    SIGTERM into an interruption."""
+    if not hasattr(config, "workerinput"):
+        _reap(runs.ended)
+        previous = signal.signal(signal.SIGTERM, _interrupt)
+        config.add_cleanup(lambda: signal.signal(signal.SIGTERM, previous))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_sessionfinish(session: pytest.Session) -> Iterator[None]:
+    """After the fixtures' teardown, even an interrupted one: each process drops the databases
+    it created, and the top process ends what is left of the run (its workers' too)."""
+    try:
+        return (yield)
+    finally:
+        drop_created()
+        if not hasattr(session.config, "workerinput"):
+            _reap(lambda owner: owner == runs.OWNER)
 
 
 SUITE_WORKERS = 4

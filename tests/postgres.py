@@ -2,7 +2,11 @@
 
 Every database the suite uses is named here, and each belongs to one run of the suite: the
 tests share their server with other work, so they create their own databases (named
-`gpu_budget_<purpose>_<run>`) and drop, at the end of the run, only those they created.
+`gpu_budget_<purpose>_<run>`, `<run>` being the run's owner (tests/runs.py) and this process's
+id) and drop, at the end of the run, only those they created. `drop_databases` drops those of
+the runs it is asked for: at the end of a run its own (what an interrupted one left), at the
+start of one those of runs that ended. The names benchmarks give (`gpu_budget_cli_<pid>`,
+`<prefix>_<id>`) are not of this form: those are never dropped here.
 
 | variable | default | used by |
 | --- | --- | --- |
@@ -25,11 +29,12 @@ import contextlib
 import glob
 import os
 import pwd
+import re
 import secrets
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,9 +49,12 @@ from benchmarks.harness.postgres import (
     postgres_database,
     server_of,
 )
+from tests.runs import OWNER
 
 SERVER = os.environ.get("GPU_BUDGET_TEST_PG_SERVER", "postgresql://postgres@127.0.0.1:5432")
-RUN = f"{os.getpid()}_{secrets.token_hex(3)}"
+RUN = f"{OWNER}_{secrets.token_hex(3)}"
+_NAMED = re.compile(r"gpu_budget_[a-z_]+?_(\d+_\d+_[0-9a-f]{6})_[0-9a-f]{6}(_[0-9a-f]{8})?")
+"""A database named for a run: its group 1 is the run's owner."""
 _created: list[str] = []
 
 
@@ -90,6 +98,26 @@ def drop_created() -> None:
         with contextlib.suppress(sa.exc.OperationalError):  # the server is gone: nothing to drop
             drop_database(url)
     _created.clear()
+
+
+def drop_databases(whose: Callable[[str], bool]) -> None:
+    """Drop the databases on `SERVER` named for a run whose owner `whose` picks; none when
+    the server does not answer."""
+    engine = sa.create_engine(
+        server_of(SERVER) + "/postgres", poolclass=sa.NullPool, connect_args={"connect_timeout": 10}
+    )
+    try:
+        with engine.connect() as conn:
+            names = conn.execute(sa.text("SELECT datname FROM pg_database")).scalars().all()
+    except sa.exc.OperationalError:
+        return
+    finally:
+        engine.dispose()
+    for name in names:
+        named = _NAMED.fullmatch(name)
+        if named and whose(named[1]):
+            with contextlib.suppress(sa.exc.OperationalError):
+                drop_database(f"{server_of(SERVER)}/{name}")
 
 
 @contextmanager

@@ -27,6 +27,10 @@ NO_SERVER = (
 """What the CLI says, in one line, when it needed a temporary Prefect server and got none."""
 METRICS_ENV = "GPU_BUDGET_METRICS_FILE"
 """Set in a trial's environment: the file it appends its JSON lines of metrics to."""
+JOB_ID_ENV = "GPU_BUDGET_JOB_ID"
+"""Set in an admitted job's environment (`lifecycle.run_admitted`): its ledger job id. A cloud
+launcher marks the cloud's job with it (`launchers/bill_mark.py`); the job's own process gets it
+too."""
 PRIORITY_CLASSES_ENV = "PREFECT_GPU_BUDGET_PRIORITY_CLASSES"
 """More named priority classes, e.g. `urgent=500,scavenger=-500` (values in -1000..1000)."""
 

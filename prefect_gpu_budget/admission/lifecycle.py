@@ -34,6 +34,7 @@ from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import Launcher, LaunchResult
 from prefect_gpu_budget.launchers.registry import launcher_ref
+from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import fmt_duration, fmt_usd
 
 COMPLETED, FAILED, CANCELLED, TIMED_OUT = "completed", "failed", "cancelled", "timed_out"
@@ -332,6 +333,10 @@ def run_admitted(
     capacity back (preempted) is stopped gracefully: SIGTERM or the cloud's stop, then its
     grace period to checkpoint, then a kill; it pays for what it used.
 
+    `env` reaches the job with its ledger job id added as GPU_BUDGET_JOB_ID
+    (`settings.JOB_ID_ENV`): a cloud launcher marks the cloud's job with it, so that the bill
+    can be matched to the ledger (`launchers/bill_mark.py`), and the job's process can read it.
+
     `phase` hears `started` once the start is on record and `settling` just before the
     settlement (the chaos benchmark kills its workers there). An exception from the launcher
     (a cancellation included) is re-raised once the job is settled as `cancelled`."""
@@ -350,7 +355,7 @@ def run_admitted(
             admission.quote,
             on_start=on_start,
             log=log,
-            env=env or {},
+            env={**(env or {}), JOB_ID_ENV: admission.job_id},
             on_submit=partial(gate.holding.submitted, admission),
         )
     finally:

@@ -3,8 +3,8 @@ gate and a scripted launcher show it settles once however the job ends, names a 
 preemption `preempted`, and says when to requeue; `Running` (every runner's life after
 admission) records the start once and stops a job once, at its deadline or when its admission
 must stop, however many ask; `Settlement` settles once, from any thread, as the body's ending
-names it. One test runs a real job through a real gate (PostgreSQL and SQLite, a Prefect server's
-limits) to count the threads it holds."""
+names it. Two tests run a real job through a real gate (PostgreSQL and SQLite): one, with a
+Prefect server's limits, counts the threads it holds; one sees the job handed its ledger id."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from prefect_gpu_budget.admission.lifecycle import (
 )
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchResult, Probe
+from prefect_gpu_budget.settings import JOB_ID_ENV
 
 
 class RecordingGate:
@@ -403,3 +404,27 @@ def test_an_admitted_job_holds_at_most_five_threads(ledger, prefect_api, tmp_pat
     assert 2 <= len(held) <= 5, held  # its one thread and the pump at least; never above 5
     assert sum("heartbeat" in name for name in held) == 1, held
     assert not any("running" in name for name in held), held  # no second watch of its own
+
+
+@pytest.mark.timeout(120)
+def test_the_job_is_handed_its_ledger_job_id(ledger, prices) -> None:
+    """`run_admitted` hands the launcher, and through it the job's own process, the job's
+    ledger id as GPU_BUDGET_JOB_ID (a cloud launcher marks the cloud's job with it), over any
+    the caller's env holds, beside the rest of that env."""
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.launchers.local import LocalLauncher
+
+    ledger.config.set_budget(BudgetRule("ids", hourly_cap_cents=1_000, period_budget_micro=10**8))
+    ledger.config.set_budget(BudgetRule("ids/a"))
+    gate = Gate(ledger)
+    said = 'echo "job $GPU_BUDGET_JOB_ID seed $SEED"'
+    job = GpuJob(instance_type="local:box", max_runtime="1m", command=["sh", "-c", said])
+    admission = gate.admit(job, "ids/a/s")
+    lines: list[str] = []
+    env = {"SEED": "7", JOB_ID_ENV: "not-its-id"}
+    ended = run_admitted(gate, admission, LocalLauncher(), env=env, log=lines.append)
+
+    row = ledger.views.job(admission.job_id)
+    assert ended.row["outcome"] == row["outcome"] == "completed"
+    assert f"job {row['id']} seed 7" in lines, lines

@@ -3,6 +3,10 @@
 Credentials and region come from prefect-aws's `AwsCredentials` block; its
 `aws_client_parameters.endpoint_url` points the client at another endpoint when one is set.
 
+Every training job is tagged `gpu-budget-job=<ledger job id>` (`launchers/bill_mark.py`), so that
+the bill (CUR 2.0's `resource_tags`, once the tag is activated for cost allocation) can be matched
+to the ledger; its TrainingJobName, the ledger's external id, is the fallback key.
+
 Money: SageMaker reports `BillableTimeInSeconds`, the wall-clock seconds it bills for each
 instance, so a job costs billable seconds x the quote's rate (which is already x the instance
 count). Managed spot bills the on-demand rate for fewer billable seconds than the job trained, so
@@ -39,6 +43,7 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
+from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, ledger_job_id, sagemaker_tag_problem
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import cost_micro, redact_urls, shown
 
@@ -91,7 +96,9 @@ class SageMakerLauncher(Block):
     The job's `instance_type` is `sagemaker:<ml instance type>` (e.g. `sagemaker:ml.g5.xlarge`),
     `nodes` is the instance count, `command` becomes the container's entrypoint and arguments and
     `env` its environment. `provisioning="spot"` uses managed spot training with checkpoints.
-    The job is settled from SageMaker's BillableTimeInSeconds.
+    The job is settled from SageMaker's BillableTimeInSeconds. A job run through the gate is
+    tagged `gpu-budget-job=<its ledger job id>`, which the bill carries once the tag is
+    activated for cost allocation.
 
     Example:
         ```python
@@ -239,7 +246,8 @@ class SageMakerLauncher(Block):
     def training_job_request(
         self, job: GpuJob, name: str, env: dict[str, str] | None = None
     ) -> dict[str, Any]:
-        """The CreateTrainingJob arguments for a job (after `preflight`)."""
+        """The CreateTrainingJob arguments for a job (after `preflight`); tagged with the
+        ledger job id that `env` carries (`bill_mark`), if it carries one."""
         instance = job.instance_type.partition(":")[2]
         algorithm: dict[str, Any] = {"TrainingImage": self.image_uri, "TrainingInputMode": "File"}
         if job.command:
@@ -268,6 +276,9 @@ class SageMakerLauncher(Block):
             stopping["MaxWaitTimeInSeconds"] = max_runtime + self.spot_max_wait
         if self.checkpoint_s3_uri:
             request["CheckpointConfig"] = {"S3Uri": self.checkpoint_s3_uri}
+        job_id = ledger_job_id(env)
+        if job_id is not None:
+            request["Tags"] = [{"Key": BILL_MARK, "Value": job_id}]
         return request
 
     def _client(self) -> Any:
@@ -294,6 +305,9 @@ class SageMakerLauncher(Block):
         try:
             self.preflight(job, quote)
             self._check_container(None, {**job.env, **(env or {})})
+            problem = sagemaker_tag_problem(ledger_job_id(env))
+            if problem is not None:
+                raise self._fail(problem)
         except LaunchConfigError as exc:
             now = time.time()
             return LaunchResult("launch_error", now, now, detail=exc.reason)

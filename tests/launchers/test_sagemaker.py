@@ -16,11 +16,15 @@ import pytest
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.billing.lines import JOB_MARK
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
+from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, sagemaker_tag_problem
 from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
 from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, _read
+from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import usd_to_micro
 from tests.aws_server import AwsServer
 
@@ -123,6 +127,12 @@ def _described(aws: AwsServer, name: str) -> dict[str, Any]:
     return aws.credentials().get_client("sagemaker").describe_training_job(TrainingJobName=name)
 
 
+def _tags(aws: AwsServer, name: str) -> list[dict[str, str]]:
+    """The tags SageMaker holds for the training job `name`."""
+    arn = _described(aws, name)["TrainingJobArn"]
+    return aws.credentials().get_client("sagemaker").list_tags(ResourceArn=arn)["Tags"]
+
+
 def _cost(billed_s: int, rate_micro_per_hour: int) -> int:
     """What the launcher must charge: billed seconds x rate, rounded up to a micro-dollar."""
     return -(-billed_s * rate_micro_per_hour // 3600)
@@ -162,6 +172,7 @@ def test_the_job_is_created_as_asked_and_settled_from_billable_time(
     assert spec["Environment"] == {"SEED": "7", "RUN_ID": "abc"}
     assert spec["OutputDataConfig"]["S3OutputPath"] == "s3://lab-models/out"
     assert spec["TrainingJobStatus"] == "Completed"
+    assert _tags(aws, name) == []  # run without a ledger job id in its env: no mark
 
     billed = spec["BillableTimeInSeconds"]
     assert run.starts == [(spec["TrainingStartTime"].timestamp(), name)]
@@ -175,6 +186,54 @@ def test_the_job_is_created_as_asked_and_settled_from_billable_time(
     assert 0 < row["actual_micro"] < row["reserved_micro"]
     said = [line for line in run.logs if name in line]
     assert any("(Training)" in line for line in said) and "(Completed)" in said[-1]
+
+
+def test_a_gated_training_job_is_tagged_with_its_ledger_job_id(aws: AwsServer, gate: Gate) -> None:
+    """Run through the gate (`run_admitted`), the training job carries the tag
+    gpu-budget-job=<ledger job id> that the bill is matched by; its name, the ledger's external
+    id, stays the fallback key; the job's own environment gets the id too."""
+    launcher = _launcher(aws)
+    job = GpuJob(instance_type=G5, max_runtime="10m", env={"SEED": "7"})
+    launcher.preflight(job, gate.quote(job))
+    admission = gate.admit(job, SCOPE, launcher=launcher.kind)
+    ended = run_admitted(gate, admission, launcher, env={"RUN_ID": "abc"})
+
+    row = ended.row
+    assert row["id"] == admission.job_id and row["outcome"] == "completed"
+    name = row["external_id"]
+    assert _tags(aws, name) == [{"Key": "gpu-budget-job", "Value": row["id"]}]
+    assert BILL_MARK == JOB_MARK  # the key the bill readers look for
+    environment = _described(aws, name)["Environment"]
+    assert environment == {"SEED": "7", "RUN_ID": "abc", JOB_ID_ENV: admission.job_id}
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("job#7", "holds '#', which a SageMaker tag cannot"),
+        ("a" * 257, "longer than a SageMaker tag value's 256 characters"),
+    ],
+)
+def test_a_job_id_sagemaker_would_refuse_as_a_tag_is_a_launch_error(
+    aws: AwsServer, gate: Gate, value: str, problem: str
+) -> None:
+    job = GpuJob(instance_type=G5, max_runtime="10m")
+    result = _launcher(aws).run(
+        job, gate.quote(job), on_start=lambda *a: None, log=print, env={JOB_ID_ENV: value}
+    )
+    assert result.outcome == "launch_error" and problem in result.detail
+    assert "\n" not in result.detail
+    listed = aws.credentials().get_client("sagemaker").list_training_jobs()
+    assert listed["TrainingJobSummaries"] == []
+
+
+def test_sagemakers_tag_value_rule() -> None:
+    """Letters, separators and numbers of any script, and `_.:/=+-@`, up to 256."""
+    for good in ["7f1c2d3e-0000-4000-8000-000000000001", "Ünï côde ٣ _.:/=+-@", "a" * 256]:
+        assert sagemaker_tag_problem(good) is None, good
+    assert sagemaker_tag_problem(None) is None
+    for bad in ["a,b", "a;b", "a\nb", "a*b", "a" * 257]:
+        assert sagemaker_tag_problem(bad) is not None, bad
 
 
 def test_a_spot_job_is_billed_less_than_it_trained_and_than_its_reservation(

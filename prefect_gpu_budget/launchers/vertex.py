@@ -9,6 +9,10 @@ scheduling strategy of the job's provisioning (on-demand STANDARD, spot SPOT, fl
 FLEX_START with `maxWaitDuration`) and `scheduling.timeout` = the job's max_runtime, never a
 default.
 
+A job run through the gate carries the label `gpu-budget-job=<ledger job id>`
+(`launchers/bill_mark.py`), which reaches the Cloud Billing export's `labels`, so that the bill
+can be matched to the ledger.
+
 google-cloud-aiplatform comes with the `vertex` extra and is imported when the launcher is used
 (preflight, run, probe, stop): the block itself imports, registers and loads without it.
 
@@ -49,6 +53,7 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
+from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, gcp_label_problem, ledger_job_id
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, parse_duration, redact_urls
 
@@ -320,7 +325,8 @@ class VertexLauncher(Block):
     def custom_job(
         self, job: GpuJob, quote: Quote, env: dict[str, str] | None = None
     ) -> vertex.CustomJob:
-        """The CustomJob this launcher submits for `job`."""
+        """The CustomJob this launcher submits for `job`, labelled with the ledger job id that
+        `env` carries (`bill_mark`), if it carries one."""
         vertex = _sdk()
         machine, accelerator = self._machine(quote)
         container = vertex.ContainerSpec(
@@ -345,6 +351,10 @@ class VertexLauncher(Block):
         )
         if job.provisioning == "flex-start":  # sent even when 0: left out, Vertex waits 1 day
             scheduling.max_wait_duration = _duration(self._capacity_wait(job))
+        labels = {"managed-by": "prefect-gpu-budget", LAUNCH_LABEL: uuid.uuid4().hex}
+        job_id = ledger_job_id(env)
+        if job_id is not None:
+            labels[BILL_MARK] = job_id
         return vertex.CustomJob(
             display_name=(job.name or f"gpu-budget {machine}")[:128],
             job_spec=vertex.CustomJobSpec(
@@ -352,7 +362,7 @@ class VertexLauncher(Block):
                 scheduling=scheduling,
                 service_account=self.service_account or "",
             ),
-            labels={"managed-by": "prefect-gpu-budget", LAUNCH_LABEL: uuid.uuid4().hex},
+            labels=labels,
         )
 
     def run(
@@ -366,6 +376,10 @@ class VertexLauncher(Block):
         on_submit: SubmitHook = ignore_submission,
     ) -> LaunchResult:
         """Submit the custom job and follow it to its end; cancel it if interrupted."""
+        problem = gcp_label_problem(ledger_job_id(env))
+        if problem is not None:
+            now = time.time()
+            return LaunchResult("launch_error", now, now, detail=problem)
         spec = self.custom_job(job, quote, env)
         client = self._client()
         try:

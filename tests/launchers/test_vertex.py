@@ -22,11 +22,15 @@ from prefect_gcp import GcpCredentials
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.billing.lines import JOB_MARK
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
-from prefect_gpu_budget.launchers.vertex import VertexLauncher
+from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, gcp_label_problem
+from prefect_gpu_budget.launchers.vertex import LAUNCH_LABEL, VertexLauncher
 from prefect_gpu_budget.pricing.catalog import Catalog, PriceRow, Quote
+from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import cost_micro
 from tests.gcp_server import service_account_info, serving
 from tests.launchers.fake_vertex import ACCELERATORS, STRATEGIES, FakeVertex, Script, enum_name
@@ -176,6 +180,62 @@ def test_custom_job_spec(
     assert scheduling.get("maxWaitDuration") == wire_wait
     assert body["displayName"] == "sweep-lr-3e-4"
     assert body["labels"]["managed-by"] == "prefect-gpu-budget"
+    assert BILL_MARK not in body["labels"]  # run without a ledger job id in its env: no mark
+
+
+def test_a_gated_custom_job_is_labelled_with_its_ledger_job_id(
+    fake: FakeVertex, launcher: VertexLauncher, gate: Gate
+) -> None:
+    """Run through the gate (`run_admitted`), the custom job carries the label
+    gpu-budget-job=<ledger job id> beside its own, which the billing export's `labels` carry;
+    the job's own environment gets the id too."""
+    fake.script = Script(run_s=0.05)
+    job = _job(env={"SEED": "7"})
+    launcher.preflight(job, gate.quote(job))
+    admission = gate.admit(job, SCOPE, launcher="vertex")
+    ended = run_admitted(gate, admission, launcher)
+
+    row = ended.row
+    assert row["id"] == admission.job_id and row["outcome"] == "completed"
+    assert row["external_id"] == fake.job().name
+    [body] = fake.created
+    labels = body["labels"]
+    assert labels["gpu-budget-job"] == row["id"]
+    assert set(labels) == {"managed-by", LAUNCH_LABEL, "gpu-budget-job"}
+    assert labels["managed-by"] == "prefect-gpu-budget"
+    assert BILL_MARK == JOB_MARK  # the key the bill readers look for
+    [pool] = body["jobSpec"]["workerPoolSpecs"]
+    assert pool["containerSpec"]["env"] == [
+        {"name": "SEED", "value": "7"},
+        {"name": JOB_ID_ENV, "value": row["id"]},
+    ]
+
+
+def test_a_job_id_gcp_would_refuse_as_a_label_is_a_launch_error(
+    fake: FakeVertex, launcher: VertexLauncher, catalog: Catalog
+) -> None:
+    job = _job()
+    result = launcher.run(
+        job,
+        catalog.quote(job.instance_type),
+        on_start=lambda *a: None,
+        log=print,
+        env={JOB_ID_ENV: "Job-7"},
+    )
+    assert result.outcome == "launch_error" and result.runtime_s == 0
+    assert result.detail == (
+        f"{JOB_ID_ENV} 'Job-7' is not a GCP label value (lowercase letters, digits, _ and -, "
+        "at most 63 characters)"
+    )
+    assert fake.created == [] and fake.jobs == {}
+
+
+def test_gcp_label_value_rule() -> None:
+    for good in ["7f1c2d3e-0000-4000-8000-000000000001", "a_b-9", "a" * 63]:
+        assert gcp_label_problem(good) is None, good
+    assert gcp_label_problem(None) is None
+    for bad in ["A", "a.b", "a:b", "a b", "a" * 64]:
+        assert gcp_label_problem(bad) is not None, bad
 
 
 def test_standard_job_runs_and_settles_at_the_clouds_times(

@@ -32,6 +32,9 @@ reads can only make a job cost more, never less:
   ledger's row then keeps it metered until its max runtime, and reconcile settles it no
   earlier than that.
 
+A gated job's flow run is tagged `gpu-budget-job:<ledger job id>`, and gets that label where its
+pool's template takes `labels` (its worker puts them on the cloud's job, for the bill: `bill_mark`).
+
 So a short job costs its max_runtime here: give deployment jobs a tight one. What this does not
 close: code that runs as the worker's user on the worker's host can kill or deceive anything
 there (this launcher's view of that host included, when it runs there too), and a job on
@@ -74,6 +77,7 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
+from prefect_gpu_budget.launchers.bill_mark import flow_run_tag, ledger_job_id, pool_labels
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
 from prefect_gpu_budget.workers import GATED_TYPES
@@ -233,13 +237,14 @@ class DeploymentLauncher(Block):
         from prefect.deployments import run_deployment
 
         try:
+            job_variables, tags = self._marked(job, env)
             flow_run = run_deployment(
                 self.deployment,
                 parameters=self._parameters(job),
                 timeout=0,
                 as_subflow=self.as_subflow,
-                job_variables=self._job_variables(job, env),
-                tags=self.tags or None,
+                job_variables=job_variables,
+                tags=tags,
                 work_queue_name=self.work_queue_name,
                 flow_run_name=job.name,
                 _sync=True,  # a plain call even from inside an async flow or task
@@ -319,15 +324,29 @@ class DeploymentLauncher(Block):
     def _parameters(self, job: GpuJob) -> dict[str, Any]:
         parameters = dict(self.parameters)
         if self.job_parameter:
-            # env goes to the job's environment (see `_job_variables`), not into parameters
+            # env goes to the job's environment (see `_marked`), not into parameters
             parameters[self.job_parameter] = job.model_dump(mode="json", exclude={"env"})
         return parameters
 
-    def _job_variables(self, job: GpuJob, env: dict[str, str] | None) -> dict[str, Any] | None:
+    def _marked(
+        self, job: GpuJob, env: dict[str, str] | None
+    ) -> tuple[dict[str, Any] | None, list[str] | None]:
+        """The flow run's job variables (`env`: the job's and `env`) and tags, marked with the
+        ledger job id in `env` (`bill_mark`): a tag; a label, where the pool takes `labels`."""
         extra_env = {**job.env, **(env or {})}
-        if not extra_env:
-            return self.job_variables or None
-        return {**self.job_variables, "env": {**self.job_variables.get("env", {}), **extra_env}}
+        variables = {**self.job_variables}
+        if extra_env:
+            variables["env"] = {**self.job_variables.get("env", {}), **extra_env}
+        job_id = ledger_job_id(env)
+        if job_id is None:
+            return variables or None, self.tags or None
+        with get_client(sync_client=True) as client:
+            deployment = self._read_deployment(client)
+            name = deployment.work_pool_name
+            template = client.read_work_pool(name).base_job_template if name else {}
+        if labels := pool_labels(job_id, template, deployment.job_variables, self.job_variables):
+            variables["labels"] = labels
+        return variables, [*self.tags, flow_run_tag(job_id)]
 
     def _follow(
         self,

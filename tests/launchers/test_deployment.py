@@ -34,6 +34,7 @@ from pydantic import ValidationError
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
@@ -42,7 +43,7 @@ from prefect_gpu_budget.launchers.deployment import (
     PROCESS_ENDED_EVENT,
     DeploymentLauncher,
 )
-from prefect_gpu_budget.settings import METRICS_ENV
+from prefect_gpu_budget.settings import JOB_ID_ENV, METRICS_ENV
 from prefect_gpu_budget.workers import PROCESS_TYPE
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
@@ -51,9 +52,24 @@ from tests.prefect_server import free_port, stop_groups, wait_for
 POOL = "gpu-process"
 IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start
 GATED_POOL = "gpu-gated"  # a gated worker type's pool: a launcher must not reserve twice
+LABELLED_POOL = "gpu-labelled"  # nobody polls these two: one's template sets default labels,
+UNLABELLED_POOL = "gpu-unlabelled"  # the other's declares no `labels` variable
+POOL_LABELS = {"cost-center": "lab"}
+DEPLOYMENT_LABELS = {"team": "vision"}
 SCOPE = "acme/vision/agent-7"
 METRICS_FILE = "/job/metrics.jsonl"  # only handed to the job's environment, never written
 HERE = Path(__file__).parent
+
+
+def _templates() -> dict[str, dict[str, Any]]:
+    """Process pool templates: one whose `labels` variable has a default, one without it."""
+    from prefect.workers.process import ProcessWorker
+
+    labelled = ProcessWorker.get_default_base_job_template()
+    labelled["variables"]["properties"]["labels"]["default"] = POOL_LABELS
+    unlabelled = ProcessWorker.get_default_base_job_template()
+    del unlabelled["variables"]["properties"]["labels"], unlabelled["job_configuration"]["labels"]
+    return {LABELLED_POOL: labelled, UNLABELLED_POOL: unlabelled}
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +111,10 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                     (GATED_POOL, PROCESS_TYPE),
                 ):
                     client.create_work_pool(WorkPoolCreate(name=name, type=kind))
+                for name, template in _templates().items():
+                    client.create_work_pool(
+                        WorkPoolCreate(name=name, type="process", base_job_template=template)
+                    )
             worker = subprocess.Popen(  # starts up while the target is deployed
                 [sys.executable, "-m", "prefect", "worker", "start", "--pool", POOL]
                 + ["--type", "process"],
@@ -105,10 +125,17 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             )
             procs.append(worker)
             target = flow.from_source(source=str(HERE), entrypoint="deploy_target.py:target")
-            for name, work_pool in (("sweep", POOL), ("idle", IDLE_POOL), ("gated", GATED_POOL)):
+            for name, work_pool in (
+                ("sweep", POOL),
+                ("idle", IDLE_POOL),
+                ("gated", GATED_POOL),
+                ("labelled", LABELLED_POOL),
+                ("unlabelled", UNLABELLED_POOL),
+            ):
                 target.deploy(
                     name=name,
                     work_pool_name=work_pool,
+                    job_variables={"labels": DEPLOYMENT_LABELS} if name == "labelled" else None,
                     build=False,
                     push=False,
                     print_next_steps=False,
@@ -209,6 +236,9 @@ def test_a_job_runs_as_a_flow_run_and_is_billed_to_its_max_runtime(pool, gate, t
     assert result is not None and result.outcome == "completed", lines
     flow_run = _flow_run(row["external_id"])
     assert flow_run.state.type == StateType.COMPLETED
+    # run without a ledger job id in its env: no mark
+    assert "labels" not in flow_run.job_variables
+    assert not any(tag.startswith("gpu-budget-job") for tag in flow_run.tags)
     with get_client(sync_client=True) as client:
         parent = client.read_task_run(flow_run.parent_task_run_id)
     assert parent.flow_run_id == caller_id  # linked as a subflow of the calling run
@@ -444,6 +474,38 @@ def test_a_flow_run_that_never_starts_expires_and_costs_nothing(pool, gate):
     assert result.started_at == result.ended_at
     assert result.capacity_wait_s >= 1.0
     assert _flow_run(result.external_id).state.type == StateType.CANCELLED
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("labelled", [True, False])
+def test_a_gated_flow_run_is_marked_with_its_ledger_job_id(pool, gate, labelled):
+    """Through the gate (`run_admitted`), the flow run is tagged gpu-budget-job:<ledger job id>;
+    where its pool's template declares `labels`, its labels (which its worker puts on the
+    infrastructure it creates) carry gpu-budget-job=<id> beside those of the pool, the
+    deployment and the launcher (a flow run's `labels` replace its deployment's); where the
+    template declares none, none are set. Its environment carries the id."""
+    launcher = DeploymentLauncher(
+        deployment=f"gpu-target/{'labelled' if labelled else 'unlabelled'}",
+        job_variables={"labels": {"sweep": "lr"}} if labelled else {},
+        tags=["sweep"],
+        start_timeout=1.0,
+        poll_s=0.2,
+    )
+    job = GpuJob(instance_type="local:box", max_runtime="60s")
+    launcher.preflight(job, gate.quote(job))
+    admission = gate.admit(job, SCOPE, launcher=launcher.kind)
+    ended = run_admitted(gate, admission, launcher)
+
+    assert ended.result.outcome == "wait_expired" and ended.row["id"] == admission.job_id
+    job_id = ended.row["id"]
+    flow_run = _flow_run(ended.result.external_id)
+    assert {"sweep", f"gpu-budget-job:{job_id}"} <= set(flow_run.tags)
+    assert flow_run.job_variables["env"] == {JOB_ID_ENV: job_id}
+    if labelled:
+        labels = {**POOL_LABELS, **DEPLOYMENT_LABELS, "sweep": "lr", "gpu-budget-job": job_id}
+        assert flow_run.job_variables["labels"] == labels
+    else:
+        assert "labels" not in flow_run.job_variables
 
 
 @pytest.mark.timeout(60)

@@ -561,6 +561,7 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
     code, forecast = gw.call("POST", "/v1/forecast", token, _train([0.1, 0.3, 0.5]))
     assert code == 200 and forecast["trials"] == 3 and forecast["admitted"] == 3, forecast
     assert forecast["spend_usd"] > 0 and forecast["makespan_s"] > 0
+    assert forecast["likely"]["admitted"] == 3 and forecast["bound"]["runtime_s"] == 61.0
     code, quote = gw.call("GET", "/v1/quote?instance_type=local:box&hours=2", token)
     assert code == 200 and quote["usd_per_hour"] == 3.6 and quote["usd"] == 7.2, quote
 
@@ -580,6 +581,11 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
         "value": pytest.approx(0.5**4),
     }
     assert "3 of 3 trials completed" in view["message"] and view["spent_usd"] > 0
+    # asked again, the likely figures take the runtime its finished trials showed
+    code, again = gw.call("POST", "/v1/forecast", token, _train([0.1, 0.3, 0.5]))
+    assert code == 200 and again["runtime_from"] == "as its 3 finished trials ran", again
+    assert again["likely"]["runtime_s"] < 30 and again["bound"]["runtime_s"] == 61.0
+    assert again["likely"]["spend_usd"] < again["bound"]["spend_usd"]
 
     code, curve = gw.call("GET", f"/v1/sweeps/{run}/trials/0/metrics?limit=3", token)
     assert code == 200 and [r["step"] for r in curve["records"]] == [0, 1, 2], curve

@@ -8,9 +8,10 @@ Two runs of the one simulation, told apart (a figure says what it is):
 - the bound: each trial runs to its `max_runtime` and kill grace, the most it can cost and what
   the gate holds for it in guaranteed mode.
 
-Both reserve what the gate would reserve; at most `parallelism` trials ask for admission at once,
-as in the sweep itself; a trial that would wait past its `max_wait`, or meet a limit with
-`on_limit: reject`, ends unadmitted as the gate would end it.
+Both reserve what the gate would reserve and take the room it would give them in a capacity
+pool (their team's quota); at most `parallelism` trials ask for admission at once, as in the
+sweep itself; a trial that would wait past its `max_wait`, or meet a limit with `on_limit:
+reject`, ends unadmitted as the gate would end it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import ACTIVE, LEARNED_OUTCOMES, Ledger, hold_of
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold, max_wait_of
+from prefect_gpu_budget.admission.quota import Placed, Shape, job_share, pool_for, team_of
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import price_job
 from prefect_gpu_budget.priorities import resolve
@@ -217,12 +219,15 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     if unknown is not None:
         raise BudgetInputError("scope", unknown)
     trials = spec.trials()
+    org = org_of(spec.scope)
     classes = ledger.config.priority_values(spec.scope)
+    pools, quotas = ledger.config.capacity(org)
     jobs, warnings = [], {}
     for index, params in enumerate(trials):
         job = spec.job_for(params, f"{spec.name}/{index:04d}")
-        quote = price_job(job)[0]
+        quote, share = price_job(job)
         warnings.update(dict.fromkeys(quote.warnings))
+        pool = pool_for(pools, job.instance_type, job.pool)
         jobs.append(
             SimJob(
                 job_id=f"{index:04d}",
@@ -234,9 +239,17 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
                 max_runtime_s=job.reserve_runtime_s,
                 priority=job.priority
                 if isinstance(job.priority, int)
-                else resolve(job.priority, classes, org_of(spec.scope)),
+                else resolve(job.priority, classes, org),
                 on_limit=job.on_limit,
                 max_wait_s=job.max_wait,
+                shape=None
+                if pool is None
+                else Shape(  # what the gate places it as (`job_share`)
+                    pool.name,
+                    team_of(spec.scope),
+                    job_share(pool, share.gpus, share.vcpu or None, share.memory_gib or None),
+                    job.nodes,
+                ),
             )
         )
     rules = _rules(ledger, spec.scope)
@@ -247,7 +260,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         )
         else "estimate-metered"
     )
-    holds, settled = _ledger_state(ledger, rules, org_of(spec.scope), now)
+    holds, placed, settled = _ledger_state(ledger, rules, org, now)
 
     def run(runtime_s: float) -> Outcome:
         result = simulate(
@@ -259,6 +272,9 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
             holds=holds,
             in_flight=spec.parallelism,
             limits=True,
+            pools=pools,
+            quotas=quotas,
+            placed=placed,
         )
         return _outcome(result, runtime_s, rules, now)
 
@@ -314,14 +330,35 @@ def _outcome(
 
 def _ledger_state(
     ledger: Ledger, rules: dict[str, BudgetRule], org: str, now: float
-) -> tuple[list[Hold], dict[tuple[str, float], int]]:
-    holds = [hold_of(row, now=now) for row in ledger.views.jobs(org, states=ACTIVE)]
+) -> tuple[list[Hold], list[Placed | None], dict[tuple[str, float], int]]:
+    """The org's admitted and running jobs (what each holds, and where it sits in a capacity
+    pool) and the settled spend of the budgets' current periods."""
+    rows = ledger.views.jobs(org, states=ACTIVE)
     settled = {}
     for rule in rules.values():
         if rule.period_budget_micro is not None:
             p_start, _ = periods.bounds(rule.period, rule.timezone, now)
             settled[(rule.scope, p_start)] = ledger.views.period_settled(rule.scope, p_start)
-    return holds, settled
+    return [hold_of(row, now=now) for row in rows], [_footprint(row) for row in rows], settled
+
+
+def _footprint(row: dict) -> Placed | None:
+    """An admitted job's place in its capacity pool, from its row (None: in no pool)."""
+    if row["pool"] is None:
+        return None
+    return Placed(
+        row["id"],
+        Shape(
+            row["pool"],
+            row["team"],
+            (row["node_gpus"], row["node_vcpu"], row["node_memory_gib"]),
+            row["nodes"],
+        ),
+        tuple(int(i) for i in (row["placement"] or "").split(",") if i),
+        row["priority"],
+        row["admitted_at"],
+        row["preempt_at"] is not None,
+    )
 
 
 def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None:

@@ -34,6 +34,7 @@ from prefect_gpu_budget.admission.policy import (
     plan,
     wait_deadline,
 )
+from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, TeamQuota
 from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.units import rate_cents, scope_path
 
@@ -81,6 +82,8 @@ class SimJob:
     """The job's own `queue`/`reject` (None: its deepest budget's); used with `limits=True`."""
     max_wait_s: float | None = None
     """The job's own max wait (None: its deepest budget's); used with `limits=True`."""
+    shape: Shape | None = None
+    """What it occupies in a capacity pool (with `simulate`'s `pools`), if it runs in one."""
 
 
 @dataclass
@@ -188,6 +191,9 @@ def simulate(
     in_flight: int | None = None,
     history: Iterable[tuple[str, float]] = (),
     limits: bool = False,
+    pools: Sequence[Pool] = (),
+    quotas: Sequence[TeamQuota] = (),
+    placed: Sequence[Placed | None] = (),
 ) -> SimResult:
     """Run `jobs` against `budgets` from the first arrival until all end (or `until`).
 
@@ -196,7 +202,10 @@ def simulate(
     as `policy.overrun_factors` takes it. `in_flight` releases at most that many jobs at once, as
     a sweep's parallelism bound does. `limits` keeps each budget's (and job's) `on_limit` and
     `max_wait`, so that jobs end rejected or timed out as the gate would end them (a forecast);
-    without it every job waits as long as it takes (the fidelity experiments).
+    without it every job waits as long as it takes (the fidelity experiments). `pools` and
+    `quotas` are the capacity pools and team quotas jobs with a `shape` run in; `placed` the
+    footprint of each of `holds` in them (None: none), in the same order. A job that would
+    preempt others to fit waits for them to end instead.
     """
     pol = POLICIES[policy] if isinstance(policy, str) else policy
     rules = {
@@ -209,6 +218,7 @@ def simulate(
     arrivals = sorted(jobs, key=lambda j: (j.arrival, j.job_id))
     spent: dict[tuple[str, float], int] = defaultdict(int, settled or {})
     active: dict[str, Hold] = {f"existing-{i}": hold for i, hold in enumerate(holds)}
+    footprints = {f"existing-{i}": where for i, where in enumerate(placed) if where is not None}
     queue: dict[str, Request] = {}
     events: list[tuple[float, int, str]] = []  # (time, kind 0=end 1=wake, job id)
     order: list[str] = []
@@ -234,9 +244,11 @@ def simulate(
             _, kind, job_id = heapq.heappop(events)
             if kind == 0 and job_id not in records:  # a job already running at the start
                 hold = active.pop(job_id)
+                footprints.pop(job_id, None)
                 _charge(hold.scope, hold.rate_micro_per_hour, hold.start, hold.end, rules, spent)
             elif kind == 0:
                 active.pop(job_id)
+                footprints.pop(job_id, None)
                 released -= 1
                 _settle(records[job_id], ends.pop(job_id), rules, spent)
                 if learned is not None:
@@ -261,6 +273,7 @@ def simulate(
                 requested_at=now,
                 on_limit=job.on_limit if limits else None,
                 max_wait_s=job.max_wait_s if limits else None,
+                shape=job.shape,
             )
         if not queue:
             continue
@@ -272,6 +285,9 @@ def simulate(
             metering=pol.metering,
             overrun=learned.factors if learned is not None else {},
             fit_worst_case=pol.fit_worst_case,
+            pools={pool.name: pool for pool in pools},
+            quotas={(quota.pool, quota.team): quota for quota in quotas},
+            placed=list(footprints.values()),
         )
         wake = math.inf
         for job_id, decision in plan(state, queue.values()).items():
@@ -290,6 +306,10 @@ def simulate(
                 )
                 records[job_id].admitted_at = now
                 records[job_id].reserved_micro = decision.reserved_micro
+                if job.shape is not None and pools:
+                    footprints[job_id] = Placed(
+                        job_id, job.shape, decision.placement, job.priority, now
+                    )
                 run = job.true_s
                 if pol.stop_at_max_runtime:
                     run = min(run, job.max_runtime_s)

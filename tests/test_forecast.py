@@ -202,6 +202,27 @@ def test_the_likely_outcome_and_the_bound_are_two_runs_told_apart(prices, tmp_pa
     assert out["bound"]["spend_usd"] == 0.02 and out["bound"]["makespan_s"] == 10.0
 
 
+def test_forecast_waits_for_the_teams_quota_in_a_capacity_pool(prices, tmp_path):
+    """Six one-machine trials, their team's quota two machines of four: two at a time, likely
+    three rounds of 1 s, at worst three of 10 s, as the gate places them."""
+    from prefect_gpu_budget.blocks.capacity import CapacityPool, TeamShare
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", period_budget_usd=100).apply(ledger)
+    CapacityPool(
+        org="fc",
+        name="lab",
+        nodes=4,
+        gpus_per_node=1,
+        instance_types=["local:box"],
+        teams=[TeamShare(team="fc/team", gpus=2, borrow_pct=0)],
+    ).apply(ledger)
+    predicted = forecast(_short_trials(tmp_path, expected_runtime="1s"), ledger, now=1e9)
+    assert predicted.likely.admitted == predicted.bound.admitted == 6
+    assert predicted.likely.makespan_s == pytest.approx(3.0)
+    assert predicted.bound.makespan_s == pytest.approx(30.0)
+
+
 def _finished(ledger: Ledger, scope: str, name: str, seconds: float, outcome: str) -> None:
     """A trial that ran `seconds` and ended `outcome`, in the ledger as its sweep leaves it."""
     from tests.jobs import new_job

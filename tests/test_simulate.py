@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.policy import BudgetRule, Hold, overrun_factors
+from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, TeamQuota
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.simulate import OverrunWindows, SimJob, simulate, synthetic_trace
@@ -97,6 +98,29 @@ def test_simulator_and_live_gate_agree(tmp_path, prices):
     live_total = sum(r["actual_micro"] for r in ledger.views.jobs("sim"))
     sim_total = sum(r.actual_micro for r in sim.records)
     assert abs(live_total - sim_total) <= 0.05 * sim_total  # live sleeps overrun by a few ms
+
+
+def test_jobs_in_a_capacity_pool_wait_for_their_teams_quota():
+    """A team's quota of two machines, one taken by a job already running for 30 s more: four
+    one-machine jobs of 60 s run as the gate places them, never more than two at once."""
+    start = 1_798_761_600.0
+    pool = Pool("o", "lab", 4, (1, 8, 64), ("local:box",))
+    quota = TeamQuota("lab", "o/a", (2, 16, 128), borrow_pct=0)
+    machine = Shape("lab", "o/a", (1, 8, 64), 1)
+    running = Hold("o/a/x", 360, 360_000, start - 60, start + 30, RATE, start + 30)
+    where = Placed("elsewhere", machine, (3,), 0, start - 60)
+    jobs = [SimJob(f"j{i}", "o/a/s", start + i, RATE, 60, 60, 120, shape=machine) for i in range(4)]
+    result = simulate(
+        jobs,
+        [BudgetRule("o"), BudgetRule("o/a")],
+        holds=[running],
+        placed=[where],
+        pools=[pool],
+        quotas=[quota],
+    )
+    assert [r.admitted_at - start for r in result.records] == [0, 30, 60, 90]
+    free = simulate(jobs, [BudgetRule("o"), BudgetRule("o/a")])  # no pool: nothing to wait for
+    assert [r.admitted_at - start for r in free.records] == [0, 1, 2, 3]
 
 
 @settings(max_examples=40, deadline=None)

@@ -33,7 +33,7 @@ import threading
 from prefect_gpu_budget.admission.ledger.agents import Grants
 from prefect_gpu_budget.admission.ledger.bills import Bills
 from prefect_gpu_budget.admission.ledger.config import Config, check_pool, check_rule
-from prefect_gpu_budget.admission.ledger.decisions import NewJob, Queue
+from prefect_gpu_budget.admission.ledger.decisions import Queue
 from prefect_gpu_budget.admission.ledger.engine import (
     NOTICE_CHANNEL,
     Db,
@@ -48,6 +48,7 @@ from prefect_gpu_budget.admission.ledger.rows import (
     LEARNED_OUTCOMES,
     OVERRUN_REFRESH_S,
     OVERRUN_SAMPLE,
+    NewJob,
     hold_of,
     wait_key,
 )

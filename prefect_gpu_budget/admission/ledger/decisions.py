@@ -27,6 +27,8 @@ from prefect_gpu_budget.admission.ledger.rows import (
     _OPEN_PERIODS,
     _WAITER_AHEAD,
     OVERRUN_REFRESH_S,
+    SLOTS_HELD,
+    NewJob,
     _load_pools,
     _load_quotas,
     _overrun,
@@ -59,38 +61,6 @@ from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.admission.timing import STALE_WAITER_S
 from prefect_gpu_budget.batches import Batcher
 from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
-
-
-@dataclass(frozen=True)
-class NewJob:
-    """What the gate records when a job asks to be admitted."""
-
-    scope: str
-    name: str
-    instance_type: str
-    provisioning: str
-    nodes: int
-    rate_micro_per_hour: int
-    rate_cents: int
-    priority: int
-    max_runtime_s: float
-    expected_runtime_s: float | None
-    holder: str
-    launcher: str = "local"
-    on_limit: str | None = None
-    max_wait_s: float | None = None
-    flow_run_id: str | None = None
-    pool: str | None = None
-    """A pool the job names; None: the pool serving its instance type, if any."""
-    node_gpus: int = 0
-    node_vcpu: int = 0
-    node_memory_gib: int = 0
-    grant: str | None = None
-    """An agent's grant id: the job queues only while the grant is live (see `revoke_agent`)."""
-    partial: bool = False
-    """The job asks for a part of each machine (`GpuJob.gpus`...): it needs a capacity pool."""
-    priority_class: str | None = None
-    """An org's own class the job names: `priority` is set from it when it is recorded."""
 
 
 @dataclass
@@ -540,6 +510,8 @@ class Queue:
             asked, back = jobs.c.stop_asked_at.is_not(None), {"state": "queued", "reason": reason}
             gone = {**_ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
             then |= {k: sa.case((asked, v), else_=back.get(k, jobs.c[k])) for k, v in gone.items()}
+            # what holds it now, as a waiting job's row says (`wait_spans` counts it)
+            then |= {"wait_key": f"{SLOTS_HELD} {scope}", "wait_since": now}
         with self.db.write(org := scope.split("/")[0]) as conn:
             done = conn.execute(
                 jobs.update()

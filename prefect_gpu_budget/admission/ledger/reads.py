@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
+    STARTING,
     _budgets,
     _load_pools,
     _load_quotas,
@@ -336,12 +337,17 @@ class Views:
 
 def wait_spans(row: dict[str, Any]) -> dict[str, float]:
     """Seconds a job was held, per limit and scope that held it (`hourly_cap acme/vision`,
-    `period_budget acme`, `queue` behind an earlier job, ...); empty for a job nothing held."""
+    `period_budget acme`, `queue` behind an earlier job, `prefect_slots` held outside the
+    ledger ...), and `starting`, from its admission to its start (its Prefect slots taken, its
+    process or cloud job started, a cloud's wait for capacity); empty for a job nothing held.
+    A wait a job has no row to show for is not left unnamed."""
     waits = json.loads(row.get("waits") or "{}")
     if row.get("wait_key") and row.get("wait_since"):
         end = row.get("admitted_at") or row.get("ended_at") or time.time()
         waits[row["wait_key"]] = waits.get(row["wait_key"], 0.0) + end - row["wait_since"]
-    return {key: round(seconds, 3) for key, seconds in waits.items()}
+    if row.get("admitted_at") and row.get("started_at"):
+        waits[STARTING] = max(0.0, row["started_at"] - row["admitted_at"])
+    return {key: round(seconds, 3) for key, seconds in waits.items() if round(seconds, 3)}
 
 
 def _under(column: sa.Column, level: str) -> sa.ColumnElement[bool]:

@@ -7,6 +7,7 @@ scope's jobs overran their estimates (`_overrun`)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -30,6 +31,38 @@ from prefect_gpu_budget.admission.policy import (
 )
 from prefect_gpu_budget.admission.quota import TEAM_SETTINGS, Pool, TeamQuota
 from prefect_gpu_budget.units import scope_path
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What the gate records when a job asks to be admitted."""
+
+    scope: str
+    name: str
+    instance_type: str
+    provisioning: str
+    nodes: int
+    rate_micro_per_hour: int
+    rate_cents: int
+    priority: int
+    max_runtime_s: float
+    expected_runtime_s: float | None
+    holder: str
+    launcher: str = "local"
+    on_limit: str | None = None
+    max_wait_s: float | None = None
+    flow_run_id: str | None = None
+    pool: str | None = None
+    """A pool the job names; None: the pool serving its instance type, if any."""
+    node_gpus: int = 0
+    node_vcpu: int = 0
+    node_memory_gib: int = 0
+    grant: str | None = None
+    """An agent's grant id: the job queues only while the grant is live (see `revoke_agent`)."""
+    partial: bool = False
+    """The job asks for a part of each machine (`GpuJob.gpus`...): it needs a capacity pool."""
+    priority_class: str | None = None
+    """An org's own class the job names: `priority` is set from it when it is recorded."""
 
 
 def _rule(row: Any) -> BudgetRule:
@@ -193,6 +226,12 @@ def _recorded_all(conn: Connection, rows: list[Any]) -> dict[str, Decision]:
         else:
             out[row["id"]] = Decision("reject", row["reason"] or state)
     return out
+
+
+SLOTS_HELD = "prefect_slots"
+"""What holds an admission given back because Prefect's limit was full (`Queue.unadmit`)."""
+STARTING = "starting"
+"""A job's wait from its admission to its start (`wait_spans`)."""
 
 
 def wait_key(decision: Decision) -> str | None:

@@ -145,6 +145,20 @@ def test_a_job_says_what_held_it_and_for_how_long(ledger):
     assert wait_spans(ledger.views.job(second)) == {"hourly_cap wt": 25.0}
 
 
+def test_every_wait_names_what_held_it_slots_held_outside_and_the_start_included(ledger):
+    """An admission given back because Prefect's limit was full waits on `prefect_slots`; the
+    time from admission to start is `starting`: no wait is left unnamed."""
+    from prefect_gpu_budget.admission.ledger import wait_spans
+
+    ledger.config.set_budget(BudgetRule("ws", hourly_cap_cents=10_000))
+    job, decision = ledger.queue.request(_job("ws/a"), now=1000.0)
+    assert decision.verdict == "admit"
+    assert ledger.queue.unadmit(job, "ws/a", "Prefect's slots are held", now=1001.0)
+    assert ledger.queue.try_admit(job, "ws/a", now=1008.0).verdict == "admit"
+    assert ledger.settlements.mark_started(job, 1010.5)
+    assert wait_spans(ledger.views.job(job)) == {"prefect_slots ws/a": 7.0, "starting": 2.5}
+
+
 def test_a_request_joining_a_queue_waits_behind_its_head_unless_it_goes_first(ledger):
     """A request behind a waiter that a budget on its path blocks is decided from that one row
     (`policy.decide_behind`); one of higher priority goes ahead of it, decided in full."""

@@ -5,6 +5,10 @@ gigabytes. `MetricsTail` reads what was appended since its last read, at most `C
 a time and `MAX_FILE_BYTES` in all, and never holds more than `MAX_LINE_BYTES` of one line: a
 longer line is skipped to its end unread, so a job writing 100 MB lines costs its reader no
 more memory than one writing short ones. Standard library only.
+
+A record is passed on as JSON parses it: `NaN`, `Infinity`, `-Infinity` and `1e999` are floats
+here, left out (and counted) where records are kept (`admission.ledger.results.keep`), so that
+they never stand in for the finite value a trial reported before them.
 """
 
 from __future__ import annotations

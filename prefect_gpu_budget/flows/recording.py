@@ -4,8 +4,9 @@ its outputs, in the ledger's database (`SweepRecords`), where the agent gateway 
 One thread per sweep reads each running trial's metrics file every `TAP_S` (bounded:
 `metrics_file.MetricsTail`) and stores the new records, so an agent sees a learning curve while
 the trial runs and can stop it early. Each record is kept as the store keeps it (flat and
-small: `results.flat_record`), in memory too. A failed write never stops a sweep: it is logged
-once.
+small: `results.keep`), in memory too, with each trial's metrics and its count of NaN and
+infinite values (left out: they never replace a finite value). A failed write never stops a
+sweep: it is logged once.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from logging import Logger, LoggerAdapter
 from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.admission.ledger.results import MAX_RECORDS, SweepRecords, flat_records
+from prefect_gpu_budget.admission.ledger.results import (
+    MAX_RECORDS,
+    SweepRecords,
+    flat_records,
+    latest_metrics,
+    non_finite_count,
+    shown_metrics,
+)
 from prefect_gpu_budget.admission.stopping import stop_sweep
 from prefect_gpu_budget.metrics_file import MetricsTail
 from prefect_gpu_budget.sweep_spec import SweepSpec
@@ -40,6 +48,8 @@ class SweepRecorder:
         self.scope = ""
         self._tails: dict[int, MetricsTail] = {}
         self._points: dict[int, list[dict[str, Any]]] = {}
+        self._metrics: dict[int, dict[str, Any]] = {}
+        self._non_finite: dict[int, int] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._warned = False
@@ -76,6 +86,16 @@ class SweepRecorder:
         )
         return self._points.get(trial, [])
 
+    def metrics(self, trial: int) -> dict[str, Any]:
+        """The trial's metrics from all it reported (`results.latest_metrics`)."""
+        with self._lock:
+            return shown_metrics(self._metrics.get(trial, {}))
+
+    def non_finite(self, trial: int) -> int:
+        """How many NaN and infinite values the trial reported (left out of its records)."""
+        with self._lock:
+            return self._non_finite.get(trial, 0)
+
     def cancelled(self) -> bool:
         """Whether the sweep was asked to stop (`POST /v1/sweeps/{id}/cancel`)."""
         if self.records is None or self._cancelled:
@@ -108,14 +128,16 @@ class SweepRecorder:
                 )
 
     def _take(self, trial: int, new: list[dict[str, Any]]) -> None:
-        # kept flat and small, as the store keeps them: the learning curves held here for the
-        # plots and the results table cost no more than the gateway's pages of them
-        new = flat_records(new)
         if not new:
             return
+        # the learning curves held here for the plots are kept flat and small, as the store
+        # keeps them: they cost no more than the gateway's pages of them
         points = self._points.setdefault(trial, [])
-        points.extend(new[: max(0, MAX_RECORDS - len(points))])
-        # all of them: the store keeps MAX_RECORDS, and a late summary still sets the metrics
+        points.extend(flat_records(new)[: max(0, MAX_RECORDS - len(points))])
+        self._metrics[trial] = latest_metrics(self._metrics.get(trial, {}), new)
+        self._non_finite[trial] = self._non_finite.get(trial, 0) + non_finite_count(new)
+        # all of them, as reported: the store keeps MAX_RECORDS, a late summary still sets the
+        # metrics, and a NaN is counted there too
         self._store("recording metrics", lambda r: r.add_records(self.run_id, trial, new))
 
     def _store(self, what: str, write: Any) -> None:

@@ -30,7 +30,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_budget import plots
 from prefect_gpu_budget.admission.ledger import wait_spans
-from prefect_gpu_budget.admission.ledger.results import SweepRecords, final_metrics
+from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.flows.recording import SweepRecorder
 from prefect_gpu_budget.launchers.base import Launcher
@@ -189,7 +189,8 @@ def _sweep(
             {
                 "trial": index,
                 **params,
-                **final_metrics(points),
+                **recorder.metrics(index),
+                "non_finite_dropped": recorder.non_finite(index),
                 "state": state.name,
                 "reason": "" if state.is_completed() else redact_urls(state.message or ""),
                 "cost_usd": micro_to_usd(row.get("actual_micro") or 0),

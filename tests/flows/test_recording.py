@@ -75,3 +75,26 @@ def test_the_recorder_keeps_records_flat_and_small(store, tmp_path):
     assert store.records(RUN, 0, 0, 10) == expected
     assert store.trials(RUN)[0]["metrics"] == {"loss": 0.75}
     assert all(len(json.dumps(p)) <= MAX_RECORD_BYTES for p in points)
+
+
+def test_a_trial_that_writes_nan_after_a_finite_loss_keeps_the_loss(store, tmp_path):
+    """The lines a trial may write that JSON parses as NaN or an infinity: left out of the
+    records (the plots' curves), counted, and never the trial's metric, in the flow's memory
+    (its results table) as in the store (the gateway)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        '{"step": 0, "loss": 0.5}\n{"step": 1, "loss": NaN}\n{"step": 2, "loss": 1e999}\n'
+        '{"step": 3, "loss": -Infinity}\n'
+    )
+    recorder = SweepRecorder(store, RUN, LOG)
+    recorder.open(_spec(), [{"lr": 0.1}])
+    try:
+        recorder.watch(0, metrics)
+        points = recorder.ended(0, "COMPLETED", "")
+    finally:
+        recorder.finish({}, "done")
+    assert points == [{"step": 0, "loss": 0.5}, {"step": 1}, {"step": 2}, {"step": 3}]
+    assert recorder.metrics(0) == {"loss": 0.5} and recorder.non_finite(0) == 3
+    [trial] = store.trials(RUN)
+    assert trial["metrics"] == {"loss": 0.5} and trial["non_finite_dropped"] == 3
+    assert store.records(RUN, 0, 0, 10) == points

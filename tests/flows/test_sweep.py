@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from prefect_gpu_budget import GpuBudget, SpendLedger
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.flows.sweep import gpu_sweep
 from prefect_gpu_budget.job import one_line
 from prefect_gpu_budget.sweep_spec import SweepSpec
@@ -175,3 +176,43 @@ def test_agent_artifact_keys_differ_for_names_that_read_alike(tmp_path):
     assert len(keys) == 3, keys
     assert all(k.startswith("agent-acme-ml-agent-x-y-") for k in keys), keys
     assert _artifact_key(one, agent=False) == "y"
+
+
+NON_FINITE_TRIAL = (
+    "import os, sys\n"
+    "lr = float(sys.argv[1])\n"
+    "out = open(os.environ['GPU_BUDGET_METRICS_FILE'], 'a')\n"
+    'out.write(\'{"step": 0, "loss": %r}\\n\' % lr)\n'
+    "for bad in ('NaN', '1e999', '-Infinity'): out.write('{\"step\": 1, \"loss\": %s}\\n' % bad)\n"
+)
+"""A trial that reports a finite loss, then NaN, 1e999 (parsed as infinity) and -Infinity."""
+
+
+def test_a_trial_cannot_erase_its_metric_with_nan_or_infinities(prefect_api, prices, tmp_path):
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", hourly_cap_usd="7.2", period_budget_usd=10, period="day").apply(ledger)
+    GpuBudget(scope="lab/sweeps").apply(ledger)
+    script = tmp_path / "nan.py"
+    script.write_text(NON_FINITE_TRIAL)
+    spec = _spec(
+        tmp_path,
+        name="nonfinite",
+        command=[sys.executable, str(script), "{lr}"],
+        grid={"lr": [0.25, 0.5]},
+    )
+    df = gpu_sweep(spec, ledger=SpendLedger(database_url=url))
+
+    assert list(df["state"]) == ["Completed", "Completed"]
+    assert list(df["loss"]) == [0.25, 0.5]
+    assert list(df["non_finite_dropped"]) == [3, 3]
+    [run_id] = {r["flow_run_id"] for r in ledger.views.jobs("lab/sweeps/agent-1")}
+    store = SweepRecords(ledger)
+    assert [(t["metrics"], t["non_finite_dropped"]) for t in store.trials(run_id)] == [
+        ({"loss": 0.25}, 3),
+        ({"loss": 0.5}, 3),
+    ]
+    assert store.records(run_id, 0, 0, 10) == [{"step": 0, "loss": 0.25}, *[{"step": 1}] * 3]
+    assert "best trial 0: loss 0.25" in store.output(run_id, "summary.md")[1].decode()
+    assert "best loss 0.25 (trial 0)" in store.sweep(run_id)["message"]
+    assert "learning_curves.png" in store.outputs(run_id)

@@ -17,7 +17,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -56,22 +56,35 @@ def _json(value: Any) -> str:
     return json.dumps(value, default=str, allow_nan=False) if value is not None else "null"
 
 
-def flat_record(record: Mapping[str, Any]) -> dict[str, Any] | None:
+class Kept(NamedTuple):
+    """What `keep` keeps of one reported record."""
+
+    record: dict[str, Any] | None
+    """The record, flat and small; None when it is dropped whole."""
+    non_finite: tuple[str, ...]
+    """The keys whose value was NaN or an infinity, left out of `record` (none when `record`
+    is None)."""
+
+
+def keep(record: Mapping[str, Any]) -> Kept:
     """What is kept of one reported record: a flat mapping of at most MAX_RECORD_KEYS string keys
     (of at most MAX_KEY_CHARS characters; a longer key is dropped) to scalars only: an int (of 64
-    bits), a float (NaN and infinities become None: JSON has none), a bool, None, or a string
-    (cut to MAX_STR_CHARS characters). Nested values (lists, mappings) and anything else are
+    bits), a finite float, a bool, None, or a string (cut to MAX_STR_CHARS characters). A NaN or
+    an infinity (JSON parses `NaN`, `Infinity` and `1e999` as floats) is left out, its key named
+    in `non_finite`: such a value never stands in a record, and never replaces a finite one in a
+    trial's metrics (`latest_metrics`). Nested values (lists, mappings) and anything else are
     dropped. `summary` and `step` (see `latest_metrics`) are taken first, so that many keys
-    never push them out. None, and the record is dropped, when its JSON is still over
+    never push them out. The record is None, dropped, when its JSON is still over
     MAX_RECORD_BYTES (or it is not a mapping).
 
     A metrics file's line may be 64 KiB of nested lists or mappings (`metrics_file`), ~49 times
     that as Python objects; flat and small, a record costs a few KB wherever it is loaded (the
-    gateway's pages of records, the sweep flow's learning curves). Applying it twice changes
-    nothing."""
+    gateway's pages of records, the sweep flow's learning curves). Keeping a kept record again
+    changes nothing."""
     if not isinstance(record, Mapping):
-        return None
+        return Kept(None, ())
     flat: dict[str, Any] = {}
+    non_finite: list[str] = []
     first = [(k, record[k]) for k in _KEPT_FIRST if k in record]
     for key, value in chain(first, ((k, v) for k, v in record.items() if k not in _KEPT_FIRST)):
         if len(flat) >= MAX_RECORD_KEYS:
@@ -85,15 +98,30 @@ def flat_record(record: Mapping[str, Any]) -> dict[str, Any] | None:
             if -_INT_BOUND <= value < _INT_BOUND:
                 flat[key] = int(value)
         elif isinstance(value, float):
-            flat[key] = float(value) if math.isfinite(value) else None
+            if math.isfinite(value):
+                flat[key] = float(value)
+            else:
+                non_finite.append(key)
         elif isinstance(value, str):
             flat[key] = str(value[:MAX_STR_CHARS])
-    return flat if len(_json(flat)) <= MAX_RECORD_BYTES else None
+    if len(_json(flat)) > MAX_RECORD_BYTES:
+        return Kept(None, ())
+    return Kept(flat, tuple(non_finite))
+
+
+def flat_record(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The record as `keep` keeps it (None: dropped)."""
+    return keep(record).record
 
 
 def flat_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """`flat_record` of each record, those dropped left out."""
     return [f for f in map(flat_record, records) if f is not None]
+
+
+def non_finite_count(records: Iterable[Mapping[str, Any]]) -> int:
+    """How many NaN and infinite values `keep` left out of these records."""
+    return sum(len(keep(r).non_finite) for r in records)
 
 
 def _upsert(conn: Any, values: Mapping[str, Any]) -> Any:
@@ -181,6 +209,7 @@ class SweepRecords:
                             "params": _json(dict(p)),
                             "metrics": "{}",
                             "records": 0,
+                            "non_finite": 0,
                             "reason": "",
                         }
                         for i, p in enumerate(params)
@@ -188,21 +217,24 @@ class SweepRecords:
                 )
 
     def add_records(self, run_id: str, trial: int, records: Iterable[Mapping[str, Any]]) -> int:
-        """Append a trial's newly reported records, each as `flat_record` keeps it (up to
-        MAX_RECORDS in all), and keep its latest metrics from them; returns how many were
-        kept."""
-        records = flat_records(records)
-        if not records:
+        """Append a trial's newly reported records, each as `keep` keeps it (up to MAX_RECORDS
+        in all); keep its latest metrics (`latest_metrics`) and count the NaN and infinite
+        values left out, from every record, past MAX_RECORDS too; returns how many records
+        were stored."""
+        reported = [keep(r) for r in records]
+        flat = [k.record for k in reported if k.record is not None]
+        dropped = sum(len(k.non_finite) for k in reported)
+        if not flat:
             return 0
         with self.ledger.db.tx() as conn:
             row = conn.execute(
-                sa.select(sweep_trials.c.records, sweep_trials.c.metrics).where(
-                    sweep_trials.c.run_id == run_id, sweep_trials.c.trial == trial
-                )
+                sa.select(
+                    sweep_trials.c.records, sweep_trials.c.metrics, sweep_trials.c.non_finite
+                ).where(sweep_trials.c.run_id == run_id, sweep_trials.c.trial == trial)
             ).first()
             if row is None:
                 return 0
-            kept = records[: max(0, MAX_RECORDS - row.records)]
+            kept = flat[: max(0, MAX_RECORDS - row.records)]
             if kept:
                 conn.execute(
                     trial_metrics.insert(),
@@ -216,11 +248,15 @@ class SweepRecords:
                         for i, r in enumerate(kept)
                     ],
                 )
-            metrics = latest_metrics(json.loads(row.metrics or "{}"), records)
+            metrics = _after(json.loads(row.metrics or "{}"), reported)
             conn.execute(
                 sweep_trials.update()
                 .where(sweep_trials.c.run_id == run_id, sweep_trials.c.trial == trial)
-                .values(records=row.records + len(kept), metrics=_json(metrics))
+                .values(
+                    records=row.records + len(kept),
+                    metrics=_json(metrics),
+                    non_finite=(row.non_finite or 0) + dropped,
+                )
             )
         return len(kept)
 
@@ -327,7 +363,8 @@ class SweepRecords:
             )
 
     def trials(self, run_id: str) -> list[dict[str, Any]]:
-        """Each trial: its number, parameters, latest metrics, record count, final state."""
+        """Each trial: its number, parameters, latest metrics, record count, how many NaN and
+        infinite values it reported (left out of its records and metrics), final state."""
         with self.ledger.db.read() as conn:
             rows = conn.execute(
                 sweep_trials.select()
@@ -340,6 +377,7 @@ class SweepRecords:
                 "params": json.loads(r.params),
                 "metrics": shown_metrics(json.loads(r.metrics or "{}")),
                 "records": r.records,
+                "non_finite_dropped": r.non_finite or 0,
                 "state": r.state,
                 "reason": r.reason,
             }
@@ -403,21 +441,26 @@ def shown_metrics(metrics: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if k != SUMMARY_SEEN}
 
 
-def final_metrics(records: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """A trial's metrics from all its records (`latest_metrics` from none)."""
-    return shown_metrics(latest_metrics({}, records))
-
-
 def latest_metrics(
     metrics: Mapping[str, Any], records: Iterable[Mapping[str, Any]]
 ) -> dict[str, Any]:
-    """A trial's metrics after `records`: its summary (a record with `"summary": true`), else its
-    last record, without the `summary` and `step` keys. Once a summary was seen, later
-    records that are not summaries do not replace it."""
+    """A trial's metrics after `records`, each as `keep` keeps it: its summary (a record with
+    `"summary": true`), else its last record, without the `summary` and `step` keys. Once a
+    summary was seen, later records that are not summaries do not replace it. A value left out
+    as NaN or an infinity replaces nothing: its key keeps the finite value it had, so a trial
+    that writes `NaN` after a finite loss still reports that loss."""
+    return _after(metrics, map(keep, records))
+
+
+def _after(metrics: Mapping[str, Any], reported: Iterable[Kept]) -> dict[str, Any]:
+    """`latest_metrics` of records kept already."""
     current = dict(metrics)
-    for record in records:
-        if record.get("summary") or not current.get(SUMMARY_SEEN):
-            current = {k: v for k, v in record.items() if k not in ("summary", "step")}
-            if record.get("summary"):
-                current[SUMMARY_SEEN] = True
+    for kept in reported:
+        record = kept.record
+        if record is None or not (record.get("summary") or not current.get(SUMMARY_SEEN)):
+            continue
+        held = {k: current[k] for k in kept.non_finite if k in current}
+        current = {**held, **{k: v for k, v in record.items() if k not in ("summary", "step")}}
+        if record.get("summary"):
+            current[SUMMARY_SEEN] = True
     return current

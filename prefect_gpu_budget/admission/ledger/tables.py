@@ -229,9 +229,12 @@ sweep_trials = sa.Table(
     sa.Column("records", sa.Integer, nullable=False, default=0),
     sa.Column("state", sa.String(40)),
     sa.Column("reason", sa.Text, nullable=False, default=""),
+    sa.Column("non_finite", sa.Integer),
 )
 """A trial's parameters, its latest metrics (the summary, else the last record), how many
-records it reported, and the name of its run's final state once it ended."""
+records it reported, how many NaN and infinite values it reported (left out: `results.keep`;
+null in a row an earlier version made, read as 0), and the name of its run's final state once
+it ended."""
 
 trial_metrics = sa.Table(
     "gpu_trial_metrics",

@@ -17,9 +17,11 @@ from prefect_gpu_budget.admission.ledger.results import (
     RESULTS_RETENTION_S,
     SUMMARY_SEEN,
     SweepRecords,
-    final_metrics,
     flat_record,
+    keep,
     latest_metrics,
+    non_finite_count,
+    shown_metrics,
 )
 from prefect_gpu_budget.admission.ledger.tables import (
     sweep_outputs,
@@ -75,7 +77,15 @@ def test_open_sweep_records_every_trial(store):
     assert sweep["started_at"] == 1000.0
     assert sweep["ended_at"] is None and sweep["cancelled_at"] is None
     assert store.trials(RUN) == [
-        {"trial": i, "params": p, "metrics": {}, "records": 0, "state": None, "reason": ""}
+        {
+            "trial": i,
+            "params": p,
+            "metrics": {},
+            "records": 0,
+            "non_finite_dropped": 0,
+            "state": None,
+            "reason": "",
+        }
         for i, p in enumerate([{"lr": 0.1}, {"lr": 0.01}, {"lr": 0.001}])
     ]
     assert store.sweep(OTHER) is None and store.trials(OTHER) == []
@@ -112,6 +122,7 @@ def test_reopening_a_sweep_replaces_it(store):
             "params": {"depth": 4},
             "metrics": {},
             "records": 0,
+            "non_finite_dropped": 0,
             "state": None,
             "reason": "",
         }
@@ -201,22 +212,64 @@ def test_a_summary_in_the_first_call_wins_over_later_records(store):
     assert store.trials(RUN)[2]["metrics"] == {"acc": 0.9}
 
 
-def test_nan_and_infinities_become_null(store):
+def test_nan_and_infinities_are_left_out_and_counted(store):
     _open(store)
     kept = store.add_records(
         RUN,
         0,
         [
-            {"step": 0, "loss": math.nan, "up": math.inf, "down": -math.inf, "ok": 1.5},
-            {"step": 1, "loss": float("nan"), "n": 3},
+            {"step": 0, "loss": 2.0, "up": 1.0},
+            {"step": 1, "loss": math.nan, "up": math.inf, "down": -math.inf, "ok": 1.5},
+            {"step": 2, "loss": float("nan"), "n": 3},
         ],
     )
-    assert kept == 2
+    assert kept == 3
     assert store.records(RUN, 0, 0, 10) == [
-        {"step": 0, "loss": None, "up": None, "down": None, "ok": 1.5},
-        {"step": 1, "loss": None, "n": 3},
+        {"step": 0, "loss": 2.0, "up": 1.0},
+        {"step": 1, "ok": 1.5},
+        {"step": 2, "n": 3},
     ]
-    assert store.trials(RUN)[0]["metrics"] == {"loss": None, "n": 3}
+    trial = store.trials(RUN)[0]
+    # the last record's metrics, its non-finite loss keeping the finite one it replaced
+    assert trial["metrics"] == {"loss": 2.0, "n": 3}
+    assert trial["non_finite_dropped"] == 4
+
+
+def test_a_metric_written_as_nan_or_infinity_never_erases_a_finite_one(store):
+    """What JSON lets a trial write (`NaN`, `Infinity`, `-Infinity`, `1e999`), in records and
+    in summaries, in calls of their own: the trial's metric stays its last finite value."""
+    _open(store)
+    store.add_records(RUN, 0, json.loads('[{"step": 0, "val_loss": 0.25}]'))
+    for line in ("NaN", "1e999", "-Infinity", "Infinity"):
+        store.add_records(RUN, 0, [json.loads(f'{{"step": 1, "val_loss": {line}}}')])
+    store.add_records(RUN, 0, [json.loads('{"summary": true, "val_loss": NaN, "acc": 0.5}')])
+    trial = store.trials(RUN)[0]
+    assert trial["metrics"] == {"val_loss": 0.25, "acc": 0.5}
+    assert trial["non_finite_dropped"] == 5
+    assert trial["records"] == 6
+    assert all("val_loss" not in r for r in store.records(RUN, 0, 1, 10))
+    # a later finite value still replaces it
+    store.add_records(RUN, 0, [{"summary": True, "val_loss": 0.2}])
+    assert store.trials(RUN)[0]["metrics"] == {"val_loss": 0.2}
+
+
+def test_non_finite_values_past_the_kept_records_still_count(store, monkeypatch):
+    monkeypatch.setattr(results, "MAX_RECORDS", 2)
+    _open(store)
+    store.add_records(RUN, 1, [{"step": i, "loss": 1.0 / (i + 1)} for i in range(3)])
+    assert store.add_records(RUN, 1, [{"step": 3, "loss": math.inf}, {"step": 4}]) == 0
+    trial = store.trials(RUN)[1]
+    assert trial["records"] == 2 and trial["non_finite_dropped"] == 1
+    assert trial["metrics"] == {}  # the last record reported had no loss
+
+
+def test_a_row_an_earlier_version_made_counts_no_dropped_values(store):
+    _open(store)
+    with store.ledger.db.tx() as conn:
+        conn.execute(sweep_trials.update().values(non_finite=None))
+    assert [t["non_finite_dropped"] for t in store.trials(RUN)] == [0, 0, 0]
+    store.add_records(RUN, 0, [{"loss": math.nan}])
+    assert store.trials(RUN)[0]["non_finite_dropped"] == 1
 
 
 def test_nested_values_are_dropped(store):
@@ -240,10 +293,11 @@ def test_flat_record():
         "none": None,
         "tag": "a",
     }
-    # nested values go, non-finite floats become None, long strings are cut
-    assert flat_record(
-        {"a": [[], []], "b": {"c": 1}, "t": (1,), "nan": math.nan, "inf": -math.inf}
-    ) == {"nan": None, "inf": None}
+    # nested values go, non-finite floats go (`keep` names them), long strings are cut
+    hostile = {"a": [[], []], "b": {"c": 1}, "t": (1,), "nan": math.nan, "inf": -math.inf}
+    assert flat_record(hostile) == {}
+    assert keep(hostile) == ({}, ("nan", "inf"))
+    assert keep({"s": "x" * 1000, "big": 1e999}).non_finite == ("big",)
     assert flat_record({"s": "x" * 1000}) == {"s": "x" * results.MAX_STR_CHARS}
     # keys: strings of at most MAX_KEY_CHARS, at most MAX_RECORD_KEYS of them
     assert flat_record({"k" * 65: 1, "k" * 64: 2, 7: 3}) == {"k" * 64: 2, "7": 3}
@@ -261,11 +315,12 @@ def test_flat_record():
     # still over MAX_RECORD_BYTES: dropped whole
     wide = {f"s{i}": "\u2603" * 256 for i in range(64)}
     assert flat_record(wide) is None
+    assert keep({**wide, "nan": math.nan}) == (None, ())  # dropped whole: nothing counted
     assert flat_record([1, 2]) is None  # type: ignore[arg-type]
     # twice is once
     for record in ({"a": [1], "b": "y" * 999, "c": math.nan}, late, many):
         once = flat_record(record)
-        assert flat_record(once) == once
+        assert flat_record(once) == once and keep(once).non_finite == ()
 
 
 def _hostile_records() -> list[dict]:
@@ -311,7 +366,7 @@ def test_a_page_of_the_largest_records_stays_small(store):
     assert peak < 16 << 20, f"{peak / 2**20:.1f} MiB"
 
 
-def test_latest_and_final_metrics():
+def test_latest_metrics():
     records = [
         {"step": 0, "loss": 2.0},
         {"step": 1, "loss": 1.0, "summary": False},
@@ -319,15 +374,33 @@ def test_latest_and_final_metrics():
         {"step": 2, "loss": 0.1},
     ]
     assert latest_metrics({}, []) == {}
-    assert final_metrics([]) == {}
     assert latest_metrics({}, records[:2]) == {"loss": 1.0}
     assert latest_metrics({}, records) == {"best": 0.5, SUMMARY_SEEN: True}
-    assert final_metrics(records) == {"best": 0.5}
+    assert shown_metrics(latest_metrics({}, records)) == {"best": 0.5}
     # a summary seen in an earlier call holds against later records
     earlier = latest_metrics({}, records[:3])
     assert latest_metrics(earlier, records[3:]) == {"best": 0.5, SUMMARY_SEEN: True}
     # metrics without a summary are replaced
     assert latest_metrics({"loss": 9.0}, [{"acc": 1.0}]) == {"acc": 1.0}
+    # records dropped whole change nothing
+    assert latest_metrics({"loss": 9.0}, [{f"s{i}": "\u2603" * 256 for i in range(64)}]) == {
+        "loss": 9.0
+    }
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, float("1e999")])
+def test_a_non_finite_value_keeps_the_finite_value_it_would_replace(bad):
+    assert latest_metrics({"loss": 0.5, "acc": 0.1}, [{"step": 3, "loss": bad}]) == {"loss": 0.5}
+    assert latest_metrics({}, [{"loss": bad}]) == {}  # nothing to keep: none
+    assert latest_metrics({"loss": 0.5}, [{"summary": True, "loss": bad, "acc": 0.9}]) == {
+        "loss": 0.5,
+        "acc": 0.9,
+        SUMMARY_SEEN: True,
+    }
+    # after a summary, a later summary's non-finite value keeps the summary's
+    done = latest_metrics({}, [{"summary": True, "loss": 0.4}])
+    assert latest_metrics(done, [{"summary": True, "loss": bad}]) == done
+    assert non_finite_count([{"loss": bad, "up": bad}, {"step": 1}, {"x": [bad]}]) == 2
 
 
 def test_end_trial_and_end_sweep(store):
@@ -522,6 +595,7 @@ def test_sweeps_do_not_see_each_others_results(store):
             "params": {"lr": 1},
             "metrics": {"mine": True},
             "records": 1,
+            "non_finite_dropped": 0,
             "state": None,
             "reason": "",
         }

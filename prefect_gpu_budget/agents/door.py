@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.admission.stopping import stop_sweep
+from prefect_gpu_budget.agents.lost import lost_message, worker_lost
 from prefect_gpu_budget.agents.rules import (
     STOPPED_BY_AGENT,
     agent_spec,
@@ -273,6 +274,9 @@ class Door:
             self.long_polls.give(caller.grant)
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
+        """The sweep as `sweep` answers it. `worker_lost`: its run ended without the sweep's
+        own end recorded (see `agents.lost`); its trials are still the ledger's, and its
+        message says how many finished and what starting it again would re-run."""
         run_id = str(run.id)
         meta = self.records.sweep(run_id)
         recorded = {t["trial"]: t for t in self.records.trials(run_id)}
@@ -281,19 +285,24 @@ class Door:
             trial = _trial_number(row["name"])
             if trial is not None:
                 jobs[trial] = row
+        state = run.state
+        ended = bool(state and state.is_final())
         trials = [
-            _trial(index, recorded.get(index), jobs.get(index))
+            _trial(index, recorded.get(index), jobs.get(index), ended)
             for index in sorted(set(recorded) | set(jobs))
         ]
-        state = run.state
         message = redact_urls(state.message or "") if state else ""
         if meta is not None and meta["message"] and (not message or state.is_completed()):
             message = redact_urls(meta["message"])
+        lost = worker_lost(ended, meta)
+        if lost:
+            message = lost_message(trials, meta["trials"])
         return {
             "run_id": run_id,
             "name": run.name,
             "state": state.name if state else "Unknown",
             "message": message,
+            "worker_lost": lost,
             "cancelled": bool(meta["cancelled_at"]) if meta else self.records.cancelled(run_id),
             "metric": meta["metric"] if meta else None,
             "goal": meta["goal"] if meta else None,
@@ -330,6 +339,7 @@ class Door:
                 "trial": t["trial"],
                 **t["params"],
                 **t["metrics"],
+                "non_finite_dropped": t["non_finite_dropped"],
                 "state": t["state"],
                 "reason": t["reason"],
                 "cost_usd": t["cost_usd"],
@@ -497,10 +507,15 @@ def _usd_row(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trial(
-    index: int | None, recorded: dict[str, Any] | None, row: dict[str, Any] | None
+    index: int | None,
+    recorded: dict[str, Any] | None,
+    row: dict[str, Any] | None,
+    run_ended: bool = False,
 ) -> dict[str, Any]:
     """One trial as an agent sees it: its record in the sweep (parameters, metrics, the run's
-    final state) and its job in the ledger (state, outcome, cost, wait, times)."""
+    final state, how many NaN and infinite values it reported) and its job in the ledger
+    (state, outcome, cost, wait, times). A trial with neither a job nor an end of its own is
+    `pending` while its sweep's run goes on, `not_started` once that run has ended."""
     row = row or {}
     recorded = recorded or {}
     started, admitted = row.get("started_at"), row.get("admitted_at")
@@ -509,17 +524,19 @@ def _trial(
         if row
         else None
     )
+    unasked = "not_started" if run_ended else "pending"
     return {
         "trial": index,
         "job_id": row.get("id"),
         "name": row.get("name"),
         "params": recorded.get("params", {}),
-        "state": row.get("state") or ("ended" if recorded.get("state") else "pending"),
+        "state": row.get("state") or ("ended" if recorded.get("state") else unasked),
         "outcome": row.get("outcome"),
         "run_state": recorded.get("state"),
         "reason": redact_urls(row.get("reason") or recorded.get("reason") or ""),
         "metrics": recorded.get("metrics", {}),
         "records": recorded.get("records", 0),
+        "non_finite_dropped": recorded.get("non_finite_dropped", 0),
         "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
         "waited_s": None if waited is None else round(waited, 3),
         "requested_at": row.get("requested_at"),

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from prefect_gpu_budget.admission import periods, queueing
+from prefect_gpu_budget.admission import periods, preemption, queueing
 from prefect_gpu_budget.admission.quota import Capacity, Placed, Pool, TeamQuota
 from prefect_gpu_budget.admission.requests import Request
 from prefect_gpu_budget.units import (
@@ -412,7 +412,7 @@ def _decide_one(
         return _wait_or_end(state, req, rules, behind)
 
     blockers = _blockers(req, rules, must_fit, usage, this_job)
-    fit = capacity.check(shape, req.priority) if capacity is not None and shape else None
+    fit = preemption.fit(capacity, shape, req.priority) if capacity is not None and shape else None
     if fit is not None and not fit.ok:
         blockers.append(
             Decision(

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from prefect_gpu_budget.admission import queueing
 from prefect_gpu_budget.admission.quota import (
     Capacity,
+    Fit,
     Placed,
     Pool,
     Shape,
@@ -43,6 +45,32 @@ from prefect_gpu_budget.admission.quota import (
 )
 
 Rank = tuple[bool, bool, float, int, float]
+
+
+def fit(cap: Capacity, shape: Shape, priority: int) -> Fit:
+    """Can a job of `shape` at `priority` start now? If not, why (`Capacity.blocked`), what it
+    holds while it waits (`queueing.holds`), and which jobs to preempt by its team's settings
+    (`victims`), if any. Here, not on `Capacity`: the quota's state knows nothing of the
+    rules that read it."""
+    pool = cap.pools[shape.pool]
+    reason = cap.blocked(shape)
+    if reason is None:
+        return Fit(True, placement=cap.place(pool, shape, frozenset()) or ())
+    quota = cap.quotas.get((shape.pool, shape.team or ""))
+    holds = queueing.holds(pool, quota, cap.within_quota(shape))
+    if quota is None:
+        return Fit(False, reason, holds=holds, unasked=reason)
+    chosen, note = victims(cap, pool, quota, shape, priority)
+    asked = ""
+    if chosen:
+        asked = "; preempting " + ", ".join(describe(job, quota.team) for job in chosen)
+    return Fit(
+        False,
+        reason + asked + note,
+        victims=tuple(j.job_id for j in chosen),
+        holds=holds,
+        unasked=reason + note,
+    )
 
 
 def victims(

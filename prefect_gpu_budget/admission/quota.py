@@ -465,33 +465,6 @@ class Capacity:
             return self._borrow_reason(pool, quota, shape, without)
         return None
 
-    def check(self, shape: Shape, priority: int) -> Fit:
-        """Can the job start now? If not, why, what it holds while it waits (`queueing`), and
-        which jobs to preempt by its team's settings (`preemption`), if any."""
-        from prefect_gpu_budget.admission import preemption, queueing
-
-        pool = self.pools[shape.pool]
-        reason = self.blocked(shape)
-        if reason is None:
-            return Fit(True, placement=self.place(pool, shape, frozenset()) or ())
-        quota = self.quotas.get((shape.pool, shape.team or ""))
-        holds = queueing.holds(pool, quota, self.within_quota(shape))
-        if quota is None:
-            return Fit(False, reason, holds=holds, unasked=reason)
-        chosen, note = preemption.victims(self, pool, quota, shape, priority)
-        asked = ""
-        if chosen:
-            asked = "; preempting " + ", ".join(
-                preemption.describe(job, quota.team) for job in chosen
-            )
-        return Fit(
-            False,
-            reason + asked + note,
-            victims=tuple(j.job_id for j in chosen),
-            holds=holds,
-            unasked=reason + note,
-        )
-
     def _borrow_reason(
         self, pool: Pool, quota: TeamQuota, shape: Shape, without: frozenset[str]
     ) -> str:

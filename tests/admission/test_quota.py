@@ -3,6 +3,7 @@ share of idle capacity, gang fit, preemption victims (the pure part of the decis
 
 from __future__ import annotations
 
+from prefect_gpu_budget.admission import preemption
 from prefect_gpu_budget.admission.quota import (
     Capacity,
     Placed,
@@ -35,7 +36,7 @@ def _capacity(pool: Pool, quotas: list[TeamQuota], placed=()) -> Capacity:
 
 
 def _admit(cap: Capacity, job_id: str, shape: Shape, priority: int = 0, at: float = 0.0) -> bool:
-    fit = cap.check(shape, priority)
+    fit = preemption.fit(cap, shape, priority)
     if fit.ok:
         cap.add(Placed(job_id, shape, fit.placement, priority, at))
     return fit.ok
@@ -50,7 +51,7 @@ def test_lending_and_borrowing_stay_within_their_limits():
         assert _admit(cap, f"a{i}", _job("acme/a", 1))
     assert _admit(cap, "a8", _job("acme/a", 1))  # borrowed from b's idle quota
     assert _admit(cap, "a9", _job("acme/a", 1))
-    fit = cap.check(_job("acme/a", 1), 0)  # b lends only 25% of its 8
+    fit = preemption.fit(cap, _job("acme/a", 1), 0)  # b lends only 25% of its 8
     assert not fit.ok and fit.reason == (
         "team acme/a uses 10 H100 of its quota 8 H100 in pool lab-a and this job would borrow "
         "1 H100; other teams lend 0 H100 idle now"
@@ -58,7 +59,7 @@ def test_lending_and_borrowing_stay_within_their_limits():
     b_all = TeamQuota("lab-a", "acme/b", proportional(pool, 8), lend_pct=100)
     cap = _capacity(pool, [a, b_all], cap.placed)
     assert _admit(cap, "a10", _job("acme/a", 1)) and _admit(cap, "a11", _job("acme/a", 1))
-    fit = cap.check(_job("acme/a", 1), 0)  # 12 used = quota 8 + 50%: the borrow limit
+    fit = preemption.fit(cap, _job("acme/a", 1), 0)  # 12 used = quota 8 + 50%: the borrow limit
     assert not fit.ok and "+50% borrow limit" in fit.reason
     assert cap.never_fits(_job("acme/a", 8, nodes=2)) is not None  # 16 > 8 + 50%
     assert "borrow limit" in cap.never_fits(_job("acme/a", 8, nodes=2))
@@ -79,7 +80,7 @@ def test_idle_capacity_is_shared_by_fair_share_weight():
     shape = {t: Shape("lab-a", t, (1, 24, 256), 1) for t in waiting}
     n = 0
     while True:  # what the decision does: the team with the least borrowed per weight first
-        wanting = [t for t in waiting if waiting[t] and cap.check(shape[t], 0).ok]
+        wanting = [t for t in waiting if waiting[t] and preemption.fit(cap, shape[t], 0).ok]
         if not wanting:
             break
         team = min(wanting, key=lambda t: (cap.share("lab-a", t), t))
@@ -96,7 +97,7 @@ def test_two_gang_jobs_for_three_free_nodes_never_hold_part_of_them():
     cap = _capacity(pool, [])
     first, second = _job(None, 8, nodes=2), _job(None, 8, nodes=2)
     assert _admit(cap, "first", first)
-    fit = cap.check(second, 0)
+    fit = preemption.fit(cap, second, 0)
     assert not fit.ok and fit.placement == ()
     assert fit.reason == "waiting for 2 x 8 H100 in pool lab-a: 1 node free"
     assert len(cap.placed) == 1  # nothing of the second job is held while it waits
@@ -114,15 +115,17 @@ def test_reclaiming_lent_capacity_picks_the_lowest_priority_newest_borrowed_job(
     for i, (priority, at) in enumerate([(0, 1.0), (0, 2.0), (-100, 3.0), (-100, 4.0)]):
         assert _admit(cap, f"b{i}", _job("acme/b", 4), priority, at)
     # b now uses all 16: its own 8 and a's 8, lent while a was idle
-    fit = cap.check(_job("acme/a", 4), priority=100)
+    fit = preemption.fit(cap, _job("acme/a", 4), priority=100)
     assert not fit.ok and fit.victims == ("b3",)  # low priority, most recently admitted
     assert "preempting b3 (acme/b, borrowing, priority -100)" in fit.reason
-    fit = cap.check(_job("acme/a", 8), priority=100)
+    fit = preemption.fit(cap, _job("acme/a", 8), priority=100)
     assert set(fit.victims) == {"b2", "b3"}
     # reclaim: any (HyperPod's default): lent capacity comes back whatever the borrower's priority
-    assert cap.check(_job("acme/a", 4), priority=-500).victims == ("b3",)
-    assert set(cap.check(_job("acme/a", 8), priority=-500).victims) == {"b2", "b3"}
-    assert cap.check(_job("acme/b", 4), priority=100).victims == ()  # b is over its own quota
+    assert preemption.fit(cap, _job("acme/a", 4), priority=-500).victims == ("b3",)
+    assert set(preemption.fit(cap, _job("acme/a", 8), priority=-500).victims) == {"b2", "b3"}
+    assert (
+        preemption.fit(cap, _job("acme/b", 4), priority=100).victims == ()
+    )  # b is over its own quota
 
 
 def test_reclaim_follows_the_lending_teams_setting():
@@ -133,12 +136,14 @@ def test_reclaim_follows_the_lending_teams_setting():
         cap = _capacity(pool, [a, b])
         assert _admit(cap, "b0", _job("acme/b", 8), 0, 1.0)
         assert _admit(cap, "b1", _job("acme/b", 8), 0, 2.0)  # a's 8, lent
-        fit = cap.check(_job("acme/a", 8), priority=0)  # the same priority as the borrower
+        fit = preemption.fit(
+            cap, _job("acme/a", 8), priority=0
+        )  # the same priority as the borrower
         assert not fit.ok and fit.victims == victims, reclaim
         assert fit.reason.startswith("waiting for 1 x 8 H100 in pool lab-a: 0 nodes free")
         if reclaim != "any":
             assert f"(reclaim: {reclaim})" in fit.reason
-        lower = cap.check(_job("acme/a", 8), priority=100).victims
+        lower = preemption.fit(cap, _job("acme/a", 8), priority=100).victims
         assert lower == (() if reclaim == "never" else ("b1",))
 
 
@@ -153,7 +158,7 @@ def test_a_team_preempts_its_own_lower_priority_work_unless_it_says_never():
         cap = _capacity(pool, [a, b])
         assert _admit(cap, "lo", _job("acme/a", 8), -100, 1.0)
         assert _admit(cap, "b-own", _job("acme/b", 8), -500, 2.0)
-        fit = cap.check(_job("acme/a", 8), priority=100)
+        fit = preemption.fit(cap, _job("acme/a", 8), priority=100)
         assert not fit.ok and fit.victims == victims, within
         assert fit.reason.startswith(
             "team acme/a uses 8 H100 of its quota 8 H100 (+0% borrow limit) in pool lab-a; "
@@ -163,7 +168,7 @@ def test_a_team_preempts_its_own_lower_priority_work_unless_it_says_never():
             assert "preempting lo (acme/a, lower priority, priority -100)" in fit.reason
         else:
             assert "(within_team: never)" in fit.reason
-        assert cap.check(_job("acme/a", 8), priority=-100).victims == ()  # equal: never
+        assert preemption.fit(cap, _job("acme/a", 8), priority=-100).victims == ()  # equal: never
 
 
 def test_a_team_may_preempt_its_own_work_and_borrow_at_once_as_kueue_does():
@@ -175,10 +180,12 @@ def test_a_team_may_preempt_its_own_work_and_borrow_at_once_as_kueue_does():
     cap = _capacity(pool, [a, b])
     assert _admit(cap, "b-train", _job("acme/b", 8), 0, 1.0)
     assert _admit(cap, "a-job", _job("acme/a", 8), 0, 2.0)
-    assert cap.check(_job("acme/b", 8, nodes=2), 100).victims == ()  # a runs within its quota
+    assert (
+        preemption.fit(cap, _job("acme/b", 8, nodes=2), 100).victims == ()
+    )  # a runs within its quota
     cap.placed = [p for p in cap.placed if p.job_id != "a-job"]  # a's job ended: a's node idle
-    assert cap.check(_job("acme/b", 8, nodes=2), 100).victims == ("b-train",)
-    assert cap.check(_job("acme/b", 8, nodes=2), 0).victims == ()  # not lower: nothing
+    assert preemption.fit(cap, _job("acme/b", 8, nodes=2), 100).victims == ("b-train",)
+    assert preemption.fit(cap, _job("acme/b", 8, nodes=2), 0).victims == ()  # not lower: nothing
 
 
 def test_victims_already_stopping_go_first():
@@ -192,9 +199,11 @@ def test_victims_already_stopping_go_first():
     cap = _capacity(pool, quotas)
     for i in range(4):
         assert _admit(cap, f"b{i}", _job("acme/b", 4), 0, float(i))
-    assert cap.check(_job("acme/a", 4), 0).victims == ("b3",)
+    assert preemption.fit(cap, _job("acme/a", 4), 0).victims == ("b3",)
     cap.placed = [replace(p, stopping=p.job_id == "b2") for p in cap.placed]
-    assert cap.check(_job("acme/a", 4), 0).victims == ("b2",)  # asked once: no second victim
+    assert preemption.fit(cap, _job("acme/a", 4), 0).victims == (
+        "b2",
+    )  # asked once: no second victim
 
 
 def test_a_team_with_no_quota_in_a_governed_pool_never_fits():
@@ -225,6 +234,6 @@ def test_a_refusal_names_the_resource_that_binds_with_the_amounts():
         "(2048 GiB of memory)"
     )
     assert _admit(cap, "small", Shape("lab-a", "acme/a", (0, 8, 64), 1))
-    fit = cap.check(Shape("lab-a", "acme/a", (0, 4, 64), 1), 0)  # 8 + 4 vCPU > 10
+    fit = preemption.fit(cap, Shape("lab-a", "acme/a", (0, 4, 64), 1), 0)  # 8 + 4 vCPU > 10
     assert not fit.ok and "uses 8 vCPU of its quota 10 vCPU" in fit.reason
     assert "this job needs 4 vCPU" in fit.reason

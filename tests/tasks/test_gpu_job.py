@@ -298,12 +298,12 @@ def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefe
 
     from benchmarks.harness.postgres import drop_database, ensure_database, name_of, server_of
     from tests.conftest import PG_URL
-    from tests.postgres import require_postgres
+    from tests.postgres import RUN, require_postgres
 
     require_postgres(PG_URL)
-    run = uuid.uuid4().hex[:8]
-    url = f"{server_of(PG_URL)}/gpu_budget_own_late_{run}"
-    aside = f"{server_of(PG_URL)}/gpu_budget_own_late_aside_{run}"
+    run = uuid.uuid4().hex[:8]  # named for this run: an interrupted one's are reaped later
+    url = f"{server_of(PG_URL)}/gpu_budget_late_{RUN}_{run}"
+    aside = f"{server_of(PG_URL)}/gpu_budget_aside_{RUN}_{run}"
 
     def appear() -> None:
         time.sleep(2.0)

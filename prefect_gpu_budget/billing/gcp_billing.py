@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
+from prefect_gpu_budget.billing.lines import JOB_MARK, BillError, BillLine, to_micro
 from prefect_gpu_budget.billing.reading import (
     Rows,
     at,
@@ -39,7 +39,6 @@ from prefect_gpu_budget.billing.reading import (
 )
 
 SOURCE = "gcp-billing"
-MARK = "gpu-budget-job"
 REQUIRED = ("invoice", "usage_start_time", "usage_end_time", "cost", "currency", "cost_type")
 _MONTH = re.compile(r"\d{4}(0[1-9]|1[0-2])")
 _PERIOD = re.compile(r"\d{4}-(0[1-9]|1[0-2])")
@@ -77,9 +76,9 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
             raise BillError(where, "a credit that is not a record", "credits", n)
         total += money(credit.get("amount"), where, "credits.amount", n)
     labels = _labels(row.get("labels"), where, "labels", n)
-    marks = {v for k, v in labels if k.lower() == MARK and v}
+    marks = {v for k, v in labels if k.lower() == JOB_MARK and v}
     if len(marks) > 1:
-        raise BillError(where, f"two {MARK} labels: {sorted(marks)}", "labels", n)
+        raise BillError(where, f"two {JOB_MARK} labels: {sorted(marks)}", "labels", n)
     sku = _record(row, "sku", where, n)
     resource = _record(row, "resource", where, n)
     return BillLine(

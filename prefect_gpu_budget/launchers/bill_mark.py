@@ -26,11 +26,12 @@ import unicodedata
 from collections.abc import Mapping
 from typing import Any
 
+from prefect_gpu_budget.billing.lines import JOB_MARK
 from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import shown
 
-BILL_MARK = "gpu-budget-job"
-"""The tag or label key every cloud job carries: its ledger job id."""
+BILL_MARK = JOB_MARK
+"""The tag or label key every cloud job carries: its ledger job id (the bill readers' own)."""
 SAGEMAKER_TAG_MAX = 256
 SAGEMAKER_TAG_SYMBOLS = frozenset("_.:/=+-@")
 """What a SageMaker tag value may hold besides letters, separators and numbers."""

@@ -163,7 +163,7 @@ class Forecast:
     def describe(self) -> str:
         likely, bound = self.likely, self.bound
         lines = [
-            f"likely, each trial {fmt_duration(likely.runtime_s)} ({self.runtime_from}): "
+            f"likely, each trial {_runtime(likely.runtime_s)} ({self.runtime_from}): "
             + likely.headline(self.trials, self.max_wait_s)
         ]
         if likely.waiting:
@@ -171,12 +171,17 @@ class Forecast:
         if likely.stopped_by:
             lines.append(f"stopped by {likely.stopped_by}")
         lines.append(
-            f"bound, if every trial ran to its max_runtime ({fmt_duration(self.reserve_s)} with "
+            f"bound, if every trial ran to its max_runtime ({_runtime(self.reserve_s)} with "
             "kill grace, what the gate reserves for it): "
             + bound.headline(self.trials, self.max_wait_s)
         )
         lines += [f"price warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
+
+
+def _runtime(seconds: float) -> str:
+    """A trial's runtime as the summary gives it: `2.5s` (to 3 figures) under a minute."""
+    return f"{seconds:.3g}s" if seconds < 59.5 else fmt_duration(seconds)
 
 
 def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:

@@ -48,6 +48,7 @@ from pydantic import Field
 
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.launchers.bill_mark import BILL_MARK
 from prefect_gpu_budget.launchers.vertex import (
     DEADLINE_EXCEEDED,
     STRATEGIES,
@@ -89,9 +90,11 @@ class GpuBudgetVertexJobConfiguration(GateConfiguration, VertexAIWorkerJobConfig
         if not job.share_of(quote.row).whole:
             raise LaunchConfigError("vertex", "gpus: Vertex AI runs whole machines")
 
-    def shape(self, job: GpuJob, quote: Quote) -> None:
+    def shape(self, job: GpuJob, quote: Quote, job_id: str) -> None:
         """Make the custom job the one the gate priced: machine type, accelerators, replicas
-        and scheduling strategy from the job, whatever the pool's own variables say."""
+        and scheduling strategy from the job, whatever the pool's own variables say; and the
+        label that names its ledger job (`job_id`) on the bill (`BILL_MARK`)."""
+        self.labels = {**(self.labels or {}), BILL_MARK: job_id}
         machine, accelerator = vertex_machine(quote)
         pools = self.job_spec["worker_pool_specs"]
         primary = {
@@ -221,7 +224,7 @@ class GpuBudgetVertexWorker(VertexAIWorker):
         except RunNotStarted:
             status.started("not-started")
             return VertexAIWorkerResult(status_code=0, identifier="not-started")
-        configuration.shape(gated.job, gated.admission.quote)
+        configuration.shape(gated.job, gated.admission.quote, gated.admission.job_id)
         jobs = _WatchedJobs(*_job_client(configuration), gated)
         watched = configuration.model_copy(
             update={"credentials": _Credentials(configuration.credentials, jobs)}

@@ -150,6 +150,8 @@ def test_runs_whose_cap_fits_one_submit_one_after_the_other_and_settle_at_the_jo
         assert abs(row["billed_seconds"] - 1.5) < 1e-3
     bodies = fake.created[before:]
     assert len(bodies) == 2
+    marks = {body["labels"]["gpu-budget-job"] for body in bodies}  # for the bill to find
+    assert marks == {row["id"] for row in rows}
     for body in bodies:  # the job the gate priced, with max_runtime as its timeout
         [pool] = body["jobSpec"]["workerPoolSpecs"]
         assert pool["machineSpec"]["machineType"] == "a2-highgpu-1g"

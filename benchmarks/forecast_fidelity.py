@@ -1,0 +1,257 @@
+"""Forecast fidelity: a sweep's forecast, its likely outcome and its bound, against the same sweep
+run for real.
+
+Each shape is a small sweep of sleeping trials (`sleep` for a few seconds, spread +-25% around
+their expected_runtime) on the local launcher, with a SQLite ledger of its own, on one Prefect
+server. The forecast is made from the ledger just before the sweep starts (what the sweep
+publishes first); then the sweep runs and its ledger says what happened. For each figure
+(trials admitted, timed out, spend, makespan from the first request to the last end) the table
+gives the likely figure, the bound (every trial running to max_runtime + kill grace, what the
+gate reserves), the actual one, and how far the likely one is from it.
+
+Shapes: `cap` (an hourly cap runs two at a time), `budget` (a day budget stops the tail, which
+times out), `quota` (a team's quota of two machines in a capacity pool), `max-wait` (one at a
+time, and a max wait that times the tail out), `history` (no expected_runtime: a first run
+forecast at max_runtime, then a second forecast from the first run's finished trials).
+
+Usage: python -m benchmarks.forecast_fidelity [--shapes cap,budget,...] [--json]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/forecast_fidelity.py`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks.harness import report
+from benchmarks.harness.servers import prefect_server, quiet_prefect
+
+log = report.logger("forecast")
+RATE_USD_PER_HOUR = "36"
+"""local:bench: one cent a second."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A sweep and the limits that bind it; `org` is its own, so that no two shapes share a
+    Prefect concurrency limit on the one server."""
+
+    name: str
+    org: str
+    trials: int
+    mean_s: float
+    job: dict[str, Any]
+    team: dict[str, Any] = field(default_factory=dict)
+    """The team's `GpuBudget` fields."""
+    pool_gpus: int = 0
+    """Give the team a quota of this many one-GPU machines of four (0: no capacity pool)."""
+    parallelism: int = 12
+    runs: int = 1
+    """Run it this many times on one ledger, forecasting each run from the ledger before it."""
+
+
+SHAPES = {
+    s.name: s
+    for s in (
+        Shape(
+            "cap",
+            "ff-cap",
+            8,
+            2.0,
+            {"max_runtime": "10s", "expected_runtime": "2s"},
+            {"hourly_cap_usd": 72},
+        ),
+        Shape(
+            "budget",
+            "ff-budget",
+            12,
+            1.5,
+            {"max_runtime": "6s", "expected_runtime": "1.5s"},
+            {"period_budget_usd": "0.2", "period": "day", "max_wait": "20s"},
+        ),
+        Shape("quota", "ff-quota", 8, 2.0, {"max_runtime": "10s", "expected_runtime": "2s"}, {}, 2),
+        Shape(
+            "max-wait",
+            "ff-wait",
+            6,
+            2.0,
+            {"max_runtime": "10s", "expected_runtime": "2s"},
+            {"hourly_cap_usd": 36, "max_wait": "7s"},
+        ),
+        Shape(
+            "history", "ff-history", 8, 2.0, {"max_runtime": "10s"}, {"hourly_cap_usd": 72}, runs=2
+        ),
+    )
+}
+
+
+def runtimes(n: int, mean: float, spread: float = 0.25) -> list[float]:
+    """`n` distinct runtimes spread evenly over mean x (1 +- spread), interleaved (long and short
+    trials alternate); their mean is `mean`."""
+    even = [round(mean * (1 + spread * (2 * i / max(1, n - 1) - 1)), 3) for i in range(n)]
+    return [even[i // 2] if i % 2 == 0 else even[n - 1 - i // 2] for i in range(n)]
+
+
+def spec_of(shape: Shape, results: Path) -> Any:
+    from prefect_gpu_budget.sweep_spec import SweepSpec
+
+    return SweepSpec(
+        name=shape.name,
+        scope=f"{shape.org}/team/agent",
+        job={"instance_type": "local:bench", "kill_grace": "1s", **shape.job},
+        command=["sleep", "{s}"],
+        grid={"s": runtimes(shape.trials, shape.mean_s)},
+        parallelism=shape.parallelism,
+        results_dir=str(results),
+    )
+
+
+def prepare(shape: Shape, url: str) -> None:
+    """The shape's budgets (and capacity pool) in a fresh ledger."""
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.blocks import GpuBudget
+    from prefect_gpu_budget.blocks.capacity import CapacityPool, TeamShare
+
+    ledger = Ledger(url)
+    GpuBudget(scope=shape.org).apply(ledger)
+    GpuBudget(scope=f"{shape.org}/team", **shape.team).apply(ledger)
+    if shape.pool_gpus:
+        CapacityPool(
+            org=shape.org,
+            name="lab",
+            nodes=4,
+            gpus_per_node=1,
+            instance_types=["local:bench"],
+            teams=[TeamShare(team=f"{shape.org}/team", gpus=shape.pool_gpus, borrow_pct=0)],
+        ).apply(ledger)
+    ledger.db.dispose()
+
+
+def actual(url: str, scope: str, since: float) -> dict[str, float]:
+    """What the ledger says the run did: its jobs requested from `since` on."""
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    ledger = Ledger(url)
+    jobs = [j for j in ledger.views.jobs(scope) if j["requested_at"] >= since]
+    ledger.db.dispose()
+    ran = [j for j in jobs if j["admitted_at"] is not None]
+    ends = [j["ended_at"] for j in ran if j["ended_at"] is not None]
+    return {
+        "admitted": len(ran),
+        "timed_out": sum(j["state"] == "timed_out" for j in jobs),
+        "spend_usd": sum(j["actual_micro"] or 0 for j in jobs) / 1e6,
+        "makespan_s": max(ends) - min(j["requested_at"] for j in jobs) if ends else 0.0,
+    }
+
+
+def measure(shape: Shape, tmp: Path) -> list[dict[str, Any]]:
+    """Forecast and run the shape (`runs` times on one ledger): one row per run."""
+    from prefect_gpu_budget.blocks import SpendLedger
+    from prefect_gpu_budget.flows.sweep import gpu_sweep
+    from prefect_gpu_budget.forecast import forecast
+
+    url = f"sqlite:///{tmp / (shape.name + '.db')}"
+    prepare(shape, url)
+    spec = spec_of(shape, tmp / "results")
+    rows = []
+    for run in range(1, shape.runs + 1):
+        ledger = SpendLedger(database_url=url).ledger()
+        since = time.time()
+        said = forecast(spec, ledger)
+        ledger.db.dispose()
+        gpu_sweep(spec, ledger=SpendLedger(database_url=url))
+        got = actual(url, spec.scope, since)
+        rows.append(
+            {
+                "shape": shape.name + (f" (run {run})" if shape.runs > 1 else ""),
+                "runtime_from": said.runtime_from,
+                "likely": said.likely.as_dict(),
+                "bound": said.bound.as_dict(),
+                "actual": got,
+            }
+        )
+        log(f"{rows[-1]['shape']}: likely {said.likely.admitted}, actual {got['admitted']}")
+    return rows
+
+
+FIGURES: dict[str, tuple[str, Callable[[float], str]]] = {
+    "admitted": ("admitted", lambda v: f"{v:.0f}"),
+    "timed_out": ("timed out", lambda v: f"{v:.0f}"),
+    "spend_usd": ("spend", lambda v: f"${v:.3f}"),
+    "makespan_s": ("makespan", lambda v: f"{v:.1f} s"),
+}
+
+
+def off(likely: float, real: float, figure: str) -> str:
+    """How far the likely figure is from the actual one: trials as a count, the rest in %."""
+    if figure in ("admitted", "timed_out"):
+        return f"{likely - real:+.0f}"
+    return "-" if not real else f"{100 * (likely - real) / real:+.0f}%"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    header = ["shape", "figure", "likely", "bound", "actual", "likely - actual"]
+    cells = []
+    for row in rows:
+        for i, (key, (label, shown)) in enumerate(FIGURES.items()):
+            likely, bound, real = row["likely"][key], row["bound"][key], row["actual"][key]
+            cells.append(
+                [
+                    row["shape"] if i == 0 else "",
+                    label,
+                    shown(likely),
+                    shown(bound),
+                    shown(real),
+                    off(likely, real, key),
+                ]
+            )
+    return report.table(header, cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="Comma-separated shapes.")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    chosen = [SHAPES[name] for name in args.shapes.split(",")]
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")  # the trials' queue warnings
+    quiet_prefect()
+    started, load = time.monotonic(), os.getloadavg()[0]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="forecast-bench-") as tmp, prefect_server() as api:
+        from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+
+        prices = set_local_price("bench", RATE_USD_PER_HOUR, gpus=1, path=Path(tmp) / "p.csv")
+        os.environ["PREFECT_GPU_BUDGET_PRICES"] = str(prices)
+        default_catalog.cache_clear()
+        log(f"Prefect server at {api}; load {load:.2f}")
+        for shape in chosen:
+            rows += measure(shape, Path(tmp))
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(
+        f"{time.strftime('%Y-%m-%d')}: {len(rows)} sweeps in {time.monotonic() - started:.0f} s, "
+        f"1-minute load {load:.2f} at start\n"
+    )
+    print(table(rows))
+    print()
+    for row in rows:
+        print(
+            f"- {row['shape']}: likely runtime {row['likely']['runtime_s']} s, {row['runtime_from']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -314,10 +314,17 @@ def _outcome(
             for r in result.records
             if r.admitted_at is None or (resumes and r.admitted_at >= resumes)
         ]
+        ended = sum(r.refused is not None for r in late)  # their max wait runs out first
+        held = [
+            f"{ended} trials end unrun first (their max wait runs out)" if ended else "",
+            f"{len(late) - ended} trials wait until it resets "
+            f"{periods.fmt_instant(resumes, rule.timezone) if resumes else 'later'}"
+            if len(late) > ended
+            else "",
+        ]
         stopped_by = (
             f"the {rule.period} budget of {scope} ({fmt_usd(rule.period_budget_micro or 0)}): "
-            f"{len(late)} trials wait until it resets "
-            f"{periods.fmt_instant(resumes, rule.timezone) if resumes else 'later'}"
+            + "; ".join(part for part in held if part)
         )
     return Outcome(
         runtime_s=runtime_s,

@@ -88,6 +88,28 @@ def test_forecast_says_when_the_period_budget_stops_a_sweep(prices, tmp_path):
     assert predicted.admitted == 6  # the last three on the next day
 
 
+def test_trials_whose_max_wait_runs_out_first_are_not_said_to_wait_for_the_reset(prices, tmp_path):
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", period_budget_usd="0.0085", period="day").apply(ledger)
+    _team(ledger)
+    spec = SweepSpec.model_validate(
+        {
+            **_spec(tmp_path, 6).model_dump(),
+            "job": {
+                "instance_type": "local:box",
+                "max_runtime": "2s",
+                "expected_runtime": "2s",
+                "kill_grace": "1s",
+                "max_wait": "30s",
+            },
+        }
+    )
+    predicted = forecast(spec, ledger)
+    assert predicted.timed_out == 3, predicted.summary()
+    assert "3 trials end unrun first (their max wait runs out)" in predicted.stopped_by
+    assert "wait until it resets" not in predicted.stopped_by
+
+
 def test_forecast_command(tmp_path, prices):
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(Ledger(url))

@@ -43,7 +43,7 @@ CAP_JOBS = 8
 
 def _prepare(url: str) -> None:
     from benchmarks.harness.ledger import fresh_ledger
-    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
     ledger = fresh_ledger(url)
     try:

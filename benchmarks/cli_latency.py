@@ -43,7 +43,7 @@ TARGETED = ("status --json", "ledger --json --limit 20", "quote aws:g5.xlarge", 
 def fill(url: str, rows: int) -> None:
     """A budget tree and `rows` settled jobs, written through the ledger's own API."""
     from prefect_gpu_budget.admission.ledger import Ledger, NewJob
-    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
     ledger = Ledger(url)
     for scope, cap in (("bench", 100_000), ("bench/team", 50_000), ("bench/team/s", 10_000)):

@@ -417,7 +417,7 @@ def run_depth(
     """One depth: a fresh ledger, the agents started together, the figures."""
     from prefect_gpu_budget.admission.ledger import Ledger
     from prefect_gpu_budget.admission.limits import RateLimits
-    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
     org = f"dq{depth.waiters}"
     team = f"{org}/team"

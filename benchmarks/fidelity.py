@@ -24,7 +24,7 @@ import statistics
 import time
 
 from benchmarks.harness import report
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.simulate import (
     POLICIES,
     TRACE_KINDS,

@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import ACTIVE, LEARNED_OUTCOMES, Ledger, hold_of
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold, max_wait_of
-from prefect_gpu_budget.admission.quota import Placed, Shape, job_share, pool_for, team_of
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, Hold, max_wait_of
+from prefect_gpu_budget.admission.rules.quota import Placed, Shape, job_share, pool_for, team_of
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import price_job
 from prefect_gpu_budget.priorities import resolve

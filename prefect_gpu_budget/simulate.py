@@ -22,9 +22,9 @@ from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.accounting import book, period_shares, settled_cost
-from prefect_gpu_budget.admission.policy import (
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.accounting import book, period_shares, settled_cost
+from prefect_gpu_budget.admission.rules.policy import (
     OVERRUN_WINDOW,
     BudgetRule,
     Hold,
@@ -34,8 +34,8 @@ from prefect_gpu_budget.admission.policy import (
     plan,
     wait_deadline,
 )
-from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, TeamQuota
-from prefect_gpu_budget.admission.requests import Request
+from prefect_gpu_budget.admission.rules.quota import Placed, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.units import rate_cents, scope_path
 
 

@@ -21,9 +21,9 @@ import pytest
 
 from prefect_gpu_budget.admission.audit import audit, promise1_violations
 from prefect_gpu_budget.admission.ledger import Ledger, holder_id, period_spend
-from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
-from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.timing import UNRECORDED_LEASE_S
 from tests.jobs import new_job
 from tests.postgres import database_url, require_postgres
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.blocks import GpuBudget
 from tests.conftest import PG_URL
 from tests.jobs import new_job

@@ -17,16 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "prefect_gpu_budget"
+RULES = ROOT / PACKAGE / "admission" / "rules"
 DECISION = [
-    "prefect_gpu_budget.admission.policy",
-    "prefect_gpu_budget.admission.quota",
-    "prefect_gpu_budget.admission.queueing",
-    "prefect_gpu_budget.admission.requests",
-    "prefect_gpu_budget.admission.preemption",
-    "prefect_gpu_budget.admission.accounting",
-    "prefect_gpu_budget.admission.timing",
-    "prefect_gpu_budget.admission.orphans",
+    f"{PACKAGE}.admission.rules.{path.stem}"
+    for path in sorted(RULES.glob("*.py"))
+    if path.stem != "__init__"
+] + [
+    # the bill's rules: whose a line is, when a figure is final
+    f"{PACKAGE}.billing.lines",
+    f"{PACKAGE}.billing.trueup",
 ]
+"""Every module of `admission/rules/` (the folder is the list), and the bill's rules."""
 IMPURE = {
     "prefect",
     "sqlalchemy",
@@ -114,14 +115,15 @@ def test_the_decision_imports_no_io_threads_clock_or_prefect() -> None:
 
 
 def test_the_pure_modules_import_what_they_should() -> None:
-    assert _closure("prefect_gpu_budget.admission.timing") == {
+    assert _closure("prefect_gpu_budget.admission.rules.timing") == {
         "prefect_gpu_budget",
         "prefect_gpu_budget._lazy",
         "prefect_gpu_budget.admission",
-        "prefect_gpu_budget.admission.timing",
+        "prefect_gpu_budget.admission.rules",
+        "prefect_gpu_budget.admission.rules.timing",
     }
-    assert "prefect_gpu_budget.admission.policy" in _closure(
-        "prefect_gpu_budget.admission.accounting"
+    assert "prefect_gpu_budget.admission.rules.policy" in _closure(
+        "prefect_gpu_budget.admission.rules.accounting"
     )
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import NewJob
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.units import BudgetInputError
 from tests.jobs import new_job

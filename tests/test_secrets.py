@@ -13,7 +13,7 @@ from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
 from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
 from prefect_gpu_budget.admission.ledger import Ledger, metadata
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.conftest import PG_URL
 from tests.jobs import held_job, until_in
 from tests.postgres import require_postgres

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule, Hold, overrun_factors
-from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, Hold, overrun_factors
+from prefect_gpu_budget.admission.rules.quota import Placed, Pool, Shape, TeamQuota
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.simulate import OverrunWindows, SimJob, simulate, synthetic_trace

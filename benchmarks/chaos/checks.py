@@ -12,8 +12,8 @@ from benchmarks.chaos.config import STALE_S
 from benchmarks.chaos.state import Setup
 from prefect_gpu_budget.admission.audit import SlotCheck, slot_mismatches
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import Reconciled, reconcile
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.units import org_of
 
 

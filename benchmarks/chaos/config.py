@@ -4,7 +4,7 @@ faults that are not kills, the figures that must stay zero, and each run's neste
 from __future__ import annotations
 
 from benchmarks.harness.report import logger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
 PHASES = ("before_reserve", "after_reserve", "running", "settling")
 PHASE_END = {

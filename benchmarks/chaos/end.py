@@ -12,7 +12,7 @@ from benchmarks.chaos.config import END_FIGURES, END_MARGIN_S, POLL_S, STALE_S, 
 from benchmarks.chaos.state import Setup
 from prefect_gpu_budget.admission.audit import audit, awaiting_rows
 from prefect_gpu_budget.admission.ledger import ACTIVE
-from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S
+from prefect_gpu_budget.admission.rules.timing import UNRECORDED_LEASE_S
 
 
 def end_state(setup: Setup) -> dict[str, Any]:

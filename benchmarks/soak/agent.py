@@ -31,7 +31,7 @@ from benchmarks.soak.recording import Recorder, TimedLedger, TimedLimits
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission, GateEvents
 from prefect_gpu_budget.admission.lifecycle import run_admitted
-from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 

@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from benchmarks.harness.report import logger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
 PG_URL = os.environ.get("GATE_SOAK_PG_URL")
 """The ledger's database; None: one of the run's own."""

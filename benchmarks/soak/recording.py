@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.limits import RateLimits
-from prefect_gpu_budget.admission.policy import Decision
+from prefect_gpu_budget.admission.rules.policy import Decision
 
 
 class Recorder:

@@ -29,7 +29,6 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefect_gpu_budget.admission.accounting import book, period_shares, row_spend
 from prefect_gpu_budget.admission.ledger import (
     ACTIVE,
     Ledger,
@@ -38,8 +37,9 @@ from prefect_gpu_budget.admission.ledger import (
 )
 from prefect_gpu_budget.admission.ledger.bills import trueup_shares, trueups
 from prefect_gpu_budget.admission.limits import RateLimits
-from prefect_gpu_budget.admission.policy import BudgetRule, held_in
-from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.admission.rules.accounting import book, period_shares, row_spend
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, held_in
+from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.units import fmt_usd, scope_path
 
 Row = dict[str, Any]

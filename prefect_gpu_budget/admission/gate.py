@@ -39,8 +39,13 @@ from prefect_gpu_budget.admission.ledger import (
 )
 from prefect_gpu_budget.admission.limits import Limits
 from prefect_gpu_budget.admission.outages import patiently
-from prefect_gpu_budget.admission.policy import BudgetRule, Decision, max_wait_of, wait_deadline
-from prefect_gpu_budget.admission.timing import (
+from prefect_gpu_budget.admission.rules.policy import (
+    BudgetRule,
+    Decision,
+    max_wait_of,
+    wait_deadline,
+)
+from prefect_gpu_budget.admission.rules.timing import (
     FRESH_ADMISSION_S,
     GIVE_BACK_S,
     HEARTBEAT_S,

@@ -28,8 +28,8 @@ from prefect_gpu_budget.admission.leases import Patiently, SlotLeases
 from prefect_gpu_budget.admission.ledger import PREEMPTED, Ledger
 from prefect_gpu_budget.admission.limits import Limits
 from prefect_gpu_budget.admission.outages import describe as _outage
-from prefect_gpu_budget.admission.policy import BudgetRule, Decision
-from prefect_gpu_budget.admission.timing import RELEASE_PATIENCE_S, SETTLE_PATIENCE_S
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision
+from prefect_gpu_budget.admission.rules.timing import RELEASE_PATIENCE_S, SETTLE_PATIENCE_S
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.threads import Handoff

@@ -19,7 +19,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.limits import DependencyDown, Limits, PrefectRefused
 from prefect_gpu_budget.admission.outages import OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
-from prefect_gpu_budget.admission.timing import (
+from prefect_gpu_budget.admission.rules.timing import (
     GIVE_BACK_S,
     LEASE_S,
     LIMIT_RETRY_S,

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 from uuid import UUID
 
-from prefect_gpu_budget.admission.timing import LEASE_S
+from prefect_gpu_budget.admission.rules.timing import LEASE_S
 
 PREFIX = "gpu-budget"
 

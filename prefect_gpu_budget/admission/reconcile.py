@@ -22,10 +22,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from prefect_gpu_budget.admission import orphans
 from prefect_gpu_budget.admission.ledger import Ledger, holder_alive
 from prefect_gpu_budget.admission.limits import RateLimits
-from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.admission.rules import orphans
+from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.launchers.base import Launcher, Probe
 from prefect_gpu_budget.launchers.registry import launcher_for
 
@@ -77,7 +77,7 @@ def reconcile(
 ) -> list[Reconciled]:
     """Settle or cancel every orphan, the queued first; `launchers` (by kind) answer for jobs
     they ran, else saved launcher blocks named in the ledger rows are loaded. What to do with
-    each is decided by `admission/orphans.py`; this carries it out."""
+    each is decided by `admission/rules/orphans.py`; this carries it out."""
     now = time.time() if now is None else now
     out = []
     found = ledger.views.orphans(now=now, stale_after=stale_after)

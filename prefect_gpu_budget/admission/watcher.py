@@ -33,8 +33,8 @@ from typing import Any
 
 from prefect_gpu_budget.admission.ledger import NOTICE_CHANNEL, Ledger, read_notice
 from prefect_gpu_budget.admission.outages import OUTAGES, TELL_EVERY_S, describe
-from prefect_gpu_budget.admission.policy import Decision
-from prefect_gpu_budget.admission.timing import RECHECK_S
+from prefect_gpu_budget.admission.rules.policy import Decision
+from prefect_gpu_budget.admission.rules.timing import RECHECK_S
 
 log = logging.getLogger("prefect_gpu_budget.gate")
 

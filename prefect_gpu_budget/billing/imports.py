@@ -63,7 +63,7 @@ def summary(done: Any) -> str:
 
 def over_line(mark: Any) -> str:
     """One line for a closed period over its budget by the bill."""
-    from prefect_gpu_budget.admission import periods
+    from prefect_gpu_budget.admission.rules import periods
 
     return (
         f"over by bill: {mark.scope} spent {fmt_usd(mark.spent_micro)} of its "

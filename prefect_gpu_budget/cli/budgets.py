@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 import typer
 
-from prefect_gpu_budget.admission import periods
+from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.cli.capacity import print_pool
 from prefect_gpu_budget.cli.common import console, current_ledger, fail, iso, usd
 from prefect_gpu_budget.cli.tables import Col, print_table

@@ -178,7 +178,7 @@ def pool_quota(
     """Set one team's quota in a pool (HyperPod-style: vCPU and memory follow the GPUs), its
     lending, borrowing and fair share, and its preemption and queueing settings. What is left
     out keeps the team's current value (or the default, for a new team)."""
-    from prefect_gpu_budget.admission.quota import TeamQuota, proportional, team_setting
+    from prefect_gpu_budget.admission.rules.quota import TeamQuota, proportional, team_setting
     from prefect_gpu_budget.models import TeamShare
     from prefect_gpu_budget.units import BudgetInputError, validate_scope
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.cli.budgets import budgeted_under, no_such_scope
 from prefect_gpu_budget.cli.common import (
     console,

@@ -6,7 +6,7 @@ from prefect import flow, get_run_logger
 
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.reconcile import reconcile
-from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.units import fmt_usd
 

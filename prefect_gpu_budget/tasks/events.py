@@ -15,13 +15,13 @@ from prefect.events import emit_event
 from prefect.states import Cancelled, Failed, Running, Scheduled, State
 from prefect.utilities.engine import emit_task_run_state_change_event
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.gate import AdmissionRefused
 from prefect_gpu_budget.admission.holding import Admission, GateEvents
 from prefect_gpu_budget.admission.ledger import PREEMPTED
 from prefect_gpu_budget.admission.lifecycle import TIMED_OUT
 from prefect_gpu_budget.admission.lifecycle import Running as RunningJob
-from prefect_gpu_budget.admission.policy import BudgetRule, Decision
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd
 

@@ -30,7 +30,7 @@ from prefect_gpu_budget.admission.lifecycle import (
 )
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.outages import patiently
-from prefect_gpu_budget.admission.timing import REQUEST_PATIENCE_S
+from prefect_gpu_budget.admission.rules.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
 
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.admission.policy import Decision
+    from prefect_gpu_budget.admission.rules.policy import Decision
 
 R = TypeVar("R")
 log = logging.getLogger("prefect_gpu_budget.worker")

@@ -10,8 +10,8 @@ import pytest
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota, add, fits_in, proportional
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, add, fits_in, proportional
 from prefect_gpu_budget.job import GpuJob
 from tests.jobs import new_job
 from tests.prefect_server import wait_for

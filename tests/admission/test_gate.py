@@ -23,8 +23,8 @@ from prefect_gpu_budget.admission.audit import promise1_violations
 from prefect_gpu_budget.admission.errors import AdmissionGone
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import scope_path
@@ -293,7 +293,7 @@ def test_a_slow_request_for_slots_keeps_stamping_the_row(ledger, prices, monkeyp
     is still inside that window."""
     from prefect_gpu_budget.admission import leases
     from prefect_gpu_budget.admission.reconcile import awaiting_lease_expiry
-    from prefect_gpu_budget.admission.timing import UNRECORDED_LEASE_S
+    from prefect_gpu_budget.admission.rules.timing import UNRECORDED_LEASE_S
 
     monkeypatch.setattr(leases, "LIVENESS_S", 0.05)
     ledger.config.set_budget(BudgetRule("slow", hourly_cap_cents=720))

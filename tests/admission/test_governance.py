@@ -13,8 +13,8 @@ import time
 import pytest
 
 from prefect_gpu_budget.admission.ledger import NewJob
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional, team_setting
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional, team_setting
 from prefect_gpu_budget.units import BudgetInputError
 from tests.jobs import new_job
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from prefect_gpu_budget.admission.gate import Gate
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 
@@ -56,7 +56,7 @@ def test_a_stop_read_as_the_admission_is_built_is_named_for_what_it_is(ledger, p
     the stop, named `stopped` (not `preempted`, which would queue it again)."""
     import threading
 
-    from prefect_gpu_budget.admission.quota import Pool
+    from prefect_gpu_budget.admission.rules.quota import Pool
 
     class SlowLimits(_ReleaseWatchingLimits):
         asked = threading.Event()

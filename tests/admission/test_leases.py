@@ -12,7 +12,7 @@ import pytest
 from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import Admission
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.limits import SlowLimits

@@ -371,8 +371,8 @@ def test_an_admitted_job_holds_at_most_five_threads(ledger, prefect_api, tmp_pat
     hand-offs that record its start and its settlement."""
     from prefect_gpu_budget.admission.gate import Gate
     from prefect_gpu_budget.admission.limits import RateLimits
-    from prefect_gpu_budget.admission.policy import BudgetRule
-    from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
     from prefect_gpu_budget.launchers.local import LocalLauncher
     from prefect_gpu_budget.pricing.catalog import Catalog, set_local_price
 
@@ -412,7 +412,7 @@ def test_the_job_is_handed_its_ledger_job_id(ledger, prices) -> None:
     ledger id as GPU_BUDGET_JOB_ID (a cloud launcher marks the cloud's job with it), over any
     the caller's env holds, beside the rest of that env."""
     from prefect_gpu_budget.admission.gate import Gate
-    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
     from prefect_gpu_budget.launchers.local import LocalLauncher
 
     ledger.config.set_budget(BudgetRule("ids", hourly_cap_cents=1_000, period_budget_micro=10**8))

@@ -12,7 +12,7 @@ from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect_gpu_budget.admission import limits
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.limits import REPEATED_5XX, DependencyDown, RateLimits
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 

@@ -18,7 +18,7 @@ from benchmarks.harness.postgres import ensure_database, name_of
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import GateEvents
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from tests.postgres import PrivateCluster, private_cluster

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger, jobs
-from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
 from prefect_gpu_budget.units import cost_micro

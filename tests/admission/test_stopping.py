@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.stopping import CANCELLED, STOPPING, stop_job
 from tests.jobs import new_job
 

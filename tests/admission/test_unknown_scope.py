@@ -15,8 +15,8 @@ import time
 import pytest
 
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.jobs import new_job

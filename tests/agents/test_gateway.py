@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.models import AgentLimits
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database

@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
 SESSION, OTHER = "acme/agents/agent-1", "acme/agents/agent-2"
 DOWN_API = "http://127.0.0.1:9/api"

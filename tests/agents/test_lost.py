@@ -14,7 +14,7 @@ from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.door import Caller, Door
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
 from tests.jobs import new_job

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.agents.test_gateway import Gateway
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.imports import import_lines
 from prefect_gpu_budget.blocks import BillingExport
 from tests.aws_server import AwsServer

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.billing import fixtures
 from tests.jobs import ran_job
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.prefect_server import free_port as _free_port
 from tests.prefect_server import http as _http
 from tests.prefect_server import stop_groups

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from prefect_gpu_budget.admission.ledger import agent_grants
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.rules import agent_spec, limits_for, stop_own_job
 from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.units import BudgetInputError

@@ -13,7 +13,7 @@ import httpx
 from prefect.client.orchestration import get_client
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.blocks import BillingExport, SpendLedger
 from prefect_gpu_budget.flows.bill_import import OVER_BY_BILL_EVENT, bill_import
 from tests.billing import fixtures

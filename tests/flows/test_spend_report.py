@@ -10,7 +10,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
 from prefect_gpu_budget.admission.gate import Gate
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.blocks import SpendLedger
 from prefect_gpu_budget.flows.spend_report import STATUS_NAMES, spend_report
 from prefect_gpu_budget.job import GpuJob
@@ -116,7 +116,7 @@ def test_spend_report_rejects_a_bad_window(prefect_api, tmp_path):
 @pytest.mark.timeout(180)
 def test_spend_report_shows_team_quotas_and_the_capacity_queue(prefect_api, tmp_path):
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+    from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)

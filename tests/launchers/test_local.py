@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import Ledger, normalise_url
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
 from prefect_gpu_budget.pricing.catalog import Catalog

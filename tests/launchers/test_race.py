@@ -8,7 +8,7 @@ import multiprocessing
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.aws_server import AwsServer
 
 CAP_CENTS = 300  # ml.g5.xlarge is 141 cents an hour: two at once

@@ -650,7 +650,7 @@ def test_no_python_nobody_can_run_is_refused_in_one_line(
 
 def test_a_new_sqlite_ledger_is_its_owners_alone(tmp_path) -> None:
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'gpu-budget' / 'ledger.db'}")
     try:
@@ -668,7 +668,7 @@ def test_nobody_cannot_touch_the_ledger_prices_or_prefect_home(
     """The worker's ledger, prices and PREFECT_HOME, where nobody can reach them by path:
     writing any (and reading the ledger) fails on the files' own modes."""
     from prefect_gpu_budget.admission.ledger import Ledger
-    from prefect_gpu_budget.admission.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
     from prefect_gpu_budget.pricing.catalog import set_local_price
     from prefect_gpu_budget.settings import ledger_url, prefect_home, prices_path
 

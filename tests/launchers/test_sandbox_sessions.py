@@ -26,7 +26,7 @@ from prefect_gpu_budget.admission.errors import AdmissionRefused
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.agent_users import session_user_name
 from prefect_gpu_budget.launchers.base import LaunchConfigError

@@ -23,7 +23,7 @@ from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.lifecycle import run_admitted
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.lines import JOB_MARK
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult

@@ -21,8 +21,8 @@ import pytest
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import GateEvents
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.forecast import forecast
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import (

@@ -12,8 +12,8 @@ import pytest
 from prefect import flow
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price

@@ -22,8 +22,8 @@ from prefect.client.orchestration import get_client
 from prefect.deployments import run_deployment
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import Pool, TeamQuota, proportional
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.launchers.local import marked_processes
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from tests.conftest import PG_URL

@@ -30,8 +30,8 @@ from prefect.deployments import run_deployment
 from prefect.states import Cancelling
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
 from prefect_gpu_budget.admission.reconcile import reconcile
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.launchers.local import JOB_MARK_ENV, marked_processes
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from tests.conftest import PG_URL

@@ -25,7 +25,7 @@ from prefect.deployments import run_deployment
 from prefect_gcp import GcpCredentials
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.gcp_server import service_account_info, serving
 from tests.launchers.fake_vertex import STRATEGIES, FakeVertex, Script, enum_name

@@ -72,7 +72,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
     versions,
 )
-from prefect_gpu_budget.admission.timing import STALE_AFTER_S, STALE_WAITER_S
+from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S, STALE_WAITER_S
 from prefect_gpu_budget.identity import holder_alive, holder_id, process_start_ticks
 from prefect_gpu_budget.units import AGENT_MAX_QUEUED
 

@@ -23,7 +23,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission import accounting
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import _path_rules, add_to_periods
 from prefect_gpu_budget.admission.ledger.tables import (
@@ -34,7 +33,8 @@ from prefect_gpu_budget.admission.ledger.tables import (
     over_by_bill,
     period_spend,
 )
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules import accounting
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine
 from prefect_gpu_budget.billing.trueup import BilledJob, is_final, owner_of
 

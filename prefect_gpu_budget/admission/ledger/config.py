@@ -12,7 +12,6 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
-from prefect_gpu_budget.admission import accounting, periods
 from prefect_gpu_budget.admission.ledger.bills import final_bill_jobs, trueup_shares
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
@@ -31,8 +30,9 @@ from prefect_gpu_budget.admission.ledger.tables import (
     team_quotas,
     templates,
 )
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.quota import TEAM_SETTINGS, Pool, TeamQuota
+from prefect_gpu_budget.admission.rules import accounting, periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import TEAM_SETTINGS, Pool, TeamQuota
 from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,

@@ -46,7 +46,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     budgets,
     jobs,
 )
-from prefect_gpu_budget.admission.policy import (
+from prefect_gpu_budget.admission.rules.policy import (
     HOLDING_LIMITS,
     NOT_REACHED,
     BudgetRule,
@@ -56,9 +56,16 @@ from prefect_gpu_budget.admission.policy import (
     decide_behind,
     plan,
 )
-from prefect_gpu_budget.admission.quota import Placed, Pool, Shape, job_share, pool_for, team_of
-from prefect_gpu_budget.admission.requests import Request
-from prefect_gpu_budget.admission.timing import STALE_WAITER_S
+from prefect_gpu_budget.admission.rules.quota import (
+    Placed,
+    Pool,
+    Shape,
+    job_share,
+    pool_for,
+    team_of,
+)
+from prefect_gpu_budget.admission.rules.requests import Request
+from prefect_gpu_budget.admission.rules.timing import STALE_WAITER_S
 from prefect_gpu_budget.batches import Batcher
 from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
 

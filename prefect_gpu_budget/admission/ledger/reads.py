@@ -10,7 +10,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
     STARTING,
@@ -34,9 +33,10 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
     versions,
 )
-from prefect_gpu_budget.admission.policy import held_in
-from prefect_gpu_budget.admission.quota import Capacity, Placed, Shape
-from prefect_gpu_budget.admission.timing import STALE_AFTER_S
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import held_in
+from prefect_gpu_budget.admission.rules.quota import Capacity, Placed, Shape
+from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.identity import holder_alive
 from prefect_gpu_budget.units import near, org_of, scope_path
 

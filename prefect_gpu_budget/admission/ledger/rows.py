@@ -13,7 +13,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     budgets,
@@ -22,14 +21,15 @@ from prefect_gpu_budget.admission.ledger.tables import (
     pools,
     team_quotas,
 )
-from prefect_gpu_budget.admission.policy import (
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import (
     OVERRUN_WINDOW,
     BudgetRule,
     Decision,
     Hold,
     overrun_factors,
 )
-from prefect_gpu_budget.admission.quota import TEAM_SETTINGS, Pool, TeamQuota
+from prefect_gpu_budget.admission.rules.quota import TEAM_SETTINGS, Pool, TeamQuota
 from prefect_gpu_budget.units import scope_path
 
 

@@ -11,10 +11,10 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission import accounting
 from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import _path_rules, add_to_periods
 from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs
+from prefect_gpu_budget.admission.rules import accounting
 
 
 class Settlements:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.units import cost_micro, scope_path
 
 Spend = tuple[int, float, float]

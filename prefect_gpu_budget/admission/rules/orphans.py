@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from prefect_gpu_budget.admission.timing import HEARTBEAT_S, UNRECORDED_LEASE_S
+from prefect_gpu_budget.admission.rules.timing import HEARTBEAT_S, UNRECORDED_LEASE_S
 
 Verb = Literal["cancel-queued", "await-lease-expiry", "leave-running", "settle"]
 

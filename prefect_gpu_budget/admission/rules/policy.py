@@ -20,9 +20,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from prefect_gpu_budget.admission import periods, preemption, queueing
-from prefect_gpu_budget.admission.quota import Capacity, Placed, Pool, TeamQuota
-from prefect_gpu_budget.admission.requests import Request
+from prefect_gpu_budget.admission.rules import periods, preemption, queueing
+from prefect_gpu_budget.admission.rules.quota import Capacity, Placed, Pool, TeamQuota
+from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.units import (
     MICRO_PER_CENT,
     cost_micro,

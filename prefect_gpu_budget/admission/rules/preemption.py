@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from prefect_gpu_budget.admission import queueing
-from prefect_gpu_budget.admission.quota import (
+from prefect_gpu_budget.admission.rules import queueing
+from prefect_gpu_budget.admission.rules.quota import (
     Capacity,
     Fit,
     Placed,

@@ -29,8 +29,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prefect_gpu_budget.admission.quota import Capacity, Pool, Shape, TeamQuota
-from prefect_gpu_budget.admission.requests import Request
+from prefect_gpu_budget.admission.rules.quota import Capacity, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.units import org_of, scope_path
 
 

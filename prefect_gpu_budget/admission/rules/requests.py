@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prefect_gpu_budget.admission.quota import Shape
+from prefect_gpu_budget.admission.rules.quota import Shape
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from prefect_gpu_budget.admission import periods
 from prefect_gpu_budget.admission.audit import audit
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.lines import BillError, BillLine
 from prefect_gpu_budget.billing.trueup import month_of
 from tests.jobs import new_job

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 
 
 def test_a_cap_beyond_what_a_prefect_limit_holds_is_refused_and_not_written(ledger):

@@ -10,7 +10,7 @@ import pytest
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import NewJob
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.jobs import new_job
 
 

@@ -8,7 +8,7 @@ import time
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import NewJob
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.jobs import new_job
 
 

@@ -1,4 +1,4 @@
-"""The money rules: what a job costs and where its money lands (admission/accounting.py).
+"""The money rules: what a job costs and where its money lands (admission/rules/accounting.py).
 
 Table tests of the cost rule and of period booking, then the ledger, the audit and the simulator
 counting one small scenario the same way, to the micro-dollar.
@@ -12,7 +12,8 @@ import pytest
 import sqlalchemy as sa
 
 from prefect_gpu_budget.admission import audit
-from prefect_gpu_budget.admission.accounting import (
+from prefect_gpu_budget.admission.ledger import period_spend
+from prefect_gpu_budget.admission.rules.accounting import (
     book,
     incurred_span,
     period_shares,
@@ -20,8 +21,7 @@ from prefect_gpu_budget.admission.accounting import (
     settled_cost,
     settled_in_period,
 )
-from prefect_gpu_budget.admission.ledger import period_spend
-from prefect_gpu_budget.admission.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.simulate import SimJob, simulate
 from tests.jobs import new_job
 

@@ -1,4 +1,4 @@
-"""What reconcile does with one orphan (`admission/orphans.py`), as a table: the row, what its
+"""What reconcile does with one orphan (`admission/rules/orphans.py`), as a table: the row, what its
 launcher says, the time -> the action reconcile carries out."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from prefect_gpu_budget.admission import orphans
-from prefect_gpu_budget.admission.orphans import Action
-from prefect_gpu_budget.admission.timing import HEARTBEAT_S, UNRECORDED_LEASE_S
+from prefect_gpu_budget.admission.rules import orphans
+from prefect_gpu_budget.admission.rules.orphans import Action
+from prefect_gpu_budget.admission.rules.timing import HEARTBEAT_S, UNRECORDED_LEASE_S
 from prefect_gpu_budget.launchers.base import Probe
 
 NOW = 10_000.0

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from prefect_gpu_budget.admission import periods
-from prefect_gpu_budget.admission.policy import (
+from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.policy import (
     BudgetRule,
     Hold,
     LedgerState,
@@ -17,7 +17,7 @@ from prefect_gpu_budget.admission.policy import (
     overrun_factors,
     plan,
 )
-from prefect_gpu_budget.admission.requests import Request
+from prefect_gpu_budget.admission.rules.requests import Request
 
 NOW = datetime(2026, 11, 30, 12, 0, tzinfo=timezone.utc).timestamp()
 
@@ -232,7 +232,7 @@ def test_a_job_behind_a_blocked_waiter_is_decided_as_the_whole_queue_decides_it(
 
 
 def _pooled(*quotas, placed=(), nodes: int = 2, backfill: bool = False) -> LedgerState:
-    from prefect_gpu_budget.admission.quota import Pool
+    from prefect_gpu_budget.admission.rules.quota import Pool
 
     pool = Pool("o", "lab", nodes, (8, 192, 2048), gpu_model="H100", backfill=backfill)
     return LedgerState(
@@ -247,14 +247,14 @@ def _pooled(*quotas, placed=(), nodes: int = 2, backfill: bool = False) -> Ledge
 
 
 def _gpus(job_id: str, team: str, gpus: int = 8, nodes: int = 1, **kw) -> Request:
-    from prefect_gpu_budget.admission.quota import Shape
+    from prefect_gpu_budget.admission.rules.quota import Shape
 
     shape = Shape("lab", team, (gpus, gpus * 24, gpus * 256), nodes)
     return req(job_id, f"{team}/s", shape=shape, **kw)
 
 
 def test_jobs_within_nominal_quota_are_weighed_before_higher_priority_borrowers():
-    from prefect_gpu_budget.admission.quota import Placed, Shape, TeamQuota
+    from prefect_gpu_budget.admission.rules.quota import Placed, Shape, TeamQuota
 
     quotas = (
         TeamQuota("lab", "o/a", (8, 192, 2048)),
@@ -270,7 +270,7 @@ def test_jobs_within_nominal_quota_are_weighed_before_higher_priority_borrowers(
 
 
 def test_a_waiting_job_holds_its_team_only_if_strict_and_borrowers_always():
-    from prefect_gpu_budget.admission.quota import Placed, Shape, TeamQuota
+    from prefect_gpu_budget.admission.rules.quota import Placed, Shape, TeamQuota
 
     a = TeamQuota("lab", "o/a", (16, 384, 4096))
     c = TeamQuota("lab", "o/c", (16, 384, 4096), borrow_pct=50)

@@ -3,25 +3,12 @@ share of idle capacity, gang fit, preemption victims (the pure part of the decis
 
 from __future__ import annotations
 
-from prefect_gpu_budget.admission import preemption
-from prefect_gpu_budget.admission.quota import (
-    Capacity,
-    Placed,
-    Pool,
-    Shape,
-    TeamQuota,
-    proportional,
-)
-
-P5 = (8, 192, 2048)  # ml.p5.48xlarge: 8 H100, 192 vCPU, 2 TiB
-
-
-def _pool(nodes: int = 4, node=P5, **kw) -> Pool:
-    return Pool("acme", "lab-a", nodes, node, gpu_model="H100", **kw)
-
-
-def _job(team: str, gpus: int, nodes: int = 1, pool: Pool | None = None) -> Shape:
-    return Shape("lab-a", team, proportional(pool or _pool(), gpus), nodes)
+from prefect_gpu_budget.admission.rules import preemption
+from prefect_gpu_budget.admission.rules.quota import Shape, TeamQuota, proportional
+from tests.admission.rules.pools import admit as _admit
+from tests.admission.rules.pools import capacity as _capacity
+from tests.admission.rules.pools import job as _job
+from tests.admission.rules.pools import pool as _pool
 
 
 def test_accelerators_alone_bring_their_share_of_vcpu_and_memory():
@@ -29,17 +16,6 @@ def test_accelerators_alone_bring_their_share_of_vcpu_and_memory():
     assert proportional(pool, 16) == (16, 384, 4096)  # 16 of 32 GPUs: half the vCPU and memory
     assert proportional(pool, 2) == (2, 48, 512)  # k of G per instance: 2/8 of 192 vCPU, 2 TiB
     assert proportional(pool, 2, vcpu=10) == (2, 10, 512)  # explicit values override
-
-
-def _capacity(pool: Pool, quotas: list[TeamQuota], placed=()) -> Capacity:
-    return Capacity({pool.name: pool}, {(q.pool, q.team): q for q in quotas}, list(placed))
-
-
-def _admit(cap: Capacity, job_id: str, shape: Shape, priority: int = 0, at: float = 0.0) -> bool:
-    fit = preemption.fit(cap, shape, priority)
-    if fit.ok:
-        cap.add(Placed(job_id, shape, fit.placement, priority, at))
-    return fit.ok
 
 
 def test_lending_and_borrowing_stay_within_their_limits():
@@ -103,107 +79,6 @@ def test_two_gang_jobs_for_three_free_nodes_never_hold_part_of_them():
     assert len(cap.placed) == 1  # nothing of the second job is held while it waits
     cap.placed = [p for p in cap.placed if p.job_id != "first"]
     assert _admit(cap, "second", second)
-
-
-def test_reclaiming_lent_capacity_picks_the_lowest_priority_newest_borrowed_job():
-    pool = _pool(nodes=2)
-    quotas = [
-        TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
-        TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100, within_team="never"),
-    ]
-    cap = _capacity(pool, quotas)
-    for i, (priority, at) in enumerate([(0, 1.0), (0, 2.0), (-100, 3.0), (-100, 4.0)]):
-        assert _admit(cap, f"b{i}", _job("acme/b", 4), priority, at)
-    # b now uses all 16: its own 8 and a's 8, lent while a was idle
-    fit = preemption.fit(cap, _job("acme/a", 4), priority=100)
-    assert not fit.ok and fit.victims == ("b3",)  # low priority, most recently admitted
-    assert "preempting b3 (acme/b, borrowing, priority -100)" in fit.reason
-    fit = preemption.fit(cap, _job("acme/a", 8), priority=100)
-    assert set(fit.victims) == {"b2", "b3"}
-    # reclaim: any (HyperPod's default): lent capacity comes back whatever the borrower's priority
-    assert preemption.fit(cap, _job("acme/a", 4), priority=-500).victims == ("b3",)
-    assert set(preemption.fit(cap, _job("acme/a", 8), priority=-500).victims) == {"b2", "b3"}
-    assert (
-        preemption.fit(cap, _job("acme/b", 4), priority=100).victims == ()
-    )  # b is over its own quota
-
-
-def test_reclaim_follows_the_lending_teams_setting():
-    pool = _pool(nodes=2)
-    b = TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100)
-    for reclaim, victims in (("any", ("b1",)), ("lower_priority", ()), ("never", ())):
-        a = TeamQuota("lab-a", "acme/a", proportional(pool, 8), reclaim=reclaim)
-        cap = _capacity(pool, [a, b])
-        assert _admit(cap, "b0", _job("acme/b", 8), 0, 1.0)
-        assert _admit(cap, "b1", _job("acme/b", 8), 0, 2.0)  # a's 8, lent
-        fit = preemption.fit(
-            cap, _job("acme/a", 8), priority=0
-        )  # the same priority as the borrower
-        assert not fit.ok and fit.victims == victims, reclaim
-        assert fit.reason.startswith("waiting for 1 x 8 H100 in pool lab-a: 0 nodes free")
-        if reclaim != "any":
-            assert f"(reclaim: {reclaim})" in fit.reason
-        lower = preemption.fit(cap, _job("acme/a", 8), priority=100).victims
-        assert lower == (() if reclaim == "never" else ("b1",))
-
-
-def test_a_team_preempts_its_own_lower_priority_work_unless_it_says_never():
-    """HyperPod's PreemptTeamTasks (default LowerPriority): a team's quota full of its own low
-    job does not keep its high job waiting; never the other way round, never another team's
-    work within that team's quota."""
-    pool = _pool(nodes=2)
-    b = TeamQuota("lab-a", "acme/b", proportional(pool, 8))
-    for within, victims in (("lower_priority", ("lo",)), ("never", ())):
-        a = TeamQuota("lab-a", "acme/a", proportional(pool, 8), borrow_pct=0, within_team=within)
-        cap = _capacity(pool, [a, b])
-        assert _admit(cap, "lo", _job("acme/a", 8), -100, 1.0)
-        assert _admit(cap, "b-own", _job("acme/b", 8), -500, 2.0)
-        fit = preemption.fit(cap, _job("acme/a", 8), priority=100)
-        assert not fit.ok and fit.victims == victims, within
-        assert fit.reason.startswith(
-            "team acme/a uses 8 H100 of its quota 8 H100 (+0% borrow limit) in pool lab-a; "
-            "this job needs 8 H100"
-        )
-        if victims:
-            assert "preempting lo (acme/a, lower priority, priority -100)" in fit.reason
-        else:
-            assert "(within_team: never)" in fit.reason
-        assert preemption.fit(cap, _job("acme/a", 8), priority=-100).victims == ()  # equal: never
-
-
-def test_a_team_may_preempt_its_own_work_and_borrow_at_once_as_kueue_does():
-    """HyperPod's walkthrough: team B's 2-node job at a higher priority suspends B's own 1-node
-    job and borrows A's idle node; a preempted borrower could not preempt it back."""
-    pool = _pool(nodes=2)
-    a = TeamQuota("lab-a", "acme/a", proportional(pool, 8))
-    b = TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100)
-    cap = _capacity(pool, [a, b])
-    assert _admit(cap, "b-train", _job("acme/b", 8), 0, 1.0)
-    assert _admit(cap, "a-job", _job("acme/a", 8), 0, 2.0)
-    assert (
-        preemption.fit(cap, _job("acme/b", 8, nodes=2), 100).victims == ()
-    )  # a runs within its quota
-    cap.placed = [p for p in cap.placed if p.job_id != "a-job"]  # a's job ended: a's node idle
-    assert preemption.fit(cap, _job("acme/b", 8, nodes=2), 100).victims == ("b-train",)
-    assert preemption.fit(cap, _job("acme/b", 8, nodes=2), 0).victims == ()  # not lower: nothing
-
-
-def test_victims_already_stopping_go_first():
-    from dataclasses import replace
-
-    pool = _pool(nodes=2)
-    quotas = [
-        TeamQuota("lab-a", "acme/a", proportional(pool, 8)),
-        TeamQuota("lab-a", "acme/b", proportional(pool, 8), borrow_pct=100),
-    ]
-    cap = _capacity(pool, quotas)
-    for i in range(4):
-        assert _admit(cap, f"b{i}", _job("acme/b", 4), 0, float(i))
-    assert preemption.fit(cap, _job("acme/a", 4), 0).victims == ("b3",)
-    cap.placed = [replace(p, stopping=p.job_id == "b2") for p in cap.placed]
-    assert preemption.fit(cap, _job("acme/a", 4), 0).victims == (
-        "b2",
-    )  # asked once: no second victim
 
 
 def test_a_team_with_no_quota_in_a_governed_pool_never_fits():

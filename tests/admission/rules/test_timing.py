@@ -1,4 +1,4 @@
-"""The liveness clocks bound each other as admission/timing.py's docstring argues, and every
+"""The liveness clocks bound each other as admission/rules/timing.py's docstring argues, and every
 default that names one of them is that clock."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import inspect
 
 from prefect_gpu_budget.admission import audit, gate, ledger, reconcile
-from prefect_gpu_budget.admission.policy import BudgetRule
-from prefect_gpu_budget.admission.timing import (
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.timing import (
     FRESH_ADMISSION_S,
     HEARTBEAT_S,
     LEASE_S,

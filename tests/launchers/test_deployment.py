@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextvars
 import json
-import os
 import re
 import subprocess
 import sys
@@ -47,7 +46,7 @@ from prefect_gpu_budget.settings import JOB_ID_ENV, METRICS_ENV
 from prefect_gpu_budget.workers import PROCESS_TYPE
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
-from tests.prefect_server import free_port, stop_groups, wait_for
+from tests.prefect_server import PrefectServer, stop_groups, wait_for
 
 POOL = "gpu-process"
 IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start
@@ -79,28 +78,11 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     tmp = tmp_path_factory.mktemp("deployment-launcher")
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")},
-        "PREFECT_HOME": str(tmp / "home"),
-        "PREFECT_API_URL": api,
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_UI_ENABLED": "false",
-        "PREFECT_WORKER_QUERY_SECONDS": "1",
-        "PREFECT_LOGGING_LEVEL": "INFO",
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
-        + ["--port", str(port)],
-        env=env,
-        stdout=(tmp / "server.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    procs = [server]
+    server = PrefectServer(tmp / "home", durable_leases=False).start()
+    api = server.api
+    env = server.client_env(PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_LOGGING_LEVEL="INFO")
+    procs = [server.proc]
     try:
-        wait_for(lambda: urllib.request.urlopen(f"{api}/health", timeout=5), 120, "the server")
         with (
             pytest.MonkeyPatch.context() as mp,
             temporary_settings(updates={PREFECT_API_URL: api}),

@@ -80,7 +80,7 @@ from prefect_gpu_budget.launchers.base import (
 from prefect_gpu_budget.launchers.bill_mark import flow_run_tag, ledger_job_id, pool_labels
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
-from prefect_gpu_budget.workers import GATED_TYPES
+from prefect_gpu_budget.worker_types import GATED_TYPES
 
 logger = logging.getLogger("prefect_gpu_budget.launchers.deployment")
 

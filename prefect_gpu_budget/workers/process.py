@@ -64,7 +64,7 @@ from prefect_gpu_budget.launchers.local import (
     marked_processes,
     stop_pid,
 )
-from prefect_gpu_budget.workers import PROCESS_TYPE
+from prefect_gpu_budget.worker_types import PROCESS_TYPE
 from prefect_gpu_budget.workers.gating import (
     GateConfiguration,
     GateVariables,

@@ -59,7 +59,7 @@ from prefect_gpu_budget.launchers.vertex import (
 )
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import parse_duration
-from prefect_gpu_budget.workers import VERTEX_TYPE
+from prefect_gpu_budget.worker_types import VERTEX_TYPE
 from prefect_gpu_budget.workers.gating import (
     GateConfiguration,
     GateVariables,

@@ -43,7 +43,7 @@ from prefect_gpu_budget.launchers.deployment import (
     DeploymentLauncher,
 )
 from prefect_gpu_budget.settings import JOB_ID_ENV, METRICS_ENV
-from prefect_gpu_budget.workers import PROCESS_TYPE
+from prefect_gpu_budget.worker_types import PROCESS_TYPE
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
 from tests.prefect_server import PrefectServer, stop_groups, wait_for

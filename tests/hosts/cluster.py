@@ -608,6 +608,90 @@ class ReplicaSlots:
         return None if found is None else int(found["active_slots"])
 
 
+class PrivatePostgres:
+    """A PostgreSQL cluster of the run's own (initdb in a temporary folder of its own, as the
+    `postgres` user when run as root), listening on loopback and on `address`, trusting loopback
+    and `subnet`: for a ledger the hosts reach with no relay in between (the benchmark's), and
+    Prefect's database beside it, so that the gate and bare Prefect meet the same server."""
+
+    def __init__(self, address: str, subnet: str | None) -> None:
+        import pwd
+
+        self.folder = Path(tempfile.mkdtemp(prefix="gpu-budget-hosts-pg-"))
+        self.address = address
+        self.subnet = subnet
+        self.owner = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
+        self.port = free_port(address)
+
+    def _run(self, program: str, *args: str) -> None:
+        done = subprocess.run(
+            [_pg_program(program), *args],
+            user=self.owner if os.geteuid() == 0 else None,
+            cwd=self.folder,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        if done.returncode != 0:
+            log = self.folder / "postgres.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+            raise RuntimeError(f"{program} {' '.join(args)}: {done.stderr.strip()}\n{tail}")
+
+    def start(self) -> None:
+        import pwd
+
+        if os.geteuid() == 0:
+            entry = pwd.getpwnam(self.owner)
+            os.chown(self.folder, entry.pw_uid, entry.pw_gid)
+        data = str(self.folder / "data")
+        self._run("initdb", "-D", data, "-U", self.owner, "-A", "trust", "--no-sync", "-E", "UTF8")
+        if self.subnet is not None:
+            with (self.folder / "data" / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {self.subnet} trust\n")
+        listen = ",".join(dict.fromkeys(["127.0.0.1", self.address]))
+        options = f"-p {self.port} -k {self.folder} -c listen_addresses={listen}"
+        options += " -c max_connections=200"
+        self._run(
+            "pg_ctl", "-D", data, "-l", str(self.folder / "postgres.log"), "-w", "-t", "120",
+            "-o", options, "start",
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        """Stop it (immediate) and remove its folder."""
+        if (self.folder / "data" / "postmaster.pid").exists():
+            with contextlib.suppress(RuntimeError, subprocess.TimeoutExpired):
+                self._run(
+                    "pg_ctl", "-D", str(self.folder / "data"), "-w", "-m", "immediate", "stop"
+                )
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def database(self, name: str) -> str:
+        """A new database `name` in it; its URL (psycopg) as this namespace reaches it."""
+        url = f"postgresql+psycopg://{self.owner}@127.0.0.1:{self.port}"
+        engine = sa.create_engine(f"{url}/postgres", isolation_level="AUTOCOMMIT")
+        try:
+            with engine.connect() as conn:
+                conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+        finally:
+            engine.dispose()
+        return f"{url}/{name}"
+
+
+def _pg_program(name: str) -> str:
+    """A PostgreSQL server program: the newest installed version's, else PATH's."""
+    import glob
+
+    def version(path: str) -> tuple[int, ...]:
+        folder = Path(path).parent.parent.name
+        return tuple(int(part) for part in folder.split(".") if part.isdigit())
+
+    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), key=version)
+    program = found[-1] if found else shutil.which(name)
+    if program is None:
+        raise RuntimeError(f"PostgreSQL's {name} is needed for a private cluster: not found")
+    return program
+
+
 def _asyncpg(url: str) -> str:
     return sa.make_url(url).set(drivername="postgresql+asyncpg").render_as_string(False)
 
@@ -620,17 +704,32 @@ def _through(url: str, address: str) -> str:
 
 @contextlib.contextmanager
 def cluster(
-    root: Path, *, hosts: int, ledger_url: str, prefect_url: str, replicas: int = 2
+    root: Path,
+    *,
+    hosts: int,
+    ledger_url: str | None = None,
+    prefect_url: str | None = None,
+    replicas: int = 2,
 ) -> Iterator[Cluster]:
     """Start everything of the module's docstring under `root` (logs there): `hosts` hosts,
     `replicas` API replicas on the PostgreSQL database `prefect_url`, the ledger `ledger_url`
-    (both made by the caller); stop and remove it all when the block ends."""
+    (both made by the caller, on a server that listens on loopback: the hosts reach it through
+    a relay). Without them, both are databases of a `PrivatePostgres` that listens on the
+    gateway too, which the hosts reach with no relay. Everything is stopped and removed when
+    the block ends."""
     tag = secrets.token_hex(2)
     root.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         network = Network(root, tag)
         stack.callback(network.close)
         network.open(hosts)
+        direct = ledger_url is None or prefect_url is None
+        if direct:
+            subnet = f"{network.gateway.rsplit('.', 1)[0]}.0/24" if network.apart else None
+            postgres = PrivatePostgres(network.gateway, subnet)
+            stack.callback(postgres.stop)
+            postgres.start()
+            ledger_url, prefect_url = postgres.database("ledger"), postgres.database("prefect")
         redis_ = Redis(root, tag)
         stack.callback(redis_.close)
         redis_.open()
@@ -677,7 +776,9 @@ def cluster(
                 start_new_session=True,
             )
         stack.callback(stop_group, services)
-        if network.apart:  # the hosts reach PostgreSQL through a relay on the gateway
+        if direct:
+            host_ledger_url = _through(ledger_url, f"{network.gateway}:{postgres.port}")
+        elif network.apart:  # the hosts reach PostgreSQL through a relay on the gateway
             pg = sa.make_url(ledger_url)
             relay, address = start_relay(
                 f"{network.gateway}:0", [f"{pg.host}:{pg.port or 5432}"], root / "relays.log"

@@ -1,0 +1,330 @@
+"""Benchmark: admissions per second and gate latency with 1, 2 and 4 hosts, against bare Prefect
+on the same multi-replica server.
+
+The set-up is the multi-host tests' (tests/hosts/cluster.py): Prefect's documented multi-replica
+server (two API replicas `prefect server start --no-services`, one `prefect server services
+start`, Redis for messaging, ordering, Docket and leases, PostgreSQL for Prefect), a PostgreSQL
+ledger, and hosts that are network and UTS namespaces of this machine (as root; otherwise process
+groups on loopback, and the report says so). Each host runs `--per-host` admitter processes, each
+pointed at one replica or the other (PREFECT_API_URL), and each runs one loop for the round's
+duration, side by side in one run:
+
+- bare: acquire and release one slot of one global concurrency limit, under a lease (the raw
+  client calls the gate makes: `increment_concurrency_slots_with_lease` and
+  `release_concurrency_slots_with_lease`), no ledger;
+- gate: `Gate.admit` + `holding.settle` of a job in a session of its own under one org whose
+  caps never bind (the ledger's decision is serialised per org, on PostgreSQL with an advisory
+  lock, and the slots are taken under the org's and the team's limits).
+
+Rounds go hosts 1, 2, 4, the two kinds alternating which goes first, so that a change in the
+machine's load falls on both alike. The table gives, per host count, each kind's admissions
+per second and p50 / p95 of one admission's round trip (admit + settle, or acquire + release),
+and the gate's ratios to bare Prefect.
+
+Usage: python -m benchmarks.hosts [--hosts 1,2,4] [--per-host 2] [--duration 8] [--json]
+Run as root for hosts apart. PostgreSQL is a cluster of the run's own (`initdb`, PostgreSQL's
+server programs installed), holding Prefect's database and the ledger, listening on loopback and
+on the hosts' gateway: the hosts reach the ledger as they reach the replicas, with no relay in
+between, and the gate and bare Prefect meet the same PostgreSQL. It is removed at the end.
+Progress goes to stderr; the table (or, with --json, one JSON object) to stdout. The whole run
+takes two to four minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if not __package__:  # run as `python benchmarks/hosts.py`
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
+
+import argparse
+import contextlib
+import json
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Any
+
+from benchmarks.harness.report import logger, num, table
+from benchmarks.harness.stats import percentile
+
+log = logger("hosts")
+
+ORG = "hostbench"
+CAP_CENTS = 10**9
+"""A cap that never binds (a Prefect limit holds at most 2,147,483,647 on PostgreSQL)."""
+INSTANCE = "local:hosts"
+ARM_S = 240.0
+"""How long admitters may take to import, connect and warm up (a loaded 2-core machine)."""
+
+
+# -- the admitter, run inside a host -----------------------------------------------------------
+
+
+def _say(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def admitter(config: dict[str, Any]) -> None:
+    """One admitter process: `ready` once connected; then, per line of stdin (`kind`,
+    `start_at`, `stop_at`), one warm-up call, `armed`, and the loop from `start_at` to
+    `stop_at`, answered with its count and latencies."""
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+
+    from prefect_gpu_budget.admission.gate import Gate
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.admission.limits import RateLimits
+    from prefect_gpu_budget.job import GpuJob
+    from prefect_gpu_budget.pricing.catalog import Catalog
+
+    ledger = Ledger(config["ledger_url"], create=False)
+    with get_client(sync_client=True) as client:
+        gate = Gate(ledger, RateLimits(client), catalog=Catalog.load(Path(config["prices"])))
+        job = GpuJob(instance_type=INSTANCE, max_runtime="1h")
+
+        def bare() -> None:
+            response = client.increment_concurrency_slots_with_lease(
+                names=[config["bare_limit"]], slots=1, mode="concurrency", lease_duration=60
+            )
+            client.release_concurrency_slots_with_lease(UUID(response.json()["lease_id"]))
+
+        def through_gate() -> None:
+            admission = gate.admit(job, config["scope"])
+            gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
+
+        ops = {"bare": bare, "gate": through_gate}
+        _say(ready=True, api=str(client.api_url))
+        for line in sys.stdin:
+            command = json.loads(line)
+            op = ops[command["kind"]]
+            op()
+            _say(armed=True)
+            time.sleep(max(0.0, command["start_at"] - time.time()))
+            count, errors, first_error, latencies = 0, 0, None, []
+            while time.time() < command["stop_at"]:
+                began = time.perf_counter()
+                try:
+                    op()
+                except Exception as exc:
+                    errors += 1
+                    first_error = first_error or f"{type(exc).__name__}: {exc}"[:300]
+                    continue
+                latencies.append(time.perf_counter() - began)
+                if time.time() <= command["stop_at"]:
+                    count += 1
+            _say(count=count, errors=errors, first_error=first_error, latencies=latencies)
+    ledger.db.dispose()
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+class Admitter:
+    """An admitter process on a host, its replies read a line at a time."""
+
+    def __init__(self, proc: subprocess.Popen, host: str) -> None:
+        self.proc = proc
+        self.host = host
+        self.replies: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            with contextlib.suppress(ValueError), self._cond:
+                self.replies.append(json.loads(raw))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def next(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self.replies:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"an admitter on {self.host} ended or stayed silent")
+                self._cond.wait(1.0)
+            return self.replies.pop(0)
+
+    def send(self, **command: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+
+def one_round(admitters: list[Admitter], kind: str, duration_s: float) -> dict[str, Any]:
+    """`kind` on every admitter at once for `duration_s`; admissions per second and latency."""
+    start_at = time.time() + 2.0
+    for a in admitters:
+        a.send(kind=kind, start_at=start_at, stop_at=start_at + duration_s)
+    for a in admitters:
+        a.next(ARM_S)  # armed
+    done = [a.next(duration_s + ARM_S) for a in admitters]
+    latencies = [s for d in done for s in d["latencies"]]
+    total = sum(d["count"] for d in done)
+    return {
+        "kind": kind,
+        "admitters": len(admitters),
+        "admissions": total,
+        "per_s": total / duration_s,
+        "p50_ms": percentile(latencies, 50) * 1000 if latencies else None,
+        "p95_ms": percentile(latencies, 95) * 1000 if latencies else None,
+        "errors": sum(d["errors"] for d in done),
+        "first_error": next((d["first_error"] for d in done if d["first_error"]), None),
+    }
+
+
+def _load() -> float:
+    return os.getloadavg()[0]
+
+
+def run(hosts: list[int], per_host: int, duration_s: float) -> dict[str, Any]:
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.admission.limits import limit_name
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
+    from prefect_gpu_budget.pricing.catalog import set_local_price
+    from tests.hosts.cluster import _http, cluster
+
+    began = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="hosts-bench-")))
+        log(f"starting PostgreSQL, Redis, two replicas, the services and {max(hosts)} hosts")
+        up = stack.enter_context(cluster(root, hosts=max(hosts)))
+        ledger_url = up.ledger_url
+        apart = up.network.why_not is None
+        log("hosts: " + ("namespaces apart" if apart else f"loopback ({up.network.why_not})"))
+        ledger = Ledger(ledger_url)
+        ledger.config.set_budget(BudgetRule(ORG, hourly_cap_cents=CAP_CENTS))
+        ledger.config.set_budget(BudgetRule(f"{ORG}/t", hourly_cap_cents=CAP_CENTS))
+        ledger.db.dispose()
+        prices = root / "prices.csv"
+        set_local_price("hosts", "3.6", gpus=0, path=prices)
+        bare_limit = limit_name(f"{ORG}-bare")
+        _http(f"{up.apis[0]}/v2/concurrency_limits/", {"name": bare_limit, "limit": CAP_CENTS})
+
+        admitters: list[Admitter] = []
+        for h, host in enumerate(up.hosts):
+            for i in range(per_host):
+                config = {
+                    "ledger_url": up.host_ledger_url,
+                    "prices": str(prices),
+                    "scope": f"{ORG}/t/h{h}-{i}",
+                    "bare_limit": bare_limit,
+                }
+                proc = host.start(
+                    [sys.executable, "-m", "benchmarks.hosts", "--admitter", json.dumps(config)],
+                    up.host_env(host, up.apis[(h + i) % 2], PREFECT_GPU_BUDGET_PRICES=str(prices)),
+                    root / f"admitter-{h}-{i}.log",
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                admitters.append(Admitter(proc, host.name))
+        for a in admitters:
+            a.next(ARM_S)  # ready
+        log(f"{len(admitters)} admitters ready on {len(up.hosts)} hosts")
+
+        rounds = []
+        for turn, count in enumerate(hosts):
+            chosen = admitters[: count * per_host]
+            kinds = ("bare", "gate") if turn % 2 == 0 else ("gate", "bare")
+            for kind in kinds:
+                load = _load()
+                result = one_round(chosen, kind, duration_s)
+                result.update(hosts=count, load=load)
+                log(
+                    f"{count} host(s), {kind}: {result['per_s']:.1f}/s, p50 "
+                    f"{num(result['p50_ms'])} ms, {result['errors']} errors"
+                )
+                rounds.append(result)
+        for a in admitters:
+            with contextlib.suppress(OSError):
+                a.proc.stdin.close()  # type: ignore[union-attr]
+        slots = {api: up.active_slots(f"{ORG}", api) for api in up.apis}
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "apart": apart,
+        "why_not": None if apart else up.network.why_not,
+        "per_host": per_host,
+        "duration_s": duration_s,
+        "cores": os.cpu_count(),
+        "rounds": rounds,
+        "slots_left": slots,
+        "wall_s": time.monotonic() - began,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    by = {(r["hosts"], r["kind"]): r for r in result["rounds"]}
+    rows = []
+    for count in sorted({r["hosts"] for r in result["rounds"]}):
+        bare, gate = by[(count, "bare")], by[(count, "gate")]
+        rows.append(
+            [
+                str(count),
+                str(bare["admitters"]),
+                num(bare["per_s"]),
+                num(gate["per_s"]),
+                num(gate["per_s"] / bare["per_s"], 2) if bare["per_s"] else "-",
+                num(bare["p50_ms"]),
+                num(gate["p50_ms"]),
+                num(gate["p50_ms"] / bare["p50_ms"], 2)
+                if gate["p50_ms"] and bare["p50_ms"]
+                else "-",
+                f"{num(bare['p95_ms'])} / {num(gate['p95_ms'])}",
+                f"{bare['errors']} / {gate['errors']}",
+                f"{num(bare['load'], 1)} / {num(gate['load'], 1)}",
+            ]
+        )
+    header = [
+        "hosts",
+        "admitters",
+        "bare /s",
+        "gate /s",
+        "gate / bare",
+        "bare p50 ms",
+        "gate p50 ms",
+        "p50 gate / bare",
+        "p95 ms bare / gate",
+        "errors",
+        "load at start",
+    ]
+    where = (
+        "hosts apart (network and UTS namespaces)"
+        if result["apart"]
+        else f"hosts on loopback: {result['why_not']}"
+    )
+    return (
+        f"{table(header, rows)}\n\n{where}; {result['duration_s']:g} s per round, "
+        f"{result['cores']} cores; slots left on the org's limit: {result['slots_left']}; "
+        f"{result['wall_s']:.0f} s in all"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--hosts", default="1,2,4", help="host counts, in order")
+    parser.add_argument("--per-host", type=int, default=2, help="admitter processes per host")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per round")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--admitter", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.admitter:
+        admitter(json.loads(args.admitter))
+        return 0
+    result = run([int(h) for h in args.hosts.split(",")], args.per_host, args.duration)
+    print(json.dumps(result) if args.json else report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,7 +17,9 @@ What `cluster()` starts, as Prefect's "How to scale self-hosted Prefect" page la
   so that holder ids (`host:pid:start-ticks`) differ from host to host, and with a PREFECT_HOME
   of its own. The replicas and the load balancer listen on the bridge's address, and PostgreSQL
   (which listens on loopback) is reached through a relay on that address: the hosts reach
-  nothing else of this machine.
+  nothing else of this machine. Given no databases (the benchmark), PostgreSQL is a cluster of
+  the run's own (`PrivatePostgres`) that listens on that address itself: no relay in the
+  ledger's path.
 
 Without namespaces (not root, no `ip`, or `GPU_BUDGET_TEST_HOSTS=loopback`) the hosts are only
 process groups of this machine on loopback: `Network.why_not` says why, and tests that need

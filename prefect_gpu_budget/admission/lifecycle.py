@@ -139,10 +139,21 @@ class Ended:
     row: dict[str, Any]
     requeue: bool
     """Preempted, and the job asks to be queued again (`GpuJob.requeue`)."""
+    stopped: str | None = None
+    """Why a stop ended it (`preempted`, `stopped`: its owner's, `timed_out`); None if none did."""
 
 
 STOPPED_BY_OWNER = "stopped by its owner"
-"""The detail of a job its owner stopped while it ran (its outcome: `cancelled`)."""
+"""The words of an owner's stop whose stopper gave none of its own (`owner_stop_words`)."""
+
+
+def owner_stop_words(row: dict[str, Any]) -> str:
+    """How a job its owner stopped (outcome `cancelled`) is worded wherever its end is shown:
+    in its stopper's own words, the reason its ledger `row` holds (`stopped by its agent`,
+    `its agent's grant was revoked`, `cancelled by an admin`...), so its run's message and
+    its row (and an agent's view of its trial) say the same; `STOPPED_BY_OWNER` when there
+    are none."""
+    return row.get("reason") or STOPPED_BY_OWNER
 
 
 class Running:
@@ -316,7 +327,7 @@ class Running:
             pool = f" in pool {self.admission.pool}" if self.admission.pool else ""
             return f"preempted: the capacity this job held{pool} was taken back ({why}); {done}"
         if outcome == CANCELLED:
-            return f"{STOPPED_BY_OWNER} ({why}); {done}"
+            return f"{owner_stop_words(row)}; {done}"
         return f"stopped at max_runtime {fmt_duration(self.admission.job.max_runtime)}; {done}"
 
 
@@ -364,16 +375,20 @@ def run_admitted(
         if result is None:  # cancelled or crashed mid-run: bill until now
             running.settlement.settle(CANCELLED)
     why = running.stopped_before(result.ended_at)
-    if why is not None:  # a stop ended it: say which
-        detail = STOPPED_BY_OWNER if why == STOPPED else STOP_OUTCOMES[why]
-        result = replace(result, outcome=STOP_OUTCOMES[why], detail=f"{detail}: {result.detail}")
-    row = running.ended(
+    row = running.ended(  # named by the stop that ended it, if one did (`Running.outcome`)
         returned=result.outcome,
         ended_at=result.ended_at,
         billed_seconds=result.billed_seconds,
         actual_micro=result.actual_micro,
     )
-    return Ended(result, row, requeue=running.requeue)
+    if why is not None:  # a stop ended it: say which (its owner's in its stopper's words)
+        outcome = STOP_OUTCOMES[why]
+        if why == STOPPED:
+            detail = owner_stop_words(row) + (f" ({result.detail})" if result.detail else "")
+        else:
+            detail = f"{outcome}: {result.detail}"
+        result = replace(result, outcome=outcome, detail=detail)
+    return Ended(result, row, requeue=running.requeue, stopped=why)
 
 
 def run_job(

@@ -20,14 +20,8 @@ from prefect.states import Cancelled, Failed
 
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission
-from prefect_gpu_budget.admission.ledger import PREEMPTED
-from prefect_gpu_budget.admission.lifecycle import (
-    CANCELLED,
-    STOPPED_BY_OWNER,
-    TIMED_OUT,
-    Ended,
-    run_job,
-)
+from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
+from prefect_gpu_budget.admission.lifecycle import TIMED_OUT, Ended, run_job
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.rules.timing import REQUEST_PATIENCE_S
@@ -208,7 +202,7 @@ def run_gpu_job(
         message = redact_urls(
             f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
         )
-        if result.outcome == CANCELLED and result.detail.startswith(STOPPED_BY_OWNER):
+        if ended.stopped == STOPPED:  # its owner's stop (`lifecycle.owner_stop_words`)
             return Cancelled(message=message)  # type: ignore[return-value]
         # one name per ending, as @gpu_task's and the worker types' (events.stopped_state)
         name = _ENDINGS.get(result.outcome, "GpuJobFailed")

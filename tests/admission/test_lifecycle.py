@@ -37,11 +37,13 @@ class RecordingGate:
     thread hands a stop over to its life (`Admission.on_stop`), looking every 10 ms, as the
     admission's own thread does (`Holding.hold`)."""
 
-    def __init__(self, looks: bool = True) -> None:
+    def __init__(self, looks: bool = True, reason: str = "") -> None:
         self.calls: list[tuple[str, Any]] = []
         self.holding = self  # the gate's `Holding`: started, submitted, settle
         self.looks = looks
         """False: the admission's thread never gets to hand a stop over (stuck on the ledger)."""
+        self.reason = reason
+        """The settled row's reason: the words its stopper wrote (`ask_stop`)."""
 
     def started(self, admission: Admission, at: float, external_id: str | None = None) -> None:
         self.calls.append(("started", external_id))
@@ -53,7 +55,8 @@ class RecordingGate:
 
     def settle(self, admission: Admission, *, ended_at: float, outcome: str, **kw: Any) -> dict:
         self.calls.append(("settle", outcome))
-        return {"outcome": outcome, "ended_at": ended_at, **kw}
+        stopper = {"reason": self.reason} if self.reason else {}
+        return {"outcome": outcome, "ended_at": ended_at, **stopper, **kw}
 
     def settles(self) -> list[str]:
         return [what for call, what in self.calls if call == "settle"]
@@ -142,9 +145,17 @@ def test_a_job_preempted_before_it_starts_is_stopped_as_it_starts() -> None:
     assert ended.result.outcome == PREEMPTED and not ended.requeue
 
 
-def test_a_job_its_owner_stops_is_stopped_named_cancelled_and_not_requeued() -> None:
-    """Outside a pool too: an agent's `POST /v1/jobs/{id}/cancel` of its running trial."""
-    gate, admission, launcher = RecordingGate(), _admission(pool=None), Scripted(run_s=30)
+@pytest.mark.parametrize(
+    ("reason", "detail"),
+    [("stopped by its agent", "stopped by its agent (done)"), ("", "stopped by its owner (done)")],
+)
+def test_a_job_its_owner_stops_is_stopped_named_cancelled_and_not_requeued(
+    reason: str, detail: str
+) -> None:
+    """Outside a pool too: an agent's `POST /v1/jobs/{id}/cancel` of its running trial. Its
+    end is worded as its row words it: in its stopper's words (else `stopped by its owner`)."""
+    gate, admission = RecordingGate(reason=reason), _admission(pool=None)
+    launcher = Scripted(run_s=30)
     admission.stop_reason = STOPPED
     threading.Timer(0.2, admission.preempted.set).start()
     began = time.time()
@@ -152,7 +163,7 @@ def test_a_job_its_owner_stops_is_stopped_named_cancelled_and_not_requeued() -> 
     assert time.time() - began < 5
     assert launcher.stops == ["ext-1"]
     assert ended.result.outcome == "cancelled" and not ended.requeue
-    assert ended.result.detail.startswith("stopped by its owner")
+    assert ended.result.detail == detail and ended.stopped == STOPPED
     assert gate.settles() == ["cancelled"]
 
 

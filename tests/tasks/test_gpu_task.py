@@ -247,7 +247,7 @@ def test_a_body_its_owner_stops_ends_cancelled_and_pays_for_what_ran(lab, kind):
 
     cancelled, message = run()
     [row] = ledger.views.jobs("lab/stop")
-    assert cancelled and "stopped by its owner (stopped from a test)" in message
+    assert cancelled and message.startswith("stopped from a test; cost ")
     assert row["outcome"] == "cancelled" and 0 < row["actual_micro"] < row["reserved_micro"]
 
 

@@ -28,7 +28,6 @@ from pydantic import ValidationError
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.admission.stopping import stop_sweep
-from prefect_gpu_budget.agents.lost import lost_message, worker_lost
 from prefect_gpu_budget.agents.rules import (
     STOPPED_BY_AGENT,
     agent_spec,
@@ -37,9 +36,17 @@ from prefect_gpu_budget.agents.rules import (
     stop_own_job,
 )
 from prefect_gpu_budget.agents.throttle import Slots, Window, address_key
+from prefect_gpu_budget.agents.views import (
+    FINAL_RUN_STATES,
+    budget_view,
+    sweep_view,
+    template_view,
+    trial_number,
+    trial_view,
+)
 from prefect_gpu_budget.job import one_line
 from prefect_gpu_budget.models import AgentLimits
-from prefect_gpu_budget.units import BudgetInputError, micro_to_usd, redact_urls
+from prefect_gpu_budget.units import BudgetInputError, micro_to_usd
 
 DEPLOYMENT = "agent-sweep/agents"
 SESSION_TAG = "gpu-budget-session:"
@@ -257,14 +264,14 @@ class Door:
         the gateway) has LONG_POLLS reads waiting already."""
         first = view = self._sweep_view(self._own_run(caller, run_id), caller.session)
         wait_s = min(max(0.0, float(wait_s)), MAX_LONG_POLL_S)
-        if wait_s <= 0 or view["state"] in _FINAL_RUN_STATES:
+        if wait_s <= 0 or view["state"] in FINAL_RUN_STATES:
             return view
         if not self.long_polls.take(caller.grant):
             return view
         try:
             began = time.monotonic()
             deadline, soonest = began + wait_s, began + MIN_LONG_POLL_S  # changes batched a little
-            while time.monotonic() < deadline and view["state"] not in _FINAL_RUN_STATES:
+            while time.monotonic() < deadline and view["state"] not in FINAL_RUN_STATES:
                 time.sleep(min(LONG_POLL_STEP_S, max(0.0, deadline - time.monotonic())))
                 view = self._sweep_view(self._own_run(caller, run_id), caller.session)
                 if view != first and time.monotonic() >= soonest:
@@ -274,42 +281,18 @@ class Door:
             self.long_polls.give(caller.grant)
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
-        """The sweep as `sweep` answers it. `worker_lost`: its run ended without the sweep's
-        own end recorded (see `agents.lost`); its trials are still the ledger's, and its
-        message says how many finished and what starting it again would re-run."""
+        """The sweep as `sweep` answers it (`views.sweep_view`): its trials' records and the
+        latest job of each trial in the ledger."""
         run_id = str(run.id)
         meta = self.records.sweep(run_id)
         recorded = {t["trial"]: t for t in self.records.trials(run_id)}
         jobs = {}
         for row in self.ledger.views.jobs(session, flow_run_id=run_id):  # the latest per trial
-            trial = _trial_number(row["name"])
+            trial = trial_number(row["name"])
             if trial is not None:
                 jobs[trial] = row
-        state = run.state
-        ended = bool(state and state.is_final())
-        trials = [
-            _trial(index, recorded.get(index), jobs.get(index), ended)
-            for index in sorted(set(recorded) | set(jobs))
-        ]
-        message = redact_urls(state.message or "") if state else ""
-        if meta is not None and meta["message"] and (not message or state.is_completed()):
-            message = redact_urls(meta["message"])
-        lost = worker_lost(ended, meta)
-        if lost:
-            message = lost_message(trials, meta["trials"])
-        return {
-            "run_id": run_id,
-            "name": run.name,
-            "state": state.name if state else "Unknown",
-            "message": message,
-            "worker_lost": lost,
-            "cancelled": bool(meta["cancelled_at"]) if meta else self.records.cancelled(run_id),
-            "metric": meta["metric"] if meta else None,
-            "goal": meta["goal"] if meta else None,
-            "trials": trials,
-            "spent_usd": round(sum(t["cost_usd"] for t in trials), 6),
-            "best": _best(trials, meta),
-        }
+        cancelled = meta is None and self.records.cancelled(run_id)
+        return sweep_view(run, meta, recorded, jobs, cancelled)
 
     def trial_metrics(
         self, caller: Caller, run_id: str, trial: int, offset: int = 0, limit: int = 500
@@ -350,6 +333,7 @@ class Door:
         ]
 
     def results_csv(self, caller: Caller, run_id: str) -> str:
+        """`results` as a CSV table (REST's `?format=csv`, MCP's `format: csv`)."""
         import pandas as pd
 
         buffer = io.StringIO()
@@ -394,7 +378,7 @@ class Door:
         if not self.records.started(run_id) and run.state and not run.state.is_final():
             from prefect.states import Cancelled, Cancelling
 
-            said = "cancelled by its agent"
+            said = STOPPED_BY_AGENT  # as its trials' rows and runs say it
             if run.state.is_scheduled():  # no process has it: it never starts
                 self.prefect.set_flow_run_state(run.id, Cancelled(message=said), force=True)
             else:  # a process may run it already: its worker stops that process, as Prefect's
@@ -450,114 +434,28 @@ class Door:
         }
 
     def status(self, caller: Caller) -> dict[str, Any]:
-        """The caller's session: its budget and spend, and its jobs not yet ended."""
+        """The caller's session: its budget and spend (`views.budget_view`: named as `status
+        --json` names them), and its jobs not yet ended."""
         scope = caller.session
         budgets = [
-            _usd_row(row) for row in self.ledger.views.status(scope) if row["scope"] == scope
+            budget_view(row) for row in self.ledger.views.status(scope) if row["scope"] == scope
         ]
-        for budget in budgets:  # `running_rate_usd` is deprecated: `status --json`'s name
-            budget["running_rate_usd_per_hour"] = budget["running_rate_usd"]
         if not budgets:  # no job yet: the team's template is what its first job will get
             team = scope.rsplit("/", 1)[0]
             budgets = [
-                {
-                    "scope": scope,
-                    "from_template": team,
-                    "hourly_cap_usd": None
-                    if rule.hourly_cap_cents is None
-                    else rule.hourly_cap_cents / 100,
-                    "period_budget_usd": micro_to_usd(rule.period_budget_micro)
-                    if rule.period_budget_micro is not None
-                    else None,
-                    "period": rule.period,
-                }
+                template_view(rule, scope)
                 for rule in self.ledger.config.session_templates()
                 if rule.scope == team
             ]
         live = [
-            _trial(_trial_number(r["name"]), None, r)
+            trial_view(trial_number(r["name"]), None, r)
             for r in self.ledger.views.jobs(scope, limit=500)
             if r["state"] not in FINAL
         ]
         return {"session": scope, "budget": budgets[0] if budgets else None, "jobs": live}
 
 
-_FINAL_RUN_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
-
-
 def _age_s(moment: datetime) -> float:
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=timezone.utc)
     return (datetime.now(timezone.utc) - moment).total_seconds()
-
-
-def _trial_number(name: str) -> int | None:
-    """The trial of a sweep's job name `sweep/0003`."""
-    tail = name.rsplit("/", 1)[-1]
-    return int(tail) if tail.isdigit() else None
-
-
-def _usd_row(row: dict[str, Any]) -> dict[str, Any]:
-    return {
-        key.removesuffix("_micro") + "_usd" if key.endswith("_micro") else key: (
-            micro_to_usd(value) if key.endswith("_micro") and value is not None else value
-        )
-        for key, value in row.items()
-    }
-
-
-def _trial(
-    index: int | None,
-    recorded: dict[str, Any] | None,
-    row: dict[str, Any] | None,
-    run_ended: bool = False,
-) -> dict[str, Any]:
-    """One trial as an agent sees it: its record in the sweep (parameters, metrics, the run's
-    final state, how many NaN and infinite values it reported) and its job in the ledger
-    (state, outcome, cost, wait, times). A trial with neither a job nor an end of its own is
-    `pending` while its sweep's run goes on, `not_started` once that run has ended."""
-    row = row or {}
-    recorded = recorded or {}
-    started, admitted = row.get("started_at"), row.get("admitted_at")
-    waited = (
-        (started or admitted or row.get("ended_at") or time.time()) - row["requested_at"]
-        if row
-        else None
-    )
-    unasked = "not_started" if run_ended else "pending"
-    return {
-        "trial": index,
-        "job_id": row.get("id"),
-        "name": row.get("name"),
-        "params": recorded.get("params", {}),
-        "state": row.get("state") or ("ended" if recorded.get("state") else unasked),
-        "outcome": row.get("outcome"),
-        "run_state": recorded.get("state"),
-        "reason": redact_urls(row.get("reason") or recorded.get("reason") or ""),
-        "metrics": recorded.get("metrics", {}),
-        "records": recorded.get("records", 0),
-        "non_finite_dropped": recorded.get("non_finite_dropped", 0),
-        "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
-        "waited_s": None if waited is None else round(waited, 3),
-        "requested_at": row.get("requested_at"),
-        "started_at": started,
-        "ended_at": row.get("ended_at"),
-    }
-
-
-def _best(trials: list[dict[str, Any]], meta: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The trial with the best value of the sweep's metric among those that completed."""
-    if meta is None:
-        return None
-    metric, goal = meta["metric"], meta["goal"]
-    scored = [
-        (t["metrics"][metric], t["trial"])
-        for t in trials
-        if t["outcome"] == "completed"
-        and isinstance(t["metrics"].get(metric), (int, float))
-        and not isinstance(t["metrics"].get(metric), bool)
-    ]
-    if not scored:
-        return None
-    value, trial = min(scored) if goal == "min" else max(scored)
-    return {"trial": trial, "metric": metric, "goal": goal, "value": value}

@@ -13,7 +13,7 @@ from one client, too many calls, or more sweeps than the team's limits allow is 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -33,6 +33,7 @@ from prefect_gpu_budget.agents.door import (
     Refused,
 )
 from prefect_gpu_budget.agents.mcp import mcp_app
+from prefect_gpu_budget.agents.operations import BY_TOOL, ResultsFormat
 from prefect_gpu_budget.settings import gateway_trusted_proxies, ledger_url
 
 MAX_BODY_BYTES = 64 * 1024
@@ -113,25 +114,38 @@ def create_app(
         address = request.client.host if request.client else "?"  # as `ClientAddress` set it
         return door.caller(request.headers.get("authorization"), address)
 
-    @app.post("/v1/sweeps", status_code=201)
+    def operation(tool: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """The route of the operation `tool` (`agents.operations`), with its summary and
+        description in OpenAPI."""
+        op = BY_TOOL[tool]
+        return app.api_route(
+            op.route,
+            methods=[op.method],
+            summary=op.summary,
+            description=op.description,
+            operation_id=op.tool,
+            **options,
+        )
+
+    @operation("start_sweep", status_code=201)
     def start_sweep(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, str]:
-        """Start a sweep in the caller's session. 422 names the field a spec breaks or what
-        cannot run (an unknown instance type, a command the agent user cannot execute); 503
-        when nothing serves the agent deployment; 429 past the session's sweeps."""
         return door.start_sweep(who, spec)
 
-    @app.get("/v1/sweeps/{run_id}")
+    @operation("get_sweep")
     def sweep(
         run_id: str,
-        wait: float = Query(0, ge=0, le=MAX_LONG_POLL_S, description="Long poll: seconds."),
+        wait: float = Query(
+            0,
+            ge=0,
+            le=MAX_LONG_POLL_S,
+            description="Long poll: answer once anything changed, "
+            f"or after this many seconds (at most {MAX_LONG_POLL_S:.0f}).",
+        ),
         who: Caller = Depends(caller),
     ) -> dict[str, Any]:
-        """A sweep of the caller's: its state and message, every trial's parameters, state,
-        metrics, cost and wait, and the best trial. `?wait=S` answers as soon as anything in
-        it changed (or after S seconds, at most 30): watch without hammering."""
         return door.sweep(who, run_id, wait)
 
-    @app.get("/v1/sweeps/{run_id}/trials/{trial}/metrics")
+    @operation("get_trial_metrics")
     def trial_metrics(
         run_id: str,
         trial: int,
@@ -139,52 +153,46 @@ def create_app(
         limit: int = Query(500, ge=1, le=MAX_PAGE),
         who: Caller = Depends(caller),
     ) -> dict[str, Any]:
-        """A trial's reported records in order (its learning curve), paged by `offset`."""
         return door.trial_metrics(who, run_id, trial, offset, limit)
 
-    @app.get("/v1/sweeps/{run_id}/results", response_model=None)
-    def results(request: Request, run_id: str, who: Caller = Depends(caller)) -> Any:
-        """The trials table: JSON, or CSV with `Accept: text/csv`."""
-        if "text/csv" in request.headers.get("accept", ""):
+    @operation("get_results", response_model=None)
+    def results(
+        request: Request,
+        run_id: str,
+        format: ResultsFormat | None = Query(
+            None, description="json or csv; without it, CSV when `Accept` names text/csv."
+        ),
+        who: Caller = Depends(caller),
+    ) -> Any:
+        if format == "csv" or (format is None and "text/csv" in request.headers.get("accept", "")):
             return PlainTextResponse(door.results_csv(who, run_id), media_type="text/csv")
         return door.results(who, run_id)
 
-    @app.get("/v1/sweeps/{run_id}/plots")
+    @operation("list_plots")
     def plots(run_id: str, who: Caller = Depends(caller)) -> list[str]:
-        """The names of the sweep's plots (published when it ends)."""
         return door.plots(who, run_id)
 
-    @app.get("/v1/sweeps/{run_id}/plots/{name}", response_class=Response)
+    @operation("get_plot", response_class=Response)
     def plot(run_id: str, name: str, who: Caller = Depends(caller)) -> Response:
-        """One plot, as `image/png`."""
         return Response(door.plot(who, run_id, name), media_type="image/png")
 
-    @app.get("/v1/sweeps/{run_id}/summary", response_class=PlainTextResponse)
+    @operation("get_summary", response_class=PlainTextResponse)
     def summary(run_id: str, who: Caller = Depends(caller)) -> PlainTextResponse:
-        """The sweep's summary, as markdown."""
         return PlainTextResponse(door.summary(who, run_id), media_type="text/markdown")
 
-    @app.post("/v1/sweeps/{run_id}/cancel")
+    @operation("cancel_sweep")
     def cancel_sweep(run_id: str, who: Caller = Depends(caller)) -> dict[str, Any]:
-        """Stop the sweep: no more trials start, queued ones are cancelled, running ones are
-        stopped (SIGTERM, kill grace, SIGKILL) and settled for what they ran."""
         return door.cancel_sweep(who, run_id)
 
-    @app.post("/v1/jobs/{job_id}/cancel")
+    @operation("cancel_job")
     def cancel(job_id: str, who: Caller = Depends(caller)) -> dict[str, str]:
-        """Stop one of the caller's jobs: a queued one is cancelled (`cancelled`); a running
-        one is stopped and settled for what it ran (`stopping`); 409 once it has ended."""
         return door.cancel_job(who, job_id)
 
-    @app.post("/v1/forecast")
+    @operation("forecast_sweep")
     def forecast(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, Any]:
-        """What the sweep would do under the caller's budgets now: trials admitted, timed out
-        and rejected, spend, makespan and what binds, `likely` (trials as long as the sweep's
-        finished trials ran, else its expected_runtime; also the top-level figures) and `bound`
-        (every trial to its max_runtime). Nothing is started or reserved."""
         return door.forecast(who, spec)
 
-    @app.get("/v1/quote")
+    @operation("quote")
     def quote(
         instance_type: str,
         nodes: int = 1,
@@ -192,12 +200,10 @@ def create_app(
         provisioning: str = "on-demand",
         who: Caller = Depends(caller),
     ) -> dict[str, Any]:
-        """The catalog price of a job shape for `hours`."""
         return door.quote(instance_type, nodes, hours, provisioning)
 
-    @app.get("/v1/status")
+    @operation("get_status")
     def status(who: Caller = Depends(caller)) -> dict[str, Any]:
-        """The caller's session: its budget and spend, and its jobs not yet ended."""
         return door.status(who)
 
     return app

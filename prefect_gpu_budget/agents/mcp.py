@@ -37,18 +37,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import anyio.to_thread
 from mcp.server.mcpserver import Context, Image, MCPServer
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.types import CallToolResult, TextContent
+from pydantic import Field
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefect_gpu_budget.agents.door import Caller, Refused
+from prefect_gpu_budget.agents.door import MAX_LONG_POLL_S, Caller, Refused
+from prefect_gpu_budget.agents.operations import BY_TOOL, ResultsFormat
 
 if TYPE_CHECKING:
     from prefect_gpu_budget.agents.door import Door
@@ -59,6 +61,11 @@ CALLER_KEY = "prefect_gpu_budget.caller"
 """Where the authenticated `Caller` rides in an MCP request's ASGI scope."""
 MAX_BODY_BYTES = 64 * 1024
 """Largest MCP request body, as for REST: a tool call is a few hundred bytes."""
+WAIT_S = (
+    "Long poll: answer once anything in the sweep changed, or after this many seconds "
+    f"(at most {MAX_LONG_POLL_S:.0f}); 0 answers at once."
+)
+FORMAT = 'json: {"results": [one record per trial]}; csv: the table as CSV text.'
 
 
 def _refusal(exc: Exception) -> tuple[int, str, dict[str, str]]:
@@ -135,66 +142,73 @@ def mcp_app(
         text = TextContent(type="text", text=f"{status}: {detail}")
         return CallToolResult(content=[text], is_error=True)
 
-    @server.tool()
+    def tool(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Register a tool named as its function, described as its operation
+        (`agents.operations`)."""
+
+        def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+            op = BY_TOOL[fn.__name__]
+            return server.tool(name=op.tool, description=op.description, **options)(fn)
+
+        return register
+
+    @tool()
     async def start_sweep(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
-        """Start a sweep (a `gpu_sweep` spec) in this session: its run_id and name."""
         return await act(ctx, lambda door, caller: door.start_sweep(caller, spec))
 
-    @server.tool()
-    async def get_sweep(run_id: str, ctx: Context, wait_s: float = 0) -> dict[str, Any]:
-        """A sweep's state, message, spend, trials and best trial. wait_s > 0 long-polls:
-        the answer comes early once something changes."""
+    @tool()
+    async def get_sweep(
+        run_id: str,
+        ctx: Context,
+        wait_s: Annotated[float, Field(description=WAIT_S)] = 0,
+    ) -> dict[str, Any]:
         return await act(ctx, lambda door, caller: door.sweep(caller, run_id, wait_s))
 
-    @server.tool()
+    @tool()
     async def get_trial_metrics(
         run_id: str, trial: int, ctx: Context, offset: int = 0, limit: int = 500
     ) -> dict[str, Any]:
-        """A trial's metric records from offset; next_offset is null at the end."""
         return await act(
             ctx, lambda door, caller: door.trial_metrics(caller, run_id, trial, offset, limit)
         )
 
-    @server.tool()
-    async def get_results(run_id: str, ctx: Context) -> dict[str, Any]:
-        """A sweep's results: one record per trial, under "results"."""
+    @tool(structured_output=False)  # a CSV table is text, not a structure
+    async def get_results(
+        run_id: str,
+        ctx: Context,
+        format: Annotated[ResultsFormat, Field(description=FORMAT)] = "json",
+    ) -> Any:
+        if format == "csv":
+            return await act(ctx, lambda door, caller: door.results_csv(caller, run_id))
         return await act(ctx, lambda door, caller: {"results": door.results(caller, run_id)})
 
-    @server.tool()
+    @tool()
     async def list_plots(run_id: str, ctx: Context) -> dict[str, Any]:
-        """The names of a sweep's plots (for get_plot), under "plots"."""
         return await act(ctx, lambda door, caller: {"plots": door.plots(caller, run_id)})
 
-    @server.tool()
+    @tool()
     async def get_plot(run_id: str, name: str, ctx: Context) -> Image:
-        """One of a sweep's plots, as a PNG image."""
         return await act(
             ctx, lambda door, caller: Image(data=door.plot(caller, run_id, name), format="png")
         )
 
-    @server.tool()
+    @tool()
     async def get_summary(run_id: str, ctx: Context) -> str:
-        """A sweep's summary, in markdown."""
         return await act(ctx, lambda door, caller: door.summary(caller, run_id))
 
-    @server.tool()
+    @tool()
     async def cancel_job(job_id: str, ctx: Context) -> dict[str, Any]:
-        """Cancel one of this session's queued jobs (409 once it is no longer queued)."""
         return await act(ctx, lambda door, caller: door.cancel_job(caller, job_id))
 
-    @server.tool()
+    @tool()
     async def cancel_sweep(run_id: str, ctx: Context) -> dict[str, Any]:
-        """Cancel one of this session's sweeps and its trials not yet ended."""
         return await act(ctx, lambda door, caller: door.cancel_sweep(caller, run_id))
 
-    @server.tool()
+    @tool()
     async def forecast_sweep(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
-        """What a sweep spec would cost and take, and whether this session's budget allows
-        it, without starting it: `likely` figures and the `bound` if every trial ran to its
-        max_runtime."""
         return await act(ctx, lambda door, caller: door.forecast(caller, spec))
 
-    @server.tool()
+    @tool()
     async def quote(
         instance_type: str,
         ctx: Context,
@@ -202,12 +216,10 @@ def mcp_app(
         hours: float = 1.0,
         provisioning: str = "on-demand",
     ) -> dict[str, Any]:
-        """The price of `nodes` instances of a type for `hours`, under `provisioning`."""
         return await act(ctx, lambda door, _: door.quote(instance_type, nodes, hours, provisioning))
 
-    @server.tool()
+    @tool()
     async def get_status(ctx: Context) -> dict[str, Any]:
-        """This session: its budget and spend, and its jobs not yet ended."""
         return await act(ctx, lambda door, caller: door.status(caller))
 
     server.streamable_http_app(  # builds `server.session_manager`; its Starlette app is unused

@@ -11,6 +11,7 @@ import httpx2
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from mcp.types import Tool
 
 T = TypeVar("T")
 
@@ -68,8 +69,13 @@ def call_tool(url: str, token: str, name: str, arguments: dict[str, Any]) -> tup
 
 def list_tools(url: str, token: str) -> list[str]:
     """The server's tool names. Raises `HTTPRefused` on an HTTP 401/429."""
+    return [tool.name for tool in tools(url, token)]
 
-    async def names(session: ClientSession) -> list[str]:
-        return [tool.name for tool in (await session.list_tools()).tools]
 
-    return anyio.run(_with_session, url, token, names)
+def tools(url: str, token: str) -> list[Tool]:
+    """The server's tools as a client lists them: name, description, input schema."""
+
+    async def listed(session: ClientSession) -> list[Tool]:
+        return list((await session.list_tools()).tools)
+
+    return anyio.run(_with_session, url, token, listed)

@@ -26,6 +26,7 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.agents.rules import STOPPED_BY_AGENT
 from prefect_gpu_budget.models import AgentLimits
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
@@ -473,23 +474,6 @@ def test_a_prefect_api_that_is_down_is_a_503_not_a_traceback(tmp_path, prices, m
         assert mine.status_code == 200 and mine.json()["session"] == SESSION  # the ledger answers
 
 
-def test_the_session_status_names_its_figures_as_status_json_does(tmp_path):
-    from fastapi.testclient import TestClient
-    from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
-
-    from prefect_gpu_budget.agents.gateway import create_app
-
-    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
-    ledger.config.set_budget(BudgetRule(SESSION, hourly_cap_cents=360))
-    token = ledger.grants.grant_agent(SESSION)
-    down = {PREFECT_API_URL: "http://127.0.0.1:9/api", PREFECT_CLIENT_MAX_RETRIES: 0}
-    with temporary_settings(updates=down), TestClient(create_app(ledger.url)) as client:
-        mine = client.get("/v1/status", headers={"Authorization": f"Bearer {token}"})
-    budget = mine.json()["budget"]
-    assert budget["hourly_cap_usd"] == 3.6 and budget["settled_usd"] == 0.0
-    assert budget["running_rate_usd_per_hour"] == budget["running_rate_usd"] == 0.0  # old name kept
-
-
 def test_the_rate_window_counts_within_its_span_and_forgets_idle_keys():
     from prefect_gpu_budget.agents.throttle import Window
 
@@ -573,6 +557,7 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
     assert [t["params"] for t in view["trials"]] == [{"lr": 0.1}, {"lr": 0.3}, {"lr": 0.5}]
     for trial in view["trials"]:
         assert trial["outcome"] == "completed" and trial["cost_usd"] > 0, trial
+        assert trial["reason"] == "", trial  # never the admission's words
         assert trial["metrics"]["loss"] == pytest.approx((1 - trial["params"]["lr"]) ** 4)
     assert view["best"] == {
         "trial": 2,
@@ -599,6 +584,7 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
     status, kind, body = _raw(gw, f"/v1/sweeps/{run}/results", token, accept="text/csv")
     assert status == 200 and kind.startswith("text/csv"), kind
     assert body.decode().splitlines()[0].startswith("trial,lr,loss")
+    assert _raw(gw, f"/v1/sweeps/{run}/results?format=csv", token)[1:] == (kind, body)
     status, kind, body = _raw(gw, f"/v1/sweeps/{run}/plots", token)
     names = json.loads(body)
     assert {"metric_vs_params.png", "learning_curves.png", "spend.png"} <= set(names), names
@@ -655,12 +641,20 @@ def test_an_agent_stops_a_running_trial_and_pays_for_what_ran(house):
         lambda: (row := ledger.views.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
     )
     assert time.monotonic() - asked < 30  # a poll, the kill grace (1 s) and the holder's slack
-    assert settled["outcome"] == "cancelled" and "stopped by its agent" in settled["reason"]
+    assert settled["outcome"] == "cancelled" and settled["reason"] == STOPPED_BY_AGENT
     assert 0 < settled["actual_micro"] < settled["reserved_micro"] / 2, settled
     view = _until(gw, token, run, _ended)
     [trial] = view["trials"]
-    assert trial["outcome"] == "cancelled" and "stopped by its" in trial["reason"], trial
+    assert trial["outcome"] == "cancelled" and trial["reason"] == STOPPED_BY_AGENT, trial
     assert gw.call("POST", f"/v1/jobs/{job['id']}/cancel", token, raw=b"")[0] == 409
+    # one wording of this stop: its row, the agent's view of its trial, and its run's message
+    runs = _admin(house, "/task_runs/filter", {"flow_runs": {"id": {"any_": [run]}}})
+    [task_run] = [r for r in runs if r["name"].startswith("trial 0000")]
+    said = task_run["state"]["message"]
+    assert task_run["state"]["type"] == "CANCELLED" and STOPPED_BY_AGENT in said, said
+    assert "by its owner" not in said
+    [row] = json.loads(_raw(gw, f"/v1/sweeps/{run}/results", token)[2])  # its results table
+    assert STOPPED_BY_AGENT in row["reason"], row
 
 
 def test_an_agent_cancels_its_whole_sweep(house):
@@ -801,6 +795,11 @@ def test_the_same_loop_through_mcp_reveals_no_more_than_rest(house):
     assert not error and len(json.loads(content[0].text)["records"]) == 5
     error, content = tool("get_results", run_id=run)
     assert [r["lr"] for r in json.loads(content[0].text)["results"]] == [0.2, 0.4]
+    error, content = tool("get_results", run_id=run, format="csv")
+    assert (
+        not error
+        and content[0].text == _raw(gw, f"/v1/sweeps/{run}/results?format=csv", token)[2].decode()
+    )
     error, content = tool("get_plot", run_id=run, name="metric_vs_params.png")
     assert not error and content[0].type == "image" and content[0].mime_type == "image/png"
     error, content = tool("get_summary", run_id=run)
@@ -825,23 +824,56 @@ def test_the_same_loop_through_mcp_reveals_no_more_than_rest(house):
     assert content[0].text == f"{code}: {absent['detail']}"  # the same refusal, word for word
 
 
-def test_an_agent_stops_a_trial_and_cancels_a_sweep_through_mcp(house):
-    """The steering half of the loop through MCP, with a session of its own (each MCP call is
-    three HTTP requests against the session's calls a minute)."""
-    from tests.agents.mcp_client import call_tool
+def test_the_mcp_steering_tools_do_what_their_descriptions_say(house):
+    """The steering half of the loop through MCP, held to what the tools tell an agent, as its
+    client lists them: `cancel_job` cancels a queued job and stops a running one (settled for
+    what it ran, in the words it names), and is refused (409) only once the job has ended;
+    `cancel_sweep` stops the rest. A session of its own (each MCP call is three HTTP requests
+    against the session's calls a minute); its cap runs one trial at a time, so one queues."""
+    from tests.agents.mcp_client import call_tool, tools
 
     session = "acme/agents/agent-mcp"
     granted = _cli(house["env"], "agent", "grant", session)
     assert granted.returncode == 0, granted.stderr
     token, ledger, url = granted.stdout.strip(), house["ledger"], house["gateway"].base + "/mcp"
+    described = {tool.name: tool.description for tool in tools(url, token)}
+    claims = described["cancel_job"]
+    for claim in (
+        "queued or running",
+        "A queued job is cancelled (state `cancelled`, nothing spent)",
+        "running one is stopped (state `stopping`",
+        "settled for what it ran, outcome `cancelled`",
+        f"reason `{STOPPED_BY_AGENT}`",
+        "409 once it has ended",
+    ):
+        assert claim in claims, (claim, claims)
+    assert (
+        "its queued trials are cancelled and its running ones stopped"
+        in (described["cancel_sweep"])
+    )
 
     def tool(tool_name: str, **arguments: object) -> dict:
         error, content = call_tool(url, token, tool_name, arguments)
         assert not error, content
         return json.loads(content[0].text)
 
+    def refused(tool_name: str, **arguments: object) -> str:
+        error, content = call_tool(url, token, tool_name, arguments)
+        assert error, content
+        return content[0].text
+
     run = tool("start_sweep", spec=_train([0.01, 0.02, 0.03], steps=200, pause=0.3))["run_id"]
     job = _running_job(house, session, run)
+    queued = wait_for(
+        lambda: [j for j in ledger.views.jobs(session, flow_run_id=run) if j["state"] == "queued"],
+        120,
+        "a queued trial",
+    )[0]
+    assert tool("cancel_job", job_id=queued["id"]) == {"job_id": queued["id"], "state": "cancelled"}
+    row = ledger.views.job(queued["id"])
+    assert (row["state"], row["reason"], row["actual_micro"]) == ("cancelled", STOPPED_BY_AGENT, 0)
+    assert refused("cancel_job", job_id=queued["id"]).startswith("409: ")
+
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:  # its learning curve has begun
         view = tool("get_sweep", run_id=run, wait_s=10)
@@ -852,8 +884,11 @@ def test_an_agent_stops_a_trial_and_cancels_a_sweep_through_mcp(house):
     settled = wait_for(
         lambda: (row := ledger.views.job(job["id"]))["state"] == "settled" and row, 60, "the stop"
     )
-    assert settled["outcome"] == "cancelled" and "stopped by its agent" in settled["reason"]
+    assert settled["outcome"] == "cancelled" and settled["reason"] == STOPPED_BY_AGENT
     assert 0 < settled["actual_micro"] < settled["reserved_micro"] / 2, settled
+    assert refused("cancel_job", job_id=job["id"]) == (
+        f"409: job_id: job {job['id'][:8]} is settled: it has ended"
+    )
     cancelled = tool("cancel_sweep", run_id=run)
     assert cancelled["run_id"] == run
     deadline = time.monotonic() + 180

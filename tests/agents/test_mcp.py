@@ -19,7 +19,8 @@ from fastapi import FastAPI
 
 from prefect_gpu_budget.agents.door import Caller, Refused
 from prefect_gpu_budget.agents.mcp import mcp_app
-from tests.agents.mcp_client import HTTPRefused, _with_session, call_tool, list_tools
+from prefect_gpu_budget.agents.operations import OPERATIONS
+from tests.agents.mcp_client import HTTPRefused, _with_session, call_tool, list_tools, tools
 
 TOOLS = {
     "start_sweep",
@@ -94,6 +95,11 @@ class FakeDoor:
         self._ran("results", caller, run_id)
         self._own(caller, run_id)
         return [{"trial": 0, "params": {"lr": 0.1}, "loss": 0.25}]
+
+    def results_csv(self, caller: Caller, run_id: str) -> str:
+        self._ran("results_csv", caller, run_id)
+        self._own(caller, run_id)
+        return "trial,lr,loss\n0,0.1,0.25\n"
 
     def plots(self, caller: Caller, run_id: str) -> list[str]:
         self._ran("plots", caller, run_id)
@@ -190,6 +196,48 @@ def _error(url: str, token: str, name: str, arguments: dict) -> str:
 def test_lists_exactly_the_tools(served: tuple[str, FakeDoor]) -> None:
     url, _ = served
     assert set(list_tools(url, "gpub_alice")) == TOOLS
+
+
+def test_each_tool_is_described_as_its_operation_and_its_route(
+    served: tuple[str, FakeDoor], tmp_path
+) -> None:
+    """One description per operation (`agents.operations`): the MCP tool's, as a client lists
+    it, and the REST route's summary and description in OpenAPI."""
+    from prefect_gpu_budget.agents.gateway import create_app
+
+    url, _ = served
+    listed = {tool.name: tool for tool in tools(url, "gpub_alice")}
+    assert set(listed) == {op.tool for op in OPERATIONS} == TOOLS
+    spec = create_app(f"sqlite:///{tmp_path / 'ledger.db'}").openapi()
+    for op in OPERATIONS:
+        assert listed[op.tool].description == op.description, op.tool
+        route = spec["paths"][op.route][op.method.lower()]
+        assert (route["summary"], route["description"]) == (op.summary, op.description), op.route
+        assert route["operationId"] == op.tool
+    described = {
+        name: prop.get("description", "")
+        for name, prop in listed["get_sweep"].input_schema["properties"].items()
+    }
+    assert "at most 30" in described["wait_s"]
+    assert listed["get_results"].input_schema["properties"]["format"]["enum"] == ["json", "csv"]
+
+
+def test_get_results_answers_csv_as_rest_does(served: tuple[str, FakeDoor]) -> None:
+    url, door = served
+    is_error, content = call_tool(
+        url, "gpub_alice", "get_results", {"run_id": RUN, "format": "csv"}
+    )
+    assert not is_error and len(content) == 1 and content[0].type == "text", content
+    assert content[0].text == "trial,lr,loss\n0,0.1,0.25\n"
+    assert ("results_csv", "team/alice", (RUN,)) in door.ran
+    is_error, content = call_tool(
+        url, "gpub_alice", "get_results", {"run_id": RUN, "format": "json"}
+    )
+    assert _json(content) == {"results": [{"trial": 0, "params": {"lr": 0.1}, "loss": 0.25}]}
+    assert call_tool(url, "gpub_alice", "get_results", {"run_id": RUN, "format": "xml"})[0]
+    assert _error(url, "gpub_bob", "get_results", {"run_id": RUN, "format": "csv"}).startswith(
+        "404: "
+    )
 
 
 def test_each_tool_acts_as_the_callers_session(served: tuple[str, FakeDoor]) -> None:

@@ -136,6 +136,7 @@ def test_block_register_finds_every_block() -> None:
         name for name, cls in inspect.getmembers(prefect_gpu_budget) if Block.is_block_class(cls)
     }
     assert found == {
+        "BillingExport",
         "CapacityPool",
         "DeploymentLauncher",
         "GpuBudget",

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import typer
 
+from prefect_gpu_budget import settings
 from prefect_gpu_budget.cli.common import console, current_ledger, fail, usd
 
 
@@ -78,7 +78,7 @@ def bill_import(
         periods=groups,
     )
     marks = [mark for item in done for mark in item.over_by_bill]
-    if marks and os.environ.get("PREFECT_API_URL"):
+    if marks and settings.prefect_api_url():
         from prefect_gpu_budget.flows.bill_import import announce_over_by_bill
 
         announce_over_by_bill(current_ledger(), marks)

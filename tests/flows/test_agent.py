@@ -151,7 +151,8 @@ def test_a_grant_is_checked_at_every_admission(bounded):
     assert admitted.verdict == "admit" and waiting.verdict == "wait"
     assert bounded.grants.revoke_agent(SESSION) == (1, 1, 1)
     assert bounded.views.job(queued)["state"] == "cancelled"
-    assert bounded.views.stop_asked(running) == "its agent's grant was revoked"
+    assert bounded.views.stop_asked(running) == "stopped"  # its holder stops it, as an owner's
+    assert bounded.views.job(running)["reason"] == "its agent's grant was revoked"
     late, refused = bounded.queue.request(new_job(SESSION, grant=grant))
     assert refused.verdict == "reject" and "revoked" in refused.reason
     assert (

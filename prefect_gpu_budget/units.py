@@ -82,6 +82,18 @@ def micro_to_usd(micro: int) -> float:
     return float(Decimal(micro) / MICRO_PER_USD)
 
 
+def usd(micro: int | None) -> float | None:
+    """Micro-dollars as US dollars for a JSON answer; None stays None."""
+    return None if micro is None else micro_to_usd(micro)
+
+
+def iso(t: float | None) -> str | None:
+    """An epoch time as ISO 8601 in UTC, as every JSON answer writes times; None stays None."""
+    from datetime import datetime, timezone
+
+    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat()
+
+
 def fmt_usd(micro: int) -> str:
     """`$12.34` from a dollar up; below it four significant digits, so that small jobs show
     (`$0.0085`, `$0.1235`, `$0.50`)."""

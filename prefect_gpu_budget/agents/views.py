@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from typing import Any
 
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
-from prefect_gpu_budget.units import micro_to_usd, redact_urls
+from prefect_gpu_budget.units import iso, micro_to_usd, redact_urls, usd
 
 FINAL_RUN_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
 """A sweep's run in one of these has ended: a long poll answers at once."""
-
-
-def iso(moment: float | None) -> str | None:
-    """An epoch time as ISO 8601 in UTC, as `status --json` and `ledger --json` write it."""
-    return None if moment is None else datetime.fromtimestamp(moment, timezone.utc).isoformat()
 
 
 def trial_number(name: str) -> int | None:
@@ -36,15 +30,15 @@ def budget_view(row: Mapping[str, Any]) -> dict[str, Any]:
     --json` names it, and when its period ends."""
     return {
         "scope": row["scope"],
-        "hourly_cap_usd": _usd(row["hourly_cap_micro"]),
-        "running_rate_usd_per_hour": _usd(row["running_rate_micro"]),
+        "hourly_cap_usd": usd(row["hourly_cap_micro"]),
+        "running_rate_usd_per_hour": usd(row["running_rate_micro"]),
         "period": row["period"],
         "period_start": iso(row["period_start"]),
         "period_end": iso(row["period_end"]),
-        "period_budget_usd": _usd(row["period_budget_micro"]),
-        "settled_usd": _usd(row["settled_micro"]),
-        "reserved_usd": _usd(row["reserved_micro"]),
-        "remaining_usd": _usd(row["remaining_micro"]),
+        "period_budget_usd": usd(row["period_budget_micro"]),
+        "settled_usd": usd(row["settled_micro"]),
+        "reserved_usd": usd(row["reserved_micro"]),
+        "remaining_usd": usd(row["remaining_micro"]),
         "running": row["running"],
         "admitted": row["admitted"],
         "queued": row["queued"],
@@ -59,7 +53,7 @@ def template_view(rule: Any, scope: str) -> dict[str, Any]:
         "from_template": rule.scope,
         "hourly_cap_usd": None if rule.hourly_cap_cents is None else rule.hourly_cap_cents / 100,
         "period": rule.period,
-        "period_budget_usd": _usd(rule.period_budget_micro),
+        "period_budget_usd": usd(rule.period_budget_micro),
     }
 
 
@@ -178,7 +172,3 @@ def best_trial(
         return None
     value, trial = min(scored) if goal == "min" else max(scored)
     return {"trial": trial, "metric": metric, "goal": goal, "value": value}
-
-
-def _usd(micro: int | None) -> float | None:
-    return None if micro is None else micro_to_usd(micro)

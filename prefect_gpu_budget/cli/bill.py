@@ -9,7 +9,8 @@ from pathlib import Path
 import typer
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.cli.common import console, current_ledger, fail, usd
+from prefect_gpu_budget.cli.common import console, current_ledger, fail
+from prefect_gpu_budget.units import usd
 
 
 def bill_import(

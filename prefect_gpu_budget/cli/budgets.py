@@ -10,7 +10,7 @@ import typer
 
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.cli.capacity import print_pool
-from prefect_gpu_budget.cli.common import console, current_ledger, fail, iso, usd
+from prefect_gpu_budget.cli.common import console, current_ledger, fail
 from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import BudgetInputError, fmt_usd, org_of, to_decimal_usd
 
@@ -246,22 +246,13 @@ def status(
     if scope is not None and not rows:
         no_such_scope("status", scope)
     if as_json:
+        from prefect_gpu_budget.agents.views import budget_view
+
         typer.echo(
             json.dumps(
                 [
-                    {  # the names of these figures; the spend report and the gateway use them
-                        "scope": r["scope"],
-                        "hourly_cap_usd": usd(r["hourly_cap_micro"]),
-                        "running_rate_usd_per_hour": usd(r["running_rate_micro"]),
-                        "period": r["period"],
-                        "period_start": iso(r["period_start"]),
-                        "period_budget_usd": usd(r["period_budget_micro"]),
-                        "settled_usd": usd(r["settled_micro"]),
-                        "reserved_usd": usd(r["reserved_micro"]),
-                        "remaining_usd": usd(r["remaining_micro"]),
-                        "running": r["running"],
-                        "admitted": r["admitted"],
-                        "queued": r["queued"],
+                    {  # the names of these figures, the gateway's own (`budget_view`)
+                        k: v for k, v in budget_view(r).items() if k != "period_end"
                     }
                     for r in rows
                 ],

@@ -4,13 +4,11 @@ and the figures' formats."""
 from __future__ import annotations
 
 import sys
-from datetime import datetime, timezone
 from typing import Any, NoReturn
 
 import typer
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.units import micro_to_usd
 
 
 class _Console:
@@ -45,14 +43,6 @@ def current_ledger():
     from prefect_gpu_budget.admission.ledger import open_ledger
 
     return open_ledger(settings.ledger_url(_state["ledger_url"]))
-
-
-def iso(t: float | None) -> str | None:
-    return None if t is None else datetime.fromtimestamp(t, timezone.utc).isoformat()
-
-
-def usd(micro: int | None) -> float | None:
-    return None if micro is None else micro_to_usd(micro)
 
 
 PASSWORD_ON_ARGV = (

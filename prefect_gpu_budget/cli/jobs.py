@@ -10,16 +10,9 @@ import typer
 
 from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.cli.budgets import budgeted_under, no_such_scope
-from prefect_gpu_budget.cli.common import (
-    console,
-    current_ledger,
-    fail,
-    iso,
-    limits_if_configured,
-    usd,
-)
+from prefect_gpu_budget.cli.common import console, current_ledger, fail, limits_if_configured
 from prefect_gpu_budget.cli.tables import Col, print_table
-from prefect_gpu_budget.units import fmt_usd, micro_to_usd
+from prefect_gpu_budget.units import fmt_usd, iso, micro_to_usd, usd
 
 
 def ledger_cmd(

@@ -22,6 +22,9 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_UI_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# the commands' output is read here as a script reads it: at one width, whatever COLUMNS the
+# shell that started the suite exports (tests of narrow terminals set their own)
+os.environ["COLUMNS"] = "200"
 
 import pytest  # noqa: E402
 

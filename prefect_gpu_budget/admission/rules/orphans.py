@@ -12,7 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from prefect_gpu_budget.admission.rules.timing import HEARTBEAT_S, UNRECORDED_LEASE_S
+from prefect_gpu_budget.admission.rules.timing import (
+    HEARTBEAT_S,
+    LEASE_MARGIN_S,
+    LEASE_S,
+    UNRECORDED_LEASE_S,
+)
 
 Verb = Literal["cancel-queued", "await-lease-expiry", "leave-running", "settle"]
 
@@ -49,7 +54,8 @@ class Action:
     """Ask the launcher again once stopped: a finished answer's end (and billed figures)
     replaces `ended_at` (`after_stop`)."""
     release_lease: str | None = None
-    """The Prefect lease to hand back once settled."""
+    """The Prefect lease to hand back once settled; None when it may be lapsing
+    (`lease_to_give_back`)."""
     reported: str = "settled"
     """What `Reconciled.action` says when the settlement writes: `settled` or `stopped`."""
 
@@ -63,6 +69,16 @@ def may_hold_unrecorded_lease(row: Mapping[str, Any], now: float) -> bool:
         and row["admitted_at"] is not None
         and now < max(row["admitted_at"], row["heartbeat_at"]) + UNRECORDED_LEASE_S
     )
+
+
+def lease_to_give_back(row: Mapping[str, Any], now: float) -> str | None:
+    """The recorded lease, while it surely has `LEASE_MARGIN_S` left to live (its holder renewed
+    it after its last stamp, `LEASE_S` long); else None, and Prefect's repossessor returns its
+    slots within `REPOSSESS_S` of its end: releasing it beside the repossessor would count them
+    back twice."""
+    if now < row["heartbeat_at"] + LEASE_S - LEASE_MARGIN_S:
+        return row["lease_id"]
+    return None
 
 
 def first_look(row: Mapping[str, Any], *, awaiting_lease_expiry: bool) -> Action | None:
@@ -80,8 +96,9 @@ def decide(
     row: Mapping[str, Any], probe: Probe, *, now: float, can_stop: bool, limits: bool = True
 ) -> Action:
     """An admitted or running orphan, with its launcher's answer (`can_stop`: that launcher
-    is at hand). `limits`: the Prefect limits are at hand, so its recorded lease goes back."""
-    lease = row["lease_id"] if limits else None
+    is at hand). `limits`: the Prefect limits are at hand, so its recorded lease goes back
+    (`lease_to_give_back`)."""
+    lease = lease_to_give_back(row, now) if limits else None
     started = row["started_at"]
     mark = None
     if started is None and probe.started_at is not None:  # it started after its holder left

@@ -84,6 +84,12 @@ disagree by seconds)."""
 REPOSSESS_S = 15.0
 """How late a Prefect server's repossessor may return the slots of an expired lease."""
 
+LEASE_MARGIN_S = 10.0
+"""Another process gives a silent holder's lease back only while the lease has at least this long
+to live (its last renewal followed the row's last stamp): Prefect's release and its repossessor
+each read a lease, decrement its slots, then revoke it, so the two at once count the slots back
+twice and Prefect then lets a scope run past its cap. A lease nearer its end is left to lapse."""
+
 UNRECORDED_LEASE_S = LIMIT_RETRY_S + LIVENESS_S + LEASE_S + REPOSSESS_S
 """After its row's last stamp (admission, or the stamps of a slow request for slots), how long a
 crashed job may still hold Prefect slots under a lease it took but did not live to record: the

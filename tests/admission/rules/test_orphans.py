@@ -9,7 +9,12 @@ import pytest
 
 from prefect_gpu_budget.admission.rules import orphans
 from prefect_gpu_budget.admission.rules.orphans import Action
-from prefect_gpu_budget.admission.rules.timing import HEARTBEAT_S, UNRECORDED_LEASE_S
+from prefect_gpu_budget.admission.rules.timing import (
+    HEARTBEAT_S,
+    LEASE_MARGIN_S,
+    LEASE_S,
+    UNRECORDED_LEASE_S,
+)
 from prefect_gpu_budget.launchers.base import Probe
 
 NOW = 10_000.0
@@ -37,21 +42,21 @@ DECIDE = [
         _row(state="admitted", started_at=None),
         Probe("unknown"),
         False,
-        Action("settle", ended_at=NOW, **LEASED),
+        Action("settle", ended_at=NOW),
     ),
     (
         "never started, still waiting for cloud capacity: stopped, settles at zero",
         _row(state="admitted", started_at=None),
         Probe("running"),
         True,
-        Action("settle", stop=True, ended_at=NOW, reported="stopped", **LEASED),
+        Action("settle", stop=True, ended_at=NOW, reported="stopped"),
     ),
     (
         "started after its holder left and finished: start recorded, real times",
         _row(state="admitted", started_at=None),
         Probe("finished", started_at=9_000.0, ended_at=9_100.0, billed_seconds=95.0),
         True,
-        Action("settle", mark_started_at=9_000.0, ended_at=9_100.0, billed_seconds=95.0, **LEASED),
+        Action("settle", mark_started_at=9_000.0, ended_at=9_100.0, billed_seconds=95.0),
     ),
     (
         "started after its holder left, still running within max runtime: recorded, left",
@@ -78,7 +83,6 @@ DECIDE = [
             ended_at=NOW,
             real_end_after_stop=True,
             reported="stopped",
-            **LEASED,
         ),
     ),
     (
@@ -86,28 +90,28 @@ DECIDE = [
         _row(),
         Probe("finished", ended_at=1_300.0, billed_seconds=290.0, actual_micro=4_321),
         True,
-        Action("settle", ended_at=1_300.0, billed_seconds=290.0, actual_micro=4_321, **LEASED),
+        Action("settle", ended_at=1_300.0, billed_seconds=290.0, actual_micro=4_321),
     ),
     (
         "finished past its max runtime: charged up to max runtime only",
         _row(),
         Probe("finished", ended_at=1_000.0 + MAX + 50),
         True,
-        Action("settle", ended_at=1_000.0 + MAX, **LEASED),
+        Action("settle", ended_at=1_000.0 + MAX),
     ),
     (
         "gone: last heartbeat plus one interval",
         _row(),
         Probe("unknown"),
         False,
-        Action("settle", ended_at=1_200.0 + HEARTBEAT_S, **LEASED),
+        Action("settle", ended_at=1_200.0 + HEARTBEAT_S),
     ),
     (
         "gone, silent long: never past its max runtime",
         _row(heartbeat_at=1_000.0 + MAX),
         Probe("unknown"),
         False,
-        Action("settle", ended_at=1_000.0 + MAX, **LEASED),
+        Action("settle", ended_at=1_000.0 + MAX),
     ),
     (
         "gone a moment ago: never past now",
@@ -123,6 +127,20 @@ DECIDE = [
         False,
         Action("settle", ended_at=1_200.0 + HEARTBEAT_S),
     ),
+    (
+        "gone, its lease renewed a moment ago: given back",
+        _row(heartbeat_at=NOW - HEARTBEAT_S),
+        Probe("unknown"),
+        False,
+        Action("settle", ended_at=1_000.0 + MAX, **LEASED),
+    ),
+    (
+        "gone, its lease near its end: left to Prefect's repossessor, never released beside it",
+        _row(heartbeat_at=NOW - LEASE_S + LEASE_MARGIN_S),
+        Probe("unknown"),
+        False,
+        Action("settle", ended_at=1_000.0 + MAX),
+    ),
 ]
 
 
@@ -136,7 +154,9 @@ def test_decide(row: dict, probe: Probe, can_stop: bool, action: Action) -> None
 
 
 def test_without_limits_no_lease_is_given_back() -> None:
-    action = orphans.decide(_row(), Probe("unknown"), now=NOW, can_stop=False, limits=False)
+    fresh = _row(heartbeat_at=NOW - 1)
+    assert orphans.decide(fresh, Probe("unknown"), now=NOW, can_stop=False).release_lease
+    action = orphans.decide(fresh, Probe("unknown"), now=NOW, can_stop=False, limits=False)
     assert action.release_lease is None and action.verb == "settle"
 
 

@@ -13,32 +13,30 @@ from one client, too many calls, or more sweeps than the team's limits allow is 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
-from fastapi import Body, Depends, FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefect_gpu_budget.admission.ledger import open_ledger
-from prefect_gpu_budget.agents.door import (
-    DEPLOYMENT,
-    MAX_LONG_POLL_S,
-    MAX_PAGE,
-    Caller,
-    Door,
-    Refused,
-)
+from prefect_gpu_budget.agents.door import DEPLOYMENT, Door, Refused
 from prefect_gpu_budget.agents.mcp import mcp_app
-from prefect_gpu_budget.agents.operations import BY_TOOL, ResultsFormat
+from prefect_gpu_budget.agents.routes import ROUTERS
 from prefect_gpu_budget.settings import gateway_trusted_proxies, ledger_url
 
 MAX_BODY_BYTES = 64 * 1024
 """Largest request body: a sweep spec is a few hundred bytes; nothing big is parsed."""
-SPEC = Body(..., description="A sweep spec, as `gpu_sweep` takes it.")
+DESCRIPTION = (
+    "Sweeps, their trials, results, plots and spend, forecasts and quotes, and stopping jobs "
+    "and sweeps, for one agent session per token (`Authorization: Bearer gpub_...`). The same "
+    "operations are MCP tools at `/mcp`."
+)
 
 
 def create_app(
@@ -59,154 +57,69 @@ def create_app(
     )
     door = Door(open_ledger(ledger_url(url)), deployment=deployment)
     mcp_asgi, mcp_running = mcp_app(lambda: door)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202 - FastAPI's lifespan protocol
-        from prefect.client.orchestration import get_client
-
-        async with mcp_running():
-            with get_client(sync_client=True) as client:
-                door.prefect = client
-                yield
-
     app = FastAPI(
         title="prefect-gpu-budget agent gateway",
         version="1",
-        lifespan=lifespan,
-        description="Sweeps, their trials, results, plots and spend, forecasts and quotes, and "
-        "stopping jobs and sweeps, for one agent session per token (`Authorization: Bearer "
-        "gpub_...`). The same operations are MCP tools at `/mcp`.",
+        lifespan=partial(_serving, mcp_running=mcp_running),
+        description=DESCRIPTION,
     )
-    app.state.door = door
+    app.state.door = door  # what the routes reach it by (`routes.the_door`)
     app.add_route("/mcp", mcp_asgi, include_in_schema=False)
     app.add_middleware(ClientAddress, trusted=trusted)  # REST and MCP see the same client
-
-    @app.middleware("http")
-    async def bounded_body(request: Request, call_next):  # noqa: ANN001, ANN202
-        size = request.headers.get("content-length")
-        if size is None and "transfer-encoding" in request.headers:
-            return JSONResponse({"detail": "a body needs a Content-Length"}, status_code=411)
-        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
-            return JSONResponse(
-                {"detail": f"body: at most {MAX_BODY_BYTES} bytes"}, status_code=413
-            )
-        return await call_next(request)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        return JSONResponse({"detail": f"{where}: {err.get('msg', 'invalid')}"}, status_code=422)
-
-    @app.exception_handler(Refused)
-    async def refused(_: Request, exc: Refused) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(httpx.HTTPError)
-    async def prefect_down(_: Request, exc: httpx.HTTPError) -> JSONResponse:
-        return JSONResponse({"detail": "the Prefect API is unavailable"}, status_code=503)
-
-    @app.exception_handler(Exception)
-    async def internal(_: Request, exc: Exception) -> JSONResponse:  # never a traceback or a URL
-        return JSONResponse({"detail": f"internal error ({type(exc).__name__})"}, status_code=500)
-
-    def caller(request: Request) -> Caller:
-        address = request.client.host if request.client else "?"  # as `ClientAddress` set it
-        return door.caller(request.headers.get("authorization"), address)
-
-    def operation(tool: str, **options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        """The route of the operation `tool` (`agents.operations`), with its summary and
-        description in OpenAPI."""
-        op = BY_TOOL[tool]
-        return app.api_route(
-            op.route,
-            methods=[op.method],
-            summary=op.summary,
-            description=op.description,
-            operation_id=op.tool,
-            **options,
-        )
-
-    @operation("start_sweep", status_code=201)
-    def start_sweep(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, str]:
-        return door.start_sweep(who, spec)
-
-    @operation("get_sweep")
-    def sweep(
-        run_id: str,
-        wait: float = Query(
-            0,
-            ge=0,
-            le=MAX_LONG_POLL_S,
-            description="Long poll: answer once anything changed, "
-            f"or after this many seconds (at most {MAX_LONG_POLL_S:.0f}).",
-        ),
-        who: Caller = Depends(caller),
-    ) -> dict[str, Any]:
-        return door.sweep(who, run_id, wait)
-
-    @operation("get_trial_metrics")
-    def trial_metrics(
-        run_id: str,
-        trial: int,
-        offset: int = Query(0, ge=0),
-        limit: int = Query(500, ge=1, le=MAX_PAGE),
-        who: Caller = Depends(caller),
-    ) -> dict[str, Any]:
-        return door.trial_metrics(who, run_id, trial, offset, limit)
-
-    @operation("get_results", response_model=None)
-    def results(
-        request: Request,
-        run_id: str,
-        format: ResultsFormat | None = Query(
-            None, description="json or csv; without it, CSV when `Accept` names text/csv."
-        ),
-        who: Caller = Depends(caller),
-    ) -> Any:
-        if format == "csv" or (format is None and "text/csv" in request.headers.get("accept", "")):
-            return PlainTextResponse(door.results_csv(who, run_id), media_type="text/csv")
-        return door.results(who, run_id)
-
-    @operation("list_plots")
-    def plots(run_id: str, who: Caller = Depends(caller)) -> list[str]:
-        return door.plots(who, run_id)
-
-    @operation("get_plot", response_class=Response)
-    def plot(run_id: str, name: str, who: Caller = Depends(caller)) -> Response:
-        return Response(door.plot(who, run_id, name), media_type="image/png")
-
-    @operation("get_summary", response_class=PlainTextResponse)
-    def summary(run_id: str, who: Caller = Depends(caller)) -> PlainTextResponse:
-        return PlainTextResponse(door.summary(who, run_id), media_type="text/markdown")
-
-    @operation("cancel_sweep")
-    def cancel_sweep(run_id: str, who: Caller = Depends(caller)) -> dict[str, Any]:
-        return door.cancel_sweep(who, run_id)
-
-    @operation("cancel_job")
-    def cancel(job_id: str, who: Caller = Depends(caller)) -> dict[str, str]:
-        return door.cancel_job(who, job_id)
-
-    @operation("forecast_sweep")
-    def forecast(spec: dict[str, Any] = SPEC, who: Caller = Depends(caller)) -> dict[str, Any]:
-        return door.forecast(who, spec)
-
-    @operation("quote")
-    def quote(
-        instance_type: str,
-        nodes: int = 1,
-        hours: float = 1.0,
-        provisioning: str = "on-demand",
-        who: Caller = Depends(caller),
-    ) -> dict[str, Any]:
-        return door.quote(instance_type, nodes, hours, provisioning)
-
-    @operation("get_status")
-    def status(who: Caller = Depends(caller)) -> dict[str, Any]:
-        return door.status(who)
-
+    app.middleware("http")(_bounded_body)
+    app.add_exception_handler(RequestValidationError, _bad_request)
+    app.add_exception_handler(Refused, _refused)
+    app.add_exception_handler(httpx.HTTPError, _prefect_down)
+    app.add_exception_handler(Exception, _internal)
+    for router in ROUTERS:
+        app.include_router(router)
     return app
+
+
+@asynccontextmanager
+async def _serving(
+    app: FastAPI, mcp_running: Callable[[], AbstractAsyncContextManager[Any]]
+) -> AsyncIterator[None]:
+    """The app's lifespan: the MCP server runs, and the door has its Prefect client."""
+    from prefect.client.orchestration import get_client
+
+    async with mcp_running():
+        with get_client(sync_client=True) as client:
+            app.state.door.prefect = client
+            yield
+
+
+async def _bounded_body(
+    request: Request, call_next: Callable[[Request], Awaitable[Response]]
+) -> Response:
+    """No body over `MAX_BODY_BYTES` (413), and none of unknown length (411), is read."""
+    size = request.headers.get("content-length")
+    if size is None and "transfer-encoding" in request.headers:
+        return JSONResponse({"detail": "a body needs a Content-Length"}, status_code=411)
+    if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+        return JSONResponse({"detail": f"body: at most {MAX_BODY_BYTES} bytes"}, status_code=413)
+    return await call_next(request)
+
+
+async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """A 422 in one line naming the field: its first error only."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+    return JSONResponse({"detail": f"{where}: {err.get('msg', 'invalid')}"}, status_code=422)
+
+
+async def _refused(_: Request, exc: Refused) -> JSONResponse:
+    """The door's refusal, as its status, detail and headers say."""
+    return JSONResponse({"detail": exc.detail}, status_code=exc.status, headers=exc.headers)
+
+
+async def _prefect_down(_: Request, exc: httpx.HTTPError) -> JSONResponse:
+    return JSONResponse({"detail": "the Prefect API is unavailable"}, status_code=503)
+
+
+async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    """Any other error: its type's name, never a traceback or a URL."""
+    return JSONResponse({"detail": f"internal error ({type(exc).__name__})"}, status_code=500)
 
 
 def serve(

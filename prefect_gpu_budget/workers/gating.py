@@ -2,14 +2,13 @@
 own job variables (`overrides_refusal`), the wait at the gate (`AwaitingBudget`, cancel gives
 its place up), the stop at max_runtime, and the settlement once the run's infrastructure ends.
 
-A worker type mixes `GateVariables` into its variables and `GateConfiguration` into its job
-configuration, and runs each flow run as
+A worker type mixes `GateVariables` into its variables, `GateConfiguration` into its job
+configuration and `GatedWorker` into the worker, and runs each flow run as
 
 ```python
-try:
-    run = await admit_flow_run(self, flow_run, configuration)
-except RunNotStarted:
-    ...  # ended without starting: refused, or cancelled while it waited
+run = await self.admit(flow_run, configuration, task_status, not_started)
+if run is None:
+    return Result(status_code=0, identifier=NOT_STARTED)  # refused, or cancelled while it waited
 return await run.until_settled(super().run(...), outcome_of_the_result)
 ```
 
@@ -31,6 +30,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import anyio.abc
 from prefect.client.orchestration import get_client
 from prefect.states import Cancelled, Failed, Pending, Scheduled, State
 from pydantic import BaseModel, Field, PrivateAttr
@@ -239,6 +239,39 @@ def refuse_shared_state(worker: Any) -> None:
         raise SystemExit(2) from None
     if warning:
         worker._logger.warning("running with shared state, as allowed: %s", warning)
+
+
+NOT_STARTED = "not-started"
+"""The identifier of a flow run's result when it ended at the gate: no infrastructure ran."""
+
+
+class GatedWorker:
+    """What every gated worker type shares, first in its bases (`class
+    GpuBudgetProcessWorker(GatedWorker, ProcessWorker)`): its documentation, its refusal to
+    start on shared state (`refuse_shared_state`), and the gate each flow run passes before
+    the worker type runs it (`admit`)."""
+
+    _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
+
+    async def setup(self) -> None:
+        refuse_shared_state(self)  # before anything polls: a shared home leaks the auth string
+        await super().setup()  # type: ignore[misc]
+
+    async def admit(
+        self,
+        flow_run: FlowRun,
+        configuration: Any,
+        task_status: anyio.abc.TaskStatus[Any] | None,
+        not_started: Any,
+    ) -> WorkerRun | None:
+        """`flow_run` admitted (`admit_flow_run`); None when it ended at the gate, `task_status`
+        then told `not_started` (what the worker type says for no infrastructure), and the
+        worker type returns its result with the identifier `NOT_STARTED`."""
+        try:
+            return await admit_flow_run(self, flow_run, configuration)
+        except RunNotStarted:
+            (task_status or anyio.TASK_STATUS_IGNORED).started(not_started)
+            return None
 
 
 class WorkerRun:

@@ -66,11 +66,10 @@ from prefect_gpu_budget.launchers.local import (
 )
 from prefect_gpu_budget.worker_types import PROCESS_TYPE
 from prefect_gpu_budget.workers.gating import (
+    NOT_STARTED,
     GateConfiguration,
+    GatedWorker,
     GateVariables,
-    RunNotStarted,
-    admit_flow_run,
-    refuse_shared_state,
 )
 
 if TYPE_CHECKING:
@@ -188,7 +187,7 @@ class _StartWatch:
         self.inner.started(value)
 
 
-class GpuBudgetProcessWorker(ProcessWorker):
+class GpuBudgetProcessWorker(GatedWorker, ProcessWorker):
     """Prefect's process worker, gated: see the module's docstring."""
 
     type = PROCESS_TYPE
@@ -200,11 +199,6 @@ class GpuBudgetProcessWorker(ProcessWorker):
         "hourly caps and period budgets of its scope, runs at most max_runtime with every "
         "process it starts, and is settled from its real start to its last process's end."
     )
-    _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
-
-    async def setup(self) -> None:
-        refuse_shared_state(self)  # before anything polls: a shared home leaks the auth string
-        await super().setup()
 
     async def run(
         self,
@@ -213,11 +207,9 @@ class GpuBudgetProcessWorker(ProcessWorker):
         task_status: anyio.abc.TaskStatus[int] | None = None,
     ) -> ProcessWorkerResult:
         status = task_status or anyio.TASK_STATUS_IGNORED
-        try:
-            gated = await admit_flow_run(self, flow_run, configuration)
-        except RunNotStarted:
-            status.started(0)
-            return ProcessWorkerResult(status_code=0, identifier="not-started")
+        gated = await self.admit(flow_run, configuration, status, 0)
+        if gated is None:
+            return ProcessWorkerResult(status_code=0, identifier=NOT_STARTED)
         _install_hold()
         hold = _Hold(gated.job.kill_grace)
 

@@ -61,12 +61,11 @@ from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import parse_duration
 from prefect_gpu_budget.worker_types import VERTEX_TYPE
 from prefect_gpu_budget.workers.gating import (
+    NOT_STARTED,
     GateConfiguration,
+    GatedWorker,
     GateVariables,
-    RunNotStarted,
     WorkerRun,
-    admit_flow_run,
-    refuse_shared_state,
 )
 
 if TYPE_CHECKING:
@@ -194,7 +193,7 @@ class _Credentials:
         return getattr(self._credentials, name)
 
 
-class GpuBudgetVertexWorker(VertexAIWorker):
+class GpuBudgetVertexWorker(GatedWorker, VertexAIWorker):
     """prefect-gcp's Vertex AI worker, gated: see the module's docstring."""
 
     type = VERTEX_TYPE
@@ -206,11 +205,6 @@ class GpuBudgetVertexWorker(VertexAIWorker):
         "the hourly caps and period budgets of its scope before its custom job is submitted, "
         "runs at most max_runtime, and is settled from the job's own start and end times."
     )
-    _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
-
-    async def setup(self) -> None:
-        refuse_shared_state(self)  # before anything polls: a shared home leaks the auth string
-        await super().setup()
 
     async def run(
         self,
@@ -218,12 +212,9 @@ class GpuBudgetVertexWorker(VertexAIWorker):
         configuration: GpuBudgetVertexJobConfiguration,  # type: ignore[override]
         task_status: anyio.abc.TaskStatus[str] | None = None,
     ) -> VertexAIWorkerResult:
-        status = task_status or anyio.TASK_STATUS_IGNORED
-        try:
-            gated = await admit_flow_run(self, flow_run, configuration)
-        except RunNotStarted:
-            status.started("not-started")
-            return VertexAIWorkerResult(status_code=0, identifier="not-started")
+        gated = await self.admit(flow_run, configuration, task_status, NOT_STARTED)
+        if gated is None:
+            return VertexAIWorkerResult(status_code=0, identifier=NOT_STARTED)
         configuration.shape(gated.job, gated.admission.quote, gated.admission.job_id)
         jobs = _WatchedJobs(*_job_client(configuration), gated)
         watched = configuration.model_copy(

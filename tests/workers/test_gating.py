@@ -102,3 +102,35 @@ def test_a_gated_worker_refuses_to_start_with_a_shared_prefect_home(prefect_api,
         import shutil
 
         shutil.rmtree(shared, ignore_errors=True)
+
+
+@pytest.mark.parametrize(
+    ("worker_type", "told"),
+    [("process.GpuBudgetProcessWorker", 0), ("vertex.GpuBudgetVertexWorker", "not-started")],
+)
+def test_a_run_that_ends_at_the_gate_starts_nothing_in_either_worker_type(
+    worker_type, told, monkeypatch
+):
+    """Both worker types pass each run through the same gate (`GatedWorker`): one that ends
+    there (refused, or cancelled while it waited) reaches no infrastructure; the worker hears
+    it started nothing and its result says so."""
+    import importlib
+    from types import SimpleNamespace
+
+    import anyio
+
+    module, name = worker_type.split(".")
+    worker_class = getattr(importlib.import_module(f"prefect_gpu_budget.workers.{module}"), name)
+    assert issubclass(worker_class, gating.GatedWorker)
+    assert worker_class.get_documentation_url() == gating.GatedWorker._documentation_url
+
+    async def ended_at_the_gate(worker, flow_run, configuration):
+        raise gating.RunNotStarted("OverBudget")
+
+    monkeypatch.setattr(gating, "admit_flow_run", ended_at_the_gate)
+    heard = []
+    status = SimpleNamespace(started=heard.append)
+    worker = worker_class(work_pool_name="gated")
+    result = anyio.run(worker.run, SimpleNamespace(name="run"), SimpleNamespace(), status)
+    assert (result.status_code, result.identifier) == (0, gating.NOT_STARTED)
+    assert heard == [told]

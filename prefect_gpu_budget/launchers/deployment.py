@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -72,12 +73,20 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
-    StartNotRecorded,
-    StartRecord,
     SubmitHook,
     ignore_submission,
 )
 from prefect_gpu_budget.launchers.bill_mark import flow_run_tag, ledger_job_id, pool_labels
+from prefect_gpu_budget.launchers.follow import (
+    Remote,
+    Retry,
+    Seen,
+    Start,
+    Stop,
+    first_line,
+    follow,
+    wait_over,
+)
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
 from prefect_gpu_budget.worker_types import GATED_TYPES
@@ -89,10 +98,6 @@ PROCESS_ENDED_EVENT = "prefect.worker.executed-flow-run"
 run's API access can emit it too: it may lengthen a bill, never end one)."""
 END_NOT_OBSERVED = "end not observed: billed to max_runtime"
 """What a job's detail and log say when nothing later than max_runtime was reported or seen."""
-
-
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _billed_to(ended: float, deadline: float) -> str:
@@ -251,33 +256,29 @@ class DeploymentLauncher(Block):
             )
         except Exception as exc:  # refused (a bad parameter), or the API is down
             now = time.time()
-            detail = f"could not create a flow run of {self.deployment}: {_first_line(exc)}"
+            detail = f"could not create a flow run of {self.deployment}: {first_line(exc)}"
             return LaunchResult("launch_error", now, now, detail=detail)
-        noted: list[StartRecord] = []  # the start, once on_start has been told
-
-        def note_start(started: float) -> StartRecord:
-            """Tell `on_start` once, in a thread of its own (a stalled ledger never delays the
-            max_runtime clock); the record."""
-            if not noted:
-                noted.append(StartRecord(on_start, started, str(flow_run.id), job.kill_grace))
-            return noted[0]
-
+        start = Start(on_start, str(flow_run.id), job.kill_grace)  # told once, by either below
         try:  # from here on, whatever interrupts us cancels the flow run
             on_submit(str(flow_run.id))
             log(f"created {flow_runs.state_line(flow_run)} of deployment {self.deployment}")
             with get_client(sync_client=True) as client:
-                return self._follow(client, flow_run, job, note_start, log)
+                # an unreadable API is waited out: the job may still be running and billing
+                followed = _FlowRun(self, client, flow_run, job, log)
+                return follow(
+                    followed, start, poll_s=self.poll_s, log=log, retry=Retry((Exception,))
+                )
         except BaseException:
             try:
                 self._cancel(flow_run.id, "the calling run was interrupted", log)
                 last = self._wait_final(flow_run.id, job.kill_grace + self.cancel_wait_s)
                 if flow_runs.ran(last) and last.start_time is not None:
                     # it may have started since: bill from then; what runs on here is killed
-                    record = note_start(last.start_time.timestamp())
+                    record = start.note(last.start_time.timestamp())
                     flow_runs.kill_left(flow_run.id, flow_runs.seen_here(flow_run.id), log)
                     record.finish()
-                elif noted:
-                    noted[0].finish()
+                elif start.record is not None:
+                    start.record.finish()
             except Exception as exc:  # keep the interruption, not this, as the error
                 log(f"could not cancel flow run {flow_run.id}: {exc}")
             raise
@@ -317,7 +318,7 @@ class DeploymentLauncher(Block):
         except Exception as exc:  # unreachable API, refused credentials
             reason = (
                 f"cannot read deployment {self.deployment!r} at {client.api_url}: "
-                + _first_line(exc)
+                + first_line(exc)
             )
         raise LaunchConfigError(self.kind, reason)
 
@@ -348,236 +349,6 @@ class DeploymentLauncher(Block):
             variables["labels"] = labels
         return variables, [*self.tags, flow_run_tag(job_id)]
 
-    def _follow(
-        self,
-        client: SyncPrefectClient,
-        flow_run: FlowRun,
-        job: GpuJob,
-        note_start: Callable[[float], StartRecord],
-        log: Callable[[str], None],
-    ) -> LaunchResult:
-        """Poll until the flow run's bill may end (see the module's docstring): it says it is
-        over, max_runtime has passed since its start, and none of its processes is seen on
-        this host. An unreadable API is waited out (the job may still be running and
-        billing); a deleted flow run is billed as one that says it is over."""
-        created = flow_runs.epoch(flow_run.created) or time.time()
-        run_id = flow_run.id
-        started: float | None = None
-        record: StartRecord | None = None
-        stopped_for: str | None = None  # `timed_out`, `wait_expired` or `cancelled` once asked
-        asked: float | None = None  # when it was asked to end (cancelled, or set Cancelling)
-        over = deleted = False  # it said it is over (or was deleted): latched
-        claimed = 0.0  # the latest end it reported
-        seen_late = killed = told_over = told_overdue = checked = False
-        suspicion = ""
-        state_seen: tuple[Any, ...] = ()
-        unreadable = False
-        while True:
-            try:
-                flow_run = client.read_flow_run(run_id)
-                unreadable = False
-            except ObjectNotFound:  # as good as a claim that it is over: billed the same
-                if not deleted:
-                    deleted = over = True
-                    claimed = max(claimed, time.time())
-                    log(f"flow run {run_id} was deleted; its processes may still run")
-                    if started is None:  # it may have started since the last read
-                        started = time.time()
-                        record = note_start(started)
-            except Exception as exc:  # the API is down: keep watching, the job may run on
-                if not unreadable:
-                    log(f"cannot read flow run {run_id}, retrying: {_first_line(exc)}")
-                unreadable = True
-                time.sleep(self.poll_s)
-                continue
-            if not deleted:
-                state = flow_run.state
-                if started is None and flow_runs.ran(flow_run) and flow_run.start_time is not None:
-                    started = flow_run.start_time.timestamp()  # max_runtime counts from here
-                    record = note_start(started)  # before anything else can interrupt
-                if state is not None and (state.type, state.name, state.message) != state_seen:
-                    state_seen = (state.type, state.name, state.message)
-                    log(flow_runs.state_line(flow_run))
-                if flow_runs.over(flow_run):
-                    over = True
-                    claimed = max(claimed, flow_runs.ended_at(flow_run))
-            now = time.time()
-            if started is None:
-                if over:  # it never ran: nothing to meter
-                    return self._result(
-                        flow_run, created, None, stopped_for, flow_runs.ended_at(flow_run)
-                    )
-                if (
-                    stopped_for is None
-                    and self.start_timeout is not None
-                    and now >= created + self.start_timeout
-                ):
-                    why = f"not started within {self.start_timeout:.0f}s"
-                    stopped_for = self._try_cancel(run_id, why, log, "wait_expired")
-                time.sleep(self.poll_s)
-                continue
-            deadline = started + job.max_runtime
-            pids = flow_runs.seen_here(run_id) if now >= deadline else []  # before: billed anyway
-            scanned = time.time()  # none of them seen by now: the earliest end to bill
-            seen_late = seen_late or bool(pids)
-            if over and now < deadline and not told_over:
-                told_over = True
-                log(
-                    f"flow run {run_id} says it ended; its end is not observed: billed to "
-                    f"max_runtime {job.max_runtime:.0f}s, its slot held until then"
-                )
-            if record is not None and stopped_for is None and not over:
-                try:
-                    record.check(now)
-                except StartNotRecorded as late:
-                    self._cancel(run_id, str(late), log)
-                    stopped_for, asked = "cancelled", now
-            if now >= deadline and not checked:
-                if not over:  # not over at max_runtime: stopped
-                    why = f"max_runtime {job.max_runtime:.0f}s reached"
-                    if stopped_for is None:
-                        stopped_for = self._try_cancel(run_id, why, log, "timed_out")
-                    checked = stopped_for is not None
-                    asked = now if checked and asked is None else asked
-                elif (
-                    not pids
-                    and not deleted
-                    and now < deadline + job.kill_grace + self.cancel_wait_s
-                    and self._process_ended(client, run_id) is None
-                ):
-                    pass  # its worker's report may be on its way (events land late): wait
-                else:
-                    checked = True
-                    suspicion = self._suspicion(client, flow_run, pids, deleted)
-                    if suspicion:
-                        stopped_for, asked = "timed_out", now
-                        self._distrust(client, flow_run, job, suspicion, deleted, log)
-            if asked is not None and now >= asked + job.kill_grace + self.cancel_wait_s:
-                if pids and not killed:
-                    killed = True
-                    flow_runs.kill_left(run_id, pids, log)
-                elif not over and not told_overdue:
-                    told_overdue = True  # say it once; keep metering until it really ends
-                    log(f"flow run {run_id} has not ended since it was cancelled; still metered")
-            if over and checked and not pids:
-                if record is not None:
-                    record.finish()  # on record before the gate settles
-                reported = self._process_ended(client, run_id) or 0.0
-                ended = max(deadline, claimed, reported, scanned if seen_late else 0.0)
-                how = END_NOT_OBSERVED if ended == deadline else _billed_to(ended, deadline)
-                detail = "; ".join(x for x in (suspicion, how) if x)
-                log(f"flow run {run_id}: {detail}")
-                if deleted:
-                    return LaunchResult(
-                        "failed",
-                        started,
-                        ended,
-                        detail=f"the flow run was deleted; {detail}",
-                        external_id=str(run_id),
-                        capacity_wait_s=max(0.0, started - created),
-                    )
-                return self._result(flow_run, created, started, stopped_for, ended, detail)
-            time.sleep(self.poll_s)
-
-    def _try_cancel(
-        self, flow_run_id: UUID, why: str, log: Callable[[str], None], stopped_for: str
-    ) -> str | None:
-        """`_cancel`: `stopped_for` once asked, None if it could not be (retried next poll)."""
-        try:
-            self._cancel(flow_run_id, why, log)
-        except Exception as exc:
-            log(f"could not cancel flow run {flow_run_id}, retrying: {_first_line(exc)}")
-            return None
-        return stopped_for
-
-    def _process_ended(self, client: SyncPrefectClient, flow_run_id: UUID) -> float | None:
-        """When a worker reported the flow run's process ended (its executed-flow-run event),
-        or None while none has (or the events cannot be read). Anyone with the run's API
-        access can post this event: it may lengthen a bill, never end one."""
-        from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
-
-        wanted = EventFilter(
-            event=EventNameFilter(name=[PROCESS_ENDED_EVENT]),
-            related=EventRelatedFilter(
-                resources_in_roles=[(f"prefect.flow-run.{flow_run_id}", "flow-run")]
-            ),
-        )
-        try:
-            page = client.read_events(filter=wanted, limit=5)
-        except Exception:  # the API is down: nothing reported
-            return None
-        times = [event.occurred.timestamp() for event in page.events]
-        return max(times) if times else None
-
-    def _suspicion(
-        self, client: SyncPrefectClient, flow_run: FlowRun, pids: list[int], deleted: bool
-    ) -> str:
-        """Why a flow run that says it is over, at max_runtime, looks like it runs on ("" if
-        nothing says so; nothing can prove that it does not)."""
-        name = f"flow run {flow_run.name} ({flow_run.id})"
-        said = "was deleted" if deleted else f"is {flow_run.state.name if flow_run.state else '?'}"
-        if pids:
-            return f"suspicious end: {name} {said}, but {len(pids)} of its processes still run here"
-        if not deleted and self._process_ended(client, flow_run.id) is None:
-            return (
-                f"suspicious end: {name} {said}, but no worker reported its process ended; its "
-                "state may have been set through the API while the job ran on"
-            )
-        return ""
-
-    def _distrust(
-        self,
-        client: SyncPrefectClient,
-        flow_run: FlowRun,
-        job: GpuJob,
-        suspicion: str,
-        deleted: bool,
-        log: Callable[[str], None],
-    ) -> None:
-        """Say a suspicious end loudly, and set the flow run Cancelling so that its worker
-        kills its process (by its infrastructure_pid) if it still runs."""
-        warning = f"{suspicion}. Billed to max_runtime {job.max_runtime:.0f}s at least"
-        logger.warning("%s", warning)
-        log(warning)
-        if deleted:
-            return
-        try:
-            client.set_flow_run_state(
-                flow_run.id, Cancelling(message="Cancelled: suspicious end"), force=True
-            )
-        except Exception as exc:  # billed to max_runtime either way
-            log(f"could not cancel flow run {flow_run.id}: {_first_line(exc)}")
-
-    def _result(
-        self,
-        flow_run: FlowRun,
-        created: float,
-        started: float | None,
-        stopped_for: str | None,
-        ended: float,
-        detail: str = "",
-    ) -> LaunchResult:
-        """The outcome its state and `stopped_for` say, from `started` (None: it never ran)
-        to `ended`."""
-        assert flow_run.state is not None
-        outcome = flow_runs.OUTCOME_OF.get(flow_run.state.type, "failed")
-        if outcome != "completed" and stopped_for == "timed_out":
-            outcome = "timed_out"
-        elif outcome == "cancelled" and stopped_for == "wait_expired" and started is None:
-            outcome = "wait_expired"
-        began = ended if started is None else started
-        said = flow_run.state.name + (
-            f": {flow_run.state.message}" if flow_run.state.message else ""
-        )
-        return LaunchResult(
-            outcome,
-            began,
-            ended,
-            detail=f"{said}; {detail}" if detail else said,
-            external_id=str(flow_run.id),
-            capacity_wait_s=max(0.0, began - created),
-        )
-
     def _cancel(self, flow_run_id: UUID, why: str, log: Callable[[str], None]) -> None:
         """Ask for cancellation, as `prefect flow-run cancel` does. A run that has not started
         is cancelled at once by the server; a running one by its worker or runner."""
@@ -591,10 +362,221 @@ class DeploymentLauncher(Block):
 
     def _wait_final(self, flow_run_id: UUID, timeout: float) -> FlowRun:
         """The flow run once it is `over`, or as it is after `timeout` seconds."""
-        deadline = time.monotonic() + timeout
+        read: list[FlowRun] = []
         with get_client(sync_client=True) as client:
-            while True:
-                flow_run = client.read_flow_run(flow_run_id)
-                if flow_runs.over(flow_run) or time.monotonic() >= deadline:
-                    return flow_run
-                time.sleep(min(self.poll_s, 1.0))
+
+            def over() -> bool:
+                read.append(client.read_flow_run(flow_run_id))
+                return flow_runs.over(read[-1])
+
+            wait_over(over, timeout, min(self.poll_s, 1.0))
+        return read[-1]
+
+
+@dataclass
+class _FlowRun(Remote[FlowRun]):
+    """A flow run as `follow` reads and stops it (`Cancelling`, as `prefect flow-run cancel`
+    does), and when its bill may end (see the module's docstring): it says it is over,
+    max_runtime has passed since its start, and none of its processes is seen on this host. A
+    deleted flow run is billed as one that says it is over."""
+
+    launcher: DeploymentLauncher
+    client: SyncPrefectClient
+    flow_run: FlowRun
+    job: GpuJob
+    log: Callable[[str], None]
+    deleted: float | None = None  # when it was found deleted
+    over: bool = False  # it said it is over (or was deleted): latched
+    claimed: float = 0.0  # the latest end it reported
+    asked: float | None = None  # when it was asked to end (cancelled, or set Cancelling)
+    checked: bool = False  # its end looked at, at max_runtime
+    suspicion: str = ""  # why its end looks forged
+    seen_late: bool = False  # one of its processes seen here past max_runtime
+    killed: bool = False  # what of it still ran here was killed
+    told_over: bool = False  # said once: it says it ended (before max_runtime)
+    told_overdue: bool = False  # said once: it has not ended since it was asked to
+
+    def __post_init__(self) -> None:
+        self.run_id = self.flow_run.id
+        self.name = f"flow run {self.run_id}"
+        self.created = flow_runs.epoch(self.flow_run.created) or time.time()
+        self.grace = self.job.kill_grace + self.launcher.cancel_wait_s
+        """How long a flow run asked to end may take (and its worker's report of its end)."""
+
+    def read(self) -> Seen[FlowRun]:
+        try:
+            self.flow_run = self.client.read_flow_run(self.run_id)
+        except ObjectNotFound:  # as good as a claim that it is over: billed the same
+            if self.deleted is None:
+                self.deleted = time.time()
+                self.over = True
+                self.claimed = max(self.claimed, self.deleted)
+        if self.deleted is not None:  # started then, if it was not seen to start before
+            line = f"flow run {self.run_id} was deleted; its processes may still run"
+            return Seen(self.flow_run, "deleted", line, self.deleted, over=True)
+        flow_run = self.flow_run
+        if flow_runs.over(flow_run):
+            self.over = True
+            self.claimed = max(self.claimed, flow_runs.ended_at(flow_run))
+        state, start = flow_run.state, flow_run.start_time
+        return Seen(
+            flow_run,
+            None if state is None else (state.type, state.name, state.message),
+            flow_runs.state_line(flow_run),
+            start.timestamp() if start is not None and flow_runs.ran(flow_run) else None,
+            over=self.over,
+        )
+
+    def limit(self, started: float | None) -> tuple[float, Stop] | None:
+        """max_runtime from its start; `start_timeout` from its creation, while not started."""
+        runtime, timeout = self.job.max_runtime, self.launcher.start_timeout
+        if started is not None:
+            return started + runtime, Stop("timed_out", f"max_runtime {runtime:.0f}s reached")
+        if timeout is None:
+            return None
+        return self.created + timeout, Stop("wait_expired", f"not started within {timeout:.0f}s")
+
+    def stop(self, stop: Stop) -> bool:
+        try:
+            self.launcher._cancel(self.run_id, stop.why, self.log)
+        except Exception as exc:
+            if stop.outcome == "cancelled":  # its start went unrecorded: the run ends here
+                raise
+            self.log(f"could not cancel flow run {self.run_id}, retrying: {first_line(exc)}")
+            return False
+        if stop.outcome != "wait_expired" and self.asked is None:
+            self.asked = time.time()
+        return True
+
+    def end(
+        self, seen: Seen[FlowRun], started: float | None, stopped: Stop | None, now: float
+    ) -> LaunchResult | None:
+        flow_run = seen.job
+        if started is None:  # over before it started: it never ran, nothing to meter
+            ended = flow_runs.ended_at(flow_run)
+            return self._result(flow_run, None, stopped, ended) if seen.over else None
+        deadline = started + self.job.max_runtime
+        pids = flow_runs.seen_here(self.run_id) if now >= deadline else []  # before: billed anyway
+        scanned = time.time()  # none of them seen by now: the earliest end to bill
+        self.seen_late = self.seen_late or bool(pids)
+        if self.over and now < deadline and not self.told_over:
+            self.told_over = True
+            self.log(
+                f"flow run {self.run_id} says it ended; its end is not observed: billed to "
+                f"max_runtime {self.job.max_runtime:.0f}s, its slot held until then"
+            )
+        if now >= deadline and not self.checked:
+            if not self.over:  # not over at max_runtime: stopped (`follow` asks until it can)
+                self.checked = stopped is not None
+                self.asked = now if self.checked and self.asked is None else self.asked
+            elif (
+                not pids
+                and self.deleted is None
+                and now < deadline + self.grace
+                and self._process_ended() is None
+            ):
+                pass  # its worker's report may be on its way (events land late): wait
+            else:
+                self.checked = True
+                self.suspicion = self._suspicion(flow_run, pids)
+                if self.suspicion:
+                    self.asked = now
+                    self._distrust(flow_run)
+        if self.asked is not None and now >= self.asked + self.grace:
+            if pids and not self.killed:
+                self.killed = True
+                flow_runs.kill_left(self.run_id, pids, self.log)
+            elif not self.over and not self.told_overdue:
+                self.told_overdue = True  # say it once; keep metering until it really ends
+                self.log(
+                    f"flow run {self.run_id} has not ended since it was cancelled; still metered"
+                )
+        if not (self.over and self.checked and not pids):
+            return None
+        reported = self._process_ended() or 0.0
+        ended = max(deadline, self.claimed, reported, scanned if self.seen_late else 0.0)
+        how = END_NOT_OBSERVED if ended == deadline else _billed_to(ended, deadline)
+        detail = "; ".join(x for x in (self.suspicion, how) if x)
+        self.log(f"flow run {self.run_id}: {detail}")
+        return self._result(flow_run, started, stopped, ended, detail)
+
+    def _process_ended(self) -> float | None:
+        """When a worker reported the flow run's process ended (its executed-flow-run event),
+        or None while none has (or the events cannot be read). Anyone with the run's API
+        access can post this event: it may lengthen a bill, never end one."""
+        from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+        wanted = EventFilter(
+            event=EventNameFilter(name=[PROCESS_ENDED_EVENT]),
+            related=EventRelatedFilter(
+                resources_in_roles=[(f"prefect.flow-run.{self.run_id}", "flow-run")]
+            ),
+        )
+        try:
+            page = self.client.read_events(filter=wanted, limit=5)
+        except Exception:  # the API is down: nothing reported
+            return None
+        times = [event.occurred.timestamp() for event in page.events]
+        return max(times) if times else None
+
+    def _suspicion(self, flow_run: FlowRun, pids: list[int]) -> str:
+        """Why a flow run that says it is over, at max_runtime, looks like it runs on ("" if
+        nothing says so; nothing can prove that it does not)."""
+        name = f"flow run {flow_run.name} ({flow_run.id})"
+        state = flow_run.state.name if flow_run.state else "?"
+        said = "was deleted" if self.deleted is not None else f"is {state}"
+        if pids:
+            return f"suspicious end: {name} {said}, but {len(pids)} of its processes still run here"
+        if self.deleted is None and self._process_ended() is None:
+            return (
+                f"suspicious end: {name} {said}, but no worker reported its process ended; its "
+                "state may have been set through the API while the job ran on"
+            )
+        return ""
+
+    def _distrust(self, flow_run: FlowRun) -> None:
+        """Say a suspicious end loudly, and set the flow run Cancelling so that its worker
+        kills its process (by its infrastructure_pid) if it still runs."""
+        warning = f"{self.suspicion}. Billed to max_runtime {self.job.max_runtime:.0f}s at least"
+        logger.warning("%s", warning)
+        self.log(warning)
+        if self.deleted is not None:
+            return
+        try:
+            self.client.set_flow_run_state(
+                flow_run.id, Cancelling(message="Cancelled: suspicious end"), force=True
+            )
+        except Exception as exc:  # billed to max_runtime either way
+            self.log(f"could not cancel flow run {flow_run.id}: {first_line(exc)}")
+
+    def _result(
+        self,
+        flow_run: FlowRun,
+        started: float | None,
+        stopped: Stop | None,
+        ended: float,
+        detail: str = "",
+    ) -> LaunchResult:
+        """The outcome its state and the stop that ended it say (a suspicious end: timed
+        out; a deleted flow run: failed), from `started` (None: it never ran) to `ended`."""
+        stopped_for = "timed_out" if self.suspicion else stopped.outcome if stopped else None
+        if self.deleted is not None:
+            outcome, said = "failed", "the flow run was deleted"
+        else:
+            assert flow_run.state is not None
+            outcome = flow_runs.OUTCOME_OF.get(flow_run.state.type, "failed")
+            if outcome != "completed" and stopped_for == "timed_out":
+                outcome = "timed_out"
+            elif outcome == "cancelled" and stopped_for == "wait_expired" and started is None:
+                outcome = "wait_expired"
+            message = flow_run.state.message
+            said = flow_run.state.name + (f": {message}" if message else "")
+        began = ended if started is None else started
+        return LaunchResult(
+            outcome,
+            began,
+            ended,
+            detail=f"{said}; {detail}" if detail else said,
+            external_id=str(flow_run.id),
+            capacity_wait_s=max(0.0, began - self.created),
+        )

@@ -22,7 +22,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import boto3
@@ -38,12 +38,11 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
-    StartNotRecorded,
-    StartRecord,
     SubmitHook,
     ignore_submission,
 )
 from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, ledger_job_id, sagemaker_tag_problem
+from prefect_gpu_budget.launchers.follow import Remote, Retry, Seen, Start, Stop, follow, wait_over
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import cost_micro, redact_urls, shown
 
@@ -324,68 +323,13 @@ class SageMakerLauncher(Block):
         log(f"SageMaker training job {name} created ({quote.describe()})")
         try:
             on_submit(name)
-            return self._follow(client, job, quote, name, on_start, log)
+            remote = _TrainingJob(self, client, job, quote, name, log)
+            start = Start(on_start, name, job.kill_grace)
+            retry = Retry((ClientError, BotoCoreError), give_up_after=MAX_DESCRIBE_ERRORS)
+            return follow(remote, start, poll_s=self.poll_s, log=log, retry=retry)
         except BaseException:
             self._stop_quietly(client, name, log)
             raise
-
-    def _follow(
-        self,
-        client: Any,
-        job: GpuJob,
-        quote: Quote,
-        name: str,
-        on_start: StartHook,
-        log: Callable[[str], None],
-    ) -> LaunchResult:
-        spot = job.provisioning == "spot"
-        limit = math.ceil(job.max_runtime) + job.kill_grace
-        deadline = time.time() + limit + self.spot_max_wait if spot else None
-        seen: tuple[str, str] | None = None
-        record: StartRecord | None = None  # the start, being recorded meanwhile
-        stopped_here = False
-        unrecorded = ""  # why we stopped it, when its start could not be recorded
-        errors = 0
-        while True:
-            try:
-                described = client.describe_training_job(TrainingJobName=name)
-                errors = 0
-            except (ClientError, BotoCoreError) as exc:
-                errors += 1
-                log(f"SageMaker training job {name}: describe failed ({errors}): {_one_line(exc)}")
-                if errors >= MAX_DESCRIBE_ERRORS:
-                    raise RuntimeError(f"lost track of SageMaker training job {name}") from exc
-                time.sleep(self.poll_s)
-                continue
-            status = described["TrainingJobStatus"]
-            secondary = described.get("SecondaryStatus", "")
-            if (status, secondary) != seen:
-                seen = (status, secondary)
-                log(f"SageMaker training job {name}: {status} ({secondary}){_message(described)}")
-            start = _seconds(described.get("TrainingStartTime"))
-            if start is not None and record is None:
-                record = StartRecord(on_start, start, name, job.kill_grace)
-                if not spot:  # max_runtime counts from the start, whatever the ledger does
-                    deadline = start + limit
-            if status in FINISHED:
-                if record is not None:
-                    record.finish()  # on record before the gate settles
-                result = self._result(described, quote, stopped_here)
-                if unrecorded and result.outcome != "completed":
-                    result = replace(result, outcome="cancelled", detail=unrecorded)
-                return result
-            if record is not None and not stopped_here and not unrecorded:
-                try:
-                    record.check()
-                except StartNotRecorded as late:
-                    unrecorded = str(late)
-                    log(f"SageMaker training job {name}: {late}")
-                    self._stop_quietly(client, name, log)
-            if not stopped_here and deadline is not None and time.time() > deadline:
-                log(f"SageMaker training job {name} passed max_runtime plus grace: stopping it")
-                self._stop_quietly(client, name, log)
-                stopped_here = True
-            time.sleep(self.poll_s)
 
     def _result(self, described: dict[str, Any], quote: Quote, stopped_here: bool) -> LaunchResult:
         status = described["TrainingJobStatus"]
@@ -467,12 +411,64 @@ class SageMakerLauncher(Block):
             if exc.response.get("Error", {}).get("Code") == "ValidationException":
                 return  # not running any more
             raise
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
+
+        def over() -> bool:
             described = client.describe_training_job(TrainingJobName=external_id)
-            if described["TrainingJobStatus"] in FINISHED:
-                return
-            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            return described["TrainingJobStatus"] in FINISHED
+
+        wait_over(over, grace, self.poll_s)
+
+
+@dataclass
+class _TrainingJob(Remote[dict[str, Any]]):
+    """A training job as `follow` reads and stops it."""
+
+    launcher: SageMakerLauncher
+    client: Any
+    job: GpuJob
+    quote: Quote
+    job_name: str
+    log: Callable[[str], None]
+
+    def __post_init__(self) -> None:
+        self.name = f"SageMaker training job {self.job_name}"
+        self.began = time.time()  # a spot job's limit counts from here, started or not
+
+    def read(self) -> Seen[dict[str, Any]]:
+        described = self.client.describe_training_job(TrainingJobName=self.job_name)
+        status, secondary = described["TrainingJobStatus"], described.get("SecondaryStatus", "")
+        line = f"{self.name}: {status} ({secondary}){_message(described)}"
+        started = _seconds(described.get("TrainingStartTime"))
+        return Seen(described, (status, secondary), line, started, status in FINISHED)
+
+    def limit(self, started: float | None) -> tuple[float, Stop] | None:
+        """max_runtime plus kill grace from its start, if SageMaker has not ended it by then;
+        a spot job's from its creation, plus spot_max_wait."""
+        limit = math.ceil(self.job.max_runtime) + self.job.kill_grace
+        if self.job.provisioning == "spot":
+            return self.began + limit + self.launcher.spot_max_wait, _OVERRAN
+        return None if started is None else (started + limit, _OVERRAN)
+
+    def stop(self, stop: Stop) -> bool:
+        self.log(f"{self.name}: {stop.why}")
+        self.launcher._stop_quietly(self.client, self.job_name, self.log)
+        return True  # asked once: it never raises
+
+    def end(
+        self, seen: Seen[dict[str, Any]], started: float | None, stopped: Stop | None, now: float
+    ) -> LaunchResult | None:
+        """What SageMaker billed, once it ended; `cancelled` (unless it completed) when it was
+        stopped because its start could not be recorded."""
+        if not seen.over:
+            return None
+        why = stopped.outcome if stopped else None
+        result = self.launcher._result(seen.job, self.quote, stopped_here=why == "timed_out")
+        if stopped is not None and why == "cancelled" and result.outcome != "completed":
+            result = replace(result, outcome="cancelled", detail=stopped.why)
+        return result
+
+
+_OVERRAN = Stop("timed_out", "it passed max_runtime plus grace: stopping it")
 
 
 def _message(described: dict[str, Any]) -> str:

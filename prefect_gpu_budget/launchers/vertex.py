@@ -29,6 +29,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, ClassVar
@@ -48,12 +49,11 @@ from prefect_gpu_budget.launchers.base import (
     LaunchResult,
     Probe,
     StartHook,
-    StartNotRecorded,
-    StartRecord,
     SubmitHook,
     ignore_submission,
 )
 from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, gcp_label_problem, ledger_job_id
+from prefect_gpu_budget.launchers.follow import Remote, Seen, Start, Stop, follow, wait_over
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, parse_duration, redact_urls
 
@@ -399,53 +399,12 @@ class VertexLauncher(Block):
                 f"Vertex AI custom job {name} created: {job.nodes} x {quote.row.instance_type}, "
                 f"{STRATEGIES[job.provisioning]}, timeout {fmt_duration(job.max_runtime)}"
             )
-            return self._follow(client, name, job, on_start, log)
+            remote = _CustomJob(self, client, name, job, log)
+            start = Start(on_start, name, job.kill_grace)
+            return follow(remote, start, poll_s=self.poll_s, log=log, remind_s=WAIT_LOG_S)
         except BaseException:
             self._cancel(client, name, log, "the run was cancelled")
             raise
-
-    def _follow(
-        self,
-        client: vertex.JobServiceClient,
-        name: str,
-        job: GpuJob,
-        on_start: StartHook,
-        log: Callable[[str], None],
-    ) -> LaunchResult:
-        started: float | None = None
-        record: StartRecord | None = None  # the start, being recorded meanwhile
-        stopped: str | None = None  # the outcome, when we cancelled it at a limit
-        last, told = "", 0.0
-        while True:
-            current = client.get_custom_job(name=name, retry=_POLL_RETRY)
-            now, state = time.time(), _state(current)
-            created = _seconds(current.create_time) or now
-            start = _seconds(current.start_time)
-            if started is None and start is not None:
-                started = start  # max_runtime counts from here, whatever the ledger does
-                record = StartRecord(on_start, start, name, job.kill_grace)
-            if state != last or (state in WAITING and now - told >= WAIT_LOG_S):
-                log(self._describe(current, job, now))
-                last, told = state, now
-            if state in ENDED:
-                if record is not None:
-                    record.finish()  # on record before the gate settles
-                return self._result(current, job, stopped)
-            if stopped is None and record is not None:
-                try:
-                    record.check(now)
-                except StartNotRecorded as late:
-                    stopped = "cancelled"
-                    self._cancel(client, name, log, str(late))
-            if stopped is None:
-                wait_deadline = self._wait_deadline(created, job)
-                if started is not None and now > started + job.max_runtime + job.kill_grace / 2:
-                    stopped = "timed_out"
-                    self._cancel(client, name, log, "it ran past max_runtime")
-                elif started is None and wait_deadline is not None and now > wait_deadline:
-                    stopped = "wait_expired"
-                    self._cancel(client, name, log, "its wait for capacity ran out")
-            time.sleep(self.poll_s)
 
     def _wait_deadline(self, created: float, job: GpuJob) -> float | None:
         """When we give up on capacity: Vertex enforces FLEX_START's max wait (we only back it
@@ -574,11 +533,56 @@ class VertexLauncher(Block):
         """Cancel the job and wait up to `grace` seconds for Vertex to end it."""
         client = self._client()
         self._cancel(client, external_id, lambda line: None, "it was asked to stop")
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
+
+        def over() -> bool:
             try:
-                if _state(client.get_custom_job(name=external_id)) in ENDED:
-                    return
+                return _state(client.get_custom_job(name=external_id)) in ENDED
             except api_errors.NotFound:
-                return
-            time.sleep(min(self.poll_s, 1.0))
+                return True
+
+        wait_over(over, grace, min(self.poll_s, 1.0))
+
+
+@dataclass
+class _CustomJob(Remote["vertex.CustomJob"]):
+    """A custom job as `follow` reads and stops it."""
+
+    launcher: VertexLauncher
+    client: vertex.JobServiceClient
+    job_name: str
+    job: GpuJob
+    log: Callable[[str], None]
+
+    def __post_init__(self) -> None:
+        self.name = f"Vertex AI job {self.job_name}"
+        self.created = time.time()  # when Vertex created it: a wait for capacity counts from it
+
+    def read(self) -> Seen[vertex.CustomJob]:
+        # passing errors are ridden out here, for 5 minutes; what remains ends the run
+        current = self.client.get_custom_job(name=self.job_name, retry=_POLL_RETRY)
+        now, state, started = time.time(), _state(current), _seconds(current.start_time)
+        self.created = _seconds(current.create_time) or now
+        line = self.launcher._describe(current, self.job, now)
+        return Seen(current, state, line, started, state in ENDED, waiting=state in WAITING)
+
+    def limit(self, started: float | None) -> tuple[float, Stop] | None:
+        """Past max_runtime and half the kill grace (a backstop to Vertex's own timeout), or a
+        wait for capacity past its deadline (`VertexLauncher._wait_deadline`)."""
+        if started is not None:
+            return started + self.job.max_runtime + self.job.kill_grace / 2, _OVERRAN
+        deadline = self.launcher._wait_deadline(self.created, self.job)
+        return None if deadline is None else (deadline, _WAITED_OUT)
+
+    def stop(self, stop: Stop) -> bool:
+        self.launcher._cancel(self.client, self.job_name, self.log, stop.why)
+        return True  # asked once: the cancel rides out passing errors itself, says the rest
+
+    def end(
+        self, seen: Seen[vertex.CustomJob], started: float | None, stopped: Stop | None, now: float
+    ) -> LaunchResult | None:
+        outcome = stopped.outcome if stopped else None
+        return self.launcher._result(seen.job, self.job, outcome) if seen.over else None
+
+
+_OVERRAN = Stop("timed_out", "it ran past max_runtime")
+_WAITED_OUT = Stop("wait_expired", "its wait for capacity ran out")

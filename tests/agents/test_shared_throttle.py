@@ -68,22 +68,22 @@ def test_the_shared_window_counts_as_the_local_one_does(shared):
 
 
 def test_keys_seen_once_leave_with_their_window(shared):
-    brief = shared.window("bad-tokens", 1, 0.2)
+    brief = shared.window("bad-tokens", 1, 1.0)
     for n in range(50):  # a storm of one-off keys
         brief.hit(("192.0.2.1", f"gpub_{n}"))
-    assert len(_keys(shared)) == 50
-    time.sleep(0.4)
+    assert 0 < len(_keys(shared)) <= 50  # (a loaded machine may take a window over them)
+    time.sleep(1.2)
     assert _keys(shared) == [] and not brief.full(("192.0.2.1", "gpub_0"))
 
 
 def test_the_window_counts_refused_events_too_and_frees_as_they_leave(shared):
-    window = shared.window("calls", 2, 1.0)
-    window.hit("grant"), time.sleep(0.5), window.hit("grant")
+    window = shared.window("calls", 2, 2.0)
+    window.hit("grant"), time.sleep(1.0), window.hit("grant")
     assert window.hit("grant")  # one too many, counted as the local window counts it
-    assert window.retry_after("grant") == 1
-    time.sleep(0.6)
-    assert window.full("grant")  # the first left; the two of t=0.5 are still in
-    time.sleep(0.5)
+    assert window.retry_after("grant") == 2
+    time.sleep(1.2)
+    assert window.full("grant")  # the first left; the two of t=1 are still in
+    time.sleep(1.0)
     assert not window.full("grant") and not window.hit("grant")
 
 
@@ -151,7 +151,7 @@ HOLDER = """
 import sys, time
 from prefect_gpu_budget.agents.throttle import RedisStore
 slots = RedisStore(sys.argv[1], prefix=sys.argv[2]).slots("long-polls", 2, 16)
-slots.lease_s = 1.0
+slots.lease_s = 2.0
 assert slots.take("grant-1") and slots.take("grant-1")
 print("held", flush=True)
 time.sleep(600)
@@ -167,7 +167,7 @@ def test_a_dead_gateways_long_polls_come_free_within_a_lease(shared):
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         slots = shared.slots("long-polls", 2, 16)
-        time.sleep(1.5)  # past its first lease: the live holder renewed it
+        time.sleep(3.0)  # past its first lease: the live holder renewed it
         assert not slots.take("grant-1") and slots.take("grant-2")
         slots.give("grant-2")
     finally:
@@ -175,9 +175,9 @@ def test_a_dead_gateways_long_polls_come_free_within_a_lease(shared):
         holder.wait(timeout=30)
     died = time.monotonic()
     while not slots.take("grant-1"):
-        assert time.monotonic() - died < 5, "a dead gateway's slots never came free"
+        assert time.monotonic() - died < 10, "a dead gateway's slots never came free"
         time.sleep(0.05)
-    assert time.monotonic() - died <= 1.5  # within its lease
+    assert time.monotonic() - died <= 3.5  # within its lease (2 s), give or take a busy machine
     slots.give("grant-1")
     assert shared.client.zcard(f"{slots._name}all") == 0 and slots._mine == {}
 

@@ -283,8 +283,15 @@ def gateway_trusted_proxies(text: str | None = None) -> tuple[Any, ...]:
 def gateway_redis_url() -> str | None:
     """PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL, or None when unset or blank: gateways behind one
     load balancer must share their limits (bad tokens per address, calls per grant, long polls
-    per grant and in all) there, or each would allow a client the whole of them again."""
-    return os.environ.get(GATEWAY_REDIS_URL_ENV, "").strip() or None
+    per grant and in all) there, or each would allow a client the whole of them again.
+    ValueError, naming the setting but not the URL (it may hold a password), for a URL that is
+    not Redis's."""
+    url = os.environ.get(GATEWAY_REDIS_URL_ENV, "").strip() or None
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            f"{GATEWAY_REDIS_URL_ENV}: a Redis URL starts with redis://, rediss:// or unix://"
+        )
+    return url
 
 
 def allow_shared_home() -> bool:

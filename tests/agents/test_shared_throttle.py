@@ -225,6 +225,10 @@ def test_the_setting_chooses_where_the_door_counts(monkeypatch):
         assert gateway_redis_url() is None
         door = Door(ledger=None)  # type: ignore[arg-type]
         assert isinstance(door.failures, Window) and isinstance(door.long_polls, Slots)
+    monkeypatch.setenv(GATEWAY_REDIS_URL_ENV, "postgresql://u:hidden@db/0")
+    with pytest.raises(ValueError, match=GATEWAY_REDIS_URL_ENV) as refused:
+        gateway_redis_url()
+    assert "hidden" not in str(refused.value)
     monkeypatch.setenv(GATEWAY_REDIS_URL_ENV, f" {REDIS_URL} ")
     assert gateway_redis_url() == REDIS_URL
     door = Door(ledger=None)  # type: ignore[arg-type]

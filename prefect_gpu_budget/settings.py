@@ -249,6 +249,10 @@ def agent_results_root() -> Path:
 GATEWAY_TRUSTED_PROXIES_ENV = "PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES"
 """Comma-separated IPs or CIDRs of the proxies in front of the agent gateway: only from these
 is `X-Forwarded-For` believed (default: none, the socket's peer is the client)."""
+GATEWAY_REDIS_URL_ENV = "PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL"
+"""A Redis URL (`redis://host:6379/0`, `rediss://...`) where every agent gateway that names it
+counts bad tokens, calls and long polls (`agents.throttle.RedisStore`); unset: each gateway
+counts its own."""
 ALLOW_SHARED_HOME_ENV = "PREFECT_GPU_BUDGET_ALLOW_SHARED_HOME"
 """`1` or `true`: start even when PREFECT_HOME or a SQLite ledger is open to other users (a
 loud warning instead of a refusal)."""
@@ -274,6 +278,20 @@ def gateway_trusted_proxies(text: str | None = None) -> tuple[Any, ...]:
                 "CIDR (e.g. 10.0.0.5,10.1.0.0/16)"
             ) from None
     return tuple(networks)
+
+
+def gateway_redis_url() -> str | None:
+    """PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL, or None when unset or blank: gateways behind one
+    load balancer must share their limits (bad tokens per address, calls per grant, long polls
+    per grant and in all) there, or each would allow a client the whole of them again.
+    ValueError, naming the setting but not the URL (it may hold a password), for a URL that is
+    not Redis's."""
+    url = os.environ.get(GATEWAY_REDIS_URL_ENV, "").strip() or None
+    if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(
+            f"{GATEWAY_REDIS_URL_ENV}: a Redis URL starts with redis://, rediss:// or unix://"
+        )
+    return url
 
 
 def allow_shared_home() -> bool:

@@ -35,7 +35,7 @@ from prefect_gpu_budget.agents.rules import (
     runnable,
     stop_own_job,
 )
-from prefect_gpu_budget.agents.throttle import Slots, Window, address_key
+from prefect_gpu_budget.agents.throttle import LocalStore, RedisStore, address_key, store
 from prefect_gpu_budget.agents.views import (
     FINAL_RUN_STATES,
     budget_view,
@@ -46,6 +46,7 @@ from prefect_gpu_budget.agents.views import (
 )
 from prefect_gpu_budget.job import one_line
 from prefect_gpu_budget.models import AgentLimits
+from prefect_gpu_budget.settings import gateway_redis_url
 from prefect_gpu_budget.units import BudgetInputError, micro_to_usd
 
 DEPLOYMENT = "agent-sweep/agents"
@@ -105,15 +106,25 @@ class Caller:
 
 class Door:
     """Every operation an agent has, for one ledger and one Prefect API (`prefect`: a sync
-    Prefect client, set once the gateway has opened it)."""
+    Prefect client, set once the gateway has opened it). Its limits count in `throttles`,
+    default PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL's Redis (shared with the other gateways that
+    name it), else this process."""
 
-    def __init__(self, ledger: Ledger, prefect: Any = None, deployment: str = DEPLOYMENT) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        prefect: Any = None,
+        deployment: str = DEPLOYMENT,
+        throttles: LocalStore | RedisStore | None = None,
+    ) -> None:
         self.ledger, self.prefect, self.deployment = ledger, prefect, deployment
         self.records = SweepRecords(ledger)
-        self.failures, self.calls = Window(*AUTH_FAILURES), Window(*CALLS)
-        self.address_failures = Window(*AUTH_FAILURES_PER_ADDRESS)
-        self.lookups_past_the_cap = Window(*LOOKUPS_PAST_THE_CAP)
-        self.long_polls = Slots(*LONG_POLLS)
+        counts = throttles or store(gateway_redis_url())
+        self.failures = counts.window("bad-tokens", *AUTH_FAILURES)
+        self.calls = counts.window("calls", *CALLS)
+        self.address_failures = counts.window("bad-tokens-per-address", *AUTH_FAILURES_PER_ADDRESS)
+        self.lookups_past_the_cap = counts.window("lookups-past-the-cap", *LOOKUPS_PAST_THE_CAP)
+        self.long_polls = counts.slots("long-polls", *LONG_POLLS)
         self._session_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
 
     # -- who calls --------------------------------------------------------------------------

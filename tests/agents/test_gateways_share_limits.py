@@ -1,0 +1,210 @@
+"""Two gateways behind one load balancer keep one set of limits (issue 40, item 4).
+
+Two real `prefect-gpu-budget agents serve` processes over one PostgreSQL ledger, one Prefect
+server and one Redis (PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL; the run's own `redis-server`, else
+a database number of the shared one: tests/hosts/cluster.py's `Redis`). The client alternates
+between them as a round-robin balancer would; each part of the test comes from an address of
+its own (`X-Forwarded-For`, believed from loopback, the balancer here), so the parts do not
+share their counts. Bad tokens, calls and long polls are limited across both gateways, as they
+are within one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.agents.door import (
+    AUTH_FAILURES,
+    AUTH_FAILURES_PER_ADDRESS,
+    CALLS,
+    LONG_POLLS,
+)
+from prefect_gpu_budget.agents.throttle import NAMESPACE
+from tests.agents.test_hardening import _bearer, _stale
+from tests.conftest import PG_URL
+from tests.hosts.cluster import Redis
+from tests.postgres import fresh_database
+from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for
+from tests.prefect_server import http as prefect_http
+
+SESSION, OTHER = "acme/agents/agent-1", "acme/agents/agent-2"
+WAIT_S = 6
+"""How long the long polls that get a slot wait (nothing in their sweep changes)."""
+
+
+def _get(base: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, Any], str]:
+    """Status, JSON body and Retry-After of one GET."""
+    request = urllib.request.Request(base + path, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            code, text, retry = response.status, response.read(), ""
+    except urllib.error.HTTPError as exc:
+        code, text, retry = exc.code, exc.read(), exc.headers.get("Retry-After", "")
+    return code, json.loads(text or b"{}"), retry
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("gateways")
+    redis = Redis(tmp, "share")
+    procs: list[subprocess.Popen] = []
+    with fresh_database(PG_URL) as url:
+        ledger = Ledger(url)
+        server = None
+        try:
+            redis.open()
+            ledger.config.set_session_template(BudgetRule("acme/agents", hourly_cap_cents=360))
+            tokens = {s: ledger.grants.grant_agent(s) for s in (SESSION, OTHER)}
+            server = PrefectServer(tmp / "home").start()
+            flow = prefect_http(f"{server.api}/flows/", {"name": "agent-sweep"})
+            run = prefect_http(  # a sweep of SESSION's that stays Running: long polls wait on it
+                f"{server.api}/flow_runs/",
+                {
+                    "flow_id": flow["id"],
+                    "parameters": {"session": SESSION},
+                    "state": {"type": "RUNNING", "name": "Running"},
+                },
+            )
+            env = server.client_env(
+                PREFECT_GPU_BUDGET_LEDGER_URL=url,
+                PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL=(
+                    f"redis://{redis.host}:{redis.port}/{redis.messaging_db}"
+                ),
+                PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES="127.0.0.1",
+            )
+            bases = []
+            for name in ("gateway-a", "gateway-b"):
+                port = free_port()
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "prefect_gpu_budget.cli", "agents", "serve"]
+                        + ["--port", str(port)],
+                        env=env,
+                        cwd=tmp,
+                        stdout=(tmp / f"{name}.log").open("w"),
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+                bases.append(f"http://127.0.0.1:{port}")
+            for base, proc in zip(bases, procs, strict=True):
+                _until_up(base, proc, tmp)
+            yield {
+                "bases": bases,
+                "tokens": tokens,
+                "run_id": run["id"],
+                "redis": redis,
+                "ledger": ledger,
+            }
+        finally:
+            stop_groups(procs, grace=30)
+            if server is not None:
+                server.stop()
+            redis.close()
+            ledger.db.dispose()
+
+
+def _until_up(base: str, proc: subprocess.Popen, tmp: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if _get(base, "/openapi.json", {})[0] == 200:
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            logs = "\n".join(p.read_text() for p in sorted(tmp.glob("gateway-*.log")))
+            raise AssertionError(f"the gateway at {base} did not start:\n{logs}")
+        time.sleep(0.25)
+
+
+def _from(address: str, **headers: str) -> dict[str, str]:
+    return {"X-Forwarded-For": address, **headers}
+
+
+def test_one_clients_bad_token_is_locked_out_across_both_gateways(gateways):
+    a, b = gateways["bases"]
+    stale = _stale()
+    answers = [
+        _get((a, b)[n % 2], "/v1/status", _from("198.51.100.1", **_bearer(stale)))
+        for n in range(AUTH_FAILURES[0] + 4)
+    ]
+    codes = [code for code, _, _ in answers]
+    assert codes == [401] * AUTH_FAILURES[0] + [429] * 4, codes  # 5 on each, not 10 on each
+    assert all(1 <= int(retry) <= 60 for _, _, retry in answers[AUTH_FAILURES[0] :])
+    for base in (a, b):  # the agent behind the same address is served by either
+        mine = _get(base, "/v1/status", _from("198.51.100.1", **_bearer(gateways["tokens"][OTHER])))
+        assert mine[0] == 200 and mine[1]["session"] == OTHER
+
+
+def test_an_addresses_bad_tokens_are_capped_across_both_gateways(gateways):
+    a, b = gateways["bases"]
+    most = AUTH_FAILURES_PER_ADDRESS[0]
+    codes = [
+        _get((a, b)[n % 2], "/v1/status", _from("198.51.100.2", **_bearer(_stale())))[0]
+        for n in range(most)
+    ]
+    assert set(codes) == {401}, codes
+    for base in (a, b):
+        code, body, retry = _get(base, "/v1/status", _from("198.51.100.2", **_bearer(_stale())))
+        assert code == 429 and body["detail"] == "too many bad tokens from this address; wait"
+        assert 1 <= int(retry) <= 60
+        assert _get(base, "/v1/status", _from("198.51.100.3", **_bearer(_stale())))[0] == 401
+        valid = _bearer(gateways["tokens"][OTHER])
+        assert _get(base, "/v1/status", _from("198.51.100.2", **valid))[0] == 200
+
+
+def test_long_polls_past_the_grants_cap_across_both_gateways_answer_at_once(gateways):
+    a, b = gateways["bases"]
+    path = f"/v1/sweeps/{gateways['run_id']}?wait={WAIT_S}"
+    mine = _from("198.51.100.4", **_bearer(gateways["tokens"][SESSION]))
+    redis = gateways["redis"]
+    import redis as redis_py
+
+    client = redis_py.Redis(redis.host, redis.port, db=redis.messaging_db)
+    held_key = f"{NAMESPACE}{{long-polls}}:all"
+    answers: dict[int, tuple[int, float]] = {}
+
+    def poll(n: int, base: str) -> None:
+        began = time.monotonic()
+        code, body, _ = _get(base, path, mine)
+        assert code == 200 and body["state"] == "Running", body
+        answers[n] = (code, time.monotonic() - began)
+
+    waiting = [threading.Thread(target=poll, args=(n, base)) for n, base in enumerate((a, b))]
+    for thread in waiting:
+        thread.start()
+    wait_for(lambda: client.zcard(held_key) == LONG_POLLS[0], 30, "both long polls held")
+    for n, base in ((2, a), (3, b)):  # the grant's third and fourth, one on each gateway
+        poll(n, base)
+        assert answers[n][1] < WAIT_S / 2, answers  # answered at once: no slot anywhere
+    for thread in waiting:
+        thread.join(timeout=WAIT_S * 4)
+    assert all(answers[n][1] >= WAIT_S - 1 for n in (0, 1)), answers  # these two waited
+    assert client.zcard(held_key) == 0  # given back on both gateways
+    client.close()
+
+
+def test_a_grants_calls_are_counted_across_both_gateways(gateways):
+    a, b = gateways["bases"]
+    token = gateways["ledger"].grants.grant_agent("acme/agents/agent-3")
+    theirs = _from("198.51.100.5", **_bearer(token))
+    codes = [_get((a, b)[n % 2], "/v1/status", theirs)[0] for n in range(CALLS[0])]
+    assert set(codes) == {200}, codes
+    for base in (a, b):
+        code, body, retry = _get(base, "/v1/status", theirs)
+        assert code == 429 and body["detail"] == "too many calls for this session; wait", body
+        assert 1 <= int(retry) <= CALLS[1]

@@ -46,6 +46,17 @@ def block(name: str) -> tuple[str, str]:
     return found.group(1), found.group(2)
 
 
+def test_no_line_is_over_100_characters():
+    """The README reads in a 100-column editor or terminal: prose wrapped, wide tables written as
+    lists, long commands split with `\\` continuations."""
+    long = [
+        f"{n} ({len(line)})"
+        for n, line in enumerate(README.read_text().splitlines(), 1)
+        if len(line) > 100
+    ]
+    assert not long, f"README.md lines over 100 characters: {', '.join(long)}"
+
+
 def _bash(script: str, env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
     """`bash` running `script` in a process group of its own (what it starts in the background
     stays in it), its output in `log`."""

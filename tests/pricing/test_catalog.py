@@ -233,9 +233,9 @@ def test_the_readme_vertex_example_passes_the_price_check(isolated: Path) -> Non
 def test_the_readme_lists_every_shipped_row() -> None:
     """Its prices table: a line per type, a cell per provisioning, the figure or `no figure`."""
     table = {
-        cells[0].strip("` "): [c.strip() for c in cells[3:6]]
+        cells[0].strip("` "): [c.strip() for c in cells[1:4]]
         for line in README.read_text().splitlines()
-        if line.startswith("| `") and len(cells := line.strip("|").split("|")) == 6
+        if line.startswith("| `") and len(cells := line.strip("|").split("|")) == 4
     }
     for row in _read(SHIPPED):
         cell = table[row.key][("on-demand", "spot", "flex-start").index(row.provisioning)]

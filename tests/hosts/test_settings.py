@@ -38,6 +38,7 @@ READ_BACK = {
     "PREFECT_REDIS_MESSAGING_SSL": "redis.ssl",
     "PREFECT_REDIS_MESSAGING_URL": "redis.url",
     "PREFECT_GPU_BUDGET_LEDGER_URL": "gpu_budget.ledger_url",
+    "PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL": "gpu_budget.gateway_redis_url",
 }
 """Where each setting the section may name lands once loaded (`redis.`: prefect-redis's
 `RedisMessagingSettings`; `gpu_budget.`: this package's settings)."""
@@ -56,6 +57,7 @@ VALUES = {
     "PREFECT_REDIS_MESSAGING_URL": "redis://redis:6380/3",
     "PREFECT_SERVER_DOCKET_URL": "redis://redis:6380/4",
     "PREFECT_GPU_BUDGET_LEDGER_URL": "postgresql+psycopg://gpu_budget@db:5432/gpu_budget",
+    "PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL": "redis://redis:6380/5",
 }
 """A value of each that is not its default (the module settings take the README's own)."""
 
@@ -76,8 +78,10 @@ for name, path in json.loads(os.environ["READ_BACK"]).items():
     head, _, rest = path.partition(".")
     if head == "redis":
         out[name] = dig(redis, rest)
-    elif head == "gpu_budget":
+    elif rest == "ledger_url":
         out[name] = ours.ledger_url(None)
+    elif head == "gpu_budget":
+        out[name] = getattr(ours, rest)()
     else:
         out[name] = dig(prefect, path)
 print(json.dumps(out, default=str))

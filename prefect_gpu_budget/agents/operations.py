@@ -1,6 +1,6 @@
 """The agents' operations, each named and described once: its MCP tool, its REST route and what
 it does. The gateway's routes take their OpenAPI summary and description from here, the MCP
-tools their description (`agents.gateway`, `agents.mcp`), so that what an agent reads through
+tools their description (`agents.routes`, `agents.mcp`), so that what an agent reads through
 either door is what the door does (tests/agents hold each claim to the door's behaviour).
 
 A description says what the operation does and answers, and when it refuses (REST's status,

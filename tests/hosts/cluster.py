@@ -348,6 +348,12 @@ def reap_ended() -> None:
 # -- servers -----------------------------------------------------------------------------------
 
 
+def _from_iso(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text).timestamp()
+
+
 def _http(url: str, body: Any = None, timeout: float = 10.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -587,6 +593,49 @@ class Cluster:
         found = self.limit(scope, api)
         return 0 if found is None else int(found["active_slots"])
 
+    def wait_slots(self, scope: str, api: str, want: int, timeout: float, what: str) -> None:
+        """Wait until `scope`'s limit, as the replica at `api` reads it, holds `want` slots;
+        else fail with what could say why: every lease in Prefect's lease storage, the
+        services' revocations and the hosts' warnings."""
+        try:
+            wait_until(lambda: self.active_slots(scope, api) == want, timeout, what, every=0.5)
+        except AssertionError as exc:
+            raise AssertionError(
+                f"{exc}: {self.active_slots(scope, api)} slots, not {want}\n{self.slot_story()}"
+            ) from None
+
+    def slot_story(self) -> str:
+        """What Prefect's leases were, for the message of a failed check of slots: each lease
+        in Redis (its limits, slots, seconds left), the services' lines about leases, and the
+        lines the hosts' processes wrote about their leases or heartbeats."""
+        import redis
+
+        env = self.server_env
+        client = redis.Redis(
+            host=env["PREFECT_REDIS_MESSAGING_HOST"],
+            port=int(env["PREFECT_REDIS_MESSAGING_PORT"]),
+            db=int(env["PREFECT_REDIS_MESSAGING_DB"]),
+        )
+        ids = {}
+        for found in _http(f"{self.apis[0]}/v2/concurrency_limits/filter", {"limit": 200}):
+            ids[found["id"]] = f"{found['name']}={found['active_slots']}/{found['limit']}"
+        lines = ["leases:"]
+        for key in sorted(client.scan_iter(match="*prefect:concurrency:lease:*")):
+            lease = json.loads(client.get(key) or "null") or {}
+            ends = lease.get("expiration")
+            left = None if ends is None else round(_from_iso(ends) - time.time(), 1)
+            limits = [ids.get(r, r) for r in lease.get("resource_ids", [])]
+            lines.append(f"  {lease.get('id')} {lease.get('metadata')} {limits} left={left}")
+        logs = [self.root / "services.log", *sorted(self.root.glob("agent-*.log"))]
+        for log in logs:
+            said = [
+                line
+                for line in log.read_text(errors="replace").splitlines()
+                if re.search(r"lease|heartbeat|slots", line, re.IGNORECASE)
+            ]
+            lines += [f"{log.name}:", *(f"  {line[:300]}" for line in said[-40:])]
+        return "\n".join(lines)
+
     def limits(self, api: str, prefix: str = "gpu-budget:") -> dict[str, tuple[int, int]]:
         """(active slots, limit) of every global concurrency limit named `prefix...`, as the
         replica at `api` reads them."""
@@ -746,6 +795,7 @@ def cluster(
             PREFECT_SERVER_DOCKET_NAME=f"gpu-budget-hosts-{tag}",
             PREFECT_HOME=str(root / "server-home"),
             PREFECT_LOGGING_LEVEL="INFO",
+            PREFECT_SERVER_LOGGING_LEVEL="INFO",  # the repossessor's revocations, in its log
         )
         upgrade = subprocess.run(
             [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],

@@ -6,7 +6,7 @@ a database number of the shared one: tests/hosts/cluster.py's `Redis`). The clie
 between them as a round-robin balancer would; each part of the test comes from an address of
 its own (`X-Forwarded-For`, believed from loopback, the balancer here), so the parts do not
 share their counts. Bad tokens, calls and long polls are limited across both gateways, as they
-are within one.
+are within one; and a sweep is read, waited on and cancelled through whichever gateway answers.
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                 "bases": bases,
                 "tokens": tokens,
                 "run_id": run["id"],
+                "flow_id": flow["id"],
+                "api": server.api,
                 "redis": redis,
                 "ledger": ledger,
             }
@@ -208,3 +210,48 @@ def test_a_grants_calls_are_counted_across_both_gateways(gateways):
         code, body, retry = _get(base, "/v1/status", theirs)
         assert code == 429 and body["detail"] == "too many calls for this session; wait", body
         assert 1 <= int(retry) <= CALLS[1]
+
+
+def test_a_sweep_is_waited_on_through_one_gateway_and_cancelled_through_the_other(gateways):
+    """A gateway holds nothing of a sweep's own: a long poll on one sees a cancel asked through
+    the other's MCP tool, and REST on either reads the same state."""
+    from tests.agents.mcp_client import call_tool
+
+    a, b = gateways["bases"]
+    token = gateways["tokens"][OTHER]
+    run = prefect_http(
+        f"{gateways['api']}/flow_runs/",
+        {
+            "flow_id": gateways["flow_id"],
+            "parameters": {"session": OTHER},
+            "state": {"type": "RUNNING", "name": "Running"},
+        },
+    )
+    path = f"/v1/sweeps/{run['id']}"
+    mine = _from("198.51.100.6", **_bearer(token))
+    answered: dict[str, Any] = {}
+
+    def long_poll() -> None:
+        began = time.monotonic()
+        answered["view"] = _get(a, f"{path}?wait=30", mine)
+        answered["took"] = time.monotonic() - began
+
+    import redis as redis_py
+
+    redis = gateways["redis"]
+    client = redis_py.Redis(redis.host, redis.port, db=redis.messaging_db)
+    waiting = threading.Thread(target=long_poll)
+    waiting.start()
+    held_key = f"{NAMESPACE}{{long-polls}}:all"
+    wait_for(lambda: client.zcard(held_key) == 1, 30, "the poll held on gateway a")
+    client.close()
+    error, content = call_tool(f"{b}/mcp", token, "cancel_sweep", {"run_id": run["id"]})
+    assert not error, content
+    assert json.loads(content[0].text)["run_id"] == run["id"]
+    waiting.join(timeout=60)
+    code, view, _ = answered["view"]
+    assert code == 200 and view["state"] == "Cancelling", view
+    assert answered["took"] < 25, answered  # woken by the change, not by its wait running out
+    for base in (a, b):
+        code, view, _ = _get(base, path, mine)
+        assert code == 200 and view["state"] == "Cancelling", view

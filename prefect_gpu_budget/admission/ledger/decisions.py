@@ -1,7 +1,7 @@
 """The admission transaction: a job recorded and decided, the org's queue decided, a job
 given back to the queue or ended unrun.
 
-Each runs under its org's lock (`Db.write`), loads what the policy needs (`_load`:
+Each runs under its org's lock (`Db.write`), loads what the policy needs (`state.load_state`:
 the org's queued and active jobs, the budgets on their paths, the period spend, pools and
 quotas where a job uses one), and writes what `policy.decide` / `policy.plan` says.
 """
@@ -23,27 +23,22 @@ from prefect_gpu_budget.admission.ledger.agents import grant_refusal
 from prefect_gpu_budget.admission.ledger.config import _classes_of, request_rules
 from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, Db, _reconnecting
 from prefect_gpu_budget.admission.ledger.rows import (
-    _OPEN_JOBS,
-    _OPEN_PERIODS,
     _WAITER_AHEAD,
     OVERRUN_REFRESH_S,
     SLOTS_HELD,
     NewJob,
     _load_pools,
-    _load_quotas,
     _overrun,
     _path_rules,
     _recorded,
     _recorded_all,
-    _rule,
     _states,
     _wait_tally,
-    hold_of,
 )
+from prefect_gpu_budget.admission.ledger.state import load_state
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     _ended_unrun,
-    budgets,
     jobs,
 )
 from prefect_gpu_budget.admission.rules.policy import (
@@ -57,9 +52,7 @@ from prefect_gpu_budget.admission.rules.policy import (
     plan,
 )
 from prefect_gpu_budget.admission.rules.quota import (
-    Placed,
     Pool,
-    Shape,
     job_share,
     pool_for,
     team_of,
@@ -303,7 +296,7 @@ class Queue:
         have counted it admitted, which only a decision of the queue writes. A new job decided
         at once in an org where nothing else waits runs the policy once. (`path`: the budgets
         on the job's path, when this transaction read them already.)"""
-        state, queue = self._load(conn, org, now, job_id, path)
+        state, queue = load_state(conn, org, now, job_id, path, self._overrun)
         decision = decide(state, queue, job_id)
         _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
         others_wait = any(request.job_id != job_id for request in queue)
@@ -361,80 +354,11 @@ class Queue:
             ).rowcount
         return decision.verdict != "wait" or bool(tally), bool(asked)
 
-    def _load(
-        self,
-        conn: Connection,
-        org: str,
-        now: float,
-        deciding: str,
-        path: list[BudgetRule] | None = None,
-    ) -> tuple[LedgerState, list[Request]]:
-        """The org's ledger state and queue, as the policy sees them (`path`: the budgets on the
-        path of the job `deciding`, read already in this transaction: not read again)."""
-        rows = conn.execute(_OPEN_JOBS, {"org": org}).all()
-        if not deciding and all(r.state != "queued" for r in rows):  # no queue to decide
-            return LedgerState(now=now, budgets={}, holds=(), settled={}), []
-        holds, queue, placed = [], [], []
-        scopes = {s for scope in {r.scope for r in rows} for s in scope_path(scope)}
-        for r in rows:
-            shape = (
-                None
-                if r.pool is None
-                else Shape(r.pool, r.team, (r.node_gpus, r.node_vcpu, r.node_memory_gib), r.nodes)
-            )
-            if r.state == "queued":
-                if r.heartbeat_at >= now - STALE_WAITER_S or r.id == deciding:
-                    queue.append(Request.of(r.id, r, r.requested_at, shape))
-            else:
-                holds.append(hold_of(r._mapping, now=now))
-                if shape is not None:
-                    where = tuple(int(i) for i in (r.placement or "").split(",") if i)
-                    stopping = r.preempt_at is not None
-                    placed.append(Placed(r.id, shape, where, r.priority, r.admitted_at, stopping))
-        rules: dict[str, BudgetRule] = {}
-        if path is not None:
-            rules = {rule.scope: rule for rule in path}
-            scopes -= set(scope_path(next(r.scope for r in rows if r.id == deciding)))
-        if scopes:
-            rules |= {
-                row["scope"]: _rule(row)
-                for row in conn.execute(
-                    sa.select(budgets).where(budgets.c.scope.in_(scopes))
-                ).mappings()
-            }
-        settled = {
-            (r.scope, r.period_start): r.settled_micro
-            for r in conn.execute(_OPEN_PERIODS, {"scopes": list(rules), "now": now})
-        }
-        overrun = (
-            self._overrun(conn, org, now)
-            if any(r.reservation_mode == "estimate" for r in rules.values())
-            else {}
-        )
-        if not placed and all(req.shape is None for req in queue):
-            state = LedgerState(
-                now=now, budgets=rules, holds=holds, settled=settled, overrun=overrun
-            )
-            return state, queue
-        org_pools = {p.name: p for p in _load_pools(conn, org)}
-        quotas = {(q.pool, q.team): q for q in _load_quotas(conn, org)}
-        state = LedgerState(
-            now=now,
-            budgets=rules,
-            holds=holds,
-            settled=settled,
-            pools=org_pools,
-            quotas=quotas,
-            placed=tuple(placed),
-            overrun=overrun,
-        )
-        return state, queue
-
     def _decide_queue(self, conn: Connection, org: str, now: float) -> list[str]:
         """Decide every queued job of `org` the policy reaches this round (`plan`) and write what
         it says; the ids whose state or whatever holds them changed. Jobs it does not reach
         (behind a job that holds what they need) are left as they are."""
-        state, queue = self._load(conn, org, now, "")
+        state, queue = load_state(conn, org, now, "", overrun=self._overrun)
         if not queue:
             return []
         reached = {k: d for k, d in plan(state, queue).items() if d is not NOT_REACHED}

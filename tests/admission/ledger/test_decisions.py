@@ -189,13 +189,13 @@ def test_the_policy_runs_once_for_a_request_decided_at_once(ledger, monkeypatch)
 
     ledger.config.set_budget(BudgetRule("once", hourly_cap_cents=360, max_wait_s=3600))
     loads: list[str] = []
-    load = decisions.Queue._load
+    load = decisions.load_state
 
-    def counted(self, conn, org, now, deciding, *known):
+    def counted(conn, org, now, deciding, *known, **named):
         loads.append(deciding)
-        return load(self, conn, org, now, deciding, *known)
+        return load(conn, org, now, deciding, *known, **named)
 
-    monkeypatch.setattr(decisions.Queue, "_load", counted)
+    monkeypatch.setattr(decisions, "load_state", counted)
     first, admitted = ledger.queue.request(_job("once/t/a"))
     assert admitted.verdict == "admit" and loads == [first]
     loads.clear()
@@ -214,9 +214,10 @@ def test_a_new_job_decided_at_once_still_admits_a_waiter_time_made_room_for(ledg
     """A waiter ahead goes silent (its holder died): the live waiter behind it now fits. A new
     job decided at once must not go before it: its request decides the org's queue, and the
     waiter is admitted in the same transaction (FIFO holds)."""
-    from prefect_gpu_budget.admission.ledger import decisions, jobs
+    from prefect_gpu_budget.admission.ledger import decisions, jobs, state
 
-    monkeypatch.setattr(decisions, "STALE_WAITER_S", 1.0)
+    monkeypatch.setattr(decisions, "STALE_WAITER_S", 1.0)  # the waiter a new job joins behind
+    monkeypatch.setattr(state, "STALE_WAITER_S", 1.0)  # and the policy's queue
     ledger.config.set_budget(BudgetRule("fifo", hourly_cap_cents=400))
     _, running = ledger.queue.request(new_job("fifo", rate_cents=200))
     _, silent = ledger.queue.request(new_job("fifo", rate_cents=300))

@@ -48,6 +48,9 @@ class EarlyLease:
         self.used = self.dropped = False
 
     def _ask(self) -> str | None:
+        # the limits first: another thread of this process may be making them just now, and
+        # Prefect grants a lease over a limit it does not have without taking its slots
+        self.limits.ensure(self.caps)
         asked_at = time.monotonic()  # Prefect's clock starts before its answer comes back
         lease = self.limits.acquire([s for s, _ in self.caps], self.slots)
         self.asked_at = asked_at
@@ -171,7 +174,6 @@ class SlotLeases:
                     self._record_or_release(job_id, taken)
                     return taken
                 early.drop()
-            self.patiently("creating Prefect limits", lambda: limits.ensure(caps), left)
             deadline = time.monotonic() + LIMIT_RETRY_S
             while True:
                 lease = self._take_and_record(job_id, caps, slots, left)
@@ -218,9 +220,12 @@ class SlotLeases:
         was settled meanwhile (by reconcile), the lease goes back at once."""
         assert self.limits is not None
         limits = self.limits
-        lease = self.patiently(
-            "taking Prefect limits", lambda: limits.acquire([s for s, _ in caps], slots), patience
-        )
+
+        def ask() -> str | None:  # a limit deleted since it was made is made again
+            limits.ensure(caps)
+            return limits.acquire([s for s, _ in caps], slots)
+
+        lease = self.patiently("taking Prefect limits", ask, patience)
         if lease is not None:
             self._record_or_release(job_id, lease)
         return lease
@@ -249,6 +254,7 @@ class SlotLeases:
         take them again under a new lease, so Prefect's count matches the ledger again; the
         new lease, or None (the limit is full, or the job was settled meanwhile)."""
         assert self.limits is not None
+        self.limits.ensure(caps)
         lease = self.limits.acquire([s for s, _ in caps], slots)
         if lease is None:
             self.warn(

@@ -38,6 +38,13 @@ class DependencyDown(RuntimeError):
     """The Prefect API did not answer (down, restarting, or overloaded)."""
 
 
+class LimitsMissing(DependencyDown):
+    """Prefect granted a lease over fewer limits than were named: one does not exist (not yet
+    made, or deleted since this process made it). Prefect takes no slots of a limit it does
+    not have, yet answers as if it did, so the job would run unmetered there. The lease has
+    gone back; `ensure` the limits, then ask again."""
+
+
 class PrefectRefused(RuntimeError):
     """The Prefect API refused a request (a 4xx, or the same 5xx again and again): retrying it
     will not help, so the request fails with this one-line reason."""
@@ -221,7 +228,8 @@ class RateLimits:
                 self._applied[name] = cap
 
     def acquire(self, scopes: list[str], slots: int) -> str | None:
-        """Take `slots` in every named limit at once; None if any is full (no waiting)."""
+        """Take `slots` in every named limit at once; None if any is full (no waiting).
+        LimitsMissing if Prefect has no limit of one of the scopes (`ensure` makes them)."""
         from prefect.exceptions import PrefectHTTPStatusError
 
         try:
@@ -241,7 +249,21 @@ class RateLimits:
             if exc.response.status_code == 423:
                 return None
             raise
-        return str(response.json()["lease_id"])
+        granted = response.json()
+        lease = str(granted["lease_id"])
+        missing = {limit_name(s) for s in scopes} - {
+            str(limit["name"]) for limit in granted.get("limits", ())
+        }
+        if missing:
+            with contextlib.suppress(Exception):  # not given back: it lapses, LEASE_S
+                self.release(lease)
+            for name in missing:
+                self._applied.pop(name, None)  # made again by the next ensure
+            raise LimitsMissing(
+                f"Prefect has no concurrency limit {', '.join(sorted(missing))}: its lease "
+                "went back, and the limit is made again before the slots are asked again"
+            )
+        return lease
 
     def renew(self, lease_id: str) -> bool:
         """Extend the lease; False if it is gone (expired and its slots repossessed)."""

@@ -87,6 +87,33 @@ def test_slots_asked_under_caps_that_changed_meanwhile_go_back(ledger, prices):
 
 
 @pytest.mark.usefixtures("prefect_api")
+def test_an_early_ask_over_a_limit_prefect_does_not_have_takes_real_slots(ledger, prices):
+    """Prefect grants a lease over a limit it does not have and takes none of its slots. An
+    early ask can come first: beside the admission that makes its scope's limits, or after a
+    limit was deleted. The lease goes back, the limit is made again, and the job holds real
+    slots (it ran with none: Prefect counted 720 for three jobs of 360)."""
+    from prefect.client.orchestration import get_client
+
+    from prefect_gpu_budget.admission.limits import RateLimits, limit_name
+
+    ledger.config.set_budget(BudgetRule("gone", hourly_cap_cents=720))
+    limits = RateLimits()
+    gate = Gate(ledger, limits, catalog=Catalog.load(prices), recheck_s=3600)
+    first = gate.admit(JOB, "gone/t")
+    gate.holding.settle(first, ended_at=time.time(), outcome="completed")
+    assert "gone/t" in gate.leases.admitted_at_once  # the next job of the scope asks early
+    with get_client(sync_client=True) as client:
+        client.delete_global_concurrency_limit_by_name(limit_name("gone"))
+    second = gate.admit(JOB, "gone/t")
+    try:
+        assert limits.active_slots("gone") == 360
+    finally:
+        gate.holding.settle(second, ended_at=time.time(), outcome="completed")
+    assert limits.active_slots("gone") == 0
+    limits.close()
+
+
+@pytest.mark.usefixtures("prefect_api")
 def test_slots_asked_for_a_job_the_ledger_makes_wait_go_back_at_once(ledger, prices):
     """Real Prefect limits with room (the hourly cap fits two jobs) while the org's period
     budget has none: the second job's early slots go back as soon as it is told it waits, not

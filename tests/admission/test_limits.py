@@ -11,7 +11,13 @@ from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
 from prefect_gpu_budget.admission import limits
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
-from prefect_gpu_budget.admission.limits import REPEATED_5XX, DependencyDown, RateLimits
+from prefect_gpu_budget.admission.limits import (
+    REPEATED_5XX,
+    DependencyDown,
+    LimitsMissing,
+    RateLimits,
+    limit_name,
+)
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
@@ -153,3 +159,29 @@ def test_a_cap_change_shows_in_prefect_at_once_without_importing_prefect(prefect
     )
     assert down.returncode == 0  # the ledger holds the cap; Prefect catches up at admission
     assert "keeps its old cap until the next admission in capchg" in down.stderr
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_lease_over_a_limit_prefect_does_not_have_is_refused_and_given_back():
+    """Prefect answers a request for slots of a limit it does not have with a lease, and takes
+    no slot: acquire gives that lease back and says which limit is missing; once ensure has
+    made it (again, after a delete), the slots are taken."""
+    from prefect.client.orchestration import get_client
+
+    limits = RateLimits()
+    try:
+        with pytest.raises(LimitsMissing, match="no concurrency limit gpu-budget:absent"):
+            limits.acquire(["absent"], 7)
+        assert isinstance(LimitsMissing("x"), DependencyDown)  # retried, not a refusal
+        limits.ensure([("absent", 100)])
+        lease = limits.acquire(["absent"], 7)
+        assert lease is not None and limits.active_slots("absent") == 7
+        limits.release(lease)
+        with get_client(sync_client=True) as client:  # deleted while this process remembers it
+            client.delete_global_concurrency_limit_by_name(limit_name("absent"))
+        with pytest.raises(LimitsMissing):
+            limits.acquire(["absent"], 7)
+        limits.ensure([("absent", 100)])  # made again: the process forgot it had made it
+        assert limits.acquire(["absent"], 7) is not None and limits.active_slots("absent") == 7
+    finally:
+        limits.close()

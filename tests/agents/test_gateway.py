@@ -153,12 +153,12 @@ def house(tmp_path_factory):
                         start_new_session=True,
                     )
                 )
-            wait_for(
+            wait_for(  # served: the gateway starts no sweep before its worker has polled
                 lambda: prefect_http(
                     f"{server.api}/deployments/name/agent-sweep/agents", auth=AUTH
-                ),
+                )["last_polled"],
                 180,
-                "the agent deployment",
+                "the agent deployment, polled by its worker",
             )
             gateway = Gateway(f"http://127.0.0.1:{port}")
             wait_for(lambda: gateway.call("GET", "/openapi.json")[0] == 200, 120, "the gateway")

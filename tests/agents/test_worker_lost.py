@@ -106,10 +106,12 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                         start_new_session=True,
                     )
                 )
-            wait_for(
-                lambda: prefect_http(f"{server.api}/deployments/name/agent-sweep/agents"),
+            wait_for(  # served: the gateway starts no sweep before its worker has polled
+                lambda: prefect_http(f"{server.api}/deployments/name/agent-sweep/agents")[
+                    "last_polled"
+                ],
                 180,
-                "the agent deployment",
+                "the agent deployment, polled by its worker",
             )
             gateway = Gateway(f"http://127.0.0.1:{port}")
             wait_for(lambda: gateway.call("GET", "/openapi.json")[0] == 200, 120, "the gateway")

@@ -244,12 +244,13 @@ def test_a_job_its_owner_stops_is_cancelled_and_pays_for_what_ran(house):
     assert row["external_id"] in fake.cancelled
     assert row["outcome"] == "cancelled" and row["billed_seconds"] < 60, row
 
-    def ended():
+    def ended():  # the run is set Cancelled as its stop begins, then again with the cost
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(run.id).state
-        return state if state and state.is_final() else None
+        settled = state and state.is_final() and "stopping it gracefully" not in state.message
+        return state if settled else None
 
-    state = wait_for(ended, 60, "the run to end")
+    state = wait_for(ended, 60, "the run to end with its cost")
     assert state.is_cancelled(), state
     assert state.message.startswith("stopped from a test; cost ")
 

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import io
 import json
-import threading
 import time
 import uuid
-from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -81,6 +79,10 @@ LONG_POLLS = (2, 16)
 """At most this many sweep reads wait at once per grant, and in all: each waits in one of the
 server's worker threads (anyio lends 40), so waiting agents never take the threads every other
 call needs. A read past either bound answers at once, as if `wait_s` were 0."""
+START_WAIT_S = 10.0
+"""How long a start waits for another start of its session to finish, on this gateway or
+another one sharing its throttles: two starts at once must not both count the session's sweeps
+below `max_sweeps` and both start. Past it (or while the shared throttle is down): 429."""
 MAX_PAGE = 1000
 """Most records of a learning curve in one page."""
 
@@ -125,7 +127,8 @@ class Door:
         self.address_failures = counts.window("bad-tokens-per-address", *AUTH_FAILURES_PER_ADDRESS)
         self.lookups_past_the_cap = counts.window("lookups-past-the-cap", *LOOKUPS_PAST_THE_CAP)
         self.long_polls = counts.slots("long-polls", *LONG_POLLS)
-        self._session_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+        self.starts = counts.slots("sweep-starts", 1, 1_000_000)
+        """One start of a sweep per session at a time, across the gateways (`START_WAIT_S`)."""
 
     # -- who calls --------------------------------------------------------------------------
 
@@ -217,7 +220,8 @@ class Door:
                 f"{'never' if polled is None else f'{_age_s(polled):.0f}s ago'}): "
                 "start its worker (`prefect-gpu-budget serve`)",
             )
-        with self._session_locks[caller.session]:  # one start at a time: the count holds
+        self._start_turn(caller.session)  # one start at a time: the count holds
+        try:
             running = self._active_sweeps(caller.session, target.id, limits.max_sweeps)
             if running >= limits.max_sweeps:
                 raise Refused(
@@ -234,7 +238,21 @@ class Door:
                 },
                 tags=[SESSION_TAG + caller.session],
             )
+        finally:
+            self.starts.give(caller.session)
         return {"run_id": str(run.id), "name": run.name}
+
+    def _start_turn(self, session: str) -> None:
+        """Wait for the session's one turn to start a sweep (`starts`); 429 after START_WAIT_S."""
+        deadline = time.monotonic() + START_WAIT_S
+        while not self.starts.take(session):
+            if time.monotonic() > deadline:
+                raise Refused(
+                    429,
+                    f"another start of a sweep of {session} is still under way; try again",
+                    {"Retry-After": "1"},
+                )
+            time.sleep(0.05)
 
     def _active_sweeps(self, session: str, deployment_id: uuid.UUID, most: int) -> int:
         from prefect.client.schemas.filters import (

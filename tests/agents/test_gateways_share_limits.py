@@ -5,8 +5,9 @@ server and one Redis (PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL; the run's own `redis
 a database number of the shared one: tests/hosts/cluster.py's `Redis`). The client alternates
 between them as a round-robin balancer would; each part of the test comes from an address of
 its own (`X-Forwarded-For`, believed from loopback, the balancer here), so the parts do not
-share their counts. Bad tokens, calls and long polls are limited across both gateways, as they
-are within one; and a sweep is read, waited on and cancelled through whichever gateway answers.
+share their counts. Bad tokens, calls, long polls and a session's sweeps are limited across both
+gateways, as they are within one; and a sweep is read, waited on and cancelled through whichever
+gateway answers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from prefect_gpu_budget.agents.door import (
     LONG_POLLS,
 )
 from prefect_gpu_budget.agents.throttle import NAMESPACE
+from prefect_gpu_budget.models import AgentLimits
 from tests.agents.test_hardening import _bearer, _stale
 from tests.conftest import PG_URL
 from tests.hosts.cluster import Redis
@@ -78,8 +80,14 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                     "state": {"type": "RUNNING", "name": "Running"},
                 },
             )
+            from prefect_gpu_budget.pricing.catalog import set_local_price
+
+            prices = set_local_price("box", "3.6", path=tmp / "prices.csv")
             env = server.client_env(
                 PREFECT_GPU_BUDGET_LEDGER_URL=url,
+                PREFECT_GPU_BUDGET_PRICES=str(prices),  # what a start's spec check reads
+                PREFECT_GPU_BUDGET_AGENT_USER="nobody",
+                PREFECT_GPU_BUDGET_LOCAL_MACHINE="local:box",
                 PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL=(
                     f"redis://{redis.host}:{redis.port}/{redis.messaging_db}"
                 ),
@@ -108,6 +116,7 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                 "run_id": run["id"],
                 "flow_id": flow["id"],
                 "api": server.api,
+                "tmp": tmp,
                 "redis": redis,
                 "ledger": ledger,
             }
@@ -255,3 +264,56 @@ def test_a_sweep_is_waited_on_through_one_gateway_and_cancelled_through_the_othe
     for base in (a, b):
         code, view, _ = _get(base, path, mine)
         assert code == 200 and view["state"] == "Cancelling", view
+
+
+def _served(api: str) -> None:
+    """The agent deployment, as a worker serving it leaves it: there, and polled just now."""
+    flow = prefect_http(f"{api}/flows/filter", {"flows": {"name": {"any_": ["agent-sweep"]}}})[0]
+    deployment = prefect_http(f"{api}/deployments/", {"name": "agents", "flow_id": flow["id"]})
+    prefect_http(
+        f"{api}/deployments/get_scheduled_flow_runs", {"deployment_ids": [deployment["id"]]}
+    )
+    wait_for(
+        lambda: prefect_http(f"{api}/deployments/{deployment['id']}")["last_polled"],
+        60,
+        "the deployment polled",
+    )
+
+
+def test_a_sessions_sweeps_past_its_limit_are_refused_across_both_gateways(gateways):
+    """Starts of one session's sweeps race on both gateways: the team's max_sweeps (1) holds
+    across them (each gateway counted and started on its own: one each, two in all)."""
+    a, b = gateways["bases"]
+    ledger = gateways["ledger"]
+    ledger.config.set_session_template(BudgetRule("acme/one", hourly_cap_cents=360))
+    ledger.grants.set_agent_limits("acme/one", AgentLimits(team="acme/one", max_sweeps=1).stored())
+    token = ledger.grants.grant_agent("acme/one/agent-1")
+    _served(gateways["api"])
+    spec = {
+        "name": "race",
+        "job": {"instance_type": "local:box", "max_runtime": "1m"},
+        "command": ["true"],
+        "grid": {"lr": [1]},
+    }
+    headers = _from("198.51.100.7", **_bearer(token), **{"Content-Type": "application/json"})
+    go = threading.Barrier(6)
+    codes: list[int] = []
+
+    def start(base: str) -> None:
+        request = urllib.request.Request(
+            base + "/v1/sweeps", data=json.dumps(spec).encode(), headers=headers, method="POST"
+        )
+        go.wait()
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                codes.append(response.status)
+        except urllib.error.HTTPError as exc:
+            codes.append(exc.code)
+            assert exc.code == 429, exc.read()
+
+    threads = [threading.Thread(target=start, args=((a, b)[n % 2],)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert sorted(codes) == [201] + [429] * 5, codes

@@ -152,7 +152,7 @@ class SlotLeases:
         is queued again."""
         if self.limits is None or not caps:
             return None
-        limits, done = self.limits, threading.Event()
+        done = threading.Event()
         max_wait = [0.0]
 
         def left() -> float | None:  # asked only in an outage: no read on the way to admission

@@ -8,6 +8,9 @@ Two runs of the one simulation, told apart (a figure says what it is):
 - the bound: each trial runs to its `max_runtime` and kill grace, the most it can cost and what
   the gate holds for it in guaranteed mode.
 
+In both, a trial takes as long to start after its admission as this sweep's finished trials
+took (none without them): a launch holds the trial's cap and its place in the pool, unbilled.
+
 Both reserve what the gate would reserve and take the room it would give them in a capacity
 pool (their team's quota); at most `parallelism` trials ask for admission at once, as in the
 sweep itself; a trial that would wait past its `max_wait`, or meet a limit with `on_limit:
@@ -99,6 +102,9 @@ class Forecast:
     runtime_from: str
     """What the likely runtime is taken from: the sweep's finished trials, its expected_runtime,
     or its max_runtime when it has neither."""
+    start_s: float = 0.0
+    """How long each trial takes to start after its admission, in both runs: as the sweep's
+    finished trials took (`runtime_from` names them), 0 without them."""
     reserve_s: float = 0.0
     """What the gate reserves each trial for in guaranteed mode: max_runtime + kill grace."""
     max_wait_s: float = 0.0
@@ -154,6 +160,7 @@ class Forecast:
             "likely": likely,
             "bound": self.bound.as_dict(),
             "runtime_from": self.runtime_from,
+            "start_s": round(self.start_s, 1),
             "reserve_s": round(self.reserve_s, 1),
             "max_wait_s": self.max_wait_s,
             "warnings": list(self.warnings),
@@ -162,8 +169,9 @@ class Forecast:
 
     def describe(self) -> str:
         likely, bound = self.likely, self.bound
+        started = f", after {_runtime(self.start_s)} to start" if self.start_s >= 0.05 else ""
         lines = [
-            f"likely, each trial {_runtime(likely.runtime_s)} ({self.runtime_from}): "
+            f"likely, each trial {_runtime(likely.runtime_s)}{started} ({self.runtime_from}): "
             + likely.headline(self.trials, self.max_wait_s)
         ]
         if likely.waiting:
@@ -194,25 +202,42 @@ def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
     return rules
 
 
-def likely_runtime(spec: SweepSpec, ledger: Ledger, job: GpuJob) -> tuple[float, str]:
-    """How long a trial of `spec` likely runs, and what says so: the mean billed runtime of the
-    sweep's latest finished trials (its jobs named `<name>/<index>` in its scope that ran their
-    course, `LEARNED_OUTCOMES`), else the job's expected_runtime, else its max_runtime."""
+def finished_trials(spec: SweepSpec, ledger: Ledger) -> list[dict]:
+    """The sweep's latest finished trials in the ledger (at most `HISTORY_TRIALS`): its jobs
+    named `<name>/<index>` in its scope that started and ran their course (`LEARNED_OUTCOMES`)."""
     named = re.compile(re.escape(spec.name) + r"/\d{4,}")
-    shown = [
-        row["billed_seconds"]
+    return [
+        row
         for row in ledger.views.jobs(spec.scope, states=("settled",), limit=HISTORY_ROWS)
         if row["scope"] == spec.scope
         and named.fullmatch(row["name"] or "")
         and row["outcome"] in LEARNED_OUTCOMES
         and (row["billed_seconds"] or 0) > 0
+        and row["started_at"] is not None
+        and row["admitted_at"] is not None
     ][-HISTORY_TRIALS:]
-    if shown:
-        many = f"{len(shown)} finished trials" if len(shown) > 1 else "1 finished trial"
-        return sum(shown) / len(shown), f"as its {many} ran"
+
+
+def likely_runtime(job: GpuJob, finished: list[dict]) -> tuple[float, str]:
+    """How long a trial likely runs, and what says so: the mean billed runtime of the sweep's
+    `finished` trials, else the job's expected_runtime, else its max_runtime."""
+    if finished:
+        shown = [row["billed_seconds"] for row in finished]
+        return sum(shown) / len(shown), f"as its {_trials(len(shown))} ran"
     if job.expected_runtime:
         return job.expected_runtime, "its expected_runtime"
     return job.max_runtime, "its max_runtime: no expected_runtime and no finished trial"
+
+
+def likely_start(finished: list[dict]) -> float:
+    """How long a trial likely takes to start after its admission: the mean of the sweep's
+    `finished` trials (0 without them)."""
+    waits = [max(0.0, row["started_at"] - row["admitted_at"]) for row in finished]
+    return sum(waits) / len(waits) if waits else 0.0
+
+
+def _trials(count: int) -> str:
+    return f"{count} finished trials" if count != 1 else "1 finished trial"
 
 
 def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forecast:
@@ -267,9 +292,12 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     )
     holds, placed, settled = _ledger_state(ledger, rules, org, now)
 
+    finished = finished_trials(spec, ledger)
+    start_s = likely_start(finished)
+
     def run(runtime_s: float) -> Outcome:
         result = simulate(
-            [replace(job, true_s=runtime_s) for job in jobs],
+            [replace(job, true_s=runtime_s, start_s=start_s) for job in jobs],
             rules.values(),
             mode,
             until=now + HORIZON_S,
@@ -284,13 +312,14 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         return _outcome(result, runtime_s, rules, now)
 
     first = spec.job_for(trials[0] if trials else {}, spec.name)
-    runtime, runtime_from = likely_runtime(spec, ledger, first)
+    runtime, runtime_from = likely_runtime(first, finished)
     path = [rules[s] for s in scope_path(spec.scope) if s in rules]
     return Forecast(
         trials=len(trials),
         likely=run(runtime),
         bound=run(first.reserve_runtime_s),
         runtime_from=runtime_from,
+        start_s=start_s,
         reserve_s=first.reserve_runtime_s,
         max_wait_s=max_wait_of(first.max_wait, path),
         warnings=tuple(warnings),

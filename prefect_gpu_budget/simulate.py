@@ -84,6 +84,10 @@ class SimJob:
     """The job's own max wait (None: its deepest budget's); used with `limits=True`."""
     shape: Shape | None = None
     """What it occupies in a capacity pool (with `simulate`'s `pools`), if it runs in one."""
+    start_s: float = 0.0
+    """From its admission to its start (a launch: Prefect's slots, the task run, the process or
+    the cloud's job): it holds its caps, quota and reservation meanwhile, unbilled, and its
+    max_runtime counts from its start."""
 
 
 @dataclass
@@ -106,6 +110,11 @@ class SimRecord:
     refused_at: float | None = None
 
     @property
+    def started_at(self) -> float | None:
+        """When it started, and its bill with it: `start_s` after its admission."""
+        return None if self.admitted_at is None else self.admitted_at + self.job.start_s
+
+    @property
     def wait_s(self) -> float | None:
         if self.admitted_at is None or self.released_at is None:
             return None
@@ -125,10 +134,10 @@ class SimResult:
         """Real spend (incurred, split by time) per budgeted scope and period."""
         out: dict[tuple[str, float], int] = defaultdict(int)
         for rec in self.records:
-            if rec.admitted_at is None or rec.ended_at is None:
+            if rec.started_at is None or rec.ended_at is None:
                 continue
             for key, share in book(
-                rec.job.scope, rec.actual_micro, rec.admitted_at, rec.ended_at, self.budgets
+                rec.job.scope, rec.actual_micro, rec.started_at, rec.ended_at, self.budgets
             ).items():
                 out[key] += share
         return out
@@ -160,12 +169,12 @@ class SimResult:
         assert rule.period_budget_micro is not None
         spent: dict[float, int] = defaultdict(int)
         for rec in self.records:
-            if rec.admitted_at is None or rec.ended_at is None:
+            if rec.started_at is None or rec.ended_at is None:
                 continue
             if (finished_only and not rec.finished) or scope not in scope_path(rec.job.scope):
                 continue
             for p_start, share in period_shares(
-                rec.actual_micro, rec.admitted_at, rec.ended_at, rule
+                rec.actual_micro, rec.started_at, rec.ended_at, rule
             ):
                 spent[p_start] += share
         first = min(r.job.arrival for r in self.records)
@@ -302,7 +311,7 @@ def simulate(
                     now,
                     now + decision.reserve_seconds,
                     job.rate_micro_per_hour,
-                    now + job.max_runtime_s,
+                    now + job.start_s + job.max_runtime_s,
                 )
                 records[job_id].admitted_at = now
                 records[job_id].reserved_micro = decision.reserved_micro
@@ -313,8 +322,8 @@ def simulate(
                 run = job.true_s
                 if pol.stop_at_max_runtime:
                     run = min(run, job.max_runtime_s)
-                ends[job_id] = now + run
-                heapq.heappush(events, (now + run, 0, job_id))
+                ends[job_id] = now + job.start_s + run
+                heapq.heappush(events, (ends[job_id], 0, job_id))
             elif decision.verdict in ("reject", "timeout"):
                 del queue[job_id]
                 released -= 1
@@ -352,8 +361,8 @@ class OverrunWindows:
             self._append(scope, ratio)
 
     def add(self, rec: SimRecord) -> None:
-        assert rec.admitted_at is not None and rec.ended_at is not None
-        ran = rec.ended_at - rec.admitted_at
+        assert rec.started_at is not None and rec.ended_at is not None
+        ran = rec.ended_at - rec.started_at
         if ran > 0 and rec.job.expected_s > 0:
             self._append(rec.job.scope, ran / rec.job.expected_s)
 
@@ -372,15 +381,15 @@ def _settle(
     rules: dict[str, BudgetRule],
     spent: dict[tuple[str, float], int],
 ) -> None:
-    """End a job at `end`: charge rate x time run, in the periods in which it ran."""
+    """End a job at `end`: charge rate x time run (from its start, not its admission), in the
+    periods in which it ran."""
     job = rec.job
-    assert rec.admitted_at is not None
+    assert rec.started_at is not None
     rec.ended_at = end
-    rec.actual_micro = settled_cost(job.rate_micro_per_hour, rec.admitted_at, end)[1]
-    rec.finished = end >= rec.admitted_at + job.true_s - 1e-9
-    _charge(
-        job.scope, job.rate_micro_per_hour, rec.admitted_at, end, rules, spent, rec.actual_micro
-    )
+    began = min(rec.started_at, end)  # cut off by the horizon while it was starting: nothing
+    rec.actual_micro = settled_cost(job.rate_micro_per_hour, began, end)[1]
+    rec.finished = end >= rec.started_at + job.true_s - 1e-9
+    _charge(job.scope, job.rate_micro_per_hour, began, end, rules, spent, rec.actual_micro)
 
 
 def _charge(

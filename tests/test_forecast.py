@@ -280,12 +280,16 @@ def test_the_likely_runtime_is_what_the_sweeps_finished_trials_took(prices, tmp_
     during = forecast(spec, ledger)
     assert during.likely.runtime_s == pytest.approx(3.0, abs=0.01)
     assert during.runtime_from == "as its 2 finished trials ran"
-    # two at a time under the cap: 3 rounds of 3 s likely, of 10 s at worst
-    assert during.likely.makespan_s == pytest.approx(9.0, abs=0.1)
+    assert during.start_s == pytest.approx(1.0, abs=0.01)  # each started 1 s after admission
+    # two at a time under the cap: 3 rounds of a 1 s start and 3 s likely, of 10 s at worst;
+    # the start holds the cap but is not billed
+    assert during.likely.makespan_s == pytest.approx(12.0, abs=0.1)
     assert during.likely.spend_micro == pytest.approx(6 * 3_000, rel=0.01)
-    assert during.bound.makespan_s == pytest.approx(30.0, abs=0.1)
+    assert during.bound.makespan_s == pytest.approx(33.0, abs=0.1)
     assert during.bound.spend_micro == 6 * 10_000
-    assert "likely, each trial 3s (as its 2 finished trials ran)" in during.describe()
+    said = during.describe()
+    assert "likely, each trial 3s, after 1s to start (as its 2 finished trials ran)" in said
+    assert during.as_dict()["start_s"] == 1.0
 
 
 def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):

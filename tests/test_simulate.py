@@ -123,6 +123,24 @@ def test_jobs_in_a_capacity_pool_wait_for_their_teams_quota():
     assert [r.admitted_at - start for r in free.records] == [0, 1, 2, 3]
 
 
+def test_a_job_starting_holds_its_cap_unbilled_and_runs_its_max_runtime_from_its_start():
+    """A launch of 60 s before each job: one at a time under the cap, the second job waits for
+    the first's start and run; each is billed its run, and a job stopped at max_runtime runs
+    it from its start, not from its admission."""
+    start = 1_798_761_600.0
+    jobs = [SimJob(name, "o", start, 3_600_000, 600, 600, 900, start_s=60.0) for name in ("a", "b")]
+    result = simulate(jobs, [BudgetRule("o", hourly_cap_cents=360)], "guaranteed")
+    first, second = sorted(result.records, key=lambda r: r.admitted_at)
+    assert (first.admitted_at, first.started_at, first.ended_at) == (start, start + 60, start + 660)
+    assert second.admitted_at == start + 660 and second.ended_at == start + 1320
+    assert first.actual_micro == second.actual_micro == 600_000  # 600 s of $3.60/h: not the start
+    assert first.finished and second.finished
+    overrun = SimJob("c", "o", start, 3_600_000, 600, 1200, 900, start_s=60.0)
+    [stopped] = simulate([overrun], [BudgetRule("o", hourly_cap_cents=360)], "guaranteed").records
+    assert stopped.ended_at == start + 60 + 900 and stopped.actual_micro == 900_000
+    assert not stopped.finished
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     jobs=st.lists(

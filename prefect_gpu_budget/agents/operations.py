@@ -115,7 +115,8 @@ OPERATIONS = (
         "Trials admitted, timed out and rejected, spend, makespan and what binds: `likely` "
         "(each trial as long as the sweep's finished trials ran, else its expected_runtime; "
         "also the top-level figures) and `bound` (each trial to its max_runtime, as the gate "
-        "reserves it).",
+        "reserves it); in both each trial starts `start_s` after its admission, as the "
+        "finished trials did.",
     ),
     Operation(
         "quote",

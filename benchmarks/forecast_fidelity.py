@@ -12,7 +12,9 @@ gate reserves), the actual one, and how far the likely one is from it.
 Shapes: `cap` (an hourly cap runs two at a time), `budget` (a day budget stops the tail, which
 times out), `quota` (a team's quota of two machines in a capacity pool), `max-wait` (one at a
 time, and a max wait that times the tail out), `history` (no expected_runtime: a first run
-forecast at max_runtime, then a second forecast from the first run's finished trials).
+forecast at max_runtime, then a second forecast from the first run's finished trials). Every
+shape but `budget` (its day's budget is spent) runs twice on its ledger: the second forecast
+learns from the first run's trials how long one runs and how long it takes to start.
 
 Usage: python -m benchmarks.forecast_fidelity [--shapes cap,budget,...] [--json]
 """
@@ -71,6 +73,7 @@ SHAPES = {
             2.0,
             {"max_runtime": "10s", "expected_runtime": "2s"},
             {"hourly_cap_usd": 72},
+            runs=2,
         ),
         Shape(
             "budget",
@@ -80,7 +83,16 @@ SHAPES = {
             {"max_runtime": "6s", "expected_runtime": "1.5s"},
             {"period_budget_usd": "0.2", "period": "day", "max_wait": "20s"},
         ),
-        Shape("quota", "ff-quota", 8, 2.0, {"max_runtime": "10s", "expected_runtime": "2s"}, {}, 2),
+        Shape(
+            "quota",
+            "ff-quota",
+            8,
+            2.0,
+            {"max_runtime": "10s", "expected_runtime": "2s"},
+            {},
+            2,
+            runs=2,
+        ),
         Shape(
             "max-wait",
             "ff-wait",
@@ -88,6 +100,7 @@ SHAPES = {
             2.0,
             {"max_runtime": "10s", "expected_runtime": "2s"},
             {"hourly_cap_usd": 36, "max_wait": "7s"},
+            runs=2,
         ),
         Shape(
             "history", "ff-history", 8, 2.0, {"max_runtime": "10s"}, {"hourly_cap_usd": 72}, runs=2
@@ -176,6 +189,7 @@ def measure(shape: Shape, tmp: Path) -> list[dict[str, Any]]:
             {
                 "shape": shape.name + (f" (run {run})" if shape.runs > 1 else ""),
                 "runtime_from": said.runtime_from,
+                "start_s": getattr(said, "start_s", 0.0),  # a tree before start_s: none
                 "likely": said.likely.as_dict(),
                 "bound": said.bound.as_dict(),
                 "actual": got,
@@ -249,7 +263,8 @@ def main() -> None:
     print()
     for row in rows:
         print(
-            f"- {row['shape']}: likely runtime {row['likely']['runtime_s']} s, {row['runtime_from']}"
+            f"- {row['shape']}: likely runtime {row['likely']['runtime_s']} s after "
+            f"{row['start_s']:.2f} s to start, {row['runtime_from']}"
         )
 
 

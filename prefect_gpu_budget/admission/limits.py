@@ -33,6 +33,14 @@ database restarts answers 500 to everything for a few seconds, and its jobs must
 BUSY = (408, 429)
 """4xx answers that mean "not now" (a timeout, too many requests): an outage, not a refusal."""
 
+PROMPT_RETRY_S = (0.02, 0.05, 0.1, 0.2, 0.4)
+"""Pauses before a request Prefect's server answered 503 is sent again by this process's client
+(`PromptRetries`), before Prefect's client sees the answer. A Prefect server on SQLite (the
+embedded default) answers 503 whenever another writer holds its database for a moment (task
+runs, events, logs), and Prefect's client waits its back-off, 2 s and more, before it asks
+again: each admission waited that long for its slots. After the last pause the answer is
+Prefect's client's to handle, as before (a real outage)."""
+
 
 class DependencyDown(RuntimeError):
     """The Prefect API did not answer (down, restarting, or overloaded)."""
@@ -156,11 +164,52 @@ class Limits(Protocol):
     def release(self, lease_id: str) -> None: ...
 
 
+class PromptRetries:
+    """An httpx transport around the one a Prefect client was built with: a 503 is asked again
+    after each of `PROMPT_RETRY_S` before the client sees it. Below the client, because the
+    client sleeps its back-off even when told to retry nothing (PREFECT_CLIENT_MAX_RETRIES 0
+    still waits once before it returns the 503)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def handle_request(self, request: Any) -> Any:
+        for pause in PROMPT_RETRY_S:
+            response = self.inner.handle_request(request)
+            if response.status_code != 503:
+                return response
+            response.read()
+            response.close()
+            time.sleep(pause)
+        return self.inner.handle_request(request)
+
+    def __enter__(self) -> PromptRetries:
+        self.inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.inner.__exit__(*exc)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def prompt(client: Any) -> Any:
+    """`client` (Prefect's sync client), its httpx transport (`_transport`: httpx names no public
+    way to wrap the transport it built from Prefect's TLS and pool settings) wrapped in
+    `PromptRetries` once; a client of another shape (a stand-in in tests) as it is."""
+    http = getattr(client, "_client", None)
+    inner = getattr(http, "_transport", None)
+    if inner is not None and not isinstance(inner, PromptRetries):
+        http._transport = PromptRetries(inner)  # type: ignore[union-attr]
+    return client
+
+
 class RateLimits:
     """Prefect global concurrency limits for hourly caps, through the raw client API (~9 ms)."""
 
     def __init__(self, client: Any | None = None) -> None:
-        self._given = client
+        self._given = prompt(client) if client is not None else None
         self._owned: Any | None = None
         self._applied: dict[str, int] = {}
         self._failures: dict[str, tuple[int, float]] = {}
@@ -180,7 +229,7 @@ class RateLimits:
 
                 client = get_client(sync_client=True)
                 client.__enter__()
-                self._owned = client
+                self._owned = prompt(client)
             return self._owned
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 from prefect_gpu_budget.admission import limits
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.limits import (
+    PROMPT_RETRY_S,
     REPEATED_5XX,
     DependencyDown,
     LimitsMissing,
@@ -185,3 +186,91 @@ def test_a_lease_over_a_limit_prefect_does_not_have_is_refused_and_given_back():
         assert limits.acquire(["absent"], 7) is not None and limits.active_slots("absent") == 7
     finally:
         limits.close()
+
+
+class _Locked(httpx.BaseTransport):
+    """Below a Prefect client's transport: answers 503 to the first `times` requests for slots,
+    as Prefect's server does while another writer holds its SQLite database; every other
+    request reaches the real server."""
+
+    def __init__(self, inner, times: int) -> None:
+        self.inner, self.times, self.refused = inner, times, 0
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/increment-with-lease") and self.refused < self.times:
+            self.refused += 1
+            return httpx.Response(503, json={"exception_message": "Service Unavailable"})
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _Backoff:
+    """Prefect's client's clock, its back-off sleeps written down and skipped."""
+
+    def __init__(self) -> None:
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+    def __getattr__(self, name: str):
+        import time
+
+        return getattr(time, name)
+
+
+def _locked_limits(times: int):
+    from prefect.client.orchestration import get_client
+
+    client = get_client(sync_client=True)
+    client.__enter__()
+    locked = client._client._transport = _Locked(client._client._transport, times)
+    return client, locked, RateLimits(client)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_slots_refused_for_a_moment_by_a_locked_database_are_asked_again_at_once(monkeypatch):
+    """A 503 to a request for slots is asked again within a fraction of a second: Prefect's
+    client would wait its back-off (2 s and more) first, and on the embedded SQLite server every
+    admission of a busy sweep waited that long for its slots (the demo's trials 1.7-2.8 s)."""
+    import prefect.client.base
+
+    backoff = _Backoff()
+    monkeypatch.setattr(prefect.client.base, "time", backoff)
+    client, locked, limits = _locked_limits(times=len(PROMPT_RETRY_S))
+    try:
+        limits.ensure([("locked", 100)])
+        lease = limits.acquire(["locked"], 7)
+        assert lease is not None and limits.active_slots("locked") == 7
+        assert locked.refused == len(PROMPT_RETRY_S)
+        assert backoff.slept == []  # Prefect's client never saw a 503
+        limits.release(lease)
+        assert limits.active_slots("locked") == 0
+    finally:
+        client.__exit__(None, None, None)
+
+
+@pytest.mark.usefixtures("prefect_api")
+def test_a_503_that_goes_on_is_prefects_clients_to_wait_out_as_before(monkeypatch):
+    """Past the prompt asks, the 503 reaches Prefect's client, which waits its back-off and asks
+    again as it always did, and then the gate counts an outage."""
+    import prefect.client.base
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    backoff = _Backoff()
+    monkeypatch.setattr(prefect.client.base, "time", backoff)
+    client, locked, limits = _locked_limits(times=1000)
+    try:
+        limits.ensure([("stuck", 100)])
+        with (
+            temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 1}),
+            pytest.raises(DependencyDown, match="answered 503 while taking"),
+        ):
+            limits.acquire(["stuck"], 7)
+        assert len(backoff.slept) == 2 and min(backoff.slept) >= 1  # its own back-off
+        assert locked.refused == 2 * (len(PROMPT_RETRY_S) + 1)  # each of its asks, promptly
+        assert limits.active_slots("stuck") == 0
+    finally:
+        client.__exit__(None, None, None)

@@ -60,6 +60,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 CLONE_NEWNS = 0x00020000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -133,6 +134,28 @@ class Child:
     ) -> None:
         self.user, self.umask, self.cwd, self.env = user, umask, cwd, env
         self.limits = list(limits or ())
+        self.keep: list[str] = []
+        """Read-only paths the job needs that lie in a folder it gets a private one of
+        (its interpreter, its code): bound back in (`--keep`)."""
+        self.tmp_size: int | None = None
+        """The most its private folders may hold together (`--tmp-size`, the disk cap)."""
+        self.landlock: int | None = None
+        """A Landlock ruleset the command is confined by (`_walls.landlock_ruleset`)."""
+
+
+def _sibling(name: str):
+    """A module beside this file (`_walls`, `_relay`), loaded by its path: the holder runs
+    as a file with `-I`, so neither this package nor this folder is on sys.path."""
+    import importlib.util
+
+    loaded = sys.modules.get(f"_gpu_budget_holder_{name}")
+    if loaded is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+        spec = importlib.util.spec_from_file_location(f"_gpu_budget_holder_{name}", path)
+        loaded = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = loaded
+        spec.loader.exec_module(loaded)
+    return loaded
 
 
 def _bound(limits: list[tuple[int, int]]) -> None:  # pragma: no cover - runs in the child
@@ -178,6 +201,10 @@ def _spawn(command: list[str], mask: set[int], child: Child) -> int:
                 # run its work outside this tree, unbilled, for ever), sudo, su, pkexec
                 if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
                     raise PermissionError("could not set no_new_privs")
+            if child.landlock is not None:  # the second wall, after the switch
+                if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
+                    raise PermissionError("could not set no_new_privs")
+                _sibling("_walls").landlock_restrict(child.landlock)
             if child.umask is not None:
                 os.umask(child.umask)
             if child.cwd is not None:
@@ -233,14 +260,6 @@ def _new_pid_namespace(isolate: bool = False) -> str:
     return ""
 
 
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
-    mount = ctypes.CDLL(None, use_errno=True).mount
-    enc = [None if x is None else os.fsencode(x) for x in (source, target, fstype)]
-    if mount(*enc, flags, os.fsencode(data) if data else None) != 0:
-        error = ctypes.get_errno()
-        raise OSError(error, f"mount {target}: {os.strerror(error)}")
-
-
 def _loopback_up() -> None:
     """Bring up the namespace's own loopback (a new network namespace starts with it down)."""
     import fcntl
@@ -254,19 +273,27 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, siocsifflags, struct.pack("16sH", b"lo", flags | iff_up))
 
 
-def _isolate_init(relay: int | None) -> None:  # pragma: no cover - in pid 1
+def _isolate_init(relay: int | None, child: Child) -> None:  # pragma: no cover - in pid 1
     """In the job's pid 1, before the command starts: a network namespace of its own (its own
-    loopback up, nothing else), a mount namespace of its own whose mounts do not reach back
-    to the host's, `/proc` for its PID namespace and a fresh tmpfs over /dev/shm; with `relay`
-    (a socket to the holder), a listener on the job's 127.0.0.1:PROXY_PORT handed to the
-    holder's relay. Raises OSError saying what failed."""
-    why = _unshare(CLONE_NEWNET | CLONE_NEWNS)
+    loopback up, nothing else), an IPC namespace of its own (no SysV or POSIX segment of the
+    host or another job, none outliving it), a mount namespace of its own whose mounts do not
+    reach back to the host's, with `/proc` for its PID namespace and the walls of `_walls.py`
+    (its own /run, /tmp, /var/tmp and /dev/shm; no socket of the host; Landlock, where the
+    kernel has it, set in `child` for the command); with `relay` (a socket to the holder's
+    relay), a listener on the job's 127.0.0.1:PROXY_PORT handed to it. Raises OSError saying
+    what failed."""
+    walls = _sibling("_walls")
+    sockets = walls.host_sockets()  # the host's, while this is still on its network
+    why = _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
     if why:
-        raise OSError(f"no network and mount namespace of its own here ({why})")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    if os.path.isdir("/dev/shm"):
-        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777")
+        raise OSError(f"no network, IPC and mount namespace of its own here ({why})")
+    walls.mount(None, "/", None, MS_REC | MS_PRIVATE)
+    walls.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    writable = [child.cwd] if child.cwd else []
+    walls.private_dirs(child.tmp_size, child.keep, writable)
+    walls.mask_sockets(sockets)
+    own = [*writable, "/run", *(host for host, _ in walls.PRIVATE_BINDS)]
+    child.landlock, _ = walls.landlock_ruleset(own, ["/dev", "/proc"])
     _loopback_up()
     if relay is not None:
         import socket
@@ -301,7 +328,7 @@ def _spawn_init(
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             if isolate:
                 try:
-                    _isolate_init(relay)
+                    _isolate_init(relay, child)
                 except OSError as exc:
                     refused = f"could not start {command[0]!r}: isolation refused: {exc}\n"
                     os.write(2, refused.encode())
@@ -320,65 +347,24 @@ def _spawn_init(
     return pid
 
 
-def _spawn_relay(channel: int, target: tuple[str, int]) -> int:
-    """Fork the relay of `--proxy`, right after the job's pid 1 (so it lives in the job's PID
-    namespace, where threads may be made, and ends with it), on the holder's network and as
-    the holder's user: it takes the listener the job's pid 1 hands over `channel` and carries
-    each connection made to it to `target`."""
+def _spawn_relay(channel: int, target: tuple[str, int], user: tuple[int, int] | None) -> int:
+    """Fork the relay of `--proxy` (`_relay.py`) before the job's PID namespace is made, so
+    the job sees it in none of its /proc: on the holder's network, as the job's `user`, it
+    takes the listener the job's pid 1 hands over `channel` and carries each connection made
+    to it to `target`. It dies with the holder."""
+    relay = _sibling("_relay")
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the relay
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-            _relay(channel, target)
+            signal.pthread_sigmask(signal.SIG_SETMASK, set())
+            relay.serve(channel, target, user)
+        except BaseException as exc:  # noqa: BLE001 - say it, then leave
+            os.write(2, f"job holder: the proxy relay stopped: {exc!r}\n".encode())
         finally:
             os._exit(0)
     os.close(channel)
     return pid
-
-
-def _relay(channel: int, target: tuple[str, int]) -> None:  # pragma: no cover - the relay
-    import socket
-    import threading
-
-    def carry(conn: socket.socket) -> None:
-        with conn:
-            try:
-                upstream = socket.create_connection(target, timeout=30)
-            except OSError:
-                return
-            with upstream:
-                upstream.settimeout(None)
-                back = threading.Thread(target=_pipe, args=(upstream, conn), daemon=True)
-                back.start()
-                _pipe(conn, upstream)
-                back.join()
-
-    with socket.socket(fileno=channel) as sock:
-        try:
-            _, fds, _, _ = socket.recv_fds(sock, 16, 1)
-        except OSError:
-            return
-    if not fds:
-        return  # the job's pid 1 failed before it listened
-    with socket.socket(fileno=fds[0]) as listener:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=carry, args=(conn,), daemon=True).start()
-
-
-def _pipe(source, sink) -> None:
-    """Copy `source` to `sink` until `source` ends, then end `sink`'s sending side."""
-    try:
-        while data := source.recv(1 << 16):
-            sink.sendall(data)
-    except OSError:
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            sink.shutdown(1)  # SHUT_WR
 
 
 def hold(
@@ -392,8 +378,9 @@ def hold(
 ) -> int:
     """Run `command` and everything it starts to the end; return the command's wait status.
     With `own_pids`, in a PID namespace of its own (`_spawn_init`) where the kernel allows.
-    With `isolate`, in its own PID, network and mount namespaces, or not at all (the status
-    then says exit code ISOLATION_REFUSED); `proxy` is then its one way out."""
+    With `isolate`, in its own PID, network, IPC and mount namespaces behind the walls of
+    `_walls.py`, or not at all (the status then says exit code ISOLATION_REFUSED); `proxy` is
+    then its one way out (`_relay.py`)."""
     child = child or Child()
     subreaper = _prctl(PR_SET_CHILD_SUBREAPER, 1)
     _prctl(PR_SET_PDEATHSIG, HOLDER_GONE)
@@ -402,23 +389,26 @@ def hold(
     kill_at: float | None = None  # set once a stop is asked for
     now_kill = holder is not None and os.getppid() != holder  # the launcher died already
     report: int | None = None
+    relay = relay_pid = None
+    if isolate and proxy is not None:
+        import socket
+
+        channel, relay_end = socket.socketpair()
+        relay = relay_end.detach()
+        relay_pid = _spawn_relay(channel.detach(), proxy, child.user)
     why = _new_pid_namespace(isolate) if own_pids or isolate else "not asked"
     if isolate and why:
         print(f"could not start {command[0]!r}: isolation refused: {why}", flush=True)
+        if relay_pid is not None:
+            os.kill(relay_pid, signal.SIGKILL)
+            os.waitpid(relay_pid, 0)
         return ISOLATION_REFUSED << 8
     if not why:
         report, write_end = os.pipe()
-        relay = None
-        if proxy is not None:
-            import socket
-
-            channel, relay_end = socket.socketpair()
-            relay = relay_end.detach()
         pid = _spawn_init(command, mask, child, write_end, isolate, relay)
         os.close(write_end)
-        if proxy is not None:
+        if relay is not None:
             os.close(relay)
-            _spawn_relay(channel.detach(), proxy)
     else:
         if own_pids:
             print("job holder: no PID namespace here; a stop signals the processes it finds")
@@ -433,6 +423,9 @@ def hold(
                     break
                 if done == pid:
                     status = wait_status if report is None else _reported(report, wait_status)
+                    if relay_pid is not None:  # the job's namespaces are gone: so is its way out
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(relay_pid, signal.SIGKILL)
         except ChildProcessError:  # nothing left under us
             break
         now = time.monotonic()
@@ -485,7 +478,7 @@ def _read_env() -> dict[bytes, bytes]:
 USAGE = (
     "usage: _reaper.py [--grace S] [--holder PID] [--user UID:GID] [--umask OCTAL] [--cwd DIR]"
     " [--rlimit nproc|nofile|fsize|as=N]... [--env-stdin] [--own-pids] [--isolate]"
-    " [--proxy HOST:PORT] [--probe] -- command..."
+    " [--proxy HOST:PORT] [--keep PATH]... [--tmp-size N] [--probe] -- command..."
 )
 
 
@@ -515,6 +508,12 @@ def main(argv: list[str]) -> None:
             child.umask = int(value, 8)
         elif flag == "--cwd":
             child.cwd = value
+        elif flag == "--keep":
+            child.keep.append(value)
+        elif flag == "--tmp-size":
+            if not value.isdigit():
+                sys.exit(USAGE)
+            child.tmp_size = int(value)
         elif flag == "--proxy":
             host, _, port = value.rpartition(":")
             if not host or not port.isdigit():

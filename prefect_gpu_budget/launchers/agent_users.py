@@ -45,8 +45,10 @@ SESSION_USER_PREFIX = "gpub-"
 """How the names of the agent sessions' own users (`PREFECT_GPU_BUDGET_AGENT_UIDS`) start."""
 USERS_DIR = ".users"
 """The folder in `root` (the worker's, 0700) that holds the session users' locks."""
-TEMP_DIRS: tuple[str, ...] = ("/tmp", "/var/tmp", "/dev/shm")
-"""Where a session user's leftover files are removed from once none of its jobs runs."""
+TEMP_DIRS: tuple[str, ...] = ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
+"""The host's folders any user may write: where a session user's leftover files are removed
+from once none of its jobs runs (an isolated job has private ones, gone with it; on the
+host's network, `host`, it writes the host's)."""
 NOLOGIN_SHELLS: tuple[str, ...] = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/false")
 """The session users' shell: the first of these there is."""
 USERADD: tuple[str, ...] = ("/usr/sbin/useradd", "/sbin/useradd")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import stat
+from collections.abc import Iterable
 from pathlib import Path
 
 from prefect_gpu_budget import settings
@@ -36,9 +38,12 @@ processes, never above the worker's hard limit. Chosen not to stop a normal GPU 
 Two more are the launcher's to enforce (`SandboxedJob.tick`, `SandboxedJob.output`), not the
 kernel's:
 
-- `disk`: what the job's folder holds (its TMPDIR included) and, for an agent session's own
-  user, what that user owns in /tmp, /var/tmp and /dev/shm, measured every DISK_CHECK_S; past
-  it the job is stopped, with the reason. Whatever the cap, a job is also stopped when the
+- `disk`: what the job's folder holds (its TMPDIR included), what its private /run, /tmp,
+  /var/tmp and /dev/shm hold (one tmpfs, itself no larger than the cap), and what its
+  processes hold open or mapped that no folder shows any more (unlinked files), measured
+  every DISK_CHECK_S; past it the job is stopped, with the reason. On the host's network
+  (`host`, no private folders), for an agent session's own user, what that user owns in
+  the host's temporary folders counts instead. Whatever the cap, a job is also stopped when the
   disk under its folder has less than DISK_RESERVE free while the job holds more than that:
   several jobs together cannot fill it either.
 - `output`: what the job prints that reaches the run's logs; past it the rest is dropped, and
@@ -113,3 +118,52 @@ def size_text(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"  # pragma: no cover
+
+
+def private_bytes(pids: Iterable[int], folder: str = "/run") -> tuple[int, set[int]]:
+    """What the private tmpfs (`folder` as the job sees it) of every mount namespace among
+    `pids` other than this process's holds, and the devices of those tmpfs."""
+    try:
+        mine = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return 0, set()
+    held: dict[int, int] = {}
+    for pid in pids:
+        root = f"/proc/{pid}/root{folder}"
+        try:
+            if os.readlink(f"/proc/{pid}/ns/mnt") == mine:
+                continue
+            device = os.stat(root).st_dev
+            if device not in held:
+                vfs = os.statvfs(root)
+                held[device] = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+        except OSError:
+            continue  # ended meanwhile
+    return sum(held.values()), set(held)
+
+
+def unlinked_bytes(pids: Iterable[int], skip: set[int] = frozenset()) -> int:
+    """The disk space of the files `pids` hold open or mapped that no folder shows any more
+    (unlinked), each once, except those on the devices `skip` (counted there already)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for pid in pids:
+        handles = []
+        for kind in ("fd", "map_files"):
+            try:
+                handles += [
+                    f"/proc/{pid}/{kind}/{name}" for name in os.listdir(f"/proc/{pid}/{kind}")
+                ]
+            except OSError:
+                continue
+        for handle in handles:
+            try:
+                st = os.stat(handle)
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            unlinked = stat.S_ISREG(st.st_mode) and st.st_nlink == 0
+            if unlinked and st.st_dev not in skip and key not in seen:
+                seen.add(key)
+                total += st.st_blocks * 512
+    return total

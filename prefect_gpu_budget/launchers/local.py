@@ -207,6 +207,7 @@ class LocalLauncher:
                 now = time.time()
                 return LaunchResult("launch_error", now, now, detail=f"could not start: {exc}")
             if sandboxed is not None:
+                sandboxed.holder_pid = proc.pid
                 _send_env(proc, sandboxed)
             started = time.time()
             reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)

@@ -390,6 +390,7 @@ class Sandbox:
         command = list(job.command or ())
         if python and command and command[0] == sys.executable:  # a `callable:` trial
             command[0] = python
+        keep = _read_paths(python, env.get("PYTHONPATH", ""), command)
         redact = Redactor.withheld(env, environ)
         return SandboxedJob(
             user,
@@ -401,6 +402,7 @@ class Sandbox:
             limits=limits,
             lock=lock,
             network=self.network,
+            keep=keep,
         )
 
 
@@ -431,6 +433,21 @@ def _package_source() -> str:
     """The folder this package is imported from, for the job's PYTHONPATH (so a trial,
     `python -m prefect_gpu_budget.flows.trial`, imports this very code)."""
     return str(Path(__file__).resolve().parents[2])
+
+
+def _read_paths(python: str | None, python_path: str, command: list[str]) -> tuple[str, ...]:
+    """What the job reads outside its own folder: its interpreter's prefix (where it is and
+    where its link leads), its code (each folder of its `python_path`) and its program's
+    folder. The holder binds those that lie in a folder the job gets a private one of (/tmp,
+    say) back in."""
+    paths = []
+    for exe in (python, os.path.realpath(python)) if python else ():
+        folder = Path(exe).parent
+        paths.append(str(folder.parent if folder.name == "bin" else folder))
+    paths += [p for p in python_path.split(os.pathsep) if os.path.isabs(p)]
+    if command and os.path.isabs(command[0]):
+        paths.append(str(Path(command[0]).parent))
+    return tuple(dict.fromkeys(paths))
 
 
 def _is_python(program: str) -> bool:

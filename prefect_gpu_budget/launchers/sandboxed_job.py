@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect_gpu_budget import settings
+from prefect_gpu_budget.launchers._reaper import descendants
 from prefect_gpu_budget.launchers.agent_users import TEMP_DIRS, JobUser, sweep_leftovers
 from prefect_gpu_budget.launchers.isolation import NETWORK_HOST, proxy_of
 from prefect_gpu_budget.launchers.job_env import Redactor
@@ -22,7 +23,9 @@ from prefect_gpu_budget.launchers.job_limits import (
     HOLDER_LIMITS,
     OverLimit,
     folder_bytes,
+    private_bytes,
     size_text,
+    unlinked_bytes,
 )
 
 MAX_METRICS_BYTES = 64 << 20
@@ -56,6 +59,11 @@ class SandboxedJob:
     """How many bytes of output the job has printed (`output`)."""
     measured_at: float = 0.0
     """When the job's folder was last measured (`tick`)."""
+    keep: tuple[str, ...] = ()
+    """What the job reads that may lie in a folder it gets a private one of (its
+    interpreter's prefix, its code): the holder binds these back in, read-only (`--keep`)."""
+    holder_pid: int | None = None
+    """The job holder's pid, once started: its processes are measured for what they hold."""
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox:
@@ -69,6 +77,10 @@ class SandboxedJob:
             proxy = proxy_of(self.network)
             if proxy is not None:
                 args += ["--proxy", f"[{proxy[0]}]:{proxy[1]}"]
+            for path in self.keep:
+                args += ["--keep", path]
+            if self.limit("disk") is not None:
+                args += ["--tmp-size", str(self.limit("disk"))]
         if self.user.switch:
             args += ["--user", f"{self.user.uid}:{self.user.gid}"]
         for name, value in self.limits:
@@ -89,14 +101,13 @@ class SandboxedJob:
         if now - self.measured_at < DISK_CHECK_S:
             return
         self.measured_at = now
-        used = folder_bytes(self.workdir)
-        if self.user.session:  # its own user: what it left in /tmp is its own too
-            used += sum(folder_bytes(Path(d), owner=self.user.uid) for d in TEMP_DIRS)
+        used = self.held()
         cap = self.limit("disk")
         if cap is not None and used > cap:
             raise OverLimit(
-                f"stopped: its folder holds {size_text(used)}, past its disk limit of {size_text(cap)} "
-                f"({settings.AGENT_LIMIT_ENVS['disk']})"
+                f"stopped: it holds {size_text(used)} on disk (its folder, its own temporary "
+                f"folders and the files it keeps open), past its disk limit of "
+                f"{size_text(cap)} ({settings.AGENT_LIMIT_ENVS['disk']})"
             )
         free = shutil.disk_usage(self.workdir).free
         if used > DISK_RESERVE and free < DISK_RESERVE:
@@ -104,6 +115,18 @@ class SandboxedJob:
                 f"stopped: the worker's disk is nearly full ({size_text(free)} free) and its folder "
                 f"holds {size_text(used)}"
             )
+
+    def held(self) -> int:
+        """What the job holds: its folder; its private temporary folders (isolated), or what
+        a session's own user owns in the host's (`host`); and the unlinked files its
+        processes keep open or mapped."""
+        used = folder_bytes(self.workdir)
+        pids = descendants(self.holder_pid) if self.holder_pid is not None else []
+        private, devices = private_bytes(pids)
+        used += private
+        if self.network == NETWORK_HOST and self.user.session:
+            used += sum(folder_bytes(Path(d), owner=self.user.uid) for d in TEMP_DIRS)
+        return used + unlinked_bytes(pids, skip=devices)
 
     def output(self, line: str) -> str | None:
         """`line` as the run's logs show it (redacted), or None once the job has printed more

@@ -9,6 +9,7 @@ those tests skip otherwise. The users made here are named `gpubt-...` from uids
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pwd
 import shutil
@@ -520,13 +521,14 @@ def test_a_fork_bomb_stops_at_the_process_limit(sessions: Sandbox, quote) -> Non
 def _leftovers(token: str) -> list[Path]:
     return [
         path
-        for folder in ("/tmp", "/var/tmp", "/dev/shm")
+        for folder in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")
         for path in Path(folder).glob(f"gpubt-{token}*")
     ]
 
 
 LEAVE = (
     'echo x > "/dev/shm/gpubt-$T-shm"; echo x > "/tmp/gpubt-$T-tmp"'
+    '; echo x > "/run/lock/gpubt-$T-lock"'
     '; mkdir "/var/tmp/gpubt-$T-dir" && echo x > "/var/tmp/gpubt-$T-dir/f"'
     '; ln -s /etc/passwd "/tmp/gpubt-$T-link"'
 )
@@ -534,10 +536,12 @@ LEAVE = (
 
 @as_root
 def test_a_sessions_temp_files_are_gone_when_its_jobs_end(sessions: Sandbox, quote) -> None:
-    """TMPDIR is in the job's folder; what the session's user leaves in /tmp and /var/tmp
-    stays while another job of it runs, and is removed when the last one ends; its /dev/shm
-    is its own, never the host's. The files of others (root's, another session's running
-    job's) stay."""
+    """On the host's network (`host`: the host's temporary folders too), TMPDIR is in the
+    job's folder; what the session's user leaves in /tmp, /var/tmp, /dev/shm and /run/lock
+    stays while another job of it runs, and is removed when the last one ends. The files of
+    others (root's, another session's running job's) stay. (An isolated job leaves nothing
+    there at all: `test_isolation.py`.)"""
+    sessions = dataclasses.replace(sessions, network="host")
     token = uuid.uuid4().hex[:12]
     grant, other = uuid.uuid4().hex, uuid.uuid4().hex
     mine = Path(f"/tmp/gpubt-{token}-root")
@@ -565,9 +569,8 @@ def test_a_sessions_temp_files_are_gone_when_its_jobs_end(sessions: Sandbox, quo
         assert made.parent == tmp and tmp.parent.parent == sessions.root
         assert not tmp.parent.exists()  # the job's folder, its TMPDIR with it, is gone
         names = {p.name for p in _leftovers(token)}
-        for left in ("tmp", "dir", "link", "first", "second", "other", "root"):
+        for left in ("tmp", "dir", "link", "shm", "lock", "first", "second", "other", "root"):
             assert f"gpubt-{token}-{left}" in names, (left, names)  # the first job still runs
-        assert f"gpubt-{token}-shm" not in names, names  # in the job's own /dev/shm
     finally:
         running.stop()
     try:
@@ -582,16 +585,16 @@ def test_a_sessions_temp_files_are_gone_when_its_jobs_end(sessions: Sandbox, quo
 
 @as_root
 def test_the_shared_agent_users_temp_files_stay(base: Path, quote) -> None:
-    """With one agent user for all (here `nobody`, which other programs may be), what it
-    leaves in /tmp is not removed: it may be another agent's running job's, or not an agent's
-    at all. Its TMPDIR, in the job's folder, goes with the folder."""
+    """With one agent user for all (here `nobody`, which other programs may be), on the host's
+    network (`host`: the host's /tmp too), what it leaves in /tmp is not removed: it may be
+    another agent's running job's, or not an agent's at all. Its TMPDIR, in the job's folder,
+    goes with the folder."""
     token = uuid.uuid4().hex[:12]
     job, _ = _job('echo x > "/tmp/gpubt-$T-nobody"; mktemp', env={"T": token})
     lines: list[str] = []
     try:
-        result = LocalLauncher(Sandbox(user="nobody", root=base / "jobs")).run(
-            job, quote, log=lines.append
-        )
+        box = Sandbox(user="nobody", root=base / "jobs", network="host")
+        result = LocalLauncher(box).run(job, quote, log=lines.append)
         assert result.outcome == "completed", (result, lines)
         assert [p.name for p in _leftovers(token)] == [f"gpubt-{token}-nobody"]
         assert not Path(lines[-1]).exists() and Path(lines[-1]).parent.name == "tmp"

@@ -11,10 +11,16 @@ description), `resource.global_name` (the detailed table only), and, for the lin
 `billing_account_id`, `service`, `sku.id`, `project.id`, `location`, `system_labels`,
 `resource.name`, `adjustment_info.id` and `export_time`.
 
-GCP rows have no id: a line's id is a digest of those identifying fields and its times and
-labels, never its money (so a restated amount keeps its id), with times taken as instants (so a
-BigQuery timestamp and its ISO text give the same id). Rows that are alike in all of them are
-numbered within one read (`#2`, `#3`...), by amount.
+GCP rows have no id. A line's identity (its `line_id`) is a digest of the fields that name a
+usage line: `billing_account_id`, `project.id`, `service` (id, description), `sku` (id,
+description), the usage window (`usage_start_time`, `usage_end_time`, as instants, so a BigQuery
+timestamp and its ISO text give the same id), `labels` and `system_labels`, `resource` (name,
+global name), and, to tell a usage row from the tax or the adjustment of the same usage,
+`location`, `cost_type` and `adjustment_info.id`. Never its money (a restated amount keeps its
+id), its `invoice.month` (a re-delivery under another month is the same line), nor its
+`export_time`, which is kept as the line's `version`: rows of one identity appended at other
+times are other rows, numbered within one read (`#2`, `#3`...) by amount, while a copy of a row
+(same time, same money) is the same line, booked once.
 """
 
 from __future__ import annotations
@@ -84,7 +90,7 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
     return BillLine(
         source=SOURCE,
         billing_period=f"{month[:4]}-{month[4:]}",
-        line_id=_digest(row, month, start, end, labels, where, n),
+        line_id=_digest(row, start, end, labels, where, n),
         line_type=text(row.get("cost_type"), where, "cost_type", n) or "",
         usage_start=start,
         usage_end=end,
@@ -96,7 +102,14 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
         ),
         description=text(sku.get("description"), where, "sku.description", n, required=False) or "",
         where=at(where, n),
+        version=_version(row.get("export_time"), where, n),
     )
+
+
+def _version(exported: object, where: str, n: int) -> str:
+    if exported is None or (isinstance(exported, str) and not exported.strip()):
+        return ""
+    return when(exported, where, "export_time", n).isoformat()
 
 
 def _record(
@@ -135,7 +148,6 @@ def _labels(value: object, where: str, column: str, n: int) -> list[tuple[str, s
 
 def _digest(
     row: Mapping[str, Any],
-    month: str,
     start: float,
     end: float,
     labels: list[tuple[str, str]],
@@ -146,9 +158,7 @@ def _digest(
         found = _record(row, record, where, n)
         return [_plain(found.get(f)) for f in fields]
 
-    exported = row.get("export_time")
     identity = [
-        month,
         start,
         end,
         _plain(row.get("billing_account_id")),
@@ -161,7 +171,6 @@ def _digest(
         pick("adjustment_info", "id"),
         labels,
         _labels(row.get("system_labels"), where, "system_labels", n),
-        None if exported is None else when(exported, where, "export_time", n).timestamp(),
     ]
     blob = json.dumps(identity, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]

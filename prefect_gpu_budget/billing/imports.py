@@ -46,19 +46,43 @@ def import_lines(
 
 
 def summary(done: Any) -> str:
-    """One line of what an import did, for people."""
+    """One line of what an import did, for people: the drift it booked once, and apart what
+    each budget's period spend moved by (every budget on a job's path moves by its bill)."""
     head = f"{done.source} {done.billing_period}: {done.lines} lines"
+    parts = []
+    if done.twice:
+        parts.append(f"{done.twice} line(s) read twice, booked once (e.g. {done.twice_where})")
+    for period, count in sorted(done.copies.items()):
+        parts.append(f"{count} line(s) already held under {done.source} {period}: not booked again")
     if not done.changed:
-        return f"{head}, unchanged since the last import"
-    parts = [
-        f"{done.jobs_final} job(s) final, {done.jobs_provisional} provisional",
-        f"budgets moved by {fmt_usd(done.booked_micro)}",
-    ]
+        return "; ".join([f"{head}, unchanged since the last import", *parts])
+    final = f"{done.jobs_final} job(s) final"
+    provisional = ", ".join(
+        f"{count} provisional ({reason})" for reason, count in sorted(done.provisional.items())
+    )
+    parts.insert(0, f"{final}, {provisional or '0 provisional'}")
+    if done.held:
+        parts.append(f"{len(done.held)} job(s) held for an admin to accept (`bill accept`)")
+    parts.append(f"drift booked {fmt_usd(done.drift_micro)}")
+    moved = ", ".join(f"{scope} {fmt_usd(amount)}" for scope, amount in done.moved.items())
+    parts.append(f"budgets moved: {moved or 'none'}")
     if done.untagged_micro:
         parts.append(f"untagged {fmt_usd(done.untagged_micro)}")
     if done.account_micro:
         parts.append(f"account-level {fmt_usd(done.account_micro)} (not spread over scopes)")
+    if done.refused:
+        parts.append(
+            f"{done.refused} line(s) refused, {fmt_usd(done.refused_micro)} "
+            "(not true of the jobs they name: `bill drift`)"
+        )
     return f"{head}; " + "; ".join(parts)
+
+
+def held_line(held: Any) -> str:
+    """One line for a job's figure held for an admin."""
+    return (
+        f"held: job {held.job_id} ({held.scope}) billed {fmt_usd(held.billed_micro)}, {held.reason}"
+    )
 
 
 def over_line(mark: Any) -> str:

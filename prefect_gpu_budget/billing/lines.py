@@ -37,9 +37,11 @@ class BillLine:
     billing_period: str
     """The month it is billed in, `YYYY-MM` (AWS's billing period, GCP's invoice month)."""
     line_id: str
-    """Its identity within the period's export (AWS: `identity_line_item_id` and
-    `identity_time_interval`; GCP, which has none: a digest of the row, numbered when rows
-    repeat)."""
+    """Its identity on its cloud's bill, the same whatever file, copy, delivery or billing
+    period it is read from (AWS: `identity_line_item_id` and `identity_time_interval`; GCP,
+    which has none: a digest of the fields that name a usage line, `gcp_billing`'s docstring).
+    Rows of one read that share an identity but differ (in amount, usage, type, mark, resource,
+    `version`) are numbered `#2`, `#3`...; rows alike in all of them are one line read twice."""
     line_type: str
     """The export's own word for it: AWS's `line_item_line_item_type` (Usage, Credit, Tax,
     Fee, Refund, DiscountedUsage, SavingsPlanCoveredUsage ...), GCP's `cost_type` (regular,
@@ -61,6 +63,27 @@ class BillLine:
     """What it is, for people: AWS's usage type, GCP's SKU description."""
     where: str = ""
     """The file (and row) it was read from, for the messages about it."""
+    version: str = ""
+    """What tells two rows of one identity apart besides their money (GCP: `export_time`: a
+    row appended later for the same usage is another row, while a copy keeps the time)."""
+
+    @property
+    def content(self) -> tuple[object, ...]:
+        """All of it that matters but where it was read from: two lines alike in it are one
+        line read twice (a copy of a file, a re-download, a re-delivery)."""
+        return (
+            self.source,
+            self.line_id,
+            self.line_type,
+            self.usage_start,
+            self.usage_end,
+            self.billed_micro,
+            self.currency.upper(),
+            self.job_mark,
+            self.resource_id,
+            self.description,
+            self.version,
+        )
 
     @property
     def usage(self) -> bool:

@@ -261,9 +261,10 @@ def span(
 
 
 def number_repeats(lines: list[BillLine]) -> list[BillLine]:
-    """The lines, those whose `line_id` repeats within the read numbered `#2`, `#3`... The
-    numbers go by amount (then position), not by file order, so that the same delivery read
-    again, in another order, gives each amount the same id."""
+    """The lines, those whose `line_id` repeats within the read with other content numbered
+    `#2`, `#3`... (lines alike in all their `content` keep one id: one line read twice, which
+    the import books once). The numbers go by amount (then position), not by file order, so
+    that the same delivery read again, in another order, gives each amount the same id."""
     seen: dict[str, list[int]] = {}
     for i, line in enumerate(lines):
         seen.setdefault(line.line_id, []).append(i)
@@ -272,6 +273,9 @@ def number_repeats(lines: list[BillLine]) -> list[BillLine]:
         if len(indexes) < 2:
             continue
         ordered = sorted(indexes, key=lambda i: (lines[i].billed_micro, lines[i].usage_start, i))
-        for k, i in enumerate(ordered[1:], start=2):
-            out[i] = replace(lines[i], line_id=f"{line_id}#{k}")
+        numbers: dict[tuple[object, ...], int] = {}
+        for i in ordered:
+            k = numbers.setdefault(lines[i].content, len(numbers) + 1)
+            if k > 1:
+                out[i] = replace(lines[i], line_id=f"{line_id}#{k}")
     return out

@@ -17,7 +17,7 @@ import sys
 import typer
 
 from prefect_gpu_budget.cli.agents import agent_grant, agent_limits_cmd, agent_revoke, agents_serve
-from prefect_gpu_budget.cli.bill import bill_drift, bill_import
+from prefect_gpu_budget.cli.bill import bill_accept, bill_drift, bill_forget, bill_import
 from prefect_gpu_budget.cli.budgets import budget_set, budget_show, status
 from prefect_gpu_budget.cli.capacity import (
     capacity,
@@ -85,6 +85,8 @@ agent_app.command("serve")(agents_serve)
 app.command("reconcile")(reconcile_cmd)
 bill_app.command("import")(bill_import)
 bill_app.command("drift")(bill_drift)
+bill_app.command("forget")(bill_forget)
+bill_app.command("accept")(bill_accept)
 app.command()(demo)
 app.command()(sweep)
 app.command()(forecast)

@@ -1,16 +1,30 @@
-"""`bill import` and `bill drift`: the cloud's own bill against the ledger's settlements."""
+"""`bill import`, `bill drift`, `bill forget` and `bill accept`: the cloud's own bill against
+the ledger's settlements."""
 
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
 
 from prefect_gpu_budget import settings
 from prefect_gpu_budget.cli.common import console, current_ledger, fail
 from prefect_gpu_budget.units import usd
+
+MONEY = ("reserved", "settled", "billed", "drift")
+APART_TITLES = {
+    "untagged": "untagged usage (no job's mark; not spread over scopes)",
+    "account": "account-level lines (not spread over scopes)",
+    "refused": "refused lines (they name a job they cannot be true of; booked nowhere)",
+    "copy": "copies (lines already held under another billing period; booked once)",
+}
+
+
+def _say(text: str) -> None:
+    console.print(text, markup=False, highlight=False)
 
 
 def bill_import(
@@ -36,14 +50,14 @@ def bill_import(
         "--provisional-hours",
         min=0,
         help="Lines whose usage ended less than this long ago move no budget (default 48, or "
-        "the block's; 0: every line is final).",
+        "the block's; 0: every line whose usage has ended is final).",
     ),
     as_json: bool = typer.Option(False, "--json", help="What each import did, as JSON."),
 ) -> None:
     """Import the cloud's bill: each (source, billing period) it holds replaces the last
     import of it, and every budget on a billed job's path is charged what the bill says once
     its lines are final. A bad export exits 2 with one line, and changes nothing."""
-    from prefect_gpu_budget.billing.imports import import_lines, over_line, summary
+    from prefect_gpu_budget.billing.imports import import_lines
     from prefect_gpu_budget.billing.lines import SOURCES
     from prefect_gpu_budget.billing.trueup import DEFAULT_PROVISIONAL_HOURS, periods_to_read
 
@@ -78,46 +92,104 @@ def bill_import(
         provisional_hours=hours if provisional_hours is None else provisional_hours,
         periods=groups,
     )
-    marks = [mark for item in done for mark in item.over_by_bill]
-    if marks and settings.prefect_api_url():
-        from prefect_gpu_budget.flows.bill_import import announce_over_by_bill
-
-        announce_over_by_bill(current_ledger(), marks)
+    _announce(done)
     if as_json:
-        typer.echo(
-            json.dumps(
-                [
-                    {
-                        "source": item.source,
-                        "billing_period": item.billing_period,
-                        "lines": item.lines,
-                        "changed": item.changed,
-                        "jobs_final": item.jobs_final,
-                        "jobs_provisional": item.jobs_provisional,
-                        "booked_usd": usd(item.booked_micro),
-                        "untagged_usd": usd(item.untagged_micro),
-                        "account_usd": usd(item.account_micro),
-                        "over_by_bill": [
-                            {
-                                "scope": m.scope,
-                                "budget_usd": usd(m.budget_micro),
-                                "spent_usd": usd(m.spent_micro),
-                            }
-                            for m in item.over_by_bill
-                        ],
-                    }
-                    for item in done
-                ],
-                indent=2,
-            )
-        )
+        typer.echo(json.dumps([_done_json(item) for item in done], indent=2))
         return
     if not done:
         console.print("no bill lines read: nothing imported")
+    _print_done(done)
+
+
+def _announce(done: list[Any]) -> None:
+    """The event and the notification of each closed period over by bill and of each figure
+    held, where a Prefect API is set."""
+    marks = [mark for item in done for mark in item.over_by_bill]
+    held = [h for item in done for h in item.held]
+    if (marks or held) and settings.prefect_api_url():
+        from prefect_gpu_budget.flows.bill_import import announce_held, announce_over_by_bill
+
+        announce_over_by_bill(current_ledger(), marks)
+        announce_held(current_ledger(), held)
+
+
+def _print_done(done: list[Any]) -> None:
+    from prefect_gpu_budget.billing.imports import held_line, over_line, summary
+
     for item in done:
-        console.print(summary(item), markup=False, highlight=False)
+        _say(summary(item))
         for mark in item.over_by_bill:
-            console.print(over_line(mark), markup=False, highlight=False)
+            _say(over_line(mark))
+        for held in item.held:
+            _say(held_line(held))
+
+
+def _done_json(item: Any) -> dict[str, Any]:
+    return {
+        "source": item.source,
+        "billing_period": item.billing_period,
+        "lines": item.lines,
+        "changed": item.changed,
+        "jobs_final": item.jobs_final,
+        "jobs_provisional": item.jobs_provisional,
+        "provisional": item.provisional,
+        "booked_usd": usd(item.booked_micro),
+        "drift_usd": usd(item.drift_micro),
+        "moved_usd": {scope: usd(amount) for scope, amount in item.moved.items()},
+        "untagged_usd": usd(item.untagged_micro),
+        "account_usd": usd(item.account_micro),
+        "read_twice": item.twice,
+        "copies": item.copies,
+        "refused": item.refused,
+        "refused_usd": usd(item.refused_micro),
+        "held": [
+            {
+                "job_id": h.job_id,
+                "scope": h.scope,
+                "billed_usd": usd(h.billed_micro),
+                "reason": h.reason,
+            }
+            for h in item.held
+        ],
+        "over_by_bill": [
+            {"scope": m.scope, "budget_usd": usd(m.budget_micro), "spent_usd": usd(m.spent_micro)}
+            for m in item.over_by_bill
+        ],
+    }
+
+
+def bill_forget(
+    source: str = typer.Argument(..., help="aws-cur2 or gcp-billing."),
+    period: str = typer.Argument(..., help="The billing period imported, YYYY-MM."),
+    provisional_hours: float = typer.Option(
+        48.0,
+        "--provisional-hours",
+        min=0,
+        help="For the jobs still billed by other periods: lines younger than this are "
+        "provisional, as at import.",
+    ),
+) -> None:
+    """Take an import of the bill out whole: its lines go, and every job it billed is charged
+    again what its other lines bill, or what the ledger settled when none is left."""
+    from prefect_gpu_budget.billing.imports import summary
+
+    done = current_ledger().bills.forget(source, period, provisional_hours=provisional_hours)
+    _say(f"forgot {summary(done)}")
+
+
+def bill_accept(
+    job_id: str = typer.Argument(..., help="The ledger job whose held bill is accepted."),
+) -> None:
+    """Accept a job's bill held for being far past its reservation: it is charged on every
+    budget on the job's path, as any final bill is."""
+    from prefect_gpu_budget.units import fmt_usd
+
+    done = current_ledger().bills.accept(job_id)
+    moved = ", ".join(f"{scope} {fmt_usd(amount)}" for scope, amount in done.moved.items())
+    _say(
+        f"accepted the bill of job {job_id}: drift booked {fmt_usd(done.drift_micro)}; "
+        f"budgets moved: {moved or 'none'}"
+    )
 
 
 def bill_drift(
@@ -125,46 +197,70 @@ def bill_drift(
     as_json: bool = typer.Option(False, "--json", help="Every figure, as JSON."),
 ) -> None:
     """Per job the bill names: what it reserved, what the ledger settled, what the cloud
-    billed and the drift (billed - settled), final or provisional; per scope the totals; and,
-    apart, the bill's lines no job owns (untagged usage, account-level taxes and credits)."""
-    from prefect_gpu_budget.cli.tables import Col, print_table
-    from prefect_gpu_budget.units import fmt_usd, validate_scope
+    billed and the drift (billed - settled), final, provisional or held, and why; per scope the
+    totals; and, apart, the bill's lines no job's bill counts (untagged usage, account-level
+    taxes and credits, lines refused with the reason, copies of lines held elsewhere)."""
+    from prefect_gpu_budget.admission.ledger.bill_views import APART
+    from prefect_gpu_budget.units import validate_scope
 
     found = current_ledger().bills.drift(validate_scope(scope) if scope else None)
-    money = ("reserved", "settled", "billed", "drift")
     if as_json:
-        jobs = [
-            {
-                "job_id": j["job_id"],
-                "name": j["name"],
-                "scope": j["scope"],
-                **{f"{m}_usd": usd(j[f"{m}_micro"]) for m in money},
-                "figure": "final" if j["final"] else "provisional",
-            }
-            for j in found["jobs"]
-        ]
-        scopes = {
-            s: {
-                **{f"{m}_usd": usd(t[f"{m}_micro"]) for m in money[1:]},
-                "provisional_jobs": t["provisional"],
-            }
-            for s, t in found["scopes"].items()
-        }
-        apart = {
-            kind: [
-                {
-                    **{k: v for k, v in line.items() if k != "billed_micro"},
-                    "billed_usd": usd(line["billed_micro"]),
-                }
-                for line in found[kind]
-            ]
-            for kind in ("untagged", "account")
-        }
-        typer.echo(json.dumps({"jobs": jobs, "scopes": scopes, **apart}, indent=2))
+        typer.echo(json.dumps(_drift_json(found), indent=2))
         return
-    if not found["jobs"] and not found["untagged"] and not found["account"]:
+    if not found["jobs"] and not any(found[kind] for kind in APART):
         console.print("no bill imported yet: `prefect-gpu-budget bill import`")
         return
+    _print_jobs(found)
+    for kind in APART:
+        if found[kind]:
+            _print_apart(kind, found[kind])
+
+
+def _drift_json(found: dict[str, Any]) -> dict[str, Any]:
+    from prefect_gpu_budget.admission.ledger.bill_views import APART
+
+    jobs = [
+        {
+            "job_id": j["job_id"],
+            "name": j["name"],
+            "scope": j["scope"],
+            **{f"{m}_usd": usd(j[f"{m}_micro"]) for m in MONEY},
+            "figure": j["figure"],
+            "reason": j["reason"],
+        }
+        for j in found["jobs"]
+    ]
+    scopes = {
+        s: {
+            **{f"{m}_usd": usd(t[f"{m}_micro"]) for m in MONEY[1:]},
+            "provisional_jobs": t["provisional"],
+            "held_jobs": t["held"],
+        }
+        for s, t in found["scopes"].items()
+    }
+    apart = {
+        kind: [
+            {
+                **{k: v for k, v in line.items() if k != "billed_micro"},
+                "description": _what(line),
+                "billed_usd": usd(line["billed_micro"]),
+            }
+            for line in found[kind]
+        ]
+        for kind in APART
+    }
+    return {"jobs": jobs, "scopes": scopes, **apart}
+
+
+def _what(line: dict[str, Any]) -> str:
+    """A line's description, never blank: its own, else its resource, else its type."""
+    return line["description"] or line["resource_id"] or line["line_type"]
+
+
+def _print_jobs(found: dict[str, Any]) -> None:
+    from prefect_gpu_budget.cli.tables import Col, print_table
+    from prefect_gpu_budget.units import fmt_usd
+
     print_table(
         (
             Col("job"),
@@ -173,17 +269,16 @@ def bill_drift(
             Col("settled"),
             Col("billed"),
             Col("drift"),
-            Col("figure", kind="name", drop=1),
+            Col("figure", kind="name"),
+            Col("why not final", kind="text", drop=1),
         ),
         [
             (
                 j["job_id"][:8],
                 j["scope"],
-                fmt_usd(j["reserved_micro"]),
-                fmt_usd(j["settled_micro"]),
-                fmt_usd(j["billed_micro"]),
-                fmt_usd(j["drift_micro"]),
-                "final" if j["final"] else "provisional",
+                *(fmt_usd(j[f"{m}_micro"]) for m in MONEY),
+                j["figure"],
+                j["reason"],
             )
             for j in found["jobs"]
         ],
@@ -195,41 +290,45 @@ def bill_drift(
             Col("billed"),
             Col("drift"),
             Col("provisional jobs", drop=1),
+            Col("held jobs", drop=1),
         ),
         [
             (
                 s,
-                fmt_usd(t["settled_micro"]),
-                fmt_usd(t["billed_micro"]),
-                fmt_usd(t["drift_micro"]),
+                *(fmt_usd(t[f"{m}_micro"]) for m in MONEY[1:]),
                 str(t["provisional"]),
+                str(t["held"]),
             )
             for s, t in sorted(found["scopes"].items())
         ],
     )
-    for kind, title in (("untagged", "untagged usage"), ("account", "account-level lines")):
-        if found[kind]:
-            total = sum(line["billed_micro"] for line in found[kind])
-            console.print(
-                f"{title} (no job's mark; not spread over scopes): {len(found[kind])} line(s), "
-                f"{fmt_usd(total)}",
-                markup=False,
-                highlight=False,
+
+
+def _print_apart(kind: str, lines: list[dict[str, Any]]) -> None:
+    from prefect_gpu_budget.cli.tables import Col, print_table
+    from prefect_gpu_budget.units import fmt_usd
+
+    total = sum(line["billed_micro"] for line in lines)
+    _say(f"{APART_TITLES[kind]}: {len(lines)} line(s), {fmt_usd(total)}")
+    reasons = kind in ("refused", "copy")
+    columns = [
+        Col("period"),
+        Col("type", kind="name"),
+        Col("billed"),
+        Col("what", kind="text"),
+    ]
+    if reasons:
+        columns.append(Col("why", kind="text"))
+    print_table(
+        columns,
+        [
+            (
+                line["billing_period"],
+                line["line_type"],
+                fmt_usd(line["billed_micro"]),
+                _what(line),
+                *((line["reason"] or "",) if reasons else ()),
             )
-            print_table(
-                (
-                    Col("period"),
-                    Col("type", kind="name"),
-                    Col("billed"),
-                    Col("what", kind="text", drop=1),
-                ),
-                [
-                    (
-                        line["billing_period"],
-                        line["line_type"],
-                        fmt_usd(line["billed_micro"]),
-                        line["description"] or line["resource_id"] or "",
-                    )
-                    for line in found[kind]
-                ],
-            )
+            for line in lines
+        ],
+    )

@@ -1,5 +1,6 @@
 """The daily import of the cloud's bill (`bill-import/daily`), and what an import tells: a
-closed period over its budget by the bill as a Prefect event and a notification.
+closed period over its budget by the bill, and a job's bill held for an admin to accept, each as
+a Prefect event and a notification.
 
 The flow reads a `BillingExport` block (by name, `default` unless told) for the periods the
 providers may still restate (`billing.trueup.periods_to_read`), imports each whole
@@ -15,20 +16,45 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
-from prefect_gpu_budget.billing.imports import import_lines, over_line, summary
+from prefect_gpu_budget.billing.imports import held_line, import_lines, over_line, summary
 from prefect_gpu_budget.billing.trueup import periods_to_read
 from prefect_gpu_budget.blocks.billing import BillingExport
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.units import micro_to_usd
 
 OVER_BY_BILL_EVENT = "gpu-budget.period.over-by-bill"
+HELD_EVENT = "gpu-budget.bill.held"
+
+
+def _notify(ledger: Any, scope: str, body: str, subject: str) -> None:
+    """A notification through the nearest budget on `scope`'s path that names a block."""
+    from prefect.blocks.core import Block
+
+    targets = [r.notify_block for r in reversed(ledger.config.path_budgets(scope))]
+    targets = [t for t in targets if t]
+    if targets:
+        Block.load(targets[0]).notify(body=body, subject=subject)
+
+
+def announce_held(ledger: Any, held: list[Any]) -> None:
+    """For each job's bill held for an admin (far past its reservation): a Prefect event and
+    a notification, saying how to accept it (`prefect-gpu-budget bill accept JOB`)."""
+    for item in held:
+        emit_event(
+            event=HELD_EVENT,
+            resource={
+                "prefect.resource.id": f"gpu-budget.job.{item.job_id}",
+                "prefect.resource.name": item.job_id,
+                "gpu-budget.scope": item.scope,
+            },
+            payload={"billed_usd": micro_to_usd(item.billed_micro), "reason": item.reason},
+        )
+        _notify(ledger, item.scope, held_line(item), f"GPU budget: a bill held in {item.scope}")
 
 
 def announce_over_by_bill(ledger: Any, marks: list[Any]) -> None:
     """For each closed period the bill put over its budget: a Prefect event, and a
     notification through the nearest budget on its path that names a notification block."""
-    from prefect.blocks.core import Block
-
     for mark in marks:
         emit_event(
             event=OVER_BY_BILL_EVENT,
@@ -44,12 +70,7 @@ def announce_over_by_bill(ledger: Any, marks: list[Any]) -> None:
                 "spent_usd": micro_to_usd(mark.spent_micro),
             },
         )
-        targets = [r.notify_block for r in reversed(ledger.config.path_budgets(mark.scope))]
-        targets = [t for t in targets if t]
-        if targets:
-            Block.load(targets[0]).notify(
-                body=over_line(mark), subject=f"GPU budget: {mark.scope} over by the bill"
-            )
+        _notify(ledger, mark.scope, over_line(mark), f"GPU budget: {mark.scope} over by the bill")
 
 
 @flow(name="gpu-budget-bill-import")
@@ -87,6 +108,9 @@ def bill_import(
         for mark in item.over_by_bill:
             logger.warning(over_line(mark))
         announce_over_by_bill(led, item.over_by_bill)
+        for held in item.held:
+            logger.warning(held_line(held))
+        announce_held(led, item.held)
     drift = led.bills.drift()
     rows = [
         {

@@ -206,3 +206,48 @@ def write_gcp_parquet(path: Path, rows: list[dict[str, Any]] | None = None) -> P
     rows = gcp_rows() if rows is None else rows
     pq.write_table(pa.Table.from_pylist([with_times(r) for r in rows], schema=GCP_SCHEMA), path)
     return path
+
+
+HOUR = 3600.0
+SAGEMAKER_JOB = {"launcher": "sagemaker:lab", "instance_type": "sagemaker:ml.g5.xlarge"}
+VERTEX_JOB = {"launcher": "vertex:lab", "instance_type": "gcp:a2-highgpu-1g"}
+
+
+def settled_job(ledger: Any, scope: str, start: float, hours: float, **job: Any) -> dict:
+    """A job of `scope` (a SageMaker one unless told) that ran `hours` from `start` at $3.60
+    an hour for at most 4 hours, settled as its launcher would settle it."""
+    from tests.jobs import new_job
+
+    job = {**SAGEMAKER_JOB, "max_runtime_s": 4 * HOUR, **job}
+    external_id = job.pop("external_id", None)
+    job_id, decision = ledger.queue.request(new_job(scope, **job), now=start - 1)
+    assert decision.verdict == "admit", decision
+    assert ledger.settlements.mark_started(job_id, start, external_id)
+    row = ledger.settlements.settle(
+        job_id,
+        ended_at=start + hours * HOUR,
+        outcome="completed",
+        scope=scope,
+        now=start + hours * HOUR,
+    )
+    assert row is not None
+    return row
+
+
+def bill_line(job_id: str | None, start: float, hours: float, usd: str, **kw: Any) -> Any:
+    """A CUR 2.0 line (unless told) of `job_id` for `hours` from `start`, billing `usd`."""
+    from prefect_gpu_budget.billing.lines import BillLine
+    from prefect_gpu_budget.billing.trueup import month_of
+
+    fields = {
+        "source": "aws-cur2",
+        "billing_period": month_of(start),
+        "line_id": f"{job_id}-{start}-{usd}",
+        "line_type": "Usage",
+        "usage_start": start,
+        "usage_end": start + hours * HOUR,
+        "billed_micro": round(float(usd) * 1_000_000),
+        "currency": "USD",
+        "job_mark": job_id,
+    }
+    return BillLine(**{**fields, **kw})

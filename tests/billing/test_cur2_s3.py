@@ -259,15 +259,19 @@ def test_a_bad_manifest_is_refused_by_name(s3: Any, bucket: str, body: bytes, ru
     assert caught.value.rule.startswith(rule)
 
 
-def test_a_repeated_line_across_files_is_numbered(s3: Any, bucket: str, tmp_path: Path) -> None:
+def test_a_line_in_two_files_is_one_line_and_a_different_one_is_numbered(
+    s3: Any, bucket: str, tmp_path: Path
+) -> None:
     rows = cur_rows()[:1]
+    other = [dict(rows[0], line_item_net_unblended_cost=1.0)]  # same id, another amount
     _deliver(
         s3,
         bucket,
         {
             f"{EXPORT}-00001.snappy.parquet": _parquet(tmp_path, rows),
-            f"{EXPORT}-00002.snappy.parquet": _parquet(tmp_path, rows),
+            f"{EXPORT}-00002.snappy.parquet": _parquet(tmp_path, rows),  # a copy
+            f"{EXPORT}-00003.snappy.parquet": _parquet(tmp_path, other),
         },
     )
     ids = [line.line_id for line in read_cur2_s3(s3, bucket, PREFIX, EXPORT, PERIOD)]
-    assert ids == [ids[0], f"{ids[0]}#2"]
+    assert ids == [f"{ids[2]}#2", f"{ids[2]}#2", ids[2]]  # numbered by amount: $1 first

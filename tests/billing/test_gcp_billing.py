@@ -57,8 +57,12 @@ def test_the_line_id_is_stable_and_ignores_money(tmp_path: Path) -> None:
     assert [line.line_id for line in again] == [line.line_id for line in first]
     assert again[0].billed_micro == 2_400_000
     rows[0]["export_time"] = "2026-11-05T01:00:00Z"  # a later row for the same hour
+    rows[0]["invoice"] = {"month": "202612"}  # re-delivered under another month
     other = read_gcp_file(write_gcp_jsonl(tmp_path / "c.jsonl", rows))
-    assert other[0].line_id != first[0].line_id
+    assert other[0].line_id == first[0].line_id  # the same usage line: one identity
+    assert other[0].version != first[0].version  # appended at another time: another row
+    both = read_gcp_file(write_gcp_jsonl(tmp_path / "d.jsonl", [gcp_rows()[0], rows[0]]))
+    assert {line.line_id for line in both} == {first[0].line_id, f"{first[0].line_id}#2"}
 
 
 def test_alike_rows_are_numbered_by_amount(tmp_path: Path) -> None:
@@ -67,7 +71,7 @@ def test_alike_rows_are_numbered_by_amount(tmp_path: Path) -> None:
     twin["cost"] = 0.05
     lines = read_gcp_file(write_gcp_jsonl(tmp_path / "a.jsonl", [rows[1], twin, rows[1]]))
     base = lines[1].line_id
-    assert [line.line_id for line in lines] == [f"{base}#2", base, f"{base}#3"]
+    assert [line.line_id for line in lines] == [f"{base}#2", base, f"{base}#2"]  # a copy
     assert lines[1].billed_micro == 50_000
 
 

@@ -29,7 +29,15 @@ def test_an_aws_block_reads_its_delivery_from_s3_and_the_ledger_is_trued_up(
     ledger.config.set_budget(
         BudgetRule("acme", period_budget_micro=100 * 10**6, period="month"), now=NOV + 3600
     )
-    job = ran_job(ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688)
+    job = ran_job(
+        ledger,
+        "acme/nlp/a7",
+        "2026-11-03T10:00:00Z",
+        "2026-11-03T11:20:00Z",
+        37.688,
+        launcher="sagemaker:lab",  # the bill's cloud ran it
+        instance_type="sagemaker:ml.p4d.24xlarge",
+    )
     rows = fixtures.cur_rows()
     for row in rows:
         if row["resource_tags"]:

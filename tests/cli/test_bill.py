@@ -21,6 +21,8 @@ from tests.billing import fixtures
 from tests.jobs import ran_job
 
 NOV = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
+SAGEMAKER = {"launcher": "sagemaker:lab", "instance_type": "sagemaker:ml.p4d.24xlarge"}
+VERTEX = {"launcher": "vertex:lab", "instance_type": "gcp:a2-highgpu-1g"}
 
 
 def _cli(url: str, *args: str) -> subprocess.CompletedProcess:
@@ -55,7 +57,9 @@ def _cur_export(path: Path, job_id: str) -> Path:
 
 def test_an_aws_export_trues_the_ledger_up_once(house, tmp_path: Path):
     url, ledger = house
-    job = ran_job(ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688)
+    job = ran_job(
+        ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688, **SAGEMAKER
+    )
     settled = ledger.views.job(job)["actual_micro"]
     assert settled == 50_250_667  # 80 minutes at $37.688/h
     export = _cur_export(tmp_path / "part-0.parquet", job)
@@ -87,7 +91,9 @@ def test_an_aws_export_trues_the_ledger_up_once(house, tmp_path: Path):
 
 def test_a_bill_over_a_closed_periods_budget_is_marked(house, tmp_path: Path):
     url, ledger = house
-    job = ran_job(ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:00:00Z", 37.688)
+    job = ran_job(
+        ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:00:00Z", 37.688, **SAGEMAKER
+    )
     rows = fixtures.cur_rows()[:2]  # two hours' lines, no credit: $50.25 of a $48 budget
     for row in rows:
         row["resource_tags"] = {"user_gpu_budget_job": job}
@@ -101,7 +107,9 @@ def test_a_bill_over_a_closed_periods_budget_is_marked(house, tmp_path: Path):
 
 def test_a_gcp_export_as_json_lines(house, tmp_path: Path):
     url, ledger = house
-    job = ran_job(ledger, "acme/vision/a8", "2026-11-03T10:00:00Z", "2026-11-03T11:00:00Z", 3.673)
+    job = ran_job(
+        ledger, "acme/vision/a8", "2026-11-03T10:00:00Z", "2026-11-03T11:00:00Z", 3.673, **VERTEX
+    )
     text = fixtures.write_gcp_jsonl(tmp_path / "raw.jsonl").read_text()
     export = tmp_path / "gcp.jsonl"
     export.write_text(text.replace(fixtures.GCP_JOB, job))
@@ -129,7 +137,9 @@ def test_a_malformed_export_exits_2_in_one_line_and_changes_nothing(
     house, tmp_path: Path, break_it, said: str
 ):
     url, ledger = house
-    job = ran_job(ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688)
+    job = ran_job(
+        ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688, **SAGEMAKER
+    )
     good = _cur_export(tmp_path / "good.parquet", job)
     assert _cli(url, "bill", "import", str(good), "--provisional-hours", "0").returncode == 0
     before = _cli(url, "bill", "drift", "--json").stdout

@@ -165,7 +165,8 @@ def test_spend_report_sets_the_bill_beside_the_settlements(
     start = time.time() - 5 * 86400
     at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start))
     end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start + 3600))
-    jobs = [ran_job(ledger, f"bil/team/s{i}", at, end, 3.6) for i in (1, 2)]
+    sagemaker = {"launcher": "sagemaker:lab", "instance_type": "sagemaker:ml.g5.xlarge"}
+    jobs = [ran_job(ledger, f"bil/team/s{i}", at, end, 3.6, **sagemaker) for i in (1, 2)]
 
     def line(job: str | None, usd: float, kind: str = "Usage") -> BillLine:
         return BillLine(

@@ -285,11 +285,15 @@ bill_lines = sa.Table(
     sa.Column("mark", sa.String(200)),
     sa.Column("resource_id", sa.String(400)),
     sa.Column("description", sa.String(400), nullable=False, default=""),
+    sa.Column("reason", sa.Text),
     sa.Index("ix_gpu_bill_lines_job", "job_id"),
+    sa.Index("ix_gpu_bill_lines_identity", "source", "line_id"),
 )
 """Every line of the imported bills: `kind` `job` (it bills a ledger job: `job_id`),
-`untagged` (usage no job's mark names) or `account` (a tax, fee, credit or refund of the
-account); lines of the last two kinds are shown apart and never spread over scopes."""
+`untagged` (usage no job's mark names), `account` (a tax, fee, credit or refund of the
+account), `refused` (it names a job it cannot be true of: `reason` says why) or `copy` (a
+line already held under another billing period: `reason` names it); lines of every kind but
+`job` are shown apart and never spread over scopes."""
 
 bill_jobs = sa.Table(
     "gpu_bill_jobs",
@@ -300,9 +304,21 @@ bill_jobs = sa.Table(
     sa.Column("billed_micro", sa.BigInteger, nullable=False),
     sa.Column("final", sa.Boolean, nullable=False),
     sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("held", sa.Boolean),
+    sa.Column("reason", sa.Text),
 )
 """Each job a bill names: what its lines bill in all, and whether that figure is final (its
-settlement is replaced by its lines in the periods: `billing.trueup`) or still provisional."""
+settlement is replaced by its lines in the periods: `billing.trueup`), still provisional, or
+`held` for an admin to accept; `reason` says why it is not final."""
+
+bill_accepts = sa.Table(
+    "gpu_bill_accepts",
+    metadata,
+    sa.Column("job_id", sa.String(36), primary_key=True),
+    sa.Column("accepted_micro", sa.BigInteger, nullable=False),
+    sa.Column("accepted_at", sa.Float, nullable=False),
+)
+"""The held figures an admin accepted: a job's bill up to `accepted_micro` books."""
 
 over_by_bill = sa.Table(
     "gpu_over_by_bill",

@@ -23,8 +23,9 @@ HOUR = 3600.0
 
 
 def _settled(ledger, scope: str, start: float, hours: float, **job) -> dict:
-    """A job of `scope` that ran `hours` from `start` at $3.60/h (so it settles at $3.60 an
-    hour), as its launcher would record it."""
+    """A SageMaker job of `scope` that ran `hours` from `start` at $3.60/h (so it settles at
+    $3.60 an hour), as its launcher would record it."""
+    job = {"launcher": "sagemaker:lab", "instance_type": "sagemaker:ml.g5.xlarge", **job}
     external_id = job.pop("external_id", None)
     job_id, decision = ledger.queue.request(new_job(scope, **job), now=start - 1)
     assert decision.verdict == "admit", decision

@@ -1,0 +1,107 @@
+"""What the ledger shows of the imported bills: the drift per job and per scope, the lines no
+job's bill counts (with the reason), and the closed periods over their budget by the bill."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from prefect_gpu_budget.admission.ledger.bill_store import OverByBill, line_view
+from prefect_gpu_budget.admission.ledger.tables import (
+    bill_imports,
+    bill_jobs,
+    bill_lines,
+    jobs,
+)
+from prefect_gpu_budget.admission.ledger.tables import (
+    over_by_bill as over_table,
+)
+
+APART = ("untagged", "account", "refused", "copy")
+"""The kinds of line shown apart from the jobs' bills, in the order they are shown."""
+
+
+def _under(column: Any, scope: str) -> Any:
+    return sa.or_(column == scope, column.startswith(scope + "/", autoescape=True))
+
+
+def over_by_bill(conn: Connection, scope: str | None) -> list[OverByBill]:
+    """The closed periods marked over their budget by the bill (of `scope`'s subtree)."""
+    query = sa.select(over_table).order_by(over_table.c.scope, over_table.c.period_start)
+    if scope is not None:
+        query = query.where(_under(over_table.c.scope, scope))
+    return [
+        OverByBill(r.scope, r.period_start, r.period_end, r.budget_micro, r.spent_micro)
+        for r in conn.execute(query)
+    ]
+
+
+def figure(row: Any) -> str:
+    """A bill's figure in a word: final, provisional or held."""
+    return "final" if row["final"] else "held" if row["held"] else "provisional"
+
+
+def drift(conn: Connection, scope: str | None) -> dict[str, Any]:
+    """`Bills.drift`'s answer, read in one transaction."""
+    query = (
+        sa.select(
+            bill_jobs.c.job_id,
+            bill_jobs.c.scope,
+            bill_jobs.c.billed_micro,
+            bill_jobs.c.final,
+            bill_jobs.c.held,
+            bill_jobs.c.reason,
+            jobs.c.reserved_micro,
+            jobs.c.actual_micro,
+            jobs.c.state,
+            jobs.c.name,
+        )
+        .select_from(bill_jobs.join(jobs, jobs.c.id == bill_jobs.c.job_id))
+        .order_by(bill_jobs.c.scope, bill_jobs.c.job_id)
+    )
+    if scope is not None:
+        query = query.where(_under(bill_jobs.c.scope, scope))
+    rows = conn.execute(query).mappings().all()
+    unowned = (
+        conn.execute(
+            sa.select(bill_lines)
+            .where(bill_lines.c.kind != "job")
+            .order_by(bill_lines.c.billing_period, bill_lines.c.usage_start, bill_lines.c.line_id)
+        )
+        .mappings()
+        .all()
+    )
+    imports = conn.execute(sa.select(bill_imports)).mappings().all()
+    per_job = []
+    totals: dict[str, dict[str, int]] = {}
+    for row in rows:
+        settled = row["actual_micro"] or 0
+        entry = {
+            "job_id": row["job_id"],
+            "name": row["name"],
+            "scope": row["scope"],
+            "reserved_micro": row["reserved_micro"] or 0,
+            "settled_micro": settled,
+            "billed_micro": row["billed_micro"],
+            "drift_micro": row["billed_micro"] - settled,
+            "final": bool(row["final"]),
+            "figure": figure(row),
+            "reason": row["reason"] or "",
+        }
+        per_job.append(entry)
+        total = totals.setdefault(
+            row["scope"],
+            {"settled_micro": 0, "billed_micro": 0, "drift_micro": 0, "provisional": 0, "held": 0},
+        )
+        for name in ("settled_micro", "billed_micro", "drift_micro"):
+            total[name] += entry[name]
+        total["provisional"] += entry["figure"] == "provisional"
+        total["held"] += entry["figure"] == "held"
+    return {
+        "jobs": per_job,
+        "scopes": totals,
+        **{kind: [line_view(r) for r in unowned if r["kind"] == kind] for kind in APART},
+        "imports": [dict(r) for r in imports],
+    }

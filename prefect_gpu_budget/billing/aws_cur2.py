@@ -16,7 +16,9 @@ Columns (CUR 2.0's snake_case names):
   `line_item_unblended_cost`), `line_item_currency_code` (AWS's exports always have it; a file
   without the column, such as a query that left it out, is taken to be in USD, while a row
   with an empty one is refused), `line_item_resource_id` (only with "include resource IDs"),
-  `line_item_usage_type` (the description).
+  `line_item_line_item_description` and `line_item_usage_type` (the description: AWS's own
+  words for the line, else its usage type, else its product code, else its line type, so that
+  no line, a Tax line's included, is shown blank).
 
 Dates are ISO 8601 text or Parquet timestamps (a naive one is UTC); money is a number or a
 number's text. Formats: Parquet, CSV, gzip CSV and JSON Lines, told from the file's bytes.
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import tempfile
 from collections.abc import Mapping
 from datetime import timezone
@@ -46,9 +47,11 @@ from typing import Any
 
 from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
 from prefect_gpu_budget.billing.reading import (
+    MAX_FILE_BYTES,
     Rows,
     at,
     money,
+    no_nul,
     number_repeats,
     open_rows,
     span,
@@ -143,12 +146,25 @@ def _line(row: Mapping[str, Any], where: str, n: int, has_currency: bool) -> Bil
         resource_id=text(
             row.get("line_item_resource_id"), where, "line_item_resource_id", n, required=False
         ),
-        description=text(
-            row.get("line_item_usage_type"), where, "line_item_usage_type", n, required=False
-        )
-        or "",
+        description=_description(row, where, n),
         where=at(where, n),
     )
+
+
+DESCRIBED_BY = (
+    "line_item_line_item_description",
+    "line_item_usage_type",
+    "line_item_product_code",
+    "line_item_line_item_type",
+)
+
+
+def _description(row: Mapping[str, Any], where: str, n: int) -> str:
+    for column in DESCRIBED_BY:
+        found = text(row.get(column), where, column, n, required=False)
+        if found:
+            return found
+    return ""
 
 
 def is_mark_key(key: str) -> bool:
@@ -168,6 +184,8 @@ def _mark(row: Mapping[str, Any], where: str, n: int) -> str | None:
     flat = text(row.get(FLAT_TAG), where, FLAT_TAG, n, required=False)
     if flat:
         found.add(flat)
+    for mark in found:
+        no_nul(mark, where, TAGS, n)
     if len(found) > 1:
         raise BillError(where, f"two gpu-budget-job tags: {sorted(found)}", TAGS, n)
     return found.pop() if found else None
@@ -210,7 +228,12 @@ def tags(value: object, where: str, n: int) -> dict[str, str]:
 
 
 def read_cur2_s3(
-    client: Any, bucket: str, prefix: str, export_name: str, period: str
+    client: Any,
+    bucket: str,
+    prefix: str,
+    export_name: str,
+    period: str,
+    max_bytes: int | None = None,
 ) -> list[BillLine]:
     """A billing period's whole delivery, read from S3 through its manifest.
 
@@ -227,6 +250,12 @@ def read_cur2_s3(
     list is not used: each file's own columns are checked. Exactly the listed files are read
     (each once), nothing else in the data folder; a listed file that is not in S3 is refused,
     naming it, as is a line whose billing period is not `period`.
+
+    A manifest may name only objects of the export: in `bucket`, under
+    `<prefix>/<export_name>/`, with no `.` or `..` segment; one that names any other is refused
+    before anything is read. A manifest past `MANIFEST_BYTES`, and a data file past `max_bytes`
+    (`reading.MAX_FILE_BYTES` by default; compressed as it is stored, and again decompressed),
+    are refused as they are read, in bounded memory.
     """
     if not _PERIOD.fullmatch(period):
         raise ValueError(f"a billing period is YYYY-MM, not {period!r}")
@@ -236,6 +265,9 @@ def read_cur2_s3(
     where = f"s3://{bucket}/{key}"
     manifest = _manifest(_get(client, bucket, key, where), where)
     files = _data_files(manifest, bucket, where)
+    for file_bucket, file_key in files:
+        _check_inside(file_bucket, file_key, bucket, base, where)
+    bound = MAX_FILE_BYTES if max_bytes is None else max_bytes
     lines: list[BillLine] = []
     with tempfile.TemporaryDirectory(prefix="cur2-") as tmp:
         for i, (file_bucket, file_key) in enumerate(files):
@@ -243,10 +275,36 @@ def read_cur2_s3(
             local = Path(tmp) / f"part-{i}"
             body = _get(client, file_bucket, file_key, uri, listed=True)
             with local.open("wb") as out:
-                shutil.copyfileobj(body, out, 1 << 20)
-            lines += cur2_lines(open_rows(local, uri), period)
+                _copy(body, out, bound, uri)
+            lines += cur2_lines(open_rows(local, uri, bound), period)
             local.unlink()
     return number_repeats(lines)
+
+
+MANIFEST_BYTES = 16 << 20
+"""The largest manifest read (16 MiB: a manifest lists file names, not data)."""
+
+
+def _check_inside(file_bucket: str, key: str, bucket: str, base: str, where: str) -> None:
+    """Refuse a listed object outside the export: another bucket, or not under its prefix."""
+    uri = f"s3://{file_bucket}/{key}"
+    parts = key.split("/")
+    if (
+        file_bucket != bucket
+        or not key.startswith(f"{base}/")
+        or any(part in (".", "..") for part in parts)
+    ):
+        raise BillError(where, f"lists {uri[:200]}, outside the export s3://{bucket}/{base}/")
+
+
+def _copy(body: Any, out: Any, bound: int, where: str) -> None:
+    """Copy an object's body in chunks, refusing it past `bound` bytes."""
+    total = 0
+    while chunk := body.read(1 << 20):
+        total += len(chunk)
+        if total > bound:
+            raise BillError(where, f"holds past the bound of {bound} bytes")
+        out.write(chunk)
 
 
 def _client_error() -> type[Exception]:
@@ -292,8 +350,11 @@ def _get(client: Any, bucket: str, key: str, where: str, listed: bool = False) -
 
 
 def _manifest(body: Any, where: str) -> Mapping[str, Any]:
+    data = body.read(MANIFEST_BYTES + 1)
+    if len(data) > MANIFEST_BYTES:
+        raise BillError(where, f"a manifest past {MANIFEST_BYTES} bytes")
     try:
-        manifest = json.loads(body.read())
+        manifest = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise BillError(where, "not a JSON manifest") from None
     if not isinstance(manifest, Mapping):

@@ -16,7 +16,9 @@ CURRENCY_COLUMN = {"aws-cur2": "line_item_currency_code", "gcp-billing": "curren
 
 
 def read_bill_files(
-    paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str], source: str | None = None
+    paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str],
+    source: str | None = None,
+    max_bytes: int | None = None,
 ) -> list[BillLine]:
     """The lines of local export files (Parquet, CSV, gzip CSV, JSON Lines; the format told
     from each file's bytes), as one read: a line id repeated across them is numbered.
@@ -25,7 +27,8 @@ def read_bill_files(
     `identity_`/`line_item_`/`bill_` columns, or the GCP export's nested `invoice` and `cost`
     fields; a file with neither, or both, is refused naming its columns. `source`
     (`aws-cur2` or `gcp-billing`) reads every file in that schema. A file named twice is
-    refused (it would bill twice). GCP rows are nested, so a GCP file is JSON Lines or Parquet.
+    refused. GCP rows are nested, so a GCP file is JSON Lines or Parquet. `max_bytes` bounds
+    each file's data, decompressed (`reading.open_rows`).
     """
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
@@ -38,14 +41,21 @@ def read_bill_files(
         if real in seen:
             raise BillError(str(path), "named twice: its lines would be billed twice")
         seen.add(real)
-        rows = open_rows(path)
+        rows = open_rows(path, max_bytes=max_bytes)
         kind = source or _schema(rows.columns, rows.where)
         lines += cur2_lines(rows) if kind == "aws-cur2" else gcp_lines(rows)
     return number_repeats(lines)
 
 
 def _schema(columns: list[str], where: str) -> str:
+    """The schema a file's columns show. A file with none of CUR 2.0's columns but at least
+    half of the GCP export's required ones is read as a GCP export, so that the reader names
+    the column it lacks (a file without `cost` is a GCP export that lost it)."""
+    from prefect_gpu_budget.billing.gcp_billing import REQUIRED
+
     aws, gcp = is_cur2(columns), is_gcp(columns)
+    if not aws and not gcp and 2 * sum(c in columns for c in REQUIRED) >= len(REQUIRED):
+        gcp = True
     if aws != gcp:
         return "aws-cur2" if aws else "gcp-billing"
     shown = ", ".join(columns[:8]) + (", ..." if len(columns) > 8 else "")

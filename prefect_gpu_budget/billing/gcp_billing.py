@@ -37,6 +37,7 @@ from prefect_gpu_budget.billing.reading import (
     Rows,
     at,
     money,
+    no_nul,
     number_repeats,
     open_rows,
     span,
@@ -86,6 +87,7 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
     if len(marks) > 1:
         raise BillError(where, f"two {JOB_MARK} labels: {sorted(marks)}", "labels", n)
     sku = _record(row, "sku", where, n)
+    service = _record(row, "service", where, n)
     resource = _record(row, "resource", where, n)
     return BillLine(
         source=SOURCE,
@@ -100,7 +102,10 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
         resource_id=text(
             resource.get("global_name"), where, "resource.global_name", n, required=False
         ),
-        description=text(sku.get("description"), where, "sku.description", n, required=False) or "",
+        description=text(sku.get("description"), where, "sku.description", n, required=False)
+        or text(service.get("description"), where, "service.description", n, required=False)
+        or text(row.get("cost_type"), where, "cost_type", n)
+        or "",
         where=at(where, n),
         version=_version(row.get("export_time"), where, n),
     )
@@ -142,7 +147,9 @@ def _labels(value: object, where: str, column: str, n: int) -> list[tuple[str, s
             raise BillError(where, "a label that is not a key and a value", column, n)
         if not isinstance(key, str) or not (item is None or isinstance(item, str)):
             raise BillError(where, "a label that is not text", column, n)
-        pairs.append((key, (item or "").strip()))
+        pairs.append(
+            (no_nul(key, where, column, n), no_nul((item or "").strip(), where, column, n))
+        )
     return sorted(pairs)
 
 

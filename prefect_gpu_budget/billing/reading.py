@@ -8,6 +8,11 @@ inside), JSON Lines (the first non-blank character is `{`), else CSV with a head
 Rows come as dicts of the file's own values: from Parquet, pyarrow's Python values (a map column
 as a list of (key, value) tuples, a struct as a dict, a timestamp as a datetime); from CSV, text,
 an empty field as None; from JSON Lines, JSON values. Row 1 is the first row of data.
+
+A hostile file is refused before it costs more than a stated bound, with nothing written: a file
+whose data pass `MAX_FILE_BYTES` (a gzip stream is decompressed in chunks and dropped as it is
+counted, so a bomb stops at the bound; a Parquet file by the sizes in its footer), a line longer
+than `MAX_LINE_CHARS`, and a NUL byte anywhere in the text (no database stores one in text).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from typing import Any
 
 from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
 
+MAX_FILE_BYTES = 256 << 20
+"""The most a file's data may hold, decompressed (256 MiB; `bill import --max-file-mib`)."""
+MAX_LINE_CHARS = 1 << 20
+"""The longest line of a CSV or JSON Lines file (1 Mi characters)."""
+_CHUNK = 1 << 20
 PARQUET_MAGIC = b"PAR1"
 GZIP_MAGIC = b"\x1f\x8b"
 _BATCH = 10_000
@@ -46,14 +56,17 @@ class Rows:
     rows: Iterator[dict[str, Any]]
 
 
-def open_rows(path: str | Path, where: str | None = None) -> Rows:
-    """The export file at `path` as `Rows`; `where` names it in messages (default: the path).
+def open_rows(path: str | Path, where: str | None = None, max_bytes: int | None = None) -> Rows:
+    """The export file at `path` as `Rows`; `where` names it in messages (default: the path);
+    `max_bytes` bounds its data, decompressed (default `MAX_FILE_BYTES`).
 
     Refuses (`BillError`, one line naming the file) an empty file, an unreadable or truncated
-    Parquet or gzip file, and text that is not UTF-8. Errors met later, while the rows are read,
-    are raised by the iterator as `BillError`s too, with the row number where one is known.
+    Parquet or gzip file, text that is not UTF-8, data past `max_bytes` and a NUL byte (naming
+    its row). Errors met later, while the rows are read, are raised by the iterator as
+    `BillError`s too, with the row number where one is known (a line past `MAX_LINE_CHARS`).
     """
     where = where or str(path)
+    bound = MAX_FILE_BYTES if max_bytes is None else max_bytes
     try:
         with open(path, "rb") as f:
             head = f.read(4)
@@ -62,21 +75,49 @@ def open_rows(path: str | Path, where: str | None = None) -> Rows:
     if not head:
         raise BillError(where, "empty file")
     if head == PARQUET_MAGIC:
-        return _parquet(path, where)
-    if head[:2] == GZIP_MAGIC:
+        return _parquet(path, where, bound)
+    zipped = head[:2] == GZIP_MAGIC
+    _scan(path, where, zipped, bound)
+    if zipped:
         return _text(lambda: gzip.open(path, "rt", encoding="utf-8-sig", newline=""), where, True)
     return _text(lambda: open(path, encoding="utf-8-sig", newline=""), where, False)
 
 
-def _parquet(path: str | Path, where: str) -> Rows:
+def _scan(path: str | Path, where: str, zipped: bool, bound: int) -> None:
+    """Read a text file's bytes once, in chunks (a gzip file decompressed), before any row is
+    parsed: refuse it past `bound` bytes or with a NUL byte (naming the row it is on)."""
+    total, lines, header = 0, 0, 1
+    try:
+        with gzip.open(path, "rb") if zipped else open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                if not total and chunk.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"{"):
+                    header = 0  # JSON Lines: no header line
+                if b"\x00" in chunk:
+                    row = lines + chunk[: chunk.index(b"\x00")].count(b"\n") + 1 - header
+                    raise BillError(where, "a NUL byte in the text", row=row or None)
+                total += len(chunk)
+                lines += chunk.count(b"\n")
+                if total > bound:
+                    what = "decompresses" if zipped else "holds"
+                    raise BillError(where, f"{what} past the bound of {bound} bytes")
+    except (EOFError, OSError, zlib.error) as exc:
+        raise BillError(where, f"unreadable gzip file (truncated?): {_short(exc)}") from None
+
+
+def _parquet(path: str | Path, where: str, bound: int) -> Rows:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         file = pq.ParquetFile(path)
         columns = list(file.schema_arrow.names)
+        meta = file.metadata
+        size = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
     except (pa.ArrowException, OSError) as exc:
         raise BillError(where, f"not a readable Parquet file (truncated?): {_short(exc)}") from None
+    if size > bound:
+        file.close()
+        raise BillError(where, f"decompresses past the bound of {bound} bytes ({size})")
 
     def rows() -> Iterator[dict[str, Any]]:
         try:
@@ -97,7 +138,7 @@ def _text(opener: Callable[[], io.TextIOBase], where: str, zipped: bool) -> Rows
     try:
         with opener() as f:
             first = ""
-            for line in f:
+            for line in _lines(f, where, 0):
                 if line.strip():
                     first = line
                     break
@@ -130,9 +171,21 @@ def _guarded(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[io.Tex
         raise BillError(where, "not UTF-8 text") from None
 
 
+def _lines(f: io.TextIOBase, where: str, first_row: int) -> Iterator[str]:
+    """The file's lines, none read past `MAX_LINE_CHARS` (so a line of a gigabyte costs a
+    megabyte); `BillError` naming the row (the line's number plus `first_row`) for a longer
+    one."""
+    n = first_row
+    while line := f.readline(MAX_LINE_CHARS + 1):
+        n += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise BillError(where, f"a line longer than {MAX_LINE_CHARS} characters", row=n)
+        yield line
+
+
 def _csv(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[dict[str, Any]]:
     with _guarded(opener, where) as f:
-        reader = csv.reader(f)
+        reader = csv.reader(_lines(f, where, -1))
         header: list[str] | None = None
         n = 0
         try:
@@ -155,7 +208,7 @@ def _csv(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[dict[str, 
 def _jsonl(opener: Callable[[], io.TextIOBase], where: str) -> Iterator[dict[str, Any]]:
     with _guarded(opener, where) as f:
         n = 0
-        for line in f:
+        for line in _lines(f, where, 0):
             if not line.strip():
                 continue
             n += 1
@@ -188,14 +241,22 @@ def split_where(where: str) -> tuple[str, int | None]:
 
 
 def text(value: object, where: str, column: str, n: int, *, required: bool = True) -> str | None:
-    """A text value, stripped; None for an empty optional one."""
+    """A text value, stripped; None for an empty optional one. A NUL is refused."""
     if isinstance(value, str) and value.strip():
+        no_nul(value, where, column, n)
         return value.strip()
     if value is None or (isinstance(value, str) and not value.strip()):
         if required:
             raise BillError(where, "empty", column, n)
         return None
     raise BillError(where, f"not text: {type(value).__name__}", column, n)
+
+
+def no_nul(value: str, where: str, column: str, n: int) -> str:
+    """`value`, refused (`BillError` naming the column and row) if it holds a NUL byte."""
+    if "\x00" in value:
+        raise BillError(where, "a NUL byte in the text", column, n)
+    return value
 
 
 def money(value: object, where: str, column: str, n: int) -> Decimal:

@@ -52,6 +52,12 @@ def bill_import(
         help="Lines whose usage ended less than this long ago move no budget (default 48, or "
         "the block's; 0: every line whose usage has ended is final).",
     ),
+    max_file_mib: int = typer.Option(
+        256,
+        "--max-file-mib",
+        min=1,
+        help="Refuse a file whose data pass this many MiB, decompressed (a gzip bomb).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="What each import did, as JSON."),
 ) -> None:
     """Import the cloud's bill: each (source, billing period) it holds replaces the last
@@ -68,7 +74,7 @@ def bill_import(
 
         if period:
             fail("period: the files' own periods are imported; --period reads a block")
-        lines = read_bill_files(files, source)
+        lines = read_bill_files(files, source, max_bytes=max_file_mib << 20)
         read_from, hours, groups = ", ".join(map(str, files)), DEFAULT_PROVISIONAL_HOURS, ()
     else:
         from prefect_gpu_budget.blocks.billing import BillingExport

@@ -275,3 +275,49 @@ def test_a_line_in_two_files_is_one_line_and_a_different_one_is_numbered(
     )
     ids = [line.line_id for line in read_cur2_s3(s3, bucket, PREFIX, EXPORT, PERIOD)]
     assert ids == [f"{ids[2]}#2", f"{ids[2]}#2", ids[2]]  # numbered by amount: $1 first
+
+
+@pytest.mark.parametrize(
+    "listed",
+    [
+        "s3://{bucket}/" + DATA + "/../../../../secret.parquet",
+        "s3://{bucket}/billing/other-export/data/part.parquet",
+        "s3://elsewhere-{bucket}/" + DATA + "/part.parquet",
+        "../../secret.parquet",
+        "s3://{bucket}/" + f"{PREFIX}/{EXPORT}/./data/part.parquet",
+    ],
+)
+def test_a_manifest_naming_an_object_outside_its_export_is_refused_unread(
+    s3: Any, bucket: str, tmp_path: Path, listed: str
+) -> None:
+    body = _parquet(tmp_path, cur_rows())
+    s3.create_bucket(Bucket=f"elsewhere-{bucket}")
+    for where, key in (
+        (bucket, "secret.parquet"),
+        (bucket, "billing/other-export/data/part.parquet"),
+        (f"elsewhere-{bucket}", f"{DATA}/part.parquet"),
+    ):
+        s3.put_object(Bucket=where, Key=key, Body=body)
+    uri = listed.format(bucket=bucket)
+    _deliver(s3, bucket, {"part-0.parquet": body}, listed=["part-0.parquet"])
+    manifest = {"dataFiles": [f"s3://{bucket}/{DATA}/part-0.parquet", uri]}
+    s3.put_object(
+        Bucket=bucket, Key=f"{META}/{EXPORT}-Manifest.json", Body=json.dumps(manifest).encode()
+    )
+    with pytest.raises(BillError) as caught:
+        read_cur2_s3(s3, bucket, PREFIX, EXPORT, PERIOD)
+    assert caught.value.where == f"s3://{bucket}/{META}/{EXPORT}-Manifest.json"
+    assert f"outside the export s3://{bucket}/{PREFIX}/{EXPORT}/" in caught.value.rule
+
+
+def test_a_data_file_past_the_bound_is_refused_as_it_is_read(
+    s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    bomb = gzip.compress(csv_text(cur_rows() * 2000).encode())
+    _deliver(s3, bucket, {f"{EXPORT}-00001.csv.gz": bomb})
+    with pytest.raises(BillError) as caught:
+        read_cur2_s3(s3, bucket, PREFIX, EXPORT, PERIOD, max_bytes=len(bomb) + 1000)
+    assert caught.value.where.endswith(f"{EXPORT}-00001.csv.gz")
+    assert "decompresses past the bound" in caught.value.rule
+    with pytest.raises(BillError, match="holds past the bound of 100 bytes"):
+        read_cur2_s3(s3, bucket, PREFIX, EXPORT, PERIOD, max_bytes=100)

@@ -156,3 +156,92 @@ def test_a_malformed_export_exits_2_in_one_line_and_changes_nothing(
     assert _cli(url, "bill", "drift", "--json").stdout == before
     missing = _cli(url, "bill", "import", str(tmp_path / "nowhere.parquet"))
     assert missing.returncode == 2 and "nowhere.parquet" in missing.stderr, missing.stderr
+
+
+def _nul_csv(path: Path, job: str) -> Path:
+    text = fixtures.csv_text(fixtures.cur_rows()).replace(fixtures.AWS_JOB, job)
+    path.write_text(text.replace("Tax", "Ta\x00x", 1))
+    return path
+
+
+def _long_line(path: Path, job: str) -> Path:
+    rows = fixtures.cur_rows()
+    rows[0]["line_item_usage_type"] = "x" * (2 << 20)
+    return fixtures.write_csv(path, rows)
+
+
+def _bomb(path: Path, job: str) -> Path:
+    from tests.billing.test_hostile import write_bomb
+
+    return write_bomb(path, 1 << 30)
+
+
+def _gcp_without_cost(path: Path, job: str) -> Path:
+    rows = [{k: v for k, v in row.items() if k != "cost"} for row in fixtures.gcp_rows()]
+    return fixtures.write_gcp_jsonl(path, rows)
+
+
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (_nul_csv, "row 4: a NUL byte"),
+        (_long_line, "row 1: a line longer than 1048576 characters"),
+        (_bomb, "decompresses past the bound of 268435456 bytes"),
+        (_gcp_without_cost, "column cost: missing column"),
+    ],
+)
+def test_a_hostile_file_exits_2_in_one_line_and_writes_nothing(
+    house, tmp_path: Path, make, said: str
+):
+    import resource
+
+    url, ledger = house
+    job = ran_job(
+        ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688, **SAGEMAKER
+    )
+    good = _cur_export(tmp_path / "good.parquet", job)
+    assert _cli(url, "bill", "import", str(good), "--provisional-hours", "0").returncode == 0
+    before = _cli(url, "bill", "drift", "--json").stdout
+    month = periods.bounds("month", "UTC", NOV)[0]
+    spent = ledger.views.period_settled("acme", month)
+    bad = make(tmp_path / "bad.csv.gz", job)
+    done = _cli(url, "bill", "import", str(good), str(bad), "--provisional-hours", "0")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and said in lines[0], lines
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 600 * 1024  # KiB
+    assert _cli(url, "bill", "drift", "--json").stdout == before
+    assert ledger.views.period_settled("acme", month) == spent
+
+
+def test_forget_accept_and_what_drift_says(house, tmp_path: Path):
+    url, ledger = house
+    job = ran_job(
+        ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T10:00:10Z", 37.688, **SAGEMAKER
+    )
+    rows = fixtures.cur_rows()[:4]
+    rows[0]["resource_tags"] = {"user_gpu_budget_job": job}
+    rows[0]["line_item_net_unblended_cost"] = 999_999_999.0  # on a 10-second job
+    rows[3]["line_item_usage_type"] = None  # a Tax line as AWS writes it
+    rows[3]["line_item_line_item_description"] = "Tax for product code AmazonSageMaker"
+    for row in rows[:3]:
+        row["line_item_line_item_description"] = None
+    rows[1]["resource_tags"] = {"user_gpu_budget_job": "not-a-job"}
+    rows[2]["resource_tags"] = {}
+    export = fixtures.write_parquet(tmp_path / "cur.parquet", rows)
+    month = periods.bounds("month", "UTC", NOV)[0]
+    settled = ledger.views.period_settled("acme", month)
+    done = _cli(url, "bill", "import", str(export), "--provisional-hours", "0")
+    assert done.returncode == 0, done.stderr
+    assert f"held: job {job} (acme/nlp/a7) billed $999,999,999.00" in done.stdout, done.stdout
+    assert ledger.views.period_settled("acme", month) == settled
+    table = _cli(url, "bill", "drift").stdout
+    assert "held" in table and "Tax for product code AmazonSageMaker" in table, table
+    accepted = _cli(url, "bill", "accept", job)
+    assert accepted.returncode == 0 and "budgets moved: acme" in accepted.stdout, accepted
+    assert ledger.views.period_settled("acme", month) == 999_999_999_000_000
+    forgot = _cli(url, "bill", "forget", "aws-cur2", "2026-11")
+    assert forgot.returncode == 0 and "forgot aws-cur2 2026-11" in forgot.stdout, forgot
+    assert ledger.views.period_settled("acme", month) == settled
+    again = _cli(url, "bill", "forget", "aws-cur2", "2026-11")
+    assert again.returncode == 2 and "no import of it to forget" in again.stderr

@@ -240,3 +240,28 @@ def test_a_bad_line_changes_nothing(lab, bad: dict, rule: str):
 def test_month_of_is_the_utc_month():
     t = datetime(2026, 11, 30, 23, 30, tzinfo=timezone.utc).timestamp()
     assert month_of(t) == "2026-11" and month_of(t + HOUR) == "2026-12"
+
+
+def test_a_figure_not_final_says_why(lab):
+    from prefect_gpu_budget.billing.imports import summary
+
+    start = _month_start(time.time()) + HOUR
+    job = _settled(lab, "lab/vision/a7", start, 1)  # 01:00-02:00
+    lines = [_line(job["id"], start + HOUR / 2, 1, "4.00")]  # its last hour ends at 02:30
+    period = month_of(start)
+    early = lab.bills.import_bill("aws-cur2", period, lines, provisional_hours=0, now=start + HOUR)
+    assert early.provisional == {"usage not ended": 1} and early.jobs_final == 0
+    assert "0 job(s) final, 1 provisional (usage not ended)" in summary(early)
+    assert lab.bills.drift()["jobs"][0]["reason"] == "usage not ended"
+    later = lab.bills.import_bill(
+        "aws-cur2", period, lines, provisional_hours=48, now=start + 5 * HOUR
+    )
+    assert later.provisional == {"usage ended less than 48 h ago": 1}
+    assert _spend(lab, "lab", start) == 3_600_000  # provisional: nothing moved
+    done = lab.bills.import_bill(
+        "aws-cur2", period, lines, provisional_hours=0, now=start + 5 * HOUR
+    )
+    assert done.jobs_final == 1 and done.drift_micro == 400_000
+    assert done.moved == {"lab": 400_000, "lab/vision": 400_000} and done.booked_micro == 800_000
+    said = summary(done)
+    assert "drift booked $0.40; budgets moved: lab $0.40, lab/vision $0.40" in said, said

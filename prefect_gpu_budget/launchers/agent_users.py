@@ -4,9 +4,9 @@
 
 - with a uid range (`PREFECT_GPU_BUDGET_AGENT_UIDS`, `uid_range`), each agent session gets a
   user of its own (`session_user`): named `session_user_name` of the job's grant
-  (`gpub-<12 hex>`), made with `useradd` from a free uid of the range, its own group, no
-  home, no login (under a lock in `root/.users`, the worker's, 0700), then reused for every
-  job of that grant. A grant is one session's: it is made for one session scope
+  (`gpub-<12 hex>`), made with `useradd` from a uid of the range never given out before (a
+  uid is never reused: `_free_id`), its own group, no home, no login (under a lock in
+  `root/.users`, the worker's, 0700), then reused for every job of that grant. A grant is one session's: it is made for one session scope
   (`Ledger.grants.grant_agent`), and the gate refuses a job carrying it in any other scope, with
   nothing reserved (`agents.grant_refusal`), so no two sessions ever share a user (a session
   granted two tokens has two users, apart as well); jobs without a grant (an admin's) share
@@ -53,6 +53,8 @@ NOLOGIN_SHELLS: tuple[str, ...] = ("/usr/sbin/nologin", "/sbin/nologin", "/bin/f
 """The session users' shell: the first of these there is."""
 USERADD: tuple[str, ...] = ("/usr/sbin/useradd", "/sbin/useradd")
 """Where `useradd` is looked for (then on PATH)."""
+ISSUED = "issued-uid"
+"""The file in `root/.users` that holds the highest uid ever given out: never given again."""
 LEFTOVER_WAIT_S = 2.0
 """How long the sweep waits for a session user's last processes (just killed) to be gone."""
 
@@ -159,8 +161,8 @@ def _create_user(
             uid = _free_id(first, last, root)
             if uid is None:
                 raise _refuse(
-                    f"no free uid left in {settings.AGENT_UIDS_ENV}={uids} for the "
-                    f"agent user {name!r}"
+                    f"no uid left in {settings.AGENT_UIDS_ENV}={uids} for the agent user "
+                    f"{name!r}: each uid is given once, never again; widen the range"
                 )
             bounds = [f"{k}={uid}" for k in ("SYS_UID_MIN", "SYS_UID_MAX")]
             bounds += [f"{k}={uid}" for k in ("SYS_GID_MIN", "SYS_GID_MAX")]
@@ -178,6 +180,7 @@ def _create_user(
             if made.returncode == 0:
                 entry = _lookup_user(name)
                 if entry is not None:
+                    _record_issued(root, entry.pw_uid)
                     logger.info("made agent user %s (uid %d)", name, entry.pw_uid)
                     return entry
             elif made.returncode not in (4, 9):  # 4, 9: uid or name taken meanwhile
@@ -198,12 +201,34 @@ def _useradd() -> str | None:
 
 
 def _free_id(first: int, last: int, root: Path) -> int | None:
-    """The lowest id of first..last that is neither a user's uid nor a group's gid, nor the
-    owner of a live process or of a file left at the top of TEMP_DIRS or of `root` (the jobs'
-    folders): a new session never inherits what an old one of a removed user left behind."""
+    """The lowest id of first..last above every id given out here before
+    (`root/.users/ISSUED`) and above every uid and gid of the range in use (a user's, a
+    group's, the owner of a live process or of a file at the top of TEMP_DIRS or of `root`):
+    a uid is never given twice, so a new session never inherits what an old one of a removed
+    user left anywhere on the host."""
     taken = {p.pw_uid for p in pwd.getpwall()} | {g.gr_gid for g in grp.getgrall()}
     taken |= _owners(first, last, root)
-    return next((i for i in range(first, last + 1) if i not in taken), None)
+    floor = max([_issued(root), *(t for t in taken if first <= t <= last)], default=0)
+    return next((i for i in range(max(first, floor + 1), last + 1) if i not in taken), None)
+
+
+def _issued(root: Path) -> int:
+    """The highest uid given out from `root` so far (0: none)."""
+    try:
+        text = (_users_dir(root) / ISSUED).read_text().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def _record_issued(root: Path, uid: int) -> None:
+    """Remember `uid` as given out, for good (written whole, then renamed over the old)."""
+    if uid <= _issued(root):
+        return
+    folder = _users_dir(root)
+    fresh = folder / f".{ISSUED}.{os.getpid()}"
+    fresh.write_text(f"{uid}\n")
+    os.replace(fresh, folder / ISSUED)
 
 
 def _owners(first: int, last: int, root: Path) -> set[int]:

@@ -323,12 +323,10 @@ def test_a_session_user_is_made_once_by_concurrent_jobs(sessions: Sandbox, quote
 
 
 @as_root
-def test_a_uid_is_not_given_again_while_a_file_of_its_old_user_is_left(
-    sessions: Sandbox, base: Path
-) -> None:
-    """An admin removed an old session's user (`userdel`) while a file of it was left in
-    /var/tmp: a new session's user does not get that uid (it would own the file) until the
-    file is gone."""
+def test_a_uid_is_never_given_again(sessions: Sandbox, base: Path) -> None:
+    """An admin removed an old session's user (`userdel`), with a file of it left in /var/tmp,
+    or nothing left at all: a new session's user never gets that uid (it would own whatever
+    the old one left anywhere on the host), even once the file is gone."""
     sessions.check()  # makes the jobs' folder, where the users' lock lives
     old = sessions.session_user(uuid.uuid4().hex, create=True)
     left = Path(tempfile.mkdtemp(prefix="gpubt-left-", dir="/var/tmp"))
@@ -340,8 +338,10 @@ def test_a_uid_is_not_given_again_while_a_file_of_its_old_user_is_left(
         assert new.uid != old.uid and FIRST <= new.uid <= LAST, (old, new)
     finally:
         shutil.rmtree(left)
+    for tool in ("userdel", "groupdel"):
+        subprocess.run([tool, new.name], capture_output=True, check=False)
     again = sessions.session_user(uuid.uuid4().hex, create=True)
-    assert again.uid == old.uid, (old, again)  # nothing of it is left: free once more
+    assert again.uid > new.uid > old.uid, (old, new, again)  # nothing left, still not reused
 
 
 @as_root

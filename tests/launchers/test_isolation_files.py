@@ -1,0 +1,337 @@
+"""An agent's job reaches nothing of its host, round two (`launchers/_walls.py`, the holder's
+`--isolate`): real jobs, as `nobody`, trying from inside what a hostile trial would: the unix
+socket of a PostgreSQL that trusts local users, any 0777 socket of the host, /run/lock, SysV
+and POSIX shared memory, an unlinked file past the disk cap; on both network modes that
+confine (`none` and a proxy). Each attack is first shown to work on the host's network
+(`host`), so the test can fail.
+
+Namespaces, mounts and users need a root worker (as CI runs); these tests skip otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.launchers.sandbox import Sandbox
+from prefect_gpu_budget.pricing.catalog import Catalog
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and users need root")
+
+CONNECT = (
+    "import socket, sys\n"
+    "for path in sys.argv[1:]:\n"
+    "    sock = socket.socket(socket.AF_UNIX)\n"
+    "    try:\n"
+    "        sock.connect(path)\n"
+    "        print('reached', path)\n"
+    "    except OSError as exc:\n"
+    "        print('refused', path, type(exc).__name__)\n"
+)
+"""A trial that connects to each unix socket path it is given."""
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    """A folder any user can enter (pytest's own tmp_path is root's alone)."""
+    path = Path(tempfile.mkdtemp(prefix="gpu-walls-test-"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def outside() -> Iterator[Path]:
+    """A folder of the host in none of the folders a job gets a private one of, open to all:
+    only the covering of the host's sockets keeps a job from what is bound there."""
+    path = Path(tempfile.mkdtemp(prefix="gpu-walls-test-", dir="/var/lib"))
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def quote(prices: Path):
+    return Catalog.load(prices).quote("local:box", 1, "on-demand")
+
+
+@pytest.fixture(scope="module")
+def proxy() -> Iterator[str]:
+    """An admin's proxy (it only holds what it is sent): the proxy network mode's URL."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        held: list[socket.socket] = []
+
+        def accept() -> None:
+            while True:
+                try:
+                    held.append(server.accept()[0])
+                except OSError:
+                    return
+
+        threading.Thread(target=accept, daemon=True).start()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+        for conn in held:
+            conn.close()
+
+
+@pytest.fixture(params=["none", "proxy"])
+def network(request, proxy: str) -> str:
+    return proxy if request.param == "proxy" else "none"
+
+
+def _run(box: Sandbox, quote, command: list[str], **job) -> tuple[object, list[str]]:
+    lines: list[str] = []
+    spec = GpuJob(instance_type="local:box", command=command, **{"max_runtime": "1m", **job})
+    return LocalLauncher(box).run(spec, quote, log=lines.append), lines
+
+
+def _serve_unix(path: Path) -> socket.socket:
+    """A unix socket any user may connect to (0777), as a test server or MariaDB leaves."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    os.chmod(path, 0o777)
+    server.listen(8)
+    return server
+
+
+@pytest.fixture(scope="module")
+def trusting_postgres() -> Iterator[Path]:
+    """A PostgreSQL of this test's own that trusts every local user, its socket (0777) in a
+    folder of the host outside /run and /tmp: the path to its socket."""
+    binaries = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not binaries:
+        pytest.fail("no PostgreSQL server binaries (initdb) on this machine")
+    bin_dir = binaries[-1].parent
+    home = Path(tempfile.mkdtemp(prefix="gpu-walls-pg-", dir="/var/lib"))
+    os.chmod(home, 0o755)
+    entry = pwd.getpwnam("postgres")
+    os.chown(home, entry.pw_uid, entry.pw_gid)
+    as_postgres = ["runuser", "-u", "postgres", "--"]
+    data = home / "data"
+    subprocess.run(
+        [*as_postgres, bin_dir / "initdb", "-D", data, "-A", "trust", "--no-sync"],
+        check=True,
+        capture_output=True,
+    )
+    options = f"-k {home} -c listen_addresses='' -p 5432"
+    start = [bin_dir / "pg_ctl", "-D", data, "-l", home / "log", "-w", "-t", "120", "-o", options]
+    subprocess.run([*as_postgres, *start, "start"], check=True, stdout=subprocess.DEVNULL)
+    try:
+        yield home / ".s.PGSQL.5432"
+    finally:
+        stop = [bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"]
+        subprocess.run([*as_postgres, *stop], stdout=subprocess.DEVNULL)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_no_socket_of_the_host_is_reached_from_any_path(
+    base, outside, quote, network, trusting_postgres
+):
+    """PostgreSQL's socket with `trust` for local users (CREATE TABLE as `postgres` was the
+    attack), and a 0777 socket in /tmp, in /run and in a folder of the host outside both: on
+    the host's network each is reached, from the job none is."""
+    token = uuid.uuid4().hex[:8]
+    servers = [
+        _serve_unix(Path(f"/tmp/gpu-walls-{token}.sock")),
+        _serve_unix(Path(f"/run/gpu-walls-{token}.sock")),
+        _serve_unix(outside / "service.sock"),
+    ]
+    paths = [str(trusting_postgres), *(s.getsockname() for s in servers)]
+    paths += [
+        str(Path(p).resolve()) for p in ("/var/run/postgresql/.s.PGSQL.5432",) if Path(p).exists()
+    ]
+    try:
+        opened = Sandbox(user="nobody", root=base / "jobs", network="host")
+        result, lines = _run(opened, quote, ["python3", "-c", CONNECT, *paths])
+        assert result.outcome == "completed", (result, lines)
+        assert all(f"reached {p}" in lines for p in paths), lines  # the attack, unwalled
+
+        box = Sandbox(user="nobody", root=base / "jobs", network=network)
+        result, lines = _run(box, quote, ["python3", "-c", CONNECT, *paths])
+        assert result.outcome == "completed", (result, lines)
+        assert not [x for x in lines if x.startswith("reached")], lines
+        assert sum(x.startswith("refused ") for x in lines) == len(paths), lines
+    finally:
+        for server in servers:
+            os.unlink(server.getsockname())
+            server.close()
+
+
+LEAVE = (
+    "import ctypes, os, sys\n"
+    "token = sys.argv[1]\n"
+    "for folder in ('/tmp', '/var/tmp', '/dev/shm', '/run/lock'):\n"
+    "    with open(f'{folder}/gpu-walls-{token}', 'w') as f:\n"
+    "        f.write('left')\n"
+    "print('host files seen', sorted(n for n in os.listdir('/dev/shm') if 'host' in n))\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "print('host segment', libc.shmget(int(sys.argv[2]), 0, 0))\n"
+    "mine = libc.shmget(int(sys.argv[3]), 64 << 20, 0o1666)  # IPC_CREAT, 0666\n"
+    "print('own segment', mine >= 0)\n"
+)
+"""A trial that leaves a file in each temporary folder any user may write, looks for the
+host's POSIX segment and SysV segment, and makes a 64 MiB SysV segment of its own."""
+
+
+def _shm_keys() -> set[int]:
+    with open("/proc/sysvipc/shm") as handle:
+        next(handle)
+        return {int(line.split()[0]) for line in handle}
+
+
+def test_nothing_of_the_host_is_seen_and_nothing_outlives_the_job(base, quote, network):
+    """/tmp, /var/tmp, /dev/shm and /run/lock are the job's own and gone with it; the host's
+    POSIX and SysV shared memory is not seen, and the job's own SysV segment goes with it."""
+    token = uuid.uuid4().hex[:8]
+    host_key, job_key = (int(uuid.uuid4().hex[:7], 16) for _ in range(2))
+    libc = ctypes.CDLL(None, use_errno=True)
+    host_segment = libc.shmget(host_key, 4096, 0o1666)
+    assert host_segment >= 0
+    host_file = Path(f"/dev/shm/gpu-walls-host-{token}")
+    host_file.write_text("host")
+    host_file.chmod(0o666)
+    left = [Path(f"{d}/gpu-walls-{token}") for d in ("/tmp", "/var/tmp", "/dev/shm", "/run/lock")]
+    try:
+        box = Sandbox(user="nobody", root=base / "jobs", network=network)
+        command = ["python3", "-c", LEAVE, token, str(host_key), str(job_key)]
+        result, lines = _run(box, quote, command)
+        assert result.outcome == "completed", (result, lines)
+        assert "host files seen []" in lines, lines
+        assert "host segment -1" in lines and "own segment True" in lines, lines
+        assert not [p for p in left if p.exists()], lines
+        assert job_key not in _shm_keys()
+    finally:
+        libc.shmctl(host_segment, 0, None)  # IPC_RMID
+        host_file.unlink()
+        for path in left:
+            path.unlink(missing_ok=True)
+
+
+HOLD_UNLINKED = (
+    "import os, time\n"
+    "f = open('big', 'wb')\n"
+    "os.unlink('big')\n"
+    "for _ in range(40):\n"
+    "    f.write(b'x' * (1 << 20))\n"
+    "f.flush()\n"
+    "print('holding', flush=True)\n"
+    "time.sleep(60)\n"
+)
+"""A trial that writes 40 MiB to a file it has unlinked, and holds it open."""
+
+
+def test_an_unlinked_file_held_open_counts_against_the_disk_cap(base, quote, network):
+    box = Sandbox(user="nobody", root=base / "jobs", network=network, limits={"disk": "20M"})
+    started = time.monotonic()
+    result, lines = _run(box, quote, ["python3", "-c", HOLD_UNLINKED], max_runtime="2m")
+    assert "holding" in lines, (result, lines)
+    assert result.outcome != "completed", (result, lines)
+    assert "past its disk limit" in (result.detail or ""), result
+    assert time.monotonic() - started < 45, result  # stopped at a check, not at its end
+
+
+FILL_TMP = (
+    "import os\n"
+    "try:\n"
+    "    with open('/dev/shm/fill', 'wb') as f:\n"
+    "        for _ in range(64):\n"
+    "            f.write(b'x' * (1 << 20))\n"
+    "    print('wrote 64 MiB')\n"
+    "except OSError as exc:\n"
+    "    print('refused', exc.strerror)\n"
+)
+
+
+def test_the_private_folders_hold_no_more_than_the_disk_cap(base, quote, network):
+    box = Sandbox(user="nobody", root=base / "jobs", network=network, limits={"disk": "16M"})
+    result, lines = _run(box, quote, ["python3", "-c", FILL_TMP])
+    assert "refused No space left on device" in lines, (result, lines)
+
+
+FLOOD = (
+    "import os, socket, time\n"
+    "held = []\n"
+    "for _ in range(1000):\n"
+    "    sock = socket.socket()\n"
+    "    sock.setblocking(False)\n"
+    "    sock.connect_ex(('127.0.0.1', 3128))\n"
+    "    held.append(sock)\n"
+    "ports = set()\n"
+    "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+    "    for table in ('tcp', 'tcp6'):\n"
+    "        try:\n"
+    "            rows = open(f'/proc/{pid}/net/{table}').read().splitlines()[1:]\n"
+    "        except OSError:\n"
+    "            continue\n"
+    "        ports |= {int(r.split()[1].rsplit(':', 1)[1], 16) for r in rows}\n"
+    "print('ports seen', sorted(ports))\n"
+    "print('flooding', flush=True)\n"
+    "time.sleep(10)\n"
+)
+"""A trial that opens 1,000 connections to its relay at once, lists every TCP port any /proc
+it can read shows, and holds the connections for 10 s."""
+
+
+def _relays(user: str) -> list[int]:
+    """The job holder's processes that run as `user`: the relay."""
+    uid = pwd.getpwnam(user).pw_uid
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            if b"_reaper.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def test_the_relay_is_bounded_and_none_of_its_proc_is_the_jobs(base, quote, proxy):
+    """1,000 connections at once: the relay (the job's user, one thread) carries at most
+    MAX_CONNECTIONS, holds a bounded number of descriptors, and the job reads no /proc of it
+    (its net/tcp listed every listening port of the host)."""
+    from prefect_gpu_budget.launchers import _relay
+
+    host_port = int(proxy.rsplit(":", 1)[1])
+    box = Sandbox(user="nobody", root=base / "jobs", network=proxy)
+    lines: list[str] = []
+    spec = GpuJob(instance_type="local:box", command=["python3", "-c", FLOOD], max_runtime="1m")
+    launcher = LocalLauncher(box)
+    done: list[object] = []
+    runner = threading.Thread(
+        target=lambda: done.append(launcher.run(spec, quote, log=lines.append))
+    )
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while "flooding" not in lines and time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.1)
+        assert "flooding" in lines, (done, lines)
+        time.sleep(1)
+        relays = _relays("nobody")
+        assert len(relays) == 1, relays
+        relay = relays[0]
+        assert len(os.listdir(f"/proc/{relay}/task")) == 1  # one thread
+        fds = len(os.listdir(f"/proc/{relay}/fd"))
+        assert fds <= 2 * _relay.MAX_CONNECTIONS + 16, fds
+        seen = next(x for x in lines if x.startswith("ports seen"))
+        assert (
+            str(host_port) not in seen.replace("[", " ").replace("]", " ").replace(",", " ").split()
+        ), seen
+    finally:
+        runner.join(timeout=90)

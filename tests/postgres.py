@@ -182,14 +182,16 @@ class PrivateCluster:
 
 
 @contextmanager
-def private_cluster() -> Iterator[PrivateCluster]:
+def private_cluster(parent: str | None = None) -> Iterator[PrivateCluster]:
     """A running PostgreSQL cluster of this test's own on a free port (trust auth, user
     `postgres` when run as root, else the current user), stopped and removed afterwards: for a
-    test that stops and restarts its database, which the shared server must never be."""
+    test that stops and restarts its database, which the shared server must never be. Its
+    folder, which holds its unix socket, is made in `parent` (default: the temp folder)."""
     from tests.prefect_server import free_port
 
     owner = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
-    folder = Path(tempfile.mkdtemp(prefix="gpu-budget-pg-"))  # pytest's tmp_path is root's only
+    # pytest's tmp_path is root's only
+    folder = Path(tempfile.mkdtemp(prefix="gpu-budget-pg-", dir=parent))
     if os.geteuid() == 0:
         entry = pwd.getpwnam(owner)
         os.chown(folder, entry.pw_uid, entry.pw_gid)

@@ -13,7 +13,6 @@ credentials.
 
 from __future__ import annotations
 
-import io
 import json
 import time
 import uuid
@@ -362,12 +361,13 @@ class Door:
         ]
 
     def results_csv(self, caller: Caller, run_id: str) -> str:
-        """`results` as a CSV table (REST's `?format=csv`, MCP's `format: csv`)."""
+        """`results` as a CSV table (REST's `?format=csv`, MCP's `format: csv`), no cell of
+        it a spreadsheet formula (`csv_cells`)."""
         import pandas as pd
 
-        buffer = io.StringIO()
-        pd.DataFrame(self.results(caller, run_id)).to_csv(buffer, index=False)
-        return buffer.getvalue()
+        from prefect_gpu_budget.csv_cells import to_csv
+
+        return to_csv(pd.DataFrame(self.results(caller, run_id)))
 
     def plots(self, caller: Caller, run_id: str) -> list[str]:
         self._own_run(caller, run_id)

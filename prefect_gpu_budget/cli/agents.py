@@ -95,17 +95,50 @@ def startup_check(url: str | None, allow_shared: bool) -> None:
         fail(str(exc))
     if warning:
         typer.echo(f"WARNING: running with shared state, as allowed: {warning}", err=True)
-    from prefect_gpu_budget.admission.ledger.engine import passwordless_login
+    for line in _exposure_lines(settings.ledger_url(url), settings.agent_network()):
+        typer.echo(line, err=True)
 
-    trusted = passwordless_login(settings.ledger_url(url))
-    if trusted:
-        typer.echo(
-            f"WARNING: the ledger's database {trusted} let its user in without a password: "
-            "agents' jobs are kept off it by a network of their own, but any local process "
-            "may rewrite every budget; use scram-sha-256 for it in pg_hba.conf and put the "
-            "password in the ledger URL",
-            err=True,
+
+def _exposure_lines(url: str, network: str) -> list[str]:
+    """One line when agents' jobs run on the host's network (`host`: what they then reach),
+    and one when the ledger's PostgreSQL lets its user in without a password, naming each road
+    (TCP, its unix socket), who can take it, and the fix."""
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.admission.ledger.engine import passwordless_login, passwordless_socket
+
+    lines = []
+    host = network == "host"
+    if host:
+        lines.append(
+            f"WARNING: {settings.AGENT_NETWORK_ENV}=host: agents' jobs share this host's "
+            "network, /run, /tmp and unix sockets, so they reach every port and socket their "
+            "user may, the ledger's database and Prefect's API included"
         )
+    tcp, socket = passwordless_login(url), passwordless_socket(url)
+    if tcp or socket:
+        roads = " and ".join(
+            road for road in (tcp and "over TCP", socket and f"through its socket {socket}") if road
+        )
+        jobs = (
+            "agents' jobs on the host's network reach it too"
+            if host
+            else "agents' jobs reach it by neither road (a network of their own, the host's "
+            "sockets hidden)"
+        )
+        lines.append(
+            f"WARNING: the ledger's database {tcp or _shown(url)} let its user in without a "
+            f"password {roads}: {jobs}, but any local process may rewrite every budget; use "
+            "scram-sha-256 for its host lines and scram-sha-256 or peer for its local lines "
+            "in pg_hba.conf, and put the password in the ledger URL"
+        )
+    return lines
+
+
+def _shown(url: str) -> str:
+    """A ledger URL as it may be shown: without its password."""
+    import sqlalchemy as sa
+
+    return sa.engine.make_url(url).render_as_string(hide_password=True)
 
 
 def _serving_ledger_url(

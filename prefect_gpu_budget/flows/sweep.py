@@ -32,6 +32,7 @@ from prefect_gpu_budget import plots
 from prefect_gpu_budget.admission.ledger import wait_spans
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.csv_cells import to_csv
 from prefect_gpu_budget.flows.recording import SweepRecorder
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
@@ -206,7 +207,7 @@ def _sweep(
     df = pd.DataFrame(records, columns=None if records else list(EMPTY_COLUMNS))
     if spec.metric not in df or df[spec.metric].isna().all():
         logger.warning("sweep %s: %s", spec.name, _no_metric(spec))
-    df.to_csv(out / "trials.csv", index=False)
+    to_csv(df, out / "trials.csv")  # no cell a spreadsheet formula
     df.to_parquet(out / "trials.parquet", index=False)
     pictures, summary = _publish(spec, df, curves, list(rows_by_name.values()), led, out, key)
     outputs = {

@@ -493,6 +493,46 @@ def test_a_ledger_that_asks_for_a_password_gets_no_warning():
         assert passwordless_login(cluster.server + "/postgres") is None
 
 
+def test_the_ledger_line_names_each_road_in_and_what_the_jobs_reach():
+    """A PostgreSQL of its own that asks for a password over TCP but trusts its local users
+    (Debian's stock `local` lines do, for `trust`): the start-up line names the socket, not
+    TCP, and says the jobs reach neither road, unless they run on the host's network."""
+    import sqlalchemy as sa
+
+    from prefect_gpu_budget.admission.ledger.engine import passwordless_login, passwordless_socket
+    from prefect_gpu_budget.cli.agents import _exposure_lines
+    from tests.postgres import private_cluster
+
+    with private_cluster() as cluster:
+        with sa.create_engine(
+            cluster.server.replace("postgresql:", "postgresql+psycopg:")
+        ).begin() as conn:
+            conn.exec_driver_sql("ALTER USER postgres PASSWORD 'pw-scram'")
+        hba = cluster.folder / "data" / "pg_hba.conf"
+        hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
+        cluster._pg_ctl("reload")
+        url = cluster.server.replace("postgres@", "postgres:pw-scram@") + "/postgres"
+        deadline = time.monotonic() + 60
+        while passwordless_login(url) is not None:  # the reload may take a moment
+            assert time.monotonic() < deadline, "the server still trusts a bare login"
+            time.sleep(0.2)
+        socket = str(cluster.folder / f".s.PGSQL.{cluster.port}")
+        assert passwordless_socket(url) == socket
+        (line,) = _exposure_lines(url, "none")
+        assert f"without a password through its socket {socket}:" in line, line
+        assert "over TCP" not in line and "pw-scram" not in line, line
+        assert "reach it by neither road" in line and "peer" in line, line
+        host, line = _exposure_lines(url, "host")
+        assert host.startswith("WARNING: PREFECT_GPU_BUDGET_AGENT_NETWORK=host:"), host
+        assert "unix sockets" in host and "reach it too" in line, line
+        hba.write_text("local all all scram-sha-256\nhost all all 127.0.0.1/32 scram-sha-256\n")
+        cluster._pg_ctl("reload")
+        while passwordless_socket(url) is not None:
+            assert time.monotonic() < deadline, "the server still trusts its local users"
+            time.sleep(0.2)
+        assert _exposure_lines(url, "none") == []
+
+
 def test_the_startup_check_passes_private_state_and_knows_closed_folders(
     open_folder, tmp_path, monkeypatch
 ):

@@ -15,7 +15,6 @@ import os
 import pwd
 import shutil
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -111,31 +110,12 @@ def _serve_unix(path: Path) -> socket.socket:
 @pytest.fixture(scope="module")
 def trusting_postgres() -> Iterator[Path]:
     """A PostgreSQL of this test's own that trusts every local user, its socket (0777) in a
-    folder of the host outside /run and /tmp: the path to its socket."""
-    binaries = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
-    if not binaries:
-        pytest.fail("no PostgreSQL server binaries (initdb) on this machine")
-    bin_dir = binaries[-1].parent
-    home = Path(tempfile.mkdtemp(prefix="gpu-walls-pg-", dir="/var/lib"))
-    os.chmod(home, 0o755)
-    entry = pwd.getpwnam("postgres")
-    os.chown(home, entry.pw_uid, entry.pw_gid)
-    as_postgres = ["runuser", "-u", "postgres", "--"]
-    data = home / "data"
-    subprocess.run(
-        [*as_postgres, bin_dir / "initdb", "-D", data, "-A", "trust", "--no-sync"],
-        check=True,
-        capture_output=True,
-    )
-    options = f"-k {home} -c listen_addresses='' -p 5432"
-    start = [bin_dir / "pg_ctl", "-D", data, "-l", home / "log", "-w", "-t", "120", "-o", options]
-    subprocess.run([*as_postgres, *start, "start"], check=True, stdout=subprocess.DEVNULL)
-    try:
-        yield home / ".s.PGSQL.5432"
-    finally:
-        stop = [bin_dir / "pg_ctl", "-D", data, "-m", "immediate", "stop"]
-        subprocess.run([*as_postgres, *stop], stdout=subprocess.DEVNULL)
-        shutil.rmtree(home, ignore_errors=True)
+    folder of the host outside /run and /tmp that any user may pass: the path to its socket."""
+    from tests.postgres import private_cluster
+
+    with private_cluster(parent="/var/lib") as cluster:
+        os.chmod(cluster.folder, 0o755)
+        yield cluster.folder / f".s.PGSQL.{cluster.port}"
 
 
 def test_no_socket_of_the_host_is_reached_from_any_path(

@@ -26,17 +26,19 @@ it in a PID namespace of its own, so that its end at a stop takes every process 
 however fast they fork (`_spawn_init`). `--isolate` goes further, for an agent's job (`isolate`),
 and refuses to start the command (exit code ISOLATION_REFUSED, one line) where the kernel will not:
 the command gets, beside its own PID namespace, a network namespace of its own (only its own
-loopback: no address of the host, the host's loopback included, is reachable) and a mount
-namespace with `/proc` mounted for its PID namespace (it sees its own processes only, not the
-host's command lines and environments) and a fresh tmpfs over its `/dev/shm`, so nothing it
-leaves there outlives it or is seen by another job (its /tmp stays the host's: the job's own
-folder, its interpreter or this package may live there). `--proxy HOST:PORT` (with `--isolate`) is the one way
-out: a relay in the holder listens on the job's own 127.0.0.1:PROXY_PORT and carries each
-connection to HOST:PORT (the admin's HTTP(S) proxy), opened from the holder's network.
-Without root, the namespaces are made in a user namespace of the holder's own, the job keeping
-the holder's uid. `--probe` only tells (exit 0, or ISOLATION_REFUSED with the reason) whether
-`--isolate` can be had here. `--rlimit NAME=N`
-(`nproc`, `nofile`, `fsize`, `as`; repeatable) bounds the command and everything it starts:
+loopback: no address of the host, the host's loopback included, is reachable), an IPC namespace
+of its own, and a mount namespace with `/proc` mounted for its PID namespace (it sees its own
+processes only, not the host's command lines and environments) behind the walls of `_walls.py`:
+its own /run, /tmp, /var/tmp and /dev/shm (one tmpfs of at most `--tmp-size` bytes; its `--cwd`
+and each `--keep PATH` it reads are bound back in where they lie below one of them), every
+host socket covered, and Landlock where the kernel has it. `--proxy HOST:PORT` (with
+`--isolate`) is the one way out: a relay (`_relay.py`), forked before the job's PID namespace is
+made and run as the job's user, takes a listener on the job's own 127.0.0.1:PROXY_PORT and
+carries each connection to HOST:PORT (the admin's HTTP(S) proxy), opened from the holder's
+network. Without root, the namespaces are made in a user namespace of the holder's own, the job
+keeping the holder's uid. `--probe` only tells (exit 0, or ISOLATION_REFUSED with the reason)
+whether `--isolate` can be had here. `--rlimit NAME=N` (`nproc`, `nofile`, `fsize`, `as`;
+repeatable) bounds the command and everything it starts:
 set, soft and hard alike (never above the holder's own hard limit), in the command's process
 after the switch of user, so the holder itself is never bounded by them and can always stop
 the tree.

@@ -6,8 +6,8 @@
   user of its own (`session_user`): named `session_user_name` of the job's grant
   (`gpub-<12 hex>`), made with `useradd` from a uid of the range never given out before (a
   uid is never reused: `_free_id`), its own group, no home, no login (under a lock in
-  `root/.users`, the worker's, 0700), then reused for every job of that grant. A grant is one session's: it is made for one session scope
-  (`Ledger.grants.grant_agent`), and the gate refuses a job carrying it in any other scope, with
+  `root/.users`, the worker's, 0700), then reused for every job of that grant. A grant is one
+  session's: it is made for one session scope (`Ledger.grants.grant_agent`), and the gate refuses a job carrying it in any other scope, with
   nothing reserved (`agents.grant_refusal`), so no two sessions ever share a user (a session
   granted two tokens has two users, apart as well); jobs without a grant (an admin's) share
   one user, no agent's;

@@ -1,12 +1,13 @@
-"""The job's own network and /proc: what `PREFECT_GPU_BUDGET_AGENT_NETWORK` asks for, and
+"""The job's own network, files and /proc: what `PREFECT_GPU_BUDGET_AGENT_NETWORK` asks for, and
 whether this host can give it.
 
-The walls themselves are the job holder's (`_reaper.py --isolate`, `--tmp`, `--proxy`): a
-network namespace of the job's own with only its own loopback (no address of the host, its
-loopback included), a mount namespace with `/proc` for its own PID namespace and its own
-/tmp, /var/tmp and /dev/shm, and, in proxy mode, a relay on the job's own loopback to the
-admin's proxy as its one way out. Here: the mode (`proxy_of`), and the holder's answer to
-whether it can make them (`isolation_refused`), asked once per process.
+The walls themselves are the job holder's (`_reaper.py --isolate`, `--keep`, `--tmp-size`,
+`--proxy`): a network namespace of the job's own with only its own loopback (no address of the
+host, its loopback included), an IPC namespace of its own, a mount namespace with `/proc` for its
+own PID namespace, its own /run, /tmp, /var/tmp and /dev/shm and every host socket covered
+(`_walls.py`), Landlock where the kernel has it, and, in proxy mode, a relay on the job's own
+loopback to the admin's proxy as its one way out (`_relay.py`). Here: the mode (`proxy_of`), and
+the holder's answer to whether it can make them (`isolation_refused`), asked once per process.
 """
 
 from __future__ import annotations

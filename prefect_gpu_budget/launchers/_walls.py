@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import stat
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -140,14 +141,50 @@ def _folder(path: str, mode: int) -> None:
     os.chmod(path, mode)
 
 
+def _unescape(field: str) -> str:
+    """A path as /proc/self/mountinfo writes it (space, tab, newline, backslash as octal)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def _mounts() -> list[tuple[str, str, str]]:
+    """This mount namespace's mounts, as (device, root within it, mount point)."""
+    found = []
+    with open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            fields = line.split()
+            if len(fields) > 4:
+                found.append((fields[2], _unescape(fields[3]), _unescape(fields[4])))
+    return found
+
+
+def aliases(paths: list[str]) -> list[str]:
+    """`paths` and every other path this mount namespace shows each one at: a folder bound
+    elsewhere (`mount --bind /run/pg /srv/pg`) shows its socket there too."""
+    mounts = _mounts()
+    found = list(paths)
+    for path in paths:
+        real = os.path.realpath(path)
+        holding = [m for m in mounts if real == m[2] or real.startswith(m[2].rstrip("/") + "/")]
+        if not holding:
+            continue
+        device, root, point = max(holding, key=lambda m: len(m[2]))
+        inside = root.rstrip("/") + real[len(point.rstrip("/")) :]  # its path in its filesystem
+        for other, other_root, other_point in mounts:
+            base = other_root.rstrip("/")
+            if other == device and (inside == other_root or inside.startswith(base + "/")):
+                found.append(other_point.rstrip("/") + inside[len(base) :])
+    return list(dict.fromkeys(found))
+
+
 def mask_sockets(sockets: list[str]) -> int:
-    """Cover each of `sockets` that is still a socket in this mount namespace with an empty
-    read-only file (`COVER`); returns how many were covered."""
+    """Cover each of `sockets` (and each other path it shows at, `aliases`) that is still a
+    socket in this mount namespace with an empty read-only file (`COVER`); returns how many
+    were covered."""
     cover = f"{PRIVATE_ROOT}/{COVER}"
     if not os.path.exists(cover):
         os.close(os.open(cover, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o444))
     covered = 0
-    for path in sockets:
+    for path in aliases(sockets):
         try:
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 continue

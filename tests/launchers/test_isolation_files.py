@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -122,15 +123,21 @@ def test_no_socket_of_the_host_is_reached_from_any_path(
     base, outside, quote, network, trusting_postgres
 ):
     """PostgreSQL's socket with `trust` for local users (CREATE TABLE as `postgres` was the
-    attack), and a 0777 socket in /tmp, in /run and in a folder of the host outside both: on
-    the host's network each is reached, from the job none is."""
+    attack), and a 0777 socket in /tmp, in /run, in a folder of the host outside both and
+    through a second mount of that folder: on the host's network each is reached, from the job
+    none is."""
     token = uuid.uuid4().hex[:8]
+    (outside / "served").mkdir(mode=0o755)
+    (outside / "alias").mkdir(mode=0o755)
     servers = [
         _serve_unix(Path(f"/tmp/gpu-walls-{token}.sock")),
         _serve_unix(Path(f"/run/gpu-walls-{token}.sock")),
-        _serve_unix(outside / "service.sock"),
+        _serve_unix(outside / "served" / "service.sock"),
     ]
+    # the same folder bound at a second path: /proc/net/unix names only the first
+    subprocess.run(["mount", "--bind", outside / "served", outside / "alias"], check=True)
     paths = [str(trusting_postgres), *(s.getsockname() for s in servers)]
+    paths.append(str(outside / "alias" / "service.sock"))
     paths += [
         str(Path(p).resolve()) for p in ("/var/run/postgresql/.s.PGSQL.5432",) if Path(p).exists()
     ]
@@ -146,6 +153,7 @@ def test_no_socket_of_the_host_is_reached_from_any_path(
         assert not [x for x in lines if x.startswith("reached")], lines
         assert sum(x.startswith("refused ") for x in lines) == len(paths), lines
     finally:
+        subprocess.run(["umount", outside / "alias"], check=False)
         for server in servers:
             os.unlink(server.getsockname())
             server.close()

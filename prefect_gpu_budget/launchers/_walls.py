@@ -2,8 +2,8 @@
 job's own mount namespace before the command starts. Standard library only: the holder runs
 as a file, and imports this one beside it.
 
-1. **Its own temporary folders** (`private_dirs`): one tmpfs, of at most the job's disk cap,
-   over `/run` (so `/run/lock` and `/var/run` too), with folders of it bound over `/tmp`,
+1. **Its own temporary folders** (`private_dirs`): one tmpfs, of at most the job's disk cap
+   (and half the host's memory, as any tmpfs: it is memory), over `/run` (so `/run/lock` and `/var/run` too), with folders of it bound over `/tmp`,
    `/var/tmp` and `/dev/shm`, and a fresh POSIX message-queue filesystem where the host has
    one. Everything the job leaves there is gone with its namespace; nothing the host or
    another job keeps there is seen. The job's own folder, its interpreter and its code, where
@@ -96,7 +96,8 @@ def under_masked(path: str) -> bool:
 
 
 def private_dirs(size: int | None, keep_ro: list[str], keep_rw: list[str]) -> None:
-    """Mount the job's private folders (see the module's doc), then bind each of `keep_rw`
+    """Mount the job's private folders (see the module's doc), at most `size` bytes together
+    and never more than half the host's memory, then bind each of `keep_rw`
     (writable) and `keep_ro` (read-only) that lies in one of them back at its own path."""
     kept = []
     for path, writable in [(p, True) for p in keep_rw] + [(p, False) for p in keep_ro]:
@@ -104,7 +105,8 @@ def private_dirs(size: int | None, keep_ro: list[str], keep_rw: list[str]) -> No
             if under_masked(where) and os.path.exists(where):
                 kept.append((where, os.open(where, os.O_PATH | os.O_CLOEXEC), writable))
     var_run_apart = os.path.isdir("/var/run") and not os.path.islink("/var/run")
-    opts = "mode=0755" + (f",size={size}" if size else "")
+    half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2  # tmpfs's own default
+    opts = f"mode=0755,size={min(size or half, half)}"
     mount("tmpfs", PRIVATE_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, opts)
     _folder(f"{PRIVATE_ROOT}/lock", 0o1777)
     _folder(f"{PRIVATE_ROOT}/.job", 0o711)

@@ -8,8 +8,8 @@ runs it
   the job cannot kill or trace it: with a uid range (`PREFECT_GPU_BUDGET_AGENT_UIDS`), a user
   of the agent session's own (`session_user_name` of the job's grant, `gpub-<12 hex>`, made
   with `useradd` from a uid of the range never given out before, its own group, no home, no
-  login, then reused for every job of that grant), so agents cannot signal, trace or read each other's jobs,
-  folders or files; else the one user `PREFECT_GPU_BUDGET_AGENT_USER`, which every agent
+  login, then reused for every job of that grant), so agents cannot signal, trace or read each
+  other's jobs, folders or files; else the one user `PREFECT_GPU_BUDGET_AGENT_USER`, which every agent
   shares. The users, their locks and their leftovers: `agent_users.py`;
 - within resource limits (`DEFAULT_LIMITS`, `PREFECT_GPU_BUDGET_AGENT_LIMIT_*`): processes,
   open files, file size, address space, set by the holder on the job's processes only;

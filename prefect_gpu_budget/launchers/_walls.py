@@ -3,8 +3,8 @@ job's own mount namespace before the command starts. Standard library only: the 
 as a file, and imports this one beside it.
 
 1. **Its own temporary folders** (`private_dirs`): one tmpfs, of at most the job's disk cap
-   (and half the host's memory, as any tmpfs: it is memory), over `/run` (so `/run/lock` and `/var/run` too), with folders of it bound over `/tmp`,
-   `/var/tmp` and `/dev/shm`, and a fresh POSIX message-queue filesystem where the host has
+   (and half the host's memory, as any tmpfs: it is memory), over `/run` (so `/run/lock` and
+   `/var/run` too), with folders of it bound over `/tmp`, `/var/tmp` and `/dev/shm`, and a fresh POSIX message-queue filesystem where the host has
    one. Everything the job leaves there is gone with its namespace; nothing the host or
    another job keeps there is seen. The job's own folder, its interpreter and its code, where
    they live below one of these, are bound back in (the folder writable, the rest read-only).

@@ -112,8 +112,8 @@ class SandboxedJob:
         free = shutil.disk_usage(self.workdir).free
         if used > DISK_RESERVE and free < DISK_RESERVE:
             raise OverLimit(
-                f"stopped: the worker's disk is nearly full ({size_text(free)} free) and its folder "
-                f"holds {size_text(used)}"
+                f"stopped: the worker's disk is nearly full ({size_text(free)} free) and the "
+                f"job holds {size_text(used)}"
             )
 
     def held(self) -> int:

@@ -11,6 +11,7 @@ does; once as `agents serve`, a real uvicorn on loopback. The CLI runs as a subp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -467,10 +468,11 @@ def test_serving_agents_over_a_ledger_that_trusts_everyone_says_so_in_one_line(
     assert "WARNING" not in run.stderr, run.stderr
 
 
-def test_a_ledger_that_asks_for_a_password_gets_no_warning():
-    """A PostgreSQL of its own that asks every TCP connection for a password (scram-sha-256):
-    the ledger's URL, password included, reaches it; without the password nothing does, so no
-    warning."""
+@contextlib.contextmanager
+def _scram_over_tcp():
+    """A PostgreSQL of its own that asks every TCP connection for a password (scram-sha-256)
+    and trusts its local users: (the cluster, the ledger's URL with the password), once a bare
+    TCP login is refused."""
     import sqlalchemy as sa
 
     from prefect_gpu_budget.admission.ledger.engine import passwordless_login
@@ -485,11 +487,21 @@ def test_a_ledger_that_asks_for_a_password_gets_no_warning():
         hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
         cluster._pg_ctl("reload")
         url = cluster.server.replace("postgres@", "postgres:pw-scram@") + "/postgres"
-        assert Ledger(url).views.jobs() == []  # with its password: in
         deadline = time.monotonic() + 60
         while passwordless_login(url) is not None:  # the reload may take a moment
             assert time.monotonic() < deadline, "the server still trusts a bare login"
             time.sleep(0.2)
+        yield cluster, url
+
+
+def test_a_ledger_that_asks_for_a_password_gets_no_warning():
+    """A PostgreSQL of its own that asks every TCP connection for a password (scram-sha-256):
+    the ledger's URL, password included, reaches it; without the password nothing does, so no
+    warning."""
+    from prefect_gpu_budget.admission.ledger.engine import passwordless_login
+
+    with _scram_over_tcp() as (cluster, url):
+        assert Ledger(url).views.jobs() == []  # with its password: in
         assert passwordless_login(cluster.server + "/postgres") is None
 
 
@@ -497,25 +509,10 @@ def test_the_ledger_line_names_each_road_in_and_what_the_jobs_reach():
     """A PostgreSQL of its own that asks for a password over TCP but trusts its local users
     (Debian's stock `local` lines do, for `trust`): the start-up line names the socket, not
     TCP, and says the jobs reach neither road, unless they run on the host's network."""
-    import sqlalchemy as sa
-
-    from prefect_gpu_budget.admission.ledger.engine import passwordless_login, passwordless_socket
+    from prefect_gpu_budget.admission.ledger.engine import passwordless_socket
     from prefect_gpu_budget.cli.agents import _exposure_lines
-    from tests.postgres import private_cluster
 
-    with private_cluster() as cluster:
-        with sa.create_engine(
-            cluster.server.replace("postgresql:", "postgresql+psycopg:")
-        ).begin() as conn:
-            conn.exec_driver_sql("ALTER USER postgres PASSWORD 'pw-scram'")
-        hba = cluster.folder / "data" / "pg_hba.conf"
-        hba.write_text("local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
-        cluster._pg_ctl("reload")
-        url = cluster.server.replace("postgres@", "postgres:pw-scram@") + "/postgres"
-        deadline = time.monotonic() + 60
-        while passwordless_login(url) is not None:  # the reload may take a moment
-            assert time.monotonic() < deadline, "the server still trusts a bare login"
-            time.sleep(0.2)
+    with _scram_over_tcp() as (cluster, url):
         socket = str(cluster.folder / f".s.PGSQL.{cluster.port}")
         assert passwordless_socket(url) == socket
         (line,) = _exposure_lines(url, "none")
@@ -525,8 +522,10 @@ def test_the_ledger_line_names_each_road_in_and_what_the_jobs_reach():
         host, line = _exposure_lines(url, "host")
         assert host.startswith("WARNING: PREFECT_GPU_BUDGET_AGENT_NETWORK=host:"), host
         assert "unix sockets" in host and "reach it too" in line, line
+        hba = cluster.folder / "data" / "pg_hba.conf"
         hba.write_text("local all all scram-sha-256\nhost all all 127.0.0.1/32 scram-sha-256\n")
         cluster._pg_ctl("reload")
+        deadline = time.monotonic() + 60
         while passwordless_socket(url) is not None:
             assert time.monotonic() < deadline, "the server still trusts its local users"
             time.sleep(0.2)

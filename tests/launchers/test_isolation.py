@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import http.server
 import os
-import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ from prefect_gpu_budget.launchers import isolation
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.launchers.sandbox import Sandbox
-from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.launchers.sandboxed import box_quote, open_folder, run_job
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and users need a root worker")
 
@@ -54,16 +52,13 @@ PROBE = (
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    """A folder any user can enter (pytest's own tmp_path is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="gpu-isolation-test-"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with open_folder("gpu-isolation-test-") as path:
+        yield path
 
 
 @pytest.fixture
 def quote(prices: Path):
-    return Catalog.load(prices).quote("local:box", 1, "on-demand")
+    return box_quote(prices)
 
 
 @pytest.fixture
@@ -73,19 +68,13 @@ def listener() -> Iterator[socket.socket]:
         yield sock
 
 
-def _run(box: Sandbox, quote, command: list[str], **job) -> tuple[object, list[str]]:
-    lines: list[str] = []
-    spec = GpuJob(instance_type="local:box", command=command, **{"max_runtime": "1m", **job})
-    return LocalLauncher(box).run(spec, quote, log=lines.append), lines
-
-
 @as_root
 def test_a_job_reaches_no_port_of_its_host_and_sees_no_process_of_it(base, quote, listener):
     marker = f"host-secret-{uuid.uuid4().hex}"
     host = subprocess.Popen(["sh", "-c", f"sleep 120 # {marker}"])  # a host command line
     port = listener.getsockname()[1]
     try:
-        result, lines = _run(
+        result, lines = run_job(
             Sandbox(user="nobody", root=base / "jobs"),
             quote,
             ["python3", "-c", PROBE, str(port), marker[::-1]],
@@ -106,7 +95,7 @@ def test_the_admins_opt_out_runs_it_on_the_hosts_network(base, quote, listener):
     network and /proc, as a plain process (the probe above, seen from the other side)."""
     port = listener.getsockname()[1]
     box = Sandbox(user="nobody", root=base / "jobs", network="host")
-    result, lines = _run(box, quote, ["python3", "-c", PROBE, str(port), "-"])
+    result, lines = run_job(box, quote, ["python3", "-c", PROBE, str(port), "-"])
     assert result.outcome == "completed", (result, lines)
     assert "host open" in lines, lines
     assert int(next(x for x in lines if x.startswith("procs ")).split()[1]) > 4, lines
@@ -141,12 +130,12 @@ def test_a_proxy_the_admin_names_is_the_jobs_one_way_out(base, quote):
     )
     try:
         box = Sandbox(user="nobody", root=base / "jobs", network=f"http://127.0.0.1:{port}")
-        result, lines = _run(box, quote, ["python3", "-c", fetch])
+        result, lines = run_job(box, quote, ["python3", "-c", fetch])
         assert result.outcome == "completed", (result, lines)
         assert 'b"through the admin\'s proxy"' in lines, lines
         assert _Proxy.asked == ["http://datasets.invalid/train.csv"]
         # the proxy is the one way out: its own port is not reachable past the relay
-        result, lines = _run(box, quote, ["python3", "-c", PROBE, str(port), "-"])
+        result, lines = run_job(box, quote, ["python3", "-c", PROBE, str(port), "-"])
         assert "host ConnectionRefusedError" in lines, lines
     finally:
         server.shutdown()

@@ -13,10 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 import pwd
-import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -28,7 +26,7 @@ import pytest
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.launchers.sandbox import Sandbox
-from prefect_gpu_budget.pricing.catalog import Catalog
+from tests.launchers.sandboxed import box_quote, open_folder, run_job
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and users need root")
 
@@ -47,26 +45,21 @@ CONNECT = (
 
 @pytest.fixture
 def base() -> Iterator[Path]:
-    """A folder any user can enter (pytest's own tmp_path is root's alone)."""
-    path = Path(tempfile.mkdtemp(prefix="gpu-walls-test-"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with open_folder("gpu-walls-test-") as path:
+        yield path
 
 
 @pytest.fixture
 def outside() -> Iterator[Path]:
     """A folder of the host in none of the folders a job gets a private one of, open to all:
     only the covering of the host's sockets keeps a job from what is bound there."""
-    path = Path(tempfile.mkdtemp(prefix="gpu-walls-test-", dir="/var/lib"))
-    os.chmod(path, 0o755)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    with open_folder("gpu-walls-test-", parent="/var/lib") as path:
+        yield path
 
 
 @pytest.fixture
 def quote(prices: Path):
-    return Catalog.load(prices).quote("local:box", 1, "on-demand")
+    return box_quote(prices)
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +84,6 @@ def proxy() -> Iterator[str]:
 @pytest.fixture(params=["none", "proxy"])
 def network(request, proxy: str) -> str:
     return proxy if request.param == "proxy" else "none"
-
-
-def _run(box: Sandbox, quote, command: list[str], **job) -> tuple[object, list[str]]:
-    lines: list[str] = []
-    spec = GpuJob(instance_type="local:box", command=command, **{"max_runtime": "1m", **job})
-    return LocalLauncher(box).run(spec, quote, log=lines.append), lines
 
 
 def _serve_unix(path: Path) -> socket.socket:
@@ -143,12 +130,12 @@ def test_no_socket_of_the_host_is_reached_from_any_path(
     ]
     try:
         opened = Sandbox(user="nobody", root=base / "jobs", network="host")
-        result, lines = _run(opened, quote, ["python3", "-c", CONNECT, *paths])
+        result, lines = run_job(opened, quote, ["python3", "-c", CONNECT, *paths])
         assert result.outcome == "completed", (result, lines)
         assert all(f"reached {p}" in lines for p in paths), lines  # the attack, unwalled
 
         box = Sandbox(user="nobody", root=base / "jobs", network=network)
-        result, lines = _run(box, quote, ["python3", "-c", CONNECT, *paths])
+        result, lines = run_job(box, quote, ["python3", "-c", CONNECT, *paths])
         assert result.outcome == "completed", (result, lines)
         assert not [x for x in lines if x.startswith("reached")], lines
         assert sum(x.startswith("refused ") for x in lines) == len(paths), lines
@@ -196,7 +183,7 @@ def test_nothing_of_the_host_is_seen_and_nothing_outlives_the_job(base, quote, n
     try:
         box = Sandbox(user="nobody", root=base / "jobs", network=network)
         command = ["python3", "-c", LEAVE, token, str(host_key), str(job_key)]
-        result, lines = _run(box, quote, command)
+        result, lines = run_job(box, quote, command)
         assert result.outcome == "completed", (result, lines)
         assert "host files seen []" in lines, lines
         assert "host segment -1" in lines and "own segment True" in lines, lines
@@ -225,7 +212,7 @@ HOLD_UNLINKED = (
 def test_an_unlinked_file_held_open_counts_against_the_disk_cap(base, quote, network):
     box = Sandbox(user="nobody", root=base / "jobs", network=network, limits={"disk": "20M"})
     started = time.monotonic()
-    result, lines = _run(box, quote, ["python3", "-c", HOLD_UNLINKED], max_runtime="2m")
+    result, lines = run_job(box, quote, ["python3", "-c", HOLD_UNLINKED], max_runtime="2m")
     assert "holding" in lines, (result, lines)
     assert result.outcome != "completed", (result, lines)
     assert "past its disk limit" in (result.detail or ""), result
@@ -246,7 +233,7 @@ FILL_TMP = (
 
 def test_the_private_folders_hold_no_more_than_the_disk_cap(base, quote, network):
     box = Sandbox(user="nobody", root=base / "jobs", network=network, limits={"disk": "16M"})
-    result, lines = _run(box, quote, ["python3", "-c", FILL_TMP])
+    result, lines = run_job(box, quote, ["python3", "-c", FILL_TMP])
     assert "refused No space left on device" in lines, (result, lines)
 
 

@@ -96,7 +96,9 @@ def iso(t: float | None) -> str | None:
 
 def fmt_usd(micro: int) -> str:
     """`$12.34` from a dollar up; below it four significant digits, so that small jobs show
-    (`$0.0085`, `$0.1235`, `$0.50`)."""
+    (`$0.0085`, `$0.1235`, `$0.50`); a negative figure with its sign first (`-$0.00215`)."""
+    if micro < 0:
+        return "-" + fmt_usd(-micro)
     usd = Decimal(micro) / MICRO_PER_USD
     if abs(micro) >= MICRO_PER_USD or micro == 0:
         return f"${usd:,.2f}"

@@ -105,6 +105,9 @@ def test_priority_classes_are_named_and_configurable(monkeypatch):
         (1_000_000, "$1.00"),
         (12_345_678, "$12.35"),
         (123_456_789_000, "$123,456.79"),
+        (-2_150, "-$0.00215"),  # a credit, a drift below the settlement: the sign first
+        (-5_000_000, "-$5.00"),
+        (-1_234_567_890, "-$1,234.57"),
     ],
 )
 def test_dollars_show_cents_from_a_dollar_up_and_four_significant_digits_below(micro, shown_as):

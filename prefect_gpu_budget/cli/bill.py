@@ -269,14 +269,14 @@ def _print_jobs(found: dict[str, Any]) -> None:
 
     print_table(
         (
-            Col("job"),
+            Col("job", drop=5),  # the id: `bill drift --json` has it
             Col("scope"),
             Col("reserved", drop=3),
             Col("settled"),
             Col("billed"),
             Col("drift"),
-            Col("figure", kind="name"),
-            Col("why not final", kind="text", drop=1),
+            Col("figure", kind="name", drop=2),  # final or provisional: the bill's state
+            Col("why not final", kind="text", drop=6),
         ),
         [
             (

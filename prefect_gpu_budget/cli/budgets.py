@@ -226,16 +226,23 @@ def budget_show(
 
 _STATUS_COLUMNS = (
     Col("scope"),
-    Col("rate / cap"),
-    Col("period", "text", drop=6),
-    Col("settled", drop=5),
+    Col("rate / cap", "pair", drop=2),
+    Col("period", "text", drop=8),
+    Col("settled", drop=3),
     Col("reserved", drop=4),
-    Col("remaining"),
-    Col("running", "name", drop=2),
-    Col("queued", drop=3),
+    Col("remaining / budget", "pair", drop=1),
+    Col("running", "name", drop=6),
+    Col("queued", drop=7),
 )
-"""What a narrow terminal leaves out first: when the period began, then the parts of what is
-left (settled, reserved), then the job counts."""
+"""What a narrow terminal leaves out first: when the period began, then the job counts, then
+the money, the parts of what is spent (reserved, settled) before what is left of the budget.
+The money wraps at its ` / ` before any of it is left out."""
+
+STARTING_NOTE = (
+    "starting: admitted and not started yet (its launch, or a cloud finding capacity); it "
+    "holds its rate and reservation, and no limit holds it"
+)
+"""What `(+N starting)` means, said under a table that shows it."""
 
 
 def status(
@@ -270,13 +277,15 @@ def status(
                 f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
                 fmt_usd(r["settled_micro"]),
                 fmt_usd(r["reserved_micro"]),
-                "-" if r["remaining_micro"] is None else fmt_usd(r["remaining_micro"]),
+                _remaining(r),
                 str(r["running"]) + (f" (+{r['admitted']} starting)" if r["admitted"] else ""),
                 str(r["queued"]),
             )
             for r in rows
         ],
     )
+    if any(r["admitted"] for r in rows):
+        console.print(STARTING_NOTE, markup=False, highlight=False)
     waiting = current_ledger().views.jobs(scope, states=("queued",))
     for job in waiting:
         console.print(
@@ -285,3 +294,10 @@ def status(
     orgs = sorted({org_of(r["scope"]) for r in rows})
     for pool in (p for org in orgs for p in current_ledger().views.capacity_status(org)):
         print_pool(pool)
+
+
+def _remaining(row: dict[str, Any]) -> str:
+    """`$765.31 / $2,000.00`: what is left of the period budget, and the budget (`-`: none)."""
+    if row["period_budget_micro"] is None:
+        return "-"
+    return f"{fmt_usd(row['remaining_micro'])} / {fmt_usd(row['period_budget_micro'])}"

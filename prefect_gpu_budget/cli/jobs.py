@@ -72,19 +72,19 @@ def ledger_cmd(
 
 
 _LEDGER_COLUMNS = (
-    Col("id"),
+    Col("id", drop=5),
     Col("scope"),
-    Col("job", "name", drop=4),
-    Col("instance", "name", drop=6),
-    Col("rate/h", drop=5),
+    Col("job", "name", drop=6),
+    Col("instance", "name", drop=7),
+    Col("rate/h", drop=4),
     Col("reserved", drop=3),
     Col("actual", drop=2),
     Col("state", "text", drop=1),
-    Col("requested", "name", drop=7),
-    Col("run", drop=8),
+    Col("requested", "name", drop=8),
+    Col("run", drop=9),
 )
 """What a narrow terminal leaves out first: the flow run, when it was asked for, the machine,
-its rate, the job's name, then the money."""
+the job's name and its id (`ledger --json` has them all), then the money, the state last."""
 
 
 _UNRUN = {"rejected": "refused", "timed_out": "timed_out", "cancelled": "cancelled"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from prefect_gpu_budget.cli.common import console, fail
-from prefect_gpu_budget.cli.tables import Col, print_table
+from prefect_gpu_budget.cli.tables import Col, layout, print_table
 from prefect_gpu_budget.units import fmt_usd
 
 
@@ -133,14 +133,32 @@ def prices_list() -> None:
                 row.source,
             )
         )
-    print_table(
-        (
-            Col("instance"),
-            Col("provisioning", "name"),
-            Col("GPUs", "name", drop=2),
-            Col("USD/h", "name"),  # a figure, or why there is none
-            Col("as of", "name", drop=3),
-            Col("source", "text", drop=1),
-        ),
-        rows,
+    columns = (
+        Col("instance"),
+        Col("provisioning", "name"),
+        Col("GPUs", drop=2),  # whole, or left out
+        Col("USD/h", "name"),  # a figure, or why there is none
+        Col("as of", "name", drop=3),
+        Col("source", "text", drop=1),
     )
+    width = console.rich().width
+    if _fits_whole(columns, rows, width):
+        print_table(columns, rows)
+        return
+    # too narrow for the sources on their rows: each is said once, below, by its number
+    sources = list(dict.fromkeys(row[-1] for row in rows))
+    print_table(
+        (*columns[:-1], Col("source", drop=1)),
+        [(*row[:-1], f"[{sources.index(row[-1]) + 1}]") for row in rows],
+    )
+    for n, source in enumerate(sources, 1):
+        console.print(f"[{n}] {source}", markup=False, highlight=False)
+
+
+def _fits_whole(columns: tuple[Col, ...], rows: list[tuple[str, ...]], width: int) -> bool:
+    """Whether the table shows its last column (the sources) on one line a cell."""
+    from rich.cells import cell_len
+
+    shown = layout(columns, rows, width)
+    last = len(columns) - 1
+    return last in shown and shown[last] >= max(cell_len(row[last]) for row in rows)

@@ -1,9 +1,11 @@
 """Every table of the CLI fits the terminal's width.
 
 What gives way first: descriptions (reasons, sources, periods) wrap and fold down to
-`TEXT_LEAST` columns; then names wrap at their spaces, never inside a word; then headers wrap at
-theirs. Scopes, ids and money are never cut or wrapped. A table that still does not fit leaves
-out whole columns, the least important first, and says below itself which.
+`TEXT_LEAST` columns; then names wrap at their spaces, never inside a word; then two figures
+shown as one (`$7.20 / $100.00`) wrap at their ` / `; then headers wrap at their spaces. Scopes,
+ids and money are never cut. A table that still does not fit leaves out whole columns, the least
+important first (times, descriptions and ids before money, scopes never), and says below itself
+which.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ from typing import Any, Literal
 
 from prefect_gpu_budget.cli.common import console
 
-Kind = Literal["key", "name", "text"]
+Kind = Literal["key", "name", "pair", "text"]
 
 TEXT_LEAST = 10
 """The narrowest a description column is wrapped to."""
 
-_SHRINK_ORDER: tuple[Kind, ...] = ("text", "name", "key")
+_SHRINK_ORDER: tuple[Kind, ...] = ("text", "name", "pair", "key")
 
 
 @dataclass(frozen=True)
@@ -27,8 +29,9 @@ class Col:
     """One column of a table.
 
     kind: "key" for scopes, ids, money and counts (shown whole, on one line: only the header may
-    wrap at its spaces), "name" for other names (wrapped only at their spaces), "text" for
-    descriptions (wrapped, long words folded).
+    wrap at its spaces), "name" for other names (wrapped only at their spaces), "pair" for two
+    figures as one (`$765.31 / $2,000.00`: wrapped only at their spaces, after names), "text"
+    for descriptions (wrapped, long words folded).
     drop: 0 for a column that is always shown; columns that cannot fit are left out from the
     highest drop down, and a lower-ranked one that fits in what is left is still shown.
     """
@@ -63,7 +66,7 @@ def layout(columns: Sequence[Col], rows: Sequence[Sequence[str]], width: int) ->
         words = max(_longest_word(col.header), 1)
         if col.kind == "key":
             least.append(max(widest, words))
-        elif col.kind == "name":
+        elif col.kind in ("name", "pair"):
             least.append(max(max((_longest_word(c) for c in cells), default=0), words))
         else:
             least.append(min(natural[i], TEXT_LEAST))

@@ -245,3 +245,32 @@ def test_forget_accept_and_what_drift_says(house, tmp_path: Path):
     assert ledger.views.period_settled("acme", month) == settled
     again = _cli(url, "bill", "forget", "aws-cur2", "2026-11")
     assert again.returncode == 2 and "no import of it to forget" in again.stderr
+
+
+def test_drift_at_80_columns_keeps_the_money_and_signs_it_first(house, tmp_path: Path):
+    url, ledger = house
+    job = ran_job(
+        ledger,
+        "acme/vision/agent-7",
+        "2026-11-03T10:00:00Z",
+        "2026-11-03T11:20:00Z",
+        37.688,
+        **SAGEMAKER,
+    )
+    export = _cur_export(tmp_path / "part-0.parquet", job)
+    assert _cli(url, "bill", "import", str(export), "--provisional-hours", "0").returncode == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "bill", "drift"],
+        env={**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url, "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and max(map(len, lines)) <= 80, done.stdout
+    cells = {cell.strip() for line in lines for cell in line.split("│")[1:-1]}
+    # the money and the bill's state stay; the job's id gives way first
+    assert {"$0.6281", "$50.25", "$45.25", "-$5.00", "final"} <= cells, done.stdout
+    assert "$-5.00" not in done.stdout
+    [note] = [line for line in lines if line.startswith("not shown at 80 columns: ")]
+    assert note.split(": ")[1].split(", ") == ["job", "why not final"], done.stdout

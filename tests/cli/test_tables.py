@@ -91,8 +91,33 @@ def test_status_shows_whole_scopes_and_money(ledger_env, width: int) -> None:
     env, _ = ledger_env
     cells = _cells(_shown(env, width, "status"))
     assert set(SCOPES) <= set(cells), cells
+    words = {word for cell in cells for word in cell.split()}  # a pair may wrap at its ` / `
     for rate_cap in ("$7.20 / $100.00", "$7.20 / $60.00", "$3.60 / $4.00"):
-        assert rate_cap in cells, cells
+        assert rate_cap in cells or set(rate_cap.split()) <= words, cells
+
+
+def _left_out(lines: list[str], width: int) -> str:
+    """The names of the columns a table left out (its `not shown` note, wrapped or not)."""
+    text = " ".join(lines)
+    head = f"not shown at {width} columns: "
+    return text[text.index(head) + len(head) :] if head in text else ""
+
+
+@pytest.mark.parametrize("width", (80, 100))
+def test_status_keeps_the_money_before_the_counts(ledger_env, width: int) -> None:
+    env, _ = ledger_env
+    lines = _shown(env, width, "status")
+    cells = _cells(lines)
+    left_out = _left_out(lines, width).split(", ")
+    for kept in ("rate / cap", "settled", "reserved", "remaining / budget"):
+        assert kept not in left_out, lines
+    # acme's settled $1,234.57, what is left of its budget and the budget itself; a figure
+    # pair wraps at its ` / `, never inside a figure
+    assert "$1,234.57" in cells and "$2,000.00" in cells, cells
+    assert {"$500.00", "$40.00"} <= set(cells), cells
+    # the job admitted and not started yet is said, and what that means
+    assert "(+1 starting)" in " ".join(cells) or "starting)" in cells, cells
+    assert any(line.startswith("starting: admitted and not started yet") for line in lines)
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -101,10 +126,25 @@ def test_the_ledger_shows_whole_scopes_ids_and_money(ledger_env, width: int) -> 
     lines = _shown(env, width, "ledger")
     cells = _cells(lines)
     assert {"acme", "acme/vision", "acme/vision/agent-7"} <= set(cells), cells
-    assert {job_id[:8] for job_id in ids} <= set(cells), cells
     assert "$1,234.57" in cells, cells  # the settled job's actual spend
+    for kept in ("reserved", "actual", "state"):
+        assert kept not in _left_out(lines, width).split(", "), lines
+    if width >= 80:  # narrower, the ids give way before the money (`ledger --json` has them)
+        assert {job_id[:8] for job_id in ids} <= set(cells), cells
     if width < 120:
         assert any(line.startswith(f"not shown at {width} columns: ") for line in lines), lines
+
+
+def test_prices_list_says_each_source_once_below_where_it_would_wrap(ledger_env) -> None:
+    env, _ = ledger_env
+    lines = _shown(env, 80, "prices", "list")
+    body = [line for line in lines if line.startswith("│")]
+    # a source never wraps (it took five lines a price before); only a bound's words may
+    wrapped = [line for line in body if not line.split("│")[1].strip()]
+    assert all(not line.split("│")[-2].strip() for line in wrapped), "\n".join(wrapped)
+    assert len(wrapped) <= 4, "\n".join(wrapped)
+    assert "[1] instances.vantage.sh us-east-1" in lines, lines
+    assert "│ [1]" in "\n".join(body)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

@@ -79,7 +79,7 @@ def sweep(
     df = getattr(df, "trials", df)  # a cancelled sweep's table (flows.sweep.SweepCancelled)
     if not hasattr(df, "to_string"):
         fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
-    typer.echo(_trials_table(df))
+    typer.echo(_trials_table(df, spec))
     typer.echo(f"results: {df.attrs.get('results_dir')}")
     from prefect_gpu_budget.settings import prefect_api_url
 
@@ -91,26 +91,29 @@ def sweep(
             typer.echo(f"run: {ui}/runs/flow-run/{state.state_details.flow_run_id}")
 
 
-def _trials_table(df: Any) -> str:
-    """The trials as a table that fits the terminal: the reason column cut to what is left
-    (the whole reason stays in trials.csv and on the run in the UI)."""
-    import shutil
+SWEEP_DROP_FIRST = ("non_finite_dropped", "blocked_s", "waited_s", "blocked_by", "reason")
+"""What the sweep's table leaves out first where it cannot fit: counts and times, what held a
+trial, then why it did not complete (cut to what is left before that)."""
 
-    from prefect_gpu_budget.settings import piped_columns
+
+def _trials_table(df: Any, spec: Any = None) -> str:
+    """The trials as a table that fits the terminal: the reason cut to what is left, then
+    times and counts left out, then the metrics other than the sweep's (the whole table stays
+    in trials.csv and on the run in the UI); the state and cost stay."""
+    from prefect_gpu_budget.frame_text import fit_frame, terminal_width
 
     columns = [c for c in df.columns if c not in ("job_id", "runtime_s")]
-    shown = df[columns].copy()
-
-    def table() -> str:
-        return shown.to_string(index=False, float_format=lambda v: f"{v:.4g}")
-
-    if "reason" not in shown or shown.empty:
-        return table()
-    width = shutil.get_terminal_size((piped_columns(), 24)).columns
-    others = shown.drop(columns=["reason"]).to_string(index=False).splitlines()[0]
-    room = max(20, width - len(others) - 2)
-    shown["reason"] = [r if len(r) <= room else r[: room - 1] + "…" for r in shown["reason"]]
-    return table()
+    shown = df[columns]
+    if shown.empty:
+        return shown.to_string(index=False)
+    kept = {"trial", "state", "cost_usd", *SWEEP_DROP_FIRST}
+    if spec is not None:
+        kept |= {spec.metric, *spec.params()}
+    others = [c for c in columns if c not in kept]  # the metrics but the sweep's own
+    text, note = fit_frame(
+        shown, terminal_width(), [*SWEEP_DROP_FIRST[:-1], *others, "reason"], cut="reason"
+    )
+    return text + (f"\n{note}" if note else "")
 
 
 def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: float) -> None:

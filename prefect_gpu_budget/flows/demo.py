@@ -161,15 +161,62 @@ def run_demo(
     status = {s["scope"]: s for s in SpendLedger(database_url=url).ledger().views.status()}[
         DEMO_SCOPE
     ]
-    run_dir = df.attrs["results_dir"]
+    print(demo_table(df))
+    print("\n".join(closing_lines(df, status, out, time.time() - started)))
+    return df
+
+
+DEMO_DROP_FIRST = ("waited_s", "accuracy", "held_by", "loss")
+"""What the demo's table leaves out first in a narrow terminal: times, then the metrics and
+what held a trial; the trial, its parameters, its state and its cost stay."""
+
+
+def demo_table(df: pd.DataFrame) -> str:
+    """The trials as the demo shows them, fitted to the terminal (a note names what is left
+    out: trials.csv has it all)."""
+    from prefect_gpu_budget.frame_text import fit_frame, terminal_width
+
     columns = ["trial", "lr", "width", "state", "loss", "accuracy", "cost_usd", "waited_s"]
     shown = df[[c for c in columns if c in df.columns]]  # a trial that never ran has no metrics
     shown = shown.assign(held_by=df["blocked_by"].str.split(" ").str[0])  # the limit, not scope
-    print(shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    print(
-        f"\nspent {fmt_usd(status['settled_micro'])} of the {fmt_usd(status['period_budget_micro'])} "
-        f"day budget of {DEMO_SCOPE} in {time.time() - started:.0f}s; "
-        f"{(df['state'] == 'AdmissionTimeout').sum()} trials stopped by the budget.\n"
-        f"results: {run_dir}/trials.csv, trials.parquet and plots (*.png)"
-    )
-    return df
+    text, note = fit_frame(shown, terminal_width(), DEMO_DROP_FIRST)
+    return text + (f"\n{note}" if note else "")
+
+
+def shown_path(path: Path) -> str:
+    """`path` as the user can type it here: relative to the working folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def program() -> str:
+    """How this command was called (`.venv/bin/prefect-gpu-budget`), else its name."""
+    called = sys.argv[0] if sys.argv else ""
+    return called if Path(called).name == "prefect-gpu-budget" else "prefect-gpu-budget"
+
+
+def closing_lines(df: pd.DataFrame, status: dict[str, Any], out: Path, took_s: float) -> list:
+    """What the demo spent and where it left things: its results, and its own ledger (not the
+    default one) with the exact command that lists its jobs, split with a `\\` where it would
+    not fit the terminal."""
+    from prefect_gpu_budget.frame_text import terminal_width
+
+    budget = fmt_usd(status["period_budget_micro"])
+    stopped = int((df["state"] == "AdmissionTimeout").sum())
+    results = Path(df.attrs["results_dir"])
+    ledger = shown_path(out / "ledger.db")
+    command = f"  {program()} --ledger-url sqlite:///{ledger} ledger"
+    if len(command) > terminal_width():
+        command = f"  {program()} --ledger-url \\\n    sqlite:///{ledger} ledger"
+    return [
+        "",
+        f"spent {fmt_usd(status['settled_micro'])} of the {budget} day budget of {DEMO_SCOPE} "
+        f"in {took_s:.0f}s",
+        f"{stopped} trials stopped by the budget (their max wait ran out)",
+        f"results: {shown_path(results / 'trials.csv')}",
+        "  beside it: trials.parquet and the plots (*.png)",
+        f"ledger: {ledger} (the demo's own, not the default); its jobs:",
+        command,
+    ]

@@ -31,6 +31,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect_gpu_budget import plots
 from prefect_gpu_budget.admission.ledger import wait_spans
 from prefect_gpu_budget.admission.ledger.results import SweepRecords
+from prefect_gpu_budget.admission.ledger.rows import STARTING
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.csv_cells import to_csv
 from prefect_gpu_budget.flows.recording import SweepRecorder
@@ -185,7 +186,8 @@ def _sweep(
         row = rows_by_name.get(name, {})
         points = ended.get(index, [])
         curves[f"{index:04d}"] = points
-        spans = wait_spans(row) if row else {}
+        # its start after admission is no limit: `waited_s` counts it, `blocked_*` do not
+        spans = {k: v for k, v in (wait_spans(row) if row else {}).items() if k != STARTING}
         records.append(
             {
                 "trial": index,
@@ -336,7 +338,10 @@ def _publish_forecast(spec: SweepSpec, led, out: Path, logger, key: str) -> None
     except Exception as exc:  # a forecast never stops a sweep
         logger.warning("no forecast for sweep %s: %s", spec.name, exc)
         return
-    logger.info("forecast for sweep %s: %s", spec.name, predicted.describe().replace("\n", "; "))
+    # one line each: the likely outcome and the bound (the whole forecast is its artifact)
+    told = predicted.trials, predicted.max_wait_s
+    logger.info("forecast: %s", predicted.likely.headline(*told))
+    logger.info("forecast at max_runtime: %s", predicted.bound.headline(*told))
     budgets = [r for r in led.config.path_budgets(spec.scope) if r.period_budget_micro is not None]
     picture = plot(predicted, out / "forecast.png", budgets[-1] if budgets else None)
     create_markdown_artifact(

@@ -6,6 +6,7 @@ the state a run ends in when a stop ended its job (`stopped_state`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from prefect import get_run_logger
@@ -41,6 +42,28 @@ def _why(decision: Decision) -> str:
     if not decision.resumes_at or "resets" in decision.reason:
         return decision.reason
     return f"{decision.reason} (resets {periods.fmt_instant(decision.resumes_at, 'UTC')})"
+
+
+_BY = re.compile(r"\((?:over|short) by [^)]*\)")
+_PLACE = re.compile(r" \(priority [^)]*\)")
+
+
+def short_why(decision: Decision) -> str:
+    """What holds a job, as a log line says it: the first limit that holds it, by how much,
+    and when a period that holds it resets; `(and N more limits)` for the others. The whole reason
+    stays in the run's state and the `queued` event."""
+    first, *more = decision.reason.split("; blocked by ")
+    head, _, detail = first.partition(": ")
+    if head.startswith("blocked by ") and detail:
+        by = _BY.search(detail)
+        said = head.removeprefix("blocked by ") + (f" {by.group(0)}" if by else "")
+    else:  # waiting behind another job, an agent's limit ...: its own words, less its place
+        said = _PLACE.sub("", first)
+    if decision.limit == "period_budget" and decision.resumes_at:
+        said += f", resets {periods.fmt_instant(decision.resumes_at, 'UTC')}"
+    if more:
+        said += f" (and {len(more)} more limit{'s' if len(more) > 1 else ''})"
+    return said
 
 
 def _resource(job_id: str, scope: str) -> dict[str, str]:
@@ -112,7 +135,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
         )
 
     def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
-        logger.warning("GPU job %s queued in %s: %s", job_id[:8], scope, _why(decision))
+        logger.warning("GPU job %s waits: %s", job_id[:8], short_why(decision))
         show_waiting(decision)
         emit_event(
             event="gpu-budget.job.queued",
@@ -135,7 +158,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             logger.warning("could not send the waiting notification: %s", exc)
 
     def waiting(job_id: str, decision: Decision) -> None:
-        logger.info("GPU job %s still waiting: %s", job_id[:8], _why(decision))
+        logger.info("GPU job %s still waits: %s", job_id[:8], short_why(decision))
         show_waiting(decision)  # the UI follows what holds it, not its first reason
 
     def admitted(admission: Admission) -> None:

@@ -25,6 +25,41 @@ def test_the_reason_column_is_cut_to_fit_the_terminal(monkeypatch):
     assert df.loc[1, "reason"] == long  # the table's copy is cut, not the results
 
 
+def test_the_sweep_table_keeps_state_and_cost_at_80_columns(monkeypatch):
+    """A sweep's trials as `sweep` ends with them (108 columns wide before): at 80 the reason is
+    cut, then times and counts are left out and named; the state and the cost stay."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("COLUMNS", "80")
+    why = "max wait 30s ran out: blocked by day budget of demo-lab/sweeps/agent-1: settled"
+    row = {
+        "trial": 9,
+        "lr": 1.0,
+        "width": 64,
+        "loss": None,
+        "accuracy": None,
+        "non_finite_dropped": 0,
+        "state": "AdmissionTimeout",
+        "reason": why,
+        "cost_usd": 0.0,
+        "waited_s": 30.05,
+        "blocked_by": "period_budget demo-lab/sweeps/agent-1",
+        "blocked_s": 30.05,
+        "runtime_s": 0.0,
+        "job_id": "41e58afc-0000",
+    }
+    done = {**row, "trial": 0, "loss": 0.6455, "accuracy": 0.66, "state": "Completed"}
+    df = pd.DataFrame([{**done, "reason": "", "cost_usd": 0.008637}, row])
+    spec = SimpleNamespace(metric="loss", params=lambda: ["lr", "width"])
+    lines = _trials_table(df, spec).splitlines()
+    assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+    header = lines[0].split()
+    assert {"trial", "lr", "width", "loss", "state", "cost_usd"} <= set(header), lines
+    assert "AdmissionTimeout" in lines[2] and "0.008637" in lines[1], lines
+    note = " ".join(lines[lines.index(next(x for x in lines if x.startswith("not shown"))) :])
+    assert note.startswith("not shown at 80 columns: non_finite_dropped, blocked_s"), lines
+
+
 def test_version():
     done = subprocess.run(
         [sys.executable, "-m", "prefect_gpu_budget.cli", "--version"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -22,30 +23,36 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
         # Prefect's own wait for a temporary server; the demo must not depend on it, as a first
         # start on a busy machine takes longer than its 20 s default.
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1",
+        COLUMNS="80",
     )
     out = tmp_path / "out"
+    cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
     done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "prefect_gpu_budget.cli",
-            "demo",
-            "--out",
-            str(out),
-            "--trials",
-            "5",
-            "--seconds",
-            "0.5",
-        ],
+        [*cli, "demo", "--out", "out", "--trials", "5", "--seconds", "0.5"],
         env=env,
+        cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=280,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.splitlines()
+    assert max(map(len, said)) <= 80, done.stdout  # its table and closing lines fit
     assert "day budget of demo-lab/sweeps/agent-1" in done.stdout
     [run_dir] = out.glob("demo-*")
-    assert f"results: {run_dir.resolve()}/trials.csv" in done.stdout
+    assert f"results: out/{run_dir.name}/trials.csv" in said, done.stdout
+    # its last lines say where its ledger is and the command that lists its jobs
+    assert said[-2] == "ledger: out/ledger.db (the demo's own, not the default); its jobs:"
+    command = shlex.split(said[-1])
+    assert command[0] == "prefect-gpu-budget", said[-1]
+    listed = subprocess.run(
+        [*cli, *command[1:]], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert listed.returncode == 0 and "demo-lab/sweeps/agent-1" in listed.stdout, listed
+    # the product's own log lines say one thing each: no wait names two limits at length
+    ours = [line for line in done.stderr.splitlines() if "GPU job" in line or "forecast" in line]
+    assert ours and all("; blocked by" not in line for line in ours), ours
+    assert all(len(line.split(" - ", 1)[-1]) <= 160 for line in ours), ours
     # nothing of the demo is left in the user's Prefect database
     prefect_db = sqlite3.connect(tmp_path / "home" / "prefect.db")
     left = prefect_db.execute(
@@ -55,6 +62,7 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
     assert left == []
     trials = pd.read_csv(run_dir / "trials.csv")
     assert len(trials) == 6 and (trials["state"] == "Completed").sum() >= 2
+    assert "starting" not in set(trials["blocked_by"].fillna(""))  # its launch is no limit
     for plot in ("spend.png", "metric_vs_params.png", "learning_curves.png"):
         assert (run_dir / plot).stat().st_size > 1000
     ledger = Ledger(f"sqlite:///{out / 'ledger.db'}")

@@ -31,6 +31,7 @@ from prefect_gpu_budget.cli.common import console, fail, set_ledger_url
 from prefect_gpu_budget.cli.jobs import cancel_cmd, ledger_cmd, reconcile_cmd
 from prefect_gpu_budget.cli.prices import prices_list, prices_refresh, prices_set_local, quote
 from prefect_gpu_budget.cli.runs import demo, deploy, forecast, serve, sweep
+from prefect_gpu_budget.cli.spend import spend, suggestion
 from prefect_gpu_budget.extras import MissingExtra
 from prefect_gpu_budget.units import BudgetInputError
 
@@ -66,6 +67,7 @@ app.callback()(set_ledger_url)
 budget_app.command("set")(budget_set)
 budget_app.command("show")(budget_show)
 app.command()(status)
+app.command()(spend)
 app.command()(capacity)
 priority_app.command("set")(priority_set)
 priority_app.command("remove")(priority_remove)
@@ -103,6 +105,15 @@ def _user_error(exc: BaseException) -> bool:
     )
 
 
+def _unknown_command(exc: Exception, message: str) -> str:
+    """The command meant, for `No such command 'costs'.` where click names none."""
+    ctx = getattr(exc, "ctx", None)
+    if not message.startswith("No such command '") or "Did you mean" in message or ctx is None:
+        return ""
+    group = ctx.command_path[len(ctx.find_root().command_path) :].strip()  # `prices`, or none
+    return suggestion(message.split("'")[1], list(ctx.command.list_commands(ctx)), group)
+
+
 def main() -> None:
     """Console entry point: one-line errors with exit code 2 for bad input."""
     # A short command's process spent a quarter to a third of its time exiting: the collector's
@@ -131,6 +142,7 @@ def main() -> None:
             message = lines[0]
             if param and param not in message:
                 message = f"{param}: {message}"
+            message += _unknown_command(exc, message)
             typer.echo(f"error: {message}", err=True)
             sys.exit(2)
         from prefect_gpu_budget.units import redact_urls

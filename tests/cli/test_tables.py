@@ -189,3 +189,33 @@ def test_what_cannot_fit_is_left_out_least_important_first() -> None:
     assert list(layout(columns, rows, 59)) == [0, 1, 2, 3]
     # scopes and ids are never left out, even when they cannot fit
     assert layout(columns, rows, 20) == {0: 8, 1: 19}
+
+
+def test_spend_per_scope_and_period_as_a_table_json_and_csv(ledger_env) -> None:
+    import csv
+    import io
+    import json
+
+    env, _ = ledger_env
+    lines = _shown(env, 80, "spend")
+    cells = _cells(lines)
+    assert set(SCOPES) <= set(cells) and "$1,234.57" in cells, lines
+    [acme] = [
+        r
+        for r in json.loads(_cli(env, 80, "spend", "acme", "--json").stdout)
+        if r["scope"] == "acme"
+    ]
+    assert acme["period"] == "month" and acme["period_budget_usd"] == 2000.0
+    assert acme["spent_usd"] == pytest.approx(acme["settled_usd"] + acme["reserved_usd"])
+    rows = list(csv.DictReader(io.StringIO(_cli(env, 80, "spend", "--csv").stdout)))
+    assert {r["scope"] for r in rows} == set(SCOPES), rows
+    assert _cli(env, 80, "spend", "--period", "week", "--json").stdout.strip() == "[]"
+
+
+def test_a_command_that_does_not_exist_names_the_one_meant(ledger_env) -> None:
+    env, _ = ledger_env
+    done = _cli(env, 80, "costs")
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "error: No such command 'costs'. Did you mean `prefect-gpu-budget spend`?"
+    )

@@ -40,6 +40,7 @@ from pathlib import Path
 from prefect_gpu_budget import settings
 from prefect_gpu_budget.identity import live_processes
 from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.launchers.job_limits import remove_tree
 
 SESSION_USER_PREFIX = "gpub-"
 """How the names of the agent sessions' own users (`PREFECT_GPU_BUDGET_AGENT_UIDS`) start."""
@@ -330,7 +331,7 @@ def sweep_leftovers(lock: int, user: JobUser) -> None:
                 if entry.stat(follow_symlinks=False).st_uid != user.uid:
                     continue
                 if entry.is_dir(follow_symlinks=False):
-                    shutil.rmtree(entry.path, ignore_errors=True)
+                    remove_tree(Path(entry.path))  # whatever its depth
                 else:
                     os.unlink(entry.path)
             except OSError:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from pathlib import Path
 
 from prefect_gpu_budget import settings
@@ -92,23 +93,113 @@ class OverLimit(Exception):
 def folder_bytes(folder: Path, owner: int | None = None) -> int:
     """The disk space the files under `folder` take (blocks, each inode once; never through
     a link); with `owner`, only what that uid owns at the top of `folder` counts (and all
-    that is below it)."""
-    seen: set[int] = set()
+    that is below it). Walked by folder descriptors, without recursion: no depth of folders,
+    nor a path past PATH_MAX, hides a file from it."""
+    seen: set[tuple[int, int]] = set()
     total = 0
-    for top, dirs, files in os.walk(folder):
-        for name in list(dirs) + files:
+    for st in _tree(folder, owner):
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_blocks * 512
+    return total
+
+
+def _tree(folder: Path, owner: int | None = None) -> Iterator[os.stat_result]:
+    """The stat of every entry below `folder` (never through a link), walked with folder
+    descriptors (`openat`) on a stack of its own; with `owner`, only the top entries of that
+    uid and what is below them."""
+    try:
+        top = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return
+    stack = [(top, True)]
+    while stack:
+        fd, at_top = stack.pop()
+        try:
+            names = os.listdir(fd)
+        except OSError:
+            names = []
+        for name in names:
             try:
-                st = os.lstat(os.path.join(top, name))
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            if owner is not None and top == str(folder) and st.st_uid != owner:
-                if name in dirs:
-                    dirs.remove(name)
+            if at_top and owner is not None and st.st_uid != owner:
                 continue
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
-                total += st.st_blocks * 512
-    return total
+            yield st
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+                    stack.append((os.open(name, flags, dir_fd=fd), False))
+                except OSError:
+                    continue
+        os.close(fd)
+
+
+def remove_tree(folder: Path) -> None:
+    """Remove `folder` and everything below it (never through a link), without recursion:
+    no depth of folders, nor a path past PATH_MAX, leaves anything behind."""
+    try:
+        parent = os.open(folder.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        _remove_below(parent, folder.name)
+    finally:
+        os.close(parent)
+
+
+def _remove_below(parent: int, name: str) -> None:
+    """Remove the entry `name` of the open folder `parent`, whatever it holds: folders are
+    emptied on a stack of (folder descriptor, name in its parent, parent descriptor); one that
+    cannot be emptied is left, and not tried again."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        stack = [(os.open(name, flags, dir_fd=parent), name, parent)]
+    except OSError:
+        with suppress(OSError):
+            os.unlink(name, dir_fd=parent)
+        return
+    stuck: set[tuple[int, int]] = set()
+    while stack:
+        fd, own_name, above = stack[-1]
+        if _push_subfolder(fd, stack, stuck):
+            continue
+        stack.pop()
+        try:
+            os.rmdir(own_name, dir_fd=above)
+        except OSError:
+            st = os.fstat(fd)
+            stuck.add((st.st_dev, st.st_ino))
+        os.close(fd)
+
+
+def _push_subfolder(fd: int, stack: list, stuck: set[tuple[int, int]]) -> bool:
+    """Unlink every file of the open folder `fd`; push its first subfolder not `stuck` onto
+    `stack` (True), or none is left (False)."""
+    try:
+        names = os.listdir(fd)
+    except OSError:
+        return False
+    for entry in names:
+        try:
+            os.unlink(entry, dir_fd=fd)
+            continue
+        except IsADirectoryError:
+            pass
+        except OSError:
+            continue
+        try:
+            sub = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+        except OSError:
+            continue
+        st = os.fstat(sub)
+        if (st.st_dev, st.st_ino) in stuck:
+            os.close(sub)
+            continue
+        stack.append((sub, entry, fd))
+        return True
+    return False
 
 
 def size_text(n: int) -> str:

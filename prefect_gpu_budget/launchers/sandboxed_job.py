@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from prefect_gpu_budget.launchers.job_limits import (
     OverLimit,
     folder_bytes,
     private_bytes,
+    remove_tree,
     size_text,
     unlinked_bytes,
 )
@@ -64,6 +66,10 @@ class SandboxedJob:
     interpreter's prefix, its code): the holder binds these back in, read-only (`--keep`)."""
     holder_pid: int | None = None
     """The job holder's pid, once started: its processes are measured for what they hold."""
+    over: str | None = None
+    """Why the job must stop, once a measurement (`measure`) found it past a limit."""
+    meter: threading.Thread = field(default_factory=lambda: threading.Thread(target=int))
+    """The thread of the last measurement (`tick`); a fresh one until the first starts."""
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox:
@@ -94,24 +100,37 @@ class SandboxedJob:
 
     def tick(self, now: float | None = None) -> None:
         """What runs about every second while the job runs: its metrics copied (`sync_metrics`)
-        and, every DISK_CHECK_S, its folder measured: `OverLimit` once it passes its `disk`
-        limit, or holds more than DISK_RESERVE while less than that is left free."""
+        and, every DISK_CHECK_S, what it holds measured in a thread of its own (`measure`), so
+        that however long a measurement takes (a job can hold millions of open files) it never
+        holds back the stop at max_runtime. `OverLimit` once a measurement found it past its
+        `disk` limit, or holding more than DISK_RESERVE while less than that is left free."""
         self.sync_metrics()
+        if self.over is not None:
+            raise OverLimit(self.over)
         now = time.monotonic() if now is None else now
-        if now - self.measured_at < DISK_CHECK_S:
+        if now - self.measured_at < DISK_CHECK_S or self.meter.is_alive():
             return
         self.measured_at = now
-        used = self.held()
+        self.meter = threading.Thread(target=self.measure, name="job-disk-meter", daemon=True)
+        self.meter.start()
+
+    def measure(self) -> None:
+        """Measure what the job holds (`held`) and note in `over` why it must stop, if so."""
+        try:
+            used = self.held()
+            free = shutil.disk_usage(self.workdir).free
+        except Exception as exc:  # noqa: BLE001 - a job that cannot be measured is stopped
+            self.over = f"stopped: what it holds could not be measured ({type(exc).__name__})"
+            return
         cap = self.limit("disk")
         if cap is not None and used > cap:
-            raise OverLimit(
+            self.over = (
                 f"stopped: it holds {size_text(used)} on disk (its folder, its own temporary "
                 f"folders and the files it keeps open), past its disk limit of "
                 f"{size_text(cap)} ({settings.AGENT_LIMIT_ENVS['disk']})"
             )
-        free = shutil.disk_usage(self.workdir).free
-        if used > DISK_RESERVE and free < DISK_RESERVE:
-            raise OverLimit(
+        elif used > DISK_RESERVE and free < DISK_RESERVE:
+            self.over = (
                 f"stopped: the worker's disk is nearly full ({size_text(free)} free) and the "
                 f"job holds {size_text(used)}"
             )
@@ -159,7 +178,7 @@ class SandboxedJob:
         try:
             self.sync_metrics(final=True)
         finally:
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            remove_tree(self.workdir)
             lock, self.lock = self.lock, None
             if lock is not None:
                 try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,3 +92,47 @@ def test_a_bad_launcher_limit_is_refused_in_one_line(name: str, value: str):
     with pytest.raises(LaunchConfigError) as refused:
         parse_limits(((name, value),))
     assert f"PREFECT_GPU_BUDGET_AGENT_LIMIT_{name.upper()}" in refused.value.reason
+
+
+DEEP = (
+    "import os\n"
+    "for _ in range(1200):\n"
+    "    os.mkdir('d' * 200)\n"
+    "    os.chdir('d' * 200)\n"
+    "with open('f', 'wb') as f:\n"
+    "    f.write(b'x' * (8 << 20))\n"
+    "print('deep', flush=True)\n"
+    "import time; time.sleep(60)\n"
+)
+"""A trial that writes 8 MiB at the bottom of 1,200 folders of 200-character names: far past
+PATH_MAX, and past the depth a recursive walk (os.walk, shutil.rmtree) survives."""
+
+
+@as_root
+def test_a_file_at_any_depth_counts_and_goes_with_the_job(base, quote):
+    box = Sandbox(user="nobody", root=base / "jobs", limits={"disk": "4M"})
+    job = GpuJob(instance_type="local:box", command=["python3", "-c", DEEP], max_runtime="2m")
+    lines: list[str] = []
+    result = LocalLauncher(box).run(job, quote, log=lines.append)  # a result, no crash
+    assert "deep" in lines, (result, lines)
+    assert result.outcome == "failed" and "past its disk limit" in result.detail, result
+    assert not list((base / "jobs").glob("job-*")), "its folder outlived it"
+
+
+@as_root
+def test_a_slow_measurement_never_holds_back_the_stop_at_max_runtime(
+    base, quote, monkeypatch: pytest.MonkeyPatch
+):
+    """A job can make its measurement slow (millions of open files to look at): the stop at
+    max_runtime comes on time all the same, the measurement running in a thread of its own."""
+    from prefect_gpu_budget.launchers.sandboxed_job import SandboxedJob
+
+    monkeypatch.setattr(SandboxedJob, "held", lambda self: time.sleep(60) or 0)
+    box = Sandbox(user="nobody", root=base / "jobs")
+    job = GpuJob(
+        instance_type="local:box", command=["sleep", "60"], max_runtime="3s", kill_grace="1s"
+    )
+    started = time.monotonic()
+    result = LocalLauncher(box).run(job, quote)
+    assert result.outcome == "timed_out", result
+    assert time.monotonic() - started < 30, result

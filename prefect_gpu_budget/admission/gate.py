@@ -26,23 +26,28 @@
 The order of writes, and why a crash anywhere loses nothing. Only the ledger's decision runs
 under the org's lock (`Db.write`); no call to Prefect is made while it is held: Prefect answers
 first (step 3) or after the commit (step 6).
-- Fast path, Prefect first: the lease is granted, then one transaction records the request,
-  the decision and the lease. Killed before that commit, the job has no row and reserves
-  nothing; its slots are held by a lease nobody knows, which only makes Prefect's limit
+- Fast path, Prefect first: the lease is granted, then one transaction records the request, the
+  decision and the lease. Prefect goes first because the lease id is its server's to make: a
+  commit made before could not name it, and recording it would take a second commit. Its cost is
+  a lease taken for a job the ledger then makes wait, which is why only a scope whose last job
+  here was admitted at once asks first. Killed before that commit, the job has no row and
+  reserves nothing; its slots are held by a lease nobody knows, which only makes Prefect's limit
   stricter, and the server's repossessor returns them when the lease lapses (`LEASE_S` plus
-  `REPOSSESS_S`), as for an early lease today. Killed after it, the row is admitted with its
-  lease on record: reconcile settles it and gives the lease back, as after any recorded lease.
-  The row is stamped with the instant the lease was asked for (`Queue.ask`), so reconcile's
-  reading that a recorded lease lives `LEASE_S` past the row's last stamp stays true, and a
-  lease older than `FRESH_LEASE_S` is not recorded this way at all. A decision that is not an
-  admission under those caps leaves the lease out of the row and gives it back at once.
+  `REPOSSESS_S`), as for any early lease. Killed after it, the row is admitted with its lease on
+  record: reconcile settles it and gives the lease back, as after any recorded lease. The row is
+  stamped with the instant the lease was asked for (`Queue.ask`), so reconcile's reading that a
+  recorded lease lives `LEASE_S` past the row's last stamp stays true, and a lease older than
+  `FRESH_LEASE_S` is not recorded this way at all. A decision that is not an admission under
+  those caps leaves the lease out of the row and gives it back at once.
 - Otherwise, ledger first: the admission commits (its row stamped), then the slots are taken
   and the lease recorded. Killed between, the row is admitted without a lease: reconcile holds
   it open, its rate counted, until any lease it may have taken has lapsed
   (`UNRECORDED_LEASE_S` after its last stamp), then settles it. Prefect full or refusing
   undoes the admission in one transaction (`Queue.unadmit`: back to the queue, or ended).
-Either way the ledger never counts less than Prefect may hold for a live job, and a job runs
-only once its row is admitted with its lease on record.
+Either way a job runs only once its row is admitted with its lease on record, a lease nobody
+recorded only makes Prefect's limit stricter until it lapses, and an admitted row that may hold
+slots under a lease it never recorded keeps its rate counted by the ledger until that lease
+could have lapsed.
 
 What the job holds from then on, and its settlement, are `Holding`'s (`gate.holding`).
 """

@@ -285,7 +285,7 @@ def _isolate_init(relay: int | None, child: Child) -> None:  # pragma: no cover 
     relay), a listener on the job's 127.0.0.1:PROXY_PORT handed to it. Raises OSError saying
     what failed."""
     walls = _sibling("_walls")
-    sockets = walls.host_sockets()  # the host's, while this is still on its network
+    sockets = _sibling("_sockets").host_sockets()  # the host's, from the host's namespaces
     why = _unshare(CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWIPC)
     if why:
         raise OSError(f"no network, IPC and mount namespace of its own here ({why})")

@@ -8,12 +8,13 @@ as a file, and imports this one beside it.
    one. Everything the job leaves there is gone with its namespace; nothing the host or
    another job keeps there is seen. The job's own folder, its interpreter and its code, where
    they live below one of these, are bound back in (the folder writable, the rest read-only).
-2. **No socket of the host** (`mask_sockets`): every path a unix socket of the host is bound
-   to (`/proc/net/unix`, read in the host's network namespace, before the job's own is made)
-   that the job could still reach is covered by an empty read-only file, so `connect()` there
-   is refused. With the tmpfs over `/run` and `/tmp` that covers PostgreSQL's, Redis's,
-   MariaDB's and Docker's, and any other socket anywhere on the host when the job starts.
-   Abstract sockets belong to a network namespace, and the job has its own.
+2. **No socket of the host** (`mask_sockets`): every path a unix socket of the host can be
+   reached at (`_sockets.host_sockets`: every network namespace's, followed into other mount
+   namespaces and through bind mounts, read before the job's own namespaces are made) that the
+   job could still reach is covered by an empty read-only file, so `connect()` there is
+   refused. With the tmpfs over `/run` and `/tmp` that covers PostgreSQL's, Redis's, MariaDB's
+   and Docker's, and any other socket on the host when the job starts. Abstract sockets belong
+   to a network namespace, and the job has its own.
 3. **Landlock** (`landlock_ruleset`, then `landlock_restrict` in the job's process), where the
    kernel has it, a second wall: the job may create, change, rename or remove files only
    below its own folder and its private folders (and write to devices, for the GPUs), and,
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import stat
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -69,22 +69,6 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
     if _libc().mount(*enc, flags, os.fsencode(data) if data else None) != 0:
         error = ctypes.get_errno()
         raise OSError(error, f"mount {target}: {os.strerror(error)}")
-
-
-def host_sockets() -> list[str]:
-    """The absolute paths unix sockets are bound to in this network namespace (the host's,
-    read before the job gets its own)."""
-    found = []
-    try:
-        with open("/proc/net/unix", "rb") as handle:
-            next(handle, None)
-            for line in handle:
-                fields = line.split(None, 7)
-                if len(fields) == 8 and fields[7].startswith(b"/"):
-                    found.append(os.fsdecode(fields[7].rstrip(b"\n")))
-    except OSError:
-        pass
-    return sorted(set(found))
 
 
 def under_masked(path: str) -> bool:
@@ -143,50 +127,15 @@ def _folder(path: str, mode: int) -> None:
     os.chmod(path, mode)
 
 
-def _unescape(field: str) -> str:
-    """A path as /proc/self/mountinfo writes it (space, tab, newline, backslash as octal)."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
-
-
-def _mounts() -> list[tuple[str, str, str]]:
-    """This mount namespace's mounts, as (device, root within it, mount point)."""
-    found = []
-    with open("/proc/self/mountinfo") as handle:
-        for line in handle:
-            fields = line.split()
-            if len(fields) > 4:
-                found.append((fields[2], _unescape(fields[3]), _unescape(fields[4])))
-    return found
-
-
-def aliases(paths: list[str]) -> list[str]:
-    """`paths` and every other path this mount namespace shows each one at: a folder bound
-    elsewhere (`mount --bind /run/pg /srv/pg`) shows its socket there too."""
-    mounts = _mounts()
-    found = list(paths)
-    for path in paths:
-        real = os.path.realpath(path)
-        holding = [m for m in mounts if real == m[2] or real.startswith(m[2].rstrip("/") + "/")]
-        if not holding:
-            continue
-        device, root, point = max(holding, key=lambda m: len(m[2]))
-        inside = root.rstrip("/") + real[len(point.rstrip("/")) :]  # its path in its filesystem
-        for other, other_root, other_point in mounts:
-            base = other_root.rstrip("/")
-            if other == device and (inside == other_root or inside.startswith(base + "/")):
-                found.append(other_point.rstrip("/") + inside[len(base) :])
-    return list(dict.fromkeys(found))
-
-
 def mask_sockets(sockets: list[str]) -> int:
-    """Cover each of `sockets` (and each other path it shows at, `aliases`) that is still a
-    socket in this mount namespace with an empty read-only file (`COVER`); returns how many
-    were covered."""
+    """Cover each of `sockets` (`_sockets.host_sockets`, read before the job's own folders were
+    mounted) that is still a socket in this mount namespace with an empty read-only file
+    (`COVER`); returns how many were covered."""
     cover = f"{PRIVATE_ROOT}/{COVER}"
     if not os.path.exists(cover):
         os.close(os.open(cover, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o444))
     covered = 0
-    for path in aliases(sockets):
+    for path in sockets:
         try:
             if not stat.S_ISSOCK(os.stat(path).st_mode):
                 continue

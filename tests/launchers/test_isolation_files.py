@@ -15,6 +15,7 @@ import os
 import pwd
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -32,15 +33,30 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and users 
 
 CONNECT = (
     "import socket, sys\n"
-    "for path in sys.argv[1:]:\n"
+    "for i, path in enumerate(sys.argv[1:]):\n"
     "    sock = socket.socket(socket.AF_UNIX)\n"
     "    try:\n"
     "        sock.connect(path)\n"
-    "        print('reached', path)\n"
+    "        print('reached', i)\n"
     "    except OSError as exc:\n"
-    "        print('refused', path, type(exc).__name__)\n"
+    "        print('refused', i, type(exc).__name__)\n"
 )
-"""A trial that connects to each unix socket path it is given."""
+"""A trial that connects to each unix socket path it is given, and says which it reached (by
+its place among them)."""
+
+
+def _attack(base: Path, quote, network: str, paths: list[str]) -> None:
+    """Connect to each of `paths` from a job on the host's network (each is reached: the attack
+    works) and from a job on `network` (none is)."""
+    command = ["python3", "-c", CONNECT, *paths]
+    opened = Sandbox(user="nobody", root=base / "jobs", network="host")
+    result, lines = run_job(opened, quote, command)
+    assert result.outcome == "completed", (result, lines)
+    assert [f"reached {i}" for i in range(len(paths))] == lines, (paths, lines)
+    box = Sandbox(user="nobody", root=base / "jobs", network=network)
+    result, lines = run_job(box, quote, command)
+    assert result.outcome == "completed", (result, lines)
+    assert [x.split()[0] for x in lines] == ["refused"] * len(paths), (paths, lines)
 
 
 @pytest.fixture
@@ -129,21 +145,68 @@ def test_no_socket_of_the_host_is_reached_from_any_path(
         str(Path(p).resolve()) for p in ("/var/run/postgresql/.s.PGSQL.5432",) if Path(p).exists()
     ]
     try:
-        opened = Sandbox(user="nobody", root=base / "jobs", network="host")
-        result, lines = run_job(opened, quote, ["python3", "-c", CONNECT, *paths])
-        assert result.outcome == "completed", (result, lines)
-        assert all(f"reached {p}" in lines for p in paths), lines  # the attack, unwalled
-
-        box = Sandbox(user="nobody", root=base / "jobs", network=network)
-        result, lines = run_job(box, quote, ["python3", "-c", CONNECT, *paths])
-        assert result.outcome == "completed", (result, lines)
-        assert not [x for x in lines if x.startswith("reached")], lines
-        assert sum(x.startswith("refused ") for x in lines) == len(paths), lines
+        _attack(base, quote, network, paths)
     finally:
         subprocess.run(["umount", outside / "alias"], check=False)
         for server in servers:
             os.unlink(server.getsockname())
             server.close()
+
+
+SERVE = (
+    "import os, socket, sys\n"
+    "server = socket.socket(socket.AF_UNIX)\n"
+    "server.bind(sys.argv[1])\n"
+    "os.chmod(sys.argv[1], 0o777)\n"
+    "server.listen(8)\n"
+    "print('ready', flush=True)\n"
+    "while True:\n"
+    "    server.accept()[0].close()\n"
+)
+"""A 0777 unix socket server at the path it is given, relative to its folder or not."""
+
+
+def _serve_from(command: list[str], path: str, cwd: Path | None = None) -> subprocess.Popen:
+    """A socket server (`SERVE`) started by `command` (`unshare -n`, say), once it listens."""
+    server = subprocess.Popen(
+        [*command, sys.executable, "-c", SERVE, path], cwd=cwd, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout.readline() == "ready\n", server.poll()
+    return server
+
+
+def test_a_socket_bound_in_other_namespaces_or_by_other_paths_is_not_reached(
+    base, outside, quote, network
+):
+    """What /proc/net/unix does not name as the job sees it: a socket of a server with a
+    network of its own; one bound in a mount namespace of its own (at a path bound there
+    only); one bound by a relative path; one under a path with a newline; and every socket of
+    /run through a second mount of /run (the job's own /run hides the first)."""
+    token = uuid.uuid4().hex[:8]
+    for folder in ("own-net", "own-mounts", "seen-there", "relative", "new\nline", "run"):
+        (outside / folder).mkdir(mode=0o755)
+    script = f'mount --bind {outside / "own-mounts"} {outside / "seen-there"} && exec "$@"'
+    servers = [
+        _serve_from(["unshare", "-n"], str(outside / "own-net" / "s.sock")),
+        _serve_from(["unshare", "-m", "sh", "-c", script, "-"], str(outside / "seen-there/s.sock")),
+        _serve_from([], "s.sock", cwd=outside / "relative"),
+        _serve_from([], str(outside / "new\nline" / "s.sock")),
+        _serve_from([], f"/run/gpu-walls-{token}.sock"),
+    ]
+    subprocess.run(["mount", "--bind", "/run", outside / "run"], check=True)
+    paths = [
+        str(outside / folder / "s.sock")
+        for folder in ("own-net", "own-mounts", "relative", "new\nline")
+    ]
+    paths.append(str(outside / "run" / f"gpu-walls-{token}.sock"))
+    try:
+        _attack(base, quote, network, paths)
+    finally:
+        subprocess.run(["umount", outside / "run"], check=False)
+        for server in servers:
+            server.kill()
+            server.wait()
+        os.unlink(f"/run/gpu-walls-{token}.sock")
 
 
 LEAVE = (

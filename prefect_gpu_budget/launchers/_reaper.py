@@ -291,6 +291,7 @@ def _isolate_init(relay: int | None, child: Child) -> None:  # pragma: no cover 
         raise OSError(f"no network, IPC and mount namespace of its own here ({why})")
     walls.mount(None, "/", None, MS_REC | MS_PRIVATE)
     walls.mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    walls.bound_ipc(child.tmp_size)
     writable = [child.cwd] if child.cwd else []
     walls.private_dirs(child.tmp_size, child.keep, writable)
     walls.mask_sockets(sockets)

@@ -89,8 +89,7 @@ def private_dirs(size: int | None, keep_ro: list[str], keep_rw: list[str]) -> No
             if under_masked(where) and os.path.exists(where):
                 kept.append((where, os.open(where, os.O_PATH | os.O_CLOEXEC), writable))
     var_run_apart = os.path.isdir("/var/run") and not os.path.islink("/var/run")
-    half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2  # tmpfs's own default
-    opts = f"mode=0755,size={min(size or half, half)}"
+    opts = f"mode=0755,size={memory_bound(size)}"
     mount("tmpfs", PRIVATE_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, opts)
     _folder(f"{PRIVATE_ROOT}/lock", 0o1777)
     _folder(f"{PRIVATE_ROOT}/.job", 0o711)
@@ -120,6 +119,25 @@ def read_only(target: str) -> None:
     kept = os.statvfs(target).f_flag & KEPT_FLAGS
     relatime = MS_RELATIME if os.statvfs(target).f_flag & ST_RELATIME else 0
     mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | kept | relatime)
+
+
+def bound_ipc(size: int | None) -> None:
+    """Bound the SysV shared memory and message queues of the job's own IPC namespace (a new
+    one allows all but unlimited shared memory): its segments together to what its private
+    folders may hold, and its message queues to 64 of the kernel's default size."""
+    most, page = memory_bound(size), os.sysconf("SC_PAGE_SIZE")
+    for name, value in (("shmmax", most), ("shmall", most // page), ("msgmni", 64)):
+        try:
+            with open(f"/proc/sys/kernel/{name}", "w") as handle:
+                handle.write(str(value))
+        except OSError:
+            continue  # a kernel without it: its default stands
+
+
+def memory_bound(size: int | None) -> int:
+    """`size`, and never more than half the host's memory (tmpfs's own default)."""
+    half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    return min(size or half, half)
 
 
 def _folder(path: str, mode: int) -> None:

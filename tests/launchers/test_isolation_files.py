@@ -294,10 +294,25 @@ FILL_TMP = (
 )
 
 
+SYSV_FILL = (
+    "import ctypes\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "made = [libc.shmget(0, 8 << 20, 0o1600) for _ in range(8)]  # IPC_PRIVATE, IPC_CREAT\n"
+    "print('segments', sum(m >= 0 for m in made))\n"
+    "print('one of 64 MiB', libc.shmget(0, 64 << 20, 0o1600) >= 0)\n"
+)
+"""A trial that asks for 8 SysV segments of 8 MiB, then one of 64 MiB."""
+
+
 def test_the_private_folders_hold_no_more_than_the_disk_cap(base, quote, network):
+    """/dev/shm past the cap is full; SysV shared memory (memory no folder shows) is bounded
+    the same: a new IPC namespace would otherwise allow all but unlimited segments."""
     box = Sandbox(user="nobody", root=base / "jobs", network=network, limits={"disk": "16M"})
     result, lines = run_job(box, quote, ["python3", "-c", FILL_TMP])
     assert "refused No space left on device" in lines, (result, lines)
+    result, lines = run_job(box, quote, ["python3", "-c", SYSV_FILL])
+    assert "one of 64 MiB False" in lines, (result, lines)
+    assert "segments 8" not in lines, (result, lines)  # shmall: 16 MiB in all
 
 
 FLOOD = (

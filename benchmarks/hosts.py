@@ -16,12 +16,21 @@ duration, side by side in one run:
   caps never bind (the ledger's decision is serialised per org, on PostgreSQL with an advisory
   lock, and the slots are taken under the org's and the team's limits).
 
-Rounds go hosts 1, 2, 4, the two kinds alternating which goes first, so that a change in the
-machine's load falls on both alike. The table gives, per host count, each kind's admissions
-per second and p50 / p95 of one admission's round trip (admit + settle, or acquire + release),
-and the gate's ratios to bare Prefect.
+With `--before DIR` (a checkout of an earlier tree, e.g. a `git worktree` of the commit before a
+change), a third kind runs beside them: the gate of that tree (`before`), in admitter processes
+of their own whose `prefect_gpu_budget` is imported from DIR (this file's loop and counters
+drive both).
 
-Usage: python -m benchmarks.hosts [--hosts 1,2,4] [--per-host 2] [--duration 8] [--json]
+Rounds go hosts 1, 2, 4, the kinds taking turns at going first, so that a change in the
+machine's load falls on all alike. The table gives, per host count, each kind's admissions
+per second and p50 / p95 of one admission's round trip (admit + settle, or acquire + release),
+and the gate's ratios to bare Prefect. A second table counts (on SQLAlchemy's events, not by
+time: `benchmarks/harness/commits.py`) what each admission and its settlement cost the ledger:
+write transactions committed and the org's lock taken (PostgreSQL's advisory lock), per
+admission, for the gate and, with --before, the tree before.
+
+Usage: python -m benchmarks.hosts [--hosts 1,2,4] [--per-host 2] [--duration 8] [--before DIR]
+       [--json]
 Run as root for hosts apart. PostgreSQL is a cluster of the run's own (`initdb`, PostgreSQL's
 server programs installed), holding Prefect's database and the ledger, listening on loopback and
 on the hosts' gateway: the hosts reach the ledger as they reach the replicas, with no relay in
@@ -74,11 +83,17 @@ def _say(**fields: Any) -> None:
 def admitter(config: dict[str, Any]) -> None:
     """One admitter process: `ready` once connected; then, per line of stdin (`kind`,
     `start_at`, `stop_at`), one warm-up call, `armed`, and the loop from `start_at` to
-    `stop_at`, answered with its count and latencies."""
+    `stop_at`, answered with its count and latencies, and what the calls of the loop cost the
+    ledger (`LedgerCounts`, over every call it made, `calls`). With `tree`, the package is that
+    tree's."""
     from uuid import UUID
 
+    if config.get("tree"):  # before anything imports the package
+        sys.path.insert(0, config["tree"])
     from prefect.client.orchestration import get_client
 
+    import prefect_gpu_budget
+    from benchmarks.harness.commits import LedgerCounts
     from prefect_gpu_budget.admission.gate import Gate
     from prefect_gpu_budget.admission.ledger import Ledger
     from prefect_gpu_budget.admission.limits import RateLimits
@@ -86,6 +101,7 @@ def admitter(config: dict[str, Any]) -> None:
     from prefect_gpu_budget.pricing.catalog import Catalog
 
     ledger = Ledger(config["ledger_url"], create=False)
+    counts = LedgerCounts(ledger.db.engine)
     with get_client(sync_client=True) as client:
         gate = Gate(ledger, RateLimits(client), catalog=Catalog.load(Path(config["prices"])))
         job = GpuJob(instance_type=INSTANCE, max_runtime="1h")
@@ -100,15 +116,16 @@ def admitter(config: dict[str, Any]) -> None:
             admission = gate.admit(job, config["scope"])
             gate.holding.settle(admission, ended_at=time.time(), outcome="completed")
 
-        ops = {"bare": bare, "gate": through_gate}
-        _say(ready=True, api=str(client.api_url))
+        ops = {"bare": bare, "gate": through_gate, "before": through_gate}
+        _say(ready=True, api=str(client.api_url), package=prefect_gpu_budget.__file__)
         for line in sys.stdin:
             command = json.loads(line)
             op = ops[command["kind"]]
             op()
             _say(armed=True)
             time.sleep(max(0.0, command["start_at"] - time.time()))
-            count, errors, first_error, latencies = 0, 0, None, []
+            count, calls, errors, first_error, latencies = 0, 0, 0, None, []
+            before = counts.snapshot()
             while time.time() < command["stop_at"]:
                 began = time.perf_counter()
                 try:
@@ -117,10 +134,19 @@ def admitter(config: dict[str, Any]) -> None:
                     errors += 1
                     first_error = first_error or f"{type(exc).__name__}: {exc}"[:300]
                     continue
+                calls += 1
                 latencies.append(time.perf_counter() - began)
                 if time.time() <= command["stop_at"]:
                     count += 1
-            _say(count=count, errors=errors, first_error=first_error, latencies=latencies)
+            after = counts.snapshot()
+            _say(
+                count=count,
+                errors=errors,
+                first_error=first_error,
+                latencies=latencies,
+                calls=calls,
+                **{k: after[k] - before[k] for k in after},
+            )
     ledger.db.dispose()
 
 
@@ -171,7 +197,11 @@ def one_round(admitters: list[Admitter], kind: str, duration_s: float) -> dict[s
     done = [a.next(duration_s + ARM_S) for a in admitters]
     latencies = [s for d in done for s in d["latencies"]]
     total = sum(d["count"] for d in done)
+    calls = sum(d["calls"] for d in done)
     return {
+        "calls": calls,
+        "commits_per": sum(d["commits"] for d in done) / calls if calls else None,
+        "org_locks_per": sum(d["org_locks"] for d in done) / calls if calls else None,
         "kind": kind,
         "admitters": len(admitters),
         "admissions": total,
@@ -187,7 +217,9 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-def run(hosts: list[int], per_host: int, duration_s: float) -> dict[str, Any]:
+def run(
+    hosts: list[int], per_host: int, duration_s: float, before: str | None = None
+) -> dict[str, Any]:
     from prefect_gpu_budget.admission.ledger import Ledger
     from prefect_gpu_budget.admission.limits import limit_name
     from prefect_gpu_budget.admission.rules.policy import BudgetRule
@@ -211,33 +243,43 @@ def run(hosts: list[int], per_host: int, duration_s: float) -> dict[str, Any]:
         bare_limit = limit_name(f"{ORG}-bare")
         _http(f"{up.apis[0]}/v2/concurrency_limits/", {"name": bare_limit, "limit": CAP_CENTS})
 
-        admitters: list[Admitter] = []
-        for h, host in enumerate(up.hosts):
-            for i in range(per_host):
-                config = {
-                    "ledger_url": up.host_ledger_url,
-                    "prices": str(prices),
-                    "scope": f"{ORG}/t/h{h}-{i}",
-                    "bare_limit": bare_limit,
-                }
-                proc = host.start(
-                    [sys.executable, "-m", "benchmarks.hosts", "--admitter", json.dumps(config)],
-                    up.host_env(host, up.apis[(h + i) % 2], PREFECT_GPU_BUDGET_PRICES=str(prices)),
-                    root / f"admitter-{h}-{i}.log",
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                admitters.append(Admitter(proc, host.name))
-        for a in admitters:
-            a.next(ARM_S)  # ready
-        log(f"{len(admitters)} admitters ready on {len(up.hosts)} hosts")
+        sets: dict[str, list[Admitter]] = {"gate": []}
+        if before:
+            sets["before"] = []
+        for tree, admitters in sets.items():
+            for h, host in enumerate(up.hosts):
+                for i in range(per_host):
+                    config = {
+                        "ledger_url": up.host_ledger_url,
+                        "prices": str(prices),
+                        "scope": f"{ORG}/t/{tree[0]}{h}-{i}",
+                        "bare_limit": bare_limit,
+                        "tree": before if tree == "before" else None,
+                    }
+                    argv = [sys.executable, "-m", "benchmarks.hosts"]
+                    proc = host.start(
+                        [*argv, "--admitter", json.dumps(config)],
+                        up.host_env(
+                            host, up.apis[(h + i) % 2], PREFECT_GPU_BUDGET_PRICES=str(prices)
+                        ),
+                        root / f"admitter-{tree}-{h}-{i}.log",
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    admitters.append(Admitter(proc, host.name))
+        packages = {}
+        for tree, admitters in sets.items():
+            for a in admitters:
+                packages[tree] = str(Path(a.next(ARM_S)["package"]).parents[1])  # ready
+        log(f"{sum(map(len, sets.values()))} admitters ready on {len(up.hosts)} hosts: {packages}")
 
         rounds = []
+        order = list(sets) + ["bare"]
         for turn, count in enumerate(hosts):
-            chosen = admitters[: count * per_host]
-            kinds = ("bare", "gate") if turn % 2 == 0 else ("gate", "bare")
+            kinds = order[turn % len(order) :] + order[: turn % len(order)]
             for kind in kinds:
+                chosen = sets["before" if kind == "before" else "gate"][: count * per_host]
                 load = _load()
                 result = one_round(chosen, kind, duration_s)
                 result.update(hosts=count, load=load)
@@ -246,7 +288,7 @@ def run(hosts: list[int], per_host: int, duration_s: float) -> dict[str, Any]:
                     f"{num(result['p50_ms'])} ms, {result['errors']} errors"
                 )
                 rounds.append(result)
-        for a in admitters:
+        for a in (a for admitters in sets.values() for a in admitters):
             with contextlib.suppress(OSError):
                 a.proc.stdin.close()  # type: ignore[union-attr]
         slots = {api: up.active_slots(f"{ORG}", api) for api in up.apis}
@@ -257,6 +299,7 @@ def run(hosts: list[int], per_host: int, duration_s: float) -> dict[str, Any]:
         "per_host": per_host,
         "duration_s": duration_s,
         "cores": os.cpu_count(),
+        "packages": packages,
         "rounds": rounds,
         "slots_left": slots,
         "wall_s": time.monotonic() - began,
@@ -265,48 +308,68 @@ def run(hosts: list[int], per_host: int, duration_s: float) -> dict[str, Any]:
 
 def report(result: dict[str, Any]) -> str:
     by = {(r["hosts"], r["kind"]): r for r in result["rounds"]}
-    rows = []
+    gates = [k for k in ("gate", "before") if any(r["kind"] == k for r in result["rounds"])]
+    rows, counted = [], []
     for count in sorted({r["hosts"] for r in result["rounds"]}):
-        bare, gate = by[(count, "bare")], by[(count, "gate")]
-        rows.append(
-            [
-                str(count),
-                str(bare["admitters"]),
-                num(bare["per_s"]),
+        bare = by[(count, "bare")]
+        row = [str(count), str(bare["admitters"]), num(bare["per_s"])]
+        for kind in gates:
+            gate = by[(count, kind)]
+            row += [
                 num(gate["per_s"]),
                 num(gate["per_s"] / bare["per_s"], 2) if bare["per_s"] else "-",
-                num(bare["p50_ms"]),
-                num(gate["p50_ms"]),
-                num(gate["p50_ms"] / bare["p50_ms"], 2)
-                if gate["p50_ms"] and bare["p50_ms"]
-                else "-",
-                f"{num(bare['p95_ms'])} / {num(gate['p95_ms'])}",
-                f"{bare['errors']} / {gate['errors']}",
-                f"{num(bare['load'], 1)} / {num(gate['load'], 1)}",
             ]
-        )
-    header = [
-        "hosts",
-        "admitters",
-        "bare /s",
-        "gate /s",
-        "gate / bare",
-        "bare p50 ms",
-        "gate p50 ms",
-        "p50 gate / bare",
-        "p95 ms bare / gate",
-        "errors",
-        "load at start",
-    ]
+        row.append(num(bare["p50_ms"]))
+        for kind in gates:
+            gate = by[(count, kind)]
+            ratio = gate["p50_ms"] / bare["p50_ms"] if gate["p50_ms"] and bare["p50_ms"] else None
+            row += [num(gate["p50_ms"]), num(ratio, 2) if ratio else "-"]
+        row += [
+            " / ".join(num(by[(count, k)]["p95_ms"]) for k in ["bare", *gates]),
+            " / ".join(str(by[(count, k)]["errors"]) for k in ["bare", *gates]),
+            " / ".join(num(by[(count, k)]["load"], 1) for k in ["bare", *gates]),
+        ]
+        rows.append(row)
+        for kind in gates:
+            gate = by[(count, kind)]
+            counted.append(
+                [
+                    str(count),
+                    kind,
+                    str(gate["calls"]),
+                    num(gate["commits_per"], 2),
+                    num(gate["org_locks_per"], 2),
+                ]
+            )
+    header = ["hosts", "admitters", "bare /s"]
+    for kind in gates:
+        header += [f"{kind} /s", f"{kind} / bare"]
+    header.append("bare p50 ms")
+    for kind in gates:
+        header += [f"{kind} p50 ms", f"p50 {kind} / bare"]
+    kinds = " / ".join(["bare", *gates])
+    header += [f"p95 ms {kinds}", "errors", "load at start"]
     where = (
         "hosts apart (network and UTS namespaces)"
         if result["apart"]
         else f"hosts on loopback: {result['why_not']}"
     )
+    counts = table(
+        [
+            "hosts",
+            "tree",
+            "admissions counted",
+            "ledger commits / admission",
+            "org locks / admission",
+        ],
+        counted,
+    )
     return (
-        f"{table(header, rows)}\n\n{where}; {result['duration_s']:g} s per round, "
-        f"{result['cores']} cores; slots left on the org's limit: {result['slots_left']}; "
-        f"{result['wall_s']:.0f} s in all"
+        f"{table(header, rows)}\n\n{counts}\n\n(admit + settle; commits: write transactions;"
+        " org locks: PostgreSQL's advisory lock of the org)\n\n"
+        f"{where}; {result['duration_s']:g} s per round, "
+        f"{result['cores']} cores; packages: {result.get('packages')}; slots left on the org's "
+        f"limit: {result['slots_left']}; {result['wall_s']:.0f} s in all"
     )
 
 
@@ -315,13 +378,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", default="1,2,4", help="host counts, in order")
     parser.add_argument("--per-host", type=int, default=2, help="admitter processes per host")
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per round")
+    parser.add_argument(
+        "--before", help="an earlier tree (a git worktree) whose gate runs beside this one's"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--admitter", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.admitter:
         admitter(json.loads(args.admitter))
         return 0
-    result = run([int(h) for h in args.hosts.split(",")], args.per_host, args.duration)
+    before = str(Path(args.before).resolve()) if args.before else None
+    result = run([int(h) for h in args.hosts.split(",")], args.per_host, args.duration, before)
     print(json.dumps(result) if args.json else report(result))
     return 0
 

@@ -2,52 +2,19 @@
 
 1. price (`quote`, `price_job`): its rate, taken once;
 2. scope (`_known_scope`): an org or team nobody created is refused, nothing recorded;
-3. slots first, on the fast path (`SlotLeases.early`): when the scope's last job here was
-   admitted at once, the Prefect limits of every capped scope on its path are asked for under
-   one lease before the request, and Prefect's answer is waited for (`EARLY_ANSWER_S` at most);
-4. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
-   this process to the same org that arrive meanwhile; a job admitted under the caps its lease
-   from step 3 was taken for has the lease recorded in that same transaction. That is the fast
-   path: one commit for the admission (and one for the settlement, `Holding.settle`);
-5. wait (`_wait`): a job not admitted at once is watched from then on (`_watch`), and does not
+3. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
+   this process to the same org that arrive meanwhile;
+4. wait (`_wait`): a job not admitted at once is watched from then on (`_watch`), and does not
    poll. The transaction that frees headroom decides the org's
    queue, and the process's watcher (`admission/watcher.py`) wakes the jobs it decided, so a job
    is admitted well within a second of headroom appearing, at a cost that grows with events,
    not with waiters; a waiter re-decides its own job (`Queue.try_admit`) only when woken, at its
    max wait, or when the period that blocks it resets;
-6. slots otherwise (`SlotLeases.take`): a job admitted without a recorded lease (its scope's
-   first job here, one that waited, caps changed, Prefect slow to answer step 3) takes its
-   slots after the admission and records the lease in a commit of its own (taking over the
-   lease of step 3 where it is for these caps), or is given back to the queue if Prefect is
-   full; slots of step 3 the ledger did not take go back at once;
-7. hold (`Holding.hold`): the admitted job's one thread starts, and the caller gets its
+5. slots (`SlotLeases.take`): the Prefect limits of every capped scope on its path, under one
+   lease, asked for while step 3 runs when the scope's last job here was admitted at once
+   (`SlotLeases.early`), and given back at once if the ledger does not admit it;
+6. hold (`Holding.hold`): the admitted job's one thread starts, and the caller gets its
    `Admission`.
-
-The order of writes, and why a crash anywhere loses nothing. Only the ledger's decision runs
-under the org's lock (`Db.write`); no call to Prefect is made while it is held: Prefect answers
-first (step 3) or after the commit (step 6).
-- Fast path, Prefect first: the lease is granted, then one transaction records the request, the
-  decision and the lease. Prefect goes first because the lease id is its server's to make: a
-  commit made before could not name it, and recording it would take a second commit. Its cost is
-  a lease taken for a job the ledger then makes wait, which is why only a scope whose last job
-  here was admitted at once asks first. Killed before that commit, the job has no row and
-  reserves nothing; its slots are held by a lease nobody knows, which only makes Prefect's limit
-  stricter, and the server's repossessor returns them when the lease lapses (`LEASE_S` plus
-  `REPOSSESS_S`), as for any early lease. Killed after it, the row is admitted with its lease on
-  record: reconcile settles it and gives the lease back, as after any recorded lease. The row is
-  stamped with the instant the lease was asked for (`Queue.ask`), so reconcile's reading that a
-  recorded lease lives `LEASE_S` past the row's last stamp stays true, and a lease older than
-  `FRESH_LEASE_S` is not recorded this way at all. A decision that is not an admission under
-  those caps leaves the lease out of the row and gives it back at once.
-- Otherwise, ledger first: the admission commits (its row stamped), then the slots are taken
-  and the lease recorded. Killed between, the row is admitted without a lease: reconcile holds
-  it open, its rate counted, until any lease it may have taken has lapsed
-  (`UNRECORDED_LEASE_S` after its last stamp), then settles it. Prefect full or refusing
-  undoes the admission in one transaction (`Queue.unadmit`: back to the queue, or ended).
-Either way a job runs only once its row is admitted with its lease on record, a lease nobody
-recorded only makes Prefect's limit stricter until it lapses, and an admitted row that may hold
-slots under a lease it never recorded keeps its rate counted by the ledger until that lease
-could have lapsed.
 
 What the job holds from then on, and its settlement, are `Holding`'s (`gate.holding`).
 """
@@ -273,17 +240,13 @@ class Gate:
         started: float,
     ) -> Admission:
         job_id, scope = ticket.job_id, new.scope
-        early = self.leases.early(scope, new.rate_cents)  # slots asked before the ledger decides
+        early = self.leases.early(scope, new.rate_cents)  # slots asked while the ledger decides
         try:
-            held = early.held() if early is not None else None  # Prefect's answer, not its lock
-            decision, rules, recorded = self.patiently(  # a ledger that never answers (a wrong
-                "recording the request",  # URL) fails in time
-                functools.partial(self.ledger.queue.ask, new, job_id, held),
+            decision, rules = self.patiently(  # a ledger that never answers (a wrong URL)
+                "recording the request",  # fails in time
+                functools.partial(self.ledger.queue.ask, new, job_id),
                 patience=REQUEST_PATIENCE_S,
             )
-            lease = held.lease_id if recorded and held is not None else None
-            if lease is not None and early is not None:
-                early.recorded()  # the admission's now: never dropped
             self.leases.decided(scope, decision.caps if decision.verdict == "admit" else None)
             if early is not None and decision.verdict != "admit":
                 early.drop()
@@ -294,7 +257,7 @@ class Gate:
                     job,
                     quote,
                     new.rate_cents,
-                    (decision, rules, started, early, lease),
+                    (decision, rules, started, early),
                     handoff,
                     ticket,
                 )
@@ -338,14 +301,13 @@ class Gate:
         job: GpuJob,
         quote: Quote,
         slots: int,
-        first: tuple[Decision, list[BudgetRule], float, EarlyLease | None, str | None],
+        first: tuple[Decision, list[BudgetRule], float, EarlyLease | None],
         handoff: _Handoff[Admission],
         ticket: Ticket,
     ) -> Admission:
         """Until admitted with its slots, from the `first` decision (with the budgets it was
-        decided against, when the job asked, the slots asked early, and the lease recorded with
-        that decision, if it was)."""
-        decision, rules, started, early, recorded = first
+        decided against, when the job asked, and the slots asked early)."""
+        decision, rules, started, early = first
         deadline: float | None = None  # known once the job is told it waits
         given_back = False  # an admission it could not take slots for went back to the queue
         last_block: tuple[str | None, str | None] = (None, None)
@@ -367,18 +329,15 @@ class Gate:
                         daemon=True,
                     ).start()
                 try:
-                    if recorded is not None:  # the fast path: taken and recorded already
-                        lease: str | None | bool = recorded
-                    else:
-                        lease = self.leases.take(
-                            job_id,
-                            scope,
-                            slots,
-                            decision.caps,
-                            (functools.partial(self._max_wait, job, scope), started),
-                            early,
-                        )
-                    early = recorded = None  # asked for the first decision only
+                    lease = self.leases.take(
+                        job_id,
+                        scope,
+                        slots,
+                        decision.caps,
+                        (functools.partial(self._max_wait, job, scope), started),
+                        early,
+                    )
+                    early = None  # asked for the first decision only
                 finally:
                     early_stop.close()  # what the watcher saw is final from here
                 if lease is not False:

@@ -1,5 +1,4 @@
-"""The admission transaction: a job recorded and decided (with the Prefect lease its holder
-took before it asked, when it is admitted under that lease's caps), the org's queue decided, a job
+"""The admission transaction: a job recorded and decided, the org's queue decided, a job
 given back to the queue or ended unrun.
 
 Each runs under its org's lock (`Db.write`), loads what the policy needs (`state.load_state`:
@@ -63,30 +62,6 @@ from prefect_gpu_budget.admission.rules.timing import STALE_WAITER_S
 from prefect_gpu_budget.batches import Batcher
 from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
 
-FRESH_LEASE_S = 5.0
-"""A lease asked for longer ago than this (a ledger slow to answer) is not recorded with the
-admission: its holder checks it is alive first and records it apart (`SlotLeases.take`)."""
-
-
-@dataclass(frozen=True)
-class HeldLease:
-    """Prefect slots a job's holder took before its request (`SlotLeases.early`): the lease, the
-    caps and slots it was asked under, and when it was asked (this host's wall clock, before the
-    request to Prefect went out: the lease lives at least `LEASE_S` from then)."""
-
-    lease_id: str
-    caps: tuple[tuple[str, int], ...]
-    slots: int
-    asked_at: float
-    fresh_s: float = FRESH_LEASE_S
-    """Recorded with the admission only if the transaction begins within this long of
-    `asked_at`."""
-
-
-Asked = tuple[Decision, list[BudgetRule], bool]
-"""A request's decision, the budgets on its path, and whether its held lease was recorded with
-the admission."""
-
 
 @dataclass
 class _Batch:
@@ -111,7 +86,7 @@ class Queue:
         self.db = db
         self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
         """Per org: when `_overrun` last read it, and what it read."""
-        self._asks: dict[str, Batcher[tuple[str, NewJob, HeldLease | None], Asked]] = {}
+        self._asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]] = {}
         """Per org: this process's requests, recorded together when they arrive together."""
         self._unsure: set[str] = set()
         """Job ids whose request transaction did not return: it may have committed, so their
@@ -135,16 +110,9 @@ class Queue:
         job_id = job_id or str(uuid.uuid4())  # fixed before any retry: recorded once
         return job_id, self._request(job_id, job, now)[0]
 
-    def ask(self, job: NewJob, job_id: str, lease: HeldLease | None = None) -> Asked:
+    def ask(self, job: NewJob, job_id: str) -> tuple[Decision, list[BudgetRule]]:
         """`request`, with the budgets on the job's path (outermost first) read in the same
         transaction: what a gate tells of a job that waits, without a read of its own.
-
-        `lease`: Prefect slots the holder took before it asked. Admitted under the caps and
-        slots they were taken for, within `HeldLease.fresh_s` of asking, the job's row records the
-        lease in the same transaction and is stamped when the lease was asked for (reconcile
-        then gives back, as for any recorded lease, only a lease that surely has
-        `LEASE_MARGIN_S` to live); the third value says whether it did. Otherwise the lease is
-        the holder's to take over or give back.
 
         The requests of this process to one org that arrive while one is being recorded are
         recorded together next, in one transaction (`batches.Batcher`): a sweep's trials, or a
@@ -154,22 +122,20 @@ class Queue:
             asks = self._asks.get(org)
             if asks is None:
                 asks = self._asks[org] = Batcher(functools.partial(self._requests, org))
-        return asks.call((job_id, job, lease))
+        return asks.call((job_id, job))
 
-    def _request(self, job_id: str, job: NewJob, now: float | None) -> Asked:
-        return self._requests(org_of(job.scope), [(job_id, job, None)], now)[0]
+    def _request(
+        self, job_id: str, job: NewJob, now: float | None
+    ) -> tuple[Decision, list[BudgetRule]]:
+        return self._requests(org_of(job.scope), [(job_id, job)], now)[0]
 
     @_reconnecting
     def _requests(
-        self,
-        org: str,
-        asked: Sequence[tuple[str, NewJob, HeldLease | None]],
-        now: float | None = None,
-    ) -> list[Asked]:
+        self, org: str, asked: Sequence[tuple[str, NewJob]], now: float | None = None
+    ) -> list[tuple[Decision, list[BudgetRule]]]:
         """Record and decide jobs of `org` asking to be admitted, in order, in one transaction
-        (a job already recorded under its id, before a connection dropped, is recorded once),
-        each admitted one with the lease it holds (`ask`)."""
-        ids = [job_id for job_id, _, _ in asked]
+        (a job already recorded under its id, before a connection dropped, is recorded once)."""
+        ids = [job_id for job_id, _ in asked]
         retried = [job_id for job_id in ids if job_id in self._unsure]
         self._unsure.update(ids)
         with self.db.write(org, request=True) as conn:  # after the org's other writes waiting
@@ -180,8 +146,7 @@ class Queue:
             )
             batch = _Batch(recorded={row["id"]: row for row in found})
             decided = [
-                self._record_request(conn, org, job_id, job, lease, now, batch)
-                for job_id, job, lease in asked
+                self._record_request(conn, org, job_id, job, now, batch) for job_id, job in asked
             ]
         self._unsure.difference_update(ids)
         return decided
@@ -192,15 +157,12 @@ class Queue:
         org: str,
         job_id: str,
         job: NewJob,
-        lease: HeldLease | None,
         now: float | None,
         batch: _Batch,
-    ) -> Asked:
+    ) -> tuple[Decision, list[BudgetRule]]:
         now = time.time() if now is None else now  # after the lock: stamps follow its order
         if job_id in batch.recorded:  # committed before the connection dropped
-            row = batch.recorded[job_id]
-            held = lease is not None and row["lease_id"] == lease.lease_id
-            return _recorded(conn, row), _path_rules(conn, job.scope), held
+            return _recorded(conn, batch.recorded[job_id]), _path_rules(conn, job.scope)
         rules = batch.rules.get(job.scope)
         if rules is None:
             rules = batch.rules[job.scope] = request_rules(conn, job.scope, now)
@@ -237,15 +199,14 @@ class Queue:
                 .where(jobs.c.id == job_id)
                 .values(**_ended_unrun("rejected", refusal, now))
             )
-            return Decision("reject", refusal, limit="agent"), rules, False
+            return Decision("reject", refusal, limit="agent"), rules
         decision = self._behind_a_waiter(conn, job_id, org, job, now, rules, batch)
         if decision is None:
             batch.waiters.clear()  # the whole queue decided: the waiters found may have moved
             decision = self._decide(conn, job_id, org, now, reason="", waited=None, path=rules)
         else:
             self._write_decision(conn, job_id, decision, now, None, reason="")
-        held = lease is not None and _record_held(conn, job_id, job, decision, lease, now)
-        return decision, rules, held
+        return decision, rules
 
     def _behind_a_waiter(
         self,
@@ -520,25 +481,6 @@ class Queue:
             cached = (now, _overrun(conn, org))
             self._overrun_cache[org] = cached
         return cached[1]
-
-
-def _record_held(
-    conn: Connection, job_id: str, job: NewJob, decision: Decision, lease: HeldLease, now: float
-) -> bool:
-    """Record the lease a job's holder took before it asked, in the transaction that admitted
-    it, when the lease is for what the admission holds (its caps and slots) and fresh
-    (`HeldLease.fresh_s`). The row is stamped when the lease was asked for, not later: reconcile
-    reads a recorded lease as renewed at or after the row's last stamp (`lease_to_give_back`)."""
-    if decision.verdict != "admit" or (decision.caps, job.rate_cents) != (lease.caps, lease.slots):
-        return False
-    if not 0.0 <= now - lease.asked_at <= lease.fresh_s:
-        return False
-    done = conn.execute(
-        jobs.update()
-        .where(jobs.c.id == job_id, jobs.c.state == "admitted")
-        .values(lease_id=lease.lease_id, heartbeat_at=lease.asked_at)
-    ).rowcount
-    return done == 1
 
 
 def _in_pool(pools: list[Pool], org: str, job: NewJob) -> NewJob:

@@ -143,6 +143,9 @@ class Child:
         """The most its private folders may hold together (`--tmp-size`, the disk cap)."""
         self.landlock: int | None = None
         """A Landlock ruleset the command is confined by (`_walls.landlock_ruleset`)."""
+        self.isolated = False
+        """Whether the command starts behind the walls set on its own process (no kernel
+        keys, Landlock): `_isolate_init` made the rest."""
 
 
 def _sibling(name: str):
@@ -203,10 +206,13 @@ def _spawn(command: list[str], mask: set[int], child: Child) -> int:
                 # run its work outside this tree, unbilled, for ever), sudo, su, pkexec
                 if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
                     raise PermissionError("could not set no_new_privs")
-            if child.landlock is not None:  # the second wall, after the switch
+            if child.isolated:  # the walls set on the job's own process, after the switch
                 if not _prctl(PR_SET_NO_NEW_PRIVS, 1):
                     raise PermissionError("could not set no_new_privs")
-                _sibling("_walls").landlock_restrict(child.landlock)
+                walls = _sibling("_walls")
+                walls.forbid_keys()
+                if child.landlock is not None:
+                    walls.landlock_restrict(child.landlock)
             if child.umask is not None:
                 os.umask(child.umask)
             if child.cwd is not None:
@@ -297,6 +303,7 @@ def _isolate_init(relay: int | None, child: Child) -> None:  # pragma: no cover 
     walls.mask_sockets(sockets)
     own = [*writable, "/run", *(host for host, _ in walls.PRIVATE_BINDS)]
     child.landlock, _ = walls.landlock_ruleset(own, ["/dev", "/proc"])
+    child.isolated = True
     _loopback_up()
     if relay is not None:
         import socket

@@ -15,7 +15,11 @@ as a file, and imports this one beside it.
    refused. With the tmpfs over `/run` and `/tmp` that covers PostgreSQL's, Redis's, MariaDB's
    and Docker's, and any other socket on the host when the job starts. Abstract sockets belong
    to a network namespace, and the job has its own.
-3. **Landlock** (`landlock_ruleset`, then `landlock_restrict` in the job's process), where the
+3. **No kernel keys** (`forbid_keys`, in the job's process): a seccomp filter refuses
+   `add_key`, `request_key` and `keyctl` (as Docker's default profile does): a user's keyrings
+   outlive its processes and are shared by all of them, so one job could leave data for the
+   next of its user.
+4. **Landlock** (`landlock_ruleset`, then `landlock_restrict` in the job's process), where the
    kernel has it, a second wall: the job may create, change, rename or remove files only
    below its own folder and its private folders (and write to devices, for the GPUs), and,
    from Landlock ABI 6, may signal nothing and reach no abstract socket outside its own
@@ -235,3 +239,62 @@ def landlock_restrict(ruleset: int) -> None:  # pragma: no cover - in the job's 
         error = ctypes.get_errno()
         raise OSError(error, f"Landlock: {os.strerror(error)}")
     os.close(ruleset)
+
+
+# -- no kernel keys -------------------------------------------------------------------------
+
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO, EPERM = 0x7FFF0000, 0x00050000, 1
+X32_BIT = 0x40000000
+KEY_CALLS: dict[int, tuple[int, ...]] = {
+    0xC000003E: (248, 249, 250),  # x86_64: add_key, request_key, keyctl
+    0x40000003: (286, 287, 288),  # i386, from a 64-bit kernel
+    0xC00000B7: (217, 218, 219),  # aarch64
+    0x40000028: (309, 310, 311),  # arm (32-bit)
+}
+"""The key management calls of each architecture (seccomp's AUDIT_ARCH_* values)."""
+
+
+class _Filter(ctypes.Structure):
+    _fields_ = [
+        ("code", ctypes.c_uint16),
+        ("jt", ctypes.c_uint8),
+        ("jf", ctypes.c_uint8),
+        ("k", ctypes.c_uint32),
+    ]
+
+
+class _Program(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(_Filter))]
+
+
+def key_filter() -> list[tuple[int, int, int, int]]:
+    """The classic BPF program that refuses (EPERM) the key calls of KEY_CALLS on each
+    architecture (and every x32 call on x86_64), and allows everything else."""
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    program: list[tuple[int, int, int, int]] = []
+    for arch, calls in KEY_CALLS.items():
+        checks = len(calls) + (1 if arch == 0xC000003E else 0)
+        block = [(load, 0, 0, 4), (jeq, 0, checks + 2, arch), (load, 0, 0, 0)]
+        for i, call in enumerate(calls):
+            block.append((jeq, -(i + 1), 0, call))  # to the refusal: patched below
+        if arch == 0xC000003E:
+            block.append((jge, -(len(calls) + 1), 0, X32_BIT))
+        block.append((ret, 0, 0, SECCOMP_RET_ALLOW))
+        program += block
+    program += [(ret, 0, 0, SECCOMP_RET_ALLOW), (ret, 0, 0, SECCOMP_RET_ERRNO | EPERM)]
+    refusal = len(program) - 1
+    return [
+        (code, refusal - i - 1 if jt < 0 else jt, jf, k)
+        for i, (code, jt, jf, k) in enumerate(program)
+    ]
+
+
+def forbid_keys() -> None:  # pragma: no cover - in the job's process
+    """Install `key_filter` on this process and all it starts (needs no_new_privs set)."""
+    rules = key_filter()
+    array = (_Filter * len(rules))(*(_Filter(*rule) for rule in rules))
+    program = _Program(len(rules), array)
+    if _libc().prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, f"seccomp: {os.strerror(error)}")

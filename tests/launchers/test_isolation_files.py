@@ -388,3 +388,22 @@ def test_the_relay_is_bounded_and_none_of_its_proc_is_the_jobs(base, quote, prox
         ), seen
     finally:
         runner.join(timeout=90)
+
+
+KEYS = (
+    "import ctypes, platform\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "calls = {'x86_64': (248, 250), 'aarch64': (217, 219)}[platform.machine()]\n"
+    "key = libc.syscall(calls[0], b'user', b'left-for-later', b'data', 4, -4)  # user keyring\n"
+    "print('add_key', key, ctypes.get_errno())\n"
+    "print('keyctl', libc.syscall(calls[1], 0, -4, 0, 0, 0), ctypes.get_errno())\n"
+)
+"""A trial that leaves a key in its user's keyring (which outlives it, for the next job of its
+user to read), and asks for that keyring's id."""
+
+
+def test_a_job_can_leave_nothing_in_its_users_kernel_keyrings(base, quote, network):
+    box = Sandbox(user="nobody", root=base / "jobs", network=network)
+    result, lines = run_job(box, quote, ["python3", "-c", KEYS])
+    assert result.outcome == "completed", (result, lines)
+    assert lines == ["add_key -1 1", "keyctl -1 1"], lines  # EPERM, both

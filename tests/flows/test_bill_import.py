@@ -31,7 +31,15 @@ def test_the_daily_import_trues_up_and_tells_of_a_period_over_by_bill(
     ledger.config.set_budget(
         BudgetRule("acme", period_budget_micro=40 * 10**6, period="month"), now=NOV + 3600
     )
-    job = ran_job(ledger, "acme/nlp/a7", "2026-11-03T10:00:00Z", "2026-11-03T11:20:00Z", 37.688)
+    job = ran_job(  # a SageMaker job: only a job of that cloud is on its bill
+        ledger,
+        "acme/nlp/a7",
+        "2026-11-03T10:00:00Z",
+        "2026-11-03T11:20:00Z",
+        37.688,
+        launcher="sagemaker:lab",
+        instance_type="sagemaker:ml.p4d.24xlarge",
+    )
     rows = fixtures.cur_rows()
     for row in rows:
         if row["resource_tags"]:

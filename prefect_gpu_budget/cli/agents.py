@@ -207,7 +207,8 @@ def agents_serve(
     PREFECT_API_AUTH_STRING. A PREFECT_HOME or SQLite ledger of this user's that other users
     can reach it makes private (one line says so); another user's it refuses to start with.
     Behind a proxy, name it in PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES: only
-    its X-Forwarded-For is believed."""
+    its X-Forwarded-For is believed. Without PREFECT_API_URL it uses the temporary server of a
+    `serve` on this PREFECT_HOME, else starts one of its own, stopped as it ends."""
     from prefect_gpu_budget import settings
 
     url = _serving_ledger_url(ctx, ledger_url, ledger_url_file, allow_shared_home)
@@ -216,6 +217,9 @@ def agents_serve(
         trusted = settings.gateway_trusted_proxies()
     except ValueError as exc:
         fail(str(exc))
+    from prefect_gpu_budget.cli.server import ensure_server
+
+    ensure_server("agents serve")  # before Prefect is imported: its URL is read once
     from prefect_gpu_budget.agents.gateway import serve as serve_gateway
 
     serve_gateway(host, port, url, trusted_proxies=trusted)

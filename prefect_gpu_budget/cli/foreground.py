@@ -203,6 +203,9 @@ def _stop_temporary_server() -> None:
     demo = sys.modules.get("prefect_gpu_budget.flows.demo")
     if demo is not None:
         demo.stop_temporary_server()
+    server = sys.modules.get("prefect_gpu_budget.cli.server")
+    if server is not None:  # `serve`'s own (`cli.server`)
+        server.stop()
 
 
 def _flush_run_logs() -> None:

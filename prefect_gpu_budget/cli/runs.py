@@ -189,11 +189,15 @@ def serve(
     """Serve the sweep, spend-report and reconcile deployments from this process. A
     PREFECT_HOME or SQLite ledger of this user's that other users can reach it makes private
     (one line says so); another user's it refuses to start with. Ctrl-C (or SIGTERM) stops the
-    running sweeps as `sweep` stops its own, then the runner."""
+    running sweeps as `sweep` stops its own, then the runner. Without PREFECT_API_URL it
+    starts a temporary Prefect server for itself and its sweeps, and stops it as it ends."""
     from prefect_gpu_budget.cli.agents import startup_check
     from prefect_gpu_budget.cli.common import _state
 
     startup_check(_state["ledger_url"], allow_shared_home)
+    from prefect_gpu_budget.cli.server import ensure_server
+
+    ensure_server("serve")  # before Prefect is imported: its URL is read once
     from prefect_gpu_budget.cli.foreground import serve_in_foreground
     from prefect_gpu_budget.deployments import EXAMPLE_SPEC, deployments
 

@@ -29,7 +29,14 @@ from prefect_gpu_budget.cli.capacity import (
 )
 from prefect_gpu_budget.cli.common import console, fail, set_ledger_url
 from prefect_gpu_budget.cli.jobs import cancel_cmd, ledger_cmd, reconcile_cmd
-from prefect_gpu_budget.cli.prices import prices_list, prices_refresh, prices_set_local, quote
+from prefect_gpu_budget.cli.prices import (
+    prices_export_local,
+    prices_import_local,
+    prices_list,
+    prices_refresh,
+    prices_set_local,
+    quote,
+)
 from prefect_gpu_budget.cli.runs import demo, deploy, forecast, serve, sweep
 from prefect_gpu_budget.cli.spend import spend, suggestion
 from prefect_gpu_budget.extras import MissingExtra
@@ -78,6 +85,8 @@ app.command("ledger")(ledger_cmd)
 app.command("cancel")(cancel_cmd)
 app.command()(quote)
 prices_app.command("set-local")(prices_set_local)
+prices_app.command("import-local")(prices_import_local)
+prices_app.command("export-local")(prices_export_local)
 prices_app.command("refresh")(prices_refresh)
 prices_app.command("list")(prices_list)
 agent_app.command("grant")(agent_grant)

@@ -61,11 +61,99 @@ def prices_set_local(
     vcpu: int = typer.Option(0, help="vCPU a job on it takes of a pool's machine (0: unknown)."),
     memory_gib: int = typer.Option(0, help="Memory a job on it takes, GiB (0: unknown)."),
 ) -> None:
-    """Price a local machine so jobs on `local:NAME` can be admitted."""
-    from prefect_gpu_budget.pricing.catalog import set_local_price
+    """Price a local machine so jobs on `local:NAME` can be admitted: in the ledger, so every
+    host and replica on it prices the machine alike (a CSV: `prices import-local`)."""
+    from prefect_gpu_budget.cli.common import current_ledger
+    from prefect_gpu_budget.pricing.catalog import set_ledger_price
 
-    path = set_local_price(name, usd_per_hour, gpus, vcpu=vcpu, memory_gib=memory_gib)
-    console.print(f"local:{name} priced at ${usd_per_hour}/h in {path}")
+    row = set_ledger_price(
+        name, usd_per_hour, gpus, ledger=current_ledger(), vcpu=vcpu, memory_gib=memory_gib
+    )
+    console.print(
+        f"local:{name} priced at ${row.usd_per_hour}/h in the ledger ({_ledger_shown()})",
+        markup=False,
+        highlight=False,
+    )
+
+
+def prices_import_local(
+    path: str = typer.Argument(..., metavar="CSV", help="A prices CSV (`-` reads stdin)."),
+) -> None:
+    """Put the local machines' prices of a CSV (the catalog's columns, as `prices
+    export-local` writes and `prices set-local` wrote before) into the ledger, each replacing
+    the ledger's price of that machine; rows of other clouds are left out, saying so."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from prefect_gpu_budget.cli.common import current_ledger
+    from prefect_gpu_budget.pricing.catalog import read_price_file, store_local_price
+
+    if path == "-":
+        with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as copy:
+            copy.write(sys.stdin.read())
+        source = Path(copy.name)
+    else:
+        source = Path(path)
+        if not source.is_file():
+            fail(f"CSV: no file {path}")
+    try:
+        rows = read_price_file(source)  # every row checked before one is written
+    finally:
+        if path == "-":
+            source.unlink(missing_ok=True)
+    local = [r for r in rows if r.cloud == "local" and r.provisioning == "on-demand" and r.priced]
+    if not local:
+        fail(f"CSV: {path} prices no local machine (rows of cloud local, on-demand)")
+    ledger = current_ledger()
+    for row in local:
+        store_local_price(row, ledger)
+    names = ", ".join(r.key for r in local)
+    console.print(
+        f"{len(local)} local price{'s' * (len(local) != 1)} put in the ledger "
+        f"({_ledger_shown()}): {names}",
+        markup=False,
+        highlight=False,
+    )
+    if len(rows) > len(local):
+        left = len(rows) - len(local)
+        console.print(
+            f"{left} other row{'s' * (left != 1)} left out: only local prices go in the ledger"
+        )
+
+
+def prices_export_local(
+    path: str = typer.Argument("-", metavar="CSV", help="Where to write it (`-`: stdout)."),
+) -> None:
+    """Write the ledger's local machine prices as a prices CSV (the catalog's columns), for
+    `prices import-local` into another ledger or a host's PREFECT_GPU_BUDGET_PRICES file."""
+    import sys
+    from pathlib import Path
+
+    from prefect_gpu_budget.cli.common import current_ledger
+    from prefect_gpu_budget.pricing.catalog import ledger_prices, write_rows
+
+    rows = ledger_prices(current_ledger().db.url)  # made if new, as every command makes it
+    if path == "-":
+        import csv
+
+        from prefect_gpu_budget.pricing.catalog import COLUMNS, row_cells
+
+        writer = csv.writer(sys.stdout)
+        writer.writerow(COLUMNS)
+        writer.writerows(row_cells(r) for r in rows)
+        return
+    write_rows(Path(path), rows)
+    typer.echo(f"{len(rows)} local price{'s' * (len(rows) != 1)} written to {path}", err=True)
+
+
+def _ledger_shown() -> str:
+    """This invocation's ledger, as it may be shown (no password)."""
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.cli.agents import _shown
+    from prefect_gpu_budget.cli.common import _state
+
+    return _shown(settings.ledger_url(_state["ledger_url"]))
 
 
 def prices_refresh(

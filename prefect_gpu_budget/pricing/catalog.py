@@ -1,8 +1,12 @@
 """The dated price catalog and its lookup.
 
-Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by the user in a
-CSV of the same columns (`PREFECT_GPU_BUDGET_PRICES`, default `$PREFECT_HOME/gpu-budget/prices.csv`).
-An unknown instance type is an error, never a zero price.
+Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by the admin in
+the ledger (`prices set-local`, `admission.ledger.local_prices`), so every host and replica on
+one ledger reads one list. A CSV of the same columns on a host (`PREFECT_GPU_BUDGET_PRICES`,
+default `$PREFECT_HOME/gpu-budget/prices.csv`) is still read, below the ledger's rows: a
+machine the ledger prices is priced as the ledger says on every host; the CSV is an import and
+an export (`prices import-local`, `prices export-local`). An unknown instance type is an error,
+never a zero price.
 
 A row may carry no price (`usd_per_hour` empty) where no public figure is recorded: its `source`
 says why and how to get one. Such a row gives the machine's shape (to `prices refresh` and to
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import csv
 import re
+import threading
+import time
 from dataclasses import dataclass, replace
 from datetime import date
 from decimal import Decimal
@@ -207,13 +213,10 @@ class Catalog:
                 self._rows[row.key, row.provisioning] = row
 
     @classmethod
-    def load(cls, *extra: Path) -> Catalog:
-        refreshed = latest_refresh()
-        paths = [SHIPPED, *([refreshed] if refreshed else []), *extra]
-        user = user_prices_path()
-        if user.exists():
-            paths.append(user)
-        return cls([row for path in paths for row in _read(path)])
+    def load(cls, *extra: Path, ledger_url: str | None = None) -> Catalog:
+        """The shipped catalog, the newest refreshed one, `extra` files, this host's price
+        file, then the local prices of the ledger (`ledger_url`, else this process's)."""
+        return cls([*_file_rows(*extra), *ledger_prices(ledger_url)])
 
     def rows(self) -> list[PriceRow]:
         return list(self._rows.values())
@@ -353,8 +356,74 @@ def set_local_price(
     vcpu: int = 0,
     memory_gib: int = 0,
 ) -> Path:
-    """Price a `local:<name>` machine in the user's price file (replacing an older row); its
-    vCPU and memory (0: unknown) are what one job on it takes of a capacity pool's machine."""
+    """Price a `local:<name>` machine in a price file (this host's, unless `path` names one;
+    replacing an older row): a CSV read on one host only, below the ledger's list (for every
+    host: `set_ledger_price`, what `prices set-local` does). Its vCPU and memory (0: unknown)
+    are what one job on it takes of a capacity pool's machine."""
+    row = _local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
+    path = path or user_prices_path()
+    rows = _read(path) if path.exists() else []
+    rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
+    write_rows(path, [*rows, row])
+    return path
+
+
+def write_rows(path: Path, rows: list[PriceRow]) -> None:
+    """Write price rows as a catalog CSV (the shipped file's columns)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(COLUMNS)
+        writer.writerows(row_cells(r) for r in rows)
+    default_catalog.cache_clear()
+
+
+def row_cells(r: PriceRow) -> list[object]:
+    """A row's cells in the catalog CSV's columns (`COLUMNS`)."""
+    return [
+        r.cloud,
+        r.instance_type,
+        r.provisioning,
+        r.gpu_model,
+        r.gpus,
+        r.vcpu,
+        r.memory_gib,
+        "" if r.usd_per_hour is None else r.usd_per_hour,
+        r.source,
+        r.as_of.isoformat(),
+        "yes" if r.verified else "no",
+    ]
+
+
+LEDGER_PRICES_TTL_S = 2.0
+"""How long a process prices with the ledger's local prices as it last read them: a price set
+on another host is used everywhere within this (and at once by the process that set it)."""
+LEDGER_SOURCE = "the ledger's local prices"
+
+
+def ledger_prices(url: str | None = None) -> list[PriceRow]:
+    """The `local:` rows of the ledger at `url` (else this process's ledger), checked as a
+    CSV's rows are; none from a ledger not made yet."""
+    from prefect_gpu_budget import settings
+    from prefect_gpu_budget.admission.ledger.local_prices import stored_rows
+
+    return [
+        _parse_row(
+            {
+                **raw,
+                "cloud": "local",
+                "instance_type": raw["name"],
+                "provisioning": "on-demand",
+                "verified": "yes",
+            },
+            LEDGER_SOURCE,
+        )
+        for raw in stored_rows(settings.ledger_url(url))
+    ]
+
+
+def _local_row(name: str, usd_per_hour: object, gpus: int, vcpu: int, memory_gib: int) -> PriceRow:
+    """A `local:<name>` row priced by the admin, checked (one line naming the field)."""
     if not isinstance(name, str) or not SEGMENT_RE.fullmatch(name):
         raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {shown(name)}")
     price = to_decimal_usd(usd_per_hour, "usd_per_hour")
@@ -368,10 +437,7 @@ def set_local_price(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= most:
             raise BudgetInputError(field, f"must be between 0 and {most}, got {shown(value)}")
-    path = path or user_prices_path()
-    rows = _read(path) if path.exists() else []
-    rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
-    row = PriceRow(
+    return PriceRow(
         "local",
         name,
         "on-demand",
@@ -384,35 +450,96 @@ def set_local_price(
         date.today(),
         True,
     )
-    write_rows(path, [*rows, row])
-    return path
 
 
-def write_rows(path: Path, rows: list[PriceRow]) -> None:
-    """Write price rows as a catalog CSV (the shipped file's columns)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(COLUMNS)
-        for r in rows:
-            writer.writerow(
-                [
-                    r.cloud,
-                    r.instance_type,
-                    r.provisioning,
-                    r.gpu_model,
-                    r.gpus,
-                    r.vcpu,
-                    r.memory_gib,
-                    "" if r.usd_per_hour is None else r.usd_per_hour,
-                    r.source,
-                    r.as_of.isoformat(),
-                    "yes" if r.verified else "no",
-                ]
-            )
+def store_local_price(row: PriceRow, ledger: object) -> None:
+    """Write a `local:` row into `ledger` (a `Ledger`), replacing its older price; this
+    process prices with it at once."""
+    from prefect_gpu_budget.admission.ledger.local_prices import LocalPrices
+
+    if row.cloud != "local" or row.provisioning != "on-demand" or row.usd_per_hour is None:
+        raise BudgetInputError(
+            "prices",
+            f"only priced on-demand local: rows go in the ledger, got {row.key} "
+            f"({row.provisioning})",
+        )
+    LocalPrices(ledger.db).set(  # type: ignore[attr-defined]
+        {
+            "name": row.instance_type,
+            "usd_per_hour": str(row.usd_per_hour),
+            "gpu_model": row.gpu_model,
+            "gpus": row.gpus,
+            "vcpu": row.vcpu,
+            "memory_gib": row.memory_gib,
+            "source": row.source,
+            "as_of": row.as_of.isoformat(),
+        }
+    )
     default_catalog.cache_clear()
 
 
+def set_ledger_price(
+    name: str,
+    usd_per_hour: object,
+    gpus: int = 1,
+    *,
+    ledger: object,
+    vcpu: int = 0,
+    memory_gib: int = 0,
+) -> PriceRow:
+    """Price a `local:<name>` machine in the ledger, for every host and replica on it."""
+    row = _local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
+    store_local_price(row, ledger)
+    return row
+
+
+def read_price_file(path: Path) -> list[PriceRow]:
+    """The rows of a prices CSV, each checked (one line naming the file and row)."""
+    return _read(path)
+
+
 @lru_cache(maxsize=1)
+def _cached_file_rows() -> tuple[PriceRow, ...]:
+    return tuple(_file_rows())
+
+
+def _file_rows(*extra: Path) -> list[PriceRow]:
+    """The rows of the files: shipped, newest refreshed, `extra`, this host's price file."""
+    refreshed = latest_refresh()
+    paths = [SHIPPED, *([refreshed] if refreshed else []), *extra]
+    user = user_prices_path()
+    if user.exists():
+        paths.append(user)
+    return [row for path in paths for row in _read(path)]
+
+
+_default: dict[str, object] = {}
+_default_lock = threading.Lock()
+
+
 def default_catalog() -> Catalog:
-    return Catalog.load()
+    """The catalog of this process: the files (read once) and its ledger's local prices (read
+    again once they are `LEDGER_PRICES_TTL_S` old)."""
+    from prefect_gpu_budget import settings
+
+    url = settings.ledger_url()
+    with _default_lock:
+        now = time.monotonic()
+        fresh = _default.get("url") == url and now - _default["at"] < LEDGER_PRICES_TTL_S
+        if not fresh:
+            local = ledger_prices(url)
+            if _default.get("url") != url or _default.get("local") != local:
+                _default["catalog"] = Catalog([*_cached_file_rows(), *local])
+                _default["local"] = local
+            _default.update(url=url, at=now)
+        return _default["catalog"]  # type: ignore[return-value]
+
+
+def _clear_default() -> None:
+    """Read the files and the ledger again on next use."""
+    with _default_lock:
+        _default.clear()
+    _cached_file_rows.cache_clear()
+
+
+default_catalog.cache_clear = _clear_default  # type: ignore[attr-defined]

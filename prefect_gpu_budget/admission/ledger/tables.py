@@ -332,6 +332,23 @@ over_by_bill = sa.Table(
 )
 """Closed periods whose spend, trued up from the bill, passed their budget."""
 
+local_prices = sa.Table(
+    "gpu_local_prices",
+    metadata,
+    sa.Column("name", sa.String(48), primary_key=True),
+    sa.Column("usd_per_hour", sa.String(40), nullable=False),
+    sa.Column("gpu_model", sa.String(64), nullable=False),
+    sa.Column("gpus", sa.Integer, nullable=False),
+    sa.Column("vcpu", sa.Integer, nullable=False),
+    sa.Column("memory_gib", sa.Integer, nullable=False),
+    sa.Column("source", sa.Text, nullable=False),
+    sa.Column("as_of", sa.String(10), nullable=False),
+    sa.Column("set_at", sa.Float, nullable=False),
+)
+"""The prices of `local:NAME` machines (`prices set-local`): in the ledger, so that every host
+and replica on it prices a local machine alike. The price is kept as its decimal text, exactly
+as given; `as_of` is an ISO date."""
+
 versions = sa.Table(
     "gpu_versions",
     metadata,

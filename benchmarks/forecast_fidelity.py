@@ -5,9 +5,13 @@ Each shape is a small sweep of sleeping trials (`sleep` for a few seconds, sprea
 their expected_runtime) on the local launcher, with a SQLite ledger of its own, on one Prefect
 server. The forecast is made from the ledger just before the sweep starts (what the sweep
 publishes first); then the sweep runs and its ledger says what happened. For each figure
-(trials admitted, timed out, spend, makespan from the first request to the last end) the table
-gives the likely figure, the bound (every trial running to max_runtime + kill grace, what the
-gate reserves), the actual one, and how far the likely one is from it.
+(trials admitted, timed out, spend, makespan from the first request to the last admitted
+trial's end, and end: from the first request until the sweep is over, its time-outs counted)
+the table gives the likely figure, the bound (every trial running to max_runtime + kill grace,
+what the gate reserves), the actual one, and how far the likely one is from it. With `--before
+DIR` (a checkout of an earlier tree, e.g. a `git worktree`), that tree's forecast is made from
+the same ledger at the same instant, in a process of its own, and set beside this one's against
+the one run (an earlier tree without an end figure shows `-`).
 
 Shapes: `cap` (an hourly cap runs two at a time), `budget` (a day budget stops the tail, which
 times out), `quota` (a team's quota of two machines in a capacity pool), `max-wait` (one at a
@@ -16,7 +20,7 @@ forecast at max_runtime, then a second forecast from the first run's finished tr
 shape but `budget` (its day's budget is spent) runs twice on its ledger: the second forecast
 learns from the first run's trials how long one runs and how long it takes to start.
 
-Usage: python -m benchmarks.forecast_fidelity [--shapes cap,budget,...] [--json]
+Usage: python -m benchmarks.forecast_fidelity [--shapes cap,budget,...] [--before DIR] [--json]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if not __package__:  # run as `python benchmarks/forecast_fidelity.py`
 import argparse
 import json
 import os
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -160,16 +165,46 @@ def actual(url: str, scope: str, since: float) -> dict[str, float]:
     ledger.db.dispose()
     ran = [j for j in jobs if j["admitted_at"] is not None]
     ends = [j["ended_at"] for j in ran if j["ended_at"] is not None]
+    first = min((j["requested_at"] for j in jobs), default=0.0)
+    over = [j["ended_at"] for j in jobs if j["ended_at"] is not None]  # time-outs too
     return {
         "admitted": len(ran),
         "timed_out": sum(j["state"] == "timed_out" for j in jobs),
         "spend_usd": sum(j["actual_micro"] or 0 for j in jobs) / 1e6,
-        "makespan_s": max(ends) - min(j["requested_at"] for j in jobs) if ends else 0.0,
+        "makespan_s": max(ends) - first if ends else 0.0,
+        "end_s": max(over) - first if over else 0.0,
     }
 
 
-def measure(shape: Shape, tmp: Path) -> list[dict[str, Any]]:
-    """Forecast and run the shape (`runs` times on one ledger): one row per run."""
+BEFORE = """
+import json, sys
+tree, url, spec, now = json.loads(sys.stdin.read())
+sys.path.insert(0, tree)  # before anything imports the package
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.forecast import forecast
+from prefect_gpu_budget.sweep_spec import SweepSpec
+said = forecast(SweepSpec.model_validate_json(spec), Ledger(url), now=now)
+print(json.dumps({"likely": said.likely.as_dict(), "start_s": getattr(said, "start_s", 0.0)}))
+"""
+
+
+def forecast_before(tree: str, url: str, spec: Any, now: float) -> dict[str, Any]:
+    """The forecast of the tree in `tree` from the ledger at `url` at `now`: its likely figures
+    and the start it used."""
+    done = subprocess.run(
+        [sys.executable, "-c", BEFORE],
+        input=json.dumps([tree, url, spec.model_dump_json(), now]),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def measure(shape: Shape, tmp: Path, before: str | None = None) -> list[dict[str, Any]]:
+    """Forecast and run the shape (`runs` times on one ledger): one row per run; with `before`,
+    that tree's forecast beside this one's."""
     from prefect_gpu_budget.blocks import SpendLedger
     from prefect_gpu_budget.flows.sweep import gpu_sweep
     from prefect_gpu_budget.forecast import forecast
@@ -181,8 +216,9 @@ def measure(shape: Shape, tmp: Path) -> list[dict[str, Any]]:
     for run in range(1, shape.runs + 1):
         ledger = SpendLedger(database_url=url).ledger()
         since = time.time()
-        said = forecast(spec, ledger)
+        said = forecast(spec, ledger, now=since)
         ledger.db.dispose()
+        earlier = forecast_before(before, url, spec, since) if before else None
         gpu_sweep(spec, ledger=SpendLedger(database_url=url))
         got = actual(url, spec.scope, since)
         rows.append(
@@ -193,6 +229,7 @@ def measure(shape: Shape, tmp: Path) -> list[dict[str, Any]]:
                 "likely": said.likely.as_dict(),
                 "bound": said.bound.as_dict(),
                 "actual": got,
+                **({"before": earlier} if earlier else {}),
             }
         )
         log(f"{rows[-1]['shape']}: likely {said.likely.admitted}, actual {got['admitted']}")
@@ -204,29 +241,43 @@ FIGURES: dict[str, tuple[str, Callable[[float], str]]] = {
     "timed_out": ("timed out", lambda v: f"{v:.0f}"),
     "spend_usd": ("spend", lambda v: f"${v:.3f}"),
     "makespan_s": ("makespan", lambda v: f"{v:.1f} s"),
+    "end_s": ("end", lambda v: f"{v:.1f} s"),
 }
 
 
-def off(likely: float, real: float, figure: str) -> str:
+def off(likely: float | None, real: float, figure: str) -> str:
     """How far the likely figure is from the actual one: trials as a count, the rest in %."""
+    if likely is None:
+        return "-"
     if figure in ("admitted", "timed_out"):
         return f"{likely - real:+.0f}"
     return "-" if not real else f"{100 * (likely - real) / real:+.0f}%"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ["shape", "figure", "likely", "bound", "actual", "likely - actual"]
+    """One line per figure of each run; with an earlier tree's forecast, its likely figure and
+    how far it is from the run beside this tree's."""
+    before = any("before" in row for row in rows)
+    header = ["shape", "figure", *(["before"] if before else []), "likely", "bound", "actual"]
+    header += [*(["before - actual"] if before else []), "likely - actual"]
     cells = []
     for row in rows:
         for i, (key, (label, shown)) in enumerate(FIGURES.items()):
-            likely, bound, real = row["likely"][key], row["bound"][key], row["actual"][key]
+            likely, bound, real = row["likely"][key], row["bound"].get(key), row["actual"][key]
+            earlier = row.get("before", {}).get("likely", {}).get(key)
+
+            def show(v: float | None, shown: Callable[[float], str] = shown) -> str:
+                return "-" if v is None else shown(v)
+
             cells.append(
                 [
                     row["shape"] if i == 0 else "",
                     label,
-                    shown(likely),
-                    shown(bound),
+                    *([show(earlier)] if before else []),
+                    show(likely),
+                    show(bound),
                     shown(real),
+                    *([off(earlier, real, key)] if before else []),
                     off(likely, real, key),
                 ]
             )
@@ -236,9 +287,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="Comma-separated shapes.")
+    parser.add_argument(
+        "--before", help="an earlier tree (a git worktree) whose forecast is set beside this one's"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     chosen = [SHAPES[name] for name in args.shapes.split(",")]
+    before = str(Path(args.before).resolve()) if args.before else None
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "CRITICAL")  # the trials' queue warnings
     quiet_prefect()
     started, load = time.monotonic(), os.getloadavg()[0]
@@ -251,7 +306,7 @@ def main() -> None:
         default_catalog.cache_clear()
         log(f"Prefect server at {api}; load {load:.2f}")
         for shape in chosen:
-            rows += measure(shape, Path(tmp))
+            rows += measure(shape, Path(tmp), before)
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -265,6 +320,7 @@ def main() -> None:
         print(
             f"- {row['shape']}: likely runtime {row['likely']['runtime_s']} s after "
             f"{row['start_s']:.2f} s to start, {row['runtime_from']}"
+            + (f" (before: {row['before']['start_s']:.2f} s to start)" if "before" in row else "")
         )
 
 

@@ -2,14 +2,20 @@
 
 Two runs of the one simulation, told apart (a figure says what it is):
 
-- the likely outcome: each trial runs as long as this sweep's finished trials have run (the mean
-  of its latest ones in the ledger: a forecast made mid-sweep, or after an earlier run of it),
-  else its `expected_runtime`, else its `max_runtime`;
+- the likely outcome: each trial runs as long as it ran when it last finished (a forecast made
+  mid-sweep, or after an earlier run of it), a trial that has not as long as this sweep's
+  finished trials have run (the mean of its latest ones in the ledger), else its
+  `expected_runtime`, else its `max_runtime`;
 - the bound: each trial runs to its `max_runtime` and kill grace, the most it can cost and what
   the gate holds for it in guaranteed mode.
 
 In both, a trial takes as long to start after its admission as this sweep's finished trials
-took (none without them): a launch holds the trial's cap and its place in the pool, unbilled.
+took, or, before any has finished, as a local process typically takes (`LOCAL_START_S`; none
+known on another launcher): a launch holds the trial's cap and its place in the pool, unbilled.
+
+Two spans are given, each saying what it covers: the makespan, from the first request to the
+last admitted trial's end, and the sweep's end, which also counts the trials that wait their
+max wait out (a trial that times out ends only then).
 
 Both reserve what the gate would reserve and take the room it would give them in a capacity
 pool (their team's quota); at most `parallelism` trials ask for admission at once, as in the
@@ -47,6 +53,12 @@ HISTORY_TRIALS = 20
 """How many of a sweep's latest finished trials its likely runtime is the mean of."""
 HISTORY_ROWS = 2000
 """How many of the scope's latest settled jobs are searched for them."""
+LOCAL_START_S = 0.2
+"""How long a trial on the local launcher typically takes from its admission to its start
+(Prefect's slots, the task run, the process), before any trial of its sweep has finished: the
+mean of 36 trials of `benchmarks/forecast_fidelity.py`'s first runs on two cores (0.10-0.64 s
+each, 2026-12-06; more on a busy machine). Without it a first forecast's rounds came out short
+by about that much each."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,10 @@ class Outcome:
     rejected: int
     spend_micro: int
     makespan_s: float
+    """From the first request to the last admitted trial's end (0: none is admitted)."""
+    end_s: float | None
+    """From the first request to the sweep's end: its last trial's end or time-out (a trial
+    that times out waits its max wait first); None where a trial still waits at the horizon."""
     waiting: int
     mean_wait_s: float
     stopped_by: str | None
@@ -73,22 +89,37 @@ class Outcome:
             "rejected": self.rejected,
             "spend_usd": micro_to_usd(self.spend_micro),
             "makespan_s": round(self.makespan_s, 1),
+            "end_s": None if self.end_s is None else round(self.end_s, 1),
             "waiting": self.waiting,
             "mean_wait_s": round(self.mean_wait_s, 1),
             "stopped_by": self.stopped_by,
         }
 
     def headline(self, trials: int, max_wait_s: float) -> str:
-        """`9 of 12 trials admitted within 7d, 3 time out after 30s (max_wait); spend ...`."""
+        """`9 of 12 trials admitted within 7d, 3 time out after 30s (max_wait); spend ...;
+        makespan 16s to the last end, 30s with time-outs`."""
         ended = [f"{self.admitted} of {trials} trials admitted within {fmt_duration(HORIZON_S)}"]
         if self.timed_out:
             ended.append(f"{self.timed_out} time out after {fmt_duration(max_wait_s)} (max_wait)")
         if self.rejected:
             ended.append(f"{self.rejected} rejected (on_limit: reject)")
-        return (
-            f"{', '.join(ended)}; spend {fmt_usd(self.spend_micro)}; "
-            f"makespan {fmt_duration(self.makespan_s)}"
-        )
+        return f"{', '.join(ended)}; spend {fmt_usd(self.spend_micro)}; {self.spans()}"
+
+    def spans(self) -> str:
+        """How long the sweep takes, each span saying what it covers: `makespan 16s to the last
+        end` (of an admitted trial) and, where the sweep is over later, `30s with time-outs`
+        (a trial that times out waits its max wait first)."""
+        said = []
+        if self.admitted:
+            said.append(f"makespan {fmt_duration(self.makespan_s)} to the last end")
+        refused = "time-outs" if self.timed_out else "refusals"
+        if self.end_s is None:
+            said.append(f"not over within {fmt_duration(HORIZON_S)}")
+        elif not self.admitted:
+            said.append(f"over after {fmt_duration(self.end_s)} ({refused})")
+        elif self.end_s > self.makespan_s + 0.5:
+            said.append(f"{fmt_duration(self.end_s)} with {refused}")
+        return ", ".join(said)
 
 
 @dataclass(frozen=True)
@@ -104,7 +135,9 @@ class Forecast:
     or its max_runtime when it has neither."""
     start_s: float = 0.0
     """How long each trial takes to start after its admission, in both runs: as the sweep's
-    finished trials took (`runtime_from` names them), 0 without them."""
+    finished trials took, else the launcher's typical start (`start_from` says which)."""
+    start_from: str = "none known"
+    """What `start_s` is taken from."""
     reserve_s: float = 0.0
     """What the gate reserves each trial for in guaranteed mode: max_runtime + kill grace."""
     max_wait_s: float = 0.0
@@ -133,6 +166,10 @@ class Forecast:
         return self.likely.makespan_s
 
     @property
+    def end_s(self) -> float | None:
+        return self.likely.end_s
+
+    @property
     def waiting(self) -> int:
         return self.likely.waiting
 
@@ -151,8 +188,9 @@ class Forecast:
     def as_dict(self) -> dict[str, object]:
         """The figures as `forecast --json` and the agent gateway give them: `likely` and
         `bound` each with the same fields; the top-level `admitted`, `timed_out`, `rejected`,
-        `spend_usd`, `makespan_s`, `waiting`, `mean_wait_s` and `stopped_by` are the likely
-        ones, as `likely` gives them (kept at the top for clients that read them there)."""
+        `spend_usd`, `makespan_s`, `end_s`, `waiting`, `mean_wait_s` and `stopped_by` are the
+        likely ones, as `likely` gives them (kept at the top for clients that read them
+        there)."""
         likely = self.likely.as_dict()
         return {
             "trials": self.trials,
@@ -160,7 +198,8 @@ class Forecast:
             "likely": likely,
             "bound": self.bound.as_dict(),
             "runtime_from": self.runtime_from,
-            "start_s": round(self.start_s, 1),
+            "start_s": round(self.start_s, 2),
+            "start_from": self.start_from,
             "reserve_s": round(self.reserve_s, 1),
             "max_wait_s": self.max_wait_s,
             "warnings": list(self.warnings),
@@ -169,10 +208,12 @@ class Forecast:
 
     def describe(self) -> str:
         likely, bound = self.likely, self.bound
-        started = f", after {_runtime(self.start_s)} to start" if self.start_s >= 0.05 else ""
         lines = [
-            f"likely, each trial {_runtime(likely.runtime_s)}{started} ({self.runtime_from}): "
-            + likely.headline(self.trials, self.max_wait_s)
+            f"likely, each trial {_runtime(likely.runtime_s)} ({self.runtime_from}): "
+            + likely.headline(self.trials, self.max_wait_s),
+            f"each trial starts {_runtime(self.start_s)} after its admission ({self.start_from}); "
+            "the makespan runs from the first request to the last admitted trial's end, and "
+            "the sweep is over when its last trial ends or times out",
         ]
         if likely.waiting:
             lines.append(f"{likely.waiting} trials wait (mean {fmt_duration(likely.mean_wait_s)})")
@@ -202,11 +243,14 @@ def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
     return rules
 
 
-def finished_trials(spec: SweepSpec, ledger: Ledger) -> list[dict]:
-    """The sweep's latest finished trials in the ledger (at most `HISTORY_TRIALS`): its jobs
-    named `<name>/<index>` in its scope that started and ran their course (`LEARNED_OUTCOMES`)."""
+def finished_trials(
+    spec: SweepSpec, ledger: Ledger, latest: int | None = HISTORY_TRIALS
+) -> list[dict]:
+    """The sweep's latest finished trials in the ledger, oldest first (at most `latest`; None:
+    all of those among the scope's latest `HISTORY_ROWS` settled jobs): its jobs named
+    `<name>/<index>` in its scope that started and ran their course (`LEARNED_OUTCOMES`)."""
     named = re.compile(re.escape(spec.name) + r"/\d{4,}")
-    return [
+    found = [
         row
         for row in ledger.views.jobs(spec.scope, states=("settled",), limit=HISTORY_ROWS)
         if row["scope"] == spec.scope
@@ -215,7 +259,8 @@ def finished_trials(spec: SweepSpec, ledger: Ledger) -> list[dict]:
         and (row["billed_seconds"] or 0) > 0
         and row["started_at"] is not None
         and row["admitted_at"] is not None
-    ][-HISTORY_TRIALS:]
+    ]
+    return found if latest is None else found[-latest:]
 
 
 def likely_runtime(job: GpuJob, finished: list[dict]) -> tuple[float, str]:
@@ -229,11 +274,22 @@ def likely_runtime(job: GpuJob, finished: list[dict]) -> tuple[float, str]:
     return job.max_runtime, "its max_runtime: no expected_runtime and no finished trial"
 
 
-def likely_start(finished: list[dict]) -> float:
-    """How long a trial likely takes to start after its admission: the mean of the sweep's
-    `finished` trials (0 without them)."""
+def trial_runtimes(finished: list[dict]) -> dict[int, float]:
+    """How long each of the sweep's trials ran when it last finished, by its index: trials of
+    one sweep differ (their parameters), and two at a time the longest ones set the makespan."""
+    return {int(row["name"].rsplit("/", 1)[1]): row["billed_seconds"] for row in finished}
+
+
+def likely_start(finished: list[dict], local: bool = True) -> tuple[float, str]:
+    """How long a trial likely takes to start after its admission, and what says so: the mean
+    of the sweep's `finished` trials, else `LOCAL_START_S` on the local launcher (`local`), else
+    none known (0)."""
     waits = [max(0.0, row["started_at"] - row["admitted_at"]) for row in finished]
-    return sum(waits) / len(waits) if waits else 0.0
+    if waits:
+        return sum(waits) / len(waits), f"as its {_trials(len(waits))} took"
+    if local:
+        return LOCAL_START_S, "a local process's typical start: no finished trial"
+    return 0.0, "none known on this launcher: no finished trial"
 
 
 def _trials(count: int) -> str:
@@ -293,11 +349,17 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     holds, placed, settled = _ledger_state(ledger, rules, org, now)
 
     finished = finished_trials(spec, ledger)
-    start_s = likely_start(finished)
+    start_s, start_from = likely_start(finished, local=spec.launcher is None)
+    ran = trial_runtimes(finished_trials(spec, ledger, latest=None))
 
-    def run(runtime_s: float) -> Outcome:
+    def run(runtime_s: float, each: dict[int, float] | None = None) -> Outcome:
+        """Every trial `runtime_s`, or as long as `each` says it ran last where it says."""
+        each = each or {}
         result = simulate(
-            [replace(job, true_s=runtime_s, start_s=start_s) for job in jobs],
+            [
+                replace(job, true_s=each.get(index, runtime_s), start_s=start_s)
+                for index, job in enumerate(jobs)
+            ],
             rules.values(),
             mode,
             until=now + HORIZON_S,
@@ -313,13 +375,20 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
 
     first = spec.job_for(trials[0] if trials else {}, spec.name)
     runtime, runtime_from = likely_runtime(first, finished)
+    own = sum(index in ran for index in range(len(trials)))
+    if own == len(trials) and own:
+        runtime_from = f"as each last ran, the mean of its {_trials(own)}"
+        runtime = sum(ran[index] for index in range(own)) / own
+    elif own:
+        runtime_from = f"{own} as each last ran, the rest {runtime_from}"
     path = [rules[s] for s in scope_path(spec.scope) if s in rules]
     return Forecast(
         trials=len(trials),
-        likely=run(runtime),
+        likely=run(runtime, ran),
         bound=run(first.reserve_runtime_s),
         runtime_from=runtime_from,
         start_s=start_s,
+        start_from=start_from,
         reserve_s=first.reserve_runtime_s,
         max_wait_s=max_wait_of(first.max_wait, path),
         warnings=tuple(warnings),
@@ -333,6 +402,8 @@ def _outcome(
     admitted = [r for r in result.records if r.admitted_at is not None]
     waits = [r.wait_s for r in admitted if r.wait_s and r.wait_s > 1e-3]  # not ties of the clock
     ends = [r.ended_at for r in admitted if r.ended_at is not None]
+    refused = [r.refused_at for r in result.records if r.refused_at is not None]
+    over = all(r.ended_at is not None or r.refused_at is not None for r in result.records)
     stopped_by = None
     by_budget = [r for r in result.records if r.blocked and r.blocked[0] == "period_budget"]
     if by_budget:
@@ -362,6 +433,7 @@ def _outcome(
         rejected=sum(r.refused == "reject" for r in result.records),
         spend_micro=sum(r.actual_micro for r in admitted),
         makespan_s=(max(ends) - now) if ends else 0.0,
+        end_s=max([*ends, *refused, now]) - now if over else None,
         waiting=len(waits),
         mean_wait_s=sum(waits) / len(waits) if waits else 0.0,
         stopped_by=stopped_by,

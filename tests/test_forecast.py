@@ -13,7 +13,7 @@ from prefect_gpu_budget import GpuBudget, SpendLedger
 from prefect_gpu_budget.admission.ledger import Ledger, wait_spans
 from prefect_gpu_budget.admission.ledger.rows import STARTING
 from prefect_gpu_budget.flows.sweep import gpu_sweep
-from prefect_gpu_budget.forecast import forecast
+from prefect_gpu_budget.forecast import LOCAL_START_S, forecast
 from prefect_gpu_budget.sweep_spec import SweepSpec
 
 TOLERANCE = 0.4
@@ -197,35 +197,71 @@ def test_the_likely_outcome_and_the_bound_are_two_runs_told_apart(prices, tmp_pa
     """Trials expected to run 1 s of their 9 s max_runtime, under a day budget that holds two
     reservations ($0.01 each, what the gate holds for 10 s): likely, all six run, two at a time;
     the bound, every trial running its whole reservation, spends the budget on the first two
-    and the other four time out. Both are given, each named; the bare figures are the likely."""
+    and the other four time out. Both are given, each named; the bare figures are the likely.
+    Nothing has finished yet: each trial takes a local process's typical start to start."""
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     GpuBudget(scope="fc", period_budget_usd="0.025", period="day").apply(ledger)
     _team(ledger)
     predicted = forecast(_short_trials(tmp_path, expected_runtime="1s"), ledger, now=1e9)
 
     likely, bound = predicted.likely, predicted.bound
+    assert predicted.start_s == LOCAL_START_S == 0.2
     assert (likely.runtime_s, bound.runtime_s) == (1.0, 10.0)
     assert (likely.admitted, likely.timed_out, likely.spend_micro) == (6, 0, 6_000)
-    assert likely.makespan_s == pytest.approx(3.0)
+    assert likely.makespan_s == likely.end_s == pytest.approx(3 * 1.2)  # three rounds
     assert (bound.admitted, bound.timed_out, bound.spend_micro) == (2, 4, 20_000)
-    assert bound.makespan_s == pytest.approx(10.0)
+    assert bound.makespan_s == pytest.approx(10.2)
+    # the other four wait their 30 s max_wait out, three trials asked at a time: one from the
+    # start (out at 30 s), two when the first two end (out at 40.2 s), one at 30 s (out at 60 s)
+    assert bound.end_s == pytest.approx(60.0)
     assert (predicted.admitted, predicted.spend_micro) == (6, 6_000)
 
     lines = predicted.describe().splitlines()
     assert lines[0] == (
         "likely, each trial 1s (its expected_runtime): 6 of 6 trials admitted within 7d; "
-        "spend $0.006; makespan 3s"
+        "spend $0.006; makespan 4s to the last end"
+    )
+    assert lines[1] == (
+        "each trial starts 0.2s after its admission (a local process's typical start: no "
+        "finished trial); the makespan runs from the first request to the last admitted "
+        "trial's end, and the sweep is over when its last trial ends or times out"
     )
     assert lines[-1] == (
         "bound, if every trial ran to its max_runtime (10s with kill grace, what the gate "
         "reserves for it): 2 of 6 trials admitted within 7d, 4 time out after 30s (max_wait); "
-        "spend $0.02; makespan 10s"
+        "spend $0.02; makespan 10s to the last end, 1m with time-outs"
     )
     out = predicted.as_dict()
     assert (out["admitted"], out["timed_out"]) == (6, 0)  # the likely, as `likely` has them
+    assert out["end_s"] == out["likely"]["end_s"] == 3.6
     assert out["likely"]["admitted"] == 6 and out["likely"]["spend_usd"] == 0.006
     assert out["bound"]["admitted"] == 2 and out["bound"]["timed_out"] == 4
-    assert out["bound"]["spend_usd"] == 0.02 and out["bound"]["makespan_s"] == 10.0
+    assert out["bound"]["spend_usd"] == 0.02 and out["bound"]["makespan_s"] == 10.2
+    assert out["bound"]["end_s"] == 60.0
+    assert out["start_from"] == "a local process's typical start: no finished trial"
+
+
+def test_a_sweep_that_never_runs_a_trial_says_when_it_is_over(prices, tmp_path):
+    """Every trial times out: no makespan to give, and the sweep is over when the last of them
+    has waited its max wait; on a launcher other than the local one no start is known."""
+    from tests.jobs import new_job
+
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", hourly_cap_usd="3.6", period_budget_usd=100).apply(ledger)
+    _team(ledger)
+    _, held = ledger.queue.request(new_job("fc/other", max_runtime_s=3600.0))
+    assert held.verdict == "admit"
+    fields = _short_trials(tmp_path, expected_runtime="1s", max_wait="5s").model_dump()
+    spec = SweepSpec.model_validate({**fields, "launcher": "vertex:lab", "parallelism": 2})
+    predicted = forecast(spec, ledger, now=1e9)
+    assert (predicted.admitted, predicted.timed_out) == (0, 6)
+    assert predicted.makespan_s == 0.0
+    assert predicted.end_s == pytest.approx(15.0)  # two at a time, three rounds of 5 s waits
+    assert predicted.likely.headline(6, 5.0).endswith("spend $0.00; over after 15s (time-outs)")
+    assert (predicted.start_s, predicted.start_from) == (
+        0.0,
+        "none known on this launcher: no finished trial",
+    )
 
 
 def test_forecast_waits_for_the_teams_quota_in_a_capacity_pool(prices, tmp_path):
@@ -245,8 +281,8 @@ def test_forecast_waits_for_the_teams_quota_in_a_capacity_pool(prices, tmp_path)
     ).apply(ledger)
     predicted = forecast(_short_trials(tmp_path, expected_runtime="1s"), ledger, now=1e9)
     assert predicted.likely.admitted == predicted.bound.admitted == 6
-    assert predicted.likely.makespan_s == pytest.approx(3.0)
-    assert predicted.bound.makespan_s == pytest.approx(30.0)
+    assert predicted.likely.makespan_s == pytest.approx(3 * 1.2)  # each after 0.2 s to start
+    assert predicted.bound.makespan_s == pytest.approx(3 * 10.2)
 
 
 def _finished(ledger: Ledger, scope: str, name: str, seconds: float, outcome: str) -> None:
@@ -279,16 +315,22 @@ def test_the_likely_runtime_is_what_the_sweeps_finished_trials_took(prices, tmp_
     _finished(ledger, "fc/team/else", "fc/0003", 8.0, "completed")
     during = forecast(spec, ledger)
     assert during.likely.runtime_s == pytest.approx(3.0, abs=0.01)
-    assert during.runtime_from == "as its 2 finished trials ran"
+    assert during.runtime_from == "2 as each last ran, the rest as its 2 finished trials ran"
     assert during.start_s == pytest.approx(1.0, abs=0.01)  # each started 1 s after admission
-    # two at a time under the cap: 3 rounds of a 1 s start and 3 s likely, of 10 s at worst;
-    # the start holds the cap but is not billed
-    assert during.likely.makespan_s == pytest.approx(12.0, abs=0.1)
+    # two at a time under the cap, each after a 1 s start that holds the cap but is not billed:
+    # trials 0 and 1 as they ran (2 s and 4 s), the other four 3 s, the mean; 10 s at worst
+    records = {r.job.job_id: r for r in during.likely.result.records}
+    assert [records[f"{i:04d}"].job.true_s for i in range(6)] == pytest.approx(
+        [2.0, 4.0, 3.0, 3.0, 3.0, 3.0], abs=0.01
+    )
+    # 0: 1-3, 1: 1-5, 2: 4-7, 3: 6-9, 4: 8-11, 5: 10-13 (all at 3 s: three rounds, 12 s)
+    assert during.likely.makespan_s == pytest.approx(13.0, abs=0.1)
     assert during.likely.spend_micro == pytest.approx(6 * 3_000, rel=0.01)
     assert during.bound.makespan_s == pytest.approx(33.0, abs=0.1)
     assert during.bound.spend_micro == 6 * 10_000
     said = during.describe()
-    assert "likely, each trial 3s, after 1s to start (as its 2 finished trials ran)" in said
+    assert "likely, each trial 3s (2 as each last ran, the rest as its 2 finished" in said
+    assert "each trial starts 1s after its admission (as its 2 finished trials took)" in said
     assert during.as_dict()["start_s"] == 1.0
 
 

@@ -3,8 +3,9 @@
 Twelve trials of a tiny numpy network (4 learning rates x 3 widths) on `local:demo-gpu`, priced
 so that the hourly cap lets two run at once and the day budget stops the tail. Each trial takes
 `seconds` from its start (its `expected_runtime`), so the forecast the sweep logs first says what
-its run does: at 2.5 s, 9 trials run and 3 time out waiting for the spent budget; if every trial
-ran to its max_runtime, the bound beside it, 2 would run.
+its run does: at 2.5 s, 9 trials run and 3 time out waiting for the spent budget, the sweep over
+only when their 30 s max wait runs out, long after its makespan; if every trial ran to its
+max_runtime, the bound beside it, 2 would run.
 """
 
 from __future__ import annotations

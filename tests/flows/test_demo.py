@@ -74,8 +74,9 @@ def test_demo_command_runs_a_sweep_under_its_budget(tmp_path):
 def test_the_demos_first_forecast_says_what_its_run_does(prefect_api, tmp_path, monkeypatch):
     """The demo as it runs by default (12 trials of 2.5 s): the likely figures of the forecast
     its sweep publishes before its first trial are what the ledger then records, within one
-    trial and 10% of spend; the bound beside them, every trial running to its max_runtime, is
-    not (it admits 2 where about 9 run)."""
+    trial and 10% of spend, and the sweep is over when it says, its time-outs counted, within
+    10%; the bound beside them, every trial running to its max_runtime, is not (it admits 2
+    where about 9 run)."""
     from prefect.client.orchestration import get_client
 
     from prefect_gpu_budget.flows.demo import DEMO_SCOPE, run_demo
@@ -104,6 +105,12 @@ def test_the_demos_first_forecast_says_what_its_run_does(prefect_api, tmp_path, 
     assert abs(likely.admitted - admitted) <= 1, (likely, jobs)
     assert abs(likely.timed_out - timed_out) <= 1, (likely, jobs)
     assert abs(likely.spend_micro - spent) <= 0.1 * spent, (likely.spend_micro, spent)
+    # the trials that time out wait their 30 s first: the sweep is over then, long after the
+    # makespan (its admitted trials' last end), and the forecast says both
+    first = min(j["requested_at"] for j in jobs)
+    over = max(j["ended_at"] for j in jobs) - first
+    assert likely.end_s is not None and abs(likely.end_s - over) <= 0.1 * over, (likely, over)
+    assert likely.end_s > likely.makespan_s + 10, likely
     assert said.bound.admitted == 2 and admitted - said.bound.admitted > 1
     with get_client(sync_client=True) as client:
         published = {a.key: a for a in client.read_artifacts() if a.key}["demo-forecast"].data

@@ -28,7 +28,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.agents.rules import STOPPED_BY_AGENT
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, free_port
+from tests.prefect_server import PrefectServer, free_port, http
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BASH_S = 300
@@ -71,22 +71,60 @@ def _bash(script: str, env: dict[str, str], cwd: Path, log: Path) -> subprocess.
         )
 
 
-def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the block's process group (`serve` and `agents serve` stop as at Ctrl-C);
-    SIGKILL what is left after `grace`."""
+def _in_group(pgid: int, marker: bytes) -> list[int]:
+    """The processes of group `pgid` whose command line holds `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            pid = int(entry.name) if entry.name.isdigit() else 0
+            if pid and os.getpgid(pid) == pgid and marker in (entry / "cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
+def _end_group(proc: subprocess.Popen, grace: float = 60.0) -> bool:
+    """SIGTERM the block's process group (`serve` and `agents serve` stop as at Ctrl-C), the
+    Prefect server the block started last (`serve` stops its sweeps through it), as the
+    README says; SIGKILL what is left after `grace`. Whether it all ended by itself."""
+    commands = _in_group(proc.pid, b"prefect-gpu-budget\0serve")  # serve, agents serve
+    commands += _in_group(proc.pid, b"prefect-gpu-budget\0agents\0serve")
     try:
+        for pid in commands:
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace / 2
+        while time.monotonic() < deadline and set(_in_group(proc.pid, b"")) & set(commands):
+            proc.poll()
+            time.sleep(0.5)
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
-        return
+        return True
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         proc.poll()
         try:
             os.killpg(proc.pid, 0)
         except ProcessLookupError:
-            return
+            return True
         time.sleep(0.5)
     os.killpg(proc.pid, signal.SIGKILL)
+    return False
+
+
+def _of_home(home: str) -> list[str]:
+    """The processes whose environment names `home` as PREFECT_HOME (any session: a server a
+    command started in a session of its own included), with their command lines."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if f"PREFECT_HOME={home}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()!r}")
+        except OSError:  # ended meanwhile
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -123,16 +161,22 @@ def house(server: PrefectServer, tmp_path: Path) -> Iterator[tuple[dict[str, str
 @pytest.mark.skipif(os.geteuid() != 0, reason="agent jobs switch to user nobody")
 def test_the_agents_blocks_run_as_written(house: tuple[dict[str, str], str], tmp_path: Path):
     """The admin's block, then the agent's whole loop in the same shell; then the MCP client
-    with a token of its own, while the gateway still serves."""
+    with a token of its own, while the gateway still serves. The admin's block starts the one
+    Prefect server that `serve`, the gateway and every sweep use (none starts one of its
+    own), and after a SIGTERM to the shell's group nothing is left running."""
     env, url = house
-    port = str(free_port())
+    port, prefect_port = str(free_port()), str(free_port())
     languages = {}
     scripts = {}
     for name in ("agent-admin", "agent-loop", "mcp-client"):
         languages[name], text = block(name)
         assert "8080" in text, name
-        scripts[name] = text.replace("8080", port)
+        scripts[name] = text.replace("8080", port).replace("4200", prefect_port)
     assert languages == {"agent-admin": "bash", "agent-loop": "bash", "mcp-client": "python"}
+    admin = scripts["agent-admin"].splitlines()
+    first = [n for n, line in enumerate(admin) if line.startswith("prefect-gpu-budget ")][0]
+    assert any(line.startswith("prefect server start ") for line in admin[:first]), admin
+    assert f"export PREFECT_API_URL=http://127.0.0.1:{prefect_port}/api" in admin[:first], admin
     log = tmp_path / "agent.log"
     shell = _bash(scripts["agent-admin"] + "\n" + scripts["agent-loop"], env, tmp_path, log)
     try:
@@ -158,9 +202,16 @@ def test_the_agents_blocks_run_as_written(house: tuple[dict[str, str], str], tmp
             text=True,
             timeout=120,
         )
+        api = f"http://127.0.0.1:{prefect_port}/api"
+        flows = {f["name"] for f in http(f"{api}/flows/filter", {})}
+        ran = http(f"{api}/flow_runs/filter", {})
     finally:
-        _end_group(shell)
+        ended = _end_group(shell)
+    left = _of_home(env["PREFECT_HOME"])
 
+    assert ended and not left, f"left running after SIGTERM: {left}"
+    assert "agent-sweep" in flows and ran, (flows, ran)  # the agent's sweep ran on that server
+    assert "no PREFECT_API_URL" not in said and "database is locked" not in said, said[-3000:]
     assert (Path(env["PREFECT_HOME"]).stat().st_mode & 0o777) == 0o700  # made private, said so
     assert f"PREFECT_HOME {env['PREFECT_HOME']}" in said, said[:3000]
     ledger = Ledger(url)
@@ -231,3 +282,33 @@ def test_the_sweep_block_runs_as_written(house: tuple[dict[str, str], str], tmp_
     assert f"results: {table.parent}" in said, said[-3000:]
     assert re.search(r"^likely, .*: 8 of 8 trials admitted", said, re.M), said[-3000:]
     assert re.search(r"^bound, .*: 8 of 8 trials admitted", said, re.M), said[-3000:]
+
+
+def test_the_quoted_forecast_is_what_the_demos_sweep_is_forecast_to_do(tmp_path, monkeypatch):
+    """The Forecast section quotes the forecast of the demo's sweep (its default trials and
+    seconds) on the demo's fresh ledger, as `forecast` prints it and the sweep publishes it,
+    each line wrapped at 100 columns: a change to the forecast's words or figures shows here."""
+    import datetime
+    import inspect
+    import textwrap
+
+    from prefect_gpu_budget.flows.demo import demo_spec, prepare, run_demo
+    from prefect_gpu_budget.forecast import forecast
+    from prefect_gpu_budget.pricing.catalog import default_catalog
+
+    defaults = inspect.signature(run_demo).parameters
+    noon = datetime.datetime(2026, 12, 7, 12, tzinfo=datetime.timezone.utc).timestamp()
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", "")  # the demo sets its own; put back after
+    try:
+        ledger = Ledger(prepare(tmp_path))
+        spec = demo_spec(tmp_path, defaults["trials"].default, defaults["seconds"].default)
+        said = forecast(spec, ledger, now=noon)
+        ledger.db.dispose()
+    finally:
+        default_catalog.cache_clear()
+    wrapped = [
+        piece
+        for line in said.describe().splitlines()
+        for piece in textwrap.wrap(line, 100, subsequent_indent="  ")
+    ]
+    assert block("demo-forecast")[1].splitlines() == wrapped

@@ -10,8 +10,9 @@ Two runs of the one simulation, told apart (a figure says what it is):
   the gate holds for it in guaranteed mode.
 
 In both, a trial takes as long to start after its admission as this sweep's finished trials
-took, or, before any has finished, as a local process typically takes (`LOCAL_START_S`; none
-known on another launcher): a launch holds the trial's cap and its place in the pool, unbilled.
+took, or, before any has finished, as the latest jobs on its launcher took, or, before any has,
+as a local process typically takes (`LOCAL_START_S`; none known on another launcher): a launch
+holds the trial's cap and its place in the pool, unbilled.
 
 Two spans are given, each saying what it covers: the makespan, from the first request to the
 last admitted trial's end, and the sweep's end, which also counts the trials that wait their
@@ -135,7 +136,8 @@ class Forecast:
     or its max_runtime when it has neither."""
     start_s: float = 0.0
     """How long each trial takes to start after its admission, in both runs: as the sweep's
-    finished trials took, else the launcher's typical start (`start_from` says which)."""
+    finished trials took, else the latest jobs on its launcher, else the local launcher's typical
+    start (`start_from` says which)."""
     start_from: str = "none known"
     """What `start_s` is taken from."""
     reserve_s: float = 0.0
@@ -280,20 +282,42 @@ def trial_runtimes(finished: list[dict]) -> dict[int, float]:
     return {int(row["name"].rsplit("/", 1)[1]): row["billed_seconds"] for row in finished}
 
 
-def likely_start(finished: list[dict], local: bool = True) -> tuple[float, str]:
+def launcher_jobs(spec: SweepSpec, ledger: Ledger) -> list[dict]:
+    """The latest settled jobs of the sweep's org on its launcher (at most `HISTORY_TRIALS`),
+    oldest first: those that started and ran their course, whatever their sweep."""
+    ref = spec.launcher or "local"
+    return [
+        row
+        for row in ledger.views.jobs(org_of(spec.scope), states=("settled",), limit=HISTORY_ROWS)
+        if row["launcher"] == ref
+        and row["outcome"] in LEARNED_OUTCOMES
+        and row["started_at"] is not None
+        and row["admitted_at"] is not None
+    ][-HISTORY_TRIALS:]
+
+
+def likely_start(
+    finished: list[dict], local: bool = True, others: list[dict] | None = None
+) -> tuple[float, str]:
     """How long a trial likely takes to start after its admission, and what says so: the mean
-    of the sweep's `finished` trials, else `LOCAL_START_S` on the local launcher (`local`), else
-    none known (0)."""
-    waits = [max(0.0, row["started_at"] - row["admitted_at"]) for row in finished]
-    if waits:
-        return sum(waits) / len(waits), f"as its {_trials(len(waits))} took"
+    of the sweep's `finished` trials, else of the latest jobs on its launcher (`others`), else
+    `LOCAL_START_S` on the local launcher (`local`), else none known (0)."""
+    for rows, took in ((finished, "its {}"), (others or [], "its launcher's latest {}")):
+        waits = [max(0.0, row["started_at"] - row["admitted_at"]) for row in rows]
+        if waits:
+            jobs = _trials(len(waits)) if rows is finished else _jobs(len(waits))
+            return sum(waits) / len(waits), f"as {took.format(jobs)} took"
     if local:
-        return LOCAL_START_S, "a local process's typical start: no finished trial"
-    return 0.0, "none known on this launcher: no finished trial"
+        return LOCAL_START_S, "a local process's typical start: nothing finished on it yet"
+    return 0.0, "none known on this launcher: nothing finished on it yet"
 
 
 def _trials(count: int) -> str:
     return f"{count} finished trials" if count != 1 else "1 finished trial"
+
+
+def _jobs(count: int) -> str:
+    return f"{count} jobs" if count != 1 else "job"
 
 
 def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forecast:
@@ -349,7 +373,9 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     holds, placed, settled = _ledger_state(ledger, rules, org, now)
 
     finished = finished_trials(spec, ledger)
-    start_s, start_from = likely_start(finished, local=spec.launcher is None)
+    start_s, start_from = likely_start(
+        finished, spec.launcher is None, [] if finished else launcher_jobs(spec, ledger)
+    )
     ran = trial_runtimes(finished_trials(spec, ledger, latest=None))
 
     def run(runtime_s: float, each: dict[int, float] | None = None) -> Outcome:

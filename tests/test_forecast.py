@@ -222,8 +222,8 @@ def test_the_likely_outcome_and_the_bound_are_two_runs_told_apart(prices, tmp_pa
         "spend $0.006; makespan 4s to the last end"
     )
     assert lines[1] == (
-        "each trial starts 0.2s after its admission (a local process's typical start: no "
-        "finished trial); the makespan runs from the first request to the last admitted "
+        "each trial starts 0.2s after its admission (a local process's typical start: nothing "
+        "finished on it yet); the makespan runs from the first request to the last admitted "
         "trial's end, and the sweep is over when its last trial ends or times out"
     )
     assert lines[-1] == (
@@ -238,7 +238,7 @@ def test_the_likely_outcome_and_the_bound_are_two_runs_told_apart(prices, tmp_pa
     assert out["bound"]["admitted"] == 2 and out["bound"]["timed_out"] == 4
     assert out["bound"]["spend_usd"] == 0.02 and out["bound"]["makespan_s"] == 10.2
     assert out["bound"]["end_s"] == 60.0
-    assert out["start_from"] == "a local process's typical start: no finished trial"
+    assert out["start_from"] == "a local process's typical start: nothing finished on it yet"
 
 
 def test_a_sweep_that_never_runs_a_trial_says_when_it_is_over(prices, tmp_path):
@@ -260,7 +260,7 @@ def test_a_sweep_that_never_runs_a_trial_says_when_it_is_over(prices, tmp_path):
     assert predicted.likely.headline(6, 5.0).endswith("spend $0.00; over after 15s (time-outs)")
     assert (predicted.start_s, predicted.start_from) == (
         0.0,
-        "none known on this launcher: no finished trial",
+        "none known on this launcher: nothing finished on it yet",
     )
 
 
@@ -332,6 +332,28 @@ def test_the_likely_runtime_is_what_the_sweeps_finished_trials_took(prices, tmp_
     assert "likely, each trial 3s (2 as each last ran, the rest as its 2 finished" in said
     assert "each trial starts 1s after its admission (as its 2 finished trials took)" in said
     assert during.as_dict()["start_s"] == 1.0
+
+
+def test_before_its_trials_finish_a_sweep_starts_as_its_launchers_latest_jobs_did(prices, tmp_path):
+    """None of the sweep's trials has finished, but other jobs of its org on the local launcher
+    have: each trial takes as long to start as they took (on a busy machine, longer than a
+    local process's typical start); a sweep on another launcher learns nothing from them."""
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(ledger)
+    _team(ledger)
+    _finished(ledger, "fc/team/else", "other/0000", 2.0, "completed")  # each started 1 s after
+    _finished(ledger, "fc/team/agent", "another/0003", 4.0, "failed")
+    _finished(ledger, "fc/team/else", "other/0001", 8.0, "cancelled")  # taught nothing
+    spec = _short_trials(tmp_path, expected_runtime="1s")
+    predicted = forecast(spec, ledger, now=1e9)
+    assert predicted.start_s == pytest.approx(1.0, abs=0.01)
+    assert predicted.start_from == "as its launcher's latest 2 jobs took"
+    assert predicted.runtime_from == "its expected_runtime"  # their runtimes are not its
+    # two at a time under the cap: three rounds of a 1 s start and 1 s
+    assert predicted.likely.makespan_s == pytest.approx(6.0, abs=0.1)
+
+    elsewhere = SweepSpec.model_validate({**spec.model_dump(), "launcher": "vertex:lab"})
+    assert forecast(elsewhere, ledger, now=1e9).start_s == 0.0
 
 
 def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):

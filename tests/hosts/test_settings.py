@@ -39,6 +39,8 @@ READ_BACK = {
     "PREFECT_REDIS_MESSAGING_URL": "redis.url",
     "PREFECT_GPU_BUDGET_LEDGER_URL": "gpu_budget.ledger_url",
     "PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL": "gpu_budget.gateway_redis_url",
+    "PREFECT_GPU_BUDGET_PRICES": "gpu_budget.prices_path",
+    "PREFECT_HOME": "home",
 }
 """Where each setting the section may name lands once loaded (`redis.`: prefect-redis's
 `RedisMessagingSettings`; `gpu_budget.`: this package's settings)."""
@@ -58,6 +60,8 @@ VALUES = {
     "PREFECT_SERVER_DOCKET_URL": "redis://redis:6380/4",
     "PREFECT_GPU_BUDGET_LEDGER_URL": "postgresql+psycopg://gpu_budget@db:5432/gpu_budget",
     "PREFECT_GPU_BUDGET_GATEWAY_REDIS_URL": "redis://redis:6380/5",
+    "PREFECT_GPU_BUDGET_PRICES": "/srv/gpu-budget/prices.csv",
+    "PREFECT_HOME": "/srv/prefect-home",
 }
 """A value of each that is not its default (the module settings take the README's own)."""
 

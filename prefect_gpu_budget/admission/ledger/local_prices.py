@@ -12,6 +12,7 @@ SQLite ledger not made yet, or one made by an earlier version without the table,
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -57,6 +58,7 @@ class LocalPrices:
         return gone.rowcount > 0
 
 
+logger = logging.getLogger(__name__)
 _dbs: dict[str, Db] = {}
 _dbs_lock = threading.Lock()
 
@@ -79,7 +81,12 @@ def stored_rows(url: str) -> list[dict[str, str]]:
     except (sa.exc.OperationalError, sa.exc.ProgrammingError) as exc:
         if _no_table(exc):
             return []
-        raise
+        if not isinstance(exc, sa.exc.OperationalError):
+            raise
+        # the ledger cannot be reached (down, a wrong URL): prices come from this host's files
+        # alone, as before the ledger held any; no admission is decided without it anyway
+        logger.warning("local prices: the ledger could not be read (%s)", type(exc.orig).__name__)
+        return []
 
 
 def _no_table(exc: Exception) -> bool:

@@ -418,8 +418,8 @@ class Door:
 
     def forecast(self, caller: Caller, spec: Any) -> dict[str, Any]:
         """What the sweep would do under the caller's budgets now, before anything starts:
-        `likely` (each trial as long as the sweep's finished trials ran, else its
-        expected_runtime) and `bound` (each trial to its max_runtime, as the gate reserves it),
+        `likely` (each trial as long as it last ran, else as the sweep's finished trials ran,
+        else its expected_runtime) and `bound` (each trial to its max_runtime, as the gate reserves it),
         each with trials admitted, timed out and rejected, spend, makespan and waits; the
         top-level figures are the likely ones (`Forecast.as_dict`)."""
         from prefect_gpu_budget.forecast import forecast

@@ -112,11 +112,12 @@ OPERATIONS = (
         "/v1/forecast",
         "What a sweep spec would do under this session's budgets now, without starting or "
         "reserving anything.",
-        "Trials admitted, timed out and rejected, spend, makespan and what binds: `likely` "
-        "(each trial as long as the sweep's finished trials ran, else its expected_runtime; "
-        "also the top-level figures) and `bound` (each trial to its max_runtime, as the gate "
-        "reserves it); in both each trial starts `start_s` after its admission, as the "
-        "finished trials did.",
+        "Trials admitted, timed out and rejected, spend, makespan (to the last admitted "
+        "trial's end), `end_s` (when the sweep is over, its time-outs' waits counted) and what "
+        "binds: `likely` (each trial as long as it last ran, else as the sweep's finished "
+        "trials ran, else its expected_runtime; also the top-level figures) and `bound` (each "
+        "trial to its max_runtime, as the gate reserves it); in both each trial starts "
+        "`start_s` after its admission (`start_from` says where that figure comes from).",
     ),
     Operation(
         "quote",

@@ -568,7 +568,10 @@ def test_an_agent_sees_its_sweeps_results_curves_and_plots_over_http(house):
     assert "3 of 3 trials completed" in view["message"] and view["spent_usd"] > 0
     # asked again, the likely figures take the runtime its finished trials showed
     code, again = gw.call("POST", "/v1/forecast", token, _train([0.1, 0.3, 0.5]))
-    assert code == 200 and again["runtime_from"] == "as its 3 finished trials ran", again
+    assert (
+        code == 200
+        and again["runtime_from"] == "as each last ran, the mean of its 3 finished trials"
+    ), again
     assert again["likely"]["runtime_s"] < 30 and again["bound"]["runtime_s"] == 61.0
     assert again["likely"]["spend_usd"] < again["bound"]["spend_usd"]
 

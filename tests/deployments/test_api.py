@@ -216,7 +216,7 @@ def test_ui_shows_the_trials_table_and_a_plot(served):
         driver.get(f"{served['base']}/runs/flow-run/{served['run']['id']}")
         body = lambda: driver.find_element(By.TAG_NAME, "body").text  # noqa: E731
         _wait_for(
-            lambda: "blocked by hourly cap of acme/agents/agent-7" in body(), 60, "the wait reason"
+            lambda: "waits: hourly cap of acme/agents/agent-7" in body(), 60, "the wait reason"
         )
         driver.save_screenshot(str(shots / "run.png"))
         tab = driver.find_element(By.CSS_SELECTOR, "li.p-tab#artifacts")

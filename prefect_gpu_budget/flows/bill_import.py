@@ -36,41 +36,62 @@ def _notify(ledger: Any, scope: str, body: str, subject: str) -> None:
         Block.load(targets[0]).notify(body=body, subject=subject)
 
 
+def _announce(
+    ledger: Any,
+    event: str,
+    kind: str,
+    what: str,
+    scope: str,
+    payload: dict,
+    line: str,
+    subject: str,
+) -> None:
+    """A Prefect event on the resource `gpu-budget.<kind>.<what>` of `scope`, and `line` as a
+    notification through the nearest budget on its path that names a notification block."""
+    emit_event(
+        event=event,
+        resource={
+            "prefect.resource.id": f"gpu-budget.{kind}.{what}",
+            "prefect.resource.name": what,
+            "gpu-budget.scope": scope,
+        },
+        payload=payload,
+    )
+    _notify(ledger, scope, line, subject)
+
+
 def announce_held(ledger: Any, held: list[Any]) -> None:
     """For each job's bill held for an admin (far past its reservation): a Prefect event and
     a notification, saying how to accept it (`prefect-gpu-budget bill accept JOB`)."""
     for item in held:
-        emit_event(
-            event=HELD_EVENT,
-            resource={
-                "prefect.resource.id": f"gpu-budget.job.{item.job_id}",
-                "prefect.resource.name": item.job_id,
-                "gpu-budget.scope": item.scope,
-            },
-            payload={"billed_usd": micro_to_usd(item.billed_micro), "reason": item.reason},
+        payload = {"billed_usd": micro_to_usd(item.billed_micro), "reason": item.reason}
+        subject = f"GPU budget: a bill held in {item.scope}"
+        _announce(
+            ledger, HELD_EVENT, "job", item.job_id, item.scope, payload, held_line(item), subject
         )
-        _notify(ledger, item.scope, held_line(item), f"GPU budget: a bill held in {item.scope}")
 
 
 def announce_over_by_bill(ledger: Any, marks: list[Any]) -> None:
     """For each closed period the bill put over its budget: a Prefect event, and a
     notification through the nearest budget on its path that names a notification block."""
     for mark in marks:
-        emit_event(
-            event=OVER_BY_BILL_EVENT,
-            resource={
-                "prefect.resource.id": f"gpu-budget.scope.{mark.scope}",
-                "prefect.resource.name": mark.scope,
-                "gpu-budget.scope": mark.scope,
-            },
-            payload={
-                "period_start": mark.period_start,
-                "period_end": mark.period_end,
-                "budget_usd": micro_to_usd(mark.budget_micro),
-                "spent_usd": micro_to_usd(mark.spent_micro),
-            },
+        payload = {
+            "period_start": mark.period_start,
+            "period_end": mark.period_end,
+            "budget_usd": micro_to_usd(mark.budget_micro),
+            "spent_usd": micro_to_usd(mark.spent_micro),
+        }
+        subject = f"GPU budget: {mark.scope} over by the bill"
+        _announce(
+            ledger,
+            OVER_BY_BILL_EVENT,
+            "scope",
+            mark.scope,
+            mark.scope,
+            payload,
+            over_line(mark),
+            subject,
         )
-        _notify(ledger, mark.scope, over_line(mark), f"GPU budget: {mark.scope} over by the bill")
 
 
 @flow(name="gpu-budget-bill-import")

@@ -68,8 +68,8 @@ class SandboxedJob:
     """The job holder's pid, once started: its processes are measured for what they hold."""
     over: str | None = None
     """Why the job must stop, once a measurement (`measure`) found it past a limit."""
-    meter: threading.Thread = field(default_factory=lambda: threading.Thread(target=int))
-    """The thread of the last measurement (`tick`); a fresh one until the first starts."""
+    meter: threading.Thread | None = None
+    """The thread of the last measurement (`tick`), once one started."""
 
     def holder_args(self) -> list[str]:
         """The job holder's (`_reaper.py`) options that start the command in this sandbox:
@@ -108,7 +108,8 @@ class SandboxedJob:
         if self.over is not None:
             raise OverLimit(self.over)
         now = time.monotonic() if now is None else now
-        if now - self.measured_at < DISK_CHECK_S or self.meter.is_alive():
+        measuring = self.meter is not None and self.meter.is_alive()
+        if now - self.measured_at < DISK_CHECK_S or measuring:
             return
         self.measured_at = now
         self.meter = threading.Thread(target=self.measure, name="job-disk-meter", daemon=True)

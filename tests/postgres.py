@@ -20,7 +20,7 @@ A test that stops and starts PostgreSQL itself never touches that server: `priva
 makes a cluster of its own (initdb in a temporary folder, a free port), and removes it after.
 
 A database named by a variable is used as it is, and never dropped. Creating and dropping go
-through the benchmarks' harness (benchmarks/harness/postgres.py).
+through prefect_gpu_budget/testing/postgres.py, which the benchmarks use too.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from benchmarks.harness.postgres import (
+from prefect_gpu_budget.testing.postgres import (
     drop_database,
     ensure_database,
     name_of,

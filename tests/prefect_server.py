@@ -1,6 +1,6 @@
-"""The real `prefect server start` of the tests: the benchmarks' harness (see
-benchmarks/harness/servers.py)."""
+"""The real `prefect server start` of the tests, shared with the benchmarks
+(prefect_gpu_budget/testing/servers.py)."""
 
-from benchmarks.harness.servers import PrefectServer, free_port, http, stop_groups, wait_for
+from prefect_gpu_budget.testing.servers import PrefectServer, free_port, http, stop_groups, wait_for
 
 __all__ = ["PrefectServer", "free_port", "http", "stop_groups", "wait_for"]

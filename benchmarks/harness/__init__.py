@@ -1,12 +1,11 @@
-"""What the benchmarks and the tests share: one way to start a real Prefect server
-(`servers`), one way to get a PostgreSQL database of one's own and read its statistics
-(`postgres`), a ledger with its gate tables made afresh (`ledger`, not imported here: it
-imports the product), what `/proc` tells of processes and the host (`host`), and the figures
+"""What the benchmarks share: a real Prefect server and a PostgreSQL database of one's own
+(from `prefect_gpu_budget.testing`, which the tests use too), a ledger with its gate tables
+made afresh (`ledger`, not imported here: it imports the product), what `/proc` tells of processes and the host (`host`), and the figures
 and tables of a report (`stats`, `report`)."""
 
 from benchmarks.harness import report, stats
-from benchmarks.harness.postgres import drop_database, ensure_database, postgres_database
-from benchmarks.harness.servers import PrefectServer, prefect_server, serving
+from prefect_gpu_budget.testing.postgres import drop_database, ensure_database, postgres_database
+from prefect_gpu_budget.testing.servers import PrefectServer, prefect_server, serving
 
 __all__ = [
     "PrefectServer",

@@ -3,9 +3,9 @@
 Agents never call this flow themselves: they reach the gateway (`prefect_gpu_budget.agents`)
 with their token, and the gateway, a trusted client of a Prefect API closed to agents, starts
 `agent-sweep/agents` with the session and the grant's id (never the token). The spec is checked
-against the team's `AgentLimits` twice, by the same rules (`agents.rules`): at the gateway (so a
+against the team's `AgentLimits` twice, by the same rules (`agents.limits`): at the gateway (so a
 bad spec is a 422 and nothing starts) and here (so a run started around the gateway is held to
-them too). Trials run sandboxed (`launchers.sandbox`), and each one queues only while the grant
+them too). Trials run sandboxed (`sandbox.launcher`), and each one queues only while the grant
 is live.
 """
 
@@ -17,7 +17,7 @@ import pandas as pd
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from prefect_gpu_budget.agents.rules import (
+from prefect_gpu_budget.agents.limits import (
     agent_results,
     agent_spec,
     limits_for,
@@ -25,7 +25,7 @@ from prefect_gpu_budget.agents.rules import (
     sandboxed_launcher,
 )
 from prefect_gpu_budget.blocks.ledger import SpendLedger
-from prefect_gpu_budget.flows.sweep import run_sweep
+from prefect_gpu_budget.sweeps.flow import run_sweep
 from prefect_gpu_budget.units import BudgetInputError
 
 

@@ -4,7 +4,7 @@ a Prefect event and a notification.
 
 The flow reads a `BillingExport` block (by name, `default` unless told) for the periods the
 providers may still restate (`billing.trueup.periods_to_read`), imports each whole
-(`billing.imports`), and publishes the drift per scope as a table artifact.
+(`billing.imports.import_export`), and publishes the drift per scope as a table artifact.
 """
 
 from __future__ import annotations
@@ -16,7 +16,15 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.events import emit_event
 
-from prefect_gpu_budget.billing.imports import held_line, import_lines, over_line, summary
+from prefect_gpu_budget.billing.imports import import_export
+from prefect_gpu_budget.billing.results import (
+    BillImport,
+    HeldBill,
+    OverByBill,
+    held_line,
+    over_line,
+    summary,
+)
 from prefect_gpu_budget.billing.trueup import periods_to_read
 from prefect_gpu_budget.blocks.billing import BillingExport
 from prefect_gpu_budget.blocks.ledger import SpendLedger
@@ -60,7 +68,7 @@ def _announce(
     _notify(ledger, scope, line, subject)
 
 
-def announce_held(ledger: Any, held: list[Any]) -> None:
+def announce_held(ledger: Any, held: list[HeldBill]) -> None:
     """For each job's bill held for an admin (far past its reservation): a Prefect event and
     a notification, saying how to accept it (`prefect-gpu-budget bill accept JOB`)."""
     for item in held:
@@ -71,7 +79,7 @@ def announce_held(ledger: Any, held: list[Any]) -> None:
         )
 
 
-def announce_over_by_bill(ledger: Any, marks: list[Any]) -> None:
+def announce_over_by_bill(ledger: Any, marks: list[OverByBill]) -> None:
     """For each closed period the bill put over its budget: a Prefect event, and a
     notification through the nearest budget on its path that names a notification block."""
     for mark in marks:
@@ -115,24 +123,31 @@ def bill_import(
         return []
     led = (ledger or SpendLedger()).ledger()
     wanted = periods or periods_to_read(time.time())
-    read = block.read(wanted)
-    lines = [line for group in read.values() for line in group]
-    done = import_lines(
-        led,
-        lines,
-        read_from=block.where(),
-        provisional_hours=block.provisional_hours,
-        periods=read.keys(),
-    )
+    done = import_export(block.source(), wanted, led.bills, block.provisional_hours)
     for item in done:
-        logger.info(summary(item))
-        for mark in item.over_by_bill:
-            logger.warning(over_line(mark))
-        announce_over_by_bill(led, item.over_by_bill)
-        for held in item.held:
-            logger.warning(held_line(held))
-        announce_held(led, item.held)
-    drift = led.bills.drift()
+        _tell(led, item)
+    _publish_drift(led)
+    return [
+        item.__dict__ | {"over_by_bill": [m.__dict__ for m in item.over_by_bill]} for item in done
+    ]
+
+
+def _tell(ledger: Any, done: BillImport) -> None:
+    """What an import did, in the logs; each period over by bill and each figure held, also as
+    an event and a notification."""
+    logger = get_run_logger()
+    logger.info(summary(done))
+    for mark in done.over_by_bill:
+        logger.warning(over_line(mark))
+    announce_over_by_bill(ledger, done.over_by_bill)
+    for held in done.held:
+        logger.warning(held_line(held))
+    announce_held(ledger, done.held)
+
+
+def _publish_drift(ledger: Any) -> None:
+    """The drift per scope, settled against billed, as the table artifact `gpu-bill-drift`."""
+    drift = ledger.bills.drift()
     rows = [
         {
             "scope": scope,
@@ -145,6 +160,3 @@ def bill_import(
     ]
     if rows:
         create_table_artifact(rows, key="gpu-bill-drift", description="Settled vs billed")
-    return [
-        item.__dict__ | {"over_by_bill": [m.__dict__ for m in item.over_by_bill]} for item in done
-    ]

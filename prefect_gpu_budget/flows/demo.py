@@ -19,11 +19,12 @@ from typing import Any
 
 import pandas as pd
 
+from prefect_gpu_budget.admission.prices import default_catalog
 from prefect_gpu_budget.blocks import GpuBudget, SpendLedger
-from prefect_gpu_budget.flows.sweep import gpu_sweep
-from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+from prefect_gpu_budget.pricing.catalog import set_local_price
 from prefect_gpu_budget.settings import NO_SERVER
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.flow import gpu_sweep
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 from prefect_gpu_budget.units import fmt_usd, org_of
 
 DEMO_SCOPE = "demo-lab/sweeps/agent-1"

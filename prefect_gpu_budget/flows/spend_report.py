@@ -27,7 +27,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from prefect_gpu_budget.blocks import SpendLedger
-from prefect_gpu_budget.plots import embed, settled_vs_billed, spend_over_time
+from prefect_gpu_budget.sweeps.plots import embed, settled_vs_billed, spend_over_time
 from prefect_gpu_budget.units import (
     BudgetInputError,
     cost_micro,
@@ -279,7 +279,9 @@ def spend_report(
     ledger: SpendLedger | None = None,
     out_dir: str = "gpu-budget-reports",
 ) -> pd.DataFrame:
-    """Publish the spend of `scope` (all scopes if None) in the last `hours` as artifacts."""
+    """Publish the spend of `scope` (all scopes if None) in the last `hours` as artifacts:
+    1. the table per scope; 2. the costliest jobs; 3. the pools' capacity; 4. the plots and
+    the summary."""
     if scope is not None:
         validate_scope(scope)
     if not 0 < hours <= 24 * 366:
@@ -307,6 +309,22 @@ def spend_report(
         table=df.to_dict("records"),  # Prefect writes NaN as null
         description=f"GPU spend per budgeted scope, last {hours:g} h",
     )
+    _publish_top_jobs(jobs, hours, now)
+    _publish_capacity(led, sorted({org_of(s["scope"]) for s in statuses}))
+    plots = _spend_plots(statuses, in_scope, out)
+    if not df.empty:
+        plots.append(_wait_chart(df, out / "queue-wait.png"))
+    plots.append(_publish_bill(led, scope, out))
+    create_markdown_artifact(
+        key="gpu-budget-spend-summary",
+        markdown=_summary(jobs, scope, hours, since, now) + "\n\n" + embed(plots, "Plots"),
+        description=f"GPU spend summary, last {hours:g} h",
+    )
+    return df
+
+
+def _publish_top_jobs(jobs: list[dict[str, Any]], hours: float, now: float) -> None:
+    """The TOP_JOBS costliest jobs of the window, as a table artifact."""
     top = sorted(jobs, key=lambda r: _cost(r, now), reverse=True)[:TOP_JOBS]
     create_table_artifact(
         key="gpu-budget-top-jobs",
@@ -314,7 +332,11 @@ def spend_report(
         description=f"The {TOP_JOBS} costliest GPU jobs of the last {hours:g} h",
     )
 
-    _publish_capacity(led, sorted({org_of(s["scope"]) for s in statuses}))
+
+def _spend_plots(
+    statuses: list[dict[str, Any]], in_scope: dict[str, list[dict[str, Any]]], out: Path
+) -> list[Path | None]:
+    """Each budgeted scope's spend against its budget and its rate against its cap."""
     plots: list[Path | None] = []
     for s in statuses:
         if s["period_budget_micro"] is None and s["hourly_cap_micro"] is None:
@@ -328,12 +350,4 @@ def spend_report(
                 title=f"{s['scope']}: spend vs {s['period']} budget, rate vs cap",
             )
         )
-    if not df.empty:
-        plots.append(_wait_chart(df, out / "queue-wait.png"))
-    plots.append(_publish_bill(led, scope, out))
-    create_markdown_artifact(
-        key="gpu-budget-spend-summary",
-        markdown=_summary(jobs, scope, hours, since, now) + "\n\n" + embed(plots, "Plots"),
-        description=f"GPU spend summary, last {hours:g} h",
-    )
-    return df
+    return plots

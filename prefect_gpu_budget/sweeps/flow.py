@@ -28,21 +28,19 @@ from prefect.futures import as_completed
 from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from prefect_gpu_budget import plots
 from prefect_gpu_budget.admission.ledger import wait_spans
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.admission.ledger.rows import STARTING
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.csv_cells import to_csv
-from prefect_gpu_budget.flows.recording import SweepRecorder
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
-from prefect_gpu_budget.sweep_spec import Scalar, SweepSpec, load_spec
+from prefect_gpu_budget.sweeps import plots
+from prefect_gpu_budget.sweeps.recording import SweepRecorder
+from prefect_gpu_budget.sweeps.spec import Scalar, SweepSpec, load_spec
+from prefect_gpu_budget.sweeps.summary import last_word, no_metric, short, summary_markdown
 from prefect_gpu_budget.tasks.defaults import job_defaults
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
-    fmt_duration,
-    fmt_usd,
     micro_to_usd,
     redact_urls,
     scope_path,
@@ -118,116 +116,164 @@ def _sweep(
     grant: str | None,
     results_root: Path | None,
 ) -> pd.DataFrame:
-    logger = get_run_logger()
-    ctx = FlowRunContext.get()
-    run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
-    run_name = ctx.flow_run.name if ctx and ctx.flow_run else "local"
-    out = (results_root or Path()) / spec.results_dir / f"{spec.name}-{run_name}"
-    out.mkdir(parents=True, exist_ok=True)
-    trials = spec.trials()
-    logger.info(
-        "sweep %s: %d trials in %s, at most %d at once",
-        spec.name,
-        len(trials),
-        spec.scope,
-        spec.parallelism,
-    )
-    led = (ledger or SpendLedger()).ledger()
-    if launcher is None and spec.launcher is not None:
-        launcher = launcher_for(spec.launcher)
-    key = _artifact_key(spec, agent=grant is not None)
-    _publish_forecast(spec, led, out, logger, key)
-    progress = create_progress_artifact(
-        0.0, key=f"{key}-progress", description=f"Trials of {spec.name} finished"
-    )
+    """The sweep in four steps (`SweepRun`): open it, run its trials, table them, publish."""
+    run = SweepRun(spec, ledger, launcher, grant, results_root)  # 1.
+    run.run_trials()  # 2.
+    df, rows = run.table()  # 3.
+    return run.publish(df, rows)  # 4.
 
-    recorder = SweepRecorder(SweepRecords(led) if ctx and ctx.flow_run else None, run_id, logger)
-    recorder.open(spec, trials)
-    futures, in_flight, ended = [], {}, {}
 
-    def finished(future) -> None:
-        index = in_flight.pop(future)
+class SweepRun:
+    """One run of a sweep's flow: 1. open it (its results folder, its forecast, its progress
+    artifact, its records in the ledger); 2. `run_trials`, at most `parallelism` at once, until
+    all ran, its agent's grant is revoked or it is cancelled; 3. `table` the trials, with what
+    each cost and waited; 4. `publish` the table, the summary and the plots."""
+
+    def __init__(
+        self,
+        spec: SweepSpec,
+        ledger: SpendLedger | None,
+        launcher: Launcher | None,
+        grant: str | None,
+        results_root: Path | None,
+    ) -> None:
+        self.spec, self.ledger, self.grant = spec, ledger, grant
+        self.logger = logger = get_run_logger()
+        ctx = FlowRunContext.get()
+        self.run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else "local"
+        run_name = ctx.flow_run.name if ctx and ctx.flow_run else "local"
+        self.out = (results_root or Path()) / spec.results_dir / f"{spec.name}-{run_name}"
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.trials = spec.trials()
+        logger.info(
+            "sweep %s: %d trials in %s, at most %d at once",
+            spec.name,
+            len(self.trials),
+            spec.scope,
+            spec.parallelism,
+        )
+        self.led = (ledger or SpendLedger()).ledger()
+        if launcher is None and spec.launcher is not None:
+            launcher = launcher_for(spec.launcher)
+        self.launcher = launcher
+        self.key = artifact_key(spec, agent=grant is not None)
+        _publish_forecast(spec, self.led, self.out, logger, self.key)
+        self.progress = create_progress_artifact(
+            0.0, key=f"{self.key}-progress", description=f"Trials of {spec.name} finished"
+        )
+        store = self.led.sweeps if ctx and ctx.flow_run else None
+        self.recorder = SweepRecorder(store, self.run_id, logger)
+        self.recorder.open(spec, self.trials)
+        self.futures: list[tuple[int, dict[str, Scalar], str, Any]] = []
+        self.in_flight: dict[Any, int] = {}
+        self.ended: dict[int, list[dict[str, Any]]] = {}
+
+    def run_trials(self) -> None:
+        """2. Submit each trial once a place is free, then wait for those still running."""
+        for index, params in enumerate(self.trials):
+            while len(self.in_flight) >= self.spec.parallelism:
+                self.finished(next(as_completed(list(self.in_flight))))
+            if self.stopped(index):
+                break
+            self.submit(index, params)
+        for future in as_completed(list(self.in_flight)):
+            self.finished(future)
+
+    def stopped(self, index: int) -> bool:
+        """Whether the sweep starts no more trials: its agent's grant was revoked, or it was
+        cancelled."""
+        spec, left = self.spec, len(self.trials) - index
+        if self.grant is not None and self.led.grants.grant_scope(self.grant) is None:
+            self.logger.warning(
+                "sweep %s: its agent's grant was revoked; %d trials not started", spec.name, left
+            )
+            return True
+        if self.recorder.cancelled():
+            self.logger.warning("sweep %s: cancelled; %d trials not started", spec.name, left)
+            return True
+        return False
+
+    def submit(self, index: int, params: dict[str, Scalar]) -> None:
+        spec = self.spec
+        name = f"{spec.name}/{index:04d}"
+        metrics = self.out / f"trial-{index:04d}.jsonl"
+        self.recorder.watch(index, metrics)
+        future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(
+            spec.job_for(params, name, self.grant),
+            spec.scope,
+            self.ledger,
+            str(metrics.resolve()),
+            self.launcher,
+        )
+        self.futures.append((index, params, name, future))
+        self.in_flight[future] = index
+
+    def finished(self, future: Any) -> None:
+        index = self.in_flight.pop(future)
         state = future.state
         reason = "" if state.is_completed() else redact_urls(state.message or "")
-        ended[index] = recorder.ended(index, state.name, reason)
-        update_progress_artifact(progress, 100.0 * len(ended) / len(trials))
+        self.ended[index] = self.recorder.ended(index, state.name, reason)
+        update_progress_artifact(self.progress, 100.0 * len(self.ended) / len(self.trials))
 
-    for index, params in enumerate(trials):
-        while len(in_flight) >= spec.parallelism:
-            finished(next(as_completed(list(in_flight))))
-        if grant is not None and led.grants.grant_scope(grant) is None:
-            logger.warning(
-                "sweep %s: its agent's grant was revoked; %d trials not started",
-                spec.name,
-                len(trials) - index,
-            )
-            break
-        if recorder.cancelled():
-            logger.warning(
-                "sweep %s: cancelled; %d trials not started", spec.name, len(trials) - index
-            )
-            break
-        name = f"{spec.name}/{index:04d}"
-        metrics = out / f"trial-{index:04d}.jsonl"
-        recorder.watch(index, metrics)
-        future = run_gpu_job.with_options(task_run_name=_trial_run_name(index, params)).submit(
-            spec.job_for(params, name, grant), spec.scope, ledger, str(metrics.resolve()), launcher
-        )
-        futures.append((index, params, name, future))
-        in_flight[future] = index
-    for future in as_completed(list(in_flight)):
-        finished(future)
+    def table(self) -> tuple[pd.DataFrame, list[dict]]:
+        """3. The trials table (a row a trial started) and the sweep's jobs in the ledger."""
+        jobs = self.led.views.jobs(self.spec.scope, flow_run_id=self.run_id)
+        rows_by_name = {r["name"]: r for r in jobs}
+        records = []
+        for index, params, name, future in self.futures:
+            future.wait()  # the final state from the task itself: the API's copy may lag behind
+            records.append(self.trial_row(index, params, future.state, rows_by_name.get(name, {})))
+        df = pd.DataFrame(records, columns=None if records else list(EMPTY_COLUMNS))
+        return df, list(rows_by_name.values())
 
-    rows_by_name = {r["name"]: r for r in led.views.jobs(spec.scope, flow_run_id=run_id)}
-    records, curves = [], {}
-    for index, params, name, future in futures:
-        future.wait()  # the final state from the task itself: the API's copy may lag behind
-        state = future.state
-        row = rows_by_name.get(name, {})
-        points = ended.get(index, [])
-        curves[f"{index:04d}"] = points
+    def trial_row(
+        self, index: int, params: dict[str, Scalar], state: Any, row: dict
+    ) -> dict[str, Any]:
+        """A trial's row: its parameters, metrics, state, cost, waits and runtime."""
         # its start after admission is no limit: `waited_s` counts it, `blocked_*` do not
         spans = {k: v for k, v in (wait_spans(row) if row else {}).items() if k != STARTING}
-        records.append(
-            {
-                "trial": index,
-                **params,
-                **recorder.metrics(index),
-                "non_finite_dropped": recorder.non_finite(index),
-                "state": state.name,
-                "reason": "" if state.is_completed() else redact_urls(state.message or ""),
-                "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
-                "waited_s": round(_waited(row), 3) if row else None,
-                "blocked_by": max(spans, key=spans.__getitem__) if spans else "",
-                "blocked_s": round(sum(spans.values()), 3),
-                "runtime_s": round(row["ended_at"] - row["started_at"], 3)
-                if row.get("started_at")
-                else 0.0,
-                "job_id": row.get("id"),
-            }
-        )
-    df = pd.DataFrame(records, columns=None if records else list(EMPTY_COLUMNS))
-    if spec.metric not in df or df[spec.metric].isna().all():
-        logger.warning("sweep %s: %s", spec.name, _no_metric(spec))
-    to_csv(df, out / "trials.csv")  # no cell a spreadsheet formula
-    df.to_parquet(out / "trials.parquet", index=False)
-    pictures, summary = _publish(spec, df, curves, list(rows_by_name.values()), led, out, key)
-    outputs = {
-        "results.json": ("application/json", df.to_json(orient="records").encode()),
-        "summary.md": ("text/markdown", summary.encode()),
-    }
-    for picture in [*pictures, out / "forecast.png"]:
-        if picture is not None and picture.exists():
-            outputs[picture.name] = ("image/png", picture.read_bytes())
-    last_word = _last_word(spec, df, len(trials), recorder.cancelled())
-    recorder.finish(outputs, last_word)
-    df.attrs.update(cancelled=recorder.cancelled(), last_word=last_word)
-    logger.info("sweep %s: results in %s", spec.name, out.resolve())
-    df.attrs["results_dir"] = str(out.resolve())
-    return df
+        return {
+            "trial": index,
+            **params,
+            **self.recorder.metrics(index),
+            "non_finite_dropped": self.recorder.non_finite(index),
+            "state": state.name,
+            "reason": "" if state.is_completed() else redact_urls(state.message or ""),
+            "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
+            "waited_s": round(_waited(row), 3) if row else None,
+            "blocked_by": max(spans, key=spans.__getitem__) if spans else "",
+            "blocked_s": round(sum(spans.values()), 3),
+            "runtime_s": round(row["ended_at"] - row["started_at"], 3)
+            if row.get("started_at")
+            else 0.0,
+            "job_id": row.get("id"),
+        }
+
+    def publish(self, df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:
+        """4. The table's files, the artifacts, and the sweep's outputs and end in the ledger."""
+        spec, out, recorder = self.spec, self.out, self.recorder
+        if spec.metric not in df or df[spec.metric].isna().all():
+            self.logger.warning("sweep %s: %s", spec.name, no_metric(spec))
+        to_csv(df, out / "trials.csv")  # no cell a spreadsheet formula
+        df.to_parquet(out / "trials.parquet", index=False)
+        curves = {f"{index:04d}": self.ended.get(index, []) for index, *_ in self.futures}
+        pictures, summary = _publish(spec, df, curves, rows, self.led, out, self.key)
+        outputs = {
+            "results.json": ("application/json", df.to_json(orient="records").encode()),
+            "summary.md": ("text/markdown", summary.encode()),
+        }
+        for picture in [*pictures, out / "forecast.png"]:
+            if picture is not None and picture.exists():
+                outputs[picture.name] = ("image/png", picture.read_bytes())
+        said = last_word(spec, df, len(self.trials), recorder.cancelled())
+        recorder.finish(outputs, said)
+        df.attrs.update(cancelled=recorder.cancelled(), last_word=said)
+        self.logger.info("sweep %s: results in %s", spec.name, out.resolve())
+        df.attrs["results_dir"] = str(out.resolve())
+        return df
 
 
-def _artifact_key(spec: SweepSpec, agent: bool) -> str:
+def artifact_key(spec: SweepSpec, agent: bool) -> str:
     """The artifacts' key: the sweep's name; an agent's sweep's carries its session too, so an
     agent naming its sweep `nightly` never becomes the admin's latest `nightly-*`, and a digest
     of both as given, so no other session's name that reads the same in a key (`a/b` and
@@ -241,43 +287,6 @@ def _artifact_key(spec: SweepSpec, agent: bool) -> str:
 def _waited(row: dict) -> float:
     """Request to start: the gate's queue plus any wait for cloud capacity after admission."""
     return (row["started_at"] or row["admitted_at"] or row["ended_at"]) - row["requested_at"]
-
-
-def _best(spec: SweepSpec, df: pd.DataFrame) -> pd.Series | None:
-    """The completed trial with the best value of the spec's metric, if any reported it."""
-    done = df[df["state"] == "Completed"] if "state" in df else df.iloc[0:0]
-    if spec.metric not in done or done[spec.metric].dropna().empty:
-        return None
-    values = pd.to_numeric(done[spec.metric], errors="coerce")
-    if values.dropna().empty:
-        return None
-    return done.loc[values.idxmin() if spec.goal == "min" else values.idxmax()]
-
-
-def _last_word(spec: SweepSpec, df: pd.DataFrame, planned: int, cancelled: bool) -> str:
-    """One line on how the sweep went: what ran, what is best, why trials did not run."""
-    done = int((df["state"] == "Completed").sum()) if "state" in df else 0
-    words = [f"{done} of {planned} trials completed"]
-    best = _best(spec, df)
-    if best is not None:
-        words.append(f"best {spec.metric} {best[spec.metric]:.4g} (trial {int(best['trial'])})")
-    elif planned:
-        words.append(_no_metric(spec))
-    if cancelled:
-        words.append(f"cancelled: {planned - len(df)} trials not started")
-    failed = df[df["state"] != "Completed"] if "state" in df else df.iloc[0:0]
-    if len(failed) and done == 0:
-        words.append(f"trial {int(failed.iloc[0]['trial'])}: {failed.iloc[0]['reason'][:200]}")
-    return "; ".join(words)
-
-
-def _no_metric(spec: SweepSpec) -> str:
-    return f"no trial reported {spec.metric!r}"
-
-
-def _short(value: object) -> str:
-    """A parameter value as a legend shows it: floats to 4 significant digits."""
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _publish(
@@ -308,7 +317,7 @@ def _publish(
             spec.metric,
             out / "learning_curves.png",
             labels={
-                f"{int(r['trial']):04d}": ", ".join(f"{p}={_short(r[p])}" for p in spec.params())
+                f"{int(r['trial']):04d}": ", ".join(f"{p}={short(r[p])}" for p in spec.params())
                 for r in df.to_dict("records")
             },
         ),
@@ -320,7 +329,7 @@ def _publish(
             title=f"spend of sweep {spec.name} in {spec.scope}",
         ),
     ]
-    summary = _summary(spec, df, budget)
+    summary = summary_markdown(spec, df, budget)
     create_markdown_artifact(
         key=f"{key}-summary",
         markdown=summary + "\n\n" + plots.embed(pictures),
@@ -331,7 +340,7 @@ def _publish(
 
 def _publish_forecast(spec: SweepSpec, led, out: Path, logger, key: str) -> None:
     """Before spending anything: what the simulator predicts for this sweep, as an artifact."""
-    from prefect_gpu_budget.forecast import forecast, plot
+    from prefect_gpu_budget.sweeps.forecast import forecast, plot
 
     try:
         predicted = forecast(spec, led)
@@ -350,48 +359,3 @@ def _publish_forecast(spec: SweepSpec, led, out: Path, logger, key: str) -> None
         + plots.embed([picture], "Predicted spend"),
         description=f"What the simulator predicted for sweep {spec.name} before it ran",
     )
-
-
-def _summary(spec: SweepSpec, df: pd.DataFrame, budget: dict | None) -> str:
-    done = df[df["state"] == "Completed"]
-    lines = [f"# Sweep `{spec.name}` in `{spec.scope}`", ""]
-    lines.append(
-        f"- trials: {len(df)}; finished {len(done)}; "
-        + ", ".join(
-            f"{state} {count}"
-            for state, count in df["state"].value_counts().items()
-            if state != "Completed"
-        )
-    )
-    best = _best(spec, df)
-    if best is not None:
-        params = ", ".join(f"{p}={_short(best[p])}" for p in spec.params())
-        lines.append(
-            f"- best trial {int(best['trial'])}: {spec.metric} {best[spec.metric]:.4g} ({params})"
-        )
-    else:
-        lines.append(f"- warning: {_no_metric(spec)}")
-    if spec.random:
-        lines.append(f"- random draws from seed {spec.seed} (give `seed` to repeat them)")
-    spent = int(round(df["cost_usd"].sum() * 1_000_000))
-    if budget is not None:
-        lines.append(
-            f"- spent {fmt_usd(spent)}; {budget['scope']} has {fmt_usd(budget['settled_micro'])} settled of its "
-            f"{fmt_usd(budget['period_budget_micro'])} {budget['period']} budget"
-        )
-    else:
-        lines.append(f"- spent {fmt_usd(spent)}")
-    held = df[df["blocked_by"] != ""]
-    if held.empty:
-        lines.append("- no trial waited on a budget, quota or queue")
-    else:
-        longest = held.loc[held["blocked_s"].idxmax()]
-        lines.append(
-            f"- {len(held)} trials waited on limits, {fmt_duration(held['blocked_s'].sum())} in "
-            f"all; longest trial {int(longest['trial'])}, {fmt_duration(longest['blocked_s'])}, "
-            f"mostly on {longest['blocked_by']}"
-        )
-    refused = df[df["state"] != "Completed"]
-    for _, row in refused.head(5).iterrows():
-        lines.append(f"- trial {int(row['trial'])} {row['state']}: {row['reason'][:200]}")
-    return "\n".join(lines)

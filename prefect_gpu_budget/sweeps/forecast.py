@@ -21,35 +21,40 @@ max wait out (a trial that times out ends only then).
 Both reserve what the gate would reserve and take the room it would give them in a capacity
 pool (their team's quota); at most `parallelism` trials ask for admission at once, as in the
 sweep itself; a trial that would wait past its `max_wait`, or meet a limit with `on_limit:
-reject`, ends unadmitted as the gate would end it.
+reject`, ends unadmitted as the gate would end it. The figures are `outcome`'s.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from prefect_gpu_budget.admission.ledger import ACTIVE, LEARNED_OUTCOMES, Ledger, hold_of
+from prefect_gpu_budget.admission.prices import price_job
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule, Hold, max_wait_of
-from prefect_gpu_budget.admission.rules.quota import Placed, Shape, job_share, pool_for, team_of
+from prefect_gpu_budget.admission.rules.quota import (
+    Placed,
+    Pool,
+    Shape,
+    TeamQuota,
+    job_share,
+    pool_for,
+    team_of,
+)
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.pricing.catalog import price_job
 from prefect_gpu_budget.priorities import resolve
-from prefect_gpu_budget.simulate import SimJob, SimResult, simulate
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.outcome import HORIZON_S, Forecast, Outcome, outcome_of
+from prefect_gpu_budget.sweeps.simulator import SimJob, simulate
+from prefect_gpu_budget.sweeps.spec import Scalar, SweepSpec
 from prefect_gpu_budget.units import (
     BudgetInputError,
-    fmt_duration,
-    fmt_usd,
-    micro_to_usd,
     org_of,
     scope_path,
 )
 
-HORIZON_S = 7 * 86400
 HISTORY_TRIALS = 20
 """How many of a sweep's latest finished trials its likely runtime is the mean of."""
 HISTORY_ROWS = 2000
@@ -60,179 +65,6 @@ LOCAL_START_S = 0.2
 mean of 36 trials of `benchmarks/forecast_fidelity.py`'s first runs on two cores (0.10-0.64 s
 each, 2026-12-06; more on a busy machine). Without it a first forecast's rounds came out short
 by about that much each."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The sweep's figures in one run of the simulation, each trial running `runtime_s`."""
-
-    runtime_s: float
-    admitted: int
-    timed_out: int
-    rejected: int
-    spend_micro: int
-    makespan_s: float
-    """From the first request to the last admitted trial's end (0: none is admitted)."""
-    end_s: float | None
-    """From the first request to the sweep's end: its last trial's end or time-out (a trial
-    that times out waits its max wait first); None where a trial still waits at the horizon."""
-    waiting: int
-    mean_wait_s: float
-    stopped_by: str | None
-    """The period budget that leaves trials unadmitted within the horizon, and when it resets."""
-    result: SimResult
-
-    def as_dict(self) -> dict[str, object]:
-        return {
-            "runtime_s": round(self.runtime_s, 1),
-            "admitted": self.admitted,
-            "timed_out": self.timed_out,
-            "rejected": self.rejected,
-            "spend_usd": micro_to_usd(self.spend_micro),
-            "makespan_s": round(self.makespan_s, 1),
-            "end_s": None if self.end_s is None else round(self.end_s, 1),
-            "waiting": self.waiting,
-            "mean_wait_s": round(self.mean_wait_s, 1),
-            "stopped_by": self.stopped_by,
-        }
-
-    def headline(self, trials: int, max_wait_s: float) -> str:
-        """`9 of 12 trials admitted within 7d, 3 time out after 30s (max_wait); spend ...;
-        makespan 16s to the last end, 30s with time-outs`."""
-        ended = [f"{self.admitted} of {trials} trials admitted within {fmt_duration(HORIZON_S)}"]
-        if self.timed_out:
-            ended.append(f"{self.timed_out} time out after {fmt_duration(max_wait_s)} (max_wait)")
-        if self.rejected:
-            ended.append(f"{self.rejected} rejected (on_limit: reject)")
-        return f"{', '.join(ended)}; spend {fmt_usd(self.spend_micro)}; {self.spans()}"
-
-    def spans(self) -> str:
-        """How long the sweep takes, each span saying what it covers: `makespan 16s to the last
-        end` (of an admitted trial) and, where the sweep is over later, `30s with time-outs`
-        (a trial that times out waits its max wait first)."""
-        said = []
-        if self.admitted:
-            said.append(f"makespan {fmt_duration(self.makespan_s)} to the last end")
-        refused = "time-outs" if self.timed_out else "refusals"
-        if self.end_s is None:
-            said.append(f"not over within {fmt_duration(HORIZON_S)}")
-        elif not self.admitted:
-            said.append(f"over after {fmt_duration(self.end_s)} ({refused})")
-        elif self.end_s > self.makespan_s + 0.5:
-            said.append(f"{fmt_duration(self.end_s)} with {refused}")
-        return ", ".join(said)
-
-
-@dataclass(frozen=True)
-class Forecast:
-    """The likely outcome and the bound of a sweep; its bare figures (`admitted`, `spend_micro`
-    ...) are the likely ones."""
-
-    trials: int
-    likely: Outcome
-    bound: Outcome
-    runtime_from: str
-    """What the likely runtime is taken from: the sweep's finished trials, its expected_runtime,
-    or its max_runtime when it has neither."""
-    start_s: float = 0.0
-    """How long each trial takes to start after its admission, in both runs: as the sweep's
-    finished trials took, else the latest jobs on its launcher, else the local launcher's typical
-    start (`start_from` says which)."""
-    start_from: str = "none known"
-    """What `start_s` is taken from."""
-    reserve_s: float = 0.0
-    """What the gate reserves each trial for in guaranteed mode: max_runtime + kill grace."""
-    max_wait_s: float = 0.0
-    """The max wait that times trials out (0: they wait as long as it takes)."""
-    warnings: tuple[str, ...] = ()
-    """The price warnings of the trials' quotes (stale, unverified, an upper bound)."""
-
-    @property
-    def admitted(self) -> int:
-        return self.likely.admitted
-
-    @property
-    def timed_out(self) -> int:
-        return self.likely.timed_out
-
-    @property
-    def rejected(self) -> int:
-        return self.likely.rejected
-
-    @property
-    def spend_micro(self) -> int:
-        return self.likely.spend_micro
-
-    @property
-    def makespan_s(self) -> float:
-        return self.likely.makespan_s
-
-    @property
-    def end_s(self) -> float | None:
-        return self.likely.end_s
-
-    @property
-    def waiting(self) -> int:
-        return self.likely.waiting
-
-    @property
-    def mean_wait_s(self) -> float:
-        return self.likely.mean_wait_s
-
-    @property
-    def stopped_by(self) -> str | None:
-        return self.likely.stopped_by
-
-    @property
-    def result(self) -> SimResult:
-        return self.likely.result
-
-    def as_dict(self) -> dict[str, object]:
-        """The figures as `forecast --json` and the agent gateway give them: `likely` and
-        `bound` each with the same fields; the top-level `admitted`, `timed_out`, `rejected`,
-        `spend_usd`, `makespan_s`, `end_s`, `waiting`, `mean_wait_s` and `stopped_by` are the
-        likely ones, as `likely` gives them (kept at the top for clients that read them
-        there)."""
-        likely = self.likely.as_dict()
-        return {
-            "trials": self.trials,
-            **{k: v for k, v in likely.items() if k != "runtime_s"},
-            "likely": likely,
-            "bound": self.bound.as_dict(),
-            "runtime_from": self.runtime_from,
-            "start_s": round(self.start_s, 2),
-            "start_from": self.start_from,
-            "reserve_s": round(self.reserve_s, 1),
-            "max_wait_s": self.max_wait_s,
-            "warnings": list(self.warnings),
-            "summary": self.describe(),
-        }
-
-    def describe(self) -> str:
-        likely, bound = self.likely, self.bound
-        lines = [
-            f"likely, each trial {_runtime(likely.runtime_s)} ({self.runtime_from}): "
-            + likely.headline(self.trials, self.max_wait_s),
-            f"each trial starts {_runtime(self.start_s)} after its admission ({self.start_from}); "
-            "the makespan runs from the first request to the last admitted trial's end, and "
-            "the sweep is over when its last trial ends or times out",
-        ]
-        if likely.waiting:
-            lines.append(f"{likely.waiting} trials wait (mean {fmt_duration(likely.mean_wait_s)})")
-        if likely.stopped_by:
-            lines.append(f"stopped by {likely.stopped_by}")
-        lines.append(
-            f"bound, if every trial ran to its max_runtime ({_runtime(self.reserve_s)} with "
-            "kill grace, what the gate reserves for it): "
-            + bound.headline(self.trials, self.max_wait_s)
-        )
-        lines += [f"price warning: {warning}" for warning in self.warnings]
-        return "\n".join(lines)
-
-
-def _runtime(seconds: float) -> str:
-    """A trial's runtime as the summary gives it: `2.5s` (to 3 figures) under a minute."""
-    return f"{seconds:.3g}s" if seconds < 59.5 else fmt_duration(seconds)
 
 
 def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
@@ -329,9 +161,41 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
     if unknown is not None:
         raise BudgetInputError("scope", unknown)
     trials = spec.trials()
+    pools, quotas = ledger.config.capacity(org_of(spec.scope))
+    jobs, warnings = trial_jobs(spec, ledger, trials, pools, now)  # 1. the trials as jobs
+    runs = ForecastRuns(spec, ledger, jobs, now, pools, quotas)  # 2. the ledger's state
+    finished = finished_trials(spec, ledger)  # 3. how long its trials take to start, and run
+    runs.start_s, start_from = likely_start(
+        finished, spec.launcher is None, [] if finished else launcher_jobs(spec, ledger)
+    )
+    ran = trial_runtimes(finished_trials(spec, ledger, latest=None))
+    first = spec.job_for(trials[0] if trials else {}, spec.name)
+    runtime, runtime_from = sweep_runtime(first, finished, ran, len(trials))
+    path = [runs.rules[s] for s in scope_path(spec.scope) if s in runs.rules]
+    return Forecast(  # 4. the likely run and the bound
+        trials=len(trials),
+        likely=runs.run(runtime, ran),
+        bound=runs.run(first.reserve_runtime_s),
+        runtime_from=runtime_from,
+        start_s=runs.start_s,
+        start_from=start_from,
+        reserve_s=first.reserve_runtime_s,
+        max_wait_s=max_wait_of(first.max_wait, path),
+        warnings=tuple(warnings),
+    )
+
+
+def trial_jobs(
+    spec: SweepSpec,
+    ledger: Ledger,
+    trials: list[dict[str, Scalar]],
+    pools: list[Pool],
+    now: float,
+) -> tuple[list[SimJob], dict[str, None]]:
+    """Each trial as the simulator takes it, priced and placed as the gate would (its runtime
+    is set by each run), and the price warnings of their quotes, in order."""
     org = org_of(spec.scope)
     classes = ledger.config.priority_values(spec.scope)
-    pools, quotas = ledger.config.capacity(org)
     jobs, warnings = [], {}
     for index, params in enumerate(trials):
         job = spec.job_for(params, f"{spec.name}/{index:04d}")
@@ -362,109 +226,72 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
                 ),
             )
         )
-    rules = _rules(ledger, spec.scope)
-    mode = (
-        "guaranteed"
-        if any(
-            rules[s].reservation_mode == "guaranteed" for s in scope_path(spec.scope) if s in rules
+    return jobs, warnings
+
+
+def sweep_runtime(
+    first: GpuJob, finished: list[dict], ran: dict[int, float], trials: int
+) -> tuple[float, str]:
+    """The likely runtime of the sweep's trials, and what says so: as each last ran where all
+    did, else `likely_runtime` (the trials that ran keep their own in `ForecastRuns.run`)."""
+    runtime, runtime_from = likely_runtime(first, finished)
+    own = sum(index in ran for index in range(trials))
+    if own == trials and own:
+        return sum(ran[index] for index in range(own)) / own, (
+            f"as each last ran, the mean of its {_trials(own)}"
         )
-        else "estimate-metered"
-    )
-    holds, placed, settled = _ledger_state(ledger, rules, org, now)
+    if own:
+        return runtime, f"{own} as each last ran, the rest {runtime_from}"
+    return runtime, runtime_from
 
-    finished = finished_trials(spec, ledger)
-    start_s, start_from = likely_start(
-        finished, spec.launcher is None, [] if finished else launcher_jobs(spec, ledger)
-    )
-    ran = trial_runtimes(finished_trials(spec, ledger, latest=None))
 
-    def run(runtime_s: float, each: dict[int, float] | None = None) -> Outcome:
+class ForecastRuns:
+    """The simulation of one sweep from the ledger's state now: its budgets and the mode they
+    reserve in, the org's running jobs and the periods' settled spend; `run` runs it."""
+
+    def __init__(
+        self,
+        spec: SweepSpec,
+        ledger: Ledger,
+        jobs: list[SimJob],
+        now: float,
+        pools: list[Pool],
+        quotas: list[TeamQuota],
+    ) -> None:
+        self.jobs, self.now, self.pools, self.quotas = jobs, now, pools, quotas
+        self.in_flight = spec.parallelism
+        self.rules = _rules(ledger, spec.scope)
+        guaranteed = any(
+            self.rules[s].reservation_mode == "guaranteed"
+            for s in scope_path(spec.scope)
+            if s in self.rules
+        )
+        self.mode = "guaranteed" if guaranteed else "estimate-metered"
+        self.holds, self.placed, self.settled = _ledger_state(
+            ledger, self.rules, org_of(spec.scope), now
+        )
+        self.start_s = 0.0
+
+    def run(self, runtime_s: float, each: dict[int, float] | None = None) -> Outcome:
         """Every trial `runtime_s`, or as long as `each` says it ran last where it says."""
         each = each or {}
         result = simulate(
             [
-                replace(job, true_s=each.get(index, runtime_s), start_s=start_s)
-                for index, job in enumerate(jobs)
+                replace(job, true_s=each.get(index, runtime_s), start_s=self.start_s)
+                for index, job in enumerate(self.jobs)
             ],
-            rules.values(),
-            mode,
-            until=now + HORIZON_S,
-            settled=settled,
-            holds=holds,
-            in_flight=spec.parallelism,
+            self.rules.values(),
+            self.mode,
+            until=self.now + HORIZON_S,
+            settled=self.settled,
+            holds=self.holds,
+            in_flight=self.in_flight,
             limits=True,
-            pools=pools,
-            quotas=quotas,
-            placed=placed,
+            pools=self.pools,
+            quotas=self.quotas,
+            placed=self.placed,
         )
-        return _outcome(result, runtime_s, rules, now)
-
-    first = spec.job_for(trials[0] if trials else {}, spec.name)
-    runtime, runtime_from = likely_runtime(first, finished)
-    own = sum(index in ran for index in range(len(trials)))
-    if own == len(trials) and own:
-        runtime_from = f"as each last ran, the mean of its {_trials(own)}"
-        runtime = sum(ran[index] for index in range(own)) / own
-    elif own:
-        runtime_from = f"{own} as each last ran, the rest {runtime_from}"
-    path = [rules[s] for s in scope_path(spec.scope) if s in rules]
-    return Forecast(
-        trials=len(trials),
-        likely=run(runtime, ran),
-        bound=run(first.reserve_runtime_s),
-        runtime_from=runtime_from,
-        start_s=start_s,
-        start_from=start_from,
-        reserve_s=first.reserve_runtime_s,
-        max_wait_s=max_wait_of(first.max_wait, path),
-        warnings=tuple(warnings),
-    )
-
-
-def _outcome(
-    result: SimResult, runtime_s: float, rules: dict[str, BudgetRule], now: float
-) -> Outcome:
-    """The figures of one run of the simulation, from `now`."""
-    admitted = [r for r in result.records if r.admitted_at is not None]
-    waits = [r.wait_s for r in admitted if r.wait_s and r.wait_s > 1e-3]  # not ties of the clock
-    ends = [r.ended_at for r in admitted if r.ended_at is not None]
-    refused = [r.refused_at for r in result.records if r.refused_at is not None]
-    over = all(r.ended_at is not None or r.refused_at is not None for r in result.records)
-    stopped_by = None
-    by_budget = [r for r in result.records if r.blocked and r.blocked[0] == "period_budget"]
-    if by_budget:
-        _, scope, resumes = by_budget[0].blocked
-        rule = rules[scope]
-        late = [
-            r
-            for r in result.records
-            if r.admitted_at is None or (resumes and r.admitted_at >= resumes)
-        ]
-        ended = sum(r.refused is not None for r in late)  # their max wait runs out first
-        held = [
-            f"{ended} trials end unrun first (their max wait runs out)" if ended else "",
-            f"{len(late) - ended} trials wait until it resets "
-            f"{periods.fmt_instant(resumes, rule.timezone) if resumes else 'later'}"
-            if len(late) > ended
-            else "",
-        ]
-        stopped_by = (
-            f"the {rule.period} budget of {scope} ({fmt_usd(rule.period_budget_micro or 0)}): "
-            + "; ".join(part for part in held if part)
-        )
-    return Outcome(
-        runtime_s=runtime_s,
-        admitted=len(admitted),
-        timed_out=sum(r.refused == "timeout" for r in result.records),
-        rejected=sum(r.refused == "reject" for r in result.records),
-        spend_micro=sum(r.actual_micro for r in admitted),
-        makespan_s=(max(ends) - now) if ends else 0.0,
-        end_s=max([*ends, *refused, now]) - now if over else None,
-        waiting=len(waits),
-        mean_wait_s=sum(waits) / len(waits) if waits else 0.0,
-        stopped_by=stopped_by,
-        result=result,
-    )
+        return outcome_of(result, runtime_s, self.rules, self.now)
 
 
 def _ledger_state(
@@ -505,7 +332,7 @@ def plot(result: Forecast, path: Path, budget: BudgetRule | None) -> Path | None
     line is each trial's expected cost, the band above it what the gate holds for the running
     trials (in guaranteed mode their worst case, rate x (max_runtime + kill grace)): the top of
     the band meets the budget where trials wait."""
-    from prefect_gpu_budget.plots import spend_over_time
+    from prefect_gpu_budget.sweeps.plots import spend_over_time
 
     rows = plot_rows(result)
     resets = []

@@ -222,9 +222,7 @@ def _flush_run_logs() -> None:
 
 def _run_of(ledger: Any, spec: Any, began: float, done: threading.Event) -> list[tuple[str, str]]:
     """The sweep's run, once it is on record (none if the sweep ended first)."""
-    from prefect_gpu_budget.admission.ledger.results import SweepRecords
-
-    records = SweepRecords(ledger)
+    records = ledger.sweeps
     deadline = time.monotonic() + FIND_RUN_S
     while time.monotonic() < deadline:
         run_id = records.latest(spec.scope, spec.name, began - 1)
@@ -247,13 +245,11 @@ class _ServedSweeps:
     def on_record(self) -> Iterator[tuple[str, str]]:
         """Start no more runs; yield each running sweep once it is on record in the ledger (a
         run still starting may take a few seconds)."""
-        from prefect_gpu_budget.admission.ledger.results import SweepRecords
-
         self.runner.stopping = True
         poller = getattr(self.runner, "_scheduled_run_poller", None)
         if poller is not None:  # what the runner's own stop sets first: submit no more runs
             poller.stopping = True
-        records = SweepRecords(self.ledger)
+        records = self.ledger.sweeps
         deadline = time.monotonic() + FIND_RUN_S
         waiting = self._active()
         while waiting and time.monotonic() < deadline:

@@ -7,7 +7,7 @@ longer line is skipped to its end unread, so a job writing 100 MB lines costs it
 more memory than one writing short ones. Standard library only.
 
 A record is passed on as JSON parses it: `NaN`, `Infinity`, `-Infinity` and `1e999` are floats
-here, left out (and counted) where records are kept (`admission.ledger.results.keep`), so that
+here, left out (and counted) where records are kept (`admission.ledger.trial_records.keep`), so that
 they never stand in for the finite value a trial reported before them.
 """
 

@@ -56,31 +56,8 @@ def metric_vs_params(
     fig, axes = plt.subplots(1, len(params), figsize=(4.4 * len(params), 3.8), squeeze=False)
     for ax, param in zip(axes[0], params, strict=True):
         other = next((p for p in params if p != param), None)
-        colour = done[other] if other and pd.api.types.is_numeric_dtype(done[other]) else None
-        if colour is None:
-            ax.scatter(done[param], done[metric], color="tab:blue", zorder=2)
-        else:
-            log_colour = other in log_params or _log_scale(colour)
-            points = ax.scatter(
-                done[param],
-                done[metric],
-                c=colour,
-                cmap="viridis",
-                norm="log" if log_colour else None,
-                zorder=2,
-            )
-            fig.colorbar(points, ax=ax, label=other, pad=0.02)
-        ax.scatter(
-            [done.at[best, param]],
-            [done.at[best, metric]],
-            marker="*",
-            s=260,
-            facecolor="none",
-            edgecolor="tab:red",
-            linewidth=1.6,
-            zorder=3,
-            label=f"best: {metric} {done.at[best, metric]:.4g}",
-        )
+        _param_panel(fig, ax, done, param, other, metric, log_params)
+        _mark_best(ax, done, best, param, metric)
         if param in log_params or _log_scale(done[param]):
             ax.set_xscale("log")
         ax.set_xlabel(param + (" (log)" if ax.get_xscale() == "log" else ""))
@@ -88,6 +65,51 @@ def metric_vs_params(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"{metric} by parameter ({goal}imum is best)")
+    return _save(plt, fig, path)
+
+
+def _param_panel(
+    fig: Any,
+    ax: Any,
+    done: pd.DataFrame,
+    param: str,
+    other: str | None,
+    metric: str,
+    log_params: set[str],
+) -> None:
+    """The trials' `metric` against `param`, coloured by `other` where it is numeric."""
+    colour = done[other] if other and pd.api.types.is_numeric_dtype(done[other]) else None
+    if colour is None:
+        ax.scatter(done[param], done[metric], color="tab:blue", zorder=2)
+        return
+    log_colour = other in log_params or _log_scale(colour)
+    points = ax.scatter(
+        done[param],
+        done[metric],
+        c=colour,
+        cmap="viridis",
+        norm="log" if log_colour else None,
+        zorder=2,
+    )
+    fig.colorbar(points, ax=ax, label=other, pad=0.02)
+
+
+def _mark_best(ax: Any, done: pd.DataFrame, best: Any, param: str, metric: str) -> None:
+    ax.scatter(
+        [done.at[best, param]],
+        [done.at[best, metric]],
+        marker="*",
+        s=260,
+        facecolor="none",
+        edgecolor="tab:red",
+        linewidth=1.6,
+        zorder=3,
+        label=f"best: {metric} {done.at[best, metric]:.4g}",
+    )
+
+
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it to `path` as a PNG and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -119,10 +141,7 @@ def learning_curves(
     if len(series) <= 16:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _time_axis(seconds: float) -> tuple[float, str]:
@@ -180,7 +199,42 @@ def spend_over_time(
         return None
     plt = _pyplot()
     t0 = min(r["admitted_at"] for r in rows)
-    money, rate = [], []  # (time, order, settled delta, committed delta), (time, rate delta)
+    money, rate = _money_and_rate(rows)  # 1. the events
+    span = max(t for t, *_ in money + rate) - t0
+    unit_s, unit = _time_axis(span)
+    at = _Axis(t0, unit_s)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 5.8), sharex=True)
+    xs, settled, committed = _spend_series(money, sorted(resets), at)  # 2. the money
+    spend_ax, own_scale = _draw_spend(top, xs, settled, committed, forecast)  # 3. its plot
+    if budget_micro is not None:
+        _limit_line(top, micro_to_usd(budget_micro), max(committed), "tab:red", "period budget", "")
+    top.set_ylabel("USD")
+    top.set_title(title)
+    _draw_rate(bottom, rate, at, cap_micro_per_hour)  # 4. the running rate
+    bottom.set_xlabel(f"{unit} since first admission")
+    for i, reset in enumerate(t for t in sorted(resets) if t0 < t <= t0 + span):  # 5. resets
+        top.axvline(at(reset), color="grey", linestyle=":", label=None if i else "budget resets")
+    _legends(top, bottom, spend_ax if own_scale else None)  # 6. the legends
+    return _save(plt, fig, path)
+
+
+class _Axis:
+    """The time axis: an instant as the units since the first admission."""
+
+    def __init__(self, t0: float, unit_s: float) -> None:
+        self.t0, self.unit_s = t0, unit_s
+
+    def __call__(self, t: float) -> float:
+        return (t - self.t0) / self.unit_s
+
+
+def _money_and_rate(
+    rows: list[dict[str, Any]],
+) -> tuple[list[tuple[float, int, int, int]], list[tuple[float, int]]]:
+    """Each job's money events (time, order, settled delta, committed delta) and rate events
+    (time, rate delta): admitted, it holds its reservation and runs at its rate; settled, its
+    actual cost replaces the reservation and its rate stops."""
+    money, rate = [], []
     for r in rows:
         money.append((r["admitted_at"], 1, 0, r["reserved_micro"]))
         rate.append((r["started_at"] or r["admitted_at"], r["rate_micro_per_hour"]))
@@ -188,23 +242,34 @@ def spend_over_time(
             actual = r["actual_micro"] or 0
             money.append((r["settled_at"], 0, actual, actual - r["reserved_micro"]))
             rate.append((r["ended_at"] or r["settled_at"], -r["rate_micro_per_hour"]))
-    span = max(t for t, *_ in money + rate) - t0
-    unit_s, unit = _time_axis(span)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7.6, 5.8), sharex=True)
+    return money, rate
+
+
+def _spend_series(
+    money: list[tuple[float, int, int, int]], pending: list[float], at: _Axis
+) -> tuple[list[float], list[float], list[float]]:
+    """The spend and the spend + reservations, in USD, at each event; each period of `pending`
+    (the budget's resets, in order) starting from zero."""
     xs, settled, committed, s_total, c_total = [0.0], [0.0], [0.0], 0, 0
-    pending = sorted(resets)
     # at one instant settlements first: the money they free is what admits the next job
     for t, _, d_settled, d_committed in sorted(money):
         while pending and pending[0] <= t:  # a new period: its budget counts from zero
-            at = pending.pop(0)
-            xs.append((at - t0) / unit_s)
+            xs.append(at(pending.pop(0)))
             s_total, c_total = 0, c_total - s_total
             settled.append(0.0)
             committed.append(micro_to_usd(c_total))
         s_total, c_total = s_total + d_settled, c_total + d_committed
-        xs.append((t - t0) / unit_s)
+        xs.append(at(t))
         settled.append(micro_to_usd(s_total))
         committed.append(micro_to_usd(c_total))
+    return xs, settled, committed
+
+
+def _draw_spend(
+    top: Any, xs: list[float], settled: list[float], committed: list[float], forecast: bool
+) -> tuple[Any, bool]:
+    """The spend as a line and the reservations as a band above it; the axes the spend is on,
+    and whether it is a scale of its own (the right axis)."""
     # reserved money is held, not spent: a band above the spend, never a line read as spend
     top.fill_between(
         xs,
@@ -218,7 +283,6 @@ def spend_over_time(
         if forecast
         else "reserved (held until settled)",
     )
-    spent = "expected spend" if forecast else "spent"
     # reservations far above the spend would flatten it to the axis: it gets a scale of its own
     own_scale = 0 < max(settled) * OWN_SCALE_RATIO < max(committed)
     spend_ax = top.twinx() if own_scale else top
@@ -236,17 +300,9 @@ def spend_over_time(
         spend_ax.set_ylabel("USD spent (its own scale)", color="tab:blue")
         spend_ax.tick_params(axis="y", colors="tab:blue")
     if forecast:
-        peak = max(range(len(xs)), key=lambda i: committed[i])
-        top.annotate(
-            f"spent + reserved at most ${committed[peak]:,.4g}",
-            (xs[peak], committed[peak]),
-            textcoords="offset points",
-            xytext=(4, -12),  # inside the band, under the budget line it may touch
-            fontsize=8,
-            color="tab:purple",
-        )
+        _mark_peak(top, xs, committed)
     spend_ax.annotate(
-        f"{spent} ${settled[-1]:,.4g}",
+        f"{'expected spend' if forecast else 'spent'} ${settled[-1]:,.4g}",
         (xs[-1], settled[-1]),
         textcoords="offset points",
         xytext=(-4, 6),
@@ -254,14 +310,30 @@ def spend_over_time(
         fontsize=8,
         color="tab:blue",
     )
-    if budget_micro is not None:
-        _limit_line(top, micro_to_usd(budget_micro), max(committed), "tab:red", "period budget", "")
-    top.set_ylabel("USD")
-    top.set_title(title)
+    return spend_ax, own_scale
+
+
+def _mark_peak(top: Any, xs: list[float], committed: list[float]) -> None:
+    """Name the most a forecast's trials hold at once (spent + reserved): what meets the budget."""
+    peak = max(range(len(xs)), key=lambda i: committed[i])
+    top.annotate(
+        f"spent + reserved at most ${committed[peak]:,.4g}",
+        (xs[peak], committed[peak]),
+        textcoords="offset points",
+        xytext=(4, -12),  # inside the band, under the budget line it may touch
+        fontsize=8,
+        color="tab:purple",
+    )
+
+
+def _draw_rate(
+    bottom: Any, rate: list[tuple[float, int]], at: _Axis, cap_micro_per_hour: int | None
+) -> None:
+    """The running rate, in USD per hour, against the hourly cap."""
     rx, ry, total = [0.0], [0.0], 0
     for t, delta in sorted(rate):
         total += delta
-        rx.append((t - t0) / unit_s)
+        rx.append(at(t))
         ry.append(micro_to_usd(total))
     bottom.step(rx, ry, where="post", color="tab:green", label="running rate")
     if cap_micro_per_hour is not None:
@@ -269,16 +341,16 @@ def spend_over_time(
             bottom, micro_to_usd(cap_micro_per_hour), max(ry), "tab:orange", "hourly cap", "/h"
         )
     bottom.set_ylabel("USD per hour")
-    bottom.set_xlabel(f"{unit} since first admission")
-    for i, at in enumerate(t for t in sorted(resets) if t0 < t <= t0 + span):
-        top.axvline(
-            (at - t0) / unit_s, color="grey", linestyle=":", label=None if i else "budget resets"
-        )
+
+
+def _legends(top: Any, bottom: Any, spend_ax: Any | None) -> None:
+    """Each panel's legend beside it (the spend's own axes, if any, in the top one's)."""
     for ax in (top, bottom):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
-        if ax is top and own_scale:
+        own = ax is top and spend_ax is not None
+        if own:
             more = spend_ax.get_legend_handles_labels()
             handles, labels = handles + more[0], labels + more[1]
         ax.legend(
@@ -286,13 +358,9 @@ def spend_over_time(
             labels,
             fontsize=8,
             loc="upper left",
-            bbox_to_anchor=(1.2 if ax is top and own_scale else 1.01, 1.0),
+            bbox_to_anchor=(1.2 if own else 1.01, 1.0),
             frameon=False,
         )
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def settled_vs_billed(
@@ -333,10 +401,7 @@ def settled_vs_billed(
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def embed(paths: Iterable[Path | None], heading: str = "Plots") -> str:

@@ -4,7 +4,7 @@ its outputs, in the ledger's database (`SweepRecords`), where the agent gateway 
 One thread per sweep reads each running trial's metrics file every `TAP_S` (bounded:
 `metrics_file.MetricsTail`) and stores the new records, so an agent sees a learning curve while
 the trial runs and can stop it early. Each record is kept as the store keeps it (flat and
-small: `results.keep`), in memory too, with each trial's metrics and its count of NaN and
+small: `trial_records.keep`), in memory too, with each trial's metrics and its count of NaN and
 infinite values (left out: they never replace a finite value). A failed write never stops a
 sweep: it is logged once.
 """
@@ -18,17 +18,16 @@ from logging import Logger, LoggerAdapter
 from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.admission.ledger.results import (
-    MAX_RECORDS,
-    SweepRecords,
+from prefect_gpu_budget.admission.ledger.sweep_records import MAX_RECORDS, SweepRecords
+from prefect_gpu_budget.admission.ledger.trial_records import (
     flat_records,
     latest_metrics,
     non_finite_count,
     shown_metrics,
 )
 from prefect_gpu_budget.admission.stopping import stop_sweep
-from prefect_gpu_budget.metrics_file import MetricsTail
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.metrics_file import MetricsTail
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 
 SWEEP_CANCELLED = "its sweep was cancelled"
 TAP_S = 1.0
@@ -87,7 +86,7 @@ class SweepRecorder:
         return self._points.get(trial, [])
 
     def metrics(self, trial: int) -> dict[str, Any]:
-        """The trial's metrics from all it reported (`results.latest_metrics`)."""
+        """The trial's metrics from all it reported (`trial_records.latest_metrics`)."""
         with self._lock:
             return shown_metrics(self._metrics.get(trial, {}))
 

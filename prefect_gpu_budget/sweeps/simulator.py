@@ -1,9 +1,10 @@
 """A discrete-event simulator that drives the gate's own decision on a virtual clock.
 
-No copy of the policy: every admission here comes from `admission.policy.plan`, the function the
+No copy of the policy: every admission here comes from `rules.deciding.plan`, the function the
 live ledger calls inside its transaction. Jobs arrive, wait, start, run for their true runtime
 (which may differ from the estimate), are stopped at max_runtime where the policy says so, and
-settle. Three policies are compared:
+settle. Three policies are compared (`sim_model.POLICIES`, with the jobs, records and results;
+`traces` draws synthetic months of jobs):
 
 - `estimate-only`: reserve rate x expected runtime, never stop a job, no metering (the model of
   tools that admit on estimates, such as anycloud);
@@ -17,176 +18,39 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from prefect_gpu_budget.admission.rules import periods
-from prefect_gpu_budget.admission.rules.accounting import book, period_shares, settled_cost
+from prefect_gpu_budget.admission.rules.accounting import book, settled_cost
+from prefect_gpu_budget.admission.rules.deciding import plan
 from prefect_gpu_budget.admission.rules.policy import (
     OVERRUN_WINDOW,
     BudgetRule,
+    Decision,
     Hold,
     LedgerState,
     max_wait_of,
     overrun_factor,
-    plan,
     wait_deadline,
 )
-from prefect_gpu_budget.admission.rules.quota import Placed, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.rules.quota import Placed, Pool, TeamQuota
 from prefect_gpu_budget.admission.rules.requests import Request
+from prefect_gpu_budget.sweeps.sim_model import POLICIES, SimJob, SimPolicy, SimRecord, SimResult
 from prefect_gpu_budget.units import rate_cents, scope_path
 
+__all__ = [
+    "POLICIES",
+    "OverrunWindows",
+    "SimJob",
+    "SimPolicy",
+    "SimRecord",
+    "SimResult",
+    "simulate",
+]
 
-@dataclass(frozen=True)
-class SimPolicy:
-    name: str
-    reservation_mode: str
-    stop_at_max_runtime: bool
-    metering: bool
-    learning: bool = True
-    """Stretch estimates by how far each scope's settled jobs overran theirs."""
-    fit_worst_case: bool = True
-    """Admit a job on its estimate only where its worst case fits too."""
-
-
-POLICIES = {
-    p.name: p
-    for p in (
-        SimPolicy(
-            "estimate-only",
-            "estimate",
-            stop_at_max_runtime=False,
-            metering=False,
-            learning=False,
-            fit_worst_case=False,
-        ),
-        SimPolicy("guaranteed", "guaranteed", stop_at_max_runtime=True, metering=True),
-        SimPolicy("estimate-metered", "estimate", stop_at_max_runtime=True, metering=True),
-    )
-}
-
-
-@dataclass(frozen=True)
-class SimJob:
-    job_id: str
-    scope: str
-    arrival: float
-    rate_micro_per_hour: int
-    expected_s: float
-    true_s: float
-    max_runtime_s: float
-    priority: int = 0
-    on_limit: str | None = None
-    """The job's own `queue`/`reject` (None: its deepest budget's); used with `limits=True`."""
-    max_wait_s: float | None = None
-    """The job's own max wait (None: its deepest budget's); used with `limits=True`."""
-    shape: Shape | None = None
-    """What it occupies in a capacity pool (with `simulate`'s `pools`), if it runs in one."""
-    start_s: float = 0.0
-    """From its admission to its start (a launch: Prefect's slots, the task run, the process or
-    the cloud's job): it holds its caps, quota and reservation meanwhile, unbilled, and its
-    max_runtime counts from its start."""
-
-
-@dataclass
-class SimRecord:
-    job: SimJob
-    admitted_at: float | None = None
-    ended_at: float | None = None
-    actual_micro: int = 0
-    reserved_micro: int = 0
-    """What the gate held for it against the budgets at admission (guaranteed: its worst case)."""
-    finished: bool = False
-    """Ran to its natural end (not stopped at max_runtime, not cut off by the horizon)."""
-
-    released_at: float | None = None
-    """When it asked for admission: its arrival, or later if it waited for a sweep slot."""
-    blocked: tuple[str | None, str | None, float | None] | None = None
-    """The last (limit, scope, resumes at) that made it wait, if it ever waited."""
-    refused: str | None = None
-    """`reject` or `timeout` when the gate would end it unadmitted (with `limits=True`)."""
-    refused_at: float | None = None
-
-    @property
-    def started_at(self) -> float | None:
-        """When it started, and its bill with it: `start_s` after its admission."""
-        return None if self.admitted_at is None else self.admitted_at + self.job.start_s
-
-    @property
-    def wait_s(self) -> float | None:
-        if self.admitted_at is None or self.released_at is None:
-            return None
-        return self.admitted_at - self.released_at
-
-
-@dataclass
-class SimResult:
-    policy: SimPolicy
-    budgets: dict[str, BudgetRule]
-    records: list[SimRecord]
-    horizon: float
-    order: list[str] = field(default_factory=list)
-    """Job ids in admission order."""
-
-    def spend_by_period(self) -> dict[tuple[str, float], int]:
-        """Real spend (incurred, split by time) per budgeted scope and period."""
-        out: dict[tuple[str, float], int] = defaultdict(int)
-        for rec in self.records:
-            if rec.started_at is None or rec.ended_at is None:
-                continue
-            for key, share in book(
-                rec.job.scope, rec.actual_micro, rec.started_at, rec.ended_at, self.budgets
-            ).items():
-                out[key] += share
-        return out
-
-    def overshoot_pct(self) -> float:
-        """Worst real spend over any period budget, in percent of that budget (0 if none)."""
-        worst = 0.0
-        for (scope, _), spent in self.spend_by_period().items():
-            budget = self.budgets[scope].period_budget_micro or 0
-            if budget:
-                worst = max(worst, 100.0 * (spent - budget) / budget)
-        return round(worst, 2)
-
-    def utilization_pct(self, scope: str) -> float:
-        """Budget of `scope` spent on jobs that finished, over the periods wholly simulated."""
-        budget, spent = self._period_spend(scope, finished_only=True)
-        return round(100.0 * sum(min(s, budget) for s in spent) / (budget * len(spent)), 2)
-
-    def spent_pct(self, scope: str) -> float:
-        """Budget of `scope` spent on any job (finished, stopped at max_runtime or still running
-        at the horizon), over the same periods: above 100 where real spend overshot it."""
-        budget, spent = self._period_spend(scope, finished_only=False)
-        return round(100.0 * sum(spent) / (budget * len(spent)), 2)
-
-    def _period_spend(self, scope: str, finished_only: bool) -> tuple[int, list[int]]:
-        """The period budget of `scope` and real spend in each period wholly simulated (the first
-        period if none is whole)."""
-        rule = self.budgets[scope]
-        assert rule.period_budget_micro is not None
-        spent: dict[float, int] = defaultdict(int)
-        for rec in self.records:
-            if rec.started_at is None or rec.ended_at is None:
-                continue
-            if (finished_only and not rec.finished) or scope not in scope_path(rec.job.scope):
-                continue
-            for p_start, share in period_shares(
-                rec.actual_micro, rec.started_at, rec.ended_at, rule
-            ):
-                spent[p_start] += share
-        first = min(r.job.arrival for r in self.records)
-        spans = periods.overlapping(rule.period, rule.timezone, first, self.horizon)
-        whole = [start for start, end in spans if start >= first - 1e-6 and end <= self.horizon]
-        return rule.period_budget_micro, [spent[p] for p in whole or [spans[0][0]]]
-
-    def waits(self) -> list[float]:
-        return sorted(r.wait_s for r in self.records if r.wait_s is not None)
-
-    def completed(self) -> int:
-        return sum(1 for r in self.records if r.finished)
+END, WAKE = 0, 1
+"""The kinds of event on the virtual clock: a job's end, a queue's wake-up."""
 
 
 def simulate(
@@ -217,61 +81,128 @@ def simulate(
     preempt others to fit waits for them to end instead.
     """
     pol = POLICIES[policy] if isinstance(policy, str) else policy
-    rules = {
-        r.scope: replace(r, reservation_mode=pol.reservation_mode)
-        if limits
-        else replace(r, reservation_mode=pol.reservation_mode, max_wait_s=0.0, on_limit="queue")
-        for r in budgets
-    }
-    records = {job.job_id: SimRecord(job) for job in jobs}
-    arrivals = sorted(jobs, key=lambda j: (j.arrival, j.job_id))
-    spent: dict[tuple[str, float], int] = defaultdict(int, settled or {})
-    active: dict[str, Hold] = {f"existing-{i}": hold for i, hold in enumerate(holds)}
-    footprints = {f"existing-{i}": where for i, where in enumerate(placed) if where is not None}
-    queue: dict[str, Request] = {}
-    events: list[tuple[float, int, str]] = []  # (time, kind 0=end 1=wake, job id)
-    order: list[str] = []
-    ends: dict[str, float] = {}
-    for key, hold in active.items():  # jobs running at the start end when their reservation does
-        heapq.heappush(events, (hold.end, 0, key))
-    learned = OverrunWindows(history) if pol.learning else None
-    horizon = until if until is not None else math.inf
-    next_arrival = 0
-    now = arrivals[0].arrival if arrivals else 0.0
+    run = Simulation(jobs, budgets, pol, limits=limits, pools=pools, quotas=quotas)
+    run.start_from(settled or {}, holds, placed, history, in_flight)
+    return run.run(until)
 
-    limit = in_flight or len(arrivals) or 1
-    released = 0  # asked for admission and not yet ended
-    while next_arrival < len(arrivals) or events:
-        can_release = next_arrival < len(arrivals) and released < limit
-        t_arrival = arrivals[next_arrival].arrival if can_release else math.inf
-        t_event = events[0][0] if events else math.inf
+
+class Simulation:
+    """One run of `simulate`: the virtual clock and what stands at each instant. Each turn of
+    `run` takes five steps: 1. `advance` the clock to the next arrival or event; 2. `ends`:
+    settle the jobs that ended; 3. `arrivals`: release the jobs that arrived (within
+    `in_flight`) into the queue; 4. `decide` the queue with the gate's own `plan`; 5. `wake`:
+    come back when a waiting job may be admitted."""
+
+    def __init__(
+        self,
+        jobs: Sequence[SimJob],
+        budgets: Iterable[BudgetRule],
+        pol: SimPolicy,
+        *,
+        limits: bool,
+        pools: Sequence[Pool],
+        quotas: Sequence[TeamQuota],
+    ) -> None:
+        self.pol, self.limits = pol, limits
+        self.pools = {pool.name: pool for pool in pools}
+        self.quotas = {(quota.pool, quota.team): quota for quota in quotas}
+        self.rules = {
+            r.scope: replace(r, reservation_mode=pol.reservation_mode)
+            if limits
+            else replace(r, reservation_mode=pol.reservation_mode, max_wait_s=0.0, on_limit="queue")
+            for r in budgets
+        }
+        self.records = {job.job_id: SimRecord(job) for job in jobs}
+        self.arrivals = sorted(jobs, key=lambda j: (j.arrival, j.job_id))
+        self.queue: dict[str, Request] = {}
+        self.events: list[tuple[float, int, str]] = []  # (time, END or WAKE, job id)
+        self.order: list[str] = []
+        self.ends_at: dict[str, float] = {}
+        self.next_arrival = 0
+        self.released = 0  # asked for admission and not yet ended
+        self.now = self.arrivals[0].arrival if self.arrivals else 0.0
+
+    def start_from(
+        self,
+        settled: dict[tuple[str, float], int],
+        holds: Sequence[Hold],
+        placed: Sequence[Placed | None],
+        history: Iterable[tuple[str, float]],
+        in_flight: int | None,
+    ) -> None:
+        """The ledger's state the run starts from: its period spend, the jobs running (which end
+        when their reservation does), what they hold in the pools, the overrun history."""
+        self.spent: dict[tuple[str, float], int] = defaultdict(int, settled)
+        self.active: dict[str, Hold] = {f"existing-{i}": hold for i, hold in enumerate(holds)}
+        self.footprints = {
+            f"existing-{i}": where for i, where in enumerate(placed) if where is not None
+        }
+        for key, hold in self.active.items():
+            heapq.heappush(self.events, (hold.end, END, key))
+        self.learned = OverrunWindows(history) if self.pol.learning else None
+        self.limit = in_flight or len(self.arrivals) or 1
+
+    def run(self, until: float | None) -> SimResult:
+        horizon = until if until is not None else math.inf
+        while self.next_arrival < len(self.arrivals) or self.events:
+            if not self.advance(horizon):  # 1.
+                break
+            self.ends()  # 2.
+            self.arrivals_due()  # 3.
+            if self.queue:
+                self.wake(self.decide())  # 4. and 5.
+        end = horizon if until is not None else self.now
+        for job_id, finish in self.ends_at.items():  # running at the horizon: spent so far
+            _settle(self.records[job_id], min(finish, end), self.rules, self.spent)
+        return SimResult(
+            self.pol, self.rules, list(self.records.values()), horizon=end, order=self.order
+        )
+
+    def advance(self, horizon: float) -> bool:
+        """1. The clock to the next arrival that may be released or the next event; False past
+        the horizon (or with nothing left that can happen)."""
+        can_release = self.next_arrival < len(self.arrivals) and self.released < self.limit
+        t_arrival = self.arrivals[self.next_arrival].arrival if can_release else math.inf
+        t_event = self.events[0][0] if self.events else math.inf
         # a job held back by `in_flight` is released when a slot frees, never back in time
-        now = max(now, min(t_arrival, t_event))
-        if now > horizon or now == math.inf:
-            break
-        while events and events[0][0] <= now:
-            _, kind, job_id = heapq.heappop(events)
-            if kind == 0 and job_id not in records:  # a job already running at the start
-                hold = active.pop(job_id)
-                footprints.pop(job_id, None)
-                _charge(hold.scope, hold.rate_micro_per_hour, hold.start, hold.end, rules, spent)
-            elif kind == 0:
-                active.pop(job_id)
-                footprints.pop(job_id, None)
-                released -= 1
-                _settle(records[job_id], ends.pop(job_id), rules, spent)
-                if learned is not None:
-                    learned.add(records[job_id])
+        self.now = max(self.now, min(t_arrival, t_event))
+        return not (self.now > horizon or self.now == math.inf)
+
+    def ends(self) -> None:
+        """2. Settle each job that ended by now (wake-ups due are dropped: the decision runs)."""
+        while self.events and self.events[0][0] <= self.now:
+            _, kind, job_id = heapq.heappop(self.events)
+            if kind != END:
+                continue
+            hold = self.active.pop(job_id)
+            self.footprints.pop(job_id, None)
+            if job_id not in self.records:  # a job already running at the start
+                _charge(
+                    hold.scope,
+                    hold.rate_micro_per_hour,
+                    hold.start,
+                    hold.end,
+                    self.rules,
+                    self.spent,
+                )
+                continue
+            self.released -= 1
+            _settle(self.records[job_id], self.ends_at.pop(job_id), self.rules, self.spent)
+            if self.learned is not None:
+                self.learned.add(self.records[job_id])
+
+    def arrivals_due(self) -> None:
+        """3. Release into the queue each job that arrived by now, while `in_flight` allows."""
         while (
-            next_arrival < len(arrivals)
-            and released < limit
-            and arrivals[next_arrival].arrival <= now
+            self.next_arrival < len(self.arrivals)
+            and self.released < self.limit
+            and self.arrivals[self.next_arrival].arrival <= self.now
         ):
-            job = arrivals[next_arrival]
-            next_arrival += 1
-            released += 1
-            records[job.job_id].released_at = now
-            queue[job.job_id] = Request(
+            job = self.arrivals[self.next_arrival]
+            self.next_arrival += 1
+            self.released += 1
+            self.records[job.job_id].released_at = self.now
+            self.queue[job.job_id] = Request(
                 job_id=job.job_id,
                 scope=job.scope,
                 rate_micro_per_hour=job.rate_micro_per_hour,
@@ -279,69 +210,77 @@ def simulate(
                 max_runtime_s=job.max_runtime_s,
                 expected_runtime_s=job.expected_s,
                 priority=job.priority,
-                requested_at=now,
-                on_limit=job.on_limit if limits else None,
-                max_wait_s=job.max_wait_s if limits else None,
+                requested_at=self.now,
+                on_limit=job.on_limit if self.limits else None,
+                max_wait_s=job.max_wait_s if self.limits else None,
                 shape=job.shape,
             )
-        if not queue:
-            continue
+
+    def decide(self) -> float:
+        """4. The gate's decision on the queue: admit, refuse or leave waiting each job; when the
+        first of those waiting may be admitted (inf: not known)."""
         state = LedgerState(
-            now,
-            rules,
-            list(active.values()),
-            spent,
-            metering=pol.metering,
-            overrun=learned.factors if learned is not None else {},
-            fit_worst_case=pol.fit_worst_case,
-            pools={pool.name: pool for pool in pools},
-            quotas={(quota.pool, quota.team): quota for quota in quotas},
-            placed=list(footprints.values()),
+            self.now,
+            self.rules,
+            list(self.active.values()),
+            self.spent,
+            metering=self.pol.metering,
+            overrun=self.learned.factors if self.learned is not None else {},
+            fit_worst_case=self.pol.fit_worst_case,
+            pools=dict(self.pools),
+            quotas=dict(self.quotas),
+            placed=list(self.footprints.values()),
         )
         wake = math.inf
-        for job_id, decision in plan(state, queue.values()).items():
+        for job_id, decision in plan(state, self.queue.values()).items():
             if decision.verdict == "admit":
-                job = records[job_id].job
-                del queue[job_id]
-                order.append(job_id)
-                active[job_id] = Hold(
-                    job.scope,
-                    rate_cents(job.rate_micro_per_hour),
-                    decision.reserved_micro,
-                    now,
-                    now + decision.reserve_seconds,
-                    job.rate_micro_per_hour,
-                    now + job.start_s + job.max_runtime_s,
-                )
-                records[job_id].admitted_at = now
-                records[job_id].reserved_micro = decision.reserved_micro
-                if job.shape is not None and pools:
-                    footprints[job_id] = Placed(
-                        job_id, job.shape, decision.placement, job.priority, now
-                    )
-                run = job.true_s
-                if pol.stop_at_max_runtime:
-                    run = min(run, job.max_runtime_s)
-                ends[job_id] = now + job.start_s + run
-                heapq.heappush(events, (ends[job_id], 0, job_id))
-            elif decision.verdict in ("reject", "timeout"):
-                del queue[job_id]
-                released -= 1
-                records[job_id].refused, records[job_id].refused_at = decision.verdict, now
-                records[job_id].blocked = (decision.limit, decision.scope, decision.resumes_at)
-            else:
-                records[job_id].blocked = (decision.limit, decision.scope, decision.resumes_at)
-                if decision.resumes_at is not None:
-                    wake = min(wake, decision.resumes_at)
-                if limits:  # re-decide when its max wait runs out
-                    wake = min(wake, _wait_ends(queue[job_id], rules))
-        if wake < math.inf and not any(e[1] == 1 and e[0] == wake for e in events):
-            heapq.heappush(events, (wake, 1, ""))
+                self.admit(job_id, decision)
+                continue
+            record = self.records[job_id]
+            record.blocked = (decision.limit, decision.scope, decision.resumes_at)
+            if decision.verdict in ("reject", "timeout"):
+                del self.queue[job_id]
+                self.released -= 1
+                record.refused, record.refused_at = decision.verdict, self.now
+                continue
+            if decision.resumes_at is not None:
+                wake = min(wake, decision.resumes_at)
+            if self.limits:  # re-decide when its max wait runs out
+                wake = min(wake, _wait_ends(self.queue[job_id], self.rules))
+        return wake
 
-    end = horizon if until is not None else now
-    for job_id, finish in ends.items():  # still running at the horizon: what they spent so far
-        _settle(records[job_id], min(finish, end), rules, spent)
-    return SimResult(pol, rules, list(records.values()), horizon=end, order=order)
+    def admit(self, job_id: str, decision: Decision) -> None:
+        """A job admitted now: it holds its reservation (and its place in a pool) and ends at its
+        true runtime after its start, or at max_runtime where the policy stops it."""
+        now, record = self.now, self.records[job_id]
+        job = record.job
+        del self.queue[job_id]
+        self.order.append(job_id)
+        self.active[job_id] = Hold(
+            job.scope,
+            rate_cents(job.rate_micro_per_hour),
+            decision.reserved_micro,
+            now,
+            now + decision.reserve_seconds,
+            job.rate_micro_per_hour,
+            now + job.start_s + job.max_runtime_s,
+        )
+        record.admitted_at = now
+        record.reserved_micro = decision.reserved_micro
+        if job.shape is not None and self.pools:
+            self.footprints[job_id] = Placed(
+                job_id, job.shape, decision.placement, job.priority, now
+            )
+        run = job.true_s
+        if self.pol.stop_at_max_runtime:
+            run = min(run, job.max_runtime_s)
+        self.ends_at[job_id] = now + job.start_s + run
+        heapq.heappush(self.events, (self.ends_at[job_id], END, job_id))
+
+    def wake(self, at: float) -> None:
+        """5. Come back at `at` (once) to decide again."""
+        if at < math.inf and not any(e[1] == WAKE and e[0] == at for e in self.events):
+            heapq.heappush(self.events, (at, WAKE, ""))
 
 
 def _wait_ends(req: Request, rules: dict[str, BudgetRule]) -> float:
@@ -406,68 +345,3 @@ def _charge(
     amount = settled_cost(rate, start, end)[1] if amount is None else amount
     for key, share in book(scope, amount, start, end, rules).items():
         spent[key] += share
-
-
-TRACE_KINDS = ("lognormal", "heavy-tail", "overrun-tail")
-
-
-def _bounded_pareto(rng: random.Random, alpha: float, low: float, high: float) -> float:
-    """A draw from the Pareto law of index `alpha` truncated to [low, high] (inverse CDF)."""
-    tail = 1.0 - (low / high) ** alpha
-    return low / (1.0 - rng.random() * tail) ** (1.0 / alpha)
-
-
-def synthetic_trace(
-    jobs: int = 10_000,
-    seed: int = 0,
-    kind: str = "lognormal",
-    *,
-    start: float = 1_798_761_600.0,  # 2027-01-01 00:00 UTC, a Friday
-    days: float = 30.0,
-    teams: int = 4,
-    max_factor: float = 3.0,
-) -> list[SimJob]:
-    """A month of GPU jobs whose runtimes miss their estimates.
-
-    `lognormal`: estimates are log-uniform from 10 min to 4 h; true / expected is log-normal
-    with median 1 (sigma 0.25), and 10% of jobs run 1-3x their estimate. `heavy-tail`: the same
-    errors, on job sizes that are heavy-tailed: estimates follow a Pareto law (alpha 1.1)
-    bounded to 15 min - 24 h, so the largest 1% of jobs hold about 15% of the GPU hours (3% in
-    the first trace).
-    `overrun-tail`: the first trace's sizes, with errors that are heavy-tailed: true / expected
-    is Pareto (alpha 1.5) scaled to a median of 1, so about 9.6% of jobs need more than 3x
-    their estimate and a policy that stops jobs at max_runtime never finishes them (they take
-    about 22% of what it spends). max_runtime is `max_factor` times the estimate; prices are
-    catalog-like.
-    """
-    rng = random.Random(seed)
-    rates = [1_006_000, 4_601_600, 5_672_000, 21_958_000, 27_447_000]
-    out = []
-    for i in range(jobs):
-        arrival = start + rng.uniform(0, days * 86400)
-        if kind == "heavy-tail":
-            expected = _bounded_pareto(rng, 1.1, 900.0, 86400.0)
-        else:
-            expected = math.exp(rng.uniform(math.log(600), math.log(4 * 3600)))
-        if kind in ("lognormal", "heavy-tail"):
-            ratio = rng.lognormvariate(0, 0.25)
-            if rng.random() < 0.10:
-                ratio = rng.uniform(1.0, 3.0)
-        elif kind == "overrun-tail":
-            ratio = rng.paretovariate(1.5) / 2 ** (1 / 1.5)
-        else:
-            raise ValueError(f"kind must be one of {', '.join(TRACE_KINDS)}; got {kind!r}")
-        team = rng.randrange(teams)
-        out.append(
-            SimJob(
-                job_id=f"j{i:06d}",
-                scope=f"org/team{team}/agent{rng.randrange(8)}",
-                arrival=arrival,
-                rate_micro_per_hour=rng.choice(rates) * (1 if rng.random() < 0.8 else 2),
-                expected_s=expected,
-                true_s=expected * ratio,
-                max_runtime_s=max_factor * expected,
-                priority=rng.choice((0, 0, 0, 100)),
-            )
-        )
-    return out

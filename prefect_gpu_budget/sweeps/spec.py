@@ -1,7 +1,7 @@
 """What a sweep is: the spec a `gpu_sweep` runs (`SweepSpec`, its `JobShape` and `RandomParam`).
 
 A model, not a flow: it imports no Prefect, so the forecast, the CLI and the flows can all read a
-spec without one another. `prefect_gpu_budget.flows.sweep` re-exports these names.
+spec without one another. `prefect_gpu_budget.sweeps.flow` re-exports these names.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from prefect_gpu_budget.admission.admin_settings import Scope
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.models import Scope
 from prefect_gpu_budget.units import BudgetInputError, near, shown
 
 Scalar = str | int | float | bool
@@ -177,30 +177,7 @@ class SweepSpec(BaseModel):
         if size > MAX_TRIALS:
             raise BudgetInputError("grid", f"{size} trials; at most {MAX_TRIALS}")
         for part in self.command or []:
-            try:
-                parsed = [(f, spec) for _, f, spec, _ in string.Formatter().parse(part)]
-            except ValueError as exc:
-                raise BudgetInputError(
-                    "command", f"{exc} in {shown(part)} (write {{{{ and }}}} for literal braces)"
-                ) from None
-            used = [field for field, _ in parsed if field is not None]
-            for _, spec in parsed:  # `{lr:>400000000}` would build a 400 MB argument
-                if spec and (
-                    "{" in spec or any(int(n) > MAX_FORMAT_WIDTH for n in re.findall(r"\d+", spec))
-                ):
-                    raise BudgetInputError(
-                        "command",
-                        f"format spec {shown(spec)} in {shown(part)}: no nested fields, and "
-                        f"widths and precisions at most {MAX_FORMAT_WIDTH}",
-                    )
-            for field in used:  # `{}`, `{0}`, `{lr.real}`: only a parameter's name fills in
-                if field not in names:
-                    raise BudgetInputError(
-                        "command",
-                        f"unknown placeholder {{{field}}} in {shown(part)}; placeholders name "
-                        f"parameters ({', '.join(names) or 'none given'}), "
-                        "and {{ }} write literal braces",
-                    )
+            _check_command_part(part, names)
         self._check_expansion()
         self.job_for({name: 0 for name in names}, "check")  # the job shape validates now
         return self
@@ -272,7 +249,7 @@ class SweepSpec(BaseModel):
             command = [
                 sys.executable,
                 "-m",
-                "prefect_gpu_budget.flows.trial",
+                "prefect_gpu_budget.sweeps.trial",
                 str(self.callable),
                 json.dumps(params),
             ]
@@ -286,8 +263,8 @@ def preflight(spec: SweepSpec, launcher: Any) -> None:
     type without a price (with did-you-mean), or a job its launcher cannot run (a type it does
     not run, a command not there): a `BudgetInputError` naming the field. The checks `forecast`
     makes and the first trial would make, for `sweep`, the agent gateway and the agent flow."""
+    from prefect_gpu_budget.admission.prices import price_job
     from prefect_gpu_budget.launchers.base import LaunchConfigError
-    from prefect_gpu_budget.pricing.catalog import price_job
 
     trials = spec.trials()
     job = spec.job_for(trials[0] if trials else {}, spec.name)
@@ -313,3 +290,32 @@ def load_spec(spec: SweepSpec | dict[str, Any] | str, scope: str | None = None) 
     if scope is not None and scope != spec.scope:
         spec = SweepSpec.model_validate({**spec.model_dump(), "scope": scope})
     return spec
+
+
+def _check_command_part(part: str, names: list[str]) -> None:
+    """One part of a spec's command: its braces parse, no format spec nests a field or asks
+    for a width past MAX_FORMAT_WIDTH, and each placeholder names a parameter."""
+    try:
+        parsed = [(f, spec) for _, f, spec, _ in string.Formatter().parse(part)]
+    except ValueError as exc:
+        raise BudgetInputError(
+            "command", f"{exc} in {shown(part)} (write {{{{ and }}}} for literal braces)"
+        ) from None
+    used = [field for field, _ in parsed if field is not None]
+    for _, spec in parsed:  # `{lr:>400000000}` would build a 400 MB argument
+        if spec and (
+            "{" in spec or any(int(n) > MAX_FORMAT_WIDTH for n in re.findall(r"\d+", spec))
+        ):
+            raise BudgetInputError(
+                "command",
+                f"format spec {shown(spec)} in {shown(part)}: no nested fields, and "
+                f"widths and precisions at most {MAX_FORMAT_WIDTH}",
+            )
+    for field in used:  # `{}`, `{0}`, `{lr.real}`: only a parameter's name fills in
+        if field not in names:
+            raise BudgetInputError(
+                "command",
+                f"unknown placeholder {{{field}}} in {shown(part)}; placeholders name "
+                f"parameters ({', '.join(names) or 'none given'}), "
+                "and {{ }} write literal braces",
+            )

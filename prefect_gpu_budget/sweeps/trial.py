@@ -1,4 +1,4 @@
-"""Run a Python callable as a sweep trial: `python -m prefect_gpu_budget.flows.trial mod:fn '{"lr": 0.1}'`.
+"""Run a Python callable as a sweep trial: `python -m prefect_gpu_budget.sweeps.trial mod:fn '{"lr": 0.1}'`.
 
 The callable gets the parameters as keyword arguments and may call `report(step=..., loss=...)`
 as it goes; the mapping it returns becomes the trial's final metrics. A trial runs inside a job's

@@ -79,10 +79,10 @@ def test_the_demos_first_forecast_says_what_its_run_does(prefect_api, tmp_path, 
     where about 9 run)."""
     from prefect.client.orchestration import get_client
 
+    from prefect_gpu_budget.admission.prices import default_catalog
     from prefect_gpu_budget.flows.demo import DEMO_SCOPE, run_demo
-    from prefect_gpu_budget.flows.sweep import gpu_sweep
-    from prefect_gpu_budget.forecast import forecast
-    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.sweeps.flow import gpu_sweep
+    from prefect_gpu_budget.sweeps.forecast import forecast
 
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", "")  # the demo sets its own; put back after
     predicted = []

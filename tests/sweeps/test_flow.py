@@ -7,14 +7,11 @@ import sys
 
 import pytest
 from prefect.client.orchestration import get_client
-from pydantic import ValidationError
 
 from prefect_gpu_budget import GpuBudget, SpendLedger
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
-from prefect_gpu_budget.flows.sweep import gpu_sweep
-from prefect_gpu_budget.job import one_line
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.flow import gpu_sweep
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 
 TRIAL = (
     "import json, os, sys\n"
@@ -78,73 +75,6 @@ def test_sweep_end_to_end(prefect_api, prices, tmp_path):
     assert "trials admitted" in keys["unit-forecast"].data
 
 
-def test_random_search_is_repeatable(tmp_path):
-    spec = _spec(
-        tmp_path,
-        grid={},
-        random={"lr": {"low": 1e-4, "high": 1e-1, "log": True}, "width": {"choices": [4, 8, 16]}},
-        samples=5,
-        seed=3,
-    )
-    first, again = spec.trials(), spec.trials()
-    assert first == again and len(first) == 5
-    assert all(1e-4 <= t["lr"] <= 1e-1 and t["width"] in (4, 8, 16) for t in first)
-
-
-@pytest.mark.parametrize(
-    ("overrides", "field"),
-    [
-        ({"name": "Bad Name"}, "name"),
-        ({"scope": "lab/../x"}, "scope"),
-        ({"command": None}, "command"),
-        ({"command": ["python", "{missing}"]}, "command"),
-        ({"command": ["python", "{}"]}, "command"),
-        ({"command": ["python", "{0}"]}, "command"),
-        ({"command": ["python", "{lr.real}"]}, "command"),
-        ({"command": ["python", "{lr"]}, "command"),
-        ({"callable": "mod:fn\n", "command": None}, "callable"),
-        ({"grid": {"lr\n": [1]}}, "grid"),
-        ({"grid": {"lr": []}}, "grid"),
-        ({"grid": {"bad-name": [1]}}, "grid"),
-        ({"grid": {"a": list(range(200)), "b": list(range(200))}}, "grid"),
-        ({"random": {"dropout": {"low": 1, "high": 0}}, "samples": 2}, "random"),
-        ({"random": {"dropout": {"low": 0.1, "high": 1}}}, "samples"),
-        ({"random": {"lr": {"choices": [1]}}, "samples": 1}, "random"),
-        ({"job": {"instance_type": "local:box"}}, "job"),
-        ({"job": {"instance_type": "local:box", "max_runtime": "1 week"}}, "max_runtime"),
-        ({"parallelism": 0}, "parallelism"),
-        ({"callable": "not a callable", "command": None}, "callable"),
-    ],
-)
-def test_bad_specs_get_one_line_errors(tmp_path, overrides, field):
-    with pytest.raises(ValidationError) as exc:
-        _spec(tmp_path, **overrides)
-    message = one_line(exc.value)
-    assert "\n" not in message and field in message, message
-
-
-def test_yaml_spec(tmp_path):
-    path = tmp_path / "sweep.yaml"
-    path.write_text(
-        "name: nightly\nscope: lab/sweeps\njob: {instance_type: 'local:box', max_runtime: 1h}\n"
-        "callable: mypkg.train:run\ngrid: {lr: [0.1, 0.2]}\n"
-    )
-    spec = SweepSpec.from_yaml(path)
-    assert [t["lr"] for t in spec.trials()] == [0.1, 0.2]
-    path.write_text("name: [unclosed\n")
-    with pytest.raises(Exception, match="not valid YAML"):
-        SweepSpec.from_yaml(path)
-
-
-def test_random_draws_differ_per_spec_unless_seeded(tmp_path):
-    dims = {"lr": {"low": 1e-4, "high": 1e-1, "log": True}, "width": {"choices": [4, 8]}}
-    one, two = (_spec(tmp_path, grid={}, random=dims, samples=4) for _ in range(2))
-    assert one.seed is not None and one.seed != two.seed  # 2**31 seeds: equal by chance ~never
-    assert one.trials() != two.trials()
-    again = _spec(tmp_path, grid={}, random=dims, samples=4, seed=one.seed)
-    assert again.trials() == one.trials()
-
-
 def test_a_cancelled_sweeps_state_raises_as_prefect_does_and_keeps_its_table():
     """What a stopped sweep's run ends with: asked for its result it raises Prefect's
     `CancelledRun` (never a TypeError about a DataFrame); the table stays on the exception."""
@@ -154,7 +84,7 @@ def test_a_cancelled_sweeps_state_raises_as_prefect_does_and_keeps_its_table():
     from prefect.exceptions import CancelledRun
     from prefect.states import Cancelled
 
-    from prefect_gpu_budget.flows.sweep import SweepCancelled
+    from prefect_gpu_budget.sweeps.flow import SweepCancelled
 
     df = pd.DataFrame([{"trial": 0, "state": "Cancelled", "reason": "stopped by Ctrl-C"}])
     state = Cancelled(message="0 of 1 trials completed", data=SweepCancelled("stopped", df))
@@ -167,15 +97,15 @@ def test_a_cancelled_sweeps_state_raises_as_prefect_does_and_keeps_its_table():
 
 def test_agent_artifact_keys_differ_for_names_that_read_alike(tmp_path):
     """`acme/ml/agent-x` + `y` and `acme/ml/agent` + `x-y` slug alike; their keys must not."""
-    from prefect_gpu_budget.flows.sweep import _artifact_key
+    from prefect_gpu_budget.sweeps.flow import artifact_key
 
     one = _spec(tmp_path, scope="acme/ml/agent-x", name="y")
     two = _spec(tmp_path, scope="acme/ml/agent", name="x-y")
     three = _spec(tmp_path, scope="acme/ml/agent_x", name="y")
-    keys = {_artifact_key(s, agent=True) for s in (one, two, three)}
+    keys = {artifact_key(s, agent=True) for s in (one, two, three)}
     assert len(keys) == 3, keys
     assert all(k.startswith("agent-acme-ml-agent-x-y-") for k in keys), keys
-    assert _artifact_key(one, agent=False) == "y"
+    assert artifact_key(one, agent=False) == "y"
 
 
 NON_FINITE_TRIAL = (
@@ -207,7 +137,7 @@ def test_a_trial_cannot_erase_its_metric_with_nan_or_infinities(prefect_api, pri
     assert list(df["loss"]) == [0.25, 0.5]
     assert list(df["non_finite_dropped"]) == [3, 3]
     [run_id] = {r["flow_run_id"] for r in ledger.views.jobs("lab/sweeps/agent-1")}
-    store = SweepRecords(ledger)
+    store = ledger.sweeps
     assert [(t["metrics"], t["non_finite_dropped"]) for t in store.trials(run_id)] == [
         ({"loss": 0.25}, 3),
         ({"loss": 0.5}, 3),

@@ -12,9 +12,9 @@ import pytest
 from prefect_gpu_budget import GpuBudget, SpendLedger
 from prefect_gpu_budget.admission.ledger import Ledger, wait_spans
 from prefect_gpu_budget.admission.ledger.rows import STARTING
-from prefect_gpu_budget.flows.sweep import gpu_sweep
-from prefect_gpu_budget.forecast import LOCAL_START_S, forecast
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.flow import gpu_sweep
+from prefect_gpu_budget.sweeps.forecast import LOCAL_START_S, forecast
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 
 TOLERANCE = 0.4
 """Spend may differ by this fraction: real trials also pay their interpreter's start-up."""
@@ -390,8 +390,8 @@ def test_forecast_refuses_a_scope_the_gate_would_refuse(prices, tmp_path):
 def test_forecast_plot_draws_the_reservations_that_bind(prices, tmp_path, monkeypatch):
     """The band is what the gate holds (guaranteed: rate x (max_runtime + kill grace)) and its
     top meets the budget where trials wait; the line is the expected cost, told apart."""
-    from prefect_gpu_budget import plots
-    from prefect_gpu_budget.forecast import plot, plot_rows
+    from prefect_gpu_budget.sweeps import plots
+    from prefect_gpu_budget.sweeps.forecast import plot, plot_rows
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     # $3.60/h: each trial holds $0.003 (2 s + 1 s grace) and is expected to cost $0.001 (1 s)

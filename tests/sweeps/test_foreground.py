@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from tests.prefect_server import wait_for
 
 GRACE_S = 2.0
@@ -91,7 +90,7 @@ def test_ctrl_c_stops_a_sweep_and_settles_what_ran(prefect_api, prices, tmp_path
     [queued] = [j for j in jobs if not j["started_at"]]
     assert queued["state"] == "cancelled"
 
-    run_id = SweepRecords(ledger).latest(scope, "ctrlc", 0)
+    run_id = ledger.sweeps.latest(scope, "ctrlc", 0)
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:

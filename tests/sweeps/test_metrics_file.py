@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_budget import metrics_file
-from prefect_gpu_budget.metrics_file import MetricsTail, read_all
+from prefect_gpu_budget.sweeps import metrics_file
+from prefect_gpu_budget.sweeps.metrics_file import MetricsTail, read_all
 
 BIG_LINE_BYTES = 100 << 20
 """The over-long line the memory tests write: far past MAX_LINE_BYTES and CHUNK_BYTES."""

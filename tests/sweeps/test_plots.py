@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from prefect_gpu_budget import plots
+from prefect_gpu_budget.sweeps import plots
 
 
 def _trials() -> pd.DataFrame:

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from prefect_gpu_budget.admission.ledger.results import MAX_RECORD_BYTES, SweepRecords
-from prefect_gpu_budget.flows.recording import SweepRecorder
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.admission.ledger.sweep_records import SweepRecords
+from prefect_gpu_budget.admission.ledger.trial_records import MAX_RECORD_BYTES
+from prefect_gpu_budget.sweeps.recording import SweepRecorder
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 
 RUN = "33333333-3333-4333-8333-333333333333"
 LOG = logging.getLogger("tests.recording")
@@ -31,7 +32,7 @@ def _spec() -> SweepSpec:
 
 @pytest.fixture
 def store(ledger) -> SweepRecords:
-    return SweepRecords(ledger)
+    return ledger.sweeps
 
 
 def test_a_sweep_cancelled_before_it_opens_starts_no_trials(store):

@@ -15,7 +15,8 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule, Hold, overrun_
 from prefect_gpu_budget.admission.rules.quota import Placed, Pool, Shape, TeamQuota
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from prefect_gpu_budget.simulate import OverrunWindows, SimJob, simulate, synthetic_trace
+from prefect_gpu_budget.sweeps.simulator import OverrunWindows, SimJob, simulate
+from prefect_gpu_budget.sweeps.traces import synthetic_trace
 
 RATE = 3_600_000  # local:box, $3.60/h
 BUDGETS = [

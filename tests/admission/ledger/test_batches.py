@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from prefect_gpu_budget.batches import Batcher
+from prefect_gpu_budget.admission.ledger.batches import Batcher
 
 
 def _run_together(batcher: Batcher, args: list[int]) -> dict[int, object]:

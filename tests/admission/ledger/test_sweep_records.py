@@ -11,23 +11,22 @@ import zlib
 import pytest
 import sqlalchemy as sa
 
-from prefect_gpu_budget.admission.ledger import results
-from prefect_gpu_budget.admission.ledger.results import (
-    MAX_RECORD_BYTES,
-    RESULTS_RETENTION_S,
-    SUMMARY_SEEN,
-    SweepRecords,
-    flat_record,
-    keep,
-    latest_metrics,
-    non_finite_count,
-    shown_metrics,
-)
+from prefect_gpu_budget.admission.ledger import sweep_records, trial_records
+from prefect_gpu_budget.admission.ledger.sweep_records import RESULTS_RETENTION_S, SweepRecords
 from prefect_gpu_budget.admission.ledger.tables import (
     sweep_outputs,
     sweep_trials,
     sweeps,
     trial_metrics,
+)
+from prefect_gpu_budget.admission.ledger.trial_records import (
+    MAX_RECORD_BYTES,
+    SUMMARY_SEEN,
+    flat_record,
+    keep,
+    latest_metrics,
+    non_finite_count,
+    shown_metrics,
 )
 
 RUN = "11111111-1111-4111-8111-111111111111"
@@ -55,7 +54,7 @@ def _png(width: int = 3, height: int = 2) -> bytes:
 
 @pytest.fixture
 def store(ledger) -> SweepRecords:
-    return SweepRecords(ledger)
+    return ledger.sweeps
 
 
 def _open(store: SweepRecords, run_id: str = RUN, params=None, **kw) -> None:
@@ -168,7 +167,7 @@ def test_records_page_by_offset_and_limit(store):
 
 
 def test_records_past_the_cap_are_dropped_but_still_update_metrics(store, monkeypatch):
-    monkeypatch.setattr(results, "MAX_RECORDS", 5)
+    monkeypatch.setattr(sweep_records, "MAX_RECORDS", 5)
     _open(store)
     assert store.add_records(RUN, 0, [{"step": i, "loss": 10.0 - i} for i in range(3)]) == 3
     assert store.add_records(RUN, 0, [{"step": i, "loss": 10.0 - i} for i in range(3, 7)]) == 2
@@ -254,7 +253,7 @@ def test_a_metric_written_as_nan_or_infinity_never_erases_a_finite_one(store):
 
 
 def test_non_finite_values_past_the_kept_records_still_count(store, monkeypatch):
-    monkeypatch.setattr(results, "MAX_RECORDS", 2)
+    monkeypatch.setattr(sweep_records, "MAX_RECORDS", 2)
     _open(store)
     store.add_records(RUN, 1, [{"step": i, "loss": 1.0 / (i + 1)} for i in range(3)])
     assert store.add_records(RUN, 1, [{"step": 3, "loss": math.inf}, {"step": 4}]) == 0
@@ -265,7 +264,7 @@ def test_non_finite_values_past_the_kept_records_still_count(store, monkeypatch)
 
 def test_a_row_an_earlier_version_made_counts_no_dropped_values(store):
     _open(store)
-    with store.ledger.db.tx() as conn:
+    with store.db.tx() as conn:
         conn.execute(sweep_trials.update().values(non_finite=None))
     assert [t["non_finite_dropped"] for t in store.trials(RUN)] == [0, 0, 0]
     store.add_records(RUN, 0, [{"loss": math.nan}])
@@ -298,14 +297,14 @@ def test_flat_record():
     assert flat_record(hostile) == {}
     assert keep(hostile) == ({}, ("nan", "inf"))
     assert keep({"s": "x" * 1000, "big": 1e999}).non_finite == ("big",)
-    assert flat_record({"s": "x" * 1000}) == {"s": "x" * results.MAX_STR_CHARS}
+    assert flat_record({"s": "x" * 1000}) == {"s": "x" * trial_records.MAX_STR_CHARS}
     # keys: strings of at most MAX_KEY_CHARS, at most MAX_RECORD_KEYS of them
     assert flat_record({"k" * 65: 1, "k" * 64: 2, 7: 3}) == {"k" * 64: 2, "7": 3}
     many = flat_record({f"m{i}": i for i in range(200)})
-    assert many == {f"m{i}": i for i in range(results.MAX_RECORD_KEYS)}
+    assert many == {f"m{i}": i for i in range(trial_records.MAX_RECORD_KEYS)}
     # however many keys come first, `summary` and `step` are kept
     late = flat_record({**{f"m{i}": i for i in range(200)}, "summary": True, "step": 9})
-    assert late is not None and len(late) == results.MAX_RECORD_KEYS
+    assert late is not None and len(late) == trial_records.MAX_RECORD_KEYS
     assert late["summary"] is True and late["step"] == 9
     # integers past 64 bits go (JSON could not even hold some)
     assert flat_record({"big": 10**30, "small": -(2**63), "n": 2**63 - 1}) == {
@@ -351,7 +350,7 @@ def test_a_page_of_the_largest_records_stays_small(store):
     """A page of 1000 records, loaded as the gateway loads it, is a few MB of Python objects:
     the largest records kept, and nested ones a trial wrote (64 KiB lines, ~50x that loaded)."""
     _open(store)
-    widest = {f"validation_metric_{i:02d}": 1 + i / 7 for i in range(results.MAX_RECORD_KEYS)}
+    widest = {f"validation_metric_{i:02d}": 1 + i / 7 for i in range(trial_records.MAX_RECORD_KEYS)}
     record = flat_record(widest)
     assert record is not None and len(json.dumps(record)) > MAX_RECORD_BYTES // 2
     nested = _hostile_records()[0]
@@ -438,7 +437,7 @@ def test_outputs_round_trip(store):
 
 
 def test_an_output_over_the_bound_is_refused(store, monkeypatch):
-    monkeypatch.setattr(results, "MAX_OUTPUT_BYTES", 1000)
+    monkeypatch.setattr(sweep_records, "MAX_OUTPUT_BYTES", 1000)
     _open(store)
     assert store.put_output(RUN, "plot.png", "image/png", b"p" * 1000)
     assert not store.put_output(RUN, "plot.png", "image/png", b"q" * 1001)
@@ -450,7 +449,7 @@ def test_an_output_over_the_bound_is_refused(store, monkeypatch):
 def test_an_output_at_the_real_bound(store):
     _open(store)
     assert not store.put_output(
-        RUN, "big.bin", "application/octet-stream", bytes(results.MAX_OUTPUT_BYTES + 1)
+        RUN, "big.bin", "application/octet-stream", bytes(sweep_records.MAX_OUTPUT_BYTES + 1)
     )
     assert store.outputs(RUN) == {}
 
@@ -489,7 +488,7 @@ def test_a_sweep_cancelled_before_it_opens_stays_cancelled(store):
 
 
 def _rows(store: SweepRecords, run_id: str) -> dict[str, int]:
-    with store.ledger.db.read() as conn:
+    with store.db.read() as conn:
         return {
             t.name: conn.execute(
                 sa.select(sa.func.count()).select_from(t).where(t.c.run_id == run_id)
@@ -529,7 +528,7 @@ def test_prune_deletes_the_results_of_old_sweeps(store):
 
 
 def test_prune_many_sweeps_at_once(store, monkeypatch):
-    monkeypatch.setattr(results, "_PRUNE_BATCH", 2)
+    monkeypatch.setattr(sweep_records, "_PRUNE_BATCH", 2)
     runs = [f"{i:08d}-0000-4000-8000-000000000000" for i in range(5)]
     for i, run in enumerate(runs):
         _full(store, run, started=1000.0 + i, ended=None if i % 2 else 2000.0 + i)
@@ -620,7 +619,7 @@ def test_cancel_without_returning(tmp_path, monkeypatch):
     led = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     try:
         monkeypatch.setattr(led.db.engine.dialect, "insert_returning", False)
-        store = SweepRecords(led)
+        store = led.sweeps
         assert store.cancel(RUN, now=1000.0) is True and store.cancel(RUN) is False
         _open(store, OTHER, now=1000.0)
         assert store.cancel(OTHER, now=2000.0) is True and store.cancel(OTHER) is False

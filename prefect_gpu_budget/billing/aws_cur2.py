@@ -41,9 +41,10 @@ import json
 import re
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
 from prefect_gpu_budget.billing.reading import (
@@ -268,6 +269,14 @@ def read_cur2_s3(
     for file_bucket, file_key in files:
         _check_inside(file_bucket, file_key, bucket, base, where)
     bound = MAX_FILE_BYTES if max_bytes is None else max_bytes
+    return number_repeats(_read_files(client, files, period, bound))
+
+
+def _read_files(
+    client: Any, files: list[tuple[str, str]], period: str, bound: int
+) -> list[BillLine]:
+    """The lines of the listed data files, each copied to a temporary file (bounded by
+    `bound`) and read there."""
     lines: list[BillLine] = []
     with tempfile.TemporaryDirectory(prefix="cur2-") as tmp:
         for i, (file_bucket, file_key) in enumerate(files):
@@ -278,7 +287,41 @@ def read_cur2_s3(
                 _copy(body, out, bound, uri)
             lines += cur2_lines(open_rows(local, uri, bound), period)
             local.unlink()
-    return number_repeats(lines)
+    return lines
+
+
+@dataclass(frozen=True)
+class Cur2S3Source:
+    """A CUR 2.0 export (Data Exports) in S3: each billing period's delivery read whole
+    through its manifest (`read_cur2_s3`)."""
+
+    NEEDS: ClassVar[tuple[str, ...]] = ("bucket", "export_name")
+    bucket: str
+    prefix: str
+    export_name: str
+    credentials: Any = None
+    """`prefect_aws.AwsCredentials` (its client parameters, an endpoint too); None: the
+    default chain."""
+
+    @classmethod
+    def from_export(cls, export: Any) -> Cur2S3Source:
+        return cls(
+            str(export.bucket), export.prefix, str(export.export_name), export.aws_credentials
+        )
+
+    def where(self) -> str:
+        parts = (f"s3://{self.bucket}", self.prefix.strip("/"), self.export_name)
+        return "/".join(p for p in parts if p)
+
+    def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
+        """Each of `periods` (`YYYY-MM`) read whole, an empty one included."""
+        from prefect_aws import AwsCredentials
+
+        client = (self.credentials or AwsCredentials()).get_client("s3")
+        return {
+            (SOURCE, p): read_cur2_s3(client, self.bucket, self.prefix, self.export_name, p)
+            for p in periods
+        }
 
 
 MANIFEST_BYTES = 16 << 20

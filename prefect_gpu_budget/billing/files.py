@@ -1,11 +1,14 @@
-"""Local bill files in either export's schema (`read_bill_files`), and the currency check the
-ledger makes before it books them (`check_currency`)."""
+"""Local bill files in either export's schema (`read_bill_files`, and the export of kind
+`file` that reads them, `FilesSource`), and the currency check the ledger makes before it books
+them (`check_currency`)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, ClassVar
 
 from prefect_gpu_budget.billing.aws_cur2 import cur2_lines, is_cur2
 from prefect_gpu_budget.billing.gcp_billing import gcp_lines, is_gcp
@@ -45,6 +48,31 @@ def read_bill_files(
         kind = source or _schema(rows.columns, rows.where)
         lines += cur2_lines(rows) if kind == "aws-cur2" else gcp_lines(rows)
     return number_repeats(lines)
+
+
+@dataclass(frozen=True)
+class FilesSource:
+    """Local export files (`read_bill_files`): whatever billing periods they hold, each read
+    whole; the periods asked for are not used."""
+
+    NEEDS: ClassVar[tuple[str, ...]] = ("paths",)
+    paths: Sequence[str | os.PathLike[str]]
+    schema: str | None = None
+    """`aws-cur2` or `gcp-billing`; None: told from each file's columns."""
+    max_bytes: int | None = None
+
+    @classmethod
+    def from_export(cls, export: Any) -> FilesSource:
+        return cls(list(export.paths))
+
+    def where(self) -> str:
+        return ", ".join(map(str, self.paths))
+
+    def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
+        found: dict[tuple[str, str], list[BillLine]] = {}
+        for line in read_bill_files(self.paths, self.schema, max_bytes=self.max_bytes):
+            found.setdefault((line.source, line.billing_period), []).append(line)
+        return found
 
 
 def _schema(columns: list[str], where: str) -> str:

@@ -29,8 +29,10 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from prefect_gpu_budget.billing.lines import JOB_MARK, BillError, BillLine, to_micro
 from prefect_gpu_budget.billing.reading import (
@@ -72,16 +74,7 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
         ("usage_start_time", "usage_end_time"),
         n,
     )
-    total = money(row.get("cost"), where, "cost", n)
-    credits = row.get("credits")
-    if credits is None:
-        credits = []
-    if not isinstance(credits, list | tuple):
-        raise BillError(where, "not a list of credits", "credits", n)
-    for credit in credits:
-        if not isinstance(credit, Mapping):
-            raise BillError(where, "a credit that is not a record", "credits", n)
-        total += money(credit.get("amount"), where, "credits.amount", n)
+    total = _net_cost(row, where, n)
     labels = _labels(row.get("labels"), where, "labels", n)
     marks = {v for k, v in labels if k.lower() == JOB_MARK and v}
     if len(marks) > 1:
@@ -109,6 +102,21 @@ def line_from_gcp_row(row: Mapping[str, Any], where: str, n: int) -> BillLine:
         where=at(where, n),
         version=_version(row.get("export_time"), where, n),
     )
+
+
+def _net_cost(row: Mapping[str, Any], where: str, n: int) -> Decimal:
+    """A row's `cost` plus its `credits`' amounts (each negative)."""
+    total = money(row.get("cost"), where, "cost", n)
+    credits = row.get("credits")
+    if credits is None:
+        credits = []
+    if not isinstance(credits, list | tuple):
+        raise BillError(where, "not a list of credits", "credits", n)
+    for credit in credits:
+        if not isinstance(credit, Mapping):
+            raise BillError(where, "a credit that is not a record", "credits", n)
+        total += money(credit.get("amount"), where, "credits.amount", n)
+    return total
 
 
 def _version(exported: object, where: str, n: int) -> str:
@@ -214,6 +222,28 @@ def read_gcp_file(path: str | Path) -> list[BillLine]:
     return number_repeats(gcp_lines(open_rows(path)))
 
 
+SELECTED = (
+    "billing_account_id",
+    "invoice",
+    "cost_type",
+    "service",
+    "sku",
+    "STRUCT(project.id AS id) AS project",
+    "location",
+    "usage_start_time",
+    "usage_end_time",
+    "labels",
+    "system_labels",
+    "cost",
+    "currency",
+    "credits",
+    "adjustment_info",
+    "export_time",
+)
+"""The fields a BigQuery read selects (the query is billed by the bytes of the columns it
+reads); the detailed table's `resource` besides."""
+
+
 def read_gcp_bigquery(
     client: Any, table: str, period: str, *, detailed: bool = True
 ) -> list[BillLine]:
@@ -237,26 +267,7 @@ def read_gcp_bigquery(
         from prefect_gpu_budget.extras import MissingExtra
 
         raise MissingExtra("Reading the GCP billing export from BigQuery", "vertex") from None
-    fields = [
-        "billing_account_id",
-        "invoice",
-        "cost_type",
-        "service",
-        "sku",
-        "STRUCT(project.id AS id) AS project",
-        "location",
-        "usage_start_time",
-        "usage_end_time",
-        "labels",
-        "system_labels",
-        "cost",
-        "currency",
-        "credits",
-        "adjustment_info",
-        "export_time",
-    ]
-    if detailed:
-        fields.append("resource")
+    fields = [*SELECTED, "resource"] if detailed else list(SELECTED)
     sql = f"SELECT {', '.join(fields)} FROM `{table}` WHERE invoice.month = @invoice_month"
     config = bigquery.QueryJobConfig(
         query_parameters=[
@@ -270,3 +281,28 @@ def read_gcp_bigquery(
             raise BillError(table, f"invoice month of {line.billing_period}", "invoice.month", n)
         lines.append(line)
     return number_repeats(lines)
+
+
+@dataclass(frozen=True)
+class BigQuerySource:
+    """The GCP Cloud Billing detailed usage cost export in BigQuery: each billing period's
+    invoice month queried whole (`read_gcp_bigquery`)."""
+
+    NEEDS: ClassVar[tuple[str, ...]] = ("table",)
+    table: str
+    credentials: Any = None
+    """`prefect_gcp.GcpCredentials`; None: the default credentials."""
+
+    @classmethod
+    def from_export(cls, export: Any) -> BigQuerySource:
+        return cls(str(export.table), export.gcp_credentials)
+
+    def where(self) -> str:
+        return f"bigquery:{self.table}"
+
+    def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
+        """Each of `periods` (`YYYY-MM`) read whole, an empty one included."""
+        from prefect_gcp import GcpCredentials
+
+        client = (self.credentials or GcpCredentials()).get_bigquery_client()
+        return {(SOURCE, p): read_gcp_bigquery(client, self.table, p) for p in periods}

@@ -1,5 +1,6 @@
 """`BillingExport`: where the cloud's own bill is read from, for `bill import` and the daily
-import (`flows/bill_import.py`)."""
+import (`flows/bill_import.py`). Its `kind` names a source type (`billing.sources`), which it
+builds from its fields (`source()`) and reads through."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from prefect_gcp import GcpCredentials
 from pydantic import Field, model_validator
 
 from prefect_gpu_budget.billing.lines import BillLine
+from prefect_gpu_budget.billing.sources import SOURCE_TYPES, BillSource, missing, source_for
 from prefect_gpu_budget.billing.trueup import DEFAULT_PROVISIONAL_HOURS
 
-Kind = Literal["aws-cur2", "gcp-billing", "file"]
+KINDS = tuple(SOURCE_TYPES)
+Kind = Literal[KINDS]  # type: ignore[valid-type]
+"""Each kind of export `billing.sources` has a source type for."""
 
 
 class BillingExport(Block):
@@ -26,7 +30,7 @@ class BillingExport(Block):
     _documentation_url = "https://github.com/prefect-gpu-budget/prefect-gpu-budget#readme"
     _description = "Where the cloud's bill is read from, to true the GPU spend ledger up."
 
-    kind: Kind = Field(description="aws-cur2, gcp-billing or file.")
+    kind: Kind = Field(description=f"{', '.join(KINDS[:-1])} or {KINDS[-1]}.")
     bucket: str | None = Field(default=None, description="aws-cur2: the export's S3 bucket.")
     prefix: str = Field(default="", description="aws-cur2: the export's S3 path prefix.")
     export_name: str | None = Field(default=None, description="aws-cur2: the export's name.")
@@ -52,46 +56,21 @@ class BillingExport(Block):
 
     @model_validator(mode="after")
     def _complete(self) -> BillingExport:
-        needs = {"aws-cur2": ("bucket", "export_name"), "gcp-billing": ("table",), "file": ()}
-        missing = [name for name in needs[self.kind] if not getattr(self, name)]
-        if missing:
-            raise ValueError(f"a {self.kind} export needs {', '.join(missing)}")
-        if self.kind == "file" and not self.paths:
-            raise ValueError("a file export needs paths")
+        needs = missing(self.kind, self)
+        if needs:
+            raise ValueError(f"a {self.kind} export needs {', '.join(needs)}")
         return self
+
+    def source(self) -> BillSource:
+        """The source of its kind, built from its fields."""
+        return source_for(self.kind, self)
 
     def where(self) -> str:
         """Where it reads from, for people."""
-        if self.kind == "aws-cur2":
-            parts = (f"s3://{self.bucket}", self.prefix.strip("/"), str(self.export_name))
-            return "/".join(p for p in parts if p)
-        if self.kind == "gcp-billing":
-            return f"bigquery:{self.table}"
-        return ", ".join(self.paths)
+        return self.source().where()
 
     def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
         """Each billing period's lines as the export holds them now, by (source, period): for
         S3 and BigQuery, `periods` (`YYYY-MM`) each read whole (an empty one included); for
         files, whatever periods they hold."""
-        if self.kind == "file":
-            from prefect_gpu_budget.billing.files import read_bill_files
-
-            found: dict[tuple[str, str], list[BillLine]] = {}
-            for line in read_bill_files(self.paths):
-                found.setdefault((line.source, line.billing_period), []).append(line)
-            return found
-        if self.kind == "aws-cur2":
-            from prefect_gpu_budget.billing.aws_cur2 import read_cur2_s3
-
-            credentials = self.aws_credentials or AwsCredentials()
-            client = credentials.get_client("s3")  # its client parameters: an endpoint too
-            return {
-                ("aws-cur2", p): read_cur2_s3(
-                    client, str(self.bucket), self.prefix, str(self.export_name), p
-                )
-                for p in periods
-            }
-        from prefect_gpu_budget.billing.gcp_billing import read_gcp_bigquery
-
-        client = (self.gcp_credentials or GcpCredentials()).get_bigquery_client()
-        return {("gcp-billing", p): read_gcp_bigquery(client, str(self.table), p) for p in periods}
+        return self.source().read(periods)

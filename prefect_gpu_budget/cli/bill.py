@@ -14,6 +14,11 @@ from prefect_gpu_budget import settings
 from prefect_gpu_budget.cli.common import console, current_ledger, fail
 from prefect_gpu_budget.units import usd
 
+bill_app = typer.Typer(
+    name="bill",
+    help="The cloud's own bill: import it, and see it against the settlements.",
+    no_args_is_help=True,
+)
 MONEY = ("reserved", "settled", "billed", "drift")
 APART_TITLES = {
     "untagged": "untagged usage (no job's mark; not spread over scopes)",
@@ -27,6 +32,7 @@ def _say(text: str) -> None:
     console.print(text, markup=False, highlight=False)
 
 
+@bill_app.command("import")
 def bill_import(
     files: list[Path] = typer.Argument(
         None, help="Export files (Parquet, CSV, gzip CSV, JSON Lines); none: the block's."
@@ -63,48 +69,76 @@ def bill_import(
     """Import the cloud's bill: each (source, billing period) it holds replaces the last
     import of it, and every budget on a billed job's path is charged what the bill says once
     its lines are final. A bad export exits 2 with one line, and changes nothing."""
-    from prefect_gpu_budget.billing.imports import import_lines
-    from prefect_gpu_budget.billing.lines import SOURCES
-    from prefect_gpu_budget.billing.trueup import DEFAULT_PROVISIONAL_HOURS, periods_to_read
+    from prefect_gpu_budget.billing.imports import import_export
 
-    if source is not None and source not in SOURCES:
-        fail(f"source: one of {', '.join(SOURCES)}, not {source!r}")
-    if files:
-        from prefect_gpu_budget.billing.files import read_bill_files
-
-        if period:
-            fail("period: the files' own periods are imported; --period reads a block")
-        lines = read_bill_files(files, source, max_bytes=max_file_mib << 20)
-        read_from, hours, groups = ", ".join(map(str, files)), DEFAULT_PROVISIONAL_HOURS, ()
-    else:
-        from prefect_gpu_budget.blocks.billing import BillingExport
-
-        try:
-            export = BillingExport.load(block)
-        except ValueError:
-            fail(
-                f"block: no BillingExport block named {block!r}: name export files, or save "
-                "one (kind aws-cur2, gcp-billing or file)"
-            )
-        if source is not None and export.kind != source:
-            fail(f"source: the block {block!r} reads {export.kind}, not {source}")
-        read = export.read(period or periods_to_read(time.time()))
-        lines = [line for group in read.values() for line in group]
-        read_from, hours, groups = export.where(), export.provisional_hours, tuple(read)
-    done = import_lines(
-        current_ledger(),
-        lines,
-        read_from=read_from,
-        provisional_hours=hours if provisional_hours is None else provisional_hours,
-        periods=groups,
+    export, hours, wanted = _what_to_read(files, source, block, period, max_file_mib)
+    done = import_export(
+        export,
+        wanted,
+        current_ledger().bills,
+        hours if provisional_hours is None else provisional_hours,
     )
     _announce(done)
     if as_json:
-        typer.echo(json.dumps([_done_json(item) for item in done], indent=2))
+        from prefect_gpu_budget.billing.results import as_json as done_json
+
+        typer.echo(json.dumps([done_json(item) for item in done], indent=2))
         return
     if not done:
         console.print("no bill lines read: nothing imported")
     _print_done(done)
+
+
+def _what_to_read(
+    files: list[Path] | None,
+    source: str | None,
+    block: str,
+    period: list[str] | None,
+    max_file_mib: int,
+) -> tuple[Any, float, list[str]]:
+    """The source `bill import` reads (the files named, else the block's), its provisional
+    window and the periods to read; a bad choice fails with one line."""
+    from prefect_gpu_budget.billing.lines import SOURCES
+
+    if source is not None and source not in SOURCES:
+        fail(f"source: one of {', '.join(SOURCES)}, not {source!r}")
+    if not files:
+        return _block_source(block, source, period)
+    if period:
+        fail("period: the files' own periods are imported; --period reads a block")
+    return _files_source(files, source, max_file_mib)
+
+
+def _files_source(
+    files: list[Path], source: str | None, max_file_mib: int
+) -> tuple[Any, float, list[str]]:
+    """The export files named, read in `source`'s schema (None: told from their columns),
+    the default provisional window, and no period (the files' own are read)."""
+    from prefect_gpu_budget.billing.files import FilesSource
+    from prefect_gpu_budget.billing.trueup import DEFAULT_PROVISIONAL_HOURS
+
+    read = FilesSource(files, source, max_bytes=max_file_mib << 20)
+    return read, DEFAULT_PROVISIONAL_HOURS, []
+
+
+def _block_source(
+    block: str, source: str | None, period: list[str] | None
+) -> tuple[Any, float, list[str]]:
+    """The source of the `BillingExport` block named `block`, its provisional window, and the
+    periods to read (default: those a daily import reads)."""
+    from prefect_gpu_budget.billing.trueup import periods_to_read
+    from prefect_gpu_budget.blocks.billing import BillingExport
+
+    try:
+        export = BillingExport.load(block)
+    except ValueError:
+        fail(
+            f"block: no BillingExport block named {block!r}: name export files, or save "
+            "one (kind aws-cur2, gcp-billing or file)"
+        )
+    if source is not None and export.kind != source:
+        fail(f"source: the block {block!r} reads {export.kind}, not {source}")
+    return export.source(), export.provisional_hours, period or periods_to_read(time.time())
 
 
 def _announce(done: list[Any]) -> None:
@@ -120,7 +154,7 @@ def _announce(done: list[Any]) -> None:
 
 
 def _print_done(done: list[Any]) -> None:
-    from prefect_gpu_budget.billing.imports import held_line, over_line, summary
+    from prefect_gpu_budget.billing.results import held_line, over_line, summary
 
     for item in done:
         _say(summary(item))
@@ -130,40 +164,7 @@ def _print_done(done: list[Any]) -> None:
             _say(held_line(held))
 
 
-def _done_json(item: Any) -> dict[str, Any]:
-    return {
-        "source": item.source,
-        "billing_period": item.billing_period,
-        "lines": item.lines,
-        "changed": item.changed,
-        "jobs_final": item.jobs_final,
-        "jobs_provisional": item.jobs_provisional,
-        "provisional": item.provisional,
-        "booked_usd": usd(item.booked_micro),
-        "drift_usd": usd(item.drift_micro),
-        "moved_usd": {scope: usd(amount) for scope, amount in item.moved.items()},
-        "untagged_usd": usd(item.untagged_micro),
-        "account_usd": usd(item.account_micro),
-        "read_twice": item.twice,
-        "copies": item.copies,
-        "refused": item.refused,
-        "refused_usd": usd(item.refused_micro),
-        "held": [
-            {
-                "job_id": h.job_id,
-                "scope": h.scope,
-                "billed_usd": usd(h.billed_micro),
-                "reason": h.reason,
-            }
-            for h in item.held
-        ],
-        "over_by_bill": [
-            {"scope": m.scope, "budget_usd": usd(m.budget_micro), "spent_usd": usd(m.spent_micro)}
-            for m in item.over_by_bill
-        ],
-    }
-
-
+@bill_app.command("forget")
 def bill_forget(
     source: str = typer.Argument(..., help="aws-cur2 or gcp-billing."),
     period: str = typer.Argument(..., help="The billing period imported, YYYY-MM."),
@@ -177,12 +178,13 @@ def bill_forget(
 ) -> None:
     """Take an import of the bill out whole: its lines go, and every job it billed is charged
     again what its other lines bill, or what the ledger settled when none is left."""
-    from prefect_gpu_budget.billing.imports import summary
+    from prefect_gpu_budget.billing.results import summary
 
     done = current_ledger().bills.forget(source, period, provisional_hours=provisional_hours)
     _say(f"forgot {summary(done)}")
 
 
+@bill_app.command("accept")
 def bill_accept(
     job_id: str = typer.Argument(..., help="The ledger job whose held bill is accepted."),
 ) -> None:
@@ -198,6 +200,7 @@ def bill_accept(
     )
 
 
+@bill_app.command("drift")
 def bill_drift(
     scope: str = typer.Argument(None, help="A scope's subtree (default: every scope)."),
     as_json: bool = typer.Option(False, "--json", help="Every figure, as JSON."),

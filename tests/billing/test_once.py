@@ -14,8 +14,9 @@ import pytest
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.files import read_bill_files
-from prefect_gpu_budget.billing.imports import import_lines, summary
+from prefect_gpu_budget.billing.imports import import_lines
 from prefect_gpu_budget.billing.lines import BillError
+from prefect_gpu_budget.billing.results import summary
 from tests.billing import fixtures
 from tests.jobs import ran_job
 
@@ -58,7 +59,7 @@ def _vertex_job(ledger) -> str:
 
 def _import(ledger, paths, **kw):
     lines = read_bill_files(paths)
-    return import_lines(ledger, lines, read_from="test", provisional_hours=0, **kw)
+    return import_lines(ledger.bills, lines, read_from="test", provisional_hours=0, **kw)
 
 
 def test_a_copy_of_an_export_in_the_same_import_is_booked_once(lab, tmp_path: Path) -> None:

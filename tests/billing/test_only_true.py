@@ -10,8 +10,8 @@ import pytest
 
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.billing.imports import summary
 from prefect_gpu_budget.billing.lines import BillError
+from prefect_gpu_budget.billing.results import summary
 from tests.billing.fixtures import HOUR, VERTEX_JOB, bill_line, settled_job
 
 NOV = 1793491200.0  # 2026-11-01T00:00Z

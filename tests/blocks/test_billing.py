@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.billing.imports import import_lines
+from prefect_gpu_budget.billing.imports import import_export
 from prefect_gpu_budget.blocks import BillingExport
 from tests.aws_server import AwsServer
 from tests.billing import fixtures
@@ -57,14 +57,8 @@ def test_an_aws_block_reads_its_delivery_from_s3_and_the_ledger_is_trued_up(
             provisional_hours=0,
         )
         read = block.read(["2026-11"])
+        [done] = import_export(block.source(), ["2026-11"], ledger.bills, block.provisional_hours)
     assert list(read) == [("aws-cur2", "2026-11")] and len(read["aws-cur2", "2026-11"]) == 5
-    [done] = import_lines(
-        ledger,
-        read["aws-cur2", "2026-11"],
-        read_from=block.where(),
-        provisional_hours=block.provisional_hours,
-        periods=read,
-    )
     assert done.jobs_final == 1 and block.where() == f"s3://lab-billing/{PREFIX}/{EXPORT}"
     month = periods.bounds("month", "UTC", NOV)[0]
     assert ledger.views.period_settled("acme", month) == 45_251_000

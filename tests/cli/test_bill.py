@@ -183,7 +183,7 @@ def _long_line(path: Path, job: str) -> Path:
 
 
 def _bomb(path: Path, job: str) -> Path:
-    from tests.billing.test_hostile import write_bomb
+    from tests.billing.test_reading import write_bomb
 
     return write_bomb(path, 1 << 30)
 

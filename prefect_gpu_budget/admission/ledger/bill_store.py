@@ -13,7 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.rows import _path_rules
+from prefect_gpu_budget.admission.ledger.queries import path_rules, subtree
 from prefect_gpu_budget.admission.ledger.tables import (
     bill_accepts,
     bill_jobs,
@@ -25,6 +25,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
 from prefect_gpu_budget.admission.rules import accounting
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.lines import USAGE_TYPES, BillLine
+from prefect_gpu_budget.billing.results import OverByBill
 from prefect_gpu_budget.billing.trueup import (
     BilledJob,
     booked_lines,
@@ -34,17 +35,6 @@ from prefect_gpu_budget.billing.trueup import (
     refusal,
     resource_name,
 )
-
-
-@dataclass(frozen=True)
-class OverByBill:
-    """A closed period whose spend, trued up from the bill, passed its budget."""
-
-    scope: str
-    period_start: float
-    period_end: float
-    budget_micro: int
-    spent_micro: int
 
 
 @dataclass(frozen=True)
@@ -299,7 +289,7 @@ def trueups(
             spans[job_id].append((amount, start, end))
     out = []
     for job, at in found.values():
-        path = rules if rules is not None else {r.scope: r for r in _path_rules(conn, job.scope)}
+        path = rules if rules is not None else {r.scope: r for r in path_rules(conn, job.scope)}
         settled = accounting.row_spend(
             {
                 "actual_micro": job.actual_micro,
@@ -331,11 +321,7 @@ def final_bill_jobs(conn: Connection, scope: str) -> list[str]:
     return list(
         conn.execute(
             sa.select(bill_jobs.c.job_id).where(
-                sa.or_(
-                    bill_jobs.c.scope == scope,
-                    bill_jobs.c.scope.startswith(scope + "/", autoescape=True),
-                ),
-                bill_jobs.c.final.is_(True),
+                subtree(bill_jobs.c.scope, scope), bill_jobs.c.final.is_(True)
             )
         ).scalars()
     )

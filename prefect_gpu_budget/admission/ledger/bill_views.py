@@ -3,12 +3,14 @@ job's bill counts (with the reason), and the closed periods over their budget by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.bill_store import OverByBill, line_view
+from prefect_gpu_budget.admission.ledger.bill_store import line_view
+from prefect_gpu_budget.admission.ledger.queries import subtree
 from prefect_gpu_budget.admission.ledger.tables import (
     bill_imports,
     bill_jobs,
@@ -18,20 +20,17 @@ from prefect_gpu_budget.admission.ledger.tables import (
 from prefect_gpu_budget.admission.ledger.tables import (
     over_by_bill as over_table,
 )
+from prefect_gpu_budget.billing.results import OverByBill
 
 APART = ("untagged", "account", "refused", "copy")
 """The kinds of line shown apart from the jobs' bills, in the order they are shown."""
-
-
-def _under(column: Any, scope: str) -> Any:
-    return sa.or_(column == scope, column.startswith(scope + "/", autoescape=True))
 
 
 def over_by_bill(conn: Connection, scope: str | None) -> list[OverByBill]:
     """The closed periods marked over their budget by the bill (of `scope`'s subtree)."""
     query = sa.select(over_table).order_by(over_table.c.scope, over_table.c.period_start)
     if scope is not None:
-        query = query.where(_under(over_table.c.scope, scope))
+        query = query.where(subtree(over_table.c.scope, scope))
     return [
         OverByBill(r.scope, r.period_start, r.period_end, r.budget_micro, r.spent_micro)
         for r in conn.execute(query)
@@ -45,6 +44,27 @@ def figure(row: Any) -> str:
 
 def drift(conn: Connection, scope: str | None) -> dict[str, Any]:
     """`Bills.drift`'s answer, read in one transaction."""
+    unowned = (
+        conn.execute(
+            sa.select(bill_lines)
+            .where(bill_lines.c.kind != "job")
+            .order_by(bill_lines.c.billing_period, bill_lines.c.usage_start, bill_lines.c.line_id)
+        )
+        .mappings()
+        .all()
+    )
+    imports = conn.execute(sa.select(bill_imports)).mappings().all()
+    per_job = [job_entry(row) for row in _billed_jobs(conn, scope)]
+    return {
+        "jobs": per_job,
+        "scopes": scope_totals(per_job),
+        **{kind: [line_view(r) for r in unowned if r["kind"] == kind] for kind in APART},
+        "imports": [dict(r) for r in imports],
+    }
+
+
+def _billed_jobs(conn: Connection, scope: str | None) -> Sequence[Any]:
+    """The bills' jobs (in `scope`'s subtree) with what the ledger holds of each."""
     query = (
         sa.select(
             bill_jobs.c.job_id,
@@ -62,46 +82,38 @@ def drift(conn: Connection, scope: str | None) -> dict[str, Any]:
         .order_by(bill_jobs.c.scope, bill_jobs.c.job_id)
     )
     if scope is not None:
-        query = query.where(_under(bill_jobs.c.scope, scope))
-    rows = conn.execute(query).mappings().all()
-    unowned = (
-        conn.execute(
-            sa.select(bill_lines)
-            .where(bill_lines.c.kind != "job")
-            .order_by(bill_lines.c.billing_period, bill_lines.c.usage_start, bill_lines.c.line_id)
-        )
-        .mappings()
-        .all()
-    )
-    imports = conn.execute(sa.select(bill_imports)).mappings().all()
-    per_job = []
+        query = query.where(subtree(bill_jobs.c.scope, scope))
+    return conn.execute(query).mappings().all()
+
+
+def job_entry(row: Any) -> dict[str, Any]:
+    """One job's line of the drift: reserved, settled, billed, drift, its figure and why."""
+    settled = row["actual_micro"] or 0
+    return {
+        "job_id": row["job_id"],
+        "name": row["name"],
+        "scope": row["scope"],
+        "reserved_micro": row["reserved_micro"] or 0,
+        "settled_micro": settled,
+        "billed_micro": row["billed_micro"],
+        "drift_micro": row["billed_micro"] - settled,
+        "final": bool(row["final"]),
+        "figure": figure(row),
+        "reason": row["reason"] or "",
+    }
+
+
+def scope_totals(per_job: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per scope, the totals of its jobs' lines: settled, billed, drift, and how many
+    figures are provisional and held."""
     totals: dict[str, dict[str, int]] = {}
-    for row in rows:
-        settled = row["actual_micro"] or 0
-        entry = {
-            "job_id": row["job_id"],
-            "name": row["name"],
-            "scope": row["scope"],
-            "reserved_micro": row["reserved_micro"] or 0,
-            "settled_micro": settled,
-            "billed_micro": row["billed_micro"],
-            "drift_micro": row["billed_micro"] - settled,
-            "final": bool(row["final"]),
-            "figure": figure(row),
-            "reason": row["reason"] or "",
-        }
-        per_job.append(entry)
+    for entry in per_job:
         total = totals.setdefault(
-            row["scope"],
+            entry["scope"],
             {"settled_micro": 0, "billed_micro": 0, "drift_micro": 0, "provisional": 0, "held": 0},
         )
         for name in ("settled_micro", "billed_micro", "drift_micro"):
             total[name] += entry[name]
         total["provisional"] += entry["figure"] == "provisional"
         total["held"] += entry["figure"] == "held"
-    return {
-        "jobs": per_job,
-        "scopes": totals,
-        **{kind: [line_view(r) for r in unowned if r["kind"] == kind] for kind in APART},
-        "imports": [dict(r) for r in imports],
-    }
+    return totals

@@ -1,6 +1,7 @@
 """The cloud's bill in the ledger: each (source, billing period) imported whole, and what it
 changed in the budgets (the rules: `billing.trueup`, `accounting.book_trueup`; the rows:
-`bill_store`).
+`bill_store`; what an import did: `billing.results`). `Bills` is the `billing.imports.BillStore`
+that `bill import` and the daily flow import through.
 
 An import replaces one (source, billing period) in one transaction under the locks of every
 org its lines touch: the lines of the last import of that period go, the new ones come, and
@@ -25,7 +26,6 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
@@ -34,7 +34,6 @@ from sqlalchemy.engine import Connection
 from prefect_gpu_budget.admission.ledger import bill_views
 from prefect_gpu_budget.admission.ledger.bill_store import (
     Figure,
-    OverByBill,
     booked_drift,
     classify,
     final_bill_jobs,
@@ -45,8 +44,8 @@ from prefect_gpu_budget.admission.ledger.bill_store import (
     trueup_shares,
     trueups,
 )
-from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import _path_rules, add_to_periods
+from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
+from prefect_gpu_budget.admission.ledger.queries import add_to_periods, path_rules
 from prefect_gpu_budget.admission.ledger.tables import (
     bill_accepts,
     bill_imports,
@@ -56,13 +55,11 @@ from prefect_gpu_budget.admission.ledger.tables import (
 )
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine
+from prefect_gpu_budget.billing.results import BillImport, HeldBill, OverByBill
 
 __all__ = [
     "BILL_LOCK",
-    "BillImport",
     "Bills",
-    "HeldBill",
-    "OverByBill",
     "final_bill_jobs",
     "trueup_shares",
     "trueups",
@@ -72,53 +69,6 @@ BILL_LOCK = "~bills"
 """A name no org can have (`validate_scope` refuses `~`): imports of bills queue on it."""
 CURRENCY = "USD"
 """The budgets' currency: a bill in another is refused."""
-
-
-@dataclass(frozen=True)
-class HeldBill:
-    """A job's final figure held for an admin to accept (`Bills.accept`)."""
-
-    job_id: str
-    scope: str
-    billed_micro: int
-    reason: str
-
-
-@dataclass
-class BillImport:
-    """What one import (or `forget`) did."""
-
-    source: str
-    billing_period: str
-    lines: int
-    changed: bool
-    """False: the same lines as the last import of this period, and no figure turned final."""
-    jobs_final: int = 0
-    jobs_provisional: int = 0
-    untagged_micro: int = 0
-    account_micro: int = 0
-    booked_micro: int = 0
-    """What the budgets' period spend moved by, summed over every budget's periods."""
-    drift_micro: int = 0
-    """What the import changed in the bills booked on top of settlements, counted once."""
-    moved: dict[str, int] = field(default_factory=dict)
-    """What each budget's period spend moved by, by the budget's scope."""
-    over_by_bill: list[OverByBill] = field(default_factory=list)
-    """Closed periods this import found over their budget (newly, or by more than before)."""
-    orgs: list[str] = field(default_factory=list)
-    twice: int = 0
-    """Lines read more than once in this import (alike in all they say): booked once."""
-    twice_where: str = ""
-    """Where one of them was read again, for the message."""
-    copies: dict[str, int] = field(default_factory=dict)
-    """Lines already held under another billing period (by that period): not booked again."""
-    refused: int = 0
-    refused_micro: int = 0
-    """Lines naming a job they cannot be true of: kept apart, booked nowhere."""
-    held: list[HeldBill] = field(default_factory=list)
-    """Jobs whose final figure this import held for an admin."""
-    provisional: dict[str, int] = field(default_factory=dict)
-    """How many jobs are provisional, by the reason."""
 
 
 def once(lines: Sequence[BillLine]) -> tuple[list[BillLine], int, str]:
@@ -148,7 +98,7 @@ class Bills:
     def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
         self.db, self.headroom = db, headroom
 
-    @_reconnecting
+    @reconnecting
     def import_bill(
         self,
         source: str,
@@ -249,7 +199,7 @@ class Bills:
         delta = {k: v for k, v in delta.items() if v}
         rules: dict[str, BudgetRule] = {}
         for job_scope in {figure.scope for figure in state.values()} | {s for s, _ in delta}:
-            rules.update({r.scope: r for r in _path_rules(conn, job_scope)})
+            rules.update({r.scope: r for r in path_rules(conn, job_scope)})
         add_to_periods(conn, delta, rules)
         moved: dict[str, int] = {}
         for (scope, _), amount in delta.items():
@@ -278,7 +228,7 @@ class Bills:
             ),
         )
 
-    @_reconnecting
+    @reconnecting
     def forget(
         self,
         source: str,
@@ -319,7 +269,7 @@ class Bills:
         done.changed, done.orgs = True, sorted(orgs)
         return done
 
-    @_reconnecting
+    @reconnecting
     def accept(self, job_id: str, *, now: float | None = None) -> BillImport:
         """An admin accepts a held figure: the job's bill, up to what it is now, books (its
         settlement replaced in every budget on its path). `BillError` if it is not held."""
@@ -352,13 +302,13 @@ class Bills:
         done.source, done.billing_period, done.orgs = "accept", job_id, [row.org]
         return done
 
-    @_reconnecting
+    @reconnecting
     def over_by_bill(self, scope: str | None = None) -> list[OverByBill]:
         """The closed periods marked over their budget by the bill (of `scope`'s subtree)."""
         with self.db.read() as conn:
             return bill_views.over_by_bill(conn, scope)
 
-    @_reconnecting
+    @reconnecting
     def drift(self, scope: str | None = None) -> dict[str, Any]:
         """Per job a bill names (in `scope`'s subtree): its reservation, settlement, bill and
         drift (bill - settlement), whether the bill's figure is final, provisional or held, and

@@ -243,7 +243,7 @@ def test_month_of_is_the_utc_month():
 
 
 def test_a_figure_not_final_says_why(lab):
-    from prefect_gpu_budget.billing.imports import summary
+    from prefect_gpu_budget.billing.results import summary
 
     start = _month_start(time.time()) + HOUR
     job = _settled(lab, "lab/vision/a7", start, 1)  # 01:00-02:00

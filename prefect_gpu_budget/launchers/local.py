@@ -29,12 +29,12 @@ from prefect_gpu_budget.launchers.base import (
     SubmitHook,
     ignore_submission,
 )
-from prefect_gpu_budget.launchers.isolation import REAPER
-from prefect_gpu_budget.launchers.job_limits import OverLimit
-from prefect_gpu_budget.launchers.sandbox import Sandbox, SandboxedJob
 from prefect_gpu_budget.pricing.catalog import Quote
+from prefect_gpu_budget.sandbox.isolation import HOLDER_SCRIPT
+from prefect_gpu_budget.sandbox.job import SandboxedJob
+from prefect_gpu_budget.sandbox.launcher import Sandbox
+from prefect_gpu_budget.sandbox.limits import OverLimit
 
-"""The job holder each local job runs under: stdlib only, started as a file (fast)."""
 JOB_MARK_ENV = "GPU_BUDGET_JOB_MARK"
 """Set, unique, in each local job's environment: what finds a process that left its tree."""
 HOLDER_SLACK_S = 5.0
@@ -55,7 +55,7 @@ def visible_gpus() -> list[int]:
     return [i for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
 
 
-def _grant(count: int) -> list[int]:
+def grant_gpus(count: int) -> list[int]:
     """Take `count` free GPUs of this machine for one job (within this process)."""
     with _granted_lock:
         free = [g for g in visible_gpus() if g not in _granted]
@@ -64,7 +64,8 @@ def _grant(count: int) -> list[int]:
         return take
 
 
-def _release(gpus: list[int]) -> None:
+def release_gpus(gpus: list[int]) -> None:
+    """Give back GPUs `grant_gpus` took."""
     with _granted_lock:
         _granted.difference_update(gpus)
 
@@ -83,8 +84,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
 
 @dataclass(frozen=True)
 class LocalLauncher:
-    """Runs the job's command on this machine, under a job holder (`_reaper.py`); its external
-    id is the holder's `pid:start-ticks`.
+    """Runs the job's command on this machine, under a job holder (`sandbox/holder.py`); its
+    external id is the holder's `pid:start-ticks`.
 
     Without a `sandbox` (an admin's own jobs) the command gets the worker's environment and
     runs as the worker's user. With one (agents' jobs: `Sandbox.from_env()`) it runs as the
@@ -136,110 +137,59 @@ class LocalLauncher:
         """Run the command; stream its output to `log`; SIGTERM at max_runtime, SIGKILL after grace.
 
         The job is the whole process tree the command starts: it runs under a job holder
-        (`_reaper.py`) that adopts every orphaned descendant, `setsid` ones included, and ends
-        only when the last of them has ended, so billing covers them all and max_runtime stops
-        them all. The max_runtime clock starts when the process starts; the start is recorded
-        meanwhile (`StartRecord`), and the job is stopped if that fails or takes longer than
-        its kill grace. (A local process starts when it is submitted: `on_start` says all
-        there is.)"""
-        if not job.command:
-            now = time.time()
-            return LaunchResult("launch_error", now, now, detail="job has no command to run")
-        try:
-            self._priced_here(job)
-        except LaunchConfigError as refused:
-            now = time.time()
-            return LaunchResult("launch_error", now, now, detail=refused.reason)
-        if self.sandbox is not None:
-            try:
-                self.sandbox.check(job)
-            except LaunchConfigError as refused:
-                now = time.time()
-                return LaunchResult("launch_error", now, now, detail=refused.reason)
-        else:
-            missing = _not_runnable(job.command[0])
-            if missing:
-                now = time.time()
-                return LaunchResult("launch_error", now, now, detail=f"could not start: {missing}")
-        wanted = job.share_of(quote.row).gpus * job.nodes
-        gpus = _grant(wanted)
+        (`sandbox/holder.py`) that adopts every orphaned descendant, `setsid` ones included,
+        and ends only when the last of them has ended, so billing covers them all and
+        max_runtime stops them all. The max_runtime clock starts when the process starts; the
+        start is recorded meanwhile (`StartRecord`), and the job is stopped if that fails or
+        takes longer than its kill grace. (A local process starts when it is submitted:
+        `on_start` says all there is.)"""
+        refused = self._refusal(job)  # 1. may it run here
+        if refused is not None:
+            return _launch_error(refused)
+        wanted = job.share_of(quote.row).gpus * job.nodes  # 2. its GPUs
+        gpus = grant_gpus(wanted)
         if len(gpus) < wanted and visible_gpus():  # a GPU machine, but not enough free GPUs
-            _release(gpus)
-            now = time.time()
-            return LaunchResult(
-                "launch_error", now, now, detail=f"fewer than {wanted} GPUs free here"
-            )
-        mark = uuid.uuid4().hex
+            release_gpus(gpus)
+            return _launch_error(f"fewer than {wanted} GPUs free here")
+        mark = uuid.uuid4().hex  # 3. its mark, and the launcher's variables
         extra = {**(env or {}), JOB_MARK_ENV: mark}
         if gpus:
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-        holder = [sys.executable, "-I", "-S", REAPER, "--grace", str(job.kill_grace)]
-        holder += ["--holder", str(os.getpid())]
         sandboxed: SandboxedJob | None = None
         try:
-            if self.sandbox is None:
-                holder_env, stdin = {**os.environ, **job.env, **extra}, None
-            else:
+            if self.sandbox is not None:  # 4. its sandbox: user, folder, environment
                 try:
                     sandboxed = self.sandbox.prepare(job, extra)
-                except (LaunchConfigError, OSError) as refused:
-                    now = time.time()
-                    reason = getattr(refused, "reason", None) or f"sandbox: {refused}"
-                    return LaunchResult("launch_error", now, now, detail=reason)
-                holder += sandboxed.holder_args()
-                holder_env, stdin = _holder_env(mark), subprocess.PIPE
+                except (LaunchConfigError, OSError) as refused_here:
+                    reason = getattr(refused_here, "reason", None) or f"sandbox: {refused_here}"
+                    return _launch_error(reason)
                 log = _sandboxed_log(log, sandboxed)
-            holder += ["--", *(sandboxed.command if sandboxed is not None else job.command)]
-            try:
-                proc = subprocess.Popen(
-                    holder,
-                    stdin=stdin,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    errors="replace",
-                    env=holder_env,
-                    cwd="/" if sandboxed is not None else None,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
+            try:  # 5. its holder, started
+                proc = _start_holder(job, extra, mark, sandboxed)
             except OSError as exc:
-                now = time.time()
-                return LaunchResult("launch_error", now, now, detail=f"could not start: {exc}")
-            if sandboxed is not None:
-                sandboxed.holder_pid = proc.pid
-                _send_env(proc, sandboxed)
-            started = time.time()
-            reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
-            reader.start()
-            external_id = f"{proc.pid}:{process_start_ticks(proc.pid)}"
-            try:
-                record = StartRecord(
-                    on_start, started, external_id, min(job.kill_grace, job.max_runtime)
-                )
-                tick = sandboxed.tick if sandboxed is not None else None
-                code, outcome, detail = _wait(proc, job, record, tick)
-            except BaseException:
-                _stop(proc, job.kill_grace)
-                raise
-            finally:
-                _sweep(mark)  # anything that escaped the holder (it was SIGKILLed, say)
-            ended = time.time()
-            reader.join(timeout=2)
-            record.finish()  # the start is on record before the gate settles
-            return LaunchResult(
-                outcome,
-                started,
-                ended,
-                exit_code=code,
-                detail=detail,
-                external_id=external_id,
-                billed_seconds=_billed(job, outcome, ended - started),
-            )
+                return _launch_error(f"could not start: {exc}")
+            return _follow(proc, job, on_start, log, mark, sandboxed)  # 6. to its end
         finally:
-            _release(gpus)
+            release_gpus(gpus)
             if sandboxed is not None:
                 sandboxed.finish()
+
+    def _refusal(self, job: GpuJob) -> str | None:
+        """Why the job cannot run here, in one line (`run`'s `launch_error`): no command, a
+        type not run here, the sandbox's refusal, or a program that cannot start; else None."""
+        if not job.command:
+            return "job has no command to run"
+        try:
+            self._priced_here(job)
+            if self.sandbox is not None:
+                self.sandbox.check(job)
+        except LaunchConfigError as refused:
+            return refused.reason
+        if self.sandbox is None:
+            missing = _not_runnable(job.command[0])
+            if missing:
+                return f"could not start: {missing}"
+        return None
 
     def probe(self, external_id: str) -> Probe:
         """`running` when the same process (pid and start time) still runs here; `unknown`
@@ -250,6 +200,80 @@ class LocalLauncher:
         pid = _live_pid(external_id)
         if pid is not None:
             stop_pid(pid, grace)
+
+
+def _launch_error(detail: str) -> LaunchResult:
+    """A job that never started: `launch_error`, now, saying why."""
+    now = time.time()
+    return LaunchResult("launch_error", now, now, detail=detail)
+
+
+def _start_holder(
+    job: GpuJob, extra: dict[str, str], mark: str, sandboxed: SandboxedJob | None
+) -> subprocess.Popen:
+    """Start the job's holder (`OSError` if it cannot be): an admin's job with the worker's
+    environment; a sandboxed one as its sandbox says, its environment handed over stdin."""
+    holder = [sys.executable, "-I", "-S", HOLDER_SCRIPT, "--grace", str(job.kill_grace)]
+    holder += ["--holder", str(os.getpid())]
+    if sandboxed is None:
+        holder_env, stdin = {**os.environ, **job.env, **extra}, None
+    else:
+        holder += sandboxed.holder_args()
+        holder_env, stdin = _holder_env(mark), subprocess.PIPE
+    holder += ["--", *(sandboxed.command if sandboxed is not None else job.command)]
+    proc = subprocess.Popen(
+        holder,
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=holder_env,
+        cwd="/" if sandboxed is not None else None,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    if sandboxed is not None:
+        sandboxed.holder_pid = proc.pid
+        _send_env(proc, sandboxed)
+    return proc
+
+
+def _follow(
+    proc: subprocess.Popen,
+    job: GpuJob,
+    on_start: StartHook,
+    log: Callable[[str], None],
+    mark: str,
+    sandboxed: SandboxedJob | None,
+) -> LaunchResult:
+    """Log the started job's output, record its start, wait for its end (`_wait`), and say
+    how it ended. Anything left carrying its `mark` is killed once it has."""
+    started = time.time()
+    reader = threading.Thread(target=_pump, args=(proc, log), daemon=True)
+    reader.start()
+    external_id = f"{proc.pid}:{process_start_ticks(proc.pid)}"
+    try:
+        record = StartRecord(on_start, started, external_id, min(job.kill_grace, job.max_runtime))
+        tick = sandboxed.tick if sandboxed is not None else None
+        code, outcome, detail = _wait(proc, job, record, tick)
+    except BaseException:
+        _stop(proc, job.kill_grace)
+        raise
+    finally:
+        kill_marked(mark)  # anything that escaped the holder (it was SIGKILLed, say)
+    ended = time.time()
+    reader.join(timeout=2)
+    record.finish()  # the start is on record before the gate settles
+    return LaunchResult(
+        outcome,
+        started,
+        ended,
+        exit_code=code,
+        detail=detail,
+        external_id=external_id,
+        billed_seconds=_billed(job, outcome, ended - started),
+    )
 
 
 def _live_pid(external_id: str) -> int | None:
@@ -360,7 +384,7 @@ def marked_processes(name: str, value: str) -> list[int]:
     return live_processes(marked)
 
 
-def _sweep(mark: str) -> None:
+def kill_marked(mark: str) -> None:
     """SIGKILL any process still carrying this job's mark in its environment: one that
     escaped the holder's tree (the holder was killed outright, or a descendant re-parented
     itself away)."""

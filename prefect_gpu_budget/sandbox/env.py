@@ -7,7 +7,7 @@
 - `Redactor`: the job's output with every value of the worker's environment the job was not
   given (`known_secrets`), and the password of any URL there, shown as `***`.
 
-`Sandbox` (`sandbox.py`) builds the job's whole environment from these.
+`Sandbox` (`launcher.py`) builds the job's whole environment from these.
 """
 
 from __future__ import annotations

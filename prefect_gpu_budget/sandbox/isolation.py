@@ -1,12 +1,12 @@
 """The job's own network, files and /proc: what `PREFECT_GPU_BUDGET_AGENT_NETWORK` asks for, and
 whether this host can give it.
 
-The walls themselves are the job holder's (`_reaper.py --isolate`, `--keep`, `--tmp-size`,
+The walls themselves are the job holder's (`holder.py --isolate`, `--keep`, `--tmp-size`,
 `--proxy`): a network namespace of the job's own with only its own loopback (no address of the
 host, its loopback included), an IPC namespace of its own, a mount namespace with `/proc` for its
 own PID namespace, its own /run, /tmp, /var/tmp and /dev/shm and every host socket covered
-(`_walls.py`), Landlock where the kernel has it, and, in proxy mode, a relay on the job's own
-loopback to the admin's proxy as its one way out (`_relay.py`). Here: the mode (`proxy_of`), and
+(`walls.py`), Landlock where the kernel has it, and, in proxy mode, a relay on the job's own
+loopback to the admin's proxy as its one way out (`relay.py`). Here: the mode (`proxy_of`), and
 the holder's answer to whether it can make them (`isolation_refused`), asked once per process.
 """
 
@@ -20,14 +20,14 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.job import LaunchConfigError
 
 PROXY_ENVS: tuple[str, ...] = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")
 """Set, in proxy mode, to the relay on the job's own loopback."""
 NETWORK_HOST = "host"
 """`PREFECT_GPU_BUDGET_AGENT_NETWORK=host`: the admin's opt-out of the job's own network."""
-REAPER = str(Path(__file__).with_name("_reaper.py"))
-"""The job holder, run as a file (`python -I -S _reaper.py ... -- command`)."""
+HOLDER_SCRIPT = str(Path(__file__).with_name("holder.py"))
+"""The job holder, run as a file (`python -I -S holder.py ... -- command`)."""
 
 
 def proxy_of(network: str) -> tuple[str, int] | None:
@@ -52,10 +52,10 @@ def proxy_of(network: str) -> tuple[str, int] | None:
 @functools.cache
 def isolation_refused(euid: int) -> str:
     """'' when the job holder can give a job its own PID, network and mount namespaces here
-    (`_reaper.py --probe`, once per process and user), else why not, in a few words."""
+    (`holder.py --probe`, once per process and user), else why not, in a few words."""
     try:
         done = subprocess.run(
-            [sys.executable, "-I", "-S", REAPER, "--probe"],
+            [sys.executable, "-I", "-S", HOLDER_SCRIPT, "--probe"],
             capture_output=True,
             text=True,
             errors="replace",

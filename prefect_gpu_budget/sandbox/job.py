@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.launchers._reaper import descendants
-from prefect_gpu_budget.launchers.agent_users import TEMP_DIRS, JobUser, sweep_leftovers
-from prefect_gpu_budget.launchers.isolation import NETWORK_HOST, proxy_of
-from prefect_gpu_budget.launchers.job_env import Redactor
-from prefect_gpu_budget.launchers.job_limits import (
+from prefect_gpu_budget.sandbox.env import Redactor
+from prefect_gpu_budget.sandbox.holder import descendants
+from prefect_gpu_budget.sandbox.isolation import NETWORK_HOST, proxy_of
+from prefect_gpu_budget.sandbox.limits import (
     DISK_CHECK_S,
     DISK_RESERVE,
     HOLDER_LIMITS,
@@ -29,6 +28,7 @@ from prefect_gpu_budget.launchers.job_limits import (
     size_text,
     unlinked_bytes,
 )
+from prefect_gpu_budget.sandbox.users import TEMP_DIRS, JobUser, sweep_leftovers
 
 MAX_METRICS_BYTES = 64 << 20
 """At most this much of a job's metrics file is copied to the launcher's."""
@@ -72,7 +72,7 @@ class SandboxedJob:
     """The thread of the last measurement (`tick`), once one started."""
 
     def holder_args(self) -> list[str]:
-        """The job holder's (`_reaper.py`) options that start the command in this sandbox:
+        """The job holder's (`holder.py`) options that start the command in this sandbox:
         its own PID, network and mount namespaces (`--isolate`), but with `network` `host`
         only its own PID namespace, where the kernel allows."""
         args = ["--env-stdin", "--umask", "077", "--cwd", str(self.workdir)]
@@ -170,7 +170,7 @@ class SandboxedJob:
         """Append what the job reported since the last sync to the launcher's file, so its
         learning curve is read while it runs (each read as careful as the last one's)."""
         if self.metrics is not None:
-            self.copied = _copy_metrics(*self.metrics, self.user, self.copied, final)
+            self.copied = copy_metrics(*self.metrics, self.user, self.copied, final)
 
     def finish(self) -> None:
         """Append the rest of the job's metrics to the launcher's file; remove the job's
@@ -188,7 +188,7 @@ class SandboxedJob:
                     os.close(lock)
 
 
-def _copy_metrics(
+def copy_metrics(
     mine: Path, theirs: Path, user: JobUser, start: int = 0, final: bool = True
 ) -> int:
     """Append the job's metrics file from `start` to the launcher's: only a regular file of the

@@ -10,11 +10,12 @@ runs it
   with `useradd` from a uid of the range never given out before, its own group, no home, no
   login, then reused for every job of that grant), so agents cannot signal, trace or read each
   other's jobs, folders or files; else the one user `PREFECT_GPU_BUDGET_AGENT_USER`, which every agent
-  shares. The users, their locks and their leftovers: `agent_users.py`;
-- within resource limits (`DEFAULT_LIMITS`, `PREFECT_GPU_BUDGET_AGENT_LIMIT_*`): processes,
-  open files, file size, address space, set by the holder on the job's processes only;
+  shares. The users, their locks and their leftovers: `users.py`;
+- within resource limits (`DEFAULT_LIMITS`, `PREFECT_GPU_BUDGET_AGENT_LIMIT_*`, `limits.py`):
+  processes, open files, file size, address space, set by the holder on the job's processes
+  only;
 - with only allow-listed names of the worker's environment (`DEFAULT_ENV_ALLOW`, plus
-  `PREFECT_GPU_BUDGET_AGENT_ENV`; the lists: `job_env.py`), `HOME` set to its own folder,
+  `PREFECT_GPU_BUDGET_AGENT_ENV`; the lists: `env.py`), `HOME` set to its own folder,
   the `PYTHONPATH` this package needs, and the job's and launcher's own variables;
 - in a fresh folder of its own, `root/<job name>-<random>` (0700, the job user's), removed
   when the job ends: `root` is 0711, so no user can list the other jobs' folders. `TMPDIR` is
@@ -27,11 +28,11 @@ runs it
   interpreter `Sandbox.interpreter` picks (`PREFECT_GPU_BUDGET_AGENT_PYTHON`, else this
   worker's own if the user can reach it, else the system's `python3`), and a command that
   starts with this worker's own interpreter (a sweep's `callable:` trial) starts with that one
-  instead. Its PYTHONPATH reaches the trial runner (`python -m prefect_gpu_budget.flows.trial`,
+  instead. Its PYTHONPATH reaches the trial runner (`python -m prefect_gpu_budget.sweeps.trial`,
   standard library only): this package's source checkout where the user can read it, else
-  (installed, or out of reach) a copy of the few files the runner imports (`TRIAL_SOURCES`). Both live in the job's folder, in
-  `.gpu-budget/` (the worker's, 0755);
-- with its output redacted (`Redactor`, `job_env.py`): any value of the worker's environment
+  (installed, or out of reach) a copy of the few files the runner imports (`TRIAL_SOURCES`).
+  Both live in the job's folder, in `.gpu-budget/` (the worker's, 0755): `interpreter.py`;
+- with its output redacted (`Redactor`, `env.py`): any value of the worker's environment
   the job was not given, and the password of any URL there, shows as `***`.
 
 The metrics file the launcher names (`GPU_BUDGET_METRICS_FILE`) is, for the job, a file in its
@@ -48,7 +49,6 @@ import logging
 import os
 import pwd
 import re
-import shlex
 import shutil
 import stat
 import sys
@@ -59,9 +59,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers._reaper import PROXY_PORT
-from prefect_gpu_budget.launchers.agent_users import (
+from prefect_gpu_budget.job import GpuJob, LaunchConfigError
+from prefect_gpu_budget.sandbox import interpreter as job_python
+from prefect_gpu_budget.sandbox.env import DEFAULT_ENV_ALLOW, Redactor, allowed_env
+from prefect_gpu_budget.sandbox.isolation import (
+    NETWORK_HOST,
+    PROXY_ENVS,
+    isolation_refused,
+    proxy_of,
+)
+from prefect_gpu_budget.sandbox.job import SandboxedJob
+from prefect_gpu_budget.sandbox.limits import (
+    DEFAULT_LIMITS,
+    parse_limits,
+)
+from prefect_gpu_budget.sandbox.spawn import PROXY_PORT
+from prefect_gpu_budget.sandbox.users import (
     SESSION_USER_PREFIX,
     JobUser,
     hold_user_lock,
@@ -70,34 +83,9 @@ from prefect_gpu_budget.launchers.agent_users import (
     unreachable,
     user_name,
 )
-from prefect_gpu_budget.launchers.base import LaunchConfigError
-from prefect_gpu_budget.launchers.isolation import (
-    NETWORK_HOST,
-    PROXY_ENVS,
-    isolation_refused,
-    proxy_of,
-)
-from prefect_gpu_budget.launchers.job_env import DEFAULT_ENV_ALLOW, Redactor, allowed_env
-from prefect_gpu_budget.launchers.job_limits import (
-    DEFAULT_LIMITS,
-    parse_limits,
-)
-from prefect_gpu_budget.launchers.sandboxed_job import SandboxedJob
 
 SYSTEM_PYTHONS: tuple[str, ...] = ("/usr/bin/python3", "/usr/local/bin/python3")
 """Where an interpreter for the job is looked for when this worker's own is out of its reach."""
-PYTHON_NAMES: tuple[str, ...] = ("python", "python3")
-"""The names the job's PATH gives the interpreter (`bin/` of its `.gpu-budget` folder)."""
-TRIAL_SOURCES: tuple[str, ...] = (
-    "prefect_gpu_budget/__init__.py",
-    "prefect_gpu_budget/_lazy.py",
-    "prefect_gpu_budget/settings.py",
-    "prefect_gpu_budget/flows/__init__.py",
-    "prefect_gpu_budget/flows/trial.py",
-)
-"""Every file of this package that `python -m prefect_gpu_budget.flows.trial` imports."""
-TOOLS_DIR = ".gpu-budget"
-"""The folder, in the job's own, that holds `bin/` (PYTHON_NAMES) and `lib/` (TRIAL_SOURCES)."""
 ROOT_REFUSED = (
     "agent jobs do not run as root: set PREFECT_GPU_BUDGET_AGENT_USER to an unprivileged user "
     "(or PREFECT_GPU_BUDGET_AGENT_ALLOW_ROOT=1)"
@@ -207,7 +195,7 @@ class Sandbox:
 
     def session_user(self, grant: str | None, *, create: bool = False) -> JobUser:
         """The user of an agent session (its grant; jobs with none share one user) from the
-        range `uids` (`agent_users.session_user`): with `create` made if missing. Not made
+        range `uids` (`users.session_user`): with `create` made if missing. Not made
         yet and not `create`: uid and gid -1. `LaunchConfigError` if the worker is not root,
         the range or the prefix is bad, the name is taken outside the range, or no uid of the
         range is free."""
@@ -270,7 +258,7 @@ class Sandbox:
         if create and user.session and user.uid < 0:
             user = self.session_user(job.grant if job is not None else None, create=True)
         python = self.interpreter(user)
-        if job is not None and job.command and _is_python(job.command[0]):
+        if job is not None and job.command and job_python.is_python(job.command[0]):
             if python is None:
                 raise _refuse(
                     f"no Python that {user.name!r} can run for {job.command[0]!r} (this "
@@ -335,7 +323,7 @@ class Sandbox:
         allowed), `job.env`, then `extra` (the launcher's variables); `bin_dir` first on its
         PATH."""
         allowed = self.allowed_env(environ)
-        source = _package_source() if source is None else source
+        source = job_python.package_source() if source is None else source
         python_path = os.pathsep.join(p for p in (source, allowed.get("PYTHONPATH", "")) if p)
         own = {"HOME": str(workdir), "TMPDIR": str(workdir / "tmp"), "PYTHONPATH": python_path}
         if proxy_of(self.network) is not None:  # the relay on the job's own loopback
@@ -349,45 +337,29 @@ class Sandbox:
         """Check (`check`), then make the job's folder and environment. `extra`: the
         launcher's variables (the holder's mark, `GPU_BUDGET_METRICS_FILE`, GPUs). The
         caller calls `finish` once every process of the job has ended."""
-        user, python = self._checked(job, create=True)
+        user, python = self._checked(job, create=True)  # 1. may it run, and as whom
         limits = self.job_limits()
         environ = dict(os.environ)
         lock = None
         if user.session:  # held while the job runs: its user's leftovers stay until the last ends
             lock = hold_user_lock(self.root, user)
-        try:
+        try:  # 2. its folder
             workdir = Path(tempfile.mkdtemp(prefix=f"{_slug(job.name)}-", dir=self.root))
         except BaseException:
             if lock is not None:
                 os.close(lock)
             raise
-        try:
-            if user.switch:
-                os.chown(workdir, user.uid, user.gid)
-            tmp = workdir / "tmp"
-            tmp.mkdir(mode=0o700)
-            if user.switch:
-                os.chown(tmp, user.uid, user.gid)
+        try:  # 3. its temp folder, metrics file, Python and environment
             extra = dict(extra)
-            metrics = None
-            if extra.get(settings.METRICS_ENV):
-                mine = workdir / "metrics.jsonl"
-                fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-                try:
-                    if user.switch:
-                        os.fchown(fd, user.uid, user.gid)
-                finally:
-                    os.close(fd)
-                metrics = (mine, Path(extra[settings.METRICS_ENV]))
-                extra[settings.METRICS_ENV] = str(mine)
-            bin_dir, source = _offer_python(workdir / TOOLS_DIR, user, python)
+            metrics = _own_files(workdir, user, extra)
+            bin_dir, source = job_python.offer_python(workdir / job_python.TOOLS_DIR, user, python)
             env = self.job_env(workdir, job, extra, environ, source=source, bin_dir=bin_dir)
         except BaseException:
             shutil.rmtree(workdir, ignore_errors=True)
             if lock is not None:
                 os.close(lock)
             raise
-        command = list(job.command or ())
+        command = list(job.command or ())  # 4. its command, and what it reads
         if python and command and command[0] == sys.executable:  # a `callable:` trial
             command[0] = python
         keep = _read_paths(python, env.get("PYTHONPATH", ""), command)
@@ -415,6 +387,30 @@ def _slug(name: str | None) -> str:
     return text or "job"
 
 
+def _own_files(workdir: Path, user: JobUser, extra: dict[str, str]) -> tuple[Path, Path] | None:
+    """Make the job's folder, its `tmp/` and, where `extra` names the launcher's metrics file,
+    a metrics file of its own (pointed at in `extra`) the job's user's. Returns (the job's
+    metrics file, the launcher's), or None."""
+    if user.switch:
+        os.chown(workdir, user.uid, user.gid)
+    tmp = workdir / "tmp"
+    tmp.mkdir(mode=0o700)
+    if user.switch:
+        os.chown(tmp, user.uid, user.gid)
+    if not extra.get(settings.METRICS_ENV):
+        return None
+    mine = workdir / "metrics.jsonl"
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        if user.switch:
+            os.fchown(fd, user.uid, user.gid)
+    finally:
+        os.close(fd)
+    metrics = (mine, Path(extra[settings.METRICS_ENV]))
+    extra[settings.METRICS_ENV] = str(mine)
+    return metrics
+
+
 def _warn_own_user(name: str) -> None:
     global _warned_own_user
     with _warn_lock:
@@ -427,12 +423,6 @@ def _warn_own_user(name: str) -> None:
         "and run the worker as root to confine them",
         name,
     )
-
-
-def _package_source() -> str:
-    """The folder this package is imported from, for the job's PYTHONPATH (so a trial,
-    `python -m prefect_gpu_budget.flows.trial`, imports this very code)."""
-    return str(Path(__file__).resolve().parents[2])
 
 
 def _read_paths(python: str | None, python_path: str, command: list[str]) -> tuple[str, ...]:
@@ -448,44 +438,3 @@ def _read_paths(python: str | None, python_path: str, command: list[str]) -> tup
     if command and os.path.isabs(command[0]):
         paths.append(str(Path(command[0]).parent))
     return tuple(dict.fromkeys(paths))
-
-
-def _is_python(program: str) -> bool:
-    """Whether `program` is the job's interpreter: a name of PYTHON_NAMES, or this worker's."""
-    return program in PYTHON_NAMES or program == sys.executable
-
-
-def _offer_python(tools: Path, user: JobUser, python: str | None) -> tuple[str | None, str]:
-    """Fill `tools` (the worker's, 0755; files 0644): `bin/` with a `python` and a `python3`
-    that start `python` (a script that `exec`s it, not a link: a venv's interpreter finds
-    its venv only by the path it was started as), and `lib/` with a copy of TRIAL_SOURCES
-    when `user` cannot read them where this package is, or when this package is installed
-    (its folder, site-packages, holds every other package too, perhaps built for another
-    Python). Returns the folder for the job's PATH (None without a `python`) and the one
-    for its PYTHONPATH."""
-    bin_dir = None
-    if python is not None:
-        bin_dir = tools / "bin"
-        script = f'#!/bin/sh\nexec {shlex.quote(python)} "$@"\n'.encode()
-        for name in PYTHON_NAMES:
-            _write_file(bin_dir / name, script, 0o755)
-    source = Path(_package_source())
-    if source.name not in ("site-packages", "dist-packages") and all(
-        not unreachable(str(source / rel), user, os.R_OK) for rel in TRIAL_SOURCES
-    ):
-        return (str(bin_dir) if bin_dir else None), str(source)
-    for rel in TRIAL_SOURCES:
-        _write_file(tools / "lib" / rel, (source / rel).read_bytes(), 0o644)
-    return (str(bin_dir) if bin_dir else None), str(tools / "lib")
-
-
-def _write_file(path: Path, data: bytes, mode: int) -> None:
-    """Write a new file (never through a link), its folders made 0755, whatever the umask."""
-    for folder in reversed([path.parent, *path.parent.parents]):
-        if not folder.exists():
-            folder.mkdir(mode=0o755)
-            os.chmod(folder, 0o755)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
-    os.chmod(path, mode)

@@ -11,7 +11,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from prefect_gpu_budget import settings
-from prefect_gpu_budget.launchers.base import LaunchConfigError
+from prefect_gpu_budget.job import LaunchConfigError
 
 GIB = 1 << 30
 DEFAULT_LIMITS: dict[str, int | None] = {

@@ -1,4 +1,4 @@
-"""The relay of `--proxy` (`_reaper.py`): the isolated job's one way out, to the admin's proxy.
+"""The relay of the holder's `--proxy`: the isolated job's one way out, to the admin's proxy.
 
 It is forked by the holder before the job's PID namespace is made, so the job sees it in
 none of its /proc; it then drops to the job's user (with no capability left, and
@@ -160,7 +160,7 @@ class Relay:
 
 
 def serve(channel: int, target: tuple[str, int], user: tuple[int, int] | None) -> None:
-    """The relay's life (`_reaper._spawn_relay`): find `target`'s address, drop to `user`
+    """The relay's life (`spawn.spawn_relay`): find `target`'s address, drop to `user`
     (after which the standard library may be out of reach: nothing more is imported), take
     the listener the job's pid 1 hands over `channel`, and carry connections to `target`
     until the listener goes."""

@@ -1,5 +1,5 @@
 """Every path at which a unix socket of this host can be reached from this mount namespace:
-what an isolated job's pid 1 covers (`_walls.mask_sockets`) before its command starts. Read in
+what an isolated job's pid 1 covers (`walls.mask_sockets`) before its command starts. Read in
 the host's namespaces, before the job's own are made. Standard library only (the holder runs as
 a file).
 
@@ -17,7 +17,7 @@ by the path the binding process gave, in its own mount namespace and from its ow
 
 What this cannot see: a socket moved or hard-linked elsewhere after it was bound (the kernel
 keeps the first path), and one bound after the job started. Landlock's control of pathname
-sockets, where the kernel has it, covers those (`_walls.landlock_ruleset`).
+sockets, where the kernel has it, covers those (`walls.landlock_ruleset`).
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ def _is_socket(path: str) -> bool:
         return False
 
 
-def _holders(inodes: set[int]) -> dict[int, str]:
-    """A process holding each of the sockets `inodes` (by its fds), as far as one is found."""
+def _socket_owners(inodes: set[int]) -> dict[int, str]:
+    """A process with each of the sockets `inodes` open (by its fds), as far as one is found."""
     found: dict[int, str] = {}
     wanted = {f"socket:[{inode}]": inode for inode in inodes}
     for pid in _pids():
@@ -144,7 +144,7 @@ def host_sockets() -> list[str]:
                 found += [path, *views(os.path.realpath(path), ours, ours)]
             else:
                 elsewhere[inode] = path
-    for inode, pid in _holders(set(elsewhere)).items():
+    for inode, pid in _socket_owners(set(elsewhere)).items():
         path = elsewhere[inode]
         try:
             if not path.startswith("/"):  # from its process's folder (where it is now)

@@ -1,6 +1,6 @@
 """Who an agent's local job runs as: `JobUser`, and the agent sessions' own users.
 
-`Sandbox` (`sandbox.py`) picks the user; this module holds what it needs for that:
+`Sandbox` (`launcher.py`) picks the user; this module holds what it needs for that:
 
 - with a uid range (`PREFECT_GPU_BUDGET_AGENT_UIDS`, `uid_range`), each agent session gets a
   user of its own (`session_user`): named `session_user_name` of the job's grant
@@ -39,8 +39,8 @@ from pathlib import Path
 
 from prefect_gpu_budget import settings
 from prefect_gpu_budget.identity import live_processes
-from prefect_gpu_budget.launchers.base import LaunchConfigError
-from prefect_gpu_budget.launchers.job_limits import remove_tree
+from prefect_gpu_budget.job import LaunchConfigError
+from prefect_gpu_budget.sandbox.limits import remove_tree
 
 SESSION_USER_PREFIX = "gpub-"
 """How the names of the agent sessions' own users (`PREFECT_GPU_BUDGET_AGENT_UIDS`) start."""

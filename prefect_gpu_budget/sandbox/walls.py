@@ -1,4 +1,4 @@
-"""The walls of an isolated job's files, made by its pid 1 (`_reaper.py --isolate`) in the
+"""The walls of an isolated job's files, made by its pid 1 (`holder.py --isolate`) in the
 job's own mount namespace before the command starts. Standard library only: the holder runs
 as a file, and imports this one beside it.
 
@@ -9,7 +9,7 @@ as a file, and imports this one beside it.
    another job keeps there is seen. The job's own folder, its interpreter and its code, where
    they live below one of these, are bound back in (the folder writable, the rest read-only).
 2. **No socket of the host** (`mask_sockets`): every path a unix socket of the host can be
-   reached at (`_sockets.host_sockets`: every network namespace's, followed into other mount
+   reached at (`sockets.host_sockets`: every network namespace's, followed into other mount
    namespaces and through bind mounts, read before the job's own namespaces are made) that the
    job could still reach is covered by an empty read-only file, so `connect()` there is
    refused. With the tmpfs over `/run` and `/tmp` that covers PostgreSQL's, Redis's, MariaDB's
@@ -150,7 +150,7 @@ def _folder(path: str, mode: int) -> None:
 
 
 def mask_sockets(sockets: list[str]) -> int:
-    """Cover each of `sockets` (`_sockets.host_sockets`, read before the job's own folders were
+    """Cover each of `sockets` (`sockets.host_sockets`, read before the job's own folders were
     mounted) that is still a socket in this mount namespace with an empty read-only file
     (`COVER`); returns how many were covered."""
     cover = f"{PRIVATE_ROOT}/{COVER}"

@@ -37,11 +37,8 @@ from prefect_gpu_budget.admission.lifecycle import run_admitted
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
-from prefect_gpu_budget.launchers.deployment import (
-    END_NOT_OBSERVED,
-    PROCESS_ENDED_EVENT,
-    DeploymentLauncher,
-)
+from prefect_gpu_budget.launchers.deployment import DeploymentLauncher
+from prefect_gpu_budget.launchers.followed_flow_run import END_NOT_OBSERVED, PROCESS_ENDED_EVENT
 from prefect_gpu_budget.settings import JOB_ID_ENV, METRICS_ENV
 from prefect_gpu_budget.worker_types import PROCESS_TYPE
 from tests.conftest import PG_URL

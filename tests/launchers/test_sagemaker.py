@@ -23,7 +23,7 @@ from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher, LaunchResult
 from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, sagemaker_tag_problem
 from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
-from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, _read
+from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, read_price_file
 from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import usd_to_micro
 from tests.aws_server import AwsServer
@@ -49,7 +49,7 @@ def aws(server: AwsServer) -> Iterator[AwsServer]:
 
 def _catalog() -> Catalog:
     """The shipped prices, plus two rows for settings SageMaker refuses."""
-    shipped = _read(SHIPPED)
+    shipped = read_price_file(SHIPPED)
     g5 = next(r for r in shipped if r.key == "sagemaker:ml.g5.xlarge")
     return Catalog(
         [
@@ -140,7 +140,9 @@ def _cost(billed_s: int, rate_micro_per_hour: int) -> int:
 
 def _shipped_usd(key: str, provisioning: str = "on-demand") -> Decimal:
     return next(
-        r.usd_per_hour for r in _read(SHIPPED) if (r.key, r.provisioning) == (key, provisioning)
+        r.usd_per_hour
+        for r in read_price_file(SHIPPED)
+        if (r.key, r.provisioning) == (key, provisioning)
     )
 
 

@@ -1,5 +1,5 @@
 """A trial callable for the sandbox tests, which copy it where the sandbox's user can read it,
-as `agent_trial.py` (`python -m prefect_gpu_budget.flows.trial agent_trial:train '{"lr": 0.5}'`):
+as `agent_trial.py` (`python -m prefect_gpu_budget.sweeps.trial agent_trial:train '{"lr": 0.5}'`):
 standard library only, so any Python the sandbox's user can run imports it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any
 
-from prefect_gpu_budget.flows.trial import report
+from prefect_gpu_budget.sweeps.trial import report
 
 
 def train(lr: float) -> dict[str, Any]:
@@ -21,5 +21,5 @@ def train(lr: float) -> dict[str, Any]:
         "home": os.environ.get("HOME"),
         "names": sorted(os.environ),
         "python": sys.executable,
-        "runner": sys.modules["prefect_gpu_budget.flows.trial"].__file__,
+        "runner": sys.modules["prefect_gpu_budget.sweeps.trial"].__file__,
     }

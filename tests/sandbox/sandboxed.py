@@ -12,8 +12,8 @@ from pathlib import Path
 
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher
-from prefect_gpu_budget.launchers.sandbox import Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.sandbox.launcher import Sandbox
 
 
 @contextmanager

@@ -1,4 +1,4 @@
-"""An agent's job reaches nothing of its host (`launchers/isolation.py`, the holder's
+"""An agent's job reaches nothing of its host (`sandbox/isolation.py`, the holder's
 `--isolate`): real jobs, as `nobody`, trying what a hostile trial would.
 
 Making namespaces and switching users needs a root worker (as CI runs); those tests skip
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers import isolation
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.launchers.local import LocalLauncher
-from prefect_gpu_budget.launchers.sandbox import Sandbox
-from tests.launchers.sandboxed import box_quote, open_folder, run_job
+from prefect_gpu_budget.sandbox import isolation
+from prefect_gpu_budget.sandbox.launcher import Sandbox
+from tests.sandbox.sandboxed import box_quote, open_folder, run_job
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and users need a root worker")
 
@@ -156,7 +156,7 @@ def test_a_host_that_refuses_namespaces_refuses_the_job_unless_opted_out(
     base, quote, monkeypatch: pytest.MonkeyPatch
 ):
     """The holder's own answer (`--probe`) is what decides; here it is made to say no."""
-    from prefect_gpu_budget.launchers import sandbox as module
+    from prefect_gpu_budget.sandbox import launcher as module
 
     monkeypatch.setattr(module, "isolation_refused", lambda euid: "Operation not permitted")
     job = GpuJob(instance_type="local:box", command=["true"], max_runtime="1m")

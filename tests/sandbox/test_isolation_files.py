@@ -1,4 +1,4 @@
-"""An agent's job reaches nothing of its host, round two (`launchers/_walls.py`, the holder's
+"""An agent's job reaches nothing of its host, round two (`sandbox/walls.py`, the holder's
 `--isolate`): real jobs, as `nobody`, trying from inside what a hostile trial would: the unix
 socket of a PostgreSQL that trusts local users, any 0777 socket of the host, /run/lock, SysV
 and POSIX shared memory, an unlinked file past the disk cap; on both network modes that
@@ -26,8 +26,8 @@ import pytest
 
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import LocalLauncher
-from prefect_gpu_budget.launchers.sandbox import Sandbox
-from tests.launchers.sandboxed import box_quote, open_folder, run_job
+from prefect_gpu_budget.sandbox.launcher import Sandbox
+from tests.sandbox.sandboxed import box_quote, open_folder, run_job
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces and users need root")
 
@@ -339,15 +339,22 @@ FLOOD = (
 it can read shows, and holds the connections for 10 s."""
 
 
+def _parent(pid: str) -> str:
+    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[1].decode()
+
+
 def _relays(user: str) -> list[int]:
-    """The job holder's processes that run as `user`: the relay."""
+    """The processes of this test's job holders (started by this process) that run as
+    `user`: the relay. (Other tests may run jobs as `user` meanwhile.)"""
     uid = pwd.getpwnam(user).pw_uid
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid:
                 continue
-            if b"_reaper.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"holder.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            if _parent(_parent(pid)) == str(os.getpid()):
                 found.append(int(pid))
         except OSError:
             continue
@@ -358,7 +365,7 @@ def test_the_relay_is_bounded_and_none_of_its_proc_is_the_jobs(base, quote, prox
     """1,000 connections at once: the relay (the job's user, one thread) carries at most
     MAX_CONNECTIONS, holds a bounded number of descriptors, and the job reads no /proc of it
     (its net/tcp listed every listening port of the host)."""
-    from prefect_gpu_budget.launchers import _relay
+    from prefect_gpu_budget.sandbox import relay as relay_module
 
     host_port = int(proxy.rsplit(":", 1)[1])
     box = Sandbox(user="nobody", root=base / "jobs", network=proxy)
@@ -381,7 +388,7 @@ def test_the_relay_is_bounded_and_none_of_its_proc_is_the_jobs(base, quote, prox
         relay = relays[0]
         assert len(os.listdir(f"/proc/{relay}/task")) == 1  # one thread
         fds = len(os.listdir(f"/proc/{relay}/fd"))
-        assert fds <= 2 * _relay.MAX_CONNECTIONS + 16, fds
+        assert fds <= 2 * relay_module.MAX_CONNECTIONS + 16, fds
         seen = next(x for x in lines if x.startswith("ports seen"))
         assert (
             str(host_port) not in seen.replace("[", " ").replace("]", " ").replace(",", " ").split()

@@ -1,5 +1,5 @@
 """The sandbox's copy of a job's metrics file to the launcher's (`SandboxedJob.sync_metrics`,
-`_copy_metrics`): real files, as the current user; the file of another user needs root."""
+`copy_metrics`): real files, as the current user; the file of another user needs root."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from prefect_gpu_budget.launchers import sandboxed_job as sandbox
-from prefect_gpu_budget.launchers.agent_users import JobUser
-from prefect_gpu_budget.launchers.job_env import Redactor
-from prefect_gpu_budget.launchers.sandboxed_job import SandboxedJob, _copy_metrics
+from prefect_gpu_budget.sandbox import job as sandbox
+from prefect_gpu_budget.sandbox.env import Redactor
+from prefect_gpu_budget.sandbox.job import SandboxedJob, copy_metrics
+from prefect_gpu_budget.sandbox.users import JobUser
 
 NOBODY_UID = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root")
@@ -53,13 +53,13 @@ def test_only_whole_lines_are_copied_until_the_end(files):
     mine, theirs = files
     theirs.parent.mkdir()
     _append(mine, b'{"step": 0}\n{"step": 1}\n{"ste')
-    at = _copy_metrics(mine, theirs, _me(), 0, final=False)
+    at = copy_metrics(mine, theirs, _me(), 0, final=False)
     assert at == 24
     assert theirs.read_bytes() == b'{"step": 0}\n{"step": 1}\n'
-    assert _copy_metrics(mine, theirs, _me(), at, final=False) == at  # still no newline
+    assert copy_metrics(mine, theirs, _me(), at, final=False) == at  # still no newline
     assert theirs.read_bytes() == b'{"step": 0}\n{"step": 1}\n'
     _append(mine, b'p": 2}')
-    at = _copy_metrics(mine, theirs, _me(), at, final=True)
+    at = copy_metrics(mine, theirs, _me(), at, final=True)
     assert at == mine.stat().st_size
     assert theirs.read_bytes() == mine.read_bytes()
 
@@ -68,19 +68,19 @@ def test_a_file_without_a_newline_is_copied_only_when_final(files):
     mine, theirs = files
     theirs.parent.mkdir()
     _append(mine, b'{"partial": true}')
-    assert _copy_metrics(mine, theirs, _me(), 0, final=False) == 0
+    assert copy_metrics(mine, theirs, _me(), 0, final=False) == 0
     assert not theirs.exists()
-    assert _copy_metrics(mine, theirs, _me(), 0, final=True) == 17
+    assert copy_metrics(mine, theirs, _me(), 0, final=True) == 17
     assert theirs.read_bytes() == b'{"partial": true}'
 
 
 def test_an_empty_or_missing_file_copies_nothing(files):
     mine, theirs = files
     theirs.parent.mkdir()
-    assert _copy_metrics(mine, theirs, _me(), 0, final=True) == 0
+    assert copy_metrics(mine, theirs, _me(), 0, final=True) == 0
     assert not theirs.exists()
     mine.unlink()
-    assert _copy_metrics(mine, theirs, _me(), 5, final=True) == 5
+    assert copy_metrics(mine, theirs, _me(), 5, final=True) == 5
     assert not theirs.exists()
 
 
@@ -131,7 +131,7 @@ def test_a_symlink_is_not_followed(files):
     mine.unlink()
     mine.symlink_to(elsewhere)
     for final in (False, True):
-        assert _copy_metrics(mine, theirs, _me(), 0, final=final) == 0
+        assert copy_metrics(mine, theirs, _me(), 0, final=final) == 0
     assert not theirs.exists()
 
 
@@ -154,7 +154,7 @@ def test_a_file_of_another_user_is_not_copied(files, caplog):
     _append(mine, b'{"step": 0}\n')
     other = JobUser(name="other", uid=os.getuid() + 1, gid=os.getgid(), switch=True)
     with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
-        at = _copy_metrics(mine, theirs, other, 0, final=True)
+        at = copy_metrics(mine, theirs, other, 0, final=True)
     assert at == sandbox.MAX_METRICS_BYTES  # and never looked at again
     assert not theirs.exists()
     assert "not the job's own regular file" in caplog.text
@@ -186,7 +186,7 @@ def test_a_fifo_is_not_copied(files):
     writer = os.open(mine, os.O_RDWR | os.O_NONBLOCK)  # a writer that never stops
     try:
         os.write(writer, b'{"step": 0}\n')
-        assert _copy_metrics(mine, theirs, _me(), 0, final=True) == sandbox.MAX_METRICS_BYTES
+        assert copy_metrics(mine, theirs, _me(), 0, final=True) == sandbox.MAX_METRICS_BYTES
     finally:
         os.close(writer)
     assert not theirs.exists()
@@ -226,10 +226,10 @@ def test_a_file_past_the_bound_at_once(files, monkeypatch):
     mine, theirs = files
     theirs.parent.mkdir()
     _append(mine, b"0123456789\n" * 5)
-    assert _copy_metrics(mine, theirs, _me(), 0, final=False) == 16
+    assert copy_metrics(mine, theirs, _me(), 0, final=False) == 16
     assert theirs.read_bytes() == b"0123456789\n01234"
-    assert _copy_metrics(mine, theirs, _me(), 16, final=True) == 16
-    assert _copy_metrics(mine, theirs, _me(), 30, final=True) == 30  # past it: nothing
+    assert copy_metrics(mine, theirs, _me(), 16, final=True) == 16
+    assert copy_metrics(mine, theirs, _me(), 30, final=True) == 30  # past it: nothing
     assert theirs.read_bytes() == b"0123456789\n01234"
 
 
@@ -238,6 +238,6 @@ def test_an_unwritable_launchers_file_does_not_raise(files, caplog):
     theirs.mkdir(parents=True)  # a folder where the file should be
     _append(mine, b'{"step": 0}\n')
     with caplog.at_level(logging.WARNING, logger=sandbox.__name__):
-        _copy_metrics(mine, theirs, _me(), 0, final=True)
+        copy_metrics(mine, theirs, _me(), 0, final=True)
     assert "could not copy the job's metrics" in caplog.text
     assert theirs.is_dir()

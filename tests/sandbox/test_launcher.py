@@ -27,11 +27,11 @@ import pytest
 
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError
-from prefect_gpu_budget.launchers.job_env import DEFAULT_ENV_ALLOW, Redactor, known_secrets
 from prefect_gpu_budget.launchers.local import JOB_MARK_ENV, LocalLauncher, marked_processes
 from prefect_gpu_budget.launchers.registry import launcher_for
-from prefect_gpu_budget.launchers.sandbox import ROOT_REFUSED, Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.sandbox.env import DEFAULT_ENV_ALLOW, Redactor, known_secrets
+from prefect_gpu_budget.sandbox.launcher import ROOT_REFUSED, Sandbox
 from prefect_gpu_budget.settings import METRICS_ENV
 
 SLACK_S = 5.0
@@ -409,7 +409,7 @@ def test_a_worker_that_is_not_root_cannot_switch_user(base, quote) -> None:
 def test_a_worker_that_is_not_root_runs_jobs_as_itself_with_a_warning(
     planted, base, quote, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from prefect_gpu_budget.launchers import sandbox as module
+    from prefect_gpu_budget.sandbox import launcher as module
 
     monkeypatch.setattr(module, "_warned_own_user", False)  # once per process: this one
     job, _ = _job('echo "uid=$(id -u) aws=$AWS_SECRET_ACCESS_KEY"')
@@ -541,15 +541,15 @@ def test_a_callable_trial_runs_as_nobody(
     it with nobody's, and its PYTHONPATH reaches the trial runner: this package's source where
     nobody can read it, else (private, or installed) a copy of the few files the runner
     imports (which are all it needs: the source here holds only those)."""
-    from prefect_gpu_budget.launchers import sandbox as module
-    from prefect_gpu_budget.sweep_spec import SweepSpec
+    from prefect_gpu_budget.sandbox import interpreter
+    from prefect_gpu_budget.sweeps.spec import SweepSpec
 
     source = base / source_at
     source.mkdir(mode=0o700 if source_at == "private" else 0o755)
-    for rel in module.TRIAL_SOURCES:
+    for rel in interpreter.TRIAL_SOURCES:
         (source / rel).parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        shutil.copy(Path(module._package_source()) / rel, source / rel)
-    monkeypatch.setattr(module, "_package_source", lambda: str(source))
+        shutil.copy(Path(interpreter.package_source()) / rel, source / rel)
+    monkeypatch.setattr(interpreter, "package_source", lambda: str(source))
     sandbox = Sandbox(
         user="nobody", root=base / "jobs", env_allow=(*DEFAULT_ENV_ALLOW, "PYTHONPATH")
     )
@@ -582,9 +582,9 @@ def test_a_callable_trial_runs_as_nobody(
     assert summary["home"] == summary["cwd"] and Path(summary["cwd"]).parent == sandbox.root
     runner = Path(summary["runner"])
     if source_at == "src":
-        assert runner == source / "prefect_gpu_budget" / "flows" / "trial.py"
+        assert runner == source / "prefect_gpu_budget" / "sweeps" / "trial.py"
     else:
-        assert runner == Path(summary["cwd"], ".gpu-budget/lib/prefect_gpu_budget/flows/trial.py")
+        assert runner == Path(summary["cwd"], ".gpu-budget/lib/prefect_gpu_budget/sweeps/trial.py")
     assert not [n for n in summary["names"] if n.startswith(("PREFECT", "AWS_", "GOOGLE_"))]
 
 
@@ -622,7 +622,7 @@ def test_no_python_nobody_can_run_is_refused_in_one_line(
 ) -> None:
     """An agent Python out of nobody's reach refuses every job; with none at all (this worker's
     out of reach, no system one), a job that needs one is refused, and the others run."""
-    from prefect_gpu_budget.launchers import sandbox as module
+    from prefect_gpu_budget.sandbox import launcher as module
 
     private = base / "private"
     private.mkdir(mode=0o700)

@@ -1,4 +1,4 @@
-"""An agent job's limits that its launcher enforces (`launchers/job_limits.py`): its folder's
+"""An agent job's limits that its launcher enforces (`sandbox/limits.py`): its folder's
 size and its output, on real jobs as `nobody`; and the limits' parsing."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError
-from prefect_gpu_budget.launchers.job_limits import folder_bytes, parse_limits
 from prefect_gpu_budget.launchers.local import LocalLauncher
-from prefect_gpu_budget.launchers.sandbox import Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.sandbox.launcher import Sandbox
+from prefect_gpu_budget.sandbox.limits import folder_bytes, parse_limits
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs a root worker")
 
@@ -125,7 +125,7 @@ def test_a_slow_measurement_never_holds_back_the_stop_at_max_runtime(
 ):
     """A job can make its measurement slow (millions of open files to look at): the stop at
     max_runtime comes on time all the same, the measurement running in a thread of its own."""
-    from prefect_gpu_budget.launchers.sandboxed_job import SandboxedJob
+    from prefect_gpu_budget.sandbox.job import SandboxedJob
 
     monkeypatch.setattr(SandboxedJob, "held", lambda self: time.sleep(60) or 0)
     box = Sandbox(user="nobody", root=base / "jobs")

@@ -29,11 +29,11 @@ from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.agent_users import session_user_name
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.launchers.local import LocalLauncher, marked_processes
-from prefect_gpu_budget.launchers.sandbox import DEFAULT_LIMITS, Sandbox
 from prefect_gpu_budget.pricing.catalog import Catalog
+from prefect_gpu_budget.sandbox.launcher import DEFAULT_LIMITS, Sandbox
+from prefect_gpu_budget.sandbox.users import session_user_name
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
 

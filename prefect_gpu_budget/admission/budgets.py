@@ -45,7 +45,7 @@ def set_budget(
     `need_a_bound` refuses a budget with neither a cap nor a period budget (`budget set`
     does; a `GpuBudget` block may register a scope without either). Warnings are returned,
     one line each, for the caller to print or log."""
-    from prefect_gpu_budget.models import BudgetSettings
+    from prefect_gpu_budget.admission.admin_settings import BudgetSettings
     from prefect_gpu_budget.units import validate_scope
 
     validate_scope(scope)

@@ -49,11 +49,19 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefect_gpu_budget.agents.door import MAX_LONG_POLL_S, Caller, Refused
+from prefect_gpu_budget.agents.callers import Caller, Refused
+from prefect_gpu_budget.agents.door import MAX_LONG_POLL_S
 from prefect_gpu_budget.agents.operations import BY_TOOL, ResultsFormat
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from prefect_gpu_budget.agents.door import Door
+
+    Act = Callable[[Context, Callable[[Door, Caller], Any]], Awaitable[Any]]
+    """Runs an operation of the door as the caller of the request that carries the context."""
+    Tool = Callable[..., Callable[[Callable[..., Any]], Callable[..., Any]]]
+    """Registers a function as a tool of the server."""
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +127,10 @@ def mcp_app(
     door_of: Callable[[], Door],
 ) -> tuple[ASGIApp, Callable[[], AbstractAsyncContextManager[None]]]:
     """The MCP door over `door_of()`: an ASGI app to route at `/mcp`, and the context manager
-    factory that runs its session manager (enter it once, in the host app's lifespan)."""
+    factory that runs its session manager (enter it once, in the host app's lifespan).
+
+    1. The server, with its instructions. 2. Its tools, each an operation of the door run as
+    the request's caller. 3. Its stateless streamable HTTP app, behind the token check."""
     server = MCPServer(
         "prefect-gpu-budget",
         instructions="GPU sweeps within a budget, for one agent session per token: start a "
@@ -127,7 +138,22 @@ def mcp_app(
         "results, plots and summary, cancel, forecast and quote before spending.",
         log_level="WARNING",
     )
+    act = _actor(door_of)
+    tool = _registrar(server)
+    _sweep_tools(tool, act)
+    _job_tools(tool, act)
+    server.streamable_http_app(  # builds `server.session_manager`; its Starlette app is unused
+        stateless_http=True,
+        json_response=True,
+        max_request_body_size=MAX_BODY_BYTES,
+        # Host/Origin checks keep web pages off token-less local servers; a token guards this one.
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    manager = server.session_manager
+    return _Authenticated(StreamableHTTPASGIApp(manager), door_of), manager.run
 
+
+def _actor(door_of: Callable[[], Door]) -> Act:
     async def act(ctx: Context, call: Callable[[Door, Caller], Any]) -> Any:
         """`call(door, caller)` off the event loop, as the caller of the request carrying `ctx`;
         a failure is an error result (the SDK would prefix a raised `ToolError`'s text)."""
@@ -142,6 +168,10 @@ def mcp_app(
         text = TextContent(type="text", text=f"{status}: {detail}")
         return CallToolResult(content=[text], is_error=True)
 
+    return act
+
+
+def _registrar(server: MCPServer) -> Tool:
     def tool(**options: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
         """Register a tool named as its function, described as its operation
         (`agents.operations`)."""
@@ -151,6 +181,12 @@ def mcp_app(
             return server.tool(name=op.tool, description=op.description, **options)(fn)
 
         return register
+
+    return tool
+
+
+def _sweep_tools(tool: Tool, act: Act) -> None:
+    """The tools that start a sweep and read it: its state, trials, results, plots, summary."""
 
     @tool()
     async def start_sweep(spec: dict[str, Any], ctx: Context) -> dict[str, Any]:
@@ -196,6 +232,10 @@ def mcp_app(
     async def get_summary(run_id: str, ctx: Context) -> str:
         return await act(ctx, lambda door, caller: door.summary(caller, run_id))
 
+
+def _job_tools(tool: Tool, act: Act) -> None:
+    """The tools that stop work, and those that price it before it is spent."""
+
     @tool()
     async def cancel_job(job_id: str, ctx: Context) -> dict[str, Any]:
         return await act(ctx, lambda door, caller: door.cancel_job(caller, job_id))
@@ -221,13 +261,3 @@ def mcp_app(
     @tool()
     async def get_status(ctx: Context) -> dict[str, Any]:
         return await act(ctx, lambda door, caller: door.status(caller))
-
-    server.streamable_http_app(  # builds `server.session_manager`; its Starlette app is unused
-        stateless_http=True,
-        json_response=True,
-        max_request_body_size=MAX_BODY_BYTES,
-        # Host/Origin checks keep web pages off token-less local servers; a token guards this one.
-        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
-    )
-    manager = server.session_manager
-    return _Authenticated(StreamableHTTPASGIApp(manager), door_of), manager.run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect.blocks.core import Block
 
-from prefect_gpu_budget.models import PoolSettings, TeamShare
+from prefect_gpu_budget.admission.admin_settings import PoolSettings, TeamShare
 
 __all__ = ["CapacityPool", "TeamShare"]
 

@@ -7,10 +7,23 @@ from pathlib import Path
 
 import typer
 
-from prefect_gpu_budget.cli.common import PASSWORD_ON_ARGV, console, current_ledger, fail
+from prefect_gpu_budget.cli.common import (
+    PASSWORD_ON_ARGV,
+    console,
+    current_ledger,
+    fail,
+    shown_url,
+)
 from prefect_gpu_budget.settings import ALLOW_SHARED_HOME_ENV, LEDGER_URL_ENV
 
+agent_app = typer.Typer(
+    name="agent",
+    help="Agents: tokens that bind each to its own session, their limits, and their gateway.",
+    no_args_is_help=True,
+)
 
+
+@agent_app.command("grant")
 def agent_grant(
     scope: str = typer.Argument(..., help="The agent's session, org/team/session."),
 ) -> None:
@@ -20,6 +33,7 @@ def agent_grant(
     typer.echo(current_ledger().grants.grant_agent(scope))
 
 
+@agent_app.command("revoke")
 def agent_revoke(
     scope: str = typer.Argument(..., help="The session whose tokens to revoke."),
 ) -> None:
@@ -36,6 +50,7 @@ def agent_revoke(
     )
 
 
+@agent_app.command("limits")
 def agent_limits_cmd(
     team: str = typer.Argument(..., help="The team, org/team, whose sessions' agents to bound."),
     launcher: list[str] = typer.Option(
@@ -54,7 +69,7 @@ def agent_limits_cmd(
     """Show, or change, the ceilings on what a team's agents may ask for (the defaults until
     set: local launcher only, no callables, priority 0, max_wait 1h, 2 sweeps, 16 queued jobs,
     100 trials a sweep)."""
-    from prefect_gpu_budget.models import AgentLimits
+    from prefect_gpu_budget.admission.admin_settings import AgentLimits
     from prefect_gpu_budget.units import validate_scope
 
     led = current_ledger()
@@ -104,7 +119,10 @@ def _exposure_lines(url: str, network: str) -> list[str]:
     and one when the ledger's PostgreSQL lets its user in without a password, naming each road
     (TCP, its unix socket), who can take it, and the fix."""
     from prefect_gpu_budget import settings
-    from prefect_gpu_budget.admission.ledger.engine import passwordless_login, passwordless_socket
+    from prefect_gpu_budget.admission.ledger.passwordless import (
+        passwordless_login,
+        passwordless_socket,
+    )
 
     lines = []
     host = network == "host"
@@ -126,19 +144,12 @@ def _exposure_lines(url: str, network: str) -> list[str]:
             "sockets hidden)"
         )
         lines.append(
-            f"WARNING: the ledger's database {tcp or _shown(url)} let its user in without a "
+            f"WARNING: the ledger's database {tcp or shown_url(url)} let its user in without a "
             f"password {roads}: {jobs}, but any local process may rewrite every budget; use "
             "scram-sha-256 for its host lines and scram-sha-256 or peer for its local lines "
             "in pg_hba.conf, and put the password in the ledger URL"
         )
     return lines
-
-
-def _shown(url: str) -> str:
-    """A ledger URL as it may be shown: without its password."""
-    import sqlalchemy as sa
-
-    return sa.engine.make_url(url).render_as_string(hide_password=True)
 
 
 def _serving_ledger_url(
@@ -179,6 +190,7 @@ def _serving_ledger_url(
     return given or None
 
 
+@agent_app.command("serve")
 def agents_serve(
     ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),

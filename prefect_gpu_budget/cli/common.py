@@ -38,6 +38,18 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def given_ledger_url() -> str | None:
+    """The --ledger-url of this invocation (or its environment variable), if any."""
+    return _state["ledger_url"]
+
+
+def shown_url(url: str) -> str:
+    """A ledger URL as it may be shown: without its password."""
+    import sqlalchemy as sa
+
+    return sa.engine.make_url(url).render_as_string(hide_password=True)
+
+
 def current_ledger():
     from prefect_gpu_budget import settings
     from prefect_gpu_budget.admission.ledger import open_ledger

@@ -9,12 +9,14 @@ from typing import Any
 import typer
 
 from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
-from prefect_gpu_budget.cli.budgets import budgeted_under, no_such_scope
+from prefect_gpu_budget.cli.app import app
 from prefect_gpu_budget.cli.common import console, current_ledger, fail, limits_if_configured
+from prefect_gpu_budget.cli.status import budgeted_under, no_such_scope
 from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import fmt_usd, iso, micro_to_usd, usd
 
 
+@app.command("ledger")
 def ledger_cmd(
     scope: str = typer.Argument(None),
     as_json: bool = typer.Option(False, "--json"),
@@ -26,48 +28,49 @@ def ledger_cmd(
     rows = current_ledger().views.jobs(scope, limit=limit)
     if scope is not None and not rows and not budgeted_under(scope):
         no_such_scope("ledger", scope)
-    out = [
-        {
-            "id": r["id"],
-            "scope": r["scope"],
-            "name": r["name"],
-            **_sweep_trial(r["name"]),
-            "instance_type": r["instance_type"],
-            "nodes": r["nodes"],
-            "rate_usd_per_hour": usd(r["rate_micro_per_hour"]),
-            "reserved_usd": usd(r["reserved_micro"]),
-            "actual_usd": usd(r["actual_micro"]),
-            "state": r["state"],
-            "outcome": r["outcome"] or _UNRUN.get(r["state"]),
-            "reason": r["reason"],
-            "flow_run_id": r["flow_run_id"],
-            "requested_at": iso(r["requested_at"]),
-            "admitted_at": iso(r["admitted_at"]),
-            "ended_at": iso(r["ended_at"]),
-            "settled_at": iso(r["settled_at"]),
-        }
-        for r in rows
-    ]
+    out = [_job_json(r) for r in rows]
     if as_json:
         typer.echo(json.dumps(out, indent=2))
         return
-    print_table(
-        _LEDGER_COLUMNS,
-        [
-            (
-                r["id"][:8],
-                r["scope"],
-                r["name"],
-                f"{r['instance_type']} x{r['nodes']}",
-                fmt_usd(raw["rate_micro_per_hour"]),
-                fmt_usd(raw["reserved_micro"]),
-                "-" if raw["actual_micro"] is None else fmt_usd(raw["actual_micro"]),
-                r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
-                (r["requested_at"] or "")[:19],
-                (r["flow_run_id"] or "")[:8],
-            )
-            for raw, r in zip(rows, out, strict=True)
-        ],
+    print_table(_LEDGER_COLUMNS, [_job_row(raw, r) for raw, r in zip(rows, out, strict=True)])
+
+
+def _job_json(r: dict[str, Any]) -> dict[str, Any]:
+    """One job of `ledger --json`: its figures in USD, its instants in ISO 8601."""
+    return {
+        "id": r["id"],
+        "scope": r["scope"],
+        "name": r["name"],
+        **_sweep_trial(r["name"]),
+        "instance_type": r["instance_type"],
+        "nodes": r["nodes"],
+        "rate_usd_per_hour": usd(r["rate_micro_per_hour"]),
+        "reserved_usd": usd(r["reserved_micro"]),
+        "actual_usd": usd(r["actual_micro"]),
+        "state": r["state"],
+        "outcome": r["outcome"] or _UNRUN.get(r["state"]),
+        "reason": r["reason"],
+        "flow_run_id": r["flow_run_id"],
+        "requested_at": iso(r["requested_at"]),
+        "admitted_at": iso(r["admitted_at"]),
+        "ended_at": iso(r["ended_at"]),
+        "settled_at": iso(r["settled_at"]),
+    }
+
+
+def _job_row(raw: dict[str, Any], r: dict[str, Any]) -> tuple[str, ...]:
+    """One job of the `ledger` table, from its row (`raw`) and its JSON (`r`)."""
+    return (
+        r["id"][:8],
+        r["scope"],
+        r["name"],
+        f"{r['instance_type']} x{r['nodes']}",
+        fmt_usd(raw["rate_micro_per_hour"]),
+        fmt_usd(raw["reserved_micro"]),
+        "-" if raw["actual_micro"] is None else fmt_usd(raw["actual_micro"]),
+        r["state"] + (f" ({r['outcome']})" if r["outcome"] else ""),
+        (r["requested_at"] or "")[:19],
+        (r["flow_run_id"] or "")[:8],
     )
 
 
@@ -99,6 +102,7 @@ def _sweep_trial(name: str) -> dict[str, Any]:
     return {"sweep": None, "trial": None}
 
 
+@app.command("cancel")
 def cancel_cmd(
     job_ids: list[str] = typer.Argument(
         ..., help="Job ids, or prefixes of them as `ledger` shows them (8 characters)."
@@ -135,6 +139,7 @@ def cancel_cmd(
         console.print(f"{row['id'][:8]} {row['scope']}: {said}")
 
 
+@app.command("reconcile")
 def reconcile_cmd(
     stale_after: str = typer.Option(
         f"{STALE_AFTER_S:g}s", help="Silence after which a holder on another host counts as gone."

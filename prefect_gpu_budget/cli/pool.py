@@ -7,8 +7,8 @@ from typing import Any
 
 import typer
 
-from prefect_gpu_budget.cli.capacity import resources
 from prefect_gpu_budget.cli.common import console, current_ledger
+from prefect_gpu_budget.cli.tables import resources
 from prefect_gpu_budget.units import org_of
 
 pool_app = typer.Typer(name="pool", help="Capacity pools and team quotas.", no_args_is_help=True)
@@ -28,7 +28,7 @@ def pool_set(
     backfill: bool = typer.Option(False, help="Let small jobs pass a blocked big one."),
 ) -> None:
     """Create or replace a capacity pool; its team quotas stay as they are."""
-    from prefect_gpu_budget.models import PoolSettings
+    from prefect_gpu_budget.admission.admin_settings import PoolSettings
 
     block = PoolSettings(
         org=org,
@@ -99,7 +99,7 @@ def pool_quota(
 
 def _refuse_unpriced(instance_types: list[str]) -> None:
     """A job of an unpriced type could never be quoted: refuse a pool that names one."""
-    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.admission.prices import default_catalog
 
     catalog = default_catalog()
     for instance in instance_types:
@@ -132,7 +132,7 @@ class QuotaChange:
     @classmethod
     def of(cls, team, pool, gpus, vcpu, memory_gib, borrow_pct, lend_pct, weight) -> QuotaChange:
         """Checks the figures given (the team's share) before anything is read."""
-        from prefect_gpu_budget.models import TeamShare
+        from prefect_gpu_budget.admission.admin_settings import TeamShare
 
         shares = {"borrow_pct": borrow_pct, "lend_pct": lend_pct, "weight": weight}
         share = TeamShare(

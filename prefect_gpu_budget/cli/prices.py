@@ -1,4 +1,5 @@
-"""`quote` and `prices ...`: the dated price catalog (only `prices refresh` loads a cloud SDK)."""
+"""`prices ...`: the dated price catalog and this site's own prices (only `prices refresh`
+loads a cloud SDK)."""
 
 from __future__ import annotations
 
@@ -6,54 +7,11 @@ import typer
 
 from prefect_gpu_budget.cli.common import console, fail
 from prefect_gpu_budget.cli.tables import Col, layout, print_table
-from prefect_gpu_budget.units import fmt_usd
+
+prices_app = typer.Typer(name="prices", help="The price catalog.", no_args_is_help=True)
 
 
-def quote(
-    instance_type: str = typer.Argument(..., help="cloud:type, e.g. aws:p4d.24xlarge."),
-    nodes: int = typer.Option(1, min=1, max=1024),
-    hours: str = typer.Option("1", help="Runtime in hours (or a duration like '90m')."),
-    provisioning: str = typer.Option("on-demand", help="on-demand, spot or flex-start."),
-    gpus: int = typer.Option(None, help="A part of each machine: its GPUs."),
-    vcpu: int = typer.Option(None, help="A part of each machine: its vCPU."),
-    memory_gib: int = typer.Option(None, help="A part of each machine: its memory, GiB."),
-) -> None:
-    """Price a job shape from the dated catalog (a whole machine, or a part of one), as the
-    gate and `forecast` price it (`pricing.catalog.price_job`)."""
-    from prefect_gpu_budget.pricing.catalog import Machines, price_job
-    from prefect_gpu_budget.units import cost_micro, parse_duration
-
-    seconds = parse_duration(
-        hours if not hours.replace(".", "", 1).isdigit() else f"{hours}h", "hours"
-    )
-    if gpus is None and vcpu is None and memory_gib is None:
-        q, part = price_job(Machines(instance_type, nodes, provisioning))
-    else:  # the job model (pydantic) only for a part: a whole machine's quote stays quick
-        from prefect_gpu_budget.job import GpuJob
-
-        q, part = price_job(
-            GpuJob(
-                instance_type=instance_type,
-                nodes=nodes,
-                provisioning=provisioning,
-                max_runtime=seconds,
-                gpus=gpus,
-                vcpu=vcpu,
-                memory_gib=memory_gib,
-            )
-        )
-    per_node = f"{q.row.gpus}x {q.row.gpu_model} per node"
-    if part is not None and not part.whole:
-        per_node = f"{part.fraction} of each node's price (of {per_node})"
-    console.print(
-        f"{q.describe()}  {per_node}\n"
-        f"{seconds / 3600:g} h: {fmt_usd(cost_micro(q.rate_micro_per_hour, seconds, round_up=True))}"
-        f"  (price from {q.row.source}, {q.row.as_of})"
-    )
-    for warning in q.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
-
-
+@prices_app.command("set-local")
 def prices_set_local(
     name: str = typer.Argument(..., help="The NAME in local:NAME."),
     usd_per_hour: str = typer.Option(..., help="What an hour of this machine costs you."),
@@ -63,8 +21,8 @@ def prices_set_local(
 ) -> None:
     """Price a local machine so jobs on `local:NAME` can be admitted: in the ledger, so every
     host and replica on it prices the machine alike (a CSV: `prices import-local`)."""
+    from prefect_gpu_budget.admission.prices import set_ledger_price
     from prefect_gpu_budget.cli.common import current_ledger
-    from prefect_gpu_budget.pricing.catalog import set_ledger_price
 
     row = set_ledger_price(
         name, usd_per_hour, gpus, ledger=current_ledger(), vcpu=vcpu, memory_gib=memory_gib
@@ -76,6 +34,7 @@ def prices_set_local(
     )
 
 
+@prices_app.command("import-local")
 def prices_import_local(
     path: str = typer.Argument(..., metavar="CSV", help="A prices CSV (`-` reads stdin)."),
 ) -> None:
@@ -86,8 +45,9 @@ def prices_import_local(
     import tempfile
     from pathlib import Path
 
+    from prefect_gpu_budget.admission.prices import store_local_price
     from prefect_gpu_budget.cli.common import current_ledger
-    from prefect_gpu_budget.pricing.catalog import read_price_file, store_local_price
+    from prefect_gpu_budget.pricing.catalog import read_price_file
 
     if path == "-":
         with tempfile.NamedTemporaryFile("w", suffix=".csv", delete=False) as copy:
@@ -122,6 +82,7 @@ def prices_import_local(
         )
 
 
+@prices_app.command("export-local")
 def prices_export_local(
     path: str = typer.Argument("-", metavar="CSV", help="Where to write it (`-`: stdout)."),
 ) -> None:
@@ -130,8 +91,9 @@ def prices_export_local(
     import sys
     from pathlib import Path
 
+    from prefect_gpu_budget.admission.prices import ledger_prices
     from prefect_gpu_budget.cli.common import current_ledger
-    from prefect_gpu_budget.pricing.catalog import ledger_prices, write_rows
+    from prefect_gpu_budget.pricing.catalog import write_rows
 
     rows = ledger_prices(current_ledger().db.url)  # made if new, as every command makes it
     if path == "-":
@@ -150,12 +112,12 @@ def prices_export_local(
 def _ledger_shown() -> str:
     """This invocation's ledger, as it may be shown (no password)."""
     from prefect_gpu_budget import settings
-    from prefect_gpu_budget.cli.agents import _shown
-    from prefect_gpu_budget.cli.common import _state
+    from prefect_gpu_budget.cli.common import given_ledger_url, shown_url
 
-    return _shown(settings.ledger_url(_state["ledger_url"]))
+    return shown_url(settings.ledger_url(given_ledger_url()))
 
 
+@prices_app.command("refresh")
 def prices_refresh(
     aws: bool = typer.Option(False, "--aws", help="AWS Price List API and EC2 spot history."),
     gcp: bool = typer.Option(False, "--gcp", help="GCP Cloud Billing Catalog API."),
@@ -202,9 +164,10 @@ def prices_refresh(
     console.print(f"{len(rows)} prices read, {len(found)} changed; catalog written to {path}")
 
 
+@prices_app.command("list")
 def prices_list() -> None:
     """The catalog rows, with their sources and dates."""
-    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.admission.prices import default_catalog
 
     catalog = default_catalog()
     rows = []

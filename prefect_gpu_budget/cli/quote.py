@@ -20,8 +20,9 @@ def quote(
     memory_gib: int = typer.Option(None, help="A part of each machine: its memory, GiB."),
 ) -> None:
     """Price a job shape from the dated catalog (a whole machine, or a part of one), as the
-    gate and `forecast` price it (`pricing.catalog.price_job`)."""
-    from prefect_gpu_budget.pricing.catalog import Machines, price_job
+    gate and `forecast` price it (`admission.prices.price_job`)."""
+    from prefect_gpu_budget.admission.prices import price_job
+    from prefect_gpu_budget.pricing.catalog import Machines
     from prefect_gpu_budget.units import cost_micro, parse_duration
 
     seconds = parse_duration(

@@ -10,9 +10,11 @@ from typing import Any
 
 import typer
 
+from prefect_gpu_budget.cli.app import app
 from prefect_gpu_budget.cli.common import console, current_ledger, fail, spend_ledger
 
 
+@app.command()
 def demo(
     out: str = typer.Option("gpu-budget-demo", help="Folder for the CSV, plot and demo ledger."),
     trials: int = typer.Option(
@@ -22,9 +24,9 @@ def demo(
 ) -> None:
     """Run a small real sweep under a budget whose caps bite (no server or GPU needed). Ctrl-C
     stops it as it stops `sweep`."""
-    from prefect_gpu_budget.cli.foreground import run_in_foreground
     from prefect_gpu_budget.flows.demo import remove_demo_limits, run_demo
-    from prefect_gpu_budget.flows.sweep import gpu_sweep
+    from prefect_gpu_budget.sweeps.flow import gpu_sweep
+    from prefect_gpu_budget.sweeps.foreground import run_in_foreground
 
     def in_foreground(spec: Any, ledger: Any) -> Any:
         state = run_in_foreground(
@@ -45,18 +47,19 @@ def _until_ended(worker: Any) -> None:
         worker.join(timeout=0.5)
 
 
+@app.command()
 def sweep(
     spec_path: str = typer.Argument(..., metavar="SWEEP", help="The sweep spec YAML."),
     scope: str = typer.Option(None, help="Run it under this scope instead of the spec's."),
 ) -> None:
     """Run a sweep from its YAML spec: progress as trials finish, the results table at the end,
     and the run's page in the Prefect UI."""
-    from prefect_gpu_budget.cli.foreground import run_in_foreground
     from prefect_gpu_budget.flows.demo import start_temporary_server
-    from prefect_gpu_budget.flows.sweep import gpu_sweep, load_spec
     from prefect_gpu_budget.launchers.local import LocalLauncher
     from prefect_gpu_budget.launchers.registry import launcher_for
-    from prefect_gpu_budget.sweep_spec import preflight
+    from prefect_gpu_budget.sweeps.flow import gpu_sweep, load_spec
+    from prefect_gpu_budget.sweeps.foreground import run_in_foreground
+    from prefect_gpu_budget.sweeps.spec import preflight
 
     spec = load_spec(spec_path, scope)  # a bad spec fails here, before any server starts
     if spec.launcher is None:  # what `forecast` and the first trial would refuse, refused now
@@ -76,7 +79,7 @@ def sweep(
         lambda worker: _show_progress(worker, ledger, spec, total, started),
     )
     df = state.result(raise_on_failure=False)
-    df = getattr(df, "trials", df)  # a cancelled sweep's table (flows.sweep.SweepCancelled)
+    df = getattr(df, "trials", df)  # a cancelled sweep's table (sweeps.flow.SweepCancelled)
     if not hasattr(df, "to_string"):
         fail(f"sweep {spec.name} ended {state.name}: {state.message}", code=1)
     typer.echo(_trials_table(df, spec))
@@ -149,6 +152,7 @@ def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: flo
         bar.update(task, completed=total)
 
 
+@app.command()
 def forecast(
     sweep: str = typer.Argument(..., help="The sweep spec YAML."),
     scope: str = typer.Option(None, help="Run it under this scope instead of the spec's."),
@@ -156,9 +160,9 @@ def forecast(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Predict a sweep's makespan, spend and waits under the current caps, budgets and ledger."""
-    from prefect_gpu_budget.forecast import forecast as predict
-    from prefect_gpu_budget.forecast import plot as draw
-    from prefect_gpu_budget.sweep_spec import load_spec
+    from prefect_gpu_budget.sweeps.forecast import forecast as predict
+    from prefect_gpu_budget.sweeps.forecast import plot as draw
+    from prefect_gpu_budget.sweeps.spec import load_spec
 
     spec = load_spec(sweep, scope)
     ledger = current_ledger()
@@ -172,6 +176,7 @@ def forecast(
     console.print(result.describe())
 
 
+@app.command()
 def serve(
     sweep: str = typer.Option(
         None, help="Sweep spec YAML for the sweep deployment (default: the example)."
@@ -191,15 +196,15 @@ def serve(
     (one line says so); another user's it refuses to start with. Ctrl-C (or SIGTERM) stops the
     running sweeps as `sweep` stops its own, then the runner. Without PREFECT_API_URL it
     starts a temporary Prefect server for itself and its sweeps, and stops it as it ends."""
-    from prefect_gpu_budget.cli.agents import startup_check
-    from prefect_gpu_budget.cli.common import _state
+    from prefect_gpu_budget.cli.agent import startup_check
+    from prefect_gpu_budget.cli.common import given_ledger_url
 
-    startup_check(_state["ledger_url"], allow_shared_home)
+    startup_check(given_ledger_url(), allow_shared_home)
     from prefect_gpu_budget.cli.server import ensure_server
 
     ensure_server("serve")  # before Prefect is imported: its URL is read once
-    from prefect_gpu_budget.cli.foreground import serve_in_foreground
     from prefect_gpu_budget.deployments import EXAMPLE_SPEC, deployments
+    from prefect_gpu_budget.sweeps.foreground import serve_in_foreground
 
     served = deployments(
         sweep_spec=sweep or EXAMPLE_SPEC,
@@ -210,6 +215,7 @@ def serve(
     serve_in_foreground(served, current_ledger())
 
 
+@app.command()
 def deploy(
     work_pool: str = typer.Option(..., help="The work pool that runs the flows."),
     sweep: str = typer.Option(None, help="Sweep spec YAML for the sweep deployment."),

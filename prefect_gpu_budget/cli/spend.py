@@ -1,11 +1,9 @@
 """`spend`: what each budgeted scope has spent in its current period (day, week or month, in
-its budget's time zone), as a table, `--json` or `--csv`; and the word for a command typed
-that does not exist."""
+its budget's time zone), as a table, `--json` or `--csv`."""
 
 from __future__ import annotations
 
 import csv
-import difflib
 import io
 import json
 from typing import Any
@@ -13,6 +11,7 @@ from typing import Any
 import typer
 
 from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.cli.app import app
 from prefect_gpu_budget.cli.common import current_ledger, fail
 from prefect_gpu_budget.cli.tables import Col, print_table
 from prefect_gpu_budget.units import fmt_usd, iso, usd
@@ -46,6 +45,7 @@ def _row(r: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@app.command()
 def spend(
     scope: str = typer.Argument(None, help="A scope (and the scopes under it); default all."),
     period: str = typer.Option(None, help="Only scopes whose budget is per day, week or month."),
@@ -62,63 +62,43 @@ def spend(
         r for r in current_ledger().views.status(scope) if period is None or r["period"] == period
     ]
     if scope is not None and not rows:
-        from prefect_gpu_budget.cli.budgets import no_such_scope
+        from prefect_gpu_budget.cli.status import no_such_scope
 
         no_such_scope("spend", scope)
     if as_json:
         typer.echo(json.dumps([_row(r) for r in rows], indent=2))
-        return
-    if as_csv:
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=FIELDS, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(_row(r) for r in rows)  # scopes are a-z 0-9 - _ /: no formula
-        typer.echo(out.getvalue(), nl=False)
-        return
-    print_table(
-        (
-            Col("scope"),
-            Col("period", "text", drop=3),
-            Col("settled", drop=2),
-            Col("reserved", drop=1),
-            Col("spent"),
-            Col("remaining / budget", "pair"),
-        ),
-        [
-            (
-                r["scope"],
-                f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
-                fmt_usd(r["settled_micro"]),
-                fmt_usd(r["reserved_micro"]),
-                fmt_usd(r["settled_micro"] + r["reserved_micro"]),
-                "-"
-                if r["period_budget_micro"] is None
-                else f"{fmt_usd(r['remaining_micro'])} / {fmt_usd(r['period_budget_micro'])}",
-            )
-            for r in rows
-        ],
-    )
+    elif as_csv:
+        _print_csv(rows)
+    else:
+        print_table(_SPEND_COLUMNS, [_table_row(r) for r in rows])
 
 
-ASKED_FOR = {
-    "cost": "spend",
-    "costs": "spend",
-    "spent": "spend",
-    "usage": "spend",
-    "budgets": "budget show",
-    "jobs": "ledger",
-    "list": "ledger",
-    "price": "prices list",
-}
-"""Words a user types for a command that has another name."""
+def _print_csv(rows: list[dict[str, Any]]) -> None:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(_row(r) for r in rows)  # scopes are a-z 0-9 - _ /: no formula
+    typer.echo(out.getvalue(), nl=False)
 
 
-def suggestion(typed: str, commands: list[str], group: str = "") -> str:
-    """` Did you mean `prefect-gpu-budget spend`?` for a command that does not exist (in
-    `group`, a command group's name, or at the top), or nothing."""
-    word = (ASKED_FOR.get(typed) if not group else None) or next(
-        iter(difflib.get_close_matches(typed, commands, 1)), None
-    )
+_SPEND_COLUMNS = (
+    Col("scope"),
+    Col("period", "text", drop=3),
+    Col("settled", drop=2),
+    Col("reserved", drop=1),
+    Col("spent"),
+    Col("remaining / budget", "pair"),
+)
+
+
+def _table_row(r: dict[str, Any]) -> tuple[str, ...]:
     return (
-        f" Did you mean `prefect-gpu-budget {group + ' ' if group else ''}{word}`?" if word else ""
+        r["scope"],
+        f"{r['period']} from {periods.fmt_instant(r['period_start'], r['timezone'])}",
+        fmt_usd(r["settled_micro"]),
+        fmt_usd(r["reserved_micro"]),
+        fmt_usd(r["settled_micro"] + r["reserved_micro"]),
+        "-"
+        if r["period_budget_micro"] is None
+        else f"{fmt_usd(r['remaining_micro'])} / {fmt_usd(r['period_budget_micro'])}",
     )

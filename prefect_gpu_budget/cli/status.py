@@ -10,9 +10,8 @@ import typer
 
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.cli.app import app
-from prefect_gpu_budget.cli.capacity import print_pool
 from prefect_gpu_budget.cli.common import console, current_ledger, fail
-from prefect_gpu_budget.cli.tables import Col, print_table
+from prefect_gpu_budget.cli.tables import Col, print_pool, print_table
 from prefect_gpu_budget.units import fmt_usd, org_of
 
 

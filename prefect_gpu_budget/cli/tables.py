@@ -123,3 +123,42 @@ def print_table(columns: Sequence[Col], rows: Iterable[Sequence[str]]) -> None:
     console.print(table)
     if note:
         console.print(note, markup=False, highlight=False)
+
+
+def resources(r: tuple[int, int, int], model: str = "") -> str:
+    return f"{r[0]} {model} / {r[1]} vCPU / {r[2]} GiB".replace("  ", " ")
+
+
+_POOL_COLUMNS = (
+    Col("team"),
+    Col("quota", "name"),
+    Col("used", "name"),
+    Col("borrowed", drop=1),
+    Col("lent", drop=2),
+    Col("borrow / lend / weight", "name", drop=3),
+    Col("reclaim / within team / queue", "name", drop=4),
+)
+
+
+def print_pool(pool: dict) -> None:
+    rows = [
+        (
+            t["team"],
+            resources(t["quota"], pool["gpu_model"]),
+            resources(t["used"]),
+            str(t["borrowed"][0]),
+            str(t["lent"][0]),
+            f"{t['borrow_pct']}% / {t['lend_pct']}% / {t['weight']}",
+            f"{t['reclaim']} / {t['within_team']} / {t['queueing']}",
+        )
+        for t in pool["teams"]
+    ]
+    console.print(
+        f"pool {pool['org']}/{pool['pool']} ({pool['kind']}, {pool['nodes']} x "
+        f"{resources(pool['node'], pool['gpu_model'])}): {pool['used'][0]} of {pool['total'][0]} "
+        "accelerators in use"
+    )
+    if rows:
+        print_table(_POOL_COLUMNS, rows)
+    for q in pool["queue"]:
+        console.print(f"[yellow]queued[/] {q['job_id'][:8]} {q['scope']}: {q['reason']}")

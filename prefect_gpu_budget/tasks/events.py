@@ -118,15 +118,30 @@ def _show_state(ctx: TaskRunContext | None, state: State) -> None:
 
 def prefect_events(scope: str, job: GpuJob) -> GateEvents:
     """Gate events as Prefect logs, events and notifications for the current run."""
-    logger = get_run_logger()
-    ctx = TaskRunContext.get()
-    shown_waiting: list[bool] = []
+    said = RunEvents(scope, job, get_run_logger(), TaskRunContext.get())
+    return GateEvents(
+        queued=said.queued,
+        waiting=said.waiting,
+        admitted=said.admitted,
+        refused=said.refused,
+        settled=said.settled,
+        warning=said.warning,
+    )
 
-    def show_waiting(decision: Decision) -> None:
+
+class RunEvents:
+    """What the gate says of one job, said for the current run: each event a log line, a
+    Prefect event, and while the job waits the task run's `AwaitingBudget` state."""
+
+    def __init__(self, scope: str, job: GpuJob, logger: Any, ctx: TaskRunContext | None) -> None:
+        self.scope, self.job, self.logger, self.ctx = scope, job, logger, ctx
+        self.shown_waiting = False
+
+    def show_waiting(self, decision: Decision) -> None:
         """The task run's `AwaitingBudget` state, its message what holds the job now."""
-        shown_waiting.append(True)
+        self.shown_waiting = True
         _show_state(
-            ctx,
+            self.ctx,
             State(
                 type=StateType.SCHEDULED,
                 name=AWAITING_BUDGET,
@@ -134,50 +149,53 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             ),
         )
 
-    def queued(job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
-        logger.warning("GPU job %s waits: %s", job_id[:8], short_why(decision))
-        show_waiting(decision)
+    def queued(self, job_id: str, decision: Decision, rules: list[BudgetRule]) -> None:
+        self.logger.warning("GPU job %s waits: %s", job_id[:8], short_why(decision))
+        self.show_waiting(decision)
         emit_event(
             event="gpu-budget.job.queued",
-            resource=_resource(job_id, scope),
+            resource=_resource(job_id, self.scope),
             payload={
                 "reason": decision.reason,
                 "limit": decision.limit,
                 "blocking_scope": decision.scope,
-                "instance_type": job.instance_type,
-                "nodes": job.nodes,
+                "instance_type": self.job.instance_type,
+                "nodes": self.job.nodes,
             },
         )
         try:
             _notify_once(
                 rules,
-                f"GPU job {job.name or job.instance_type} in {scope} is waiting: {decision.reason}",
-                subject=f"GPU budget: job waiting in {scope}",
+                f"GPU job {self.job.name or self.job.instance_type} in {self.scope} is waiting: "
+                f"{decision.reason}",
+                subject=f"GPU budget: job waiting in {self.scope}",
             )
         except Exception as exc:  # a failed notification never blocks the gate
-            logger.warning("could not send the waiting notification: %s", exc)
+            self.logger.warning("could not send the waiting notification: %s", exc)
 
-    def waiting(job_id: str, decision: Decision) -> None:
-        logger.info("GPU job %s still waits: %s", job_id[:8], short_why(decision))
-        show_waiting(decision)  # the UI follows what holds it, not its first reason
+    def waiting(self, job_id: str, decision: Decision) -> None:
+        self.logger.info("GPU job %s still waits: %s", job_id[:8], short_why(decision))
+        self.show_waiting(decision)  # the UI follows what holds it, not its first reason
 
-    def admitted(admission: Admission) -> None:
-        if shown_waiting:
-            _show_state(ctx, Running(message=f"admitted after {fmt_duration(admission.waited_s)}"))
-        logger.info(
+    def admitted(self, admission: Admission) -> None:
+        if self.shown_waiting:
+            _show_state(
+                self.ctx, Running(message=f"admitted after {fmt_duration(admission.waited_s)}")
+            )
+        self.logger.info(
             "GPU job %s admitted in %s after %s: %s",
             admission.job_id[:8],
-            scope,
+            self.scope,
             fmt_duration(admission.waited_s),
             admission.reason.removeprefix("admitted: "),
         )
         for warning in admission.quote.warnings:
             if warning not in _warned:  # once per process, not once per trial
                 _warned.add(warning)
-                logger.warning("price warning: %s%s", warning, _refresh_hint(admission))
+                self.logger.warning("price warning: %s%s", warning, _refresh_hint(admission))
         emit_event(
             event="gpu-budget.job.admitted",
-            resource=_resource(admission.job_id, scope),
+            resource=_resource(admission.job_id, self.scope),
             payload={
                 "reserved_usd": micro_to_usd(admission.reserved_micro),
                 "rate_usd_per_hour": micro_to_usd(admission.quote.rate_micro_per_hour),
@@ -185,18 +203,18 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             },
         )
 
-    def refused(job_id: str, refused: AdmissionRefused) -> None:
-        say = logger.warning if refused.state_name == "Cancelled" else logger.error
+    def refused(self, job_id: str, refused: AdmissionRefused) -> None:
+        say = self.logger.warning if refused.state_name == "Cancelled" else self.logger.error
         # its reason is the run's final state's message, logged next: said once
-        say("GPU job %s in %s ends %s", job_id[:8], scope, refused.state_name)
+        say("GPU job %s in %s ends %s", job_id[:8], self.scope, refused.state_name)
         emit_event(
             event="gpu-budget.job.rejected",
-            resource=_resource(job_id, scope),
+            resource=_resource(job_id, self.scope),
             payload={"state": refused.state_name, "reason": refused.reason},
         )
 
-    def settled(admission: Admission, row: dict[str, Any]) -> None:
-        logger.info(
+    def settled(self, admission: Admission, row: dict[str, Any]) -> None:
+        self.logger.info(
             "GPU job %s settled (%s): %s of %s reserved",
             admission.job_id[:8],
             row["outcome"],
@@ -205,7 +223,7 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
         )
         emit_event(
             event="gpu-budget.job.settled",
-            resource=_resource(admission.job_id, scope),
+            resource=_resource(admission.job_id, self.scope),
             payload={
                 "outcome": row["outcome"],
                 "actual_usd": micro_to_usd(row["actual_micro"] or 0),
@@ -214,14 +232,5 @@ def prefect_events(scope: str, job: GpuJob) -> GateEvents:
             },
         )
 
-    def warning(message: str) -> None:
-        logger.warning("GPU budget gate: %s", message)
-
-    return GateEvents(
-        queued=queued,
-        waiting=waiting,
-        admitted=admitted,
-        refused=refused,
-        settled=settled,
-        warning=warning,
-    )
+    def warning(self, message: str) -> None:
+        self.logger.warning("GPU budget gate: %s", message)

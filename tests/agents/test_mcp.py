@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
-from prefect_gpu_budget.agents.door import Caller, Refused
+from prefect_gpu_budget.agents.callers import Caller, Refused
 from prefect_gpu_budget.agents.mcp import mcp_app
 from prefect_gpu_budget.agents.operations import OPERATIONS
 from tests.agents.mcp_client import HTTPRefused, _with_session, call_tool, list_tools, tools

@@ -1,9 +1,12 @@
-"""The sweep table fits the terminal; `--version` answers."""
+"""The sweep table fits the terminal; `--version` answers; `sweep` runs a YAML sweep."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pandas as pd
 
@@ -145,3 +148,73 @@ def test_a_failed_trial_says_its_reason_once(prefect_api, prices, tmp_path):
     assert "Traceback" not in logs, logs[-3000:]
     for reason in ended["reason"]:
         assert logs.count(reason[:60]) == 1, (reason, logs[-3000:])
+
+
+_TRIAL = """
+import json, os, sys, time
+time.sleep(0.2)
+with open(os.environ["GPU_BUDGET_METRICS_FILE"], "a") as out:
+    out.write(json.dumps({"summary": True, "loss": float(sys.argv[1])}) + "\\n")
+"""
+
+
+def test_sweep_command_runs_a_yaml_sweep_and_prints_its_table(prefect_api, prices, tmp_path):
+    (tmp_path / "trial.py").write_text(_TRIAL)
+    spec = {
+        "name": "cli",
+        "scope": "clisweep/team/a",
+        "job": {"instance_type": "local:box", "max_runtime": "30s", "kill_grace": "1s"},
+        "command": [sys.executable, str(tmp_path / "trial.py"), "{lr}"],
+        "grid": {"lr": [0.5, 0.25, 0.125]},
+        "parallelism": 3,
+        "results_dir": str(tmp_path / "results"),
+    }
+    (tmp_path / "sweep.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url, "COLUMNS": "200"}
+    cli = [sys.executable, "-m", "prefect_gpu_budget.cli"]
+    subprocess.run([*cli, "budget", "set", "clisweep", "--hourly-cap", "100"], env=env, check=True)
+    subprocess.run(
+        [*cli, "budget", "set", "clisweep/team", "--hourly-cap", "100", "--new"],
+        env=env,
+        check=True,
+    )
+    done = subprocess.run(
+        [*cli, "sweep", str(tmp_path / "sweep.yaml")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    header = next(line for line in lines if line.split()[:2] == ["trial", "lr"])
+    assert "state" in header and "cost_usd" in header
+    rows = [line.split() for line in lines[lines.index(header) + 1 :] if line[:1] == " "]
+    assert [r[0] for r in rows] == ["0", "1", "2"] and all("Completed" in r for r in rows), lines
+    [results] = [line for line in lines if line.startswith("results: ")]
+    assert (Path(results.split(": ", 1)[1]) / "trials.csv").is_file()
+
+    listed = subprocess.run(
+        [*cli, "ledger", "--json"], env=env, capture_output=True, text=True, check=True
+    )
+    jobs = json.loads(listed.stdout)
+    assert sorted(j["name"] for j in jobs) == [f"{spec['name']}/000{i}" for i in range(3)]
+    assert {j["outcome"] for j in jobs} == {"completed"} and all(j["flow_run_id"] for j in jobs)
+    assert sorted((j["sweep"], j["trial"]) for j in jobs) == [(spec["name"], i) for i in range(3)]
+    table = subprocess.run([*cli, "ledger"], env=env, capture_output=True, text=True, check=True)
+    assert table.stdout.count("settled (completed)") == 3, table.stdout
+
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(json.dumps({**spec, "paralelism": 2}))
+    bad = subprocess.run([*cli, "sweep", str(typo)], env=env, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: paralelism: unknown field; did you mean parallelism?"
+
+    bad = subprocess.run(
+        [*cli, "sweep", str(tmp_path / "missing.yaml")], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        f"error: spec: cannot read {tmp_path / 'missing.yaml'}: No such file or directory"
+    ]

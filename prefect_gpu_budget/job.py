@@ -204,6 +204,16 @@ class GpuJob(BaseModel):
         return min(ran_s, self.reserve_runtime_s)
 
 
+class LaunchConfigError(ValueError):
+    """A launcher setting is wrong for the job; raised by a launcher's `preflight` (or by the
+    sandbox an agent's local job runs in), before anything is reserved."""
+
+    def __init__(self, launcher: str, reason: str) -> None:
+        self.launcher = launcher
+        self.reason = reason
+        super().__init__(f"{launcher} launcher: {reason}")
+
+
 def one_line(exc: BaseException) -> str:
     """A user-facing one-line message, naming the field, for validation and input errors."""
     if isinstance(exc, ValidationError):

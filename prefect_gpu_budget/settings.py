@@ -143,7 +143,7 @@ def catalog_dir() -> Path:
     return Path(explicit) if explicit else prefect_home() / "gpu-budget" / "catalogs"
 
 
-# -- the sandbox agents' jobs run in (`launchers/sandbox.py`) ---------------------------------
+# -- the sandbox agents' jobs run in (`sandbox/launcher.py`) ---------------------------------
 
 LOCAL_MACHINE_ENV = "PREFECT_GPU_BUDGET_LOCAL_MACHINE"
 """The `local:NAME` this machine is priced as: the only type its local launcher runs."""

@@ -15,8 +15,8 @@ from prefect_gpu_budget.admission.ledger import NewJob
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.units import BudgetInputError
+from tests.cli.support import cli_run as _cli_run
 from tests.jobs import new_job
-from tests.test_cli import _cli_run
 
 
 def _job(priority: object, **kw) -> GpuJob:

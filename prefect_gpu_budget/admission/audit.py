@@ -102,22 +102,11 @@ def promise1_violations(
     its last admission time in the ledger, so its earlier interval is not replayed.
     """
     by_scope = {rule.scope: rule for rule in rules}
-    events: list[tuple[float, int, Row]] = []
-    for row in rows:
-        if row["admitted_at"] is None:
-            continue
-        events.append((row["admitted_at"], 1, row))
-        if row["state"] not in ACTIVE and row["settled_at"] is not None:
-            events.append((row["settled_at"], 0, row))
-    for at, shares in trueups:
-        events.append((at, 0, {"trueup": shares}))
-    events.sort(key=lambda e: (e[0], e[1]))
-
     active: dict[str, Row] = {}
     rate: dict[str, int] = defaultdict(int)
     settled: dict[tuple[str, float], int] = defaultdict(int)
     found: list[str] = []
-    for at, kind, row in events:
+    for at, kind, row in _replayed(rows, trueups):
         if "trueup" in row:
             for key, share in row["trueup"].items():
                 settled[key] += share
@@ -131,30 +120,60 @@ def promise1_violations(
                 settled[key] += share
             continue
         active[row["id"]] = row
-        new = hold_of(row, now=at)  # as the ledger saw it then
         for rule in path:
             rate[rule.scope] += row["rate_cents"]
-            cap = rule.hourly_cap_cents
-            if cap is not None and rate[rule.scope] > cap:
-                found.append(
-                    f"job {row['id'][:8]} admitted at {at:.3f}: running rate of {rule.scope} "
-                    f"{rate[rule.scope]} cents/h > cap {cap}"
-                )
-            budget = rule.period_budget_micro
-            if budget is None:
-                continue
-            held = [
-                hold_of(r, now=at) for r in active.values() if rule.scope in scope_path(r["scope"])
-            ]
-            touched = period_shares(new.reserved_micro, new.start, new.end, rule)
-            for p_start, _ in touched:
-                reserved = sum(held_in(h, at, rule, p_start) for h in held)
-                total = settled[(rule.scope, p_start)] + reserved
-                if total > budget:
-                    found.append(
-                        f"job {row['id'][:8]} admitted at {at:.3f}: {rule.period} of "
-                        f"{rule.scope} holds {fmt_usd(total)} > budget {fmt_usd(budget)}"
-                    )
+            found += _over_at_admission(row, at, rule, rate[rule.scope], active, settled)
+    return found
+
+
+def _replayed(
+    rows: Iterable[Row], trueups: Iterable[tuple[float, Mapping[tuple[str, float], int]]]
+) -> list[tuple[float, int, Row]]:
+    """Admissions (1), settlements and true-ups (0) in the ledger's order, settlements before
+    admissions stamped at the same instant."""
+    events: list[tuple[float, int, Row]] = []
+    for row in rows:
+        if row["admitted_at"] is None:
+            continue
+        events.append((row["admitted_at"], 1, row))
+        if row["state"] not in ACTIVE and row["settled_at"] is not None:
+            events.append((row["settled_at"], 0, row))
+    for at, shares in trueups:
+        events.append((at, 0, {"trueup": shares}))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return events
+
+
+def _over_at_admission(
+    row: Row,
+    at: float,
+    rule: BudgetRule,
+    running: int,
+    active: Mapping[str, Row],
+    settled: Mapping[tuple[str, float], int],
+) -> list[str]:
+    """What the admission of `row` at `at` broke of `rule`: its cap (`running`: the scope's
+    rate with it), or its budget in a period the new reservation touches."""
+    found = []
+    cap = rule.hourly_cap_cents
+    if cap is not None and running > cap:
+        found.append(
+            f"job {row['id'][:8]} admitted at {at:.3f}: running rate of {rule.scope} "
+            f"{running} cents/h > cap {cap}"
+        )
+    budget = rule.period_budget_micro
+    if budget is None:
+        return found
+    new = hold_of(row, now=at)  # as the ledger saw it then
+    held = [hold_of(r, now=at) for r in active.values() if rule.scope in scope_path(r["scope"])]
+    for p_start, _ in period_shares(new.reserved_micro, new.start, new.end, rule):
+        reserved = sum(held_in(h, at, rule, p_start) for h in held)
+        total = settled.get((rule.scope, p_start), 0) + reserved
+        if total > budget:
+            found.append(
+                f"job {row['id'][:8]} admitted at {at:.3f}: {rule.period} of "
+                f"{rule.scope} holds {fmt_usd(total)} > budget {fmt_usd(budget)}"
+            )
     return found
 
 

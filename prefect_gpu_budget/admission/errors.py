@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from prefect_gpu_budget.admission.rules.policy import Decision
+
 
 class AdmissionRefused(Exception):
     """The gate said no for good: `state_name` is `OverBudget`, `AdmissionTimeout`,
@@ -13,6 +15,16 @@ class AdmissionRefused(Exception):
         self.reason = reason
         self.job_id = job_id
         super().__init__(f"{state_name}: {reason}")
+
+
+def refuse(job_id: str, decision: Decision) -> None:
+    """Raise the refusal a rejection or a time-out is (`OverBudget`, `Cancelled`,
+    `AdmissionTimeout`); nothing for any other decision."""
+    if decision.verdict == "reject":
+        name = "Cancelled" if decision.limit == "cancelled" else "OverBudget"
+        raise AdmissionRefused(name, decision.reason, job_id)
+    if decision.verdict == "timeout":
+        raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
 
 
 class AdmissionGone(RuntimeError):

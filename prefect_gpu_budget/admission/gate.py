@@ -5,8 +5,7 @@
 3. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
    this process to the same org that arrive meanwhile;
 4. wait (`_wait`): a job not admitted at once is watched from then on (`_watch`), and does not
-   poll. The transaction that frees headroom decides the org's
-   queue, and the process's watcher (`admission/watcher.py`) wakes the jobs it decided, so a job
+   poll. The transaction that frees headroom decides the org's queue, and the process's watcher (`admission/watcher.py`) wakes the jobs it decided, so a job
    is admitted well within a second of headroom appearing, at a cost that grows with events,
    not with waiters; a waiter re-decides its own job (`Queue.try_admit`) only when woken, at its
    max wait, or when the period that blocks it resets;
@@ -26,9 +25,10 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
-from prefect_gpu_budget.admission.errors import AdmissionRefused
+from prefect_gpu_budget.admission.errors import AdmissionRefused, refuse
 from prefect_gpu_budget.admission.holding import Admission, EarlyStop, GateEvents, Holding
 from prefect_gpu_budget.admission.leases import Caps, EarlyLease, SlotLeases, limit_reason
 from prefect_gpu_budget.admission.ledger import (
@@ -39,6 +39,7 @@ from prefect_gpu_budget.admission.ledger import (
 )
 from prefect_gpu_budget.admission.limits import Limits
 from prefect_gpu_budget.admission.outages import patiently
+from prefect_gpu_budget.admission.prices import price_job
 from prefect_gpu_budget.admission.rules.policy import (
     BudgetRule,
     Decision,
@@ -55,7 +56,7 @@ from prefect_gpu_budget.admission.rules.timing import (
 )
 from prefect_gpu_budget.admission.watcher import Ticket, Watcher, watcher_for
 from prefect_gpu_budget.job import GpuJob, NodeShare
-from prefect_gpu_budget.pricing.catalog import Catalog, Quote, price_job
+from prefect_gpu_budget.pricing.catalog import Catalog, Quote
 from prefect_gpu_budget.threads import Handoff as _Handoff
 from prefect_gpu_budget.units import org_of, rate_cents, validate_scope
 
@@ -64,6 +65,48 @@ T = TypeVar("T")
 
 class _Cancelled(BaseException):
     """Raised in the admission thread when its caller was cancelled."""
+
+
+@dataclass
+class _Waiting:
+    """A waiting job between rounds (`Gate._wait`): its deadline (once it is told it waits),
+    whether an admission it took no slots for went back to the queue, and what held it last."""
+
+    job_id: str
+    started: float
+    deadline: float | None = None
+    given_back: bool = False
+    last_block: tuple[str | None, str | None] = (None, None)
+
+
+def _new_job(
+    job: GpuJob, scope: str, quote: Quote, share: NodeShare, flow_run_id: str | None, launcher: str
+) -> NewJob:
+    """What the gate records of a job asking to be admitted, priced (`quote`, `share`)."""
+    return NewJob(
+        scope=scope,
+        name=job.name or job.instance_type,
+        instance_type=job.instance_type,
+        provisioning=job.provisioning,
+        nodes=job.nodes,
+        rate_micro_per_hour=quote.rate_micro_per_hour,
+        rate_cents=rate_cents(quote.rate_micro_per_hour),
+        priority=job.priority if isinstance(job.priority, int) else 0,
+        priority_class=job.priority if isinstance(job.priority, str) else None,
+        max_runtime_s=job.reserve_runtime_s,
+        expected_runtime_s=job.expected_runtime,
+        holder=holder_id(),
+        launcher=launcher,
+        on_limit=job.on_limit,
+        max_wait_s=job.max_wait,
+        flow_run_id=flow_run_id,
+        pool=job.pool,
+        node_gpus=share.gpus,
+        node_vcpu=share.vcpu,
+        node_memory_gib=share.memory_gib,
+        partial=not share.whole,
+        grant=job.grant,
+    )
 
 
 class Gate:
@@ -121,10 +164,7 @@ class Gate:
     def quote(self, job: GpuJob) -> Quote:
         """The job's price: its machines', or its part of them (`price_job`, as `quote` and
         `forecast` price it)."""
-        return self._priced(job)[0]
-
-    def _priced(self, job: GpuJob) -> tuple[Quote, NodeShare]:
-        return price_job(job, self.catalog)
+        return price_job(job, self.catalog)[0]
 
     def admit(
         self, job: GpuJob, scope: str, *, flow_run_id: str | None = None, launcher: str = "local"
@@ -141,31 +181,8 @@ class Gate:
         back (its place in the queue, or its reservation and slots) and ends, and the caller
         re-raises once it has, or after `GIVE_BACK_S`."""
         validate_scope(scope)
-        quote, share = self._priced(job)
-        new = NewJob(
-            scope=scope,
-            name=job.name or job.instance_type,
-            instance_type=job.instance_type,
-            provisioning=job.provisioning,
-            nodes=job.nodes,
-            rate_micro_per_hour=quote.rate_micro_per_hour,
-            rate_cents=rate_cents(quote.rate_micro_per_hour),
-            priority=job.priority if isinstance(job.priority, int) else 0,
-            priority_class=job.priority if isinstance(job.priority, str) else None,
-            max_runtime_s=job.reserve_runtime_s,
-            expected_runtime_s=job.expected_runtime,
-            holder=holder_id(),
-            launcher=launcher,
-            on_limit=job.on_limit,
-            max_wait_s=job.max_wait,
-            flow_run_id=flow_run_id,
-            pool=job.pool,
-            node_gpus=share.gpus,
-            node_vcpu=share.vcpu,
-            node_memory_gib=share.memory_gib,
-            partial=not share.whole,
-            grant=job.grant,
-        )
+        quote, share = price_job(job, self.catalog)
+        new = _new_job(job, scope, quote, share, flow_run_id, launcher)
         handoff: _Handoff[Admission] = _Handoff()
 
         def admit_here() -> Admission:
@@ -306,81 +323,102 @@ class Gate:
         ticket: Ticket,
     ) -> Admission:
         """Until admitted with its slots, from the `first` decision (with the budgets it was
-        decided against, when the job asked, and the slots asked early)."""
+        decided against, when the job asked, and the slots asked early). Each round: 1. a
+        refusal or a time-out ends it; 2. an admission takes its slots (`_take`), or goes back
+        to the queue while Prefect's limit is full; 3. its events are told (`_tell`); 4. it
+        sleeps until woken (`_sleep`); 5. it reads the decision it woke to (`_woken`)."""
         decision, rules, started, early = first
-        deadline: float | None = None  # known once the job is told it waits
-        given_back = False  # an admission it could not take slots for went back to the queue
-        last_block: tuple[str | None, str | None] = (None, None)
+        waiting = _Waiting(job_id, started)
         while True:
             if handoff.cancelled:
                 raise _Cancelled
-            if decision.verdict == "reject":
-                name = "Cancelled" if decision.limit == "cancelled" else "OverBudget"
-                raise AdmissionRefused(name, decision.reason, job_id)
-            if decision.verdict == "timeout":
-                raise AdmissionRefused("AdmissionTimeout", decision.reason, job_id)
+            refuse(job_id, decision)
             if decision.verdict == "admit":
-                early_stop = EarlyStop()
-                if decision.pool is not None:  # borrowed capacity may be reclaimed at once
-                    threading.Thread(
-                        target=self.holding.watch_admitted,
-                        args=(job_id, early_stop),
-                        name=f"gpu-budget-preempt-early-{job_id[:8]}",
-                        daemon=True,
-                    ).start()
-                try:
-                    lease = self.leases.take(
-                        job_id,
-                        scope,
-                        slots,
-                        decision.caps,
-                        (functools.partial(self._max_wait, job, scope), started),
-                        early,
-                    )
-                    early = None  # asked for the first decision only
-                finally:
-                    early_stop.close()  # what the watcher saw is final from here
-                if lease is not False:
-                    admission = Admission(
-                        job_id=job_id,
-                        scope=scope,
-                        job=job,
-                        quote=quote,
-                        reserved_micro=decision.reserved_micro,
-                        waited_s=time.time() - started,
-                        reason=decision.reason,
-                        lease_id=lease,
-                        caps=decision.caps,
-                        slots=slots,
-                        pool=decision.pool,
-                        preempted=early_stop.preempted,
-                        stop_reason=early_stop.why,
-                    )
-                    try:
-                        self.holding.hold(admission)
-                        self.events.admitted(admission)
-                    except BaseException:  # nothing ran: hand back the lease and the money
-                        self.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
-                        raise
+                admission = self._take(job_id, scope, job, quote, slots, decision, started, early)
+                early = None  # asked for the first decision only
+                if admission is not None:
                     return admission
                 decision = Decision("wait", limit_reason(scope), limit="prefect_limit", scope=scope)
-                given_back = True  # what its watcher read before that may say it is admitted
-            if deadline is None:  # told once, with the budgets its request was decided against
-                self.events.queued(job_id, decision, rules)
-                deadline = wait_deadline(started, max_wait_of(job.max_wait, rules))
-            elif (decision.limit, decision.scope) != last_block:
-                self.events.waiting(job_id, decision)
-            last_block = (decision.limit, decision.scope)
-            ticket.wait_key = wait_key(decision) if decision.limit != "prefect_limit" else None
-            if not ticket.watched:
-                self._watch(ticket)
-            # asleep until the ledger may have decided this job, its max wait runs out or the
-            # period that blocks it resets (or, should every notice be lost, WAKE_ANYWAY_S)
-            wake_at = min(deadline, decision.resumes_at or deadline, time.time() + WAKE_ANYWAY_S)
-            handed = None if handoff.cancelled else ticket.wait(max(0.05, wake_at - time.time()))
-            if handoff.cancelled:
-                raise _Cancelled
-            decision = self._woken(job_id, scope, None if given_back else handed)
+                waiting.given_back = True  # what its watcher read before may say it is admitted
+            deadline = self._tell(job, decision, rules, waiting)
+            handed = self._sleep(ticket, handoff, decision, deadline)
+            decision = self._woken(job_id, scope, None if waiting.given_back else handed)
+
+    def _take(
+        self,
+        job_id: str,
+        scope: str,
+        job: GpuJob,
+        quote: Quote,
+        slots: int,
+        decision: Decision,
+        started: float,
+        early: EarlyLease | None,
+    ) -> Admission | None:
+        """An admitted job's slots (`leases.take`), watched for its borrowed capacity reclaimed
+        at once; its `Admission` held and told, or None: Prefect's limit is full."""
+        early_stop = EarlyStop()
+        if decision.pool is not None:  # borrowed capacity may be reclaimed at once
+            threading.Thread(
+                target=self.holding.watch_admitted,
+                args=(job_id, early_stop),
+                name=f"gpu-budget-preempt-early-{job_id[:8]}",
+                daemon=True,
+            ).start()
+        try:
+            max_wait = (functools.partial(self._max_wait, job, scope), started)
+            lease = self.leases.take(job_id, scope, slots, decision.caps, max_wait, early)
+        finally:
+            early_stop.close()  # what the watcher saw is final from here
+        if lease is False:
+            return None
+        admission = Admission(
+            job_id=job_id,
+            scope=scope,
+            job=job,
+            quote=quote,
+            reserved_micro=decision.reserved_micro,
+            waited_s=time.time() - started,
+            reason=decision.reason,
+            lease_id=lease,
+            caps=decision.caps,
+            slots=slots,
+            pool=decision.pool,
+            preempted=early_stop.preempted,
+            stop_reason=early_stop.why,
+        )
+        try:
+            self.holding.hold(admission)
+            self.events.admitted(admission)
+        except BaseException:  # nothing ran: hand back the lease and the money
+            self.holding.settle(admission, ended_at=time.time(), outcome="cancelled")
+            raise
+        return admission
+
+    def _tell(self, job: GpuJob, decision: Decision, rules: list[BudgetRule], w: _Waiting) -> float:
+        """Tell the events that the job waits: once, with the budgets its request was decided
+        against, then each time what holds it changes; its deadline."""
+        if w.deadline is None:
+            self.events.queued(w.job_id, decision, rules)
+            w.deadline = wait_deadline(w.started, max_wait_of(job.max_wait, rules))
+        elif (decision.limit, decision.scope) != w.last_block:
+            self.events.waiting(w.job_id, decision)
+        w.last_block = (decision.limit, decision.scope)
+        return w.deadline
+
+    def _sleep(
+        self, ticket: Ticket, handoff: _Handoff[Admission], decision: Decision, deadline: float
+    ) -> tuple[Decision, float] | None:
+        """Asleep until the ledger may have decided the job, its max wait runs out or the period
+        that blocks it resets (or WAKE_ANYWAY_S); what its watcher handed it, if anything."""
+        ticket.wait_key = wait_key(decision) if decision.limit != "prefect_limit" else None
+        if not ticket.watched:
+            self._watch(ticket)
+        wake_at = min(deadline, decision.resumes_at or deadline, time.time() + WAKE_ANYWAY_S)
+        handed = None if handoff.cancelled else ticket.wait(max(0.05, wake_at - time.time()))
+        if handoff.cancelled:
+            raise _Cancelled
+        return handed
 
     def _woken(self, job_id: str, scope: str, handed: tuple[Decision, float] | None) -> Decision:
         """The decision of a job that woke: the one another's transaction made and its watcher

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect_gpu_budget.admission.errors import AdmissionGone, AdmissionRefused
@@ -152,7 +152,6 @@ class SlotLeases:
         is queued again."""
         if self.limits is None or not caps:
             return None
-        done = threading.Event()
         max_wait = [0.0]
 
         def left() -> float | None:  # asked only in an outage: no read on the way to admission
@@ -161,34 +160,17 @@ class SlotLeases:
             max_wait[0] = asked[0]()
             return None if max_wait[0] <= 0 else max(0.0, asked[1] + max_wait[0] - time.time())
 
-        def stamp() -> None:
-            while not done.wait(LIVENESS_S):
-                with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
-                    self.ledger.settlements.heartbeat(job_id)
-
-        threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
-        try:
-            if early is not None:  # Prefect's answer to it, however slow, the row stamped
-                taken = early.lease(caps, slots)
-                if taken is not None:
-                    self._record_or_release(job_id, taken)
-                    return taken
-                early.drop()
-            deadline = time.monotonic() + LIMIT_RETRY_S
-            while True:
-                lease = self._take_and_record(job_id, caps, slots, left)
-                if lease is not None:
-                    return lease
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.02)
-        except PrefectRefused as exc:
-            self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
-        except DependencyDown as exc:  # still down when the max wait ran out
-            reason = f"max wait {fmt_duration(max_wait[0])} ran out: {_outage(exc)}"
-            self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
-        finally:
-            done.set()
+        lease = None
+        with self._stamping(job_id):
+            try:
+                lease = self._lease(job_id, caps, slots, left, early)
+            except PrefectRefused as exc:
+                self._end_admission(job_id, scope, "rejected", "PrefectRefused", str(exc))
+            except DependencyDown as exc:  # still down when the max wait ran out
+                reason = f"max wait {fmt_duration(max_wait[0])} ran out: {_outage(exc)}"
+                self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
+        if lease is not None:
+            return lease
         if left() == 0.0:  # full, and the job's max wait has run out
             reason = f"max wait {fmt_duration(max_wait[0])} ran out: {limit_reason(scope)}"
             self._end_admission(job_id, scope, "timed_out", "AdmissionTimeout", reason)
@@ -197,6 +179,48 @@ class SlotLeases:
             lambda: self.ledger.queue.unadmit(job_id, scope, limit_reason(scope)),
         )
         return False
+
+    @contextlib.contextmanager
+    def _stamping(self, job_id: str) -> Iterator[None]:
+        """While this talks to Prefect (slow when its API is), another thread stamps the job's
+        row."""
+        done = threading.Event()
+
+        def stamp() -> None:
+            while not done.wait(LIVENESS_S):
+                with contextlib.suppress(*OUTAGES):  # the ledger down too: the last stamp stands
+                    self.ledger.settlements.heartbeat(job_id)
+
+        threading.Thread(target=stamp, name="gpu-budget-stamp", daemon=True).start()
+        try:
+            yield
+        finally:
+            done.set()
+
+    def _lease(
+        self,
+        job_id: str,
+        caps: Caps,
+        slots: int,
+        left: Callable[[], float | None],
+        early: EarlyLease | None,
+    ) -> str | None:
+        """The slots asked `early`, if Prefect gave them, else slots taken now, tried again
+        for `LIMIT_RETRY_S` while the limit is full; the lease recorded, or None."""
+        if early is not None:  # Prefect's answer to it, however slow, the row stamped
+            taken = early.lease(caps, slots)
+            if taken is not None:
+                self._record_or_release(job_id, taken)
+                return taken
+            early.drop()
+        deadline = time.monotonic() + LIMIT_RETRY_S
+        while True:
+            lease = self._take_and_record(job_id, caps, slots, left)
+            if lease is not None:
+                return lease
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.02)
 
     def _end_admission(self, job_id: str, scope: str, state: str, name: str, reason: str) -> None:
         """End an admission whose Prefect limits cannot be taken in `state`, unrun, and raise

@@ -11,7 +11,6 @@ ended is stopped so. Used by the agent gateway, the sweep's own watch and Ctrl-C
 from __future__ import annotations
 
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
 
 CANCELLED, STOPPING = "cancelled", "stopping"
 TRIES = 5
@@ -35,7 +34,7 @@ def stop_job(ledger: Ledger, job_id: str, scope: str, reason: str) -> str | None
 
 def stop_sweep(ledger: Ledger, run_id: str, scope: str, reason: str) -> dict[str, int]:
     """Mark the sweep cancelled and stop each of its jobs not yet ended; how many of each."""
-    SweepRecords(ledger).cancel(run_id)
+    ledger.sweeps.cancel(run_id)
     counts = {CANCELLED: 0, STOPPING: 0}
     for row in ledger.views.jobs(scope, flow_run_id=run_id):
         if row["state"] not in FINAL:

@@ -22,7 +22,7 @@ from typing import Any
 import boto3
 from prefect_aws import AwsCredentials
 
-from prefect_gpu_budget.pricing.catalog import SHIPPED, PriceRow, _read
+from prefect_gpu_budget.pricing.catalog import SHIPPED, PriceRow, read_price_file
 from prefect_gpu_budget.units import BudgetInputError, shown, to_decimal_usd
 
 log = logging.getLogger("prefect_gpu_budget.pricing.aws")
@@ -118,7 +118,7 @@ def refresh_aws(
     every aws and sagemaker type in the shipped catalog. A type that AWS does not price in the
     region gets no row (and a warning in the log).
     """
-    shipped_rows = [row for row in _read(SHIPPED) if row.cloud in CLOUDS]
+    shipped_rows = [row for row in read_price_file(SHIPPED) if row.cloud in CLOUDS]
     shipped = {row.key: row for row in shipped_rows}
     keys = _wanted(instance_types, shipped)
     today = today or date.today()
@@ -135,27 +135,7 @@ def refresh_aws(
 
     for key in keys:
         cloud, _, name = key.partition(":")
-        if cloud == "aws":
-            found = _products(
-                pricing,
-                "AmazonEC2",
-                {
-                    "instanceType": name,
-                    "regionCode": region,
-                    "operatingSystem": "Linux",
-                    "tenancy": "Shared",
-                    "preInstalledSw": "NA",
-                    "capacitystatus": "Used",
-                },
-            )
-        else:
-            found = [
-                p
-                for p in _products(
-                    pricing, "AmazonSageMaker", {"instanceType": name, "regionCode": region}
-                )
-                if _train_usage(p) == name
-            ]
+        found = _listed(pricing, cloud, name, region)
         priced = [(usd, p) for p in found if (usd := _on_demand_usd(p)) is not None]
         if not priced:
             log.warning("no on-demand price for %s in %s in the Price List", key, region)
@@ -174,6 +154,29 @@ def refresh_aws(
         note = f"EC2 spot price history {region} (highest zone at {stamp:%Y-%m-%dT%H:%MZ})"
         rows.append(row(f"aws:{name}", "spot", usd, note, {}))
     return rows
+
+
+def _listed(pricing: Any, cloud: str, name: str, region: str) -> list[dict[str, Any]]:
+    """The Price List's products of one instance type in `region`: EC2's Linux, shared, no
+    software, used capacity; SageMaker's training usage of it."""
+    if cloud == "aws":
+        return _products(
+            pricing,
+            "AmazonEC2",
+            {
+                "instanceType": name,
+                "regionCode": region,
+                "operatingSystem": "Linux",
+                "tenancy": "Shared",
+                "preInstalledSw": "NA",
+                "capacitystatus": "Used",
+            },
+        )
+    return [
+        p
+        for p in _products(pricing, "AmazonSageMaker", {"instanceType": name, "regionCode": region})
+        if _train_usage(p) == name
+    ]
 
 
 def _train_usage(product: dict[str, Any]) -> str | None:

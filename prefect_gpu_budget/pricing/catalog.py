@@ -1,9 +1,10 @@
 """The dated price catalog and its lookup.
 
 Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by the admin in
-the ledger (`prices set-local`, `admission.ledger.local_prices`), so every host and replica on
-one ledger reads one list. A CSV of the same columns on a host (`PREFECT_GPU_BUDGET_PRICES`,
-default `$PREFECT_HOME/gpu-budget/prices.csv`) is still read, below the ledger's rows: a
+the ledger (`prices set-local`), so every host and replica on one ledger reads one list; the
+side that has the ledger reads them and hands them in (`admission.prices`): nothing here reads
+the ledger. A CSV of the same columns on a host (`PREFECT_GPU_BUDGET_PRICES`, default
+`$PREFECT_HOME/gpu-budget/prices.csv`) is still read, below the ledger's rows: a
 machine the ledger prices is priced as the ledger says on every host; the CSV is an import and
 an export (`prices import-local`, `prices export-local`). An unknown instance type is an error,
 never a zero price.
@@ -16,16 +17,16 @@ quoted at its machine's on-demand price, where that has one, as an upper bound (
 is billed at its own, discounted rate), marked as such (`Quote.bound`, a warning); never at a
 figure of our own.
 
-`price_job` is the one way a job is priced: the gate, `quote`, `forecast` (and so the simulator)
-all call it, so a part of a machine costs the same everywhere.
+`Catalog.price` is the one way a job is priced: the gate, `quote`, `forecast` (and so the
+simulator) all call it (through `admission.prices.price_job`), so a part of a machine costs the
+same everywhere.
 """
 
 from __future__ import annotations
 
 import csv
 import re
-import threading
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import date
 from decimal import Decimal
@@ -146,7 +147,7 @@ def _count(raw: dict[str, str], field: str, most: int) -> int:
     return int(text)
 
 
-def _parse_row(raw: dict[str, str], where: str) -> PriceRow:
+def parse_row(raw: dict[str, str], where: str) -> PriceRow:
     try:
         cloud, instance_type = raw["cloud"], raw["instance_type"]
         if not re.fullmatch(r"[a-z][a-z0-9-]{0,31}", cloud or ""):
@@ -188,10 +189,11 @@ def _parse_row(raw: dict[str, str], where: str) -> PriceRow:
         ) from None
 
 
-def _read(path: Path) -> list[PriceRow]:
+def read_price_file(path: Path) -> list[PriceRow]:
+    """The rows of a prices CSV, each checked (one line naming the file and row)."""
     try:
         with path.open(newline="", encoding="utf-8") as handle:
-            return [_parse_row(raw, str(path)) for raw in csv.DictReader(handle)]
+            return [parse_row(raw, str(path)) for raw in csv.DictReader(handle)]
     except UnicodeDecodeError as exc:
         raise BudgetInputError(
             "prices", f"{path} is not UTF-8 text (byte {exc.start}: {exc.reason})"
@@ -213,10 +215,11 @@ class Catalog:
                 self._rows[row.key, row.provisioning] = row
 
     @classmethod
-    def load(cls, *extra: Path, ledger_url: str | None = None) -> Catalog:
+    def load(cls, *extra: Path, local: Iterable[PriceRow] = ()) -> Catalog:
         """The shipped catalog, the newest refreshed one, `extra` files, this host's price
-        file, then the local prices of the ledger (`ledger_url`, else this process's)."""
-        return cls([*_file_rows(*extra), *ledger_prices(ledger_url)])
+        file, then `local` rows: a ledger's local prices, which the caller that has the
+        ledger reads (`admission.prices.ledger_prices`)."""
+        return cls([*file_rows(*extra), *local])
 
     def rows(self) -> list[PriceRow]:
         return list(self._rows.values())
@@ -305,6 +308,14 @@ class Catalog:
         bound = None if found is None or found.priced else self._bound_of(found)
         return None if bound is None else bound.usd_per_hour
 
+    def price(self, job: Priceable[Share], today: date | None = None) -> tuple[Quote, Share]:
+        """The one way a job is priced (the gate, `quote`, `forecast` and so the simulator, all
+        through `admission.prices.price_job`): its machines' quote, then its part of them
+        (`GpuJob.priced`: a 1-GPU share of an 8-GPU machine pays 1/8 of its price); with what
+        each node takes of a machine (a `NodeShare` for a `GpuJob`, None for `Machines`)."""
+        machines = self.quote(job.instance_type, job.nodes, job.provisioning, today=today)
+        return job.priced(machines)
+
 
 @dataclass(frozen=True)
 class Machines:
@@ -323,7 +334,7 @@ Share = TypeVar("Share", covariant=True)
 
 
 class Priceable(Protocol[Share]):
-    """What `price_job` prices: a shape of machines that says its part of them (`GpuJob`,
+    """What `Catalog.price` prices: a shape of machines that says its part of them (`GpuJob`,
     `Machines`)."""
 
     @property
@@ -333,19 +344,6 @@ class Priceable(Protocol[Share]):
     @property
     def provisioning(self) -> str: ...
     def priced(self, quote: Quote) -> tuple[Quote, Share]: ...
-
-
-def price_job(
-    job: Priceable[Share], catalog: Catalog | None = None, today: date | None = None
-) -> tuple[Quote, Share]:
-    """The one way a job is priced (the gate, `quote`, `forecast` and so the simulator): its
-    machines' quote from the catalog (`catalog`, else the default one), then its part of
-    them (`GpuJob.priced`: a 1-GPU share of an 8-GPU machine pays 1/8 of its price); with
-    what each node takes of a machine (a `NodeShare` for a `GpuJob`, None for `Machines`)."""
-    machines = (catalog or default_catalog()).quote(
-        job.instance_type, job.nodes, job.provisioning, today=today
-    )
-    return job.priced(machines)
 
 
 def set_local_price(
@@ -360,9 +358,9 @@ def set_local_price(
     replacing an older row): a CSV read on one host only, below the ledger's list (for every
     host: `set_ledger_price`, what `prices set-local` does). Its vCPU and memory (0: unknown)
     are what one job on it takes of a capacity pool's machine."""
-    row = _local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
+    row = local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
     path = path or user_prices_path()
-    rows = _read(path) if path.exists() else []
+    rows = read_price_file(path) if path.exists() else []
     rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
     write_rows(path, [*rows, row])
     return path
@@ -375,7 +373,7 @@ def write_rows(path: Path, rows: list[PriceRow]) -> None:
         writer = csv.writer(handle)
         writer.writerow(COLUMNS)
         writer.writerows(row_cells(r) for r in rows)
-    default_catalog.cache_clear()
+    cached_file_rows.cache_clear()  # the process's catalog is built again over the new rows
 
 
 def row_cells(r: PriceRow) -> list[object]:
@@ -395,34 +393,7 @@ def row_cells(r: PriceRow) -> list[object]:
     ]
 
 
-LEDGER_PRICES_TTL_S = 2.0
-"""How long a process prices with the ledger's local prices as it last read them: a price set
-on another host is used everywhere within this (and at once by the process that set it)."""
-LEDGER_SOURCE = "the ledger's local prices"
-
-
-def ledger_prices(url: str | None = None) -> list[PriceRow]:
-    """The `local:` rows of the ledger at `url` (else this process's ledger), checked as a
-    CSV's rows are; none from a ledger not made yet."""
-    from prefect_gpu_budget import settings
-    from prefect_gpu_budget.admission.ledger.local_prices import stored_rows
-
-    return [
-        _parse_row(
-            {
-                **raw,
-                "cloud": "local",
-                "instance_type": raw["name"],
-                "provisioning": "on-demand",
-                "verified": "yes",
-            },
-            LEDGER_SOURCE,
-        )
-        for raw in stored_rows(settings.ledger_url(url))
-    ]
-
-
-def _local_row(name: str, usd_per_hour: object, gpus: int, vcpu: int, memory_gib: int) -> PriceRow:
+def local_row(name: str, usd_per_hour: object, gpus: int, vcpu: int, memory_gib: int) -> PriceRow:
     """A `local:<name>` row priced by the admin, checked (one line naming the field)."""
     if not isinstance(name, str) or not SEGMENT_RE.fullmatch(name):
         raise BudgetInputError("name", f"must be 1-48 of a-z 0-9 - _, got {shown(name)}")
@@ -452,94 +423,18 @@ def _local_row(name: str, usd_per_hour: object, gpus: int, vcpu: int, memory_gib
     )
 
 
-def store_local_price(row: PriceRow, ledger: object) -> None:
-    """Write a `local:` row into `ledger` (a `Ledger`), replacing its older price; this
-    process prices with it at once."""
-    from prefect_gpu_budget.admission.ledger.local_prices import LocalPrices
-
-    if row.cloud != "local" or row.provisioning != "on-demand" or row.usd_per_hour is None:
-        raise BudgetInputError(
-            "prices",
-            f"only priced on-demand local: rows go in the ledger, got {row.key} "
-            f"({row.provisioning})",
-        )
-    LocalPrices(ledger.db).set(  # type: ignore[attr-defined]
-        {
-            "name": row.instance_type,
-            "usd_per_hour": str(row.usd_per_hour),
-            "gpu_model": row.gpu_model,
-            "gpus": row.gpus,
-            "vcpu": row.vcpu,
-            "memory_gib": row.memory_gib,
-            "source": row.source,
-            "as_of": row.as_of.isoformat(),
-        }
-    )
-    default_catalog.cache_clear()
-
-
-def set_ledger_price(
-    name: str,
-    usd_per_hour: object,
-    gpus: int = 1,
-    *,
-    ledger: object,
-    vcpu: int = 0,
-    memory_gib: int = 0,
-) -> PriceRow:
-    """Price a `local:<name>` machine in the ledger, for every host and replica on it."""
-    row = _local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
-    store_local_price(row, ledger)
-    return row
-
-
-def read_price_file(path: Path) -> list[PriceRow]:
-    """The rows of a prices CSV, each checked (one line naming the file and row)."""
-    return _read(path)
-
-
 @lru_cache(maxsize=1)
-def _cached_file_rows() -> tuple[PriceRow, ...]:
-    return tuple(_file_rows())
+def cached_file_rows() -> tuple[PriceRow, ...]:
+    """`file_rows()`, read once per process (again after `write_rows`, or once cleared: the
+    same tuple until then, so a catalog built over it can tell it is current)."""
+    return tuple(file_rows())
 
 
-def _file_rows(*extra: Path) -> list[PriceRow]:
+def file_rows(*extra: Path) -> list[PriceRow]:
     """The rows of the files: shipped, newest refreshed, `extra`, this host's price file."""
     refreshed = latest_refresh()
     paths = [SHIPPED, *([refreshed] if refreshed else []), *extra]
     user = user_prices_path()
     if user.exists():
         paths.append(user)
-    return [row for path in paths for row in _read(path)]
-
-
-_default: dict[str, object] = {}
-_default_lock = threading.Lock()
-
-
-def default_catalog() -> Catalog:
-    """The catalog of this process: the files (read once) and its ledger's local prices (read
-    again once they are `LEDGER_PRICES_TTL_S` old)."""
-    from prefect_gpu_budget import settings
-
-    url = settings.ledger_url()
-    with _default_lock:
-        now = time.monotonic()
-        fresh = _default.get("url") == url and now - _default["at"] < LEDGER_PRICES_TTL_S
-        if not fresh:
-            local = ledger_prices(url)
-            if _default.get("url") != url or _default.get("local") != local:
-                _default["catalog"] = Catalog([*_cached_file_rows(), *local])
-                _default["local"] = local
-            _default.update(url=url, at=now)
-        return _default["catalog"]  # type: ignore[return-value]
-
-
-def _clear_default() -> None:
-    """Read the files and the ledger again on next use."""
-    with _default_lock:
-        _default.clear()
-    _cached_file_rows.cache_clear()
-
-
-default_catalog.cache_clear = _clear_default  # type: ignore[attr-defined]
+    return [row for path in paths for row in read_price_file(path)]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from google.api_core import exceptions as api_errors
 
 from prefect_gpu_budget.extras import MissingExtra
-from prefect_gpu_budget.pricing.catalog import PriceRow, default_catalog
+from prefect_gpu_budget.pricing.catalog import Catalog, PriceRow, cached_file_rows
 
 if TYPE_CHECKING:
     from google.cloud import billing_v1
@@ -213,7 +213,7 @@ def refresh_gcp(
     type in the catalog. A machine type with no SKUs for some provisioning gets no row for it.
     """
     shapes: dict[str, PriceRow] = {}
-    for row in machines if machines is not None else default_catalog().rows():
+    for row in machines if machines is not None else Catalog([*cached_file_rows()]).rows():
         if row.cloud == "gcp":
             shapes.setdefault(row.instance_type, row)
     skus = compute_engine_skus(credentials, region, api_endpoint)

@@ -110,7 +110,8 @@ def _racer(url: str, index: int, count: int) -> None:
 def test_racing_admitters_never_over_commit_quota_or_capacity(
     ledger, ledger_url, tmp_path, monkeypatch
 ):
-    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+    from prefect_gpu_budget.admission.prices import default_catalog
+    from prefect_gpu_budget.pricing.catalog import set_local_price
 
     prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))  # the racers inherit it
@@ -166,7 +167,8 @@ def test_a_partial_gpu_job_takes_its_share_of_vcpu_and_memory(ledger):
 def test_two_gang_jobs_racing_for_three_nodes_never_deadlock(ledger, tmp_path, monkeypatch):
     import threading
 
-    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+    from prefect_gpu_budget.admission.prices import default_catalog
+    from prefect_gpu_budget.pricing.catalog import set_local_price
 
     prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
@@ -266,7 +268,8 @@ def test_a_reclaim_asked_while_a_borrower_takes_its_slots_is_seen_at_once(
     """The borrower's watch starts at admission, not once its Prefect slots are taken."""
     import threading
 
-    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+    from prefect_gpu_budget.admission.prices import default_catalog
+    from prefect_gpu_budget.pricing.catalog import set_local_price
 
     prices = set_local_price("h100x8", "1", gpus=8, path=tmp_path / "prices.csv")
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))

@@ -575,7 +575,7 @@ def test_pool_quota_changes_only_the_options_given(ledger, ledger_url, monkeypat
 def test_a_team_borrows_half_its_quota_by_default_as_hyperpod(ledger):
     """HyperPod's default sharing is LendAndBorrow with BorrowLimit 50: a team given only a
     quota borrows up to half of it more from an idle team, and no more."""
-    from prefect_gpu_budget.models import TeamShare
+    from prefect_gpu_budget.admission.admin_settings import TeamShare
 
     assert TeamQuota("lab-a", "acme/a", NODE).borrow_pct == 50
     assert TeamShare(team="acme/a", gpus=8).borrow_pct == 50

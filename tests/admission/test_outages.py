@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.harness.postgres import ensure_database, name_of
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import GateEvents
 from prefect_gpu_budget.admission.ledger import ACTIVE, Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import set_local_price
+from prefect_gpu_budget.testing.postgres import ensure_database, name_of
 from tests.postgres import PrivateCluster, private_cluster
 from tests.prefect_server import PrefectServer, http, wait_for
 
@@ -52,7 +52,7 @@ def test_prefect_server_restarted_in_the_middle_of_a_sweep(tmp_path: Path):
             [
                 sys.executable,
                 "-c",
-                f"from prefect_gpu_budget.flows.sweep import gpu_sweep; gpu_sweep({str(spec)!r})",
+                f"from prefect_gpu_budget.sweeps.flow import gpu_sweep; gpu_sweep({str(spec)!r})",
             ],  # noqa: E501
             env=server.client_env(
                 PREFECT_GPU_BUDGET_LEDGER_URL=ledger.url,

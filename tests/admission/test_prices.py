@@ -1,6 +1,6 @@
-"""Local machines' prices live in the ledger: two hosts (processes with homes of their own and no
-price file in common) on one ledger price a `local:` machine alike, on SQLite and PostgreSQL;
-a CSV is only an import and an export."""
+"""Local machines' prices live in the ledger (`admission.prices`, `ledger.local_prices`): two
+hosts (processes with homes of their own and no price file in common) on one ledger price a
+`local:` machine alike, on SQLite and PostgreSQL; a CSV is only an import and an export."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_running_process_sees_a_price_set_on_another_host(
 ) -> None:
     """A long-running process (a gateway, a worker) prices with what another host set, within
     the catalog's refresh interval, without a restart."""
-    from prefect_gpu_budget.pricing.catalog import LEDGER_PRICES_TTL_S, default_catalog
+    from prefect_gpu_budget.admission.prices import LEDGER_PRICES_TTL_S, default_catalog
 
     here = _host(tmp_path, "here", shared_url)
     for key in [k for k in os.environ if k.startswith("PREFECT_GPU_BUDGET_")]:

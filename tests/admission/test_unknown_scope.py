@@ -92,7 +92,7 @@ def test_the_last_level_stays_automatic(ledger, acme):
 
 
 def test_every_way_a_team_comes_to_exist(ledger, acme):
-    from prefect_gpu_budget.models import AgentLimits
+    from prefect_gpu_budget.admission.admin_settings import AgentLimits
 
     assert ledger.views.unknown_scope("acme/lab/s") is not None
     pool = Pool("acme", "lab-a", 1, (8, 64, 256), ("local:box8",), "H100")

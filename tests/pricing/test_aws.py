@@ -11,7 +11,7 @@ from decimal import Decimal
 import pytest
 
 from prefect_gpu_budget.pricing.aws import refresh_aws
-from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, _read
+from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, read_price_file
 from prefect_gpu_budget.units import BudgetInputError, usd_to_micro
 from tests.aws_server import AwsServer, ec2_product, sagemaker_product
 
@@ -87,7 +87,7 @@ def test_refresh_reads_the_price_list_and_the_spot_history(aws: AwsServer) -> No
     assert by["aws:g5.xlarge", "spot"].usd_per_hour == _latest_per_zone_max(history, "g5.xlarge")
     assert by["sagemaker:ml.g5.xlarge", "on-demand"].usd_per_hour == Decimal("1.212")
     assert by["sagemaker:ml.g5.xlarge", "spot"].usd_per_hour == Decimal("1.212")
-    shipped = {(r.key, r.provisioning): r for r in _read(SHIPPED)}
+    shipped = {(r.key, r.provisioning): r for r in read_price_file(SHIPPED)}
     for key, row in by.items():
         known = shipped[key[0], "on-demand"]
         assert (row.gpus, row.vcpu, row.memory_gib) == (known.gpus, known.vcpu, known.memory_gib)
@@ -100,7 +100,7 @@ def test_refresh_reads_the_price_list_and_the_spot_history(aws: AwsServer) -> No
 
 
 def test_by_default_it_prices_the_shipped_aws_and_sagemaker_types(aws: AwsServer) -> None:
-    shipped = [r for r in _read(SHIPPED) if r.cloud in ("aws", "sagemaker")]
+    shipped = [r for r in read_price_file(SHIPPED) if r.cloud in ("aws", "sagemaker")]
     keys = sorted({r.key for r in shipped})
     sizes = {r.key: r for r in shipped if r.provisioning == "on-demand"}
     seeded: dict[str, Decimal] = {}

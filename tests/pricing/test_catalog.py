@@ -14,20 +14,15 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.prices import default_catalog
 from prefect_gpu_budget.blocks import GpuBudget
 from prefect_gpu_budget.cli import common, main
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.pricing.catalog import (
-    COLUMNS,
-    SHIPPED,
-    Catalog,
-    PriceRow,
-    _read,
-    default_catalog,
-)
+from prefect_gpu_budget.pricing.catalog import COLUMNS, SHIPPED, Catalog, PriceRow, read_price_file
 from prefect_gpu_budget.units import BudgetInputError
 
-README = Path(__file__).parents[2] / "README.md"
+LAUNCHERS = Path(__file__).parents[2] / "docs" / "launchers.md"
+"""The manual's launchers page: the Vertex AI example and the catalog's tables."""
 
 GCP_FAMILIES = {
     # the families Vertex AI's Dynamic Workload Scheduler names, and their GPU
@@ -75,7 +70,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_every_family_has_a_dated_sourced_row_per_provisioning() -> None:
-    rows = _read(SHIPPED)
+    rows = read_price_file(SHIPPED)
     assert len({(r.key, r.provisioning) for r in rows}) == len(rows)  # one row per key
     for cloud, families in (
         ("gcp", GCP_FAMILIES),
@@ -103,10 +98,10 @@ def test_every_family_has_a_dated_sourced_row_per_provisioning() -> None:
 
 
 def test_the_shipped_types_are_what_the_launchers_run() -> None:
-    from prefect_gpu_budget.launchers.sagemaker import TRAINING_INSTANCE_TYPES
-    from prefect_gpu_budget.launchers.vertex import ACCELERATORS, MACHINE_FAMILIES
+    from prefect_gpu_budget.launchers.sagemaker_checks import TRAINING_INSTANCE_TYPES
+    from prefect_gpu_budget.launchers.vertex_machines import ACCELERATORS, MACHINE_FAMILIES
 
-    for row in _read(SHIPPED):
+    for row in read_price_file(SHIPPED):
         if row.cloud == "gcp":
             assert MACHINE_FAMILIES[_family(row)] == ACCELERATORS[row.gpu_model], row
         elif row.cloud == "sagemaker":
@@ -205,10 +200,10 @@ def test_a_user_row_needs_a_price_or_a_reason(
 
 
 def _readme_vertex_job() -> dict[str, str]:
-    """The GpuJob of the README's Vertex AI example, as keyword strings."""
+    """The GpuJob of the manual's Vertex AI example (docs/launchers.md), as keyword strings."""
     block = next(
         b
-        for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+        for b in re.findall(r"```python\n(.*?)```", LAUNCHERS.read_text(), re.S)
         if "VertexLauncher" in b
     )
     call = re.search(r"GpuJob\((.*?)\)\n", block, re.S)
@@ -234,10 +229,10 @@ def test_the_readme_lists_every_shipped_row() -> None:
     """Its prices table: a line per type, a cell per provisioning, the figure or `no figure`."""
     table = {
         cells[0].strip("` "): [c.strip() for c in cells[1:4]]
-        for line in README.read_text().splitlines()
+        for line in LAUNCHERS.read_text().splitlines()
         if line.startswith("| `") and len(cells := line.strip("|").split("|")) == 4
     }
-    for row in _read(SHIPPED):
+    for row in read_price_file(SHIPPED):
         cell = table[row.key][("on-demand", "spot", "flex-start").index(row.provisioning)]
         if row.usd_per_hour is None:
             assert cell == "no figure", (row.key, row.provisioning, cell)

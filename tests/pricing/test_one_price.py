@@ -21,9 +21,9 @@ import pytest
 
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.holding import GateEvents
+from prefect_gpu_budget.admission.prices import default_catalog, price_job
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
-from prefect_gpu_budget.forecast import forecast
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import (
     BOUND_NOTE,
@@ -31,11 +31,10 @@ from prefect_gpu_budget.pricing.catalog import (
     SHIPPED,
     Catalog,
     Machines,
-    _read,
-    default_catalog,
-    price_job,
+    read_price_file,
 )
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.forecast import forecast
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 from prefect_gpu_budget.units import BudgetInputError
 
 P4D = "aws:p4d.24xlarge"
@@ -105,7 +104,7 @@ def test_the_gate_quote_and_forecast_price_a_part_of_a_machine_alike(ledger, iso
 
 def test_flex_start_without_a_figure_is_an_upper_bound_or_refused(isolated):
     catalog = Catalog.load()
-    flex = {r.key: r for r in _read(SHIPPED) if r.provisioning == "flex-start"}
+    flex = {r.key: r for r in read_price_file(SHIPPED) if r.provisioning == "flex-start"}
     assert {k for k, r in flex.items() if not r.priced} == set(BOUNDED) | REFUSED
     for key, on_demand in BOUNDED.items():
         quote = catalog.quote(key, 2, "flex-start", today=date(2025, 12, 1))

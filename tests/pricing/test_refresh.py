@@ -8,8 +8,9 @@ from decimal import Decimal
 
 from typer.testing import CliRunner
 
+from prefect_gpu_budget.admission.prices import default_catalog
 from prefect_gpu_budget.cli import app
-from prefect_gpu_budget.pricing.catalog import Catalog, default_catalog
+from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.aws_server import AwsServer, ec2_product
 
 

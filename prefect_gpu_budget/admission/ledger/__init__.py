@@ -11,18 +11,21 @@ collaborators are passed in:
 
 - `ledger.db` (`engine.Db`): URLs, the engine, transactions, the schema, the version bump and
   its notices;
-- `ledger.queue` (`decisions.Queue`): the admission transaction, the org's queue (`headroom`,
+- `ledger.queue` (`queue.Queue`): the admission transaction, the org's queue (`headroom`,
   which every write that may have made room ends in), unadmitting and cancelling;
 - `ledger.settlements` (`settlement.Settlements`): a started job's writes and its settlement;
 - `ledger.config` (`config.Config`): budgets, session templates, pools and team quotas,
   priority classes;
-- `ledger.grants` (`agents.Grants`): agent grants (tokens) and the limits on a team's agents;
-- `ledger.views` (`reads.Views`): versions, states, jobs, status and the other read models;
+- `ledger.grants` (`grants.Grants`): agent grants (tokens) and the limits on a team's agents;
+- `ledger.views` (`views.Views`): versions, states, jobs, status and the other read models;
 - `ledger.bills` (`bills.Bills`): the clouds' bills as imported, and their true-up of the
   period spend;
+- `ledger.sweeps` (`sweep_records.SweepRecords`): the sweeps' results (trials, records,
+  outputs), which the sweep flow writes and the agent gateway reads;
 
-with the tables in `tables` and the rows' domain values in `rows` (SQL several stores share, as
-functions over a connection). Every name other modules import from
+with the tables in `tables`, the rows' domain values in `rows`, and the SQL several stores share
+in `queries` (functions over a connection; `queries.subtree` is a scope and every scope under
+it). Every name other modules import from
 `prefect_gpu_budget.admission.ledger` is re-exported here.
 """
 
@@ -30,10 +33,8 @@ from __future__ import annotations
 
 import threading
 
-from prefect_gpu_budget.admission.ledger.agents import Grants
 from prefect_gpu_budget.admission.ledger.bills import Bills
 from prefect_gpu_budget.admission.ledger.config import Config, check_pool, check_rule
-from prefect_gpu_budget.admission.ledger.decisions import Queue
 from prefect_gpu_budget.admission.ledger.engine import (
     NOTICE_CHANNEL,
     Db,
@@ -43,7 +44,8 @@ from prefect_gpu_budget.admission.ledger.engine import (
     notice_payloads,
     read_notice,
 )
-from prefect_gpu_budget.admission.ledger.reads import Views, wait_spans
+from prefect_gpu_budget.admission.ledger.grants import Grants
+from prefect_gpu_budget.admission.ledger.queue import Queue
 from prefect_gpu_budget.admission.ledger.rows import (
     LEARNED_OUTCOMES,
     OVERRUN_REFRESH_S,
@@ -53,6 +55,7 @@ from prefect_gpu_budget.admission.ledger.rows import (
     wait_key,
 )
 from prefect_gpu_budget.admission.ledger.settlement import Settlements
+from prefect_gpu_budget.admission.ledger.sweep_records import SweepRecords
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     FINAL,
@@ -72,6 +75,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     templates,
     versions,
 )
+from prefect_gpu_budget.admission.ledger.views import Views, wait_spans
 from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S, STALE_WAITER_S
 from prefect_gpu_budget.identity import holder_alive, holder_id, process_start_ticks
 from prefect_gpu_budget.units import AGENT_MAX_QUEUED
@@ -83,6 +87,7 @@ __all__ = [
     "Grants",
     "Queue",
     "Settlements",
+    "SweepRecords",
     "Views",
     "AGENT_MAX_QUEUED",
     "FINAL",
@@ -139,6 +144,7 @@ class Ledger:
         self.grants = Grants(self.db, self.queue.headroom)
         self.views = Views(self.db)
         self.bills = Bills(self.db, self.queue.headroom)
+        self.sweeps = SweepRecords(self.db)
         if create:
             self.db.create()
 

@@ -13,14 +13,15 @@ from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
 from prefect_gpu_budget.admission.ledger.bills import final_bill_jobs, trueup_shares
-from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import (
-    _budgets,
-    _load_pools,
-    _load_quotas,
-    _path_rules,
-    _rule,
+from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
+from prefect_gpu_budget.admission.ledger.queries import (
+    load_pools,
+    load_quotas,
+    path_rules,
+    read_budgets,
+    subtree,
 )
+from prefect_gpu_budget.admission.ledger.rows import budget_rule
 from prefect_gpu_budget.admission.ledger.tables import (
     budgets,
     jobs,
@@ -103,7 +104,7 @@ class Config:
     def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
         self.db, self.headroom = db, headroom
 
-    @_reconnecting
+    @reconnecting
     def set_budget(self, rule: BudgetRule, now: float | None = None) -> None:
         """Create or replace a scope's budget, and rebuild its current period's settled spend."""
         now = time.time() if now is None else now
@@ -114,7 +115,7 @@ class Config:
             self._rebuild_period(conn, rule, now)
             self.headroom(conn, org)
 
-    @_reconnecting
+    @reconnecting
     def set_session_template(self, rule: BudgetRule, now: float | None = None) -> None:
         """Give every session under team `rule.scope` this budget when it first asks for a job
         and has none (anycloud's recommended setup for agents: a small daily budget each)."""
@@ -127,7 +128,7 @@ class Config:
         with self.db.write(rule.scope.split("/")[0]) as conn:
             _upsert_rule(conn, templates, rule, now)
 
-    @_reconnecting
+    @reconnecting
     def update_budget(
         self,
         scope: str,
@@ -152,7 +153,7 @@ class Config:
         with self.db.write(org) as conn:
             now = time.time() if now is None else now  # after the lock: stamps follow its order
             row = conn.execute(sa.select(table).where(table.c.scope == scope)).mappings().first()
-            rule = merge(None if row is None else _rule(row))
+            rule = merge(None if row is None else budget_rule(row))
             if rule.scope != scope:
                 raise BudgetInputError("scope", f"a change to {scope!r} named {rule.scope!r}")
             check_rule(rule)
@@ -162,11 +163,11 @@ class Config:
                 self.headroom(conn, org)
         return rule
 
-    @_reconnecting
+    @reconnecting
     def session_templates(self) -> list[BudgetRule]:
         with self.db.read() as conn:
             return [
-                _rule(row)
+                budget_rule(row)
                 for row in conn.execute(sa.select(templates).order_by(templates.c.scope)).mappings()
             ]
 
@@ -174,10 +175,7 @@ class Config:
         p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
         rows = conn.execute(
             sa.select(jobs.c.actual_micro, jobs.c.started_at, jobs.c.ended_at).where(
-                sa.or_(
-                    jobs.c.scope == rule.scope,
-                    jobs.c.scope.startswith(rule.scope + "/", autoescape=True),
-                ),
+                subtree(jobs.c.scope, rule.scope),
                 jobs.c.state == "settled",
                 jobs.c.ended_at >= p_start,
                 jobs.c.started_at < p_end,
@@ -204,18 +202,18 @@ class Config:
             )
         )
 
-    @_reconnecting
+    @reconnecting
     def budgets(self, org: str | None = None) -> list[BudgetRule]:
         with self.db.read() as conn:
-            return _budgets(conn, org)
+            return read_budgets(conn, org)
 
-    @_reconnecting
+    @reconnecting
     def path_budgets(self, scope: str) -> list[BudgetRule]:
         """The budgets a job in `scope` must fit, outermost first."""
         with self.db.read() as conn:
-            return _path_rules(conn, scope)
+            return path_rules(conn, scope)
 
-    @_reconnecting
+    @reconnecting
     def set_pool(
         self, pool: Pool, quotas: list[TeamQuota] | None = None, now: float | None = None
     ) -> None:
@@ -247,7 +245,7 @@ class Config:
                     conn.execute(team_quotas.insert().values(**_quota_row(pool, q, now)))
             self.headroom(conn, pool.org)
 
-    @_reconnecting
+    @reconnecting
     def set_team_quota(
         self,
         org: str,
@@ -263,11 +261,11 @@ class Config:
         that what an admin leaves out keeps its value; what it raises writes nothing."""
         with self.db.write(org) as conn:
             now = time.time() if now is None else now
-            found = [p for p in _load_pools(conn, org) if p.name == pool_name]
+            found = [p for p in load_pools(conn, org) if p.name == pool_name]
             if not found:
                 raise BudgetInputError("pool", f"no capacity pool {pool_name!r} in {org}")
             pool = found[0]
-            current = [q for q in _load_quotas(conn, org) if (q.pool, q.team) == (pool_name, team)]
+            current = [q for q in load_quotas(conn, org) if (q.pool, q.team) == (pool_name, team)]
             quota = make(pool, current[0] if current else None)
             if quota.team != team:
                 raise BudgetInputError("team", f"a change to {team!r} named {quota.team!r}")
@@ -283,12 +281,12 @@ class Config:
             self.headroom(conn, org)
         return pool, quota
 
-    @_reconnecting
+    @reconnecting
     def capacity(self, org: str) -> tuple[list[Pool], list[TeamQuota]]:
         with self.db.read() as conn:
-            return _load_pools(conn, org), _load_quotas(conn, org)
+            return load_pools(conn, org), load_quotas(conn, org)
 
-    @_reconnecting
+    @reconnecting
     def set_priority_class(
         self, org: str, name: str, value: int, description: str = "", now: float | None = None
     ) -> None:
@@ -329,7 +327,7 @@ class Config:
                 )
             )
 
-    @_reconnecting
+    @reconnecting
     def remove_priority_class(self, org: str, name: str) -> bool:
         """Remove one of `org`'s own classes; False if it had none of that name."""
         with self.db.write(org) as conn:
@@ -340,7 +338,7 @@ class Config:
             )
             return gone.rowcount > 0
 
-    @_reconnecting
+    @reconnecting
     def priority_classes(self, org: str) -> list[dict[str, Any]]:
         """Every class a job of `org` may name, highest first: `org`'s own and the built-in
         and environment ones (`defined_by`: org, built-in or environment)."""
@@ -371,17 +369,17 @@ class Config:
 
 
 def request_rules(conn: Connection, scope: str, now: float) -> list[BudgetRule]:
-    """The budgets a request in `scope` must fit, outermost first (`_path_rules`), a session
+    """The budgets a request in `scope` must fit, outermost first (`path_rules`), a session
     scope (`org/team/session`) with no budget first given its team's session template, if
     there is one, in the caller's transaction (its first request)."""
-    rules = _path_rules(conn, scope)
+    rules = path_rules(conn, scope)
     if scope.count("/") != 2 or (rules and rules[-1].scope == scope):
         return rules
     team = scope.rsplit("/", 1)[0]
     row = conn.execute(sa.select(templates).where(templates.c.scope == team)).mappings().first()
     if row is None:
         return rules
-    session = replace(_rule(row), scope=scope)
+    session = replace(budget_rule(row), scope=scope)
     _upsert_rule(conn, budgets, session, now)
     return [*rules, session]
 
@@ -406,7 +404,7 @@ def _upsert_rule(conn: Connection, table: sa.Table, rule: BudgetRule, now: float
         conn.execute(table.insert().values(scope=rule.scope, **values))
 
 
-def _classes_of(conn: Connection, org: str) -> dict[str, int]:
+def priority_class_values(conn: Connection, org: str) -> dict[str, int]:
     rows = conn.execute(
         sa.select(priority_classes.c.name, priority_classes.c.value).where(
             priority_classes.c.org == org

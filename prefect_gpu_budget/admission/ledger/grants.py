@@ -14,13 +14,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
+from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
-    _ended_unrun,
     agent_grants,
     agent_limits,
     budgets,
+    ended_unrun,
     jobs,
     templates,
 )
@@ -37,7 +37,7 @@ class Grants:
     def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
         self.db, self.headroom = db, headroom
 
-    @_reconnecting
+    @reconnecting
     def grant_agent(self, scope: str, now: float | None = None) -> str:
         """A new token that lets an agent spend in session `scope` only. Shown once: only its
         hash is stored. Refused for a session with no budget of its own and no team session
@@ -71,7 +71,7 @@ class Grants:
             )
         return token
 
-    @_reconnecting
+    @reconnecting
     def revoke_agent(self, scope: str, now: float | None = None) -> tuple[int, int, int]:
         """Revoke every token granted for `scope`, cancel the session's queued jobs and ask its
         holders to stop its admitted and running ones, in one transaction under the org's
@@ -90,7 +90,7 @@ class Grants:
             cancelled = conn.execute(
                 jobs.update()
                 .where(jobs.c.scope == scope, jobs.c.state == "queued")
-                .values(**_ended_unrun("cancelled", REVOKED, now))
+                .values(**ended_unrun("cancelled", REVOKED, now))
             ).rowcount
             stopped = conn.execute(
                 jobs.update()
@@ -101,7 +101,7 @@ class Grants:
             self.headroom(conn, org)
         return revoked, cancelled, stopped
 
-    @_reconnecting
+    @reconnecting
     def agent_grant(self, token: str) -> tuple[str, str]:
         """(session scope, grant id) of a live token; BudgetInputError otherwise."""
         grant = _token_hash(token)
@@ -114,13 +114,13 @@ class Grants:
         """The session scope a live token was granted; BudgetInputError otherwise."""
         return self.agent_grant(token)[0]
 
-    @_reconnecting
+    @reconnecting
     def grant_scope(self, grant: str) -> str | None:
         """The session of a live grant (by id); None when unknown or revoked."""
         with self.db.read() as conn:
             return _live_grant(conn, grant)
 
-    @_reconnecting
+    @reconnecting
     def set_agent_limits(self, team: str, limits: dict[str, Any], now: float | None = None) -> None:
         """Store an admin's ceilings for the agents of `team`'s sessions (validated by the
         caller, `models.AgentLimits`)."""
@@ -140,7 +140,7 @@ class Grants:
                 )
             )
 
-    @_reconnecting
+    @reconnecting
     def agent_limits(self, team: str) -> dict[str, Any] | None:
         """The ceilings an admin set for `team`'s agents; None: the defaults apply."""
         with self.db.read() as conn:

@@ -3,11 +3,12 @@
 A local machine's price was a CSV in the home of the host where `prices set-local` ran, so two
 hosts on one ledger could price one machine differently. Kept here, every host and replica on
 the ledger reads one list; a CSV is only an import and an export (`prices import-local`,
-`prices export-local`). The rows are the catalog's columns as text (`pricing.catalog` parses
-and checks them, as it does a CSV's), the price exactly as it was given.
+`prices export-local`). The rows are the catalog's columns as text (`admission.prices` parses
+and checks them as `pricing.catalog` does a CSV's), the price exactly as it was given.
 
-`stored_rows(url)` reads the list of a ledger by its URL for the catalog, creating nothing: a
-SQLite ledger not made yet, or one made by an earlier version without the table, has none.
+`stored_rows(url)` reads the list of a ledger by its URL for the catalog (`admission.prices`
+hands it in), creating nothing: a SQLite ledger not made yet, or one made by an earlier version
+without the table, has none.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting, normalise_url
+from prefect_gpu_budget.admission.ledger.engine import Db, normalise_url, reconnecting
 from prefect_gpu_budget.admission.ledger.tables import local_prices
 
 FIELDS = ("name", "usd_per_hour", "gpu_model", "gpus", "vcpu", "memory_gib", "source", "as_of")
@@ -33,14 +34,14 @@ class LocalPrices:
     def __init__(self, db: Db) -> None:
         self.db = db
 
-    @_reconnecting
+    @reconnecting
     def rows(self) -> list[dict[str, str]]:
         """Every local machine's row, by name, its fields as text."""
         with self.db.read() as conn:
             found = conn.execute(sa.select(local_prices).order_by(local_prices.c.name)).all()
         return [{f: str(getattr(r, f)) for f in FIELDS} for r in found]
 
-    @_reconnecting
+    @reconnecting
     def set(self, row: dict[str, object], now: float | None = None) -> None:
         """Price `row["name"]`, replacing its older row (one transaction: a reader sees the old
         price or the new, never none)."""
@@ -50,7 +51,7 @@ class LocalPrices:
             conn.execute(local_prices.delete().where(local_prices.c.name == values["name"]))
             conn.execute(local_prices.insert().values(**values))
 
-    @_reconnecting
+    @reconnecting
     def remove(self, name: str) -> bool:
         """Forget `name`'s price; whether it had one."""
         with self.db.tx() as conn:

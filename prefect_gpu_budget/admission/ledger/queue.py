@@ -3,12 +3,13 @@ given back to the queue or ended unrun.
 
 Each runs under its org's lock (`Db.write`), loads what the policy needs (`state.load_state`:
 the org's queued and active jobs, the budgets on their paths, the period spend, pools and
-quotas where a job uses one), and writes what `policy.decide` / `policy.plan` says.
+quotas where a job uses one), and writes what `deciding.decide` / `deciding.plan` says.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -19,48 +20,42 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from prefect_gpu_budget import priorities
-from prefect_gpu_budget.admission.ledger.agents import grant_refusal
-from prefect_gpu_budget.admission.ledger.config import _classes_of, request_rules
-from prefect_gpu_budget.admission.ledger.engine import _ORG_LOCKS_GUARD, Db, _reconnecting
+from prefect_gpu_budget.admission.ledger.batches import Batcher
+from prefect_gpu_budget.admission.ledger.config import priority_class_values, request_rules
+from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
+from prefect_gpu_budget.admission.ledger.grants import grant_refusal
+from prefect_gpu_budget.admission.ledger.queries import (
+    ask_to_stop,
+    job_states,
+    load_pools,
+    path_rules,
+    read_overrun,
+    recorded,
+    recorded_all,
+    waiter_ahead,
+)
 from prefect_gpu_budget.admission.ledger.rows import (
-    _WAITER_AHEAD,
     OVERRUN_REFRESH_S,
     SLOTS_HELD,
     NewJob,
-    _load_pools,
-    _overrun,
-    _path_rules,
-    _recorded,
-    _recorded_all,
-    _states,
-    _wait_tally,
+    decided_values,
+    in_pool,
+    new_job_row,
+    wait_tally,
 )
 from prefect_gpu_budget.admission.ledger.state import load_state
 from prefect_gpu_budget.admission.ledger.tables import (
-    ACTIVE,
-    _ended_unrun,
+    ended_unrun,
     jobs,
 )
-from prefect_gpu_budget.admission.rules.policy import (
-    HOLDING_LIMITS,
-    NOT_REACHED,
-    BudgetRule,
-    Decision,
-    LedgerState,
-    decide,
-    decide_behind,
-    plan,
-)
+from prefect_gpu_budget.admission.rules.deciding import NOT_REACHED, decide, decide_behind, plan
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision, LedgerState
 from prefect_gpu_budget.admission.rules.quota import (
     Pool,
-    job_share,
-    pool_for,
-    team_of,
 )
 from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.admission.rules.timing import STALE_WAITER_S
-from prefect_gpu_budget.batches import Batcher
-from prefect_gpu_budget.units import BudgetInputError, org_of, scope_path
+from prefect_gpu_budget.units import org_of
 
 
 @dataclass
@@ -88,6 +83,7 @@ class Queue:
         """Per org: when `_overrun` last read it, and what it read."""
         self._asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]] = {}
         """Per org: this process's requests, recorded together when they arrive together."""
+        self._asks_guard = threading.Lock()
         self._unsure: set[str] = set()
         """Job ids whose request transaction did not return: it may have committed, so their
         next try reads what it recorded (a first try has nothing to read)."""
@@ -118,7 +114,7 @@ class Queue:
         recorded together next, in one transaction (`batches.Batcher`): a sweep's trials, or a
         burst of a thousand, cost a few transactions under the org's lock, not one each."""
         org = org_of(job.scope)
-        with _ORG_LOCKS_GUARD:
+        with self._asks_guard:
             asks = self._asks.get(org)
             if asks is None:
                 asks = self._asks[org] = Batcher(functools.partial(self._requests, org))
@@ -129,7 +125,7 @@ class Queue:
     ) -> tuple[Decision, list[BudgetRule]]:
         return self._requests(org_of(job.scope), [(job_id, job)], now)[0]
 
-    @_reconnecting
+    @reconnecting
     def _requests(
         self, org: str, asked: Sequence[tuple[str, NewJob]], now: float | None = None
     ) -> list[tuple[Decision, list[BudgetRule]]]:
@@ -162,42 +158,24 @@ class Queue:
     ) -> tuple[Decision, list[BudgetRule]]:
         now = time.time() if now is None else now  # after the lock: stamps follow its order
         if job_id in batch.recorded:  # committed before the connection dropped
-            return _recorded(conn, batch.recorded[job_id]), _path_rules(conn, job.scope)
+            return recorded(conn, batch.recorded[job_id]), path_rules(conn, job.scope)
         rules = batch.rules.get(job.scope)
         if rules is None:
             rules = batch.rules[job.scope] = request_rules(conn, job.scope, now)
         if job.priority_class is not None:
             if batch.classes is None:
-                batch.classes = _classes_of(conn, org)
+                batch.classes = priority_class_values(conn, org)
             job = replace(job, priority=priorities.resolve(job.priority_class, batch.classes, org))
         refusal = grant_refusal(conn, job.scope, job.grant) if job.grant is not None else ""
         if batch.pools is None:
-            batch.pools = _load_pools(conn, org)
-        job = _in_pool(batch.pools, org, job)
-        conn.execute(
-            jobs.insert(),
-            {
-                "id": job_id,
-                "org": org,
-                "state": "queued",
-                "reason": "",
-                "requested_at": now,
-                "heartbeat_at": now,
-                "reserved_micro": 0,
-                "reserve_seconds": 0.0,
-                "team": team_of(job.scope),
-                **{
-                    k: v
-                    for k, v in job.__dict__.items()
-                    if k not in ("grant", "partial", "priority_class")
-                },
-            },
-        )
+            batch.pools = load_pools(conn, org)
+        job = in_pool(batch.pools, org, job)
+        conn.execute(jobs.insert(), new_job_row(job_id, org, job, now))
         if refusal:  # on record like any refusal, and nothing reserved
             conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id)
-                .values(**_ended_unrun("rejected", refusal, now))
+                .values(**ended_unrun("rejected", refusal, now))
             )
             return Decision("reject", refusal, limit="agent"), rules
         decision = self._behind_a_waiter(conn, job_id, org, job, now, rules, batch)
@@ -219,7 +197,7 @@ class Queue:
         batch: _Batch,
     ) -> Decision | None:
         """The decision of a new job that joins the queue behind a live waiter blocked by a
-        budget on its path in its own team's queue (`policy.decide_behind`): one indexed read,
+        budget on its path in its own team's queue (`deciding.decide_behind`): one indexed read,
         not the org's whole queue, and none for the next job of the same scope and priority in
         the same transaction. None where that does not hold: the full decision is needed. (Outside
         capacity pools only, where queue order is priority, then arrival.)"""
@@ -228,20 +206,7 @@ class Queue:
         key = (job.scope, job.priority)
         row = batch.waiters.get(key)
         if row is None:
-            path = scope_path(job.scope)
-            team = team_of(job.scope)  # a budget holds only its own team's later jobs
-            row = conn.execute(
-                _WAITER_AHEAD[team is None],
-                {
-                    "org": org,
-                    "job_id": job_id,
-                    "team": team,
-                    "keys": [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path],
-                    "alive_since": now - STALE_WAITER_S,
-                    "priority": job.priority,
-                    "now": now,
-                },
-            ).first()
+            row = waiter_ahead(conn, org, job_id, job, now, STALE_WAITER_S)
             if row is None:
                 return None
             batch.waiters[key] = row  # still ahead of every later job of this key here
@@ -259,7 +224,7 @@ class Queue:
         limit, _, scope = row.wait_key.partition(" ")
         return decide_behind(state, req, ahead, scope, limit)
 
-    @_reconnecting
+    @reconnecting
     def try_admit(self, job_id: str, scope: str, now: float | None = None) -> Decision:
         """Decide a queued job against everything else in its org, in one transaction.
 
@@ -273,7 +238,7 @@ class Queue:
             if row["state"] == "admitted":  # by another's transaction: its holder takes over
                 conn.execute(jobs.update().where(jobs.c.id == job_id).values(heartbeat_at=now))
             if row["state"] != "queued":
-                return _recorded(conn, row)
+                return recorded(conn, row)
             return self._decide(conn, job_id, org, now, reason=row["reason"], waited=row)
 
     def _decide(
@@ -321,37 +286,13 @@ class Queue:
         decided by another's transaction must not look alive when its holder is gone (an
         admission stamps it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
         reason = waited["reason"] if reason is None else reason
-        tally = _wait_tally(waited, decision, now)
-        values: dict[str, Any] = dict(tally)
-        if holder or decision.verdict != "wait":
-            values["heartbeat_at"] = now
-        if decision.verdict == "admit":
-            values.update(
-                state="admitted",
-                admitted_at=now,
-                reserved_micro=decision.reserved_micro,
-                reserve_seconds=decision.reserve_seconds,
-                reason=decision.reason,
-                placement=",".join(map(str, decision.placement)),
-            )
-        elif decision.verdict in ("reject", "timeout"):
-            ended = "rejected" if decision.verdict == "reject" else "timed_out"
-            values.update(_ended_unrun(ended, decision.reason, now))
-        elif decision.reason != reason:
-            values["reason"] = decision.reason
+        tally = wait_tally(waited, decision, now)
+        values = {**tally, **decided_values(decision, now, reason, stamp=holder)}
         if values:
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
         asked = 0
         if decision.preempt:  # lent capacity taken back, or a team's own lower priority work
-            asked = conn.execute(
-                jobs.update()
-                .where(
-                    jobs.c.id.in_(decision.preempt),
-                    jobs.c.state.in_(ACTIVE),
-                    jobs.c.preempt_at.is_(None),
-                )
-                .values(preempt_at=now, reason=f"preempted for job {job_id[:8]}")
-            ).rowcount
+            asked = ask_to_stop(conn, decision.preempt, now, f"preempted for job {job_id[:8]}")
         return decision.verdict != "wait" or bool(tally), bool(asked)
 
     def _decide_queue(self, conn: Connection, org: str, now: float) -> list[str]:
@@ -381,7 +322,7 @@ class Queue:
                 decided.append(job_id)
         return decided
 
-    @_reconnecting
+    @reconnecting
     def recheck(
         self, org: str, waiting: Iterable[str], now: float | None = None
     ) -> dict[str, tuple[str, str | None]]:
@@ -401,9 +342,9 @@ class Queue:
             decided = self._decide_queue(conn, org, now)
             if decided:
                 self.db.bump(conn, org, decided)
-            return _states(conn, waiting)
+            return job_states(conn, waiting)
 
-    @_reconnecting
+    @reconnecting
     def decided(self, job_ids: Iterable[str]) -> dict[str, tuple[Decision, float]]:
         """The recorded decision of each of `job_ids` no longer queued, with when its row was
         last stamped, in one read: a watcher hands them to the jobs it wakes, so a job decided
@@ -417,9 +358,9 @@ class Queue:
             if not rows:
                 return {}
             stamped = {row["id"]: row["heartbeat_at"] for row in rows}
-            return {i: (d, stamped[i]) for i, d in _recorded_all(conn, rows).items()}
+            return {i: (d, stamped[i]) for i, d in recorded_all(conn, rows).items()}
 
-    @_reconnecting
+    @reconnecting
     def unadmit(
         self,
         job_id: str,
@@ -436,10 +377,10 @@ class Queue:
         unheld = {"admitted_at": None, "reserved_micro": 0, "reserve_seconds": 0.0}
         then: dict[str, Any] = {"preempt_at": None, "heartbeat_at": now}
         if end:
-            then |= _ended_unrun(end, reason, now)
+            then |= ended_unrun(end, reason, now)
         else:  # one statement, so that a stop asked meanwhile (no org lock) is seen, or follows
             asked, back = jobs.c.stop_asked_at.is_not(None), {"state": "queued", "reason": reason}
-            gone = {**_ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
+            gone = {**ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
             then |= {k: sa.case((asked, v), else_=back.get(k, jobs.c[k])) for k, v in gone.items()}
             # what holds it now, as a waiting job's row says (`wait_spans` counts it)
             then |= {"wait_key": f"{SLOTS_HELD} {scope}", "wait_since": now}
@@ -452,7 +393,7 @@ class Queue:
             self.headroom(conn, org)
         return bool(done)
 
-    @_reconnecting
+    @reconnecting
     def cancel_queued(
         self,
         job_id: str,
@@ -468,7 +409,7 @@ class Queue:
             done = conn.execute(
                 jobs.update()
                 .where(jobs.c.id == job_id, jobs.c.state == "queued")
-                .values(**_ended_unrun(state, reason, now))
+                .values(**ended_unrun(state, reason, now))
             ).rowcount
             self.headroom(conn, org)
         return bool(done)
@@ -478,26 +419,6 @@ class Queue:
         OVERRUN_REFRESH_S per org and process (it changes slowly, and the read is not free)."""
         cached = self._overrun_cache.get(org)
         if cached is None or not 0 <= now - cached[0] < OVERRUN_REFRESH_S:
-            cached = (now, _overrun(conn, org))
+            cached = (now, read_overrun(conn, org))
             self._overrun_cache[org] = cached
         return cached[1]
-
-
-def _in_pool(pools: list[Pool], org: str, job: NewJob) -> NewJob:
-    """The job with the pool of its org's `pools` it runs in (named, or serving its instance
-    type) and its per-node shape (`job_share`: vCPU and memory left at 0 take the pool's
-    proportional default; a job that names no GPUs, vCPU or memory takes a whole machine)."""
-    found = pool_for(pools, job.instance_type, job.pool)
-    if job.pool is not None and found is None:
-        raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
-    if found is None and job.partial:
-        raise BudgetInputError(
-            "gpus",
-            f"a part of a machine runs only in a capacity pool, and no pool of {org} "
-            f"serves {job.instance_type}",
-        )
-    if found is None:
-        return replace(job, pool=None)
-    vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
-    res = job_share(found, job.node_gpus, vcpu, memory)
-    return replace(job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2])

@@ -1,36 +1,31 @@
-"""What the ledger's rows stand for, and the reads that find them: a budget row as a
-`BudgetRule`, an admitted job's row as a `Hold`, an org's pools and team quotas, the states of
-jobs, a decided job's recorded `Decision`, what holds a waiting job, the statements every
-request runs (built once: `_WAITER_AHEAD`, `_OPEN_JOBS`, `_OPEN_PERIODS`), and how far a
-scope's jobs overran their estimates (`_overrun`)."""
+"""What the ledger's rows stand for: a job asking to be admitted (`NewJob`), a budget row as a
+`BudgetRule`, an admitted job's row as a `Hold`, and what holds a waiting job (its `wait_key`
+and the tally of its waits), the row of a new job and what a decision writes into it. The
+reads several stores share are in `queries`."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
-import sqlalchemy as sa
-from sqlalchemy.engine import Connection
-
-from prefect_gpu_budget.admission.ledger.tables import (
-    ACTIVE,
-    budgets,
-    jobs,
-    period_spend,
-    pools,
-    team_quotas,
-)
-from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.ledger.tables import ended_unrun
 from prefect_gpu_budget.admission.rules.policy import (
     OVERRUN_WINDOW,
     BudgetRule,
     Decision,
     Hold,
-    overrun_factors,
 )
-from prefect_gpu_budget.admission.rules.quota import TEAM_SETTINGS, Pool, TeamQuota
-from prefect_gpu_budget.units import scope_path
+from prefect_gpu_budget.admission.rules.quota import (
+    Placed,
+    Pool,
+    Shape,
+    job_share,
+    pool_for,
+    team_of,
+)
+from prefect_gpu_budget.units import BudgetInputError
 
 
 @dataclass(frozen=True)
@@ -65,7 +60,8 @@ class NewJob:
     """An org's own class the job names: `priority` is set from it when it is recorded."""
 
 
-def _rule(row: Any) -> BudgetRule:
+def budget_rule(row: Any) -> BudgetRule:
+    """The budget a row of `budgets` or `templates` stands for."""
     return BudgetRule(
         scope=row["scope"],
         hourly_cap_cents=row["hourly_cap_cents"],
@@ -77,48 +73,6 @@ def _rule(row: Any) -> BudgetRule:
         reservation_mode=row["reservation_mode"],
         notify_block=row["notify_block"],
     )
-
-
-def _budgets(conn: Connection, org: str | None = None) -> list[BudgetRule]:
-    """Every budget (of `org`), by scope."""
-    query = sa.select(budgets).order_by(budgets.c.scope)
-    if org:
-        query = query.where(budgets.c.org == org)
-    return [_rule(row) for row in conn.execute(query).mappings()]
-
-
-_PATH_RULES = sa.select(budgets).where(budgets.c.scope.in_(sa.bindparam("path", expanding=True)))
-"""Built once: building a statement costs more than running it (hot-path reads do this)."""
-
-
-def _path_rules(conn: Connection, scope: str) -> list[BudgetRule]:
-    """The budgets a job in `scope` must fit, outermost first."""
-    path = scope_path(scope)
-    rows = conn.execute(_PATH_RULES, {"path": path}).mappings()
-    found = {row["scope"]: _rule(row) for row in rows}
-    return [found[s] for s in path if s in found]
-
-
-def add_to_periods(
-    conn: Connection, shares: dict[tuple[str, float], int], rules: dict[str, BudgetRule]
-) -> None:
-    """Add each (budget scope, period start) share (`accounting.book`'s) to that period's
-    settled spend, making its row where it has none (`rules`, by scope, give its end)."""
-    for (budget_scope, p_start), share in shares.items():
-        key = (period_spend.c.scope == budget_scope) & (period_spend.c.period_start == p_start)
-        updated = conn.execute(
-            period_spend.update()
-            .where(key)
-            .values(settled_micro=period_spend.c.settled_micro + share)
-        )
-        if updated.rowcount == 0:
-            rule = rules[budget_scope]
-            p_end = periods.bounds(rule.period, rule.timezone, p_start)[1]
-            conn.execute(
-                period_spend.insert().values(
-                    scope=budget_scope, period_start=p_start, period_end=p_end, settled_micro=share
-                )
-            )
 
 
 def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hold:
@@ -146,88 +100,6 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
     )
 
 
-def _load_pools(conn: Connection, org: str) -> list[Pool]:
-    return [
-        Pool(
-            org=r.org,
-            name=r.name,
-            nodes=r.nodes,
-            node=(r.gpus, r.vcpu, r.memory_gib),
-            instance_types=tuple(t for t in r.instance_types.split(",") if t),
-            gpu_model=r.gpu_model,
-            kind=r.kind,
-            backfill=bool(r.backfill),
-        )
-        for r in conn.execute(_POOLS, {"org": org})
-    ]
-
-
-_POOLS = sa.select(pools).where(pools.c.org == sa.bindparam("org")).order_by(pools.c.name)
-
-
-def _load_quotas(conn: Connection, org: str) -> list[TeamQuota]:
-    return [
-        TeamQuota(
-            pool=r.pool,
-            team=r.team,
-            quota=(r.gpus, r.vcpu, r.memory_gib),
-            borrow_pct=r.borrow_pct,
-            lend_pct=r.lend_pct,
-            weight=r.weight,
-            **{k: getattr(r, k) for k in TEAM_SETTINGS if getattr(r, k) is not None},
-        )
-        for r in conn.execute(
-            sa.select(team_quotas).where(team_quotas.c.org == org).order_by(team_quotas.c.team)
-        )
-    ]
-
-
-def _states(conn: Connection, job_ids: list[str]) -> dict[str, tuple[str, str | None]]:
-    if not job_ids:
-        return {}
-    query = sa.select(jobs.c.id, jobs.c.state, jobs.c.wait_key).where(jobs.c.id.in_(job_ids))
-    return {row.id: (row.state, row.wait_key) for row in conn.execute(query)}
-
-
-def _recorded(conn: Connection, row: Any) -> Decision:
-    """The decision already recorded for a job that is no longer queued; an admission with what
-    its holder needs to take over (the capped scopes on its path, its pool and placement)."""
-    return _recorded_all(conn, [row])[row["id"]]
-
-
-def _recorded_all(conn: Connection, rows: list[Any]) -> dict[str, Decision]:
-    """`_recorded` of each of `rows` (jobs no longer queued), the caps read once for all."""
-    paths = {row["id"]: scope_path(row["scope"]) for row in rows}
-    caps = dict(
-        conn.execute(
-            sa.select(budgets.c.scope, budgets.c.hourly_cap_cents).where(
-                budgets.c.scope.in_({s for path in paths.values() for s in path}),
-                budgets.c.hourly_cap_cents.is_not(None),
-            )
-        ).all()
-    )
-    out = {}
-    for row in rows:
-        state = row["state"]
-        if state in ACTIVE or state == "settled":
-            out[row["id"]] = Decision(
-                "admit",
-                row["reason"],
-                reserved_micro=row["reserved_micro"],
-                reserve_seconds=row["reserve_seconds"],
-                caps=tuple((s, caps[s]) for s in paths[row["id"]] if s in caps),
-                placement=tuple(int(i) for i in (row["placement"] or "").split(",") if i),
-                pool=row["pool"],
-            )
-        elif state == "timed_out":
-            out[row["id"]] = Decision("timeout", row["reason"])
-        elif state == "cancelled":  # by its owner, or its agent's revoked grant
-            out[row["id"]] = Decision("reject", row["reason"] or state, limit="cancelled")
-        else:
-            out[row["id"]] = Decision("reject", row["reason"] or state)
-    return out
-
-
 SLOTS_HELD = "prefect_slots"
 """What holds an admission given back because Prefect's limit was full (`Queue.unadmit`)."""
 STARTING = "starting"
@@ -241,7 +113,7 @@ def wait_key(decision: Decision) -> str | None:
     return f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
 
 
-def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
+def wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
     """The columns that say what held a queued job and for how long: the limit and scope
     holding it now (`wait_key`) since when, and seconds per limit and scope that held it before
     (`waits`, JSON). Only a change of what holds it writes anything."""
@@ -257,69 +129,6 @@ def _wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
     return out
 
 
-_WAITER_AHEAD = {
-    team_is_none: sa.select(
-        jobs.c.id, jobs.c.scope, jobs.c.priority, jobs.c.requested_at, jobs.c.wait_key
-    )
-    .where(
-        jobs.c.org == sa.bindparam("org"),
-        jobs.c.state == "queued",
-        jobs.c.id != sa.bindparam("job_id"),
-        jobs.c.pool.is_(None),
-        jobs.c.team.is_(None) if team_is_none else jobs.c.team == sa.bindparam("team"),
-        jobs.c.wait_key.in_(sa.bindparam("keys", expanding=True)),
-        jobs.c.heartbeat_at >= sa.bindparam("alive_since"),
-        sa.or_(
-            jobs.c.priority > sa.bindparam("priority"),
-            sa.and_(
-                jobs.c.priority == sa.bindparam("priority"),
-                jobs.c.requested_at <= sa.bindparam("now"),
-            ),
-        ),
-    )
-    .order_by(jobs.c.priority.desc(), jobs.c.requested_at, jobs.c.id)
-    .limit(1)
-    for team_is_none in (False, True)
-}
-"""The live waiter a new job would queue behind (`Queue._behind_a_waiter`), by whether the
-job's scope has a team. Like the statements below, built once: building a statement costs more
-than running it, and these run on every request."""
-
-_OPEN_JOBS = sa.select(
-    jobs.c.id,
-    jobs.c.scope,
-    jobs.c.state,
-    jobs.c.rate_micro_per_hour,
-    jobs.c.rate_cents,
-    jobs.c.max_runtime_s,
-    jobs.c.expected_runtime_s,
-    jobs.c.priority,
-    jobs.c.requested_at,
-    jobs.c.heartbeat_at,
-    jobs.c.on_limit,
-    jobs.c.max_wait_s,
-    jobs.c.reserved_micro,
-    jobs.c.admitted_at,
-    jobs.c.started_at,
-    jobs.c.reserve_seconds,
-    jobs.c.nodes,
-    jobs.c.pool,
-    jobs.c.team,
-    jobs.c.node_gpus,
-    jobs.c.node_vcpu,
-    jobs.c.node_memory_gib,
-    jobs.c.placement,
-    jobs.c.preempt_at,
-).where(jobs.c.org == sa.bindparam("org"), jobs.c.state.in_(("queued", *ACTIVE)))
-"""An org's queued and admitted or running jobs, as the policy sees them (`Queue._load`)."""
-
-_OPEN_PERIODS = sa.select(period_spend).where(
-    period_spend.c.scope.in_(sa.bindparam("scopes", expanding=True)),
-    period_spend.c.period_end > sa.bindparam("now"),
-)
-"""The settled spend of the named scopes' periods not yet over."""
-
-
 LEARNED_OUTCOMES = ("completed", "failed", "timed_out")
 """Jobs that ran their course: cancelled, preempted or reconciled ones teach nothing."""
 OVERRUN_SAMPLE = 20 * OVERRUN_WINDOW
@@ -327,18 +136,80 @@ OVERRUN_SAMPLE = 20 * OVERRUN_WINDOW
 OVERRUN_REFRESH_S = 30.0
 
 
-def _overrun(conn: Connection, org: str) -> dict[str, float]:
-    """Per scope, how far its latest settled jobs ran past their expected runtime."""
-    rows = conn.execute(
-        sa.select(jobs.c.scope, jobs.c.billed_seconds, jobs.c.expected_runtime_s)
-        .where(
-            jobs.c.org == org,
-            jobs.c.state == "settled",
-            jobs.c.outcome.in_(LEARNED_OUTCOMES),
-            jobs.c.expected_runtime_s > 0,
-            jobs.c.billed_seconds > 0,
+def in_pool(pools: list[Pool], org: str, job: NewJob) -> NewJob:
+    """The job with the pool of its org's `pools` it runs in (named, or serving its instance
+    type) and its per-node shape (`job_share`: vCPU and memory left at 0 take the pool's
+    proportional default; a job that names no GPUs, vCPU or memory takes a whole machine)."""
+    found = pool_for(pools, job.instance_type, job.pool)
+    if job.pool is not None and found is None:
+        raise BudgetInputError("pool", f"no capacity pool {job.pool!r} in {org}")
+    if found is None and job.partial:
+        raise BudgetInputError(
+            "gpus",
+            f"a part of a machine runs only in a capacity pool, and no pool of {org} "
+            f"serves {job.instance_type}",
         )
-        .order_by(jobs.c.settled_at.desc(), jobs.c.id)
-        .limit(OVERRUN_SAMPLE)
-    )
-    return overrun_factors((r.scope, r.billed_seconds / r.expected_runtime_s) for r in rows)
+    if found is None:
+        return replace(job, pool=None)
+    vcpu, memory = job.node_vcpu or None, job.node_memory_gib or None
+    res = job_share(found, job.node_gpus, vcpu, memory)
+    return replace(job, pool=found.name, node_gpus=res[0], node_vcpu=res[1], node_memory_gib=res[2])
+
+
+def new_job_row(job_id: str, org: str, job: NewJob, now: float) -> dict[str, Any]:
+    """The row of a job asking to be admitted, queued until it is decided."""
+    return {
+        "id": job_id,
+        "org": org,
+        "state": "queued",
+        "reason": "",
+        "requested_at": now,
+        "heartbeat_at": now,
+        "reserved_micro": 0,
+        "reserve_seconds": 0.0,
+        "team": team_of(job.scope),
+        **{
+            k: v for k, v in job.__dict__.items() if k not in ("grant", "partial", "priority_class")
+        },
+    }
+
+
+def decided_values(decision: Decision, now: float, reason: str, *, stamp: bool) -> dict[str, Any]:
+    """What a queued job's decision writes into its row besides what held it (`wait_tally`):
+    the admission and its reservation, its end unrun, or its new reason to wait (`reason`: the
+    one it had); with its heartbeat when its holder decided it (`stamp`) or it left the queue."""
+    values: dict[str, Any] = {}
+    if stamp or decision.verdict != "wait":
+        values["heartbeat_at"] = now
+    if decision.verdict == "admit":
+        values.update(
+            state="admitted",
+            admitted_at=now,
+            reserved_micro=decision.reserved_micro,
+            reserve_seconds=decision.reserve_seconds,
+            reason=decision.reason,
+            placement=",".join(map(str, decision.placement)),
+        )
+    elif decision.verdict in ("reject", "timeout"):
+        ended = "rejected" if decision.verdict == "reject" else "timed_out"
+        values.update(ended_unrun(ended, decision.reason, now))
+    elif decision.reason != reason:
+        values["reason"] = decision.reason
+    return values
+
+
+def shape_of(row: Mapping[str, Any]) -> Shape | None:
+    """The shape a job's row asks of its pool (None: it runs in none)."""
+    if row["pool"] is None:
+        return None
+    node = (row["node_gpus"], row["node_vcpu"], row["node_memory_gib"])
+    return Shape(row["pool"], row["team"], node, row["nodes"])
+
+
+def placed_of(row: Mapping[str, Any], stopping: bool = False) -> Placed:
+    """An admitted job's footprint in its pool, as its row records it (`stopping`: it was
+    asked to stop)."""
+    where = tuple(int(i) for i in (row["placement"] or "").split(",") if i)
+    shape = shape_of(row)
+    assert shape is not None, row["id"]
+    return Placed(row["id"], shape, where, row["priority"], row["admitted_at"], stopping)

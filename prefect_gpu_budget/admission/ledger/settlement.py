@@ -11,8 +11,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import _path_rules, add_to_periods
+from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
+from prefect_gpu_budget.admission.ledger.queries import add_to_periods, path_rules
 from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs
 from prefect_gpu_budget.admission.rules import accounting
 
@@ -24,7 +24,7 @@ class Settlements:
     def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
         self.db, self.headroom = db, headroom
 
-    @_reconnecting
+    @reconnecting
     def mark_started(self, job_id: str, started_at: float, external_id: str | None = None) -> bool:
         """The launcher started the job (`external_id`: pid and start ticks, or a cloud job id).
 
@@ -44,7 +44,7 @@ class Settlements:
                 ).rowcount
             )
 
-    @_reconnecting
+    @reconnecting
     def record_submission(self, job_id: str, external_id: str) -> None:
         """A cloud accepted the admitted job (it may wait for capacity before it starts)."""
         with self.db.tx() as conn:
@@ -54,7 +54,7 @@ class Settlements:
                 .values(external_id=external_id)
             )
 
-    @_reconnecting
+    @reconnecting
     def record_lease(self, job_id: str, lease_id: str) -> bool:
         """Remember the Prefect lease an admission holds, so reconcile can hand it back; False
         (nothing written) when the job is no longer admitted or running: its holder must then
@@ -69,7 +69,7 @@ class Settlements:
                 == 1
             )
 
-    @_reconnecting
+    @reconnecting
     def ask_stop(self, job_id: str, reason: str, now: float | None = None) -> bool:
         """Ask the holder of an admitted or running job to stop it (SIGTERM, its kill grace,
         SIGKILL) and settle it for what it ran; False when it is not admitted or running."""
@@ -83,7 +83,7 @@ class Settlements:
                 ).rowcount
             )
 
-    @_reconnecting
+    @reconnecting
     def heartbeat(self, job_id: str, now: float | None = None) -> None:
         with self.db.tx() as conn:
             conn.execute(
@@ -92,7 +92,7 @@ class Settlements:
                 .values(heartbeat_at=time.time() if now is None else now)
             )
 
-    @_reconnecting
+    @reconnecting
     def settle(
         self,
         job_id: str,
@@ -145,5 +145,5 @@ class Settlements:
     def _add_spend(
         self, conn: Connection, scope: str, actual: int, start: float, end: float
     ) -> None:
-        by_scope = {rule.scope: rule for rule in _path_rules(conn, scope)}
+        by_scope = {rule.scope: rule for rule in path_rules(conn, scope)}
         add_to_periods(conn, accounting.book(scope, actual, start, end, by_scope), by_scope)

@@ -24,7 +24,7 @@ checks the state it changes from (a job that moved on meanwhile is left as it is
   reservation); reconcile settles an admitted job whose holder is gone, at zero.
 
 `ACTIVE` states hold a reservation; `FINAL` ones never change again. An unrun ending
-(`_ended_unrun`) is settled at once, at no cost. Settled spend is also summed per (scope,
+(`ended_unrun`) is settled at once, at no cost. Settled spend is also summed per (scope,
 period) in `gpu_period_spend`, so a decision reads a few rows however long the ledger grows.
 """
 
@@ -232,7 +232,7 @@ sweep_trials = sa.Table(
     sa.Column("non_finite", sa.Integer),
 )
 """A trial's parameters, its latest metrics (the summary, else the last record), how many
-records it reported, how many NaN and infinite values it reported (left out: `results.keep`;
+records it reported, how many NaN and infinite values it reported (left out: `trial_records.keep`;
 null in a row an earlier version made, read as 0), and the name of its run's final state once
 it ended."""
 
@@ -374,7 +374,7 @@ SCHEMA = hashlib.sha256(
 """This version's schema, as a digest: its tables, columns and indexes."""
 
 
-def _ended_unrun(state: str, reason: str, now: float) -> dict[str, Any]:
+def ended_unrun(state: str, reason: str, now: float) -> dict[str, Any]:
     """The columns of a job that ends without running (rejected, timed out, cancelled): settled
     at once, at no cost."""
     return {"state": state, "ended_at": now, "settled_at": now, "actual_micro": 0, "reason": reason}

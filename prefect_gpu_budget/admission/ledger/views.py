@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 
-from prefect_gpu_budget.admission.ledger.engine import Db, _reconnecting
-from prefect_gpu_budget.admission.ledger.rows import (
-    STARTING,
-    _budgets,
-    _load_pools,
-    _load_quotas,
-    _states,
-    hold_of,
+from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
+from prefect_gpu_budget.admission.ledger.queries import (
+    job_states,
+    load_pools,
+    load_quotas,
+    read_budgets,
+    subtree,
 )
+from prefect_gpu_budget.admission.ledger.rows import STARTING, hold_of, placed_of
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     PREEMPTED,
@@ -34,8 +34,9 @@ from prefect_gpu_budget.admission.ledger.tables import (
     versions,
 )
 from prefect_gpu_budget.admission.rules import periods
-from prefect_gpu_budget.admission.rules.policy import held_in
-from prefect_gpu_budget.admission.rules.quota import Capacity, Placed, Shape
+from prefect_gpu_budget.admission.rules.capacity import Capacity
+from prefect_gpu_budget.admission.rules.policy import BudgetRule, held_in
+from prefect_gpu_budget.admission.rules.quota import Pool
 from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.identity import holder_alive
 from prefect_gpu_budget.units import near, org_of, scope_path
@@ -50,7 +51,7 @@ class Views:
         self._scopes_that_exist: set[str] = set()
         """Levels `unknown_scope` found to exist (none is ever removed)."""
 
-    @_reconnecting
+    @reconnecting
     def version(self, org: str) -> int:
         """Changes whenever headroom may have appeared in `org`: waiters poll this cheaply."""
         with self.db.read() as conn:
@@ -61,7 +62,7 @@ class Views:
                 or 0
             )
 
-    @_reconnecting
+    @reconnecting
     def versions(self, orgs: Iterable[str]) -> dict[str, int]:
         """`version` of several orgs in one read (a watcher's poll on SQLite)."""
         with self.db.read() as conn:
@@ -73,19 +74,19 @@ class Views:
                 ).all()
             )
 
-    @_reconnecting
+    @reconnecting
     def states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str | None]]:
         """(state, what holds it) of each job, in one read: how a watcher learns which of the
         jobs it waits for were decided."""
         with self.db.read() as conn:
-            return _states(conn, list(job_ids))
+            return job_states(conn, list(job_ids))
 
-    @_reconnecting
+    @reconnecting
     def job(self, job_id: str) -> dict[str, Any]:
         with self.db.read() as conn:
             return dict(conn.execute(sa.select(jobs).where(jobs.c.id == job_id)).mappings().one())
 
-    @_reconnecting
+    @reconnecting
     def jobs(
         self,
         scope: str | None = None,
@@ -106,79 +107,23 @@ class Views:
         if flow_run_id is not None:
             query = query.where(jobs.c.flow_run_id == flow_run_id)
         if scope:
-            query = query.where(
-                sa.or_(jobs.c.scope == scope, jobs.c.scope.startswith(scope + "/", autoescape=True))
-            )
+            query = query.where(subtree(jobs.c.scope, scope))
         if states:
             query = query.where(jobs.c.state.in_(states))
         with self.db.read() as conn:
             found = [dict(row) for row in conn.execute(query).mappings()]
         return found[::-1] if limit is not None else found
 
-    @_reconnecting
+    @reconnecting
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
         """Per budgeted scope: cap, running rate (of its admitted and running jobs: both hold
         their slots), period spend (settled, reserved), and its jobs: `running` (started),
         `admitted` (not started yet: a cloud may still be finding capacity, as Slurm's
         CONFIGURING or a flex-start job's wait) and `queued`."""
         now = time.time() if now is None else now
-        out = []
         with self.db.read() as conn:
-            for rule in [r for r in _budgets(conn) if _within(r.scope, scope)]:
-                subtree = sa.or_(
-                    jobs.c.scope == rule.scope,
-                    jobs.c.scope.startswith(rule.scope + "/", autoescape=True),
-                )
-                rows = conn.execute(
-                    sa.select(
-                        jobs.c.state,
-                        jobs.c.rate_micro_per_hour,
-                        jobs.c.max_runtime_s,
-                        jobs.c.reserved_micro,
-                        jobs.c.admitted_at,
-                        jobs.c.started_at,
-                        jobs.c.reserve_seconds,
-                    ).where(subtree, jobs.c.state.in_(("queued", *ACTIVE)))
-                ).all()
-                p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
-                reserved = sum(
-                    held_in(hold_of(r._mapping, rule.scope, now), now, rule, p_start)
-                    for r in rows
-                    if r.state in ACTIVE
-                )
-                settled = (
-                    conn.execute(
-                        sa.select(period_spend.c.settled_micro).where(
-                            period_spend.c.scope == rule.scope,
-                            period_spend.c.period_start == p_start,
-                        )
-                    ).scalar_one_or_none()
-                    or 0
-                )
-                budget = rule.period_budget_micro
-                out.append(
-                    {
-                        "scope": rule.scope,
-                        "hourly_cap_micro": None
-                        if rule.hourly_cap_cents is None
-                        else rule.hourly_cap_cents * 10_000,
-                        "running_rate_micro": sum(
-                            r.rate_micro_per_hour for r in rows if r.state in ACTIVE
-                        ),
-                        "period": rule.period,
-                        "period_start": p_start,
-                        "period_end": p_end,
-                        "timezone": rule.timezone,
-                        "period_budget_micro": budget,
-                        "settled_micro": settled,
-                        "reserved_micro": reserved,
-                        "remaining_micro": None if budget is None else budget - settled - reserved,
-                        "running": sum(1 for r in rows if r.state == "running"),
-                        "admitted": sum(1 for r in rows if r.state == "admitted"),
-                        "queued": sum(1 for r in rows if r.state == "queued"),
-                    }
-                )
-        return out
+            rules = [r for r in read_budgets(conn) if _within(r.scope, scope)]
+            return [_scope_status(conn, rule, now) for rule in rules]
 
     def orphans(
         self, now: float | None = None, stale_after: float = STALE_AFTER_S
@@ -192,7 +137,7 @@ class Views:
                 found.append(row)
         return found
 
-    @_reconnecting
+    @reconnecting
     def period_settled(self, scope: str, period_start: float) -> int:
         with self.db.read() as conn:
             return (
@@ -204,12 +149,12 @@ class Views:
                 or 0
             )
 
-    @_reconnecting
+    @reconnecting
     def capacity_status(self, org: str) -> list[dict[str, Any]]:
         """Per pool: its size, used, each team's quota / used / borrowed / lendable, and its
         queue with the reasons (for `status` and the spend report)."""
         with self.db.read() as conn:
-            org_pools, quotas = _load_pools(conn, org), _load_quotas(conn, org)
+            org_pools, quotas = load_pools(conn, org), load_quotas(conn, org)
             if not org_pools:
                 return []
             rows = (
@@ -222,53 +167,13 @@ class Views:
                 .mappings()
                 .all()
             )
-        placed = [
-            Placed(
-                r["id"],
-                Shape(
-                    r["pool"],
-                    r["team"],
-                    (r["node_gpus"], r["node_vcpu"], r["node_memory_gib"]),
-                    r["nodes"],
-                ),
-                tuple(int(i) for i in (r["placement"] or "").split(",") if i),
-                r["priority"],
-                r["admitted_at"],
-            )
-            for r in rows
-            if r["state"] in ACTIVE
-        ]
+        placed = [placed_of(r) for r in rows if r["state"] in ACTIVE]
         cap = Capacity(
             {p.name: p for p in org_pools}, {(q.pool, q.team): q for q in quotas}, placed
         )
-        return [
-            {
-                "org": org,
-                "pool": p.name,
-                "kind": p.kind,
-                "nodes": p.nodes,
-                "node": p.node,
-                "gpu_model": p.gpu_model,
-                "backfill": p.backfill,
-                "used": cap.pool_used(p.name),
-                "total": p.total,
-                "teams": cap.status(p.name),
-                "queue": [
-                    {
-                        "job_id": r["id"],
-                        "scope": r["scope"],
-                        "nodes": r["nodes"],
-                        "priority": r["priority"],
-                        "reason": r["reason"],
-                    }
-                    for r in rows
-                    if r["pool"] == p.name and r["state"] == "queued"
-                ],
-            }
-            for p in org_pools
-        ]
+        return [_pool_status(org, p, cap, rows) for p in org_pools]
 
-    @_reconnecting
+    @reconnecting
     def unknown_scope(self, scope: str) -> str | None:
         """Why no job may run in `scope`, in one line: a level that nobody created (its org,
         its team), with the name it may have meant (`acme/visoin` beside `acme/vision`); None
@@ -319,7 +224,7 @@ class Views:
                 )
         return None
 
-    @_reconnecting
+    @reconnecting
     def stop_asked(self, job_id: str) -> str | None:
         """Why this admitted or running job must stop now: `preempted` (a job within its team's
         quota takes back capacity this one borrowed) or `stopped` (its owner asked:
@@ -335,6 +240,80 @@ class Views:
         return PREEMPTED if row.preempt_at is not None else None
 
 
+def _scope_status(conn: sa.Connection, rule: BudgetRule, now: float) -> dict[str, Any]:
+    """`Views.status` of one budgeted scope."""
+    rows = conn.execute(
+        sa.select(
+            jobs.c.state,
+            jobs.c.rate_micro_per_hour,
+            jobs.c.max_runtime_s,
+            jobs.c.reserved_micro,
+            jobs.c.admitted_at,
+            jobs.c.started_at,
+            jobs.c.reserve_seconds,
+        ).where(subtree(jobs.c.scope, rule.scope), jobs.c.state.in_(("queued", *ACTIVE)))
+    ).all()
+    p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
+    reserved = sum(
+        held_in(hold_of(r._mapping, rule.scope, now), now, rule, p_start)
+        for r in rows
+        if r.state in ACTIVE
+    )
+    settled = (
+        conn.execute(
+            sa.select(period_spend.c.settled_micro).where(
+                period_spend.c.scope == rule.scope, period_spend.c.period_start == p_start
+            )
+        ).scalar_one_or_none()
+        or 0
+    )
+    budget = rule.period_budget_micro
+    cap = rule.hourly_cap_cents
+    return {
+        "scope": rule.scope,
+        "hourly_cap_micro": None if cap is None else cap * 10_000,
+        "running_rate_micro": sum(r.rate_micro_per_hour for r in rows if r.state in ACTIVE),
+        "period": rule.period,
+        "period_start": p_start,
+        "period_end": p_end,
+        "timezone": rule.timezone,
+        "period_budget_micro": budget,
+        "settled_micro": settled,
+        "reserved_micro": reserved,
+        "remaining_micro": None if budget is None else budget - settled - reserved,
+        "running": sum(1 for r in rows if r.state == "running"),
+        "admitted": sum(1 for r in rows if r.state == "admitted"),
+        "queued": sum(1 for r in rows if r.state == "queued"),
+    }
+
+
+def _pool_status(org: str, pool: Pool, cap: Capacity, rows: Sequence[Any]) -> dict[str, Any]:
+    """`Views.capacity_status` of one pool (`rows`: the org's open jobs in its pools)."""
+    return {
+        "org": org,
+        "pool": pool.name,
+        "kind": pool.kind,
+        "nodes": pool.nodes,
+        "node": pool.node,
+        "gpu_model": pool.gpu_model,
+        "backfill": pool.backfill,
+        "used": cap.pool_used(pool.name),
+        "total": pool.total,
+        "teams": cap.status(pool.name),
+        "queue": [
+            {
+                "job_id": r["id"],
+                "scope": r["scope"],
+                "nodes": r["nodes"],
+                "priority": r["priority"],
+                "reason": r["reason"],
+            }
+            for r in rows
+            if r["pool"] == pool.name and r["state"] == "queued"
+        ],
+    }
+
+
 def wait_spans(row: dict[str, Any]) -> dict[str, float]:
     """Seconds a job was held, per limit and scope that held it (`hourly_cap acme/vision`,
     `period_budget acme`, `queue` behind an earlier job, `prefect_slots` held outside the
@@ -348,10 +327,6 @@ def wait_spans(row: dict[str, Any]) -> dict[str, float]:
     if row.get("admitted_at") and row.get("started_at"):
         waits[STARTING] = max(0.0, row["started_at"] - row["admitted_at"])
     return {key: round(seconds, 3) for key, seconds in waits.items() if round(seconds, 3)}
-
-
-def _under(column: sa.Column, level: str) -> sa.ColumnElement[bool]:
-    return sa.or_(column == level, column.startswith(level + "/", autoescape=True))
 
 
 def _created(conn: sa.Connection, level: str) -> bool:
@@ -370,8 +345,8 @@ def _created(conn: sa.Connection, level: str) -> bool:
         ]
     else:  # an admin's doing only: a job never makes a team
         named = [
-            (budgets.c.scope, sa.and_(budgets.c.org == org, _under(budgets.c.scope, level))),
-            (templates.c.scope, sa.and_(templates.c.org == org, _under(templates.c.scope, level))),
+            (budgets.c.scope, sa.and_(budgets.c.org == org, subtree(budgets.c.scope, level))),
+            (templates.c.scope, sa.and_(templates.c.org == org, subtree(templates.c.scope, level))),
             (team_quotas.c.team, sa.and_(team_quotas.c.org == org, team_quotas.c.team == level)),
             (agent_limits.c.team, agent_limits.c.team == level),
         ]
@@ -382,7 +357,7 @@ def _created(conn: sa.Connection, level: str) -> bool:
 
 def _named_by_jobs(conn: sa.Connection, level: str) -> bool:
     """Whether a job (ever) ran in team `level` or a scope under it."""
-    where = sa.and_(jobs.c.org == org_of(level), _under(jobs.c.scope, level))
+    where = sa.and_(jobs.c.org == org_of(level), subtree(jobs.c.scope, level))
     return conn.execute(sa.select(jobs.c.id).where(where).limit(1)).first() is not None
 
 

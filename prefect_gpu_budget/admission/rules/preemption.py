@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from prefect_gpu_budget.admission.rules import queueing
+from prefect_gpu_budget.admission.rules.capacity import Capacity
 from prefect_gpu_budget.admission.rules.quota import (
-    Capacity,
     Fit,
     Placed,
     Pool,

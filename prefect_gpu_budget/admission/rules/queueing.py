@@ -29,7 +29,8 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prefect_gpu_budget.admission.rules.quota import Capacity, Pool, Shape, TeamQuota
+from prefect_gpu_budget.admission.rules.capacity import Capacity
+from prefect_gpu_budget.admission.rules.quota import Pool, Shape, TeamQuota
 from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.units import org_of, scope_path
 

@@ -1,4 +1,4 @@
-"""Requests and their decisions (admission/ledger/decisions.py): stale waiters, a request retried
+"""Requests and their decisions (admission/ledger/queue.py): stale waiters, a request retried
 after a lost commit, holds where spend can fall, estimate mode, what held a job and for how
 long, the queue's head, the policy run once, and a burst recorded in a few transactions."""
 
@@ -161,7 +161,7 @@ def test_every_wait_names_what_held_it_slots_held_outside_and_the_start_included
 
 def test_a_request_joining_a_queue_waits_behind_its_head_unless_it_goes_first(ledger):
     """A request behind a waiter that a budget on its path blocks is decided from that one row
-    (`policy.decide_behind`); one of higher priority goes ahead of it, decided in full."""
+    (`deciding.decide_behind`); one of higher priority goes ahead of it, decided in full."""
     ledger.config.set_budget(BudgetRule("dq", hourly_cap_cents=360, max_wait_s=3600))
     running, admitted = ledger.queue.request(_job("dq/t/a"))
     head, blocked = ledger.queue.request(_job("dq/t/b"))
@@ -185,17 +185,17 @@ def test_the_policy_runs_once_for_a_request_decided_at_once(ledger, monkeypatch)
     """A new job admitted (or refused) at once made no room for any other: its request loads
     the org's snapshot and runs the policy once. A waiter admitted later may have held jobs
     behind it, so its admission decides the org's queue again."""
-    from prefect_gpu_budget.admission.ledger import decisions
+    from prefect_gpu_budget.admission.ledger import queue
 
     ledger.config.set_budget(BudgetRule("once", hourly_cap_cents=360, max_wait_s=3600))
     loads: list[str] = []
-    load = decisions.load_state
+    load = queue.load_state
 
     def counted(conn, org, now, deciding, *known, **named):
         loads.append(deciding)
         return load(conn, org, now, deciding, *known, **named)
 
-    monkeypatch.setattr(decisions, "load_state", counted)
+    monkeypatch.setattr(queue, "load_state", counted)
     first, admitted = ledger.queue.request(_job("once/t/a"))
     assert admitted.verdict == "admit" and loads == [first]
     loads.clear()
@@ -214,9 +214,9 @@ def test_a_new_job_decided_at_once_still_admits_a_waiter_time_made_room_for(ledg
     """A waiter ahead goes silent (its holder died): the live waiter behind it now fits. A new
     job decided at once must not go before it: its request decides the org's queue, and the
     waiter is admitted in the same transaction (FIFO holds)."""
-    from prefect_gpu_budget.admission.ledger import decisions, jobs, state
+    from prefect_gpu_budget.admission.ledger import jobs, queue, state
 
-    monkeypatch.setattr(decisions, "STALE_WAITER_S", 1.0)  # the waiter a new job joins behind
+    monkeypatch.setattr(queue, "STALE_WAITER_S", 1.0)  # the waiter a new job joins behind
     monkeypatch.setattr(state, "STALE_WAITER_S", 1.0)  # and the policy's queue
     ledger.config.set_budget(BudgetRule("fifo", hourly_cap_cents=400))
     _, running = ledger.queue.request(new_job("fifo", rate_cents=200))

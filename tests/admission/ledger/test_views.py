@@ -1,4 +1,4 @@
-"""The ledger's read views (admission/ledger/reads.py): scopes matched exactly, a job admitted but
+"""The ledger's read views (admission/ledger/views.py): scopes matched exactly, a job admitted but
 not started told from a running one, the newest jobs chosen in SQL, and why a job must stop."""
 
 from __future__ import annotations

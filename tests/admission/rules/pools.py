@@ -4,8 +4,8 @@ team's GPUs, a capacity over them, and an admission as the gate makes it (`preem
 from __future__ import annotations
 
 from prefect_gpu_budget.admission.rules import preemption
+from prefect_gpu_budget.admission.rules.capacity import Capacity
 from prefect_gpu_budget.admission.rules.quota import (
-    Capacity,
     Placed,
     Pool,
     Shape,

@@ -22,7 +22,7 @@ from prefect_gpu_budget.admission.rules.accounting import (
     settled_in_period,
 )
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.simulate import SimJob, simulate
+from prefect_gpu_budget.sweeps.simulator import SimJob, simulate
 from tests.jobs import new_job
 
 

@@ -1,4 +1,5 @@
-"""The pure decision: order, holding, reasons, never-fits, time-outs, period splits."""
+"""The pure decision (admission/rules/deciding.py): order, holding, reasons, never-fits,
+time-outs, period splits."""
 
 from __future__ import annotations
 
@@ -6,16 +7,12 @@ from dataclasses import replace
 from datetime import datetime, timezone
 
 from prefect_gpu_budget.admission.rules import periods
+from prefect_gpu_budget.admission.rules.deciding import decide, decide_behind, plan
 from prefect_gpu_budget.admission.rules.policy import (
     BudgetRule,
     Hold,
     LedgerState,
     committed,
-    decide,
-    decide_behind,
-    overrun_factor,
-    overrun_factors,
-    plan,
 )
 from prefect_gpu_budget.admission.rules.requests import Request
 
@@ -170,17 +167,6 @@ def test_plan_stops_once_every_org_is_held():
     out = plan(s, queue)
     assert list(out) == ["j0"] and out["j0"].verdict == "wait"
     assert decide(s, queue, "j999").limit == "queue"
-
-
-def test_overrun_factor_is_a_high_quantile_of_settled_jobs_never_below_one():
-    assert overrun_factor([2.0] * 19) is None  # too few jobs to learn from
-    assert overrun_factor([float(i) for i in range(100, 0, -1)]) == 90.0  # nearest rank
-    assert overrun_factor([0.5] * 50) == 1.0  # never less than the user's own estimate
-    recent = [("o/a/s", 3.0)] * 30 + [("o/b/s", 1.5)] * 300  # most recent first
-    factors = overrun_factors(recent, window=200)
-    # o learns from its last 200 jobs, 30 of which (over 10%) ran three times their estimate
-    assert factors == {"o/a/s": 3.0, "o/a": 3.0, "o/b/s": 1.5, "o/b": 1.5, "o": 3.0}
-    assert overrun_factors(recent[:10] + recent[30:], window=200)["o"] == 1.5
 
 
 def test_estimate_mode_stretches_the_estimate_by_the_deepest_scope_that_learned():

@@ -75,7 +75,7 @@ def test_the_defaults_are_the_clocks() -> None:
 
 
 def test_the_cli_and_the_flow_default_to_the_same_staleness() -> None:
-    from prefect_gpu_budget import cli
+    from prefect_gpu_budget.cli import jobs as cli
     from prefect_gpu_budget.flows.reconcile import reconcile_flow
 
     option = _default(cli.reconcile_cmd, "stale_after")

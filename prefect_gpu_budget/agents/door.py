@@ -16,23 +16,23 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import ValidationError
 
+from prefect_gpu_budget.admission.admin_settings import AgentLimits
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.admission.stopping import stop_sweep
-from prefect_gpu_budget.agents.rules import (
+from prefect_gpu_budget.agents.callers import Caller, CallerCheck, Refused
+from prefect_gpu_budget.agents.limits import (
     STOPPED_BY_AGENT,
     agent_spec,
     limits_for,
     runnable,
     stop_own_job,
 )
-from prefect_gpu_budget.agents.throttle import LocalStore, RedisStore, address_key, store
+from prefect_gpu_budget.agents.throttle import LocalStore, RedisStore, store
 from prefect_gpu_budget.agents.views import (
     FINAL_RUN_STATES,
     budget_view,
@@ -42,28 +42,11 @@ from prefect_gpu_budget.agents.views import (
     trial_view,
 )
 from prefect_gpu_budget.job import one_line
-from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.settings import gateway_redis_url
 from prefect_gpu_budget.units import BudgetInputError, micro_to_usd
 
 DEPLOYMENT = "agent-sweep/agents"
 SESSION_TAG = "gpu-budget-session:"
-AUTH_FAILURES = (10, 60.0)
-"""At most this many bad tokens per client address and token prefix per window (s); then 429
-for that pair until it passes: one client's storm of bad (or stale) tokens locks out itself,
-not the other agents behind the same address (a shared NAT or proxy)."""
-AUTH_FAILURES_PER_ADDRESS = (200, 60.0)
-"""At most this many bad tokens per client address (IPv6: per /64), whatever their prefixes,
-per window (s); then 429 for every bad token from it until it passes (valid ones still pass)."""
-LOOKUPS_PAST_THE_CAP = (20, 1.0)
-"""Past AUTH_FAILURES_PER_ADDRESS, at most this many tokens from that address are looked up per
-window (s); the rest get 429 unread: an enumerator's storm costs the ledger 20 reads a second
-at most, while a valid agent behind the same address gets through between them."""
-TOKEN_PREFIX = 12
-"""How much of a presented token tells one client's failures from another's: `gpub_` and 7
-random characters (a valid token's prefix is no secret worth having: 32 random bytes follow)."""
-CALLS = (120, 60.0)
-"""At most this many calls per grant per window (s)."""
 ACTIVE_RUN_STATES = ["SCHEDULED", "PENDING", "RUNNING", "PAUSED", "CANCELLING"]
 SERVED_WITHIN_S = 90.0
 """The agent deployment counts as served when something polled it this recently (a served
@@ -86,25 +69,6 @@ MAX_PAGE = 1000
 """Most records of a learning curve in one page."""
 
 
-class Refused(Exception):
-    """A call the door turns down: an HTTP-like `status` (401, 404, 409, 422, 429, 503), a
-    one-line `detail`, and the `headers` a transport should send with it."""
-
-    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(f"{status}: {detail}")
-        self.status = status
-        self.detail = detail
-        self.headers: dict[str, str] = dict(headers or {})
-
-
-@dataclass(frozen=True)
-class Caller:
-    """Who calls: the agent's session and its grant's id (never its token)."""
-
-    session: str
-    grant: str
-
-
 class Door:
     """Every operation an agent has, for one ledger and one Prefect API (`prefect`: a sync
     Prefect client, set once the gateway has opened it). Its limits count in `throttles`,
@@ -119,70 +83,24 @@ class Door:
         throttles: LocalStore | RedisStore | None = None,
     ) -> None:
         self.ledger, self.prefect, self.deployment = ledger, prefect, deployment
-        self.records = SweepRecords(ledger)
         counts = throttles or store(gateway_redis_url())
-        self.failures = counts.window("bad-tokens", *AUTH_FAILURES)
-        self.calls = counts.window("calls", *CALLS)
-        self.address_failures = counts.window("bad-tokens-per-address", *AUTH_FAILURES_PER_ADDRESS)
-        self.lookups_past_the_cap = counts.window("lookups-past-the-cap", *LOOKUPS_PAST_THE_CAP)
+        self.callers = CallerCheck(ledger, counts)
         self.long_polls = counts.slots("long-polls", *LONG_POLLS)
         self.starts = counts.slots("sweep-starts", 1, 1_000_000)
         """One start of a sweep per session at a time, across the gateways (`START_WAIT_S`)."""
 
+    @property
+    def records(self) -> Any:
+        """The ledger's sweep records (`Ledger.sweeps`): what sweeps wrote, never the worker's
+        files."""
+        return self.ledger.sweeps
+
     # -- who calls --------------------------------------------------------------------------
 
     def caller(self, authorization: str | None, address: str) -> Caller:
-        """The caller of a `Bearer` token from the client at `address` (the transport's word
-        for it: the socket's peer, or what a trusted proxy says); 401 for none or a bad one,
-        429 past the limits, with `Retry-After`.
-
-        Bad tokens are counted per (address, the token's first TOKEN_PREFIX characters) and
-        per address. A client that keeps presenting a bad token is refused (429) without its
-        token being looked up, while other agents behind the same address are not. Past
-        AUTH_FAILURES_PER_ADDRESS every bad token from that address is a 429 rather than a 401,
-        but a valid one is still served: an enumerator behind a shared NAT or proxy slows
-        itself, and does not lock the other agents there out. It stays cheap: past the cap, at
-        most LOOKUPS_PAST_THE_CAP tokens a second from that address are looked up, the rest
-        refused unread (a token is 32 random bytes: the cap bounds the storm's cost, guessing
-        is hopeless anyway)."""
-        scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip()
-        where = address_key(address)
-        pair = (where, token[:TOKEN_PREFIX])
-        if self.failures.full(pair):
-            raise Refused(
-                429,
-                "too many bad tokens like this one from this address; wait",
-                {"Retry-After": str(self.failures.retry_after(pair))},
-            )
-        past_the_cap = self.address_failures.full(where)
-        if past_the_cap and self.lookups_past_the_cap.hit(where):
-            raise Refused(
-                429,
-                "too many bad tokens from this address; wait",
-                {"Retry-After": str(self.address_failures.retry_after(where))},
-            )
-        try:
-            if scheme.lower() != "bearer" or not token:
-                raise BudgetInputError("authorization", "a bearer token is required")
-            session, grant = self.ledger.grants.agent_grant(token)
-        except BudgetInputError:
-            if past_the_cap:
-                raise Refused(
-                    429,
-                    "too many bad tokens from this address; wait",
-                    {"Retry-After": str(self.address_failures.retry_after(where))},
-                ) from None
-            self.address_failures.hit(where)
-            self.failures.hit(pair)
-            raise Refused(401, "unknown or revoked token", {"WWW-Authenticate": "Bearer"}) from None
-        if self.calls.hit(grant):
-            raise Refused(
-                429,
-                "too many calls for this session; wait",
-                {"Retry-After": str(self.calls.retry_after(grant))},
-            )
-        return Caller(session, grant)
+        """The caller of a `Bearer` token from the client at `address` (`CallerCheck.caller`);
+        401 for none or a bad one, 429 past the limits, with `Retry-After`."""
+        return self.callers.caller(authorization, address)
 
     # -- sweeps -----------------------------------------------------------------------------
 
@@ -422,7 +340,7 @@ class Door:
         else its expected_runtime) and `bound` (each trial to its max_runtime, as the gate reserves it),
         each with trials admitted, timed out and rejected, spend, makespan and waits; the
         top-level figures are the likely ones (`Forecast.as_dict`)."""
-        from prefect_gpu_budget.forecast import forecast
+        from prefect_gpu_budget.sweeps.forecast import forecast
 
         return forecast(self._checked(caller, spec)[0], self.ledger).as_dict()
 
@@ -434,7 +352,7 @@ class Door:
         provisioning: str = "on-demand",
     ) -> dict[str, Any]:
         """The catalog price of a job shape for `hours`."""
-        from prefect_gpu_budget.pricing.catalog import default_catalog
+        from prefect_gpu_budget.admission.prices import default_catalog
         from prefect_gpu_budget.units import cost_micro
 
         try:

@@ -25,7 +25,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefect_gpu_budget.admission.ledger import open_ledger
-from prefect_gpu_budget.agents.door import DEPLOYMENT, Door, Refused
+from prefect_gpu_budget.agents.callers import Refused
+from prefect_gpu_budget.agents.door import DEPLOYMENT, Door
 from prefect_gpu_budget.agents.mcp import mcp_app
 from prefect_gpu_budget.agents.routes import ROUTERS
 from prefect_gpu_budget.settings import gateway_trusted_proxies, ledger_url

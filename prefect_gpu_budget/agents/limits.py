@@ -14,12 +14,12 @@ from typing import Any
 
 from sqlalchemy.exc import NoResultFound
 
+from prefect_gpu_budget.admission.admin_settings import AgentLimits
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.stopping import stop_job
-from prefect_gpu_budget.models import AgentLimits
 from prefect_gpu_budget.priorities import resolve
 from prefect_gpu_budget.settings import agent_results_root
-from prefect_gpu_budget.sweep_spec import SweepSpec, load_spec, preflight
+from prefect_gpu_budget.sweeps.spec import SweepSpec, load_spec, preflight
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, org_of, shown
 
 STOPPED_BY_AGENT = "stopped by its agent"
@@ -39,8 +39,24 @@ def agent_spec(
     classes: Mapping[str, int] | None = None,
 ) -> SweepSpec:
     """The agent's spec homed in its session and held to its team's limits (`classes`: its
-    org's priority classes by value, `Ledger.config.priority_values`); anything else is refused with the field and the
-    rule (`BudgetInputError`), before anything is reserved."""
+    org's priority classes by value, `Ledger.config.priority_values`); anything else is refused
+    with the field and the rule (`BudgetInputError`), before anything is reserved. Four steps:
+    1. homed in the session; 2. its callable, launcher and size granted; 3. its trials' job
+    (shape, priority, wait) within the limits; 4. its results kept under the session's."""
+    loaded = _homed(spec, scope, limits)
+    launcher = _check_grants(loaded, limits)
+    _check_job(loaded, launcher, limits, classes, scope)
+    path = PurePosixPath(loaded.results_dir)
+    if path.is_absolute() or ".." in path.parts or "\\" in loaded.results_dir:
+        raise BudgetInputError(
+            "results_dir", f"must be a relative path without '..', got {shown(loaded.results_dir)}"
+        )
+    return loaded
+
+
+def _homed(spec: SweepSpec | dict[str, Any], scope: str, limits: AgentLimits) -> SweepSpec:
+    """The spec loaded in the session `scope` (its own scope must be that one), its jobs
+    waiting at most the team's max_wait unless they say otherwise."""
     if isinstance(spec, dict) and "scope" not in spec:
         spec = {**spec, "scope": scope}
     if isinstance(spec, dict) and isinstance(spec.get("job"), dict):
@@ -50,6 +66,12 @@ def agent_spec(
         raise BudgetInputError(
             "spec.scope", f"this agent may spend only in {scope}, not in {loaded.scope}"
         )
+    return loaded
+
+
+def _check_grants(loaded: SweepSpec, limits: AgentLimits) -> str:
+    """The spec's callable and launcher are granted to the team's agents, and its trials and
+    parallelism within their limits; its launcher's name."""
     if loaded.callable is not None and loaded.callable not in limits.callables:
         raise BudgetInputError(
             "callable", f"{shown(loaded.callable)} is not among the callables agents may run"
@@ -72,6 +94,18 @@ def agent_spec(
             f"at most {limits.max_queued} for agents of {limits.team} (the jobs a session may "
             f"have queued), got {loaded.parallelism}",
         )
+    return launcher
+
+
+def _check_job(
+    loaded: SweepSpec,
+    launcher: str,
+    limits: AgentLimits,
+    classes: Mapping[str, int] | None,
+    scope: str,
+) -> None:
+    """The trials' job: a whole machine on the local launcher, a priority and a wait within
+    the team's limits."""
     job = loaded.job_for({name: 0 for name in loaded.params()}, "check")
     if launcher == "local" and (job.gpus, job.vcpu, job.memory_gib) != (None, None, None):
         raise BudgetInputError(  # priced as a part, nothing would hold it to that part
@@ -94,26 +128,20 @@ def agent_spec(
             f"agents of {limits.team} wait at most {fmt_duration(limits.max_wait)} "
             f"(0, forever, is not theirs to ask), got {fmt_duration(job.max_wait or 0)}",
         )
-    path = PurePosixPath(loaded.results_dir)
-    if path.is_absolute() or ".." in path.parts or "\\" in loaded.results_dir:
-        raise BudgetInputError(
-            "results_dir", f"must be a relative path without '..', got {shown(loaded.results_dir)}"
-        )
-    return loaded
 
 
 def agent_results(session: str) -> Path:
     """Where an agent session's sweeps keep their results (a fixed root an admin sets). The
     root is the worker's alone (0700): the sessions' users, which run the agents' jobs, read no
     session's results from the disk (agents read their own through the gateway)."""
-    from prefect_gpu_budget.launchers.agent_users import private_folder
+    from prefect_gpu_budget.sandbox.users import private_folder
 
     return private_folder(agent_results_root(), parents=True).joinpath(*session.split("/"))
 
 
 def runnable(spec: SweepSpec) -> None:
     """Refuse (`BudgetInputError`, naming the field) what the flow would refuse before its
-    first trial (`sweep_spec.preflight`) on the launcher the agent's trials run on. Checked with
+    first trial (`sweeps.spec.preflight`) on the launcher the agent's trials run on. Checked with
     this process's settings: run the gateway with the agent worker's
     (`PREFECT_GPU_BUDGET_AGENT_*`, `PREFECT_GPU_BUDGET_LOCAL_MACHINE`)."""
     try:
@@ -131,7 +159,7 @@ def sandboxed_launcher(spec: SweepSpec) -> Any:
     """The launcher an agent's trials run on: a granted block, or sandboxed local processes."""
     from prefect_gpu_budget.launchers.local import LocalLauncher
     from prefect_gpu_budget.launchers.registry import launcher_for
-    from prefect_gpu_budget.launchers.sandbox import Sandbox
+    from prefect_gpu_budget.sandbox.launcher import Sandbox
 
     if spec.launcher is not None:
         return launcher_for(spec.launcher)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from prefect_gpu_budget.agents.door import MAX_LONG_POLL_S
-from prefect_gpu_budget.agents.rules import STOPPED_BY_AGENT
+from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Depends, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from prefect_gpu_budget.agents.door import MAX_LONG_POLL_S, MAX_PAGE, Caller, Door
+from prefect_gpu_budget.agents.callers import Caller
+from prefect_gpu_budget.agents.door import MAX_LONG_POLL_S, MAX_PAGE, Door
 from prefect_gpu_budget.agents.operations import BY_TOOL, ResultsFormat
 
 SPEC = Body(..., description="A sweep spec, as `gpu_sweep` takes it.")

@@ -16,8 +16,8 @@ from prefect_gpu_budget.flows.agent import agent_sweep
 from prefect_gpu_budget.flows.bill_import import bill_import
 from prefect_gpu_budget.flows.reconcile import reconcile_flow
 from prefect_gpu_budget.flows.spend_report import spend_report
-from prefect_gpu_budget.flows.sweep import gpu_sweep
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.flow import gpu_sweep
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 
 SWEEP = "sweep"
 REPORT = "daily"
@@ -32,16 +32,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _flows(from_source: bool) -> tuple[Any, ...]:
     flows = (
-        (gpu_sweep, "sweep.py:gpu_sweep"),
-        (spend_report, "spend_report.py:spend_report"),
-        (reconcile_flow, "reconcile.py:reconcile_flow"),
-        (agent_sweep, "agent.py:agent_sweep"),
-        (bill_import, "bill_import.py:bill_import"),
+        (gpu_sweep, "sweeps/flow.py:gpu_sweep"),
+        (spend_report, "flows/spend_report.py:spend_report"),
+        (reconcile_flow, "flows/reconcile.py:reconcile_flow"),
+        (agent_sweep, "flows/agent.py:agent_sweep"),
+        (bill_import, "flows/bill_import.py:bill_import"),
     )
     if not from_source:
         return tuple(flow for flow, _ in flows)
     return tuple(
-        flow.from_source(source=str(ROOT), entrypoint=f"prefect_gpu_budget/flows/{entry}")
+        flow.from_source(source=str(ROOT), entrypoint=f"prefect_gpu_budget/{entry}")
         for flow, entry in flows
     )
 

@@ -11,7 +11,7 @@ from prefect_gpu_budget.launchers.base import (
     Probe,
 )
 from prefect_gpu_budget.launchers.local import LocalLauncher
-from prefect_gpu_budget.launchers.sandbox import Sandbox
+from prefect_gpu_budget.sandbox.launcher import Sandbox
 
 _LAZY = {
     "DeploymentLauncher": "prefect_gpu_budget.launchers.deployment",

@@ -16,20 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from prefect_gpu_budget.extras import MissingExtra
-from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.job import GpuJob, LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.threads import Handoff
 
 OUTCOMES = ("completed", "failed", "timed_out", "cancelled", "launch_error", "wait_expired")
-
-
-class LaunchConfigError(ValueError):
-    """A launcher setting is wrong; raised by `preflight`, before anything is reserved."""
-
-    def __init__(self, launcher: str, reason: str) -> None:
-        self.launcher = launcher
-        self.reason = reason
-        super().__init__(f"{launcher} launcher: {reason}")
 
 
 class LauncherNeedsExtra(MissingExtra, LaunchConfigError):

@@ -52,10 +52,8 @@ the flow run's code cannot write.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 from uuid import UUID
 
@@ -78,31 +76,16 @@ from prefect_gpu_budget.launchers.base import (
 )
 from prefect_gpu_budget.launchers.bill_mark import flow_run_tag, ledger_job_id, pool_labels
 from prefect_gpu_budget.launchers.follow import (
-    Remote,
     Retry,
-    Seen,
     Start,
-    Stop,
     first_line,
     follow,
     wait_over,
 )
+from prefect_gpu_budget.launchers.followed_flow_run import FollowedFlowRun
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import shown
 from prefect_gpu_budget.worker_types import GATED_TYPES
-
-logger = logging.getLogger("prefect_gpu_budget.launchers.deployment")
-
-PROCESS_ENDED_EVENT = "prefect.worker.executed-flow-run"
-"""What a worker emits once the process of a flow run it started has exited (anyone with the
-run's API access can emit it too: it may lengthen a bill, never end one)."""
-END_NOT_OBSERVED = "end not observed: billed to max_runtime"
-"""What a job's detail and log say when nothing later than max_runtime was reported or seen."""
-
-
-def _billed_to(ended: float, deadline: float) -> str:
-    """How a bill that ran past max_runtime ended."""
-    return f"billed {ended - deadline:.1f}s past max_runtime, to its last reported or seen end"
 
 
 class DeploymentLauncher(Block):
@@ -239,21 +222,8 @@ class DeploymentLauncher(Block):
         cancelled and waited for (what of it is still seen on this host then is killed) before
         the interruption is raised again.
         """
-        from prefect.deployments import run_deployment
-
         try:
-            job_variables, tags = self._marked(job, env)
-            flow_run = run_deployment(
-                self.deployment,
-                parameters=self._parameters(job),
-                timeout=0,
-                as_subflow=self.as_subflow,
-                job_variables=job_variables,
-                tags=tags,
-                work_queue_name=self.work_queue_name,
-                flow_run_name=job.name,
-                _sync=True,  # a plain call even from inside an async flow or task
-            )
+            flow_run = self._create_flow_run(job, env)
         except Exception as exc:  # refused (a bad parameter), or the API is down
             now = time.time()
             detail = f"could not create a flow run of {self.deployment}: {first_line(exc)}"
@@ -264,24 +234,49 @@ class DeploymentLauncher(Block):
             log(f"created {flow_runs.state_line(flow_run)} of deployment {self.deployment}")
             with get_client(sync_client=True) as client:
                 # an unreadable API is waited out: the job may still be running and billing
-                followed = _FlowRun(self, client, flow_run, job, log)
+                followed = FollowedFlowRun(self, client, flow_run, job, log)
                 return follow(
                     followed, start, poll_s=self.poll_s, log=log, retry=Retry((Exception,))
                 )
         except BaseException:
-            try:
-                self._cancel(flow_run.id, "the calling run was interrupted", log)
-                last = self._wait_final(flow_run.id, job.kill_grace + self.cancel_wait_s)
-                if flow_runs.ran(last) and last.start_time is not None:
-                    # it may have started since: bill from then; what runs on here is killed
-                    record = start.note(last.start_time.timestamp())
-                    flow_runs.kill_left(flow_run.id, flow_runs.seen_here(flow_run.id), log)
-                    record.finish()
-                elif start.record is not None:
-                    start.record.finish()
-            except Exception as exc:  # keep the interruption, not this, as the error
-                log(f"could not cancel flow run {flow_run.id}: {exc}")
+            self._cancel_interrupted(flow_run, job, start, log)
             raise
+
+    def _create_flow_run(self, job: GpuJob, env: dict[str, str] | None) -> FlowRun:
+        """The job's flow run of the deployment, created and not waited for."""
+        from prefect.deployments import run_deployment
+
+        job_variables, tags = self._marked(job, env)
+        return run_deployment(
+            self.deployment,
+            parameters=self._parameters(job),
+            timeout=0,
+            as_subflow=self.as_subflow,
+            job_variables=job_variables,
+            tags=tags,
+            work_queue_name=self.work_queue_name,
+            flow_run_name=job.name,
+            _sync=True,  # a plain call even from inside an async flow or task
+        )
+
+    def _cancel_interrupted(
+        self, flow_run: FlowRun, job: GpuJob, start: Start, log: Callable[[str], None]
+    ) -> None:
+        """The caller was interrupted: cancel the flow run and wait for it to end; if it
+        started meanwhile, bill it from its start and kill what of it still runs here. Never
+        raises: the interruption, not this, is the caller's error."""
+        try:
+            self.cancel_flow_run(flow_run.id, "the calling run was interrupted", log)
+            last = self._wait_final(flow_run.id, job.kill_grace + self.cancel_wait_s)
+            if flow_runs.ran(last) and last.start_time is not None:
+                # it may have started since: bill from then; what runs on here is killed
+                record = start.note(last.start_time.timestamp())
+                flow_runs.kill_left(flow_run.id, flow_runs.seen_here(flow_run.id), log)
+                record.finish()
+            elif start.record is not None:
+                start.record.finish()
+        except Exception as exc:  # keep the interruption, not this, as the error
+            log(f"could not cancel flow run {flow_run.id}: {exc}")
 
     def probe(self, external_id: str) -> Probe:
         """`running` for a flow run that started (its end cannot be observed: reconcile keeps
@@ -302,7 +297,7 @@ class DeploymentLauncher(Block):
 
     def stop(self, external_id: str, grace: float = 10.0) -> None:
         """Cancel the flow run and wait up to `grace` plus `cancel_wait_s` for it to end."""
-        self._cancel(UUID(external_id), "stop requested", lambda line: None)
+        self.cancel_flow_run(UUID(external_id), "stop requested", lambda line: None)
         self._wait_final(UUID(external_id), grace + self.cancel_wait_s)
 
     # -- helpers ------------------------------------------------------------------------------
@@ -349,7 +344,7 @@ class DeploymentLauncher(Block):
             variables["labels"] = labels
         return variables, [*self.tags, flow_run_tag(job_id)]
 
-    def _cancel(self, flow_run_id: UUID, why: str, log: Callable[[str], None]) -> None:
+    def cancel_flow_run(self, flow_run_id: UUID, why: str, log: Callable[[str], None]) -> None:
         """Ask for cancellation, as `prefect flow-run cancel` does. A run that has not started
         is cancelled at once by the server; a running one by its worker or runner."""
         with get_client(sync_client=True) as client:
@@ -371,212 +366,3 @@ class DeploymentLauncher(Block):
 
             wait_over(over, timeout, min(self.poll_s, 1.0))
         return read[-1]
-
-
-@dataclass
-class _FlowRun(Remote[FlowRun]):
-    """A flow run as `follow` reads and stops it (`Cancelling`, as `prefect flow-run cancel`
-    does), and when its bill may end (see the module's docstring): it says it is over,
-    max_runtime has passed since its start, and none of its processes is seen on this host. A
-    deleted flow run is billed as one that says it is over."""
-
-    launcher: DeploymentLauncher
-    client: SyncPrefectClient
-    flow_run: FlowRun
-    job: GpuJob
-    log: Callable[[str], None]
-    deleted: float | None = None  # when it was found deleted
-    over: bool = False  # it said it is over (or was deleted): latched
-    claimed: float = 0.0  # the latest end it reported
-    asked: float | None = None  # when it was asked to end (cancelled, or set Cancelling)
-    checked: bool = False  # its end looked at, at max_runtime
-    suspicion: str = ""  # why its end looks forged
-    seen_late: bool = False  # one of its processes seen here past max_runtime
-    killed: bool = False  # what of it still ran here was killed
-    told_over: bool = False  # said once: it says it ended (before max_runtime)
-    told_overdue: bool = False  # said once: it has not ended since it was asked to
-
-    def __post_init__(self) -> None:
-        self.run_id = self.flow_run.id
-        self.name = f"flow run {self.run_id}"
-        self.created = flow_runs.epoch(self.flow_run.created) or time.time()
-        self.grace = self.job.kill_grace + self.launcher.cancel_wait_s
-        """How long a flow run asked to end may take (and its worker's report of its end)."""
-
-    def read(self) -> Seen[FlowRun]:
-        try:
-            self.flow_run = self.client.read_flow_run(self.run_id)
-        except ObjectNotFound:  # as good as a claim that it is over: billed the same
-            if self.deleted is None:
-                self.deleted = time.time()
-                self.over = True
-                self.claimed = max(self.claimed, self.deleted)
-        if self.deleted is not None:  # started then, if it was not seen to start before
-            line = f"flow run {self.run_id} was deleted; its processes may still run"
-            return Seen(self.flow_run, "deleted", line, self.deleted, over=True)
-        flow_run = self.flow_run
-        if flow_runs.over(flow_run):
-            self.over = True
-            self.claimed = max(self.claimed, flow_runs.ended_at(flow_run))
-        state, start = flow_run.state, flow_run.start_time
-        return Seen(
-            flow_run,
-            None if state is None else (state.type, state.name, state.message),
-            flow_runs.state_line(flow_run),
-            start.timestamp() if start is not None and flow_runs.ran(flow_run) else None,
-            over=self.over,
-        )
-
-    def limit(self, started: float | None) -> tuple[float, Stop] | None:
-        """max_runtime from its start; `start_timeout` from its creation, while not started."""
-        runtime, timeout = self.job.max_runtime, self.launcher.start_timeout
-        if started is not None:
-            return started + runtime, Stop("timed_out", f"max_runtime {runtime:.0f}s reached")
-        if timeout is None:
-            return None
-        return self.created + timeout, Stop("wait_expired", f"not started within {timeout:.0f}s")
-
-    def stop(self, stop: Stop) -> bool:
-        try:
-            self.launcher._cancel(self.run_id, stop.why, self.log)
-        except Exception as exc:
-            if stop.outcome == "cancelled":  # its start went unrecorded: the run ends here
-                raise
-            self.log(f"could not cancel flow run {self.run_id}, retrying: {first_line(exc)}")
-            return False
-        if stop.outcome != "wait_expired" and self.asked is None:
-            self.asked = time.time()
-        return True
-
-    def end(
-        self, seen: Seen[FlowRun], started: float | None, stopped: Stop | None, now: float
-    ) -> LaunchResult | None:
-        flow_run = seen.job
-        if started is None:  # over before it started: it never ran, nothing to meter
-            ended = flow_runs.ended_at(flow_run)
-            return self._result(flow_run, None, stopped, ended) if seen.over else None
-        deadline = started + self.job.max_runtime
-        pids = flow_runs.seen_here(self.run_id) if now >= deadline else []  # before: billed anyway
-        scanned = time.time()  # none of them seen by now: the earliest end to bill
-        self.seen_late = self.seen_late or bool(pids)
-        if self.over and now < deadline and not self.told_over:
-            self.told_over = True
-            self.log(
-                f"flow run {self.run_id} says it ended; its end is not observed: billed to "
-                f"max_runtime {self.job.max_runtime:.0f}s, its slot held until then"
-            )
-        if now >= deadline and not self.checked:
-            if not self.over:  # not over at max_runtime: stopped (`follow` asks until it can)
-                self.checked = stopped is not None
-                self.asked = now if self.checked and self.asked is None else self.asked
-            elif (
-                not pids
-                and self.deleted is None
-                and now < deadline + self.grace
-                and self._process_ended() is None
-            ):
-                pass  # its worker's report may be on its way (events land late): wait
-            else:
-                self.checked = True
-                self.suspicion = self._suspicion(flow_run, pids)
-                if self.suspicion:
-                    self.asked = now
-                    self._distrust(flow_run)
-        if self.asked is not None and now >= self.asked + self.grace:
-            if pids and not self.killed:
-                self.killed = True
-                flow_runs.kill_left(self.run_id, pids, self.log)
-            elif not self.over and not self.told_overdue:
-                self.told_overdue = True  # say it once; keep metering until it really ends
-                self.log(
-                    f"flow run {self.run_id} has not ended since it was cancelled; still metered"
-                )
-        if not (self.over and self.checked and not pids):
-            return None
-        reported = self._process_ended() or 0.0
-        ended = max(deadline, self.claimed, reported, scanned if self.seen_late else 0.0)
-        how = END_NOT_OBSERVED if ended == deadline else _billed_to(ended, deadline)
-        detail = "; ".join(x for x in (self.suspicion, how) if x)
-        self.log(f"flow run {self.run_id}: {detail}")
-        return self._result(flow_run, started, stopped, ended, detail)
-
-    def _process_ended(self) -> float | None:
-        """When a worker reported the flow run's process ended (its executed-flow-run event),
-        or None while none has (or the events cannot be read). Anyone with the run's API
-        access can post this event: it may lengthen a bill, never end one."""
-        from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
-
-        wanted = EventFilter(
-            event=EventNameFilter(name=[PROCESS_ENDED_EVENT]),
-            related=EventRelatedFilter(
-                resources_in_roles=[(f"prefect.flow-run.{self.run_id}", "flow-run")]
-            ),
-        )
-        try:
-            page = self.client.read_events(filter=wanted, limit=5)
-        except Exception:  # the API is down: nothing reported
-            return None
-        times = [event.occurred.timestamp() for event in page.events]
-        return max(times) if times else None
-
-    def _suspicion(self, flow_run: FlowRun, pids: list[int]) -> str:
-        """Why a flow run that says it is over, at max_runtime, looks like it runs on ("" if
-        nothing says so; nothing can prove that it does not)."""
-        name = f"flow run {flow_run.name} ({flow_run.id})"
-        state = flow_run.state.name if flow_run.state else "?"
-        said = "was deleted" if self.deleted is not None else f"is {state}"
-        if pids:
-            return f"suspicious end: {name} {said}, but {len(pids)} of its processes still run here"
-        if self.deleted is None and self._process_ended() is None:
-            return (
-                f"suspicious end: {name} {said}, but no worker reported its process ended; its "
-                "state may have been set through the API while the job ran on"
-            )
-        return ""
-
-    def _distrust(self, flow_run: FlowRun) -> None:
-        """Say a suspicious end loudly, and set the flow run Cancelling so that its worker
-        kills its process (by its infrastructure_pid) if it still runs."""
-        warning = f"{self.suspicion}. Billed to max_runtime {self.job.max_runtime:.0f}s at least"
-        logger.warning("%s", warning)
-        self.log(warning)
-        if self.deleted is not None:
-            return
-        try:
-            self.client.set_flow_run_state(
-                flow_run.id, Cancelling(message="Cancelled: suspicious end"), force=True
-            )
-        except Exception as exc:  # billed to max_runtime either way
-            self.log(f"could not cancel flow run {flow_run.id}: {first_line(exc)}")
-
-    def _result(
-        self,
-        flow_run: FlowRun,
-        started: float | None,
-        stopped: Stop | None,
-        ended: float,
-        detail: str = "",
-    ) -> LaunchResult:
-        """The outcome its state and the stop that ended it say (a suspicious end: timed
-        out; a deleted flow run: failed), from `started` (None: it never ran) to `ended`."""
-        stopped_for = "timed_out" if self.suspicion else stopped.outcome if stopped else None
-        if self.deleted is not None:
-            outcome, said = "failed", "the flow run was deleted"
-        else:
-            assert flow_run.state is not None
-            outcome = flow_runs.OUTCOME_OF.get(flow_run.state.type, "failed")
-            if outcome != "completed" and stopped_for == "timed_out":
-                outcome = "timed_out"
-            elif outcome == "cancelled" and stopped_for == "wait_expired" and started is None:
-                outcome = "wait_expired"
-            message = flow_run.state.message
-            said = flow_run.state.name + (f": {message}" if message else "")
-        began = ended if started is None else started
-        return LaunchResult(
-            outcome,
-            began,
-            ended,
-            detail=f"{said}; {detail}" if detail else said,
-            external_id=str(flow_run.id),
-            capacity_wait_s=max(0.0, began - self.created),
-        )

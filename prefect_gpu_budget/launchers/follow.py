@@ -156,13 +156,7 @@ def follow(
             errors = 0
         except retry.errors as exc:
             errors += 1
-            if retry.give_up_after is not None:  # say each: it counts towards giving up
-                most = retry.give_up_after
-                log(f"cannot read {remote.name} ({errors} of {most}): {first_line(exc)}")
-                if errors >= most:
-                    raise LostTrack(f"lost track of {remote.name}") from exc
-            elif errors == 1:  # riding it out for as long as it takes: say it once
-                log(f"cannot read {remote.name}, retrying: {first_line(exc)}")
+            _say_unreadable(remote, retry, errors, exc, log)
             time.sleep(poll_s)
             continue
         now = time.time()
@@ -172,20 +166,43 @@ def follow(
         if seen.state is not None and (seen.state != told or remind):
             log(seen.line)
             told, told_at = seen.state, now
-        if not seen.over and stopped is None and start.record is not None:
-            try:
-                start.record.check(now)
-            except StartNotRecorded as late:
-                stopped = _ask(remote, Stop("cancelled", str(late)))
-        limit = None if seen.over or stopped is not None else remote.limit(start.at)
-        if limit is not None and now >= limit[0]:
-            stopped = _ask(remote, limit[1])
+        stopped = _stop_if_due(remote, seen, start, stopped, now)
         result = remote.end(seen, start.at, stopped, now)
         if result is not None:
             if start.record is not None:
                 start.record.finish()  # on record before the gate settles
             return result
         time.sleep(poll_s)
+
+
+def _say_unreadable(
+    remote: Remote[T], retry: Retry, errors: int, exc: BaseException, log: Callable[[str], None]
+) -> None:
+    """Say the job could not be read: each time when `retry` gives up after a count (raising
+    `LostTrack` at it), else once, riding it out for as long as it takes."""
+    if retry.give_up_after is not None:  # say each: it counts towards giving up
+        most = retry.give_up_after
+        log(f"cannot read {remote.name} ({errors} of {most}): {first_line(exc)}")
+        if errors >= most:
+            raise LostTrack(f"lost track of {remote.name}") from exc
+    elif errors == 1:
+        log(f"cannot read {remote.name}, retrying: {first_line(exc)}")
+
+
+def _stop_if_due(
+    remote: Remote[T], seen: Seen[T], start: Start, stopped: Stop | None, now: float
+) -> Stop | None:
+    """The stop asked of the job so far: `stopped`, or, for a job not over and not yet
+    stopped, a cancel when its start could not be recorded in time, or its limit once due."""
+    if not seen.over and stopped is None and start.record is not None:
+        try:
+            start.record.check(now)
+        except StartNotRecorded as late:
+            stopped = _ask(remote, Stop("cancelled", str(late)))
+    limit = None if seen.over or stopped is not None else remote.limit(start.at)
+    if limit is not None and now >= limit[0]:
+        stopped = _ask(remote, limit[1])
+    return stopped
 
 
 def _ask(remote: Remote[T], stop: Stop) -> Stop | None:

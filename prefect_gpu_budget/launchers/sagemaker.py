@@ -26,7 +26,6 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import boto3
-import botocore.session
 from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 from prefect.blocks.core import Block
 from prefect_aws import AwsCredentials
@@ -43,50 +42,26 @@ from prefect_gpu_budget.launchers.base import (
 )
 from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, ledger_job_id, sagemaker_tag_problem
 from prefect_gpu_budget.launchers.follow import Remote, Retry, Seen, Start, Stop, follow, wait_over
-from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.units import cost_micro, redact_urls, shown
-
-_MODEL = botocore.session.get_session().get_service_model("sagemaker")
-TRAINING_INSTANCE_TYPES = frozenset(_MODEL.shape_for("TrainingInstanceType").enum)
-"""The instance types CreateTrainingJob accepts, from botocore's SageMaker service model."""
-SAGEMAKER_REGIONS = frozenset(
-    region
-    for partition in botocore.session.get_session().get_available_partitions()
-    for region in botocore.session.get_session().get_available_regions("sagemaker", partition)
+from prefect_gpu_budget.launchers.sagemaker_checks import (
+    check_container,
+    check_job,
+    check_region,
+    check_role_and_image,
+    check_s3,
+    runtime_s,
 )
-"""Regions with a SageMaker endpoint, from botocore's endpoint data."""
-ROLE_ARN = re.compile(r"arn:aws[a-z\-]*:iam::\d{12}:role/?[a-zA-Z_0-9+=,.@\-_/]+")
-S3_URI = re.compile(r"s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/\S*)?")
-ENV_KEY = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
-NAME_PART = re.compile(r"[^a-zA-Z0-9]+")
+from prefect_gpu_budget.launchers.sagemaker_outcome import (
+    FINISHED,
+    epoch,
+    one_line,
+    status_message,
+    training_job_result,
+)
+from prefect_gpu_budget.pricing.catalog import Quote
 
-FINISHED = ("Completed", "Failed", "Stopped")
-STOP_REASONS = ("MaxRuntimeExceeded", "MaxWaitTimeExceeded")
-MAX_RUNTIME_S = 28 * 86400
-"""SageMaker's limit on a training job's StoppingCondition.MaxRuntimeInSeconds: 28 days."""
+NAME_PART = re.compile(r"[^a-zA-Z0-9]+")
 MAX_DESCRIBE_ERRORS = 20
 """Consecutive failed DescribeTrainingJob calls after which `run` stops the job and gives up."""
-
-
-def _one_line(exc: BaseException) -> str:
-    return _first_line(str(exc)) or type(exc).__name__
-
-
-def _first_line(text: str) -> str:
-    """The first line of `text`, without the credentials of any URL in it (an endpoint_url
-    may carry them)."""
-    text = redact_urls(text).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def _runtime_s(job: GpuJob) -> int:
-    """The job's MaxRuntimeInSeconds: its max_runtime in whole seconds, rounded up."""
-    return math.ceil(job.max_runtime)
-
-
-def _seconds(value: Any) -> float | None:
-    """A boto3 timestamp (an aware datetime) as epoch seconds."""
-    return None if value is None else value.timestamp()
 
 
 class SageMakerLauncher(Block):
@@ -158,7 +133,7 @@ class SageMakerLauncher(Block):
             try:
                 name = boto3.Session(profile_name=self.aws_credentials.profile_name).region_name
             except ProfileNotFound as exc:
-                raise self._fail(f"aws_credentials: {_one_line(exc)}") from None
+                raise self._fail(f"aws_credentials: {one_line(exc)}") from None
         if not name:
             raise self._fail("no AWS region: set region_name on the AwsCredentials block")
         return name
@@ -168,71 +143,16 @@ class SageMakerLauncher(Block):
 
         Reads only local settings and botocore's data: nothing is called or created on AWS.
         """
-        cloud, _, instance = job.instance_type.partition(":")
-        if cloud != "sagemaker" or not instance.startswith("ml."):
-            raise self._fail(
-                f"instance_type must be 'sagemaker:ml.<type>', got {shown(job.instance_type)}"
-            )
-        if instance not in TRAINING_INSTANCE_TYPES:
-            raise self._fail(f"SageMaker training does not offer instance type {shown(instance)}")
-        if not job.share_of(quote.row).whole:
-            raise self._fail(
-                "gpus: SageMaker training runs whole instances; a part of one (gpus, vcpu, "
-                "memory_gib) is for a capacity pool's own machines"
-            )
-        if (quote.row.key, quote.row.provisioning) != (job.instance_type, job.provisioning):
-            raise self._fail(
-                f"the quote is for {quote.row.key} ({quote.row.provisioning}), not this job"
-            )
-        if job.provisioning == "flex-start":
-            raise self._fail(
-                "SageMaker training has no flex-start provisioning: use on-demand or spot"
-            )
-        if _runtime_s(job) > MAX_RUNTIME_S:
-            raise self._fail(
-                "max_runtime: SageMaker runs a training job at most 28 days "
-                f"(MaxRuntimeInSeconds {MAX_RUNTIME_S:,}), got {_runtime_s(job):,}s"
-            )
-        region = self.region()
-        if region not in SAGEMAKER_REGIONS:
-            raise self._fail(f"region {shown(region)} has no SageMaker endpoint")
-        if not self.role_arn:
-            raise self._fail("role_arn is required: the IAM role SageMaker assumes to run the job")
-        if not ROLE_ARN.fullmatch(self.role_arn):
-            raise self._fail(
-                f"role_arn must look like arn:aws:iam::<12-digit account>:role/<name>, "
-                f"got {shown(self.role_arn)}"
-            )
-        if not self.image_uri:
-            raise self._fail("image_uri is required: the training container image")
-        if len(self.image_uri) > 255 or any(c.isspace() for c in self.image_uri):
-            raise self._fail("image_uri must be one word of at most 255 characters")
-        self._check_s3("output_s3_uri", self.output_s3_uri, required=True)
-        self._check_s3("checkpoint_s3_uri", self.checkpoint_s3_uri, required=False)
+        check_job(job, quote)
+        check_region(self.region())
+        check_role_and_image(self.role_arn, self.image_uri)
+        check_s3("output_s3_uri", self.output_s3_uri, required=True)
+        check_s3("checkpoint_s3_uri", self.checkpoint_s3_uri, required=False)
         if job.provisioning == "spot" and not self.checkpoint_s3_uri:
             raise self._fail(
                 "spot jobs need checkpoint_s3_uri: an interrupted spot job resumes from it"
             )
-        self._check_container(job.command, job.env)
-
-    def _check_s3(self, name: str, uri: str | None, *, required: bool) -> None:
-        if uri is None and not required:
-            return
-        if not uri:
-            raise self._fail(f"{name} is required: an S3 URI like s3://bucket/prefix")
-        if len(uri) > 1024 or not S3_URI.fullmatch(uri):
-            raise self._fail(f"{name} must be an S3 URI like s3://bucket/prefix, got {shown(uri)}")
-
-    def _check_container(self, command: list[str] | None, env: dict[str, str]) -> None:
-        if command and (len(command) > 101 or any(len(part) > 256 for part in command)):
-            raise self._fail("command: SageMaker takes at most 100 arguments of 256 characters")
-        if len(env) > 100:
-            raise self._fail(f"env: SageMaker takes at most 100 variables, got {len(env)}")
-        for key, value in env.items():
-            if not ENV_KEY.fullmatch(key) or len(key) > 512:
-                raise self._fail(f"env: {shown(key)} is not a valid environment variable name")
-            if len(value) > 512:
-                raise self._fail(f"env: the value of {key} is longer than 512 characters")
+        check_container(job.command, job.env)
 
     # -- the request -----------------------------------------------------------------------------
 
@@ -253,7 +173,7 @@ class SageMakerLauncher(Block):
             algorithm["ContainerEntrypoint"] = job.command[:1]
             if job.command[1:]:
                 algorithm["ContainerArguments"] = job.command[1:]
-        max_runtime = _runtime_s(job)
+        max_runtime = runtime_s(job)
         stopping: dict[str, int] = {"MaxRuntimeInSeconds": max_runtime}
         request: dict[str, Any] = {
             "TrainingJobName": name,
@@ -303,7 +223,7 @@ class SageMakerLauncher(Block):
         """
         try:
             self.preflight(job, quote)
-            self._check_container(None, {**job.env, **(env or {})})
+            check_container(None, {**job.env, **(env or {})})
             problem = sagemaker_tag_problem(ledger_job_id(env))
             if problem is not None:
                 raise self._fail(problem)
@@ -316,9 +236,9 @@ class SageMakerLauncher(Block):
             client.create_training_job(**self.training_job_request(job, name, env))
         except (ClientError, BotoCoreError) as exc:
             now = time.time()
-            return LaunchResult("launch_error", now, now, detail=_one_line(exc))
+            return LaunchResult("launch_error", now, now, detail=one_line(exc))
         except BaseException:  # interrupted mid-call: the job may exist
-            self._stop_quietly(client, name, log)
+            self.stop_quietly(client, name, log)
             raise
         log(f"SageMaker training job {name} created ({quote.describe()})")
         try:
@@ -328,52 +248,16 @@ class SageMakerLauncher(Block):
             retry = Retry((ClientError, BotoCoreError), give_up_after=MAX_DESCRIBE_ERRORS)
             return follow(remote, start, poll_s=self.poll_s, log=log, retry=retry)
         except BaseException:
-            self._stop_quietly(client, name, log)
+            self.stop_quietly(client, name, log)
             raise
 
-    def _result(self, described: dict[str, Any], quote: Quote, stopped_here: bool) -> LaunchResult:
-        status = described["TrainingJobStatus"]
-        secondary = described.get("SecondaryStatus", "")
-        created = _seconds(described.get("CreationTime"))
-        start = _seconds(described.get("TrainingStartTime"))
-        end = _seconds(described.get("TrainingEndTime") or described.get("LastModifiedTime"))
-        end = time.time() if end is None else end
-        billed = described.get("BillableTimeInSeconds")
-        if start is None:
-            billed, actual = 0.0, 0
-        else:
-            if billed is None:  # SageMaker leaves it out: bill the whole training time
-                billed = max(0.0, end - start)
-            actual = cost_micro(quote.rate_micro_per_hour, billed, round_up=True)
-        if status == "Completed":
-            outcome = "completed"
-        elif secondary == "MaxWaitTimeExceeded" and start is None:
-            outcome = "wait_expired"
-        elif secondary in STOP_REASONS or (status == "Stopped" and stopped_here):
-            outcome = "timed_out"
-        else:
-            outcome = "failed" if status == "Failed" else "cancelled"
-        detail = described.get("FailureReason") or ("" if outcome == "completed" else secondary)
-        first = start if start is not None else end
-        return LaunchResult(
-            outcome,
-            started_at=first,
-            ended_at=max(end, first),
-            exit_code=0 if outcome == "completed" else None,
-            detail=_first_line(detail),
-            billed_seconds=float(billed),
-            actual_micro=actual,
-            external_id=described["TrainingJobName"],
-            capacity_wait_s=max(0.0, first - created) if created is not None else 0.0,
-        )
-
-    def _stop_quietly(self, client: Any, name: str, log: Callable[[str], None]) -> None:
+    def stop_quietly(self, client: Any, name: str, log: Callable[[str], None]) -> None:
         """StopTrainingJob; never raises (the job may have ended, or never been created)."""
         try:
             client.stop_training_job(TrainingJobName=name)
             note = "stop requested"
         except (ClientError, BotoCoreError) as exc:
-            note = f"stop not needed or failed: {_one_line(exc)}"
+            note = f"stop not needed or failed: {one_line(exc)}"
         with contextlib.suppress(Exception):  # a failing log must not hide the first error
             log(f"SageMaker training job {name}: {note}")
 
@@ -388,10 +272,10 @@ class SageMakerLauncher(Block):
             described = self._client().describe_training_job(TrainingJobName=external_id)
         except (ClientError, BotoCoreError):
             return Probe("unknown")
-        start = _seconds(described.get("TrainingStartTime"))
+        start = epoch(described.get("TrainingStartTime"))
         if described["TrainingJobStatus"] not in FINISHED:
             return Probe("running", started_at=start)
-        end = _seconds(described.get("TrainingEndTime") or described.get("LastModifiedTime"))
+        end = epoch(described.get("TrainingEndTime") or described.get("LastModifiedTime"))
         if start is None:
             return Probe("finished", started_at=end, ended_at=end, billed_seconds=0.0)
         billed = described.get("BillableTimeInSeconds")
@@ -437,8 +321,8 @@ class _TrainingJob(Remote[dict[str, Any]]):
     def read(self) -> Seen[dict[str, Any]]:
         described = self.client.describe_training_job(TrainingJobName=self.job_name)
         status, secondary = described["TrainingJobStatus"], described.get("SecondaryStatus", "")
-        line = f"{self.name}: {status} ({secondary}){_message(described)}"
-        started = _seconds(described.get("TrainingStartTime"))
+        line = f"{self.name}: {status} ({secondary}){status_message(described)}"
+        started = epoch(described.get("TrainingStartTime"))
         return Seen(described, (status, secondary), line, started, status in FINISHED)
 
     def limit(self, started: float | None) -> tuple[float, Stop] | None:
@@ -451,7 +335,7 @@ class _TrainingJob(Remote[dict[str, Any]]):
 
     def stop(self, stop: Stop) -> bool:
         self.log(f"{self.name}: {stop.why}")
-        self.launcher._stop_quietly(self.client, self.job_name, self.log)
+        self.launcher.stop_quietly(self.client, self.job_name, self.log)
         return True  # asked once: it never raises
 
     def end(
@@ -462,16 +346,10 @@ class _TrainingJob(Remote[dict[str, Any]]):
         if not seen.over:
             return None
         why = stopped.outcome if stopped else None
-        result = self.launcher._result(seen.job, self.quote, stopped_here=why == "timed_out")
+        result = training_job_result(seen.job, self.quote, stopped_here=why == "timed_out")
         if stopped is not None and why == "cancelled" and result.outcome != "completed":
             result = replace(result, outcome="cancelled", detail=stopped.why)
         return result
 
 
 _OVERRAN = Stop("timed_out", "it passed max_runtime plus grace: stopping it")
-
-
-def _message(described: dict[str, Any]) -> str:
-    transitions = described.get("SecondaryStatusTransitions") or []
-    message = _first_line(transitions[-1].get("StatusMessage") or "") if transitions else ""
-    return f": {message}" if message else ""

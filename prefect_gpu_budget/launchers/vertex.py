@@ -25,19 +25,14 @@ cancelled, and, as a backstop to Vertex's own timeout, when it runs past max_run
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
-from types import ModuleType
 from typing import TYPE_CHECKING, Annotated, ClassVar
 
 from google.api_core import exceptions as api_errors
-from google.api_core import retry as api_retry
 from google.auth import exceptions as auth_errors
-from google.protobuf import duration_pb2
 from prefect.blocks.core import Block
 from prefect_gcp import GcpCredentials
 from pydantic import BeforeValidator, Field
@@ -45,7 +40,6 @@ from pydantic import BeforeValidator, Field
 from prefect_gpu_budget.job import GpuJob, check_flex_start_runtime
 from prefect_gpu_budget.launchers.base import (
     LaunchConfigError,
-    LauncherNeedsExtra,
     LaunchResult,
     Probe,
     StartHook,
@@ -54,162 +48,34 @@ from prefect_gpu_budget.launchers.base import (
 )
 from prefect_gpu_budget.launchers.bill_mark import BILL_MARK, gcp_label_problem, ledger_job_id
 from prefect_gpu_budget.launchers.follow import Remote, Seen, Start, Stop, follow, wait_over
+from prefect_gpu_budget.launchers.vertex_api import (
+    ENDED,
+    POLL_RETRY,
+    WAITING,
+    api_error,
+    duration,
+    epoch,
+    job_state,
+    one_line,
+    sdk,
+)
+from prefect_gpu_budget.launchers.vertex_machines import (
+    STRATEGIES,
+    VERTEX_TRAINING_REGIONS,
+    vertex_machine,
+)
+from prefect_gpu_budget.launchers.vertex_outcome import job_line, job_result
 from prefect_gpu_budget.pricing.catalog import Quote
-from prefect_gpu_budget.units import BudgetInputError, fmt_duration, parse_duration, redact_urls
+from prefect_gpu_budget.units import BudgetInputError, fmt_duration, parse_duration
 
 if TYPE_CHECKING:
     from google.cloud import aiplatform_v1 as vertex
 
-VERTEX_TRAINING_REGIONS = frozenset(
-    {
-        "africa-south1",
-        "asia-east1",
-        "asia-east2",
-        "asia-northeast1",
-        "asia-northeast2",
-        "asia-northeast3",
-        "asia-south1",
-        "asia-southeast1",
-        "asia-southeast2",
-        "australia-southeast1",
-        "australia-southeast2",
-        "europe-central2",
-        "europe-north1",
-        "europe-southwest1",
-        "europe-west1",
-        "europe-west2",
-        "europe-west3",
-        "europe-west4",
-        "europe-west6",
-        "europe-west8",
-        "europe-west9",
-        "europe-west12",
-        "me-central1",
-        "me-central2",
-        "me-west1",
-        "northamerica-northeast1",
-        "northamerica-northeast2",
-        "southamerica-east1",
-        "southamerica-west1",
-        "us-central1",
-        "us-east1",
-        "us-east4",
-        "us-east5",
-        "us-south1",
-        "us-west1",
-        "us-west2",
-        "us-west3",
-        "us-west4",
-    }
-)
-"""Regions where Vertex AI runs custom training jobs."""
-
-ACCELERATORS = {
-    "L4 24GB": "NVIDIA_L4",
-    "A100 40GB": "NVIDIA_TESLA_A100",
-    "A100 80GB": "NVIDIA_A100_80GB",
-    "H100 80GB": "NVIDIA_H100_80GB",
-    "H100 Mega 80GB": "NVIDIA_H100_MEGA_80GB",
-    "H200 141GB": "NVIDIA_H200_141GB",
-    "B200 180GB": "NVIDIA_B200",
-}
-"""Catalog GPU model -> Vertex accelerator type."""
-
-MACHINE_FAMILIES = {
-    "g2-standard": "NVIDIA_L4",
-    "a2-highgpu": "NVIDIA_TESLA_A100",
-    "a2-ultragpu": "NVIDIA_A100_80GB",
-    "a3-highgpu": "NVIDIA_H100_80GB",
-    "a3-edgegpu": "NVIDIA_H100_80GB",
-    "a3-megagpu": "NVIDIA_H100_MEGA_80GB",
-    "a3-ultragpu": "NVIDIA_H200_141GB",
-    "a4-highgpu": "NVIDIA_B200",
-}
-"""GPU machine family -> the only accelerator it comes with."""
-
-STRATEGIES = {"on-demand": "STANDARD", "spot": "SPOT", "flex-start": "FLEX_START"}
-
-WAITING = ("JOB_STATE_QUEUED", "JOB_STATE_PENDING")
-ENDED = (
-    "JOB_STATE_SUCCEEDED",
-    "JOB_STATE_FAILED",
-    "JOB_STATE_CANCELLED",
-    "JOB_STATE_EXPIRED",
-    "JOB_STATE_PARTIALLY_SUCCEEDED",
-)
-RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = 8, 4
-"""google.rpc codes in `CustomJob.error`: a FLEX_START wait that ran out; a job timeout."""
 WAIT_LOG_S = 300.0
 """While a job waits for capacity, say so again this often."""
 FLEX_WAIT_SLACK_S = 60.0
 """How long past its max wait a FLEX_START job may still be queued before we cancel it."""
 LAUNCH_LABEL = "gpu-budget-launch"
-
-_POLL_RETRY = api_retry.Retry(
-    predicate=api_retry.if_transient_error, initial=1.0, maximum=30.0, timeout=300.0
-)
-"""Reads and cancels ride out passing errors for 5 minutes; a create is never retried."""
-
-
-def _sdk() -> ModuleType:
-    """google-cloud-aiplatform's Vertex AI client, or a one-line error naming the extra."""
-    try:
-        from google.cloud import aiplatform_v1
-    except ImportError as exc:
-        raise LauncherNeedsExtra(
-            "vertex", "the Vertex AI launcher", "vertex", name="google.cloud.aiplatform_v1"
-        ) from exc
-    return aiplatform_v1
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    """One line of at most `limit` characters, without the credentials of any URL in it."""
-    line = " ".join(redact_urls(str(text)).split())
-    return line if len(line) <= limit else line[: limit - 3] + "..."
-
-
-def _api_error(exc: Exception) -> str:
-    if isinstance(exc, api_errors.GoogleAPICallError):  # REST messages start "GET <url>: "
-        message = re.sub(r"^[A-Z]+ \S+: ", "", str(exc.message))
-        return _one_line(f"{type(exc).__name__}: {message}")
-    return _one_line(f"{type(exc).__name__}: {exc}")
-
-
-def _seconds(when: datetime | None) -> float | None:
-    return None if when is None else when.timestamp()
-
-
-def _duration(seconds: float) -> duration_pb2.Duration:
-    whole = int(seconds)
-    return duration_pb2.Duration(seconds=whole, nanos=int(round((seconds - whole) * 1e9)))
-
-
-def _state(job: vertex.CustomJob) -> str:
-    return _sdk().JobState(job.state).name
-
-
-def vertex_machine(quote: Quote) -> tuple[str, str]:
-    """(machine type, accelerator type) for the quoted catalog row."""
-    row = quote.row
-    if row.cloud != "gcp":
-        raise LaunchConfigError(
-            "vertex", f"instance_type: {row.key} is not a GCP machine type (use gcp:<machine-type>)"
-        )
-    accelerator = ACCELERATORS.get(row.gpu_model)
-    family = MACHINE_FAMILIES.get(row.instance_type.rsplit("-", 1)[0])
-    if accelerator is None or family is None or row.gpus < 1:
-        raise LaunchConfigError(
-            "vertex",
-            f"instance_type: {row.key} ({row.gpu_model or 'no GPU'}) is not a GPU machine "
-            f"type Vertex AI offers here; known families: {', '.join(MACHINE_FAMILIES)}",
-        )
-    if family != accelerator:
-        raise LaunchConfigError(
-            "vertex",
-            f"instance_type: {row.key} comes with {family}, but its catalog row says "
-            f"{row.gpu_model}",
-        )
-    return row.instance_type, accelerator
 
 
 class VertexLauncher(Block):
@@ -268,7 +134,7 @@ class VertexLauncher(Block):
         return f"projects/{self._project()}/locations/{self.region}"
 
     def _client(self) -> vertex.JobServiceClient:
-        vertex = _sdk()
+        vertex = sdk()
         endpoint = self.api_endpoint or f"{self.region}-aiplatform.googleapis.com"
         return vertex.JobServiceClient(
             credentials=self.gcp_credentials.get_credentials_from_service_account(),
@@ -290,7 +156,7 @@ class VertexLauncher(Block):
         own fields included); then, with one read-only list call, that the credentials may use
         Vertex AI in this project and region.
         """
-        _sdk()  # a missing `vertex` extra first: no setting can be right without it
+        sdk()  # a missing `vertex` extra first: no setting can be right without it
         if self.region not in VERTEX_TRAINING_REGIONS:
             raise self._error(f"region: {self.region!r} is not a Vertex AI training region")
         self._machine(quote)
@@ -310,14 +176,14 @@ class VertexLauncher(Block):
         try:
             self._client().list_custom_jobs(request={"parent": self._parent(), "page_size": 1})
         except auth_errors.GoogleAuthError as exc:
-            raise self._error(f"gcp_credentials: {_one_line(str(exc))}") from None
+            raise self._error(f"gcp_credentials: {one_line(str(exc))}") from None
         except (api_errors.GoogleAPICallError, OSError) as exc:
             field = {
                 api_errors.Unauthorized: "gcp_credentials",
                 api_errors.Forbidden: "gcp_credentials or project",
             }.get(type(exc), "region or api_endpoint")
             raise self._error(
-                f"{field}: cannot use Vertex AI in {self._parent()}: {_api_error(exc)}"
+                f"{field}: cannot use Vertex AI in {self._parent()}: {api_error(exc)}"
             ) from None
 
     # -- the job -----------------------------------------------------------------------------
@@ -327,7 +193,7 @@ class VertexLauncher(Block):
     ) -> vertex.CustomJob:
         """The CustomJob this launcher submits for `job`, labelled with the ledger job id that
         `env` carries (`bill_mark`), if it carries one."""
-        vertex = _sdk()
+        vertex = sdk()
         machine, accelerator = self._machine(quote)
         container = vertex.ContainerSpec(
             image_uri=self.image_uri or "",
@@ -347,10 +213,10 @@ class VertexLauncher(Block):
                 )
             )
         scheduling = vertex.Scheduling(
-            strategy=STRATEGIES[job.provisioning], timeout=_duration(job.max_runtime)
+            strategy=STRATEGIES[job.provisioning], timeout=duration(job.max_runtime)
         )
         if job.provisioning == "flex-start":  # sent even when 0: left out, Vertex waits 1 day
-            scheduling.max_wait_duration = _duration(self._capacity_wait(job))
+            scheduling.max_wait_duration = duration(self.capacity_wait(job))
         labels = {"managed-by": "prefect-gpu-budget", LAUNCH_LABEL: uuid.uuid4().hex}
         job_id = ledger_job_id(env)
         if job_id is not None:
@@ -388,7 +254,7 @@ class VertexLauncher(Block):
             if not isinstance(exc, api_errors.ClientError):  # it may exist even so
                 self._cancel_launch(client, spec.labels[LAUNCH_LABEL], log)
             now = time.time()
-            return LaunchResult("launch_error", now, now, detail=_api_error(exc))
+            return LaunchResult("launch_error", now, now, detail=api_error(exc))
         except BaseException:  # cancelled mid-create: the job may exist
             self._cancel_launch(client, spec.labels[LAUNCH_LABEL], log)
             raise
@@ -403,105 +269,38 @@ class VertexLauncher(Block):
             start = Start(on_start, name, job.kill_grace)
             return follow(remote, start, poll_s=self.poll_s, log=log, remind_s=WAIT_LOG_S)
         except BaseException:
-            self._cancel(client, name, log, "the run was cancelled")
+            self.cancel_job(client, name, log, "the run was cancelled")
             raise
 
-    def _wait_deadline(self, created: float, job: GpuJob) -> float | None:
+    def wait_deadline(self, created: float, job: GpuJob) -> float | None:
         """When we give up on capacity: Vertex enforces FLEX_START's max wait (we only back it
         up); nothing enforces a wait for SPOT capacity but us."""
-        wait = self._capacity_wait(job)
+        wait = self.capacity_wait(job)
         if job.provisioning == "on-demand" or wait == 0:
             return None
         slack = FLEX_WAIT_SLACK_S if job.provisioning == "flex-start" else 0.0
         return created + wait + slack
 
-    def _capacity_wait(self, job: GpuJob) -> float:
+    def capacity_wait(self, job: GpuJob) -> float:
         """How long `job` may wait for capacity (0: forever): `capacity_max_wait`, or the job's
         own `max_wait` when that is shorter, as a DWS user sets maxWaitDuration per job (the
         job's max_wait bounds its wait at the gate and, again, this one)."""
         waits = [w for w in (self.capacity_max_wait, job.max_wait or 0.0) if w > 0]
         return min(waits) if waits else 0.0
 
-    def _describe(self, current: vertex.CustomJob, job: GpuJob, now: float) -> str:
-        state = _state(current).removeprefix("JOB_STATE_")
-        created = _seconds(current.create_time) or now
-        start = _seconds(current.start_time)
-        end = _seconds(current.end_time)
-        if start is None and end is None:
-            wait = self._capacity_wait(job)
-            limit = "forever" if wait == 0 else fmt_duration(wait)
-            limit = "" if job.provisioning == "on-demand" else f", max wait {limit}"
-            return (
-                f"Vertex AI job {state}: waiting for capacity "
-                f"({STRATEGIES[job.provisioning]}{limit}), {fmt_duration(now - created)} so far"
-            )
-        if end is None:
-            return (
-                f"Vertex AI job {state} since {current.start_time.isoformat()}, after "
-                f"{fmt_duration((start or now) - created)} waiting for capacity"
-            )
-        ran = f"after {fmt_duration(end - start)} running" if start else "without starting"
-        error = f": {_one_line(current.error.message)}" if current.error.message else ""
-        return f"Vertex AI job {state} {ran}{error}"
-
-    def _result(self, current: vertex.CustomJob, job: GpuJob, stopped: str | None) -> LaunchResult:
-        state = _state(current)
-        created = _seconds(current.create_time)
-        start = _seconds(current.start_time)
-        end = _seconds(current.end_time) or time.time()
-        code, message = current.error.code, _one_line(current.error.message)
-        if start is None:
-            capacity_job = job.provisioning in ("flex-start", "spot")
-            expired = stopped == "wait_expired" or state == "JOB_STATE_EXPIRED"
-            expired |= (
-                state == "JOB_STATE_FAILED"
-                and capacity_job
-                and code in (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED)
-            )
-            outcome = (
-                "wait_expired"
-                if expired
-                else {"JOB_STATE_CANCELLED": "cancelled", "JOB_STATE_SUCCEEDED": "completed"}.get(
-                    state, "failed"
-                )
-            )
-        else:
-            reached = end - start >= job.max_runtime - min(1.0, job.max_runtime / 100)
-            if state == "JOB_STATE_SUCCEEDED":
-                outcome = "completed"
-            elif stopped == "timed_out" or code == DEADLINE_EXCEEDED or reached:
-                outcome = "timed_out"
-            elif state == "JOB_STATE_CANCELLED":
-                outcome = "cancelled"
-            else:
-                outcome = "failed"
-        detail = message or ("" if outcome == "completed" else state)
-        if outcome == "timed_out":
-            detail = f"stopped at max_runtime {fmt_duration(job.max_runtime)}" + (
-                f" ({message})" if message else ""
-            )
-        return LaunchResult(
-            outcome,
-            start if start is not None else end,
-            end,
-            detail=detail,
-            external_id=current.name,
-            capacity_wait_s=max(0.0, (start if start is not None else end) - (created or end)),
-        )
-
     # -- stopping ------------------------------------------------------------------------------
 
-    def _cancel(
+    def cancel_job(
         self, client: vertex.JobServiceClient, name: str, log: Callable[[str], None], why: str
     ) -> None:
         """Ask Vertex to cancel the job; an ended or missing job needs nothing."""
         try:
-            client.cancel_custom_job(name=name, retry=_POLL_RETRY)
+            client.cancel_custom_job(name=name, retry=POLL_RETRY)
             log(f"Vertex AI job {name}: cancel requested because {why}")
         except (api_errors.FailedPrecondition, api_errors.NotFound, api_errors.BadRequest):
             pass
         except Exception as exc:  # the caller re-raises its own error; say ours
-            log(f"Vertex AI job {name}: could not cancel it: {_api_error(exc)}")
+            log(f"Vertex AI job {name}: could not cancel it: {api_error(exc)}")
 
     def _cancel_launch(
         self, client: vertex.JobServiceClient, launch: str, log: Callable[[str], None]
@@ -510,33 +309,33 @@ class VertexLauncher(Block):
         try:
             found = client.list_custom_jobs(
                 request={"parent": self._parent(), "filter": f'labels.{LAUNCH_LABEL}="{launch}"'},
-                retry=_POLL_RETRY,
+                retry=POLL_RETRY,
             )
             for made in found:
-                self._cancel(client, made.name, log, "its create call failed")
+                self.cancel_job(client, made.name, log, "its create call failed")
         except Exception as exc:
-            log(f"Vertex AI: could not look for a half-created job: {_api_error(exc)}")
+            log(f"Vertex AI: could not look for a half-created job: {api_error(exc)}")
 
     def probe(self, external_id: str) -> Probe:
         """`running` while the job waits or runs (it may start billing), `finished` with its
         real times once it ended, `unknown` if Vertex has no such job."""
         try:
-            current = self._client().get_custom_job(name=external_id, retry=_POLL_RETRY)
+            current = self._client().get_custom_job(name=external_id, retry=POLL_RETRY)
         except api_errors.NotFound:
             return Probe("unknown")
-        start, end = _seconds(current.start_time), _seconds(current.end_time)
-        if _state(current) in ENDED:
+        start, end = epoch(current.start_time), epoch(current.end_time)
+        if job_state(current) in ENDED:
             return Probe("finished", started_at=start, ended_at=end)
         return Probe("running", started_at=start)
 
     def stop(self, external_id: str, grace: float = 10.0) -> None:
         """Cancel the job and wait up to `grace` seconds for Vertex to end it."""
         client = self._client()
-        self._cancel(client, external_id, lambda line: None, "it was asked to stop")
+        self.cancel_job(client, external_id, lambda line: None, "it was asked to stop")
 
         def over() -> bool:
             try:
-                return _state(client.get_custom_job(name=external_id)) in ENDED
+                return job_state(client.get_custom_job(name=external_id)) in ENDED
             except api_errors.NotFound:
                 return True
 
@@ -559,29 +358,29 @@ class _CustomJob(Remote["vertex.CustomJob"]):
 
     def read(self) -> Seen[vertex.CustomJob]:
         # passing errors are ridden out here, for 5 minutes; what remains ends the run
-        current = self.client.get_custom_job(name=self.job_name, retry=_POLL_RETRY)
-        now, state, started = time.time(), _state(current), _seconds(current.start_time)
-        self.created = _seconds(current.create_time) or now
-        line = self.launcher._describe(current, self.job, now)
+        current = self.client.get_custom_job(name=self.job_name, retry=POLL_RETRY)
+        now, state, started = time.time(), job_state(current), epoch(current.start_time)
+        self.created = epoch(current.create_time) or now
+        line = job_line(current, self.job, self.launcher.capacity_wait(self.job), now)
         return Seen(current, state, line, started, state in ENDED, waiting=state in WAITING)
 
     def limit(self, started: float | None) -> tuple[float, Stop] | None:
         """Past max_runtime and half the kill grace (a backstop to Vertex's own timeout), or a
-        wait for capacity past its deadline (`VertexLauncher._wait_deadline`)."""
+        wait for capacity past its deadline (`VertexLauncher.wait_deadline`)."""
         if started is not None:
             return started + self.job.max_runtime + self.job.kill_grace / 2, _OVERRAN
-        deadline = self.launcher._wait_deadline(self.created, self.job)
+        deadline = self.launcher.wait_deadline(self.created, self.job)
         return None if deadline is None else (deadline, _WAITED_OUT)
 
     def stop(self, stop: Stop) -> bool:
-        self.launcher._cancel(self.client, self.job_name, self.log, stop.why)
+        self.launcher.cancel_job(self.client, self.job_name, self.log, stop.why)
         return True  # asked once: the cancel rides out passing errors itself, says the rest
 
     def end(
         self, seen: Seen[vertex.CustomJob], started: float | None, stopped: Stop | None, now: float
     ) -> LaunchResult | None:
         outcome = stopped.outcome if stopped else None
-        return self.launcher._result(seen.job, self.job, outcome) if seen.over else None
+        return job_result(seen.job, self.job, outcome) if seen.over else None
 
 
 _OVERRAN = Stop("timed_out", "it ran past max_runtime")

@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
-from prefect.states import Cancelled, Failed
+from prefect.states import Cancelled, Failed, State
 
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission
@@ -91,7 +92,7 @@ _ENDINGS = {TIMED_OUT: "TimedOut", PREEMPTED: "Preempted"}
 """The Failed state's name for a launcher job a stop ended (not requeued)."""
 
 
-def _flow_run_id() -> str | None:
+def current_flow_run_id() -> str | None:
     ctx = TaskRunContext.get()
     return str(ctx.task_run.flow_run_id) if ctx and ctx.task_run.flow_run_id else None
 
@@ -109,7 +110,7 @@ def admit(job: GpuJob, scope: str, ledger: SpendLedger | None = None) -> Admissi
     """
     gate = gate_for_run(scope, job, ledger)
     try:
-        return gate.admit(job, scope, flow_run_id=_flow_run_id())
+        return gate.admit(job, scope, flow_run_id=current_flow_run_id())
     except AdmissionRefused as refused:
         return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
 
@@ -161,32 +162,40 @@ def run_gpu_job(
         logger.error("GPU job not launched: %s", redact_urls(str(bad)))
         return Failed(name="LaunchConfigError", message=redact_urls(str(bad)))  # type: ignore[return-value]
     env = {METRICS_ENV: metrics_file} if metrics_file else {}
-
-    def requeued(admission: Admission, ended: Ended) -> None:
-        logger.warning(
-            "GPU job %s was preempted after %s (cost %s); queued again",
-            admission.job_id[:8],
-            fmt_duration(ended.result.runtime_s),
-            fmt_usd(ended.row["actual_micro"] or 0),
-        )
-
     try:
         admission, ended = run_job(
             gate,
             job,
             scope,
             launcher,
-            flow_run_id=_flow_run_id(),
+            flow_run_id=current_flow_run_id(),
             env=env,
             log=lambda line: logger.info("| %s", line),
-            requeued=requeued,
+            requeued=partial(_say_requeued, logger),
         )
     except AdmissionRefused as refused:
         if refused.state_name == "Cancelled":  # its owner cancelled it while it waited
             return Cancelled(message=refused.reason)  # type: ignore[return-value]
         return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
+    if ended.result.outcome != "completed":
+        return _unfinished_state(ended)  # type: ignore[return-value]
+    return _job_result(admission, ended, scope)
+
+
+def _say_requeued(logger: Any, admission: Admission, ended: Ended) -> None:
+    """A preempted job that asked to be requeued is queued again: say so, with its cost."""
+    logger.warning(
+        "GPU job %s was preempted after %s (cost %s); queued again",
+        admission.job_id[:8],
+        fmt_duration(ended.result.runtime_s),
+        fmt_usd(ended.row["actual_micro"] or 0),
+    )
+
+
+def _job_result(admission: Admission, ended: Ended, scope: str) -> JobResult:
+    """What the task returns for a job that ran: its outcome, times and costs."""
     result, row = ended.result, ended.row
-    out = JobResult(
+    return JobResult(
         job_id=admission.job_id,
         scope=scope,
         outcome=result.outcome,
@@ -198,13 +207,15 @@ def run_gpu_job(
         actual_usd=micro_to_usd(row["actual_micro"] or 0),
         detail=redact_urls(result.detail),
     )
-    if result.outcome != "completed":
-        message = redact_urls(
-            f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
-        )
-        if ended.stopped == STOPPED:  # its owner's stop (`lifecycle.owner_stop_words`)
-            return Cancelled(message=message)  # type: ignore[return-value]
-        # one name per ending, as @gpu_task's and the worker types' (events.stopped_state)
-        name = _ENDINGS.get(result.outcome, "GpuJobFailed")
-        return Failed(name=name, message=message)  # type: ignore[return-value]
-    return out
+
+
+def _unfinished_state(ended: Ended) -> State:
+    """The task's final state for a job that did not complete: Cancelled by its owner's stop,
+    else one name per ending, as @gpu_task's and the worker types' (`events.stopped_state`)."""
+    result, row = ended.result, ended.row
+    message = redact_urls(
+        f"{result.outcome}: {result.detail}; cost {fmt_usd(row['actual_micro'] or 0)}"
+    )
+    if ended.stopped == STOPPED:  # its owner's stop (`lifecycle.owner_stop_words`)
+        return Cancelled(message=message)
+    return Failed(name=_ENDINGS.get(result.outcome, "GpuJobFailed"), message=message)

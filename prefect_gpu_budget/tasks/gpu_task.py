@@ -58,10 +58,10 @@ from prefect_gpu_budget.admission.gate import AdmissionRefused
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.lifecycle import FAILED, PastMaxRuntime, Running, StopAsked
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.local import _grant, _release, visible_gpus
+from prefect_gpu_budget.launchers.local import grant_gpus, release_gpus, visible_gpus
 from prefect_gpu_budget.tasks.defaults import current_defaults
 from prefect_gpu_budget.tasks.events import stopped_state
-from prefect_gpu_budget.tasks.gpu_job import _flow_run_id, gate_for_run
+from prefect_gpu_budget.tasks.gpu_job import current_flow_run_id, gate_for_run
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, validate_scope
 
 REFUSED_STATES = frozenset({"OverBudget", "AdmissionTimeout", "GateRefused"})
@@ -134,7 +134,7 @@ class _GatedRun:
             return Failed(name="GateRefused", message=self.refusal)
         try:
             self.admission = self.gate.admit(
-                self.job, self.scope, flow_run_id=_flow_run_id(), launcher="task"
+                self.job, self.scope, flow_run_id=current_flow_run_id(), launcher="task"
             )
         except AdmissionRefused as refused:
             return Failed(name=refused.state_name, message=refused.reason)
@@ -142,7 +142,7 @@ class _GatedRun:
         self.running = Running(self.gate, self.admission, then=self._release_gpus)
         share = self.job.share_of(self.admission.quote.row)
         wanted = share.gpus * self.job.nodes
-        self.gpus = _grant(wanted)
+        self.gpus = grant_gpus(wanted)
         self.started_at = time.time()
         if len(self.gpus) < wanted and visible_gpus():
             self.running.settlement.settle(FAILED)
@@ -191,7 +191,7 @@ class _GatedRun:
         return self.running.ended(error) if self.running is not None else None
 
     def _release_gpus(self) -> None:
-        _release(self.gpus)
+        release_gpus(self.gpus)
 
     def stopped(self, error: PastMaxRuntime | StopAsked) -> State | None:
         """Settle a body a stop ended; the state its task run ends in (`stopped_state`), or
@@ -232,65 +232,73 @@ def _task_name() -> str:
 
 def _gated(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[..., Any]:
     """`fn` behind the gate, with a keyword-only `gpu` for one call's settings."""
-    if inspect.iscoroutinefunction(fn):
-
-        @functools.wraps(fn)
-        async def run_async(*args: Any, gpu: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
-            run = _GatedRun(_settings_of_run(defaults, gpu), _task_name())
-            while True:  # once, unless a preemption queues it again
-                refused = await asyncio.to_thread(run.admit)
-                if refused is not None:
-                    return refused
-                try:
-                    with run.stoppable(cancel_async_after), _as_current(run):
-                        result = await fn(*args, **kwargs)
-                except (PastMaxRuntime, StopAsked) as stopped:
-                    state = await asyncio.to_thread(run.stopped, stopped)
-                    if state is None:
-                        continue
-                    return state
-                except Exception as error:
-                    await asyncio.to_thread(run.ended, error)
-                    raise
-                except BaseException as cancelled:
-                    run.ended(cancelled)  # in this thread: an await in a cancelled task may not end
-                    raise
-                await asyncio.to_thread(run.ended)
-                return result
-
-        wrapper: Callable[..., Any] = run_async
-    else:
-
-        @functools.wraps(fn)
-        def run_sync(*args: Any, gpu: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
-            run = _GatedRun(_settings_of_run(defaults, gpu), _task_name())
-            while True:  # once, unless a preemption queues it again
-                refused = run.admit()
-                if refused is not None:
-                    return refused
-                try:
-                    with run.stoppable(cancel_sync_after), _as_current(run):
-                        result = fn(*args, **kwargs)
-                except (PastMaxRuntime, StopAsked) as stopped:
-                    state = run.stopped(stopped)
-                    if state is None:
-                        continue
-                    return state
-                except BaseException as exc:
-                    run.ended(exc)
-                    raise
-                run.ended()
-                return result
-
-        wrapper = run_sync
     signature = inspect.signature(fn)
     if "gpu" in signature.parameters:
         raise TypeError(f"{fn.__name__} has a parameter 'gpu', which @gpu_task keeps for settings")
+    gated = _gated_async if inspect.iscoroutinefunction(fn) else _gated_sync
+    wrapper = gated(fn, defaults)
     params = list(signature.parameters.values())
     extra = inspect.Parameter("gpu", inspect.Parameter.KEYWORD_ONLY, default=None)
     at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
     wrapper.__signature__ = signature.replace(parameters=[*params[:at], extra, *params[at:]])  # type: ignore[attr-defined]
     return wrapper
+
+
+def _gated_async(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[..., Any]:
+    """An async `fn` admitted, run and settled, once unless a preemption queues it again."""
+
+    @functools.wraps(fn)
+    async def run_async(*args: Any, gpu: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+        run = _GatedRun(_settings_of_run(defaults, gpu), _task_name())
+        while True:  # once, unless a preemption queues it again
+            refused = await asyncio.to_thread(run.admit)
+            if refused is not None:
+                return refused
+            try:
+                with run.stoppable(cancel_async_after), _as_current(run):
+                    result = await fn(*args, **kwargs)
+            except (PastMaxRuntime, StopAsked) as stopped:
+                state = await asyncio.to_thread(run.stopped, stopped)
+                if state is None:
+                    continue
+                return state
+            except Exception as error:
+                await asyncio.to_thread(run.ended, error)
+                raise
+            except BaseException as cancelled:
+                run.ended(cancelled)  # in this thread: an await in a cancelled task may not end
+                raise
+            await asyncio.to_thread(run.ended)
+            return result
+
+    return run_async
+
+
+def _gated_sync(fn: Callable[..., Any], defaults: Mapping[str, Any]) -> Callable[..., Any]:
+    """A plain `fn` admitted, run and settled, once unless a preemption queues it again."""
+
+    @functools.wraps(fn)
+    def run_sync(*args: Any, gpu: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+        run = _GatedRun(_settings_of_run(defaults, gpu), _task_name())
+        while True:  # once, unless a preemption queues it again
+            refused = run.admit()
+            if refused is not None:
+                return refused
+            try:
+                with run.stoppable(cancel_sync_after), _as_current(run):
+                    result = fn(*args, **kwargs)
+            except (PastMaxRuntime, StopAsked) as stopped:
+                state = run.stopped(stopped)
+                if state is None:
+                    continue
+                return state
+            except BaseException as exc:
+                run.ended(exc)
+                raise
+            run.ended()
+            return result
+
+    return run_sync
 
 
 def _no_retry_when_refused(user: Callable[..., Any] | None) -> Callable[..., Any]:

@@ -1,5 +1,5 @@
-"""The budget gate of the worker types, one for all: the job variables, the rule for a run's
-own job variables (`overrides_refusal`), the wait at the gate (`AwaitingBudget`, cancel gives
+"""The budget gate of the worker types, one for all: a run's job bound to its agent's session
+(`bind_to_agent`), the wait at the gate (`AwaitingBudget`, cancel gives
 its place up), the stop at max_runtime, and the settlement once the run's infrastructure ends.
 
 A worker type mixes `GateVariables` into its variables, `GateConfiguration` into its job
@@ -12,38 +12,33 @@ if run is None:
 return await run.until_settled(super().run(...), outcome_of_the_result)
 ```
 
-calling `run.started(at, external_id, stop)` when its infrastructure really starts. The rule
-for a run's own job variables is applied to the very variables its configuration was built from
-(`GateConfiguration.resolve_for_flow_run` notes them as the worker merges them): what is checked
-is what runs.
+calling `run.started(at, external_id, stop)` when its infrastructure really starts. The job
+variables and the rule for a run's own are `workers/job_variables.py`'s.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import anyio
 import anyio.abc
 from prefect.client.orchestration import get_client
 from prefect.states import Cancelled, Failed, Pending, Scheduled, State
-from pydantic import BaseModel, Field, PrivateAttr
 
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission, GateEvents
 from prefect_gpu_budget.admission.lifecycle import CANCELLED, COMPLETED, Running
 from prefect_gpu_budget.job import GpuJob, one_line
 from prefect_gpu_budget.launchers.base import LaunchConfigError
-from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.tasks.events import AWAITING_BUDGET, stopped_state
 from prefect_gpu_budget.tasks.gpu_job import open_gate
-from prefect_gpu_budget.units import BudgetInputError, narrowing_refusal, validate_scope
+from prefect_gpu_budget.units import BudgetInputError, narrowing_refusal
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -55,124 +50,6 @@ R = TypeVar("R")
 log = logging.getLogger("prefect_gpu_budget.worker")
 CANCEL_POLL_S = 1.0
 """How often a waiting run's state is read to see whether it was cancelled."""
-GATE_VARIABLES = (
-    "instance_type",
-    "scope",
-    "max_runtime",
-    "nodes",
-    "priority",
-    "max_wait",
-    "provisioning",
-    "requeue",
-    "require_agent_token",
-    "run_may_set",
-)
-"""The gate's job variables a flow run may not set itself (`scope` it may narrow), nor its
-deployment allow it to (`run_may_set`)."""
-RUN_VARIABLES = ("scope", "agent_token")
-"""What a flow run may always set itself: `scope`, only to narrow its deployment's, and
-`agent_token`, which only binds the run to its agent's session within that scope. With
-`GATE_VARIABLES`, every one of `GateVariables`."""
-
-
-class GateVariables(BaseModel):
-    """The job variables every gated worker type adds to its pool's base job template."""
-
-    instance_type: str | None = Field(
-        default=None, description="What the run's machine is priced as, e.g. `local:a100x1`."
-    )
-    scope: str | None = Field(default=None, description="The budget scope the run spends in.")
-    max_runtime: str | None = Field(
-        default=None, description="The longest the run may take, e.g. '2h'; it is stopped then."
-    )
-    nodes: int = Field(default=1, description="Machines the run takes.")
-    priority: str | int = Field(default=0, description="A priority class or -1000..1000.")
-    max_wait: str | None = Field(
-        default=None, description="The longest the run waits at the gate (default: the budget's)."
-    )
-    provisioning: str = Field(default="on-demand", description="on-demand, spot or flex-start.")
-    requeue: bool = Field(
-        default=True,
-        description="Schedule the run again (it passes the gate anew) when capacity it "
-        "borrowed in a pool is taken back; else it ends Preempted.",
-    )
-    require_agent_token: bool = Field(
-        default=False,
-        description="Runs must carry an agent's token (agent_token) and spend in its session.",
-    )
-    agent_token: str | None = Field(
-        default=None,
-        description="An agent's token (`prefect-gpu-budget agent grant`): the run spends in "
-        "the token's session only. Set per run, by the agent or its gateway.",
-    )
-    run_may_set: list[str] = Field(
-        default_factory=list,
-        description="Job variables a flow run may set itself, e.g. ['stream_output']; a run "
-        "that sets any other (command, env, ...) is refused. Never the gate's own.",
-    )
-
-
-class GateConfiguration(BaseModel):
-    """The gate's part of a job configuration (filled from `GateVariables`)."""
-
-    instance_type: str | None = Field(default=None)
-    scope: str | None = Field(default=None)
-    max_runtime: str | None = Field(default=None)
-    nodes: int = Field(default=1)
-    priority: str | int = Field(default=0)
-    max_wait: str | None = Field(default=None)
-    provisioning: str = Field(default="on-demand")
-    requeue: bool = Field(default=True)
-    require_agent_token: bool = Field(default=False)
-    agent_token: str | None = Field(default=None)
-    _run_refusal: str | None = PrivateAttr(default=None)
-    """Why the flow run's own job variables may not be used ("" if they may); None until
-    `resolve_for_flow_run` checked them."""
-
-    @classmethod
-    async def resolve_for_flow_run(
-        cls, flow_run: FlowRun, *, client: Any, work_pool: Any, deployment: Any = None, **kw: Any
-    ) -> Any:
-        """The worker's configuration for `flow_run` (Prefect's merge of the run's job
-        variables over its deployment's, over the pool's), with the rule for the run's own
-        variables applied to the very values merged (`overrides_refusal`): read before the
-        merge, which takes `env` out of them, and from the same snapshot of the run."""
-        if deployment is None and flow_run.deployment_id:
-            deployment = await client.read_deployment(flow_run.deployment_id)
-        run_variables = copy.deepcopy(dict(flow_run.job_variables or {}))
-        deployed = dict(getattr(deployment, "job_variables", None) or {})
-        refusal = overrides_refusal(
-            run_variables,
-            deployed.get("scope") or _pool_default(work_pool, "scope"),
-            deployed.get("run_may_set", _pool_default(work_pool, "run_may_set")) or [],
-        )
-        configuration = await super().resolve_for_flow_run(  # type: ignore[misc]
-            flow_run, client=client, work_pool=work_pool, deployment=deployment, **kw
-        )
-        configuration._run_refusal = refusal
-        return configuration
-
-    def gpu_job(self, name: str) -> tuple[GpuJob, str]:
-        """The job and scope this run asks for; a one-line `BudgetInputError` if unusable."""
-        if not self.scope or not self.instance_type or not self.max_runtime:
-            raise BudgetInputError(
-                "job_variables",
-                "instance_type, scope and max_runtime must be set on the pool or the deployment",
-            )
-        job = GpuJob(
-            instance_type=self.instance_type,
-            max_runtime=self.max_runtime,
-            nodes=self.nodes,
-            priority=self.priority,
-            max_wait=self.max_wait,
-            provisioning=self.provisioning,
-            requeue=self.requeue,
-            name=name,
-        )
-        return job, validate_scope(self.scope)
-
-    def preflight(self, job: GpuJob, quote: Quote) -> None:
-        """What a worker type checks of the job before it is admitted (`LaunchConfigError`)."""
 
 
 def bind_to_agent(
@@ -192,33 +69,6 @@ def bind_to_agent(
     if why := narrowing_refusal(session, scope, "the run's"):
         raise BudgetInputError("agent_token", f"the token's session: {why}")
     return job.model_copy(update={"grant": grant}), session
-
-
-def overrides_refusal(
-    run_variables: dict[str, Any], deployed_scope: str | None, may_set: Any = ()
-) -> str:
-    """Why a flow run's own job variables may not be used ("" if they may): a run may narrow
-    its deployment's scope to a sub-scope, carry an agent's token, and set what its deployment
-    lists in `may_set` (its `run_may_set`); nothing else, of the gate's or of the worker
-    type's (`command`, `env`, `working_dir`, `image`, ...). A list naming one of the gate's
-    own variables is refused as it stands."""
-    if not isinstance(may_set, (list, tuple)) or not all(isinstance(k, str) for k in may_set):
-        return f"run_may_set: must be a list of job variable names, got {may_set!r:.80}"
-    for key in may_set:
-        if key in GATE_VARIABLES or key in RUN_VARIABLES:
-            return f"run_may_set: {key} is the gate's; a run can never set it"
-    for key, value in run_variables.items():
-        if key == "scope":
-            if why := narrowing_refusal(str(value), deployed_scope, "the deployment's"):
-                return why
-        elif key in GATE_VARIABLES:
-            return f"job variable {key} is the deployment's to set, not a run's"
-        elif key not in RUN_VARIABLES and key not in may_set:
-            return (
-                f"job variable {key} is the deployment's to set, not a run's (the "
-                "deployment's run_may_set does not list it)"
-            )
-    return ""
 
 
 class RunNotStarted(Exception):
@@ -370,10 +220,27 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
     line with nothing reserved (`GateRefused`), wait in `AwaitingBudget` (a cancel gives the
     place up), end `OverBudget` / `AdmissionTimeout` when refused. Raises `RunNotStarted` when
     the run does not start (its state is set); else the run is Pending, admitted."""
-    refusal = configuration._run_refusal
+    run_gate = await anyio.to_thread.run_sync(open_worker_gate)
+    job, scope = await _checked_job(run_gate, flow_run, configuration)
+    run_gate = run_gate.with_events(GateEvents(queued=partial(_show_waiting, flow_run.id)))
+    admission = await _wait_at_gate(run_gate, flow_run, job, scope, f"worker:{worker.type}")
+    run = WorkerRun(run_gate, admission, flow_run.id)
+    if not await anyio.to_thread.run_sync(_still_wanted, flow_run.id):
+        # cancelled as it was admitted: nothing ran
+        await anyio.to_thread.run_sync(run.running.settlement.settle, CANCELLED)
+        await _end(flow_run)
+    await anyio.to_thread.run_sync(
+        _set_state, flow_run.id, Pending(message=f"admitted: {admission.reason}")
+    )
+    return run
+
+
+async def _checked_job(run_gate: Gate, flow_run: FlowRun, configuration: Any) -> tuple[GpuJob, str]:
+    """The run's job and scope, bound to its agent and checked by the worker type; the run
+    ends `GateRefused` (`RunNotStarted`) for its own variables or a job that cannot run."""
+    refusal = configuration.run_refusal
     if refusal is None:  # built some other way: its variables' origin is unknown
         refusal = "the run's own job variables could not be checked: not run"
-    run_gate = await anyio.to_thread.run_sync(_open_gate)
     try:
         job, scope = configuration.gpu_job(flow_run.name)
         job, scope = await anyio.to_thread.run_sync(
@@ -389,15 +256,23 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
         refusal = refusal or one_line(bad)
     if refusal:
         await _end(flow_run, Failed(name="GateRefused", message=refusal))
+    return job, scope
 
-    def waiting(_job_id: str, decision: Decision, _rules: object) -> None:
-        message = f"waiting for budget: {decision.reason}"
-        waits = Scheduled(scheduled_time=_later(), name=AWAITING_BUDGET, message=message)
-        # proposed, not forced: a cancel that came first (the run's row was queued a moment
-        # before) stands, and the watcher then gives the place up
-        _set_state(flow_run.id, waits, force=False)
 
-    run_gate = run_gate.with_events(GateEvents(queued=waiting))
+def _show_waiting(flow_run_id: Any, _job_id: str, decision: Decision, _rules: object) -> None:
+    """The run waits at the gate: shown `AwaitingBudget`, with the reason."""
+    message = f"waiting for budget: {decision.reason}"
+    waits = Scheduled(scheduled_time=_later(), name=AWAITING_BUDGET, message=message)
+    # proposed, not forced: a cancel that came first (the run's row was queued a moment
+    # before) stands, and the watcher then gives the place up
+    _set_state(flow_run_id, waits, force=False)
+
+
+async def _wait_at_gate(
+    run_gate: Gate, flow_run: FlowRun, job: GpuJob, scope: str, launcher: str
+) -> Admission:
+    """The job admitted, while a watcher gives its place up if the run is cancelled; a
+    refused run ends in the refusal's state (`RunNotStarted`), a cancelled one cancelled."""
     admitted = threading.Event()
     watch = threading.Thread(
         target=_give_up_when_cancelled,
@@ -405,9 +280,8 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
         daemon=True,
     )
     watch.start()
-    launcher = f"worker:{worker.type}"
     try:
-        admission = await anyio.to_thread.run_sync(
+        return await anyio.to_thread.run_sync(
             partial(run_gate.admit, job, scope, flow_run_id=str(flow_run.id), launcher=launcher)
         )
     except AdmissionRefused as refused:
@@ -416,24 +290,15 @@ async def admit_flow_run(worker: Any, flow_run: FlowRun, configuration: Any) -> 
         await _end(flow_run, Failed(name=refused.state_name, message=refused.reason))
     finally:
         admitted.set()
-    run = WorkerRun(run_gate, admission, flow_run.id)
-    if not await anyio.to_thread.run_sync(_still_wanted, flow_run.id):
-        # cancelled as it was admitted: nothing ran
-        await anyio.to_thread.run_sync(run.running.settlement.settle, CANCELLED)
-        await _end(flow_run)
-    await anyio.to_thread.run_sync(
-        _set_state, flow_run.id, Pending(message=f"admitted: {admission.reason}")
-    )
-    return run
 
 
-def _open_gate() -> Gate:
+def open_worker_gate() -> Gate:
     """The worker process's gate: opening it (the ledger's engine and schema check) is retried
     while the ledger is down, as every later call is, saying so in the worker's log."""
     return open_gate(None, log.warning)
 
 
-async def _end(flow_run: FlowRun, state: State | None = None) -> None:
+async def _end(flow_run: FlowRun, state: State | None = None) -> NoReturn:
     """End a run that never starts: in `state`, or cancelled."""
     if state is not None:
         await anyio.to_thread.run_sync(_set_state, flow_run.id, state)
@@ -452,11 +317,6 @@ def _cancelled(flow_run_id: Any) -> None:
         state = client.read_flow_run(flow_run_id).state
     if state is not None and state.is_cancelling():
         _set_state(flow_run_id, Cancelled(message="cancelled while it waited: nothing ran"))
-
-
-def _pool_default(work_pool: Any, key: str) -> Any:
-    variables = (getattr(work_pool, "base_job_template", None) or {}).get("variables", {})
-    return (variables.get("properties", {}).get(key) or {}).get("default")
 
 
 def _later() -> Any:

@@ -15,11 +15,11 @@ ledger's heartbeats.
 A run cancelled while it waits gives up its place within about a second.
 
 The run is the whole process tree it starts. Its process runs under the local launcher's job
-holder (`launchers/_reaper.py`), in a session of its own: a child subreaper, so every
+holder (`sandbox/holder.py`), in a session of its own: a child subreaper, so every
 descendant that leaves the tree (`setsid`, `nohup ... &`, a double fork) is adopted by it, and
 the holder ends only when the last of them has. At `max_runtime` (counted from the holder's
 start) the whole tree gets SIGTERM and, `kill_grace` (10 s) later, SIGKILL (up to half a
-second sooner: `HOLD_MARGIN_S`, so that the kill lands within the reservation, max_runtime +
+second sooner: `KILL_MARGIN_S`, so that the kill lands within the reservation, max_runtime +
 kill_grace); the run is billed from the holder's start until its last descendant ended;
 anything still carrying the run's mark (`GPU_BUDGET_JOB_MARK`) once the holder is gone is
 killed before the run is settled; if the worker dies, the holder kills the tree at once.
@@ -59,18 +59,17 @@ from prefect.workers.process import (
 
 from prefect_gpu_budget.launchers.local import (
     JOB_MARK_ENV,
-    REAPER,
-    _sweep,
+    kill_marked,
     marked_processes,
     stop_pid,
 )
+from prefect_gpu_budget.sandbox.isolation import HOLDER_SCRIPT
 from prefect_gpu_budget.worker_types import PROCESS_TYPE
 from prefect_gpu_budget.workers.gating import (
     NOT_STARTED,
-    GateConfiguration,
     GatedWorker,
-    GateVariables,
 )
+from prefect_gpu_budget.workers.job_variables import GateConfiguration, GateVariables
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -84,19 +83,19 @@ class GpuBudgetProcessJobConfiguration(GateConfiguration, ProcessJobConfiguratio
     pass
 
 
-HOLD_MARGIN_S = 0.5
+KILL_MARGIN_S = 0.5
 """How much sooner than `kill_grace` after its SIGTERM the holder SIGKILLs the tree (at most
 half the grace): the time a stop takes to arrive and a kill to land, so that the tree is gone,
 and billed, within the run's reservation (max_runtime + kill_grace)."""
 
 
-class _Hold:
-    """How one gated run's process is started (`_held_run_process`): under the job holder,
+class _ProcessTree:
+    """How one gated run's process is started (`_run_under_holder`): under the job holder,
     with the run's mark in its environment, in a session of its own; when it started, and when
     the holder (so the last process of the tree) ended."""
 
     def __init__(self, kill_grace: float) -> None:
-        self.grace = max(0.0, kill_grace - min(HOLD_MARGIN_S, kill_grace / 2))
+        self.grace = max(0.0, kill_grace - min(KILL_MARGIN_S, kill_grace / 2))
         self.mark = uuid.uuid4().hex
         self.pid: int | None = None
         self.started_at: float | None = None
@@ -104,7 +103,7 @@ class _Hold:
         self.ended_at: float | None = None
 
     def command(self, command: list[str]) -> list[str]:
-        holder = [sys.executable, "-I", "-S", REAPER, "--grace", str(self.grace)]
+        holder = [sys.executable, "-I", "-S", HOLDER_SCRIPT, "--grace", str(self.grace)]
         return [*holder, "--holder", str(os.getpid()), "--", *command]
 
     def watch_exit(self) -> threading.Thread:
@@ -117,7 +116,9 @@ class _Hold:
                 os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
             self.exited_at = time.time()
 
-        thread = threading.Thread(target=wait, name=f"gpu-budget-hold-{self.pid}", daemon=True)
+        thread = threading.Thread(
+            target=wait, name=f"gpu-budget-holder-exit-{self.pid}", daemon=True
+        )
         thread.start()
         return thread
 
@@ -127,47 +128,47 @@ class _Hold:
         return (self.ended_at or time.time()), None
 
 
-_HOLD: ContextVar[_Hold | None] = ContextVar("gpu_budget_process_hold", default=None)
-"""The hold of the gated run whose task this is (None in any other task)."""
+_PROCESS_TREE: ContextVar[_ProcessTree | None] = ContextVar("gpu_budget_process_tree", default=None)
+"""The process tree of the gated run whose task this is (None in any other task)."""
 _prefect_run_process = _starter_engine.run_process
 
 
-async def _held_run_process(command: list[str], **kwargs: Any) -> Any:
+async def _run_under_holder(command: list[str], **kwargs: Any) -> Any:
     """Prefect's `run_process` as its engine starter calls it (both of the process worker's
     ways, an explicit `command` or the workspace supervisor), but for a gated run's task: the
     command under the job holder, marked, in a new session, its clock started just before it
     is; once the holder has ended, whatever escaped it (it was SIGKILLed, say) is killed by its
     mark, and the tree's end is noted: the holder's exit, or the kill of an escaped process."""
-    hold = _HOLD.get()
-    if hold is None or hold.pid is not None:
+    tree = _PROCESS_TREE.get()
+    if tree is None or tree.pid is not None:
         return await _prefect_run_process(command, **kwargs)
     given = kwargs.get("task_status_handler")
     watch: list[threading.Thread] = []
 
     def spawned(process: Any) -> Any:
-        hold.pid = process.pid
-        watch.append(hold.watch_exit())
+        tree.pid = process.pid
+        watch.append(tree.watch_exit())
         return given(process) if given is not None else process.pid
 
-    env = {**(kwargs.get("env") or os.environ), JOB_MARK_ENV: hold.mark}
+    env = {**(kwargs.get("env") or os.environ), JOB_MARK_ENV: tree.mark}
     held = {**kwargs, "env": env, "start_new_session": True, "task_status_handler": spawned}
-    hold.started_at = time.time()
+    tree.started_at = time.time()
     try:
-        return await _prefect_run_process(hold.command(command), **held)
+        return await _prefect_run_process(tree.command(command), **held)
     finally:
         for thread in watch:
             thread.join(timeout=1.0)
-        escaped = marked_processes(JOB_MARK_ENV, hold.mark)
+        escaped = marked_processes(JOB_MARK_ENV, tree.mark)
         if escaped:
-            _sweep(hold.mark)
-        hold.ended_at = time.time() if escaped or hold.exited_at is None else hold.exited_at
+            kill_marked(tree.mark)
+        tree.ended_at = time.time() if escaped or tree.exited_at is None else tree.exited_at
 
 
-def _install_hold() -> None:
-    """Route Prefect's engine starter through `_held_run_process` (the seam Prefect names for
-    it: the starter calls its module's `run_process`). Only a task with a `_HOLD` is changed."""
-    if _starter_engine.run_process is not _held_run_process:
-        _starter_engine.run_process = _held_run_process
+def _route_through_holder() -> None:
+    """Route Prefect's engine starter through `_run_under_holder` (the seam Prefect names for
+    it: the starter calls its module's `run_process`). Only a task with a `_PROCESS_TREE` is changed."""
+    if _starter_engine.run_process is not _run_under_holder:
+        _starter_engine.run_process = _run_under_holder
 
 
 class NotHeld(RuntimeError):
@@ -210,38 +211,38 @@ class GpuBudgetProcessWorker(GatedWorker, ProcessWorker):
         gated = await self.admit(flow_run, configuration, status, 0)
         if gated is None:
             return ProcessWorkerResult(status_code=0, identifier=NOT_STARTED)
-        _install_hold()
-        hold = _Hold(gated.job.kill_grace)
+        _route_through_holder()
+        tree = _ProcessTree(gated.job.kill_grace)
 
         def on_start(pid: int) -> None:
-            gated.started(hold.started_at or time.time(), f"pid:{pid}", lambda: _stop(hold))
-            if pid != hold.pid:  # Prefect started it some other way: never run it unheld
+            gated.started(tree.started_at or time.time(), f"pid:{pid}", lambda: _stop(tree))
+            if pid != tree.pid:  # Prefect started it some other way: never run it unheld
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
                 raise NotHeld(f"process {pid} is not under the job holder: not run")
 
-        token = _HOLD.set(hold)
+        token = _PROCESS_TREE.set(tree)
         try:
             return await gated.until_settled(
                 super().run(flow_run, configuration, _StartWatch(status, on_start)),
                 lambda result: "completed" if not result.status_code else "failed",
-                hold.ended,
+                tree.ended,
             )
         finally:
-            _HOLD.reset(token)
+            _PROCESS_TREE.reset(token)
 
 
-def _stop(hold: _Hold) -> None:
+def _stop(tree: _ProcessTree) -> None:
     """Stop the run's tree when it must stop (at max_runtime, when the capacity it borrowed is
     taken back, or when its owner stops it: `lifecycle.Running`): SIGTERM to the holder and its group (the holder
-    passes it to every descendant, and SIGKILLs them its grace later: `_Hold.grace`), SIGKILL
+    passes it to every descendant, and SIGKILLs them its grace later: `_ProcessTree.grace`), SIGKILL
     to the group if the holder has not ended shortly after that (what escaped the holder then
-    is killed by its mark, `_held_run_process`)."""
-    pid = hold.pid
-    if pid is None or hold.ended_at is not None:
+    is killed by its mark, `_run_under_holder`)."""
+    pid = tree.pid
+    if pid is None or tree.ended_at is not None:
         return
     try:
         group = os.getpgid(pid) == pid
     except ProcessLookupError:
         return
-    stop_pid(pid, hold.grace, group=group)
+    stop_pid(pid, tree.grace, group=group)

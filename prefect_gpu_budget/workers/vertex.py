@@ -9,7 +9,7 @@ prefect worker start --pool gpu
 The same job variables as `gpu-budget-process` (`instance_type`, `scope`, `max_runtime`, and
 `nodes`, `priority`, `max_wait`, `provisioning`, `run_may_set`), the same wait in
 `AwaitingBudget`, the same refusals and the same rule for a run's own job variables
-(`workers.gating`): a run may narrow the scope, carry an agent's token, and set what its
+(`workers.job_variables`): a run may narrow the scope, carry an agent's token, and set what its
 deployment lists in `run_may_set`; an `image`, `env`, `command`, `credentials`,
 `api_endpoint` or any other variable of its own ends it `GateRefused` before anything is
 submitted. What the gate priced is
@@ -49,24 +49,17 @@ from pydantic import Field
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import LaunchConfigError
 from prefect_gpu_budget.launchers.bill_mark import BILL_MARK
-from prefect_gpu_budget.launchers.vertex import (
-    DEADLINE_EXCEEDED,
-    STRATEGIES,
-    _duration,
-    _sdk,
-    _seconds,
-    vertex_machine,
-)
+from prefect_gpu_budget.launchers.vertex_api import DEADLINE_EXCEEDED, duration, epoch, sdk
+from prefect_gpu_budget.launchers.vertex_machines import STRATEGIES, vertex_machine
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import parse_duration
 from prefect_gpu_budget.worker_types import VERTEX_TYPE
 from prefect_gpu_budget.workers.gating import (
     NOT_STARTED,
-    GateConfiguration,
     GatedWorker,
-    GateVariables,
     WorkerRun,
 )
+from prefect_gpu_budget.workers.job_variables import GateConfiguration, GateVariables
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import FlowRun
@@ -146,7 +139,7 @@ class _WatchedJobs:
     async def get_custom_job(self, **kwargs: Any) -> Any:
         job = await self._call("get_custom_job", **kwargs)
         self.last = job
-        start = _seconds(job.start_time)
+        start = epoch(job.start_time)
         if start is not None and self.run.started_at is None:
             await anyio.to_thread.run_sync(self.run.started, start, job.name, self._stopper(job))
         return job
@@ -166,15 +159,15 @@ class _WatchedJobs:
     def ended(self) -> tuple[float, float | None]:
         """(ended_at, billed seconds): the job's own times where Vertex gave them."""
         job, now = self.last, time.time()
-        start = _seconds(job.start_time) if job is not None else None
-        end = (_seconds(job.end_time) if job is not None else None) or now
+        start = epoch(job.start_time) if job is not None else None
+        end = (epoch(job.end_time) if job is not None else None) or now
         return end, (max(0.0, end - start) if start is not None else 0.0)
 
     def outcome(self, result: VertexAIWorkerResult) -> str:
         job = self.last
         if job is not None and job.error and job.error.code == DEADLINE_EXCEEDED:
             return "timed_out"
-        if job is not None and _sdk().JobState(job.state).name == "JOB_STATE_CANCELLED":
+        if job is not None and sdk().JobState(job.state).name == "JOB_STATE_CANCELLED":
             return "cancelled"
         return "completed" if not result.status_code else "failed"
 
@@ -229,7 +222,7 @@ class GpuBudgetVertexWorker(GatedWorker, VertexAIWorker):
         spec = super()._build_job_spec(configuration)
         if configuration.max_runtime:
             runtime = parse_duration(configuration.max_runtime, "max_runtime")
-            spec.scheduling.timeout = _duration(runtime)
+            spec.scheduling.timeout = duration(runtime)
         return spec
 
     async def _watch_job_run(self, *args: Any, **kwargs: Any) -> Any:
@@ -254,7 +247,7 @@ def _job_client(configuration: GpuBudgetVertexJobConfiguration) -> tuple[Any, bo
     from google.api_core.client_options import ClientOptions
 
     if configuration.api_endpoint:
-        client = _sdk().JobServiceClient(
+        client = sdk().JobServiceClient(
             credentials=configuration.credentials.get_credentials_from_service_account(),
             transport="rest",
             client_options={"api_endpoint": configuration.api_endpoint},

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from prefect_gpu_budget.admission.admin_settings import AgentLimits
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.agents.rules import STOPPED_BY_AGENT
-from prefect_gpu_budget.models import AgentLimits
+from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
 from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for

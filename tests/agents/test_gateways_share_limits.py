@@ -25,16 +25,12 @@ from typing import Any
 
 import pytest
 
+from prefect_gpu_budget.admission.admin_settings import AgentLimits
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.agents.door import (
-    AUTH_FAILURES,
-    AUTH_FAILURES_PER_ADDRESS,
-    CALLS,
-    LONG_POLLS,
-)
+from prefect_gpu_budget.agents.callers import AUTH_FAILURES, AUTH_FAILURES_PER_ADDRESS, CALLS
+from prefect_gpu_budget.agents.door import LONG_POLLS
 from prefect_gpu_budget.agents.throttle import NAMESPACE
-from prefect_gpu_budget.models import AgentLimits
 from tests.agents.test_hardening import _bearer, _stale
 from tests.conftest import PG_URL
 from tests.hosts.cluster import Redis

@@ -102,7 +102,7 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger, 
     """An enumerator behind a shared address (NAT, proxy) slows itself: past the cap its bad
     tokens get 429, while an agent with a valid token behind the same address is served."""
     from prefect_gpu_budget.admission.ledger import Grants
-    from prefect_gpu_budget.agents.door import AUTH_FAILURES_PER_ADDRESS, LOOKUPS_PAST_THE_CAP
+    from prefect_gpu_budget.agents.callers import AUTH_FAILURES_PER_ADDRESS, LOOKUPS_PAST_THE_CAP
 
     token, other = ledger.grants.grant_agent(SESSION), ledger.grants.grant_agent(OTHER)
     most = AUTH_FAILURES_PER_ADDRESS[0]
@@ -475,7 +475,7 @@ def _scram_over_tcp():
     TCP login is refused."""
     import sqlalchemy as sa
 
-    from prefect_gpu_budget.admission.ledger.engine import passwordless_login
+    from prefect_gpu_budget.admission.ledger.passwordless import passwordless_login
     from tests.postgres import private_cluster
 
     with private_cluster() as cluster:
@@ -498,7 +498,7 @@ def test_a_ledger_that_asks_for_a_password_gets_no_warning():
     """A PostgreSQL of its own that asks every TCP connection for a password (scram-sha-256):
     the ledger's URL, password included, reaches it; without the password nothing does, so no
     warning."""
-    from prefect_gpu_budget.admission.ledger.engine import passwordless_login
+    from prefect_gpu_budget.admission.ledger.passwordless import passwordless_login
 
     with _scram_over_tcp() as (cluster, url):
         assert Ledger(url).views.jobs() == []  # with its password: in
@@ -509,8 +509,8 @@ def test_the_ledger_line_names_each_road_in_and_what_the_jobs_reach():
     """A PostgreSQL of its own that asks for a password over TCP but trusts its local users
     (Debian's stock `local` lines do, for `trust`): the start-up line names the socket, not
     TCP, and says the jobs reach neither road, unless they run on the host's network."""
-    from prefect_gpu_budget.admission.ledger.engine import passwordless_socket
-    from prefect_gpu_budget.cli.agents import _exposure_lines
+    from prefect_gpu_budget.admission.ledger.passwordless import passwordless_socket
+    from prefect_gpu_budget.cli.agent import _exposure_lines
 
     with _scram_over_tcp() as (cluster, url):
         socket = str(cluster.folder / f".s.PGSQL.{cluster.port}")
@@ -626,7 +626,8 @@ def test_agents_serve_honours_its_ledger_url_and_uvicorn_believes_no_forwarded_h
 def test_long_polls_wait_at_most_two_per_grant_and_never_take_every_thread():
     """A grant's third concurrent long poll answers at once, as does any past the gateway's
     total: waiting reads hold server threads, and the other calls need some."""
-    from prefect_gpu_budget.agents.door import LONG_POLLS, Caller, Door
+    from prefect_gpu_budget.agents.callers import Caller
+    from prefect_gpu_budget.agents.door import LONG_POLLS, Door
     from prefect_gpu_budget.agents.throttle import Slots
 
     door = Door(ledger=None)  # type: ignore[arg-type]
@@ -665,7 +666,7 @@ def test_long_polls_wait_at_most_two_per_grant_and_never_take_every_thread():
 def test_agents_results_root_is_the_workers_alone(tmp_path, monkeypatch):
     """Other users (the sessions' users run the agents' jobs) cannot read any session's
     results from the disk: the root is made, or tightened, to 0700."""
-    from prefect_gpu_budget.agents.rules import agent_results
+    from prefect_gpu_budget.agents.limits import agent_results
     from prefect_gpu_budget.settings import AGENT_RESULTS_ENV
 
     root = tmp_path / "shared" / "results"
@@ -687,8 +688,8 @@ def test_cancelling_a_sweep_before_it_opens_holds(ledger, state, became):
     when its flow opens the sweep, which then starts no trial."""
     from prefect.client.schemas.objects import State, StateType
 
-    from prefect_gpu_budget.admission.ledger.results import SweepRecords
-    from prefect_gpu_budget.agents.door import Caller, Door
+    from prefect_gpu_budget.agents.callers import Caller
+    from prefect_gpu_budget.agents.door import Door
 
     run_id = str(uuid.uuid4())
     set_to: list[tuple[str, bool]] = []
@@ -705,6 +706,6 @@ def test_cancelling_a_sweep_before_it_opens_holds(ledger, state, became):
     door = Door(ledger, Prefect())
     door.cancel_sweep(Caller(SESSION, "grant"), run_id)
     assert set_to == [(became, became == "CANCELLED")]
-    records = SweepRecords(ledger)
+    records = ledger.sweeps
     records.open_sweep(run_id, SESSION, "late", "loss", "min", [{"lr": 0.1}])
     assert records.cancelled(run_id)  # the flow's recorder reads this before each trial

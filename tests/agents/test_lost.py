@@ -13,9 +13,9 @@ import pytest
 from prefect.states import Cancelled, Completed, Crashed, Failed, Running
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.agents.door import Caller, Door
+from prefect_gpu_budget.agents.callers import Caller
+from prefect_gpu_budget.agents.door import Door
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
 from tests.jobs import new_job
 
@@ -92,7 +92,7 @@ def crashed(ledger: Ledger) -> tuple[Door, _Prefect, str]:
     settled by reconcile, trial 4 never asked for. Its run is set by each test."""
     ledger.config.set_budget(BudgetRule(SESSION, hourly_cap_cents=3600))
     run_id = str(uuid.uuid4())
-    store = SweepRecords(ledger)
+    store = ledger.sweeps
     store.open_sweep(run_id, SESSION, "train", "loss", "min", PARAMS)
     for trial in range(3):
         _ran(ledger, _job(ledger, run_id, trial), 10.0, "completed")
@@ -144,7 +144,7 @@ def test_a_running_or_finished_sweep_has_not_lost_its_worker(crashed):
     view = door.sweep(Caller(SESSION, "g"), run_id)
     assert view["worker_lost"] is False and view["message"] == ""
     assert view["trials"][4]["state"] == "pending"  # it may still start
-    SweepRecords(door.ledger).end_sweep(run_id, "3 of 5 trials completed; best loss 0.8")
+    door.ledger.sweeps.end_sweep(run_id, "3 of 5 trials completed; best loss 0.8")
     prefect.run.state = Completed()
     view = door.sweep(Caller(SESSION, "g"), run_id)
     assert view["worker_lost"] is False

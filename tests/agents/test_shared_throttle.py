@@ -224,7 +224,7 @@ def test_the_setting_chooses_where_the_door_counts(monkeypatch):
             monkeypatch.setenv(GATEWAY_REDIS_URL_ENV, unset)
         assert gateway_redis_url() is None
         door = Door(ledger=None)  # type: ignore[arg-type]
-        assert isinstance(door.failures, Window) and isinstance(door.long_polls, Slots)
+        assert isinstance(door.callers.failures, Window) and isinstance(door.long_polls, Slots)
     monkeypatch.setenv(GATEWAY_REDIS_URL_ENV, "postgresql://u:hidden@db/0")
     with pytest.raises(ValueError, match=GATEWAY_REDIS_URL_ENV) as refused:
         gateway_redis_url()
@@ -232,7 +232,7 @@ def test_the_setting_chooses_where_the_door_counts(monkeypatch):
     monkeypatch.setenv(GATEWAY_REDIS_URL_ENV, f" {REDIS_URL} ")
     assert gateway_redis_url() == REDIS_URL
     door = Door(ledger=None)  # type: ignore[arg-type]
-    assert isinstance(door.address_failures, RedisWindow)
+    assert isinstance(door.callers.address_failures, RedisWindow)
     assert isinstance(door.long_polls, RedisSlots)
-    assert door.calls._name == f"{NAMESPACE}calls:"
-    door.calls.store.client.close()
+    assert door.callers.calls._name == f"{NAMESPACE}calls:"
+    door.callers.calls.store.client.close()

@@ -17,11 +17,11 @@ import pytest
 from prefect.states import Completed
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.admission.ledger.results import SweepRecords
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.stopping import stop_job
-from prefect_gpu_budget.agents.door import Caller, Door
-from prefect_gpu_budget.agents.rules import STOPPED_BY_AGENT
+from prefect_gpu_budget.agents.callers import Caller
+from prefect_gpu_budget.agents.door import Door
+from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
 from tests.jobs import new_job
 
 SESSION = "acme/agents/agent-1"
@@ -63,7 +63,7 @@ def test_each_trial_reads_the_words_of_its_own_ending(ledger: Ledger) -> None:
     its stopper's, as its row; a failed one what its run said; a waiting one why it waits."""
     ledger.config.set_budget(BudgetRule(SESSION, hourly_cap_cents=360))  # one job at a time
     run_id = str(uuid.uuid4())
-    store = SweepRecords(ledger)
+    store = ledger.sweeps
     store.open_sweep(run_id, SESSION, "train", "loss", "min", [{"lr": lr} for lr in (1, 2, 3, 4)])
     _ran(ledger, run_id, 0, "completed")
     store.end_trial(run_id, 0, "Completed", "")
@@ -87,7 +87,7 @@ def test_each_trial_reads_the_words_of_its_own_ending(ledger: Ledger) -> None:
 def test_a_trials_times_are_iso_8601_as_the_ledgers_json(ledger: Ledger) -> None:
     ledger.config.set_budget(BudgetRule(SESSION, hourly_cap_cents=720))
     run_id = str(uuid.uuid4())
-    SweepRecords(ledger).open_sweep(run_id, SESSION, "train", "loss", "min", [{"lr": 1}])
+    ledger.sweeps.open_sweep(run_id, SESSION, "train", "loss", "min", [{"lr": 1}])
     job_id = _ran(ledger, run_id, 0, "completed")
     [trial] = Door(ledger, _Prefect(run_id)).sweep(CALLER, run_id)["trials"]
     row = ledger.views.job(job_id)

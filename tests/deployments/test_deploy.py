@@ -27,7 +27,7 @@ def test_deploy_to_a_process_work_pool(prefect_api):
     [bill] = [d for d in mine if d.entrypoint.endswith("bill_import.py:bill_import")]
     assert bill.schedules[0].schedule.cron == "0 6 * * *"
     sweep = found["sweep"]
-    assert sweep.entrypoint == "prefect_gpu_budget/flows/sweep.py:gpu_sweep"
+    assert sweep.entrypoint == "prefect_gpu_budget/sweeps/flow.py:gpu_sweep"
     assert sweep.pull_steps[0]["prefect.deployments.steps.set_working_directory"][
         "directory"
     ] == str(ROOT)

@@ -296,7 +296,12 @@ def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefe
 
     import sqlalchemy as sa
 
-    from benchmarks.harness.postgres import drop_database, ensure_database, name_of, server_of
+    from prefect_gpu_budget.testing.postgres import (
+        drop_database,
+        ensure_database,
+        name_of,
+        server_of,
+    )
     from tests.conftest import PG_URL
     from tests.postgres import RUN, require_postgres
 

@@ -17,10 +17,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from prefect_gpu_budget import GpuBudget, SpendLedger, current_job, gpu_task, job_defaults
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.prices import default_catalog
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
-from prefect_gpu_budget.flows import sweep
-from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+from prefect_gpu_budget.pricing.catalog import set_local_price
+from prefect_gpu_budget.sweeps import flow as sweep
 from prefect_gpu_budget.units import BudgetInputError
 from tests.jobs import new_job
 from tests.prefect_server import wait_for

@@ -12,11 +12,12 @@ import pytest
 from prefect import flow
 
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.prices import default_catalog
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+from prefect_gpu_budget.pricing.catalog import set_local_price
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from tests.jobs import held_job
 

@@ -1,6 +1,5 @@
-"""The worker types' gate (workers/gating.py) outside a worker: the rule for a run's own job
-variables, and opening the gate is an outage the worker waits out, as every later ledger call
-is."""
+"""The worker types' gate (workers/gating.py) outside a worker: opening the gate is an outage
+the worker waits out, as every later ledger call is."""
 
 from __future__ import annotations
 
@@ -15,37 +14,9 @@ from prefect_gpu_budget.tasks import gpu_job
 from prefect_gpu_budget.workers import gating
 
 
-def test_every_gate_variable_is_the_deployments_or_the_runs():
-    both = set(gating.GATE_VARIABLES) | set(gating.RUN_VARIABLES)
-    assert both == set(gating.GateVariables.model_fields)
-
-
-@pytest.mark.parametrize(
-    ("run_variables", "may_set", "refusal"),
-    [
-        ({}, [], ""),
-        ({"scope": "lab/gpu/a", "agent_token": "t"}, [], ""),
-        ({"stream_output": False}, ["stream_output"], ""),
-        ({"scope": "lab"}, [], "scope 'lab' is not within the deployment's scope 'lab/gpu'"),
-        ({"max_runtime": "9h"}, ["stream_output"], "job variable max_runtime is the"),
-        ({"run_may_set": ["command"], "command": "x"}, [], "job variable run_may_set is the"),
-        ({"command": "x"}, [], "job variable command is the deployment's to set, not a run's"),
-        ({"env": {}}, ["stream_output"], "job variable env is the deployment's"),
-        ({"anything": 1}, [], "job variable anything is the deployment's"),
-        ({}, ["scope"], "run_may_set: scope is the gate's; a run can never set it"),
-        ({}, "command", "run_may_set: must be a list of job variable names"),
-    ],
-)
-def test_a_run_may_narrow_its_scope_and_set_what_its_deployment_lists(
-    run_variables, may_set, refusal
-):
-    found = gating.overrides_refusal(run_variables, "lab/gpu", may_set)
-    assert found.startswith(refusal) and (found == "") == (refusal == ""), found
-
-
 def test_a_worker_whose_ledger_is_not_there_yet_waits_for_it(prefect_api, monkeypatch, caplog):
     """Here the worker's PostgreSQL ledger database appears two seconds after it first asks."""
-    from benchmarks.harness.postgres import drop_database, ensure_database, server_of
+    from prefect_gpu_budget.testing.postgres import drop_database, ensure_database, server_of
     from tests.conftest import PG_URL
     from tests.postgres import RUN, require_postgres
 
@@ -58,7 +29,7 @@ def test_a_worker_whose_ledger_is_not_there_yet_waits_for_it(prefect_api, monkey
     try:
         with caplog.at_level(logging.WARNING, logger="prefect_gpu_budget.worker"):
             started = time.monotonic()
-            gate = gating._open_gate()
+            gate = gating.open_worker_gate()
         assert time.monotonic() - started >= 1.5
         assert (
             gate.ledger.config.budgets() == []

@@ -1,7 +1,8 @@
-"""The README's examples, run as written: the agents' admin block and whole loop (bash, against a
-real Prefect server, with `serve` and `agents serve` started as the block starts them), the
-Python MCP client (the MCP SDK, against that gateway), and the sweep (its spec and `train.py`,
-under the Quick start's budgets and prices).
+"""The README's and the manual's examples, run as written: the agents' admin block and whole
+loop (bash, against a real Prefect server, with `serve` and `agents serve` started as the block
+starts them), the Python MCP client (the MCP SDK, against that gateway), and the sweep (its spec
+and `train.py`, under the Quick start's budgets and prices). `tests/test_docs.py` checks the
+other blocks a reader would paste, and builds the manual.
 
 A block is the fenced one after its marker comment (`<!-- tested: NAME ... -->`). What a test
 changes: the gateway's port (a free one for 8080) and the environment (its own ledger database,
@@ -25,36 +26,30 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.agents.rules import STOPPED_BY_AGENT
+from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
 from tests.conftest import PG_URL
 from tests.postgres import fresh_database
 from tests.prefect_server import PrefectServer, free_port, http
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = (README, *sorted((ROOT / "docs").rglob("*.md")))
+"""Where a marked block may live: the README (its tour) or a page of the manual."""
 BASH_S = 300
 """The most a block may take, on a loaded machine: then it is stopped and the test fails."""
 
 
 def block(name: str) -> tuple[str, str]:
-    """The language and the text of the README's block marked `name`."""
-    found = re.search(
-        rf"<!-- tested: {re.escape(name)}\b[^>]*-->\n```(\w+)\n(.*?)\n```\n",
-        README.read_text(),
-        re.S,
-    )
-    assert found, f"README.md has no fenced block after <!-- tested: {name} -->"
-    return found.group(1), found.group(2)
-
-
-def test_no_line_is_over_100_characters():
-    """The README reads in a 100-column editor or terminal: prose wrapped, wide tables written as
-    lists, long commands split with `\\` continuations."""
-    long = [
-        f"{n} ({len(line)})"
-        for n, line in enumerate(README.read_text().splitlines(), 1)
-        if len(line) > 100
-    ]
-    assert not long, f"README.md lines over 100 characters: {', '.join(long)}"
+    """The language and the text of the block marked `name`, in the README or the manual."""
+    for page in PAGES:
+        found = re.search(
+            rf"<!-- tested: {re.escape(name)}\b[^>]*-->\n```(\w+)\n(.*?)\n```\n",
+            page.read_text(),
+            re.S,
+        )
+        if found:
+            return found.group(1), found.group(2)
+    raise AssertionError(f"no fenced block after <!-- tested: {name} --> in README.md or docs/")
 
 
 def _bash(script: str, env: dict[str, str], cwd: Path, log: Path) -> subprocess.Popen:
@@ -292,9 +287,9 @@ def test_the_quoted_forecast_is_what_the_demos_sweep_is_forecast_to_do(tmp_path,
     import inspect
     import textwrap
 
+    from prefect_gpu_budget.admission.prices import default_catalog
     from prefect_gpu_budget.flows.demo import demo_spec, prepare, run_demo
-    from prefect_gpu_budget.forecast import forecast
-    from prefect_gpu_budget.pricing.catalog import default_catalog
+    from prefect_gpu_budget.sweeps.forecast import forecast
 
     defaults = inspect.signature(run_demo).parameters
     noon = datetime.datetime(2026, 12, 7, 12, tzinfo=datetime.timezone.utc).timestamp()

@@ -1,6 +1,6 @@
-"""The README's "Several hosts" section names settings that the installed Prefect and
-prefect-redis read, with values they can load: a misspelt name is ignored by Prefect without a
-word, and a server would quietly keep its leases in memory."""
+"""The manual's "Several hosts" page (docs/several-hosts.md) names settings that the installed
+Prefect and prefect-redis read, with values they can load: a misspelt name is ignored by Prefect
+without a word, and a server would quietly keep its leases in memory."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.hosts.cluster import server_settings
 
 pytestmark = pytest.mark.xdist_group("hosts")
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "several-hosts.md"
 
 READ_BACK = {
     "PREFECT_API_DATABASE_CONNECTION_URL": "server.database.connection_url",
@@ -63,7 +63,7 @@ VALUES = {
     "PREFECT_GPU_BUDGET_PRICES": "/srv/gpu-budget/prices.csv",
     "PREFECT_HOME": "/srv/prefect-home",
 }
-"""A value of each that is not its default (the module settings take the README's own)."""
+"""A value of each that is not its default (the module settings take the page's own)."""
 
 LOAD = """
 import json, os
@@ -93,10 +93,10 @@ print(json.dumps(out, default=str))
 
 
 def _section() -> str:
-    text = README.read_text()
-    start = text.index("## Several hosts\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+    """The manual's "Several hosts" page, whole."""
+    text = PAGE.read_text()
+    assert text.startswith("# Several hosts\n"), text[:100]
+    return text
 
 
 def _named(section: str) -> dict[str, str | None]:
@@ -127,7 +127,7 @@ def test_every_setting_the_section_names_is_read_by_the_installed_packages() -> 
     named = _named(_section())
     assert set(server_settings("x", "h", 1, 0, "redis://h:1/1")) <= set(named)
     unknown = set(named) - set(READ_BACK)
-    assert not unknown, f"the README names settings nothing here checks: {sorted(unknown)}"
+    assert not unknown, f"the page names settings nothing here checks: {sorted(unknown)}"
     values = {name: VALUES.get(name) or named[name] or "" for name in named}
     assert all(values.values()), values
     # a Redis URL overrides the discrete fields: each is read in a process of its own

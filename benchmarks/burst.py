@@ -1,4 +1,4 @@
-"""Benchmark: a burst of requests recorded (prefect_gpu_budget/admission/ledger/decisions.py).
+"""Benchmark: a burst of requests recorded (prefect_gpu_budget/admission/ledger/queue.py).
 
 `--processes` agent processes (subprocesses of this one) x `--requests / --processes` threads
 each ask the ledger for admission at the same instant (`Ledger.queue.ask`, what `Gate.admit` calls
@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.harness.postgres import SERVER, postgres_database
+from prefect_gpu_budget.testing.postgres import SERVER, postgres_database
 
 ORG, TEAM = "burst", "burst/team"  # as in burst_agent.py
 RATE_CENTS = 360

@@ -1,6 +1,6 @@
 """Budget fidelity: estimate-only admission against our guaranteed and estimate-metered modes.
 
-Every policy runs on the same synthetic month of jobs through `prefect_gpu_budget.simulate`,
+Every policy runs on the same synthetic month of jobs through `prefect_gpu_budget.sweeps.simulator`,
 which drives the gate's own decision function. For each (trace, policy): worst overshoot of any
 period budget (%), budget utilisation (% of the org's monthly budget spent on jobs that
 finished), budget spent (% of it spent on any job: the rest of it went to jobs stopped at
@@ -25,13 +25,8 @@ import time
 
 from benchmarks.harness import report
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.simulate import (
-    POLICIES,
-    TRACE_KINDS,
-    SimResult,
-    simulate,
-    synthetic_trace,
-)
+from prefect_gpu_budget.sweeps.simulator import POLICIES, SimResult, simulate
+from prefect_gpu_budget.sweeps.traces import TRACE_KINDS, synthetic_trace
 
 START = 1_798_761_600.0  # 2027-01-01 00:00 UTC
 TRACES = TRACE_KINDS

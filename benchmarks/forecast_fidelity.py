@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.harness import report
-from benchmarks.harness.servers import prefect_server, quiet_prefect
+from prefect_gpu_budget.testing.servers import prefect_server, quiet_prefect
 
 log = report.logger("forecast")
 RATE_USD_PER_HOUR = "36"
@@ -122,7 +122,7 @@ def runtimes(n: int, mean: float, spread: float = 0.25) -> list[float]:
 
 
 def spec_of(shape: Shape, results: Path) -> Any:
-    from prefect_gpu_budget.sweep_spec import SweepSpec
+    from prefect_gpu_budget.sweeps.spec import SweepSpec
 
     return SweepSpec(
         name=shape.name,
@@ -181,8 +181,8 @@ import json, sys
 tree, url, spec, now = json.loads(sys.stdin.read())
 sys.path.insert(0, tree)  # before anything imports the package
 from prefect_gpu_budget.admission.ledger import Ledger
-from prefect_gpu_budget.forecast import forecast
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.forecast import forecast
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 said = forecast(SweepSpec.model_validate_json(spec), Ledger(url), now=now)
 print(json.dumps({"likely": said.likely.as_dict(), "start_s": getattr(said, "start_s", 0.0)}))
 """
@@ -206,8 +206,8 @@ def measure(shape: Shape, tmp: Path, before: str | None = None) -> list[dict[str
     """Forecast and run the shape (`runs` times on one ledger): one row per run; with `before`,
     that tree's forecast beside this one's."""
     from prefect_gpu_budget.blocks import SpendLedger
-    from prefect_gpu_budget.flows.sweep import gpu_sweep
-    from prefect_gpu_budget.forecast import forecast
+    from prefect_gpu_budget.sweeps.flow import gpu_sweep
+    from prefect_gpu_budget.sweeps.forecast import forecast
 
     url = f"sqlite:///{tmp / (shape.name + '.db')}"
     prepare(shape, url)
@@ -299,7 +299,8 @@ def main() -> None:
     started, load = time.monotonic(), os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="forecast-bench-") as tmp, prefect_server() as api:
-        from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+        from prefect_gpu_budget.admission.prices import default_catalog
+        from prefect_gpu_budget.pricing.catalog import set_local_price
 
         prices = set_local_price("bench", RATE_USD_PER_HOUR, gpus=1, path=Path(tmp) / "p.csv")
         os.environ["PREFECT_GPU_BUDGET_PRICES"] = str(prices)

@@ -53,9 +53,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from benchmarks.harness import ensure_database, postgres_database, prefect_server
-from benchmarks.harness.postgres import SERVER
 from benchmarks.harness.report import logger, table
-from benchmarks.harness.servers import read_line, stop_groups
+from prefect_gpu_budget.testing.postgres import SERVER
+from prefect_gpu_budget.testing.servers import read_line, stop_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 """This checkout: its package is the one measured as "now"."""

@@ -137,7 +137,8 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 def prices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A user price file with the local machines the tests run on."""
-    from prefect_gpu_budget.pricing.catalog import default_catalog, set_local_price
+    from prefect_gpu_budget.admission.prices import default_catalog
+    from prefect_gpu_budget.pricing.catalog import set_local_price
 
     path = tmp_path / "prices.csv"
     monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(path))

@@ -229,7 +229,8 @@ PRICE_FILES = [
 
 @pytest.mark.parametrize(("what", "body"), PRICE_FILES, ids=[w for w, _ in PRICE_FILES])
 def test_a_bad_prices_file_is_refused_in_one_line(what, body, tmp_path, monkeypatch, capsys):
-    from prefect_gpu_budget.pricing.catalog import COLUMNS, default_catalog
+    from prefect_gpu_budget.admission.prices import default_catalog
+    from prefect_gpu_budget.pricing.catalog import COLUMNS
 
     prices = tmp_path / "prices.csv"
     prices.write_bytes(",".join(COLUMNS).encode() + b"\n" + body)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from prefect_gpu_budget.admission.limits import limit_name
 from prefect_gpu_budget.blocks import GpuBudget
 from prefect_gpu_budget.job import GpuJob, one_line
-from prefect_gpu_budget.sweep_spec import SweepSpec
+from prefect_gpu_budget.sweeps.spec import SweepSpec
 from prefect_gpu_budget.units import BudgetInputError, validate_scope
 
 HOSTILE_TEXT = st.one_of(

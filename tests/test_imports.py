@@ -138,6 +138,7 @@ def floor_of(module: str) -> str | None:
         (f"{PACKAGE}.admission", "ledger"),
         (f"{PACKAGE}.tasks", "tasks"),
         (f"{PACKAGE}.flows", "flows"),
+        (f"{PACKAGE}.sweeps.flow", "flows"),
         (f"{PACKAGE}.cli", "cli"),
     ):
         if module == prefix or module.startswith(prefix + "."):
@@ -183,7 +184,7 @@ def test_the_graph_is_read_from_every_module():
     assert len(MODULES) > 40
     assert f"{PACKAGE}.admission.ledger" in GRAPH[f"{PACKAGE}.admission.gate"]
     # imported only inside a function, and only for type checking: not edges
-    assert f"{PACKAGE}.forecast" not in GRAPH[f"{PACKAGE}.flows.sweep"]
+    assert f"{PACKAGE}.sweeps.forecast" not in GRAPH[f"{PACKAGE}.sweeps.flow"]
     assert f"{PACKAGE}.pricing.catalog" not in GRAPH[f"{PACKAGE}.job"]
 
 
@@ -215,7 +216,7 @@ def test_the_floors_are_as_documented():
     assert floor_of(f"{PACKAGE}.admission.gate") == "gate"
     assert floor_of(f"{PACKAGE}.admission.lifecycle") == "gate"
     assert floor_of(f"{PACKAGE}.tasks.gpu_job") == "tasks"
-    assert floor_of(f"{PACKAGE}.flows.sweep") == "flows"
+    assert floor_of(f"{PACKAGE}.sweeps.flow") == "flows"
     assert floor_of(f"{PACKAGE}.cli") == "cli"
     assert floor_of(f"{PACKAGE}.launchers.local") is None
 
@@ -230,9 +231,9 @@ def _reachable(start: str) -> set[str]:
 
 
 BELOW_THE_FLOWS = [
-    f"{PACKAGE}.sweep_spec",
-    f"{PACKAGE}.plots",
-    f"{PACKAGE}.forecast",
+    f"{PACKAGE}.sweeps.spec",
+    f"{PACKAGE}.sweeps.plots",
+    f"{PACKAGE}.sweeps.forecast",
     f"{PACKAGE}.identity",
     f"{PACKAGE}.launchers.local",
 ]
@@ -253,7 +254,7 @@ def test_the_models_below_the_flows_never_reach_up_even_lazily():
 
 
 def test_the_spec_the_forecast_and_process_identity_load_without_prefect():
-    for module in (f"{PACKAGE}.sweep_spec", f"{PACKAGE}.forecast", f"{PACKAGE}.identity"):
+    for module in (f"{PACKAGE}.sweeps.spec", f"{PACKAGE}.sweeps.forecast", f"{PACKAGE}.identity"):
         loads = {name for m in _reachable(module) for name in _outside(MODULES[m])}
         assert "prefect" not in loads, module
     identity = MODULES[f"{PACKAGE}.identity"]

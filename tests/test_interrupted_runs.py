@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from benchmarks.harness.postgres import drop_database, ensure_database, server_of
+from prefect_gpu_budget.testing.postgres import drop_database, ensure_database, server_of
 from tests import runs
 from tests.postgres import SERVER, drop_databases, require_postgres
 from tests.prefect_server import wait_for

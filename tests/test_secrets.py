@@ -191,8 +191,8 @@ def test_the_gates_outage_warnings_carry_no_url_credentials():
 
 
 def test_credentials_in_an_endpoint_url_stay_out_of_launch_errors():
-    from prefect_gpu_budget.launchers.sagemaker import _one_line as sagemaker_line
-    from prefect_gpu_budget.launchers.vertex import _one_line as vertex_line
+    from prefect_gpu_budget.launchers.sagemaker_outcome import one_line as sagemaker_line
+    from prefect_gpu_budget.launchers.vertex_api import one_line as vertex_line
     from prefect_gpu_budget.units import redact_urls
 
     error = 'Could not connect to the endpoint URL: "https://admin:s3cr@t-key@aws.local:9/"'

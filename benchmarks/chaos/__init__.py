@@ -77,6 +77,6 @@ run), `faults` (the stall and escape runs), `checks` (reconcile and the checks a
 `summary` (the figures), `report` (the text), `campaign` (all of it in order).
 """
 
-from benchmarks.harness.servers import quiet_prefect
+from prefect_gpu_budget.testing.servers import quiet_prefect
 
 quiet_prefect()  # before any module of the campaign imports Prefect

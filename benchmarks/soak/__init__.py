@@ -62,6 +62,6 @@ The package: `config` (settings, budgets), `agent` (one agent process), `jobs` a
 parent's run), `checks` (the verdicts), `analysis` (the figures), `report` (the text).
 """
 
-from benchmarks.harness.servers import quiet_prefect
+from prefect_gpu_budget.testing.servers import quiet_prefect
 
 quiet_prefect()  # before any module of the soak imports Prefect

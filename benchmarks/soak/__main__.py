@@ -13,11 +13,11 @@ import argparse
 import json
 
 import benchmarks.soak
-from benchmarks.harness.postgres import named_or_own
 from benchmarks.soak.agent import agent_main
 from benchmarks.soak.config import KINDS, PG_URL, Config
 from benchmarks.soak.report import report
 from benchmarks.soak.run import run
+from prefect_gpu_budget.testing.postgres import named_or_own
 
 
 def parse_mix(text: str) -> dict[str, int]:

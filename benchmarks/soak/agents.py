@@ -11,8 +11,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.harness.servers import read_line
 from benchmarks.soak.config import DUMP_SIGNAL, SILENT_S, AgentConfig, Config, log
+from prefect_gpu_budget.testing.servers import read_line
 
 ROOT = Path(__file__).resolve().parents[2]
 """The repository root, where `benchmarks.soak` is importable from."""

@@ -18,15 +18,6 @@ import sqlalchemy as sa
 
 from benchmarks.harness.host import cpu_steal, rss_mib
 from benchmarks.harness.ledger import fresh_ledger
-from benchmarks.harness.postgres import (
-    backends,
-    database_work,
-    name_of,
-    postgres_database,
-    server_of,
-    vacuum,
-)
-from benchmarks.harness.servers import bare_postgres_server, serving
 from benchmarks.soak.agents import Agents
 from benchmarks.soak.analysis import analyse
 from benchmarks.soak.checks import check_ledger, targets
@@ -34,6 +25,15 @@ from benchmarks.soak.config import APP_NAME, DRAIN_S, PRICE_USD, Config, budgets
 from prefect_gpu_budget.admission.ledger import metadata, normalise_url
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.pricing.catalog import set_local_price
+from prefect_gpu_budget.testing.postgres import (
+    backends,
+    database_work,
+    name_of,
+    postgres_database,
+    server_of,
+    vacuum,
+)
+from prefect_gpu_budget.testing.servers import bare_postgres_server, serving
 
 
 def set_up_ledger(cfg: Config) -> None:

@@ -26,6 +26,10 @@ DECISION = [
     # the bill's rules: whose a line is, when a figure is final
     f"{PACKAGE}.billing.lines",
     f"{PACKAGE}.billing.trueup",
+    # where a job asking for accelerators runs: the request, the offerings, the choice
+    f"{PACKAGE}.placement.accelerators",
+    f"{PACKAGE}.placement.offerings",
+    f"{PACKAGE}.placement.choice",
 ]
 """Every module of `admission/rules/` (the folder is the list), and the bill's rules."""
 IMPURE = {
@@ -161,7 +165,7 @@ def test_the_ledger_and_the_job_life_do_not_import_prefect(module: str) -> None:
 # -- the shape of the objects: small classes, no hidden dependencies, no cycles -----------------
 
 MOST_PUBLIC_METHODS = 30
-MOST_LINES = 600
+MOST_LINES = 450
 """A module longer than this holds more than one concern, or one that wants splitting."""
 
 
@@ -207,14 +211,14 @@ def _public_methods() -> dict[str, set[str]]:
 
 def test_no_class_has_more_than_thirty_public_methods() -> None:
     counts = {k: len(v) for k, v in _public_methods().items()}
-    assert counts["prefect_gpu_budget.admission.ledger.decisions.Queue"] >= 5  # it counts
+    assert counts["prefect_gpu_budget.admission.ledger.queue.Queue"] >= 5  # it counts
     big = {k: n for k, n in counts.items() if n > MOST_PUBLIC_METHODS}
     assert not big, big
 
 
-def test_no_module_is_over_six_hundred_lines() -> None:
+def test_no_module_is_over_four_hundred_and_fifty_lines() -> None:
     lines = {k: len(p.read_text().splitlines()) for k, p in _modules().items()}
-    assert lines["prefect_gpu_budget.admission.ledger.decisions"] > 300  # it counts
+    assert lines["prefect_gpu_budget.admission.ledger.queue"] > 300  # it counts
     long = {k: n for k, n in lines.items() if n > MOST_LINES}
     assert not long, long
 
@@ -267,3 +271,83 @@ def test_no_import_cycle_not_even_a_type_only_or_deferred_one() -> None:
     for module in sorted(graph):
         if module not in state:
             walk(module, [module])
+
+
+# -- one home per feature: rooms import downward only, no private name crosses a module ----------
+
+MOST_FUNCTION_LINES = 80
+MOST_OVER_FIFTY = 10
+"""A function longer than fifty lines is a loop that wants named steps; a few may stay."""
+
+
+def _room(module: str) -> str:
+    """The room a module lives in: its top-level folder, or itself at the top level."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_room_imports_upward() -> None:
+    """The rooms (the package's folders, and its top-level modules) import one another one way
+    only, deferred and type-only imports counted: no two rooms reach each other. The package's
+    own `__init__`, the lazy face of the public names, is the one room everything may be
+    reached from."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        if module == PACKAGE:
+            continue
+        rooms = {_room(m) for m in _package_imports(path, set(modules)) - {PACKAGE}}
+        graph.setdefault(_room(module), set()).update(rooms - {_room(module)})
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = {start}, [start]
+        while todo:
+            for other in graph.get(todo.pop(), ()):
+                if other == goal:
+                    return True
+                if other not in seen:
+                    seen.add(other)
+                    todo.append(other)
+        return False
+
+    assert len(graph) > 10, sorted(graph)  # it counts
+    upward = sorted(f"{a} -> {b}" for a, bs in graph.items() for b in bs if reaches(b, a))
+    assert not upward, upward
+
+
+def _private_imports() -> list[str]:
+    modules = _modules()
+    found = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module and not node.level):
+                continue
+            if node.module.split(".")[0] != PACKAGE:
+                continue
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{node.module}.{alias.name}" not in modules:
+                    found.append(f"{module} imports {node.module}.{alias.name}")
+    return found
+
+
+def test_no_module_takes_a_private_name_of_another() -> None:
+    assert not _private_imports()
+
+
+def _function_lengths() -> dict[str, int]:
+    lengths = {}
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                key = f"{module}:{node.lineno} {node.name}"
+                lengths[key] = (node.end_lineno or node.lineno) - node.lineno + 1
+    return lengths
+
+
+def test_functions_are_short() -> None:
+    lengths = _function_lengths()
+    assert len(lengths) > 500, len(lengths)  # it counts
+    long = {k: n for k, n in lengths.items() if n > MOST_FUNCTION_LINES}
+    assert not long, long
+    over_fifty = sorted((n, k) for k, n in lengths.items() if n > 50)
+    assert len(over_fifty) <= MOST_OVER_FIFTY, over_fifty

@@ -78,13 +78,12 @@ def parse_accelerators(value: object) -> Accelerators:
 
 def model_names(gpu_model: str, all_models: Iterable[str]) -> set[str]:
     """The names a catalog model answers to: `H100 80GB` is `H100-80GB`, and `H100` when no
-    other H100 has less memory."""
+    other H100 has less memory; a model that names no memory (a pool's `H100`) is `H100`."""
     base, _, memory = gpu_model.upper().partition(" ")
     names = {f"{base}-{memory}" if memory else base}
-    smallest = min(
-        (_memory_gb(m) for m in all_models if m.upper().partition(" ")[0] == base), default=0
-    )
-    if _memory_gb(gpu_model) == smallest:
+    sizes = [_memory_gb(m) for m in all_models if m.upper().partition(" ")[0] == base]
+    smallest = min((size for size in sizes if size), default=0)  # a pool's model has none
+    if _memory_gb(gpu_model) in (0, smallest):
         names.add(base)
     return names
 
@@ -100,7 +99,10 @@ def matching(wanted: Accelerators, shapes: Iterable[Shape]) -> list[Shape]:
     line: a model no machine has (with the nearest names), a count larger than any machine."""
     shapes = list(shapes)
     models = {s.gpu_model for s in shapes if s.gpus}
-    known = {n: m for m in models for n in model_names(m, models)}
+    known: dict[str, set[str]] = {}
+    for model in models:
+        for name in model_names(model, models):
+            known.setdefault(name, set()).add(model)
     unknown = [w for w in wanted.models if w not in known]
     if unknown:
         close = near(unknown[0], known)
@@ -108,7 +110,7 @@ def matching(wanted: Accelerators, shapes: Iterable[Shape]) -> list[Shape]:
         raise BudgetInputError(
             "accelerators", f"no offering has {unknown[0]}{hint}; known: {', '.join(sorted(known))}"
         )
-    targets = {known[w] for w in wanted.models}
+    targets = set().union(*(known[w] for w in wanted.models))
     same_model = [s for s in shapes if s.gpu_model in targets]
     most = max(s.gpus for s in same_model)
     if wanted.count > most:

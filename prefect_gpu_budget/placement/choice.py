@@ -165,12 +165,15 @@ def place(
     defaults: Defaults | None = None,
 ) -> Placement:
     """Every offering considered, cheapest expected first; the chosen one is the cheapest that
-    fits (ties: the earlier end). `histories` by `(key, provisioning, region)`. Raises
+    fits (ties: the earlier end). `histories` by `(key, provisioning, region)`, region `""` for
+    a machine's history in every region. Raises
     `Unplaceable`, naming the closest offering, when none fits; nothing is reserved then."""
     defaults = defaults or Defaults()
     rows = []
     for offering in candidates:
-        history = histories.get((offering.key, offering.provisioning, offering.region), History())
+        history = histories.get(
+            (offering.key, offering.provisioning, offering.region)
+        ) or histories.get((offering.key, offering.provisioning, ""), History())
         expected = expect(offering, need, history, defaults)
         rate = offering.rate_micro_per_hour * need.nodes
         reservation = cost_micro(rate, need.max_runtime_s, round_up=True)

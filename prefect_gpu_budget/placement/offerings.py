@@ -7,7 +7,7 @@ SageMaker at most 28)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefect_gpu_budget.placement.accelerators import Shape
 
@@ -34,6 +34,8 @@ class Route:
     """A capacity pool: the team's quota there decides, and its `local:` rows price it."""
     gpu_model: str | None = None
     """A pool's accelerator model, where its `local:` rows do not name one."""
+    instance_types: tuple[str, ...] = ()
+    """A pool's machines (`local:<name>`): it offers only these."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,21 @@ class Offering:
         return f"{self.key} {self.provisioning}{where} ({self.launcher})"
 
 
+def pool_shapes(shapes: Iterable[Shape], routes: Iterable[Route]) -> list[Shape]:
+    """The catalog's machines with each pool's accelerator model on its `local:` machines (a
+    local price row names none of its own), so that `H100:8` finds a pool of H100 nodes."""
+    models = {
+        key: route.gpu_model
+        for route in routes
+        if route.pool and route.gpu_model
+        for key in route.instance_types
+    }
+    return [
+        replace(s, gpu_model=models[k]) if (k := f"{s.cloud}:{s.instance_type}") in models else s
+        for s in shapes
+    ]
+
+
 def offerings(
     shapes: Iterable[Shape],
     rates: Mapping[tuple[str, str], int],
@@ -76,7 +93,10 @@ def offerings(
         for shape in shapes:
             if shape.cloud != route.cloud or shape.provisioning not in route.provisionings:
                 continue
-            rate = rates.get((f"{shape.cloud}:{shape.instance_type}", shape.provisioning))
+            key = f"{shape.cloud}:{shape.instance_type}"
+            if route.instance_types and key not in route.instance_types:
+                continue
+            rate = rates.get((key, shape.provisioning))
             if rate is None:
                 continue
             for region in route.regions:

@@ -89,7 +89,26 @@ class GpuJob(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     instance_type: str = Field(
-        description="`cloud:type`, e.g. `aws:g5.xlarge` or `local:workstation`."
+        "",
+        description="`cloud:type`, e.g. `aws:g5.xlarge` or `local:workstation`; left out when "
+        "the job asks for `accelerators` instead (the gate's placement fills it in).",
+    )
+    accelerators: str | None = Field(
+        None,
+        description="Accelerators instead of a machine, in SkyPilot's spelling: `H100:8` (a "
+        "model and a count per node) or `{H100:8, H200:8}` (any of these): the job is placed on "
+        "the cheapest offering of the saved launchers and pools that fits its budgets, its max "
+        "wait and its deadline.",
+    )
+    deadline: Duration | None = Field(
+        None,
+        description="With `accelerators`: the latest acceptable end, from when it is asked "
+        "(seconds, or a duration like '12h').",
+    )
+    checkpoint: str | None = Field(
+        None,
+        description="Where the job saves its checkpoint: a job that has one resumes when its "
+        "machine is taken back, and is placed again (`accelerators`).",
     )
     max_runtime: Duration = Field(description="Seconds, or a duration like '2h' or '1h30m'.")
     nodes: int = Field(1, ge=1, le=1024, description="Machines started together.")
@@ -139,12 +158,36 @@ class GpuJob(BaseModel):
         if self.command is not None and not self.command:
             raise BudgetInputError("command", "must not be empty")
         check_flex_start_runtime(self.provisioning, self.max_runtime)
+        if self.accelerators is not None:
+            return self._check_asked_for_accelerators()
+        if self.deadline is not None:
+            raise BudgetInputError("deadline", "is for a job that asks for accelerators")
         if ":" not in self.instance_type:
             raise BudgetInputError(
                 "instance_type",
                 f"must be 'cloud:type' like 'aws:g5.xlarge', got {shown(self.instance_type)}",
             )
         return self
+
+    def _check_asked_for_accelerators(self) -> GpuJob:
+        """A machine named beside accelerators is the placement's, and must be `cloud:type` too.
+        The spelling itself is read where the job is placed (`placement.accelerators`), which
+        sits above this module."""
+        if self.instance_type and ":" not in self.instance_type:
+            raise BudgetInputError(
+                "instance_type",
+                f"must be 'cloud:type' like 'aws:g5.xlarge', got {shown(self.instance_type)}",
+            )
+        if self.deadline is not None and self.deadline < self.max_runtime:
+            raise BudgetInputError(
+                "deadline", "is before the job could end: it must be at least max_runtime"
+            )
+        return self
+
+    @property
+    def placed(self) -> bool:
+        """It names its machine: asked so, or placed by the gate."""
+        return bool(self.instance_type)
 
     def priced(self, quote: Quote) -> tuple[Quote, NodeShare]:
         """The job's quote, from its machines' (`quote`): their price, or its part of it; and

@@ -162,6 +162,7 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         raise BudgetInputError("scope", unknown)
     trials = spec.trials()
     pools, quotas = ledger.config.capacity(org_of(spec.scope))
+    spec = placed_spec(spec, ledger, now)  # 0. trials asking for accelerators, placed
     jobs, warnings = trial_jobs(spec, ledger, trials, pools, now)  # 1. the trials as jobs
     runs = ForecastRuns(spec, ledger, jobs, now, pools, quotas)  # 2. the ledger's state
     finished = finished_trials(spec, ledger)  # 3. how long its trials take to start, and run
@@ -183,6 +184,20 @@ def forecast(spec: SweepSpec, ledger: Ledger, now: float | None = None) -> Forec
         max_wait_s=max_wait_of(first.max_wait, path),
         warnings=tuple(warnings),
     )
+
+
+def placed_spec(spec: SweepSpec, ledger: Ledger, now: float) -> SweepSpec:
+    """The spec as the gate would place its first trial now, for trials that ask for
+    accelerators (each trial is placed when it starts; the forecast takes the first one's place
+    for all); the spec as it is otherwise."""
+    first = spec.job_for(spec.trials()[0] if spec.trials() else {}, spec.name)
+    if first.placed:
+        return spec
+    from prefect_gpu_budget.placement.placing import place_job
+
+    job = place_job(first, spec.scope, ledger, now=now).job
+    where = {"instance_type": job.instance_type, "provisioning": job.provisioning}
+    return spec.model_copy(update={"job": spec.job.model_copy(update=where)})
 
 
 def trial_jobs(

@@ -61,7 +61,11 @@ class JobShape(BaseModel):
     def _keys(cls, data: object) -> object:
         return _known_keys(cls, data)
 
-    instance_type: str
+    instance_type: str = ""
+    """Left out when the trials ask for `accelerators`: each is placed when it starts."""
+    accelerators: str | None = None
+    deadline: str | float | None = None
+    checkpoint: str | None = None
     max_runtime: str | float
     nodes: int = 1
     provisioning: Literal["on-demand", "spot", "flex-start"] = "on-demand"
@@ -268,6 +272,12 @@ def preflight(spec: SweepSpec, launcher: Any) -> None:
 
     trials = spec.trials()
     job = spec.job_for(trials[0] if trials else {}, spec.name)
+    if not job.placed:  # each trial is placed when it starts: its accelerators must exist
+        from prefect_gpu_budget.admission.prices import default_catalog
+        from prefect_gpu_budget.placement.accelerators import matching, parse_accelerators
+
+        matching(parse_accelerators(job.accelerators), default_catalog().rows())
+        return
     try:
         launcher.preflight(job, price_job(job)[0])
     except LaunchConfigError as refused:

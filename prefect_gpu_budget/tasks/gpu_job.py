@@ -33,7 +33,14 @@ from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.settings import METRICS_ENV
 from prefect_gpu_budget.tasks.events import prefect_events
 from prefect_gpu_budget.tasks.logs import install as _reason_once
-from prefect_gpu_budget.units import fmt_duration, fmt_usd, micro_to_usd, redact_urls
+from prefect_gpu_budget.units import (
+    BudgetInputError,
+    fmt_duration,
+    fmt_usd,
+    micro_to_usd,
+    org_of,
+    redact_urls,
+)
 
 _reason_once()  # a failed task's reason once in its run's logs (tasks/logs.py)
 
@@ -155,7 +162,12 @@ def run_gpu_job(
     """
     logger = get_run_logger()
     gate = gate_for_run(scope, job, ledger)
-    launcher = launcher or LocalLauncher()
+    try:
+        job, placed_on = placed(job, scope, gate, logger.info, launcher)
+    except BudgetInputError as unplaceable:  # nothing is reserved for a job that has no place
+        logger.error("GPU job not placed: %s", unplaceable)
+        return Failed(name="Unplaceable", message=str(unplaceable))  # type: ignore[return-value]
+    launcher = launcher or placed_on or LocalLauncher()
     try:
         launcher.preflight(job, gate.quote(job))
     except LaunchConfigError as bad:
@@ -180,6 +192,29 @@ def run_gpu_job(
     if ended.result.outcome != "completed":
         return _unfinished_state(ended)  # type: ignore[return-value]
     return _job_result(admission, ended, scope)
+
+
+def placed(
+    job: GpuJob, scope: str, gate: Gate, say: Callable[[str], Any], launcher: Any = None
+) -> tuple[GpuJob, Any]:
+    """A job that asks for accelerators, placed on the cheapest offering that fits (every
+    offering considered said on the run's log), with the saved launcher block that starts it
+    (None: a pool's machine, or a job that named its machine, returned as it is). Given a
+    `launcher`, only its own offerings: a cloud launcher's, or the org's pools for one that runs
+    here (the local launcher; `"local"` for a task's own body)."""
+    if job.placed:
+        return job, None
+    from prefect_gpu_budget.placement.placing import place_job
+    from prefect_gpu_budget.placement.routes import launcher_route, pool_routes
+
+    routes = None
+    if launcher is not None:
+        own = launcher_route("the job's launcher", launcher)
+        routes = [own] if own else pool_routes(gate.ledger, org=org_of(scope))
+    where = place_job(job, scope, gate.ledger, routes=routes)
+    for line in where.lines():
+        say(f"placement: {line}")
+    return where.job, where.launcher
 
 
 def _say_requeued(logger: Any, admission: Admission, ended: Ended) -> None:

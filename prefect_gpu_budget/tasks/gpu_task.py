@@ -61,7 +61,7 @@ from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.local import grant_gpus, release_gpus, visible_gpus
 from prefect_gpu_budget.tasks.defaults import current_defaults
 from prefect_gpu_budget.tasks.events import stopped_state
-from prefect_gpu_budget.tasks.gpu_job import current_flow_run_id, gate_for_run
+from prefect_gpu_budget.tasks.gpu_job import current_flow_run_id, gate_for_run, placed
 from prefect_gpu_budget.units import BudgetInputError, fmt_duration, validate_scope
 
 REFUSED_STATES = frozenset({"OverBudget", "AdmissionTimeout", "GateRefused"})
@@ -132,6 +132,11 @@ class _GatedRun:
         """Wait for admission; the refusal's state if refused. Then the job starts now."""
         if self.refusal:  # settings its flow does not allow: nothing is reserved
             return Failed(name="GateRefused", message=self.refusal)
+        try:  # the body runs here: a job asking for accelerators goes to a pool's machine
+            say = get_run_logger().info
+            self.job, _ = placed(self.job, self.scope, self.gate, say, launcher="local")
+        except BudgetInputError as unplaceable:
+            return Failed(name="Unplaceable", message=str(unplaceable))
         try:
             self.admission = self.gate.admit(
                 self.job, self.scope, flow_run_id=current_flow_run_id(), launcher="task"

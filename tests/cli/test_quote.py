@@ -80,3 +80,58 @@ def test_quote_of_flex_start_without_a_figure_says_it_is_an_upper_bound(tmp_path
     )
     refused = cli_run(env, "quote", "gcp:a3-highgpu-8g", "--provisioning", "flex-start")
     assert refused.returncode == 2 and "no public figure recorded" in refused.stderr
+
+
+def test_quote_by_accelerators_shows_every_saved_offering_and_the_choice(
+    prefect_api: str, tmp_path: Path
+) -> None:
+    """`quote --accelerators` against a real Prefect API holding a saved Vertex AI and a saved
+    SageMaker launcher, and a ledger with a pool of the team's: every offering, the cheapest
+    that fits CHOSEN, and why each other was passed over; then with the pool's quota in use."""
+    import json
+    import uuid
+
+    from prefect_gpu_budget.admission.ledger import Ledger
+    from prefect_gpu_budget.admission.prices import set_ledger_price
+    from prefect_gpu_budget.admission.rules.policy import BudgetRule
+    from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota
+    from tests.placement.test_routes import _sagemaker, _vertex
+
+    vertex, sagemaker = f"vx-{uuid.uuid4().hex[:8]}", f"sm-{uuid.uuid4().hex[:8]}"
+    _vertex("us-central1").save(vertex, overwrite=True)
+    _sagemaker("us-east-1", "s3://lab/checkpoints").save(sagemaker, overwrite=True)
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    node = (8, 192, 2048)
+    set_ledger_price("h100x8", "15", 8, ledger=ledger, vcpu=192, memory_gib=2048)
+    ledger.config.set_pool(
+        Pool("acme", "lab-a", 1, node, ("local:h100x8",), "H100"),
+        [TeamQuota("lab-a", "acme/vision", node)],
+    )
+    ledger.config.set_budget(
+        BudgetRule("acme", hourly_cap_cents=100_000, period_budget_micro=10**11)
+    )
+    ledger.db.dispose()
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    asked = ["--ledger-url", url, "quote", "--accelerators", "H100:8", "--hours", "2"]
+
+    out = cli_run(env, *asked, "--scope", "acme/vision/s1", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    launchers = {r["launcher"] for r in rows}
+    assert {"lab-a", vertex, sagemaker} <= launchers
+    chosen = [r for r in rows if r["chosen"]]
+    assert [(c["instance_type"], c["pool"]) for c in chosen] == [("local:h100x8", "lab-a")]
+    assert all(r["passed_over"] for r in rows if not r["chosen"])
+    assert rows == sorted(
+        rows, key=lambda r: (r["expected_usd"], r["expected_end_s"], r["offering"])
+    )
+
+    other = cli_run(env, *asked, "--scope", "acme/nlp/s1")
+    assert other.returncode == 0, other.stderr
+    assert "pool lab-a: acme/nlp has no quota there" in " ".join(other.stdout.split())
+    assert "chosen: gcp:a3-highgpu-8g spot us-central1" in other.stdout
+
+    never = cli_run(env, *asked, "--deadline", "1h")
+    assert never.returncode == 2
+    assert never.stderr.startswith("error: deadline: is before the job could end")

@@ -78,9 +78,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from benchmarks.harness.report import logger, table
-from benchmarks.harness.stats import percentile
 from prefect_gpu_budget.testing.postgres import SERVER, postgres_database, server_of
 from prefect_gpu_budget.testing.servers import PrefectServer, read_line, serving
+from prefect_gpu_budget.testing.stats import percentile
 
 CAP_JOBS = 8
 """Jobs the team's hourly cap admits at once."""

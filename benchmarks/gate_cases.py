@@ -34,7 +34,6 @@ import sqlalchemy as sa
 import prefect_gpu_budget
 from benchmarks.harness.parts import part
 from benchmarks.harness.report import logger
-from benchmarks.harness.stats import percentile, summary_ms
 from prefect_gpu_budget.admission.gate import Gate
 from prefect_gpu_budget.admission.ledger import (
     Ledger,
@@ -48,6 +47,7 @@ from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote
+from prefect_gpu_budget.testing.stats import percentile, summary_ms
 from prefect_gpu_budget.units import rate_cents
 
 ORG = "bench"

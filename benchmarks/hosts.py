@@ -61,7 +61,7 @@ import time
 from typing import Any
 
 from benchmarks.harness.report import logger, num, table
-from benchmarks.harness.stats import percentile
+from prefect_gpu_budget.testing.stats import percentile
 
 log = logger("hosts")
 

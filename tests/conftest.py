@@ -1,12 +1,12 @@
 """Shared fixtures: a real Prefect server (once per session), SQLite and PostgreSQL ledgers.
 
 PostgreSQL is expected at 127.0.0.1:5432 (trust auth); the databases the suite creates there,
-and the variables that name others, are listed in tests/postgres.py. When it is missing the
+and the variables that name others, are listed in tests/support/postgres.py. When it is missing the
 PostgreSQL tests fail: they never skip.
 
 A run leaves no process and no database behind, however it is stopped: Ctrl-C (SIGINT to every
 process of the terminal's group) or SIGTERM to the pytest process (made a KeyboardInterrupt
-here). Its processes and databases are named for it (tests/runs.py), so at its end its top
+here). Its processes and databases are named for it (tests/support/runs.py), so at its end its top
 process ends those still there and drops those left, an interrupted worker's teardown being cut
 short by pytest-xdist after a few seconds; a run killed outright (SIGKILL) leaves them to the
 next run, which reaps them at its start.
@@ -28,8 +28,8 @@ os.environ["COLUMNS"] = "200"
 
 import pytest  # noqa: E402
 
-from tests import runs  # noqa: E402
-from tests.postgres import (  # noqa: E402
+from tests.support import runs  # noqa: E402
+from tests.support.postgres import (  # noqa: E402
     database_url,
     drop_created,
     drop_databases,

@@ -4,7 +4,7 @@ real `prefect server start`, whose lease repossessor returns the slots of leases
 recorded), and the ledger audit those runs rely on finds what it should.
 
 The two backends' runs go at once (each ends by waiting ~80 s for every lease to expire). The
-PostgreSQL run uses a database of its own (see tests/postgres.py),
+PostgreSQL run uses a database of its own (see tests/support/postgres.py),
 created if missing; without a PostgreSQL server it fails, it never skips.
 """
 
@@ -24,8 +24,8 @@ from prefect_gpu_budget.admission.ledger import Ledger, holder_id, period_spend
 from prefect_gpu_budget.admission.reconcile import reconcile
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.timing import UNRECORDED_LEASE_S
-from tests.jobs import new_job
-from tests.postgres import database_url, require_postgres
+from tests.support.jobs import new_job
+from tests.support.postgres import database_url, require_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAOS_PG_URL = database_url("chaos", "GPU_BUDGET_CHAOS_PG_URL")

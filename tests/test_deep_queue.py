@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.postgres import SERVER, require_postgres
+from tests.support.postgres import SERVER, require_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--waiters", "64", "--processes", "2", "--jobs", "64", "--job-s", "0.2"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.postgres import database_url, require_postgres
+from tests.support.postgres import database_url, require_postgres
 
 ROOT = Path(__file__).resolve().parents[1]
 PG_URL = database_url("gate_bench", "GATE_BENCH_PG_URL")

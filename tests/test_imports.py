@@ -33,7 +33,7 @@ GATE = {
     f"{PACKAGE}.admission.gate",
     # What an admitted job holds while it runs, and its settlement (the gate hands it over).
     f"{PACKAGE}.admission.holding",
-    # An admitted job's life runs on the gate: the task, the benchmarks and the workers call it.
+    # An admitted job's life runs on the gate: the task, the soak's agents and the workers call it.
     f"{PACKAGE}.admission.lifecycle",
 }
 

@@ -1,5 +1,5 @@
 """An interrupted run of the suite leaves no database and no process behind, and a run reaps
-what an earlier run that was killed left, and nothing of a run still going (tests/runs.py).
+what an earlier run that was killed left, and nothing of a run still going (tests/support/runs.py).
 
 Each test runs a small pytest of its own in a subprocess, with this suite's fixtures
 (`-p tests.conftest`)."""
@@ -18,9 +18,9 @@ import pytest
 import sqlalchemy as sa
 
 from prefect_gpu_budget.testing.postgres import drop_database, ensure_database, server_of
-from tests import runs
-from tests.postgres import SERVER, drop_databases, require_postgres
-from tests.prefect_server import wait_for
+from tests.support import runs
+from tests.support.postgres import SERVER, drop_databases, require_postgres
+from tests.support.prefect_server import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 # started pytest runs and servers: one at a time, beside the rest of the suite
@@ -33,9 +33,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, stop_groups
-from tests.runs import OWNER
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, stop_groups
+from tests.support.runs import OWNER
 
 @pytest.fixture
 def database():

@@ -28,8 +28,8 @@ import pytest
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, free_port, http
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, free_port, http
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -15,9 +15,9 @@ from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
 from prefect_gpu_budget.admission.ledger import Ledger, metadata
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.conftest import PG_URL
-from tests.jobs import held_job, until_in
-from tests.postgres import require_postgres
-from tests.prefect_server import wait_for
+from tests.support.jobs import held_job, until_in
+from tests.support.postgres import require_postgres
+from tests.support.prefect_server import wait_for
 
 SECRET = "hunter2-not-a-real-password"
 URL = PG_URL.replace("postgres@", f"postgres:{SECRET}@", 1)  # trust auth ignores it
@@ -99,7 +99,7 @@ def test_cloud_credentials_and_agent_tokens_stay_out_of_logs_events_and_errors(
     from prefect_aws import AwsCredentials
 
     from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
-    from tests.aws_server import AwsServer
+    from tests.support.aws_server import AwsServer
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")
     GpuBudget(scope="sec2", hourly_cap_usd=100, period_budget_usd=100).apply(ledger)

@@ -1,7 +1,7 @@
 """The soak benchmark, short: agent processes submit, cancel and finish jobs for half a minute.
 
 `python -m benchmarks.soak` runs as a subprocess: 5 agent processes, the ledger on PostgreSQL (a
-database of this run, see tests/postgres.py), a real Prefect server on PostgreSQL (a database of
+database of this run, see tests/support/postgres.py), a real Prefect server on PostgreSQL (a database of
 the soak's own, dropped at its end). Asserted: no errors,
 the ledger consistent and every Prefect slot given back, memory flat, connections, descriptors
 and threads not growing, every connection returned. The latency ratio is reported but not
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.postgres import database_url, require_postgres
+from prefect_gpu_budget.testing.stats import host_and_db, per_minute_p95
+from tests.support.postgres import database_url, require_postgres
 
 PG_URL = database_url("soak", "GATE_SOAK_PG_URL")
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,8 +82,6 @@ def test_short_soak_stays_flat_and_consistent() -> None:
 
 
 def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
-    from benchmarks.soak.analysis import per_minute_p95
-
     def run(p95_of_minute: list[float]) -> dict:
         samples = [(60.0 * m + s, ms) for m, ms in enumerate(p95_of_minute) for s in range(60)]
         return per_minute_p95(samples, 0.0, 60.0 * len(p95_of_minute))
@@ -96,8 +95,6 @@ def test_the_minute_trend_tells_a_steady_climb_from_one_noisy_minute() -> None:
 
 
 def test_host_and_db_figures_are_per_minute_deltas() -> None:
-    from benchmarks.soak.analysis import host_and_db
-
     def mark(minute: int) -> dict:
         # cumulative counters: 100 jiffies a minute, 3 of them stolen from minute 5 on; 1,000
         # ledger transactions a minute, each reading one row more than the minute before;

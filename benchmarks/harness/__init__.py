@@ -1,9 +1,10 @@
 """What the benchmarks share: a real Prefect server and a PostgreSQL database of one's own
 (from `prefect_gpu_budget.testing`, which the tests use too), a ledger with its gate tables
-made afresh (`ledger`, not imported here: it imports the product), what `/proc` tells of processes and the host (`host`), and the figures
-and tables of a report (`stats`, `report`)."""
+made afresh (`ledger`, not imported here: it imports the product), what `/proc` tells of
+processes and the host (`host`), and the tables of a report (`report`); the figures' order
+statistics and trends are `prefect_gpu_budget.testing.stats`, which the tests check."""
 
-from benchmarks.harness import report, stats
+from benchmarks.harness import report
 from prefect_gpu_budget.testing.postgres import drop_database, ensure_database, postgres_database
 from prefect_gpu_budget.testing.servers import PrefectServer, prefect_server, serving
 
@@ -15,5 +16,4 @@ __all__ = [
     "prefect_server",
     "report",
     "serving",
-    "stats",
 ]

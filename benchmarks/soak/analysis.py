@@ -4,14 +4,18 @@ work per minute."""
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import Counter, defaultdict
 from typing import Any
 
-from benchmarks.harness.stats import percentile, slope_per_min, trend_pct
 from benchmarks.soak.checks import flat
 from benchmarks.soak.config import GROUPS, MIN_GROUP, STREAMS, Config
+from prefect_gpu_budget.testing.stats import (
+    host_and_db,
+    per_minute_p95,
+    percentile,
+    slope_per_min,
+)
 
 
 def window_latency(samples: list[tuple[float, float]]) -> dict[str, Any]:
@@ -30,46 +34,6 @@ def window_latency(samples: list[tuple[float, float]]) -> dict[str, Any]:
         "pooled_p95_ms": percentile(values, 95),
         "max_ms": max(values),
     }
-
-
-def per_minute_p95(samples: list[tuple[float, float]], t0: float, end: float) -> dict[str, Any]:
-    """p95 of each whole minute after warm-up, and their least-squares trend over the run as a
-    percentage of their mean: a leak climbs steadily, while a one-off step or a noisy minute
-    (another tenant on the host) moves the start/end ratio but hardly the trend."""
-    by_minute: dict[int, list[float]] = defaultdict(list)
-    for t, ms in samples:
-        if t0 <= t < end:
-            by_minute[int((t - t0) // 60)].append(ms)
-    whole = int((end - t0) // 60)
-    points = [(60.0 * m, percentile(by_minute[m], 95)) for m in range(whole) if by_minute[m]]
-    trend = trend_pct(points, whole - 1)
-    return {"per_minute_p95_ms": [round(v, 1) for _, v in points], "trend_pct": trend}
-
-
-def host_and_db(parent: list[dict[str, Any]], t0: float) -> dict[str, Any]:
-    """Each minute after warm-up: the host's CPU steal (%), and rows PostgreSQL read per
-    committed transaction in the ledger's and the Prefect server's databases, with each one's
-    trend (`trend_pct`). Latency that climbs while rows per transaction stay flat is not
-    the queries doing more work; climbing with the steal, it is the host."""
-    marks = [s for s in parent if "cpu" in s]
-    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for a, b in itertools.pairwise(marks):
-        if b["t"] <= t0:
-            continue
-        total = b["cpu"][1] - a["cpu"][1]
-        if total > 0:
-            series["steal_pct"].append((b["t"], 100 * (b["cpu"][0] - a["cpu"][0]) / total))
-        for db in ("ledger", "prefect"):
-            xacts = b["db"][db][0] - a["db"][db][0]
-            if xacts > 0:
-                series[f"{db}_rows_per_xact"].append(
-                    (b["t"], (b["db"][db][1] - a["db"][db][1]) / xacts)
-                )
-    out = {}
-    for name, points in series.items():
-        trend = trend_pct(points, (points[-1][0] - points[0][0]) / 60)
-        out[name] = {"per_minute": [round(v, 2) for _, v in points], "trend_pct": trend}
-    return out
 
 
 def within(t: float, window: tuple[float, float]) -> bool:

@@ -13,8 +13,8 @@ from prefect_gpu_budget.admission.ledger import Ledger, NewJob
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, add, fits_in, proportional
 from prefect_gpu_budget.job import GpuJob
-from tests.jobs import new_job
-from tests.prefect_server import wait_for
+from tests.support.jobs import new_job
+from tests.support.prefect_server import wait_for
 
 NODE = (8, 192, 2048)
 

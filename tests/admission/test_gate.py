@@ -28,9 +28,9 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import scope_path
-from tests.jobs import new_job
-from tests.limits import SlowLimits
-from tests.prefect_server import wait_for
+from tests.support.jobs import new_job
+from tests.support.limits import SlowLimits
+from tests.support.prefect_server import wait_for
 
 RACE_SCOPES = ["race/a/s1", "race/a/s2", "race/b/s1", "race/b/s2"]
 RACE_BUDGETS = [

@@ -16,7 +16,7 @@ from prefect_gpu_budget.admission.ledger import NewJob
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional, team_setting
 from prefect_gpu_budget.units import BudgetInputError
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 NODE = (8, 192, 2048)
 

@@ -15,8 +15,8 @@ from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from tests.limits import SlowLimits
-from tests.prefect_server import wait_for
+from tests.support.limits import SlowLimits
+from tests.support.prefect_server import wait_for
 
 JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # 360 cents an hour
 

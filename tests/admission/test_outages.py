@@ -21,8 +21,8 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from prefect_gpu_budget.testing.postgres import ensure_database, name_of
-from tests.postgres import PrivateCluster, private_cluster
-from tests.prefect_server import PrefectServer, http, wait_for
+from tests.support.postgres import PrivateCluster, private_cluster
+from tests.support.prefect_server import PrefectServer, http, wait_for
 
 SPEC = """
 name: restart

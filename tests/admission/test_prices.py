@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database, require_postgres
+from tests.support.postgres import fresh_database, require_postgres
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -15,8 +15,8 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
 from prefect_gpu_budget.units import cost_micro
-from tests.aws_server import AwsServer
-from tests.jobs import new_job
+from tests.support.aws_server import AwsServer
+from tests.support.jobs import new_job
 
 SCOPE = "lab/vision/agent-7"
 RATE = 1_408_400  # ml.g5.xlarge, micro-dollars per hour
@@ -94,8 +94,8 @@ def test_reconcile_cancels_a_flex_start_job_still_waiting_for_capacity(tmp_path)
 
     from prefect_gpu_budget.launchers.vertex import VertexLauncher
     from prefect_gpu_budget.pricing.catalog import Catalog
-    from tests.gcp_server import service_account_info, serving
     from tests.launchers.fake_vertex import FakeVertex, Script
+    from tests.support.gcp_server import service_account_info, serving
 
     info, public_key = service_account_info()
     ledger = Ledger(f"sqlite:///{tmp_path / 'l.db'}")

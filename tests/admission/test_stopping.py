@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.stopping import CANCELLED, STOPPING, stop_job
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def test_a_job_that_moves_between_queued_and_admitted_as_it_is_stopped_is_still_stopped(ledger):

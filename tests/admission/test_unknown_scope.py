@@ -19,7 +19,7 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 TYPO = (
     "team acme/visoin of scope acme/visoin/agent-8 does not exist (nothing names it: no "

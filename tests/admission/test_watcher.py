@@ -20,7 +20,7 @@ from prefect_gpu_budget.admission.watcher import Ticket, watcher_for
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from tests.conftest import PG_URL, _fresh_pg
-from tests.postgres import fresh_database
+from tests.support.postgres import fresh_database
 
 JOB = GpuJob(instance_type="local:box", max_runtime="1m")  # $3.60/h: a 360-cent cap fits one
 

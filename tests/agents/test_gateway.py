@@ -29,9 +29,10 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for
-from tests.prefect_server import http as prefect_http
+from tests.support.gateway import GatewayClient, GatewayStack
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, wait_for
+from tests.support.prefect_server import http as prefect_http
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="agent jobs switch to user nobody")
 
@@ -45,44 +46,6 @@ REPORT = """echo '{{"summary": true, "loss": 0.5}}' >> "$GPU_BUDGET_METRICS_FILE
 """A trial's report in shell: the sandbox user may not reach this machine's Python (under a
 home folder closed to it), and a shell is all these probes need. Braces are doubled: a command's
 `{name}` is a placeholder."""
-
-
-class Gateway:
-    """HTTP calls to the gateway, as `curl` would make them."""
-
-    def __init__(self, base: str) -> None:
-        self.base = base
-        self.seen: list[str] = []
-        """Every response body: searched for planted secrets at the end."""
-
-    def call(
-        self, method: str, path: str, token: str | None = None, body: object = None, raw=None
-    ) -> tuple[int, dict]:
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        headers = {"Content-Type": "application/json"}
-        if token is not None:
-            headers["Authorization"] = f"Bearer {token}"
-        request = urllib.request.Request(
-            self.base + path, data=data, headers=headers, method=method
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=60) as response:
-                code, text = response.status, response.read().decode()
-        except urllib.error.HTTPError as exc:
-            code, text = exc.code, exc.read().decode()
-        self.seen.append(text)
-        return code, (json.loads(text) if text.startswith("{") else {"text": text})
-
-    def sweep_until_done(self, token: str, run_id: str, timeout: float = 240) -> dict:
-        """Poll as an agent would: every 2 s, well within the gateway's calls per minute."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            code, run = self.call("GET", f"/v1/sweeps/{run_id}", token)
-            assert code == 200, run
-            if run["state"] in ("Completed", "Failed", "Crashed"):
-                return run
-            time.sleep(2.0)
-        raise AssertionError(f"sweep {run_id} still {run['state']} after {timeout:.0f}s")
 
 
 def _cli(env: dict, *args: str) -> subprocess.CompletedProcess:
@@ -126,7 +89,6 @@ def house(tmp_path_factory):
             "acme/slow", AgentLimits(team="acme/slow", max_sweeps=1, max_queued=8).stored()
         )
         server = PrefectServer(tmp / "home", auth=AUTH).start()
-        port = free_port()
         env = server.client_env(
             PREFECT_GPU_BUDGET_LEDGER_URL=url,
             PREFECT_GPU_BUDGET_PRICES=str(prices),
@@ -137,47 +99,23 @@ def house(tmp_path_factory):
             PREFECT_GPU_BUDGET_AGENT_RESULTS=str(tmp / "agent-results"),
             PREFECT_LOGGING_LEVEL="INFO",  # the job's output reaches the run logs (searched below)
         )
-        procs = []
         try:
-            for name, args in (
-                ("serve", ["serve"]),
-                ("gateway", ["agents", "serve", "--port", str(port)]),
-            ):
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
-                        env=env,
-                        cwd=tmp,
-                        stdout=(tmp / f"{name}.log").open("w"),
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-            wait_for(  # served: the gateway starts no sweep before its worker has polled
-                lambda: prefect_http(
-                    f"{server.api}/deployments/name/agent-sweep/agents", auth=AUTH
-                )["last_polled"],
-                180,
-                "the agent deployment, polled by its worker",
-            )
-            gateway = Gateway(f"http://127.0.0.1:{port}")
-            wait_for(lambda: gateway.call("GET", "/openapi.json")[0] == 200, 120, "the gateway")
-            tokens = {}
-            for session in (SESSION, OTHER, SLOW):
-                granted = _cli(env, "agent", "grant", session)
-                assert granted.returncode == 0, granted.stderr
-                tokens[session] = granted.stdout.strip()
-            yield {
-                "tmp": tmp,
-                "ledger": ledger,
-                "server": server,
-                "gateway": gateway,
-                "tokens": tokens,
-                "env": env,
-                "procs": procs,
-            }
+            with GatewayStack(env, tmp) as stack:
+                tokens = {}
+                for session in (SESSION, OTHER, SLOW):
+                    granted = _cli(env, "agent", "grant", session)
+                    assert granted.returncode == 0, granted.stderr
+                    tokens[session] = granted.stdout.strip()
+                yield {
+                    "tmp": tmp,
+                    "ledger": ledger,
+                    "server": server,
+                    "gateway": stack.client(),
+                    "tokens": tokens,
+                    "env": env,
+                    "stack": stack,
+                }
         finally:
-            stop_groups(procs, grace=30)
             server.stop()
             ledger.db.dispose()
 
@@ -513,7 +451,7 @@ def _train(lrs: list[float], steps: int = 4, pause: float = 0.2, **changes: obje
     )
 
 
-def _until(gw: Gateway, token: str, run_id: str, done, timeout: float = 240) -> dict:
+def _until(gw: GatewayClient, token: str, run_id: str, done, timeout: float = 240) -> dict:
     """Long-poll the sweep (`?wait=`) until `done(view)`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -528,7 +466,9 @@ def _ended(view: dict) -> bool:
     return view["state"] in ("Completed", "Failed", "Crashed", "Cancelled")
 
 
-def _raw(gw: Gateway, path: str, token: str, accept: str | None = None) -> tuple[int, str, bytes]:
+def _raw(
+    gw: GatewayClient, path: str, token: str, accept: str | None = None
+) -> tuple[int, str, bytes]:
     headers = {"Authorization": f"Bearer {token}"}
     if accept:
         headers["Accept"] = accept

@@ -13,14 +13,11 @@ gateway answers.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,12 +28,12 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.callers import AUTH_FAILURES, AUTH_FAILURES_PER_ADDRESS, CALLS
 from prefect_gpu_budget.agents.door import LONG_POLLS
 from prefect_gpu_budget.agents.throttle import NAMESPACE
-from tests.agents.test_hardening import _bearer, _stale
 from tests.conftest import PG_URL
 from tests.hosts.cluster import Redis
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for
-from tests.prefect_server import http as prefect_http
+from tests.support.gateway import GatewayStack, bearer, stale_token
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, wait_for
+from tests.support.prefect_server import http as prefect_http
 
 SESSION, OTHER = "acme/agents/agent-1", "acme/agents/agent-2"
 WAIT_S = 6
@@ -58,7 +55,6 @@ def _get(base: str, path: str, headers: dict[str, str]) -> tuple[int, dict[str, 
 def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("gateways")
     redis = Redis(tmp, "share")
-    procs: list[subprocess.Popen] = []
     with fresh_database(PG_URL) as url:
         ledger = Ledger(url)
         server = None
@@ -89,53 +85,22 @@ def gateways(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                 ),
                 PREFECT_GPU_BUDGET_GATEWAY_TRUSTED_PROXIES="127.0.0.1",
             )
-            bases = []
-            for name in ("gateway-a", "gateway-b"):
-                port = free_port()
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "prefect_gpu_budget.cli", "agents", "serve"]
-                        + ["--port", str(port)],
-                        env=env,
-                        cwd=tmp,
-                        stdout=(tmp / f"{name}.log").open("w"),
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-                bases.append(f"http://127.0.0.1:{port}")
-            for base, proc in zip(bases, procs, strict=True):
-                _until_up(base, proc, tmp)
-            yield {
-                "bases": bases,
-                "tokens": tokens,
-                "run_id": run["id"],
-                "flow_id": flow["id"],
-                "api": server.api,
-                "tmp": tmp,
-                "redis": redis,
-                "ledger": ledger,
-            }
+            with GatewayStack(env, tmp, serve=False, names=("gateway-a", "gateway-b")) as stack:
+                yield {
+                    "bases": stack.bases,
+                    "tokens": tokens,
+                    "run_id": run["id"],
+                    "flow_id": flow["id"],
+                    "api": server.api,
+                    "tmp": tmp,
+                    "redis": redis,
+                    "ledger": ledger,
+                }
         finally:
-            stop_groups(procs, grace=30)
             if server is not None:
                 server.stop()
             redis.close()
             ledger.db.dispose()
-
-
-def _until_up(base: str, proc: subprocess.Popen, tmp: Path, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if _get(base, "/openapi.json", {})[0] == 200:
-                return
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            logs = "\n".join(p.read_text() for p in sorted(tmp.glob("gateway-*.log")))
-            raise AssertionError(f"the gateway at {base} did not start:\n{logs}")
-        time.sleep(0.25)
 
 
 def _from(address: str, **headers: str) -> dict[str, str]:
@@ -144,16 +109,16 @@ def _from(address: str, **headers: str) -> dict[str, str]:
 
 def test_one_clients_bad_token_is_locked_out_across_both_gateways(gateways):
     a, b = gateways["bases"]
-    stale = _stale()
+    stale = stale_token()
     answers = [
-        _get((a, b)[n % 2], "/v1/status", _from("198.51.100.1", **_bearer(stale)))
+        _get((a, b)[n % 2], "/v1/status", _from("198.51.100.1", **bearer(stale)))
         for n in range(AUTH_FAILURES[0] + 4)
     ]
     codes = [code for code, _, _ in answers]
     assert codes == [401] * AUTH_FAILURES[0] + [429] * 4, codes  # 5 on each, not 10 on each
     assert all(1 <= int(retry) <= 60 for _, _, retry in answers[AUTH_FAILURES[0] :])
     for base in (a, b):  # the agent behind the same address is served by either
-        mine = _get(base, "/v1/status", _from("198.51.100.1", **_bearer(gateways["tokens"][OTHER])))
+        mine = _get(base, "/v1/status", _from("198.51.100.1", **bearer(gateways["tokens"][OTHER])))
         assert mine[0] == 200 and mine[1]["session"] == OTHER
 
 
@@ -161,23 +126,23 @@ def test_an_addresses_bad_tokens_are_capped_across_both_gateways(gateways):
     a, b = gateways["bases"]
     most = AUTH_FAILURES_PER_ADDRESS[0]
     codes = [
-        _get((a, b)[n % 2], "/v1/status", _from("198.51.100.2", **_bearer(_stale())))[0]
+        _get((a, b)[n % 2], "/v1/status", _from("198.51.100.2", **bearer(stale_token())))[0]
         for n in range(most)
     ]
     assert set(codes) == {401}, codes
     for base in (a, b):
-        code, body, retry = _get(base, "/v1/status", _from("198.51.100.2", **_bearer(_stale())))
+        code, body, retry = _get(base, "/v1/status", _from("198.51.100.2", **bearer(stale_token())))
         assert code == 429 and body["detail"] == "too many bad tokens from this address; wait"
         assert 1 <= int(retry) <= 60
-        assert _get(base, "/v1/status", _from("198.51.100.3", **_bearer(_stale())))[0] == 401
-        valid = _bearer(gateways["tokens"][OTHER])
+        assert _get(base, "/v1/status", _from("198.51.100.3", **bearer(stale_token())))[0] == 401
+        valid = bearer(gateways["tokens"][OTHER])
         assert _get(base, "/v1/status", _from("198.51.100.2", **valid))[0] == 200
 
 
 def test_long_polls_past_the_grants_cap_across_both_gateways_answer_at_once(gateways):
     a, b = gateways["bases"]
     path = f"/v1/sweeps/{gateways['run_id']}?wait={WAIT_S}"
-    mine = _from("198.51.100.4", **_bearer(gateways["tokens"][SESSION]))
+    mine = _from("198.51.100.4", **bearer(gateways["tokens"][SESSION]))
     redis = gateways["redis"]
     import redis as redis_py
 
@@ -208,7 +173,7 @@ def test_long_polls_past_the_grants_cap_across_both_gateways_answer_at_once(gate
 def test_a_grants_calls_are_counted_across_both_gateways(gateways):
     a, b = gateways["bases"]
     token = gateways["ledger"].grants.grant_agent("acme/agents/agent-3")
-    theirs = _from("198.51.100.5", **_bearer(token))
+    theirs = _from("198.51.100.5", **bearer(token))
     codes = [_get((a, b)[n % 2], "/v1/status", theirs)[0] for n in range(CALLS[0])]
     assert set(codes) == {200}, codes
     for base in (a, b):
@@ -233,7 +198,7 @@ def test_a_sweep_is_waited_on_through_one_gateway_and_cancelled_through_the_othe
         },
     )
     path = f"/v1/sweeps/{run['id']}"
-    mine = _from("198.51.100.6", **_bearer(token))
+    mine = _from("198.51.100.6", **bearer(token))
     answered: dict[str, Any] = {}
 
     def long_poll() -> None:
@@ -291,7 +256,7 @@ def test_a_sessions_sweeps_past_its_limit_are_refused_across_both_gateways(gatew
         "command": ["true"],
         "grid": {"lr": [1]},
     }
-    headers = _from("198.51.100.7", **_bearer(token), **{"Content-Type": "application/json"})
+    headers = _from("198.51.100.7", **bearer(token), **{"Content-Type": "application/json"})
     go = threading.Barrier(6)
     codes: list[int] = []
 

@@ -15,7 +15,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -34,19 +33,12 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from tests.support.gateway import GatewayStack, bearer, stale_token
+from tests.support.prefect_server import free_port
 
 SESSION, OTHER = "acme/agents/agent-1", "acme/agents/agent-2"
 DOWN_API = "http://127.0.0.1:9/api"
 PASSWORD = "s3cret-" + secrets.token_hex(4)
-
-
-def _stale() -> str:
-    """A token the ledger never granted, shaped like one that it did."""
-    return "gpub_" + secrets.token_urlsafe(32)
-
-
-def _bearer(token: str, **headers: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}", **headers}
 
 
 @pytest.fixture
@@ -79,23 +71,23 @@ def _gateway(ledger: Ledger, *peers: str, trusted: str | None = "") -> Iterator[
 
 def test_a_bad_token_storm_locks_out_its_client_not_the_other_agents_behind_its_address(ledger):
     token = ledger.grants.grant_agent(SESSION)
-    stale = _stale()
+    stale = stale_token()
     with _gateway(ledger, "192.0.2.10") as (nat,):
-        codes = [nat.get("/v1/status", headers=_bearer(stale)).status_code for _ in range(15)]
+        codes = [nat.get("/v1/status", headers=bearer(stale)).status_code for _ in range(15)]
         assert codes == [401] * 10 + [429] * 5, codes
-        refused = nat.get("/v1/status", headers=_bearer(stale))
+        refused = nat.get("/v1/status", headers=bearer(stale))
         assert refused.status_code == 429 and 1 <= int(refused.headers["Retry-After"]) <= 60
         assert "like this one" in refused.json()["detail"]
-        mine = nat.get("/v1/status", headers=_bearer(token))  # the same address, another agent
+        mine = nat.get("/v1/status", headers=bearer(token))  # the same address, another agent
         assert mine.status_code == 200 and mine.json()["session"] == SESSION, mine.text
         # fifteen different bad tokens (below the address's cap) lock out nobody either
-        distinct = [nat.get("/v1/status", headers=_bearer(_stale())) for _ in range(15)]
+        distinct = [nat.get("/v1/status", headers=bearer(stale_token())) for _ in range(15)]
         assert {r.status_code for r in distinct} == {401}
         assert {r.headers["WWW-Authenticate"] for r in distinct} == {"Bearer"}
-        assert nat.get("/v1/status", headers=_bearer(token)).status_code == 200
+        assert nat.get("/v1/status", headers=bearer(token)).status_code == 200
         # no token at all counts as its own client: locked out alone
         assert [nat.get("/v1/status").status_code for _ in range(11)][-1] == 429
-        assert nat.get("/v1/status", headers=_bearer(token)).status_code == 200
+        assert nat.get("/v1/status", headers=bearer(token)).status_code == 200
 
 
 def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger, monkeypatch):
@@ -107,17 +99,17 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger, 
     token, other = ledger.grants.grant_agent(SESSION), ledger.grants.grant_agent(OTHER)
     most = AUTH_FAILURES_PER_ADDRESS[0]
     with _gateway(ledger, "192.0.2.20", "192.0.2.21") as (enumerator, neighbour):
-        codes = {enumerator.get("/v1/status", headers=_bearer(_stale())).status_code}
+        codes = {enumerator.get("/v1/status", headers=bearer(stale_token())).status_code}
         for _ in range(most - 1):
-            codes.add(enumerator.get("/v1/status", headers=_bearer(_stale())).status_code)
+            codes.add(enumerator.get("/v1/status", headers=bearer(stale_token())).status_code)
         assert codes == {401}
-        refused = enumerator.get("/v1/status", headers=_bearer(_stale()))
+        refused = enumerator.get("/v1/status", headers=bearer(stale_token()))
         assert refused.status_code == 429, refused.text
         assert refused.json()["detail"] == "too many bad tokens from this address; wait"
         assert 1 <= int(refused.headers["Retry-After"]) <= 60
-        served = enumerator.get("/v1/status", headers=_bearer(token))  # same address
+        served = enumerator.get("/v1/status", headers=bearer(token))  # same address
         assert served.status_code == 200, served.text
-        assert neighbour.get("/v1/status", headers=_bearer(other)).status_code == 200
+        assert neighbour.get("/v1/status", headers=bearer(other)).status_code == 200
         # and the storm stays cheap: past the cap, at most 20 tokens a second are looked up
         looked_up, lookup = [], Grants.agent_grant  # the gateway opens a ledger of its own
         monkeypatch.setattr(
@@ -125,7 +117,8 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger, 
         )
         began = time.monotonic()
         storm = {
-            enumerator.get("/v1/status", headers=_bearer(_stale())).status_code for _ in range(100)
+            enumerator.get("/v1/status", headers=bearer(stale_token())).status_code
+            for _ in range(100)
         }
         seconds = time.monotonic() - began
         assert storm == {429}
@@ -134,7 +127,7 @@ def test_past_the_address_cap_bad_tokens_wait_and_valid_ones_still_pass(ledger, 
             seconds,
         )
         time.sleep(LOOKUPS_PAST_THE_CAP[1] * 1.1)  # between storms, a valid token gets through
-        assert enumerator.get("/v1/status", headers=_bearer(token)).status_code == 200
+        assert enumerator.get("/v1/status", headers=bearer(token)).status_code == 200
 
 
 def test_ipv6_clients_are_capped_per_64_and_mapped_ipv4_as_ipv4():
@@ -165,25 +158,25 @@ def test_the_window_sweeps_keys_seen_once_and_says_when_it_has_room():
 
 
 def test_x_forwarded_for_from_an_untrusted_peer_is_ignored(ledger):
-    token, stale = ledger.grants.grant_agent(SESSION), _stale()
+    token, stale = ledger.grants.grant_agent(SESSION), stale_token()
     with _gateway(ledger, "192.0.2.30") as (client,):
         for n in range(10):  # each claims another origin: the peer is what counts
-            spoofed = _bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
+            spoofed = bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
             assert client.get("/v1/status", headers=spoofed).status_code == 401
-        fresh = _bearer(stale, **{"X-Forwarded-For": "198.51.100.99"})
+        fresh = bearer(stale, **{"X-Forwarded-For": "198.51.100.99"})
         assert client.get("/v1/status", headers=fresh).status_code == 429
-        assert client.get("/v1/status", headers=_bearer(token)).status_code == 200
+        assert client.get("/v1/status", headers=bearer(token)).status_code == 200
 
 
 def test_x_forwarded_for_from_a_trusted_proxy_is_honoured(ledger):
-    stale = _stale()
+    stale = stale_token()
     with _gateway(ledger, "10.9.0.1", "192.0.2.40", trusted="10.9.0.0/16, 10.8.0.7") as (
         proxy,
         direct,
     ):
 
         def via(chain: str) -> int:
-            headers = _bearer(stale, **{"X-Forwarded-For": chain})
+            headers = bearer(stale, **{"X-Forwarded-For": chain})
             return proxy.get("/v1/status", headers=headers).status_code
 
         assert [via("203.0.113.7") for _ in range(10)] == [401] * 10
@@ -192,12 +185,12 @@ def test_x_forwarded_for_from_a_trusted_proxy_is_honoured(ledger):
         assert via("203.0.113.8, 203.0.113.7") == 429  # a hop the client wrote is not believed
         assert via("203.0.113.7, 10.8.0.7") == 429  # through two trusted proxies: the client
         mcp = proxy.post(  # the MCP door sees the same client
-            "/mcp", json={}, headers=_bearer(stale, **{"X-Forwarded-For": "203.0.113.7"})
+            "/mcp", json={}, headers=bearer(stale, **{"X-Forwarded-For": "203.0.113.7"})
         )
         assert mcp.status_code == 429 and "Retry-After" in mcp.headers, mcp.text
         # a peer outside the trusted networks is its own client, whatever it claims
         for _ in range(10):
-            spoofed = _bearer(stale, **{"X-Forwarded-For": "203.0.113.99"})
+            spoofed = bearer(stale, **{"X-Forwarded-For": "203.0.113.99"})
             assert direct.get("/v1/status", headers=spoofed).status_code == 401
         assert via("203.0.113.99") == 401
 
@@ -435,7 +428,7 @@ def test_serving_agents_over_a_ledger_that_trusts_everyone_says_so_in_one_line(
     `serve` start, with one line that says so and how to close it; a URL's password is never
     shown; a database that asks for a password (or cannot be reached) gets no line."""
     from tests.conftest import PG_URL
-    from tests.postgres import fresh_database
+    from tests.support.postgres import fresh_database
 
     with fresh_database(PG_URL) as plain:
         url = plain.replace("//postgres@", "//postgres:pw-planted-here@")
@@ -463,7 +456,7 @@ def test_serving_agents_over_a_ledger_that_trusts_everyone_says_so_in_one_line(
             served.stderr.close()
         assert first.startswith("WARNING: the ledger's database"), first
         assert "pw-planted-here" not in first and "postgres@127.0.0.1" in first, first
-    closed = plain.rsplit("@", 1)[0] + f"@127.0.0.1:{_free_port()}/nothing"
+    closed = plain.rsplit("@", 1)[0] + f"@127.0.0.1:{free_port()}/nothing"
     run = _cli(env, tmp_path, "agents", "serve", "--ledger-url", closed)
     assert "WARNING" not in run.stderr, run.stderr
 
@@ -476,7 +469,7 @@ def _scram_over_tcp():
     import sqlalchemy as sa
 
     from prefect_gpu_budget.admission.ledger.passwordless import passwordless_login
-    from tests.postgres import private_cluster
+    from tests.support.postgres import private_cluster
 
     with private_cluster() as cluster:
         with sa.create_engine(
@@ -569,12 +562,6 @@ def test_the_startup_check_passes_private_state_and_knows_closed_folders(
 # -- the real thing: `agents serve` on loopback -----------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(base: str, path: str, headers: dict[str, str]) -> int:
     request = urllib.request.Request(base + path, headers=headers)
     try:
@@ -587,38 +574,18 @@ def _get(base: str, path: str, headers: dict[str, str]) -> int:
 def test_agents_serve_honours_its_ledger_url_and_uvicorn_believes_no_forwarded_header(
     tmp_path, private_home, ledger
 ):
-    token, stale = ledger.grants.grant_agent(SESSION), _stale()
-    port, base = _free_port(), ""
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect_gpu_budget.cli", "agents", "serve", "--port", str(port)]
-        + ["--ledger-url", ledger.url],
-        env=_env(private_home),
-        cwd=tmp_path,
-        stdout=(tmp_path / "gateway.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    token, stale = ledger.grants.grant_agent(SESSION), stale_token()
+    gateway = GatewayStack(
+        _env(private_home), tmp_path, serve=False, args=["--ledger-url", ledger.url]
     )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if _get(base, "/openapi.json", {}) == 200:
-                    break
-            except OSError:
-                pass
-            assert server.poll() is None, (tmp_path / "gateway.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()
-            time.sleep(0.25)
-        assert _get(base, "/v1/status", _bearer(token)) == 200  # this ledger's token
+    with gateway as stack:
+        base = stack.base
+        assert _get(base, "/v1/status", bearer(token)) == 200  # this ledger's token
         for n in range(10):  # uvicorn would have believed these from 127.0.0.1
-            spoofed = _bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
+            spoofed = bearer(stale, **{"X-Forwarded-For": f"198.51.100.{n}"})
             assert _get(base, "/v1/status", spoofed) == 401
-        assert _get(base, "/v1/status", _bearer(stale, **{"X-Forwarded-For": "1.2.3.4"})) == 429
-        assert _get(base, "/v1/status", _bearer(token)) == 200
-    finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
+        assert _get(base, "/v1/status", bearer(stale, **{"X-Forwarded-For": "1.2.3.4"})) == 429
+        assert _get(base, "/v1/status", bearer(token)) == 200
     mode = stat.S_IMODE(private_home.stat().st_mode)
     assert mode == 0o700  # the check changes nothing
 

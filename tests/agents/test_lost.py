@@ -17,7 +17,7 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.callers import Caller
 from prefect_gpu_budget.agents.door import Door
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 SESSION = "acme/agents/agent-1"
 PARAMS = [{"lr": lr} for lr in (0.1, 0.2, 0.3, 0.4, 0.5)]

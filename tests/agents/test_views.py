@@ -22,7 +22,7 @@ from prefect_gpu_budget.admission.stopping import stop_job
 from prefect_gpu_budget.agents.callers import Caller
 from prefect_gpu_budget.agents.door import Door
 from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 SESSION = "acme/agents/agent-1"
 CALLER = Caller(SESSION, "g")

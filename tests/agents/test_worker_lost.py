@@ -27,11 +27,10 @@ import pytest
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.reconcile import reconcile
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from tests.agents.test_gateway import Gateway
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, free_port, stop_groups, wait_for
-from tests.prefect_server import http as prefect_http
+from tests.support.gateway import GatewayStack
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="agent jobs switch to user nobody")
 
@@ -82,7 +81,6 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             )
         )
         server = PrefectServer(tmp / "home").start()
-        port = free_port()
         env = server.client_env(
             PREFECT_GPU_BUDGET_LEDGER_URL=url,
             PREFECT_GPU_BUDGET_PRICES=str(prices),
@@ -90,46 +88,22 @@ def house(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             PREFECT_GPU_BUDGET_LOCAL_MACHINE="local:box",
             PREFECT_GPU_BUDGET_AGENT_RESULTS=str(tmp / "agent-results"),
         )
-        procs: list[subprocess.Popen] = []
         try:
-            for name, args in (
-                ("serve", ["serve"]),
-                ("gateway", ["agents", "serve", "--port", str(port)]),
-            ):
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, "-m", "prefect_gpu_budget.cli", *args],
-                        env=env,
-                        cwd=tmp,
-                        stdout=(tmp / f"{name}.log").open("w"),
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+            with GatewayStack(env, tmp) as stack:
+                granted = subprocess.run(
+                    [sys.executable, "-m", "prefect_gpu_budget.cli", "agent", "grant", SESSION],
+                    env=env,
+                    capture_output=True,
+                    text=True,
                 )
-            wait_for(  # served: the gateway starts no sweep before its worker has polled
-                lambda: prefect_http(f"{server.api}/deployments/name/agent-sweep/agents")[
-                    "last_polled"
-                ],
-                180,
-                "the agent deployment, polled by its worker",
-            )
-            gateway = Gateway(f"http://127.0.0.1:{port}")
-            wait_for(lambda: gateway.call("GET", "/openapi.json")[0] == 200, 120, "the gateway")
-            granted = subprocess.run(
-                [sys.executable, "-m", "prefect_gpu_budget.cli", "agent", "grant", SESSION],
-                env=env,
-                capture_output=True,
-                text=True,
-            )
-            assert granted.returncode == 0, granted.stderr
-            yield {
-                "ledger": ledger,
-                "gateway": gateway,
-                "token": granted.stdout.strip(),
-                "server": server,
-            }
+                assert granted.returncode == 0, granted.stderr
+                yield {
+                    "ledger": ledger,
+                    "gateway": stack.client(),
+                    "token": granted.stdout.strip(),
+                    "server": server,
+                }
         finally:
-            stop_groups(procs, grace=30)
             server.stop()
             ledger.db.dispose()
 

@@ -216,7 +216,7 @@ VERTEX_JOB = {"launcher": "vertex:lab", "instance_type": "gcp:a2-highgpu-1g"}
 def settled_job(ledger: Any, scope: str, start: float, hours: float, **job: Any) -> dict:
     """A job of `scope` (a SageMaker one unless told) that ran `hours` from `start` at $3.60
     an hour for at most 4 hours, settled as its launcher would settle it."""
-    from tests.jobs import new_job
+    from tests.support.jobs import new_job
 
     job = {**SAGEMAKER_JOB, "max_runtime_s": 4 * HOUR, **job}
     external_id = job.pop("external_id", None)

@@ -16,8 +16,8 @@ import pytest
 
 from prefect_gpu_budget.billing.aws_cur2 import read_cur2_s3
 from prefect_gpu_budget.billing.lines import BillError
-from tests.aws_server import AwsServer
 from tests.billing.fixtures import AWS_JOB, csv_text, cur_rows, write_parquet
+from tests.support.aws_server import AwsServer
 
 EXPORT = "lab-cur2"
 PREFIX = "billing/exports"

@@ -25,7 +25,7 @@ from tests.billing.fixtures import (
     write_gcp_jsonl,
     write_gcp_parquet,
 )
-from tests.without_extra import run_without
+from tests.support.without_extra import run_without
 
 TABLE = "lab-billing.billing_export.gcp_billing_export_resource_v1_0A1B2C_3D4E5F_6A7B8C"
 

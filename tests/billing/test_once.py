@@ -18,7 +18,7 @@ from prefect_gpu_budget.billing.imports import import_lines
 from prefect_gpu_budget.billing.lines import BillError
 from prefect_gpu_budget.billing.results import summary
 from tests.billing import fixtures
-from tests.jobs import ran_job
+from tests.support.jobs import ran_job
 
 NOV = periods.bounds("month", "UTC", 1793750400.0)[0]  # 2026-11-01T00:00Z
 SCOPES = ("lab", "lab/vision", "lab/vision/s1")

@@ -15,10 +15,10 @@ from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.imports import import_export
 from prefect_gpu_budget.blocks import BillingExport
-from tests.aws_server import AwsServer
 from tests.billing import fixtures
 from tests.billing.test_cur2_s3 import EXPORT, PREFIX, _deliver
-from tests.jobs import ran_job
+from tests.support.aws_server import AwsServer
+from tests.support.jobs import ran_job
 
 NOV = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
+from tests.support.postgres import fresh_database
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

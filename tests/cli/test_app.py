@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import PG_URL
-from tests.postgres import require_postgres
+from tests.support.postgres import require_postgres
 
 HEAVY = ("prefect", "pandas", "matplotlib", "boto3", "google.cloud.aiplatform", "prefect_aws")
 

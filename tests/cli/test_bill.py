@@ -18,7 +18,7 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.billing import fixtures
-from tests.jobs import ran_job
+from tests.support.jobs import ran_job
 
 NOV = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
 SAGEMAKER = {"launcher": "sagemaker:lab", "instance_type": "sagemaker:ml.p4d.24xlarge"}

@@ -10,7 +10,7 @@ import time
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from tests.cli.support import cli_run
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def test_cancel_ends_a_queued_job_and_stops_a_running_one_as_scancel(tmp_path):
@@ -46,7 +46,7 @@ def test_cancel_ends_a_queued_job_and_stops_a_running_one_as_scancel(tmp_path):
 
 def test_the_ledger_names_why_a_job_that_never_ran_ended(tmp_path, monkeypatch, capsys):
     from prefect_gpu_budget.cli import main
-    from tests.jobs import new_job
+    from tests.support.jobs import new_job
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)

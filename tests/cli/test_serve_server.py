@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.prefect_server import free_port, wait_for
+from tests.support.prefect_server import free_port, wait_for
 
 START_S = 240.0
 """A first start migrates a new Prefect database: minutes on a loaded two-core machine."""

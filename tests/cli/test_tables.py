@@ -13,7 +13,7 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.cli.tables import TEXT_LEAST, Col, layout
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 SCOPES = ("acme", "acme/vision", "acme/vision/agent-7")
 

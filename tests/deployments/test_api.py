@@ -16,10 +16,10 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from tests.prefect_server import free_port as _free_port
-from tests.prefect_server import http as _http
-from tests.prefect_server import stop_groups
-from tests.prefect_server import wait_for as _wait_for
+from tests.support.prefect_server import free_port as _free_port
+from tests.support.prefect_server import http as _http
+from tests.support.prefect_server import stop_groups
+from tests.support.prefect_server import wait_for as _wait_for
 
 SESSION = "acme/agents/agent-7"
 SPEC = """

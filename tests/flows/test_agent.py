@@ -12,7 +12,7 @@ from prefect_gpu_budget.admission.ledger import agent_grants
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.limits import agent_spec, limits_for, stop_own_job
 from prefect_gpu_budget.units import BudgetInputError
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 SESSION = "acme/vision/agent-7"
 SPEC = {

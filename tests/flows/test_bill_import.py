@@ -17,8 +17,8 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.blocks import BillingExport, SpendLedger
 from prefect_gpu_budget.flows.bill_import import OVER_BY_BILL_EVENT, bill_import
 from tests.billing import fixtures
-from tests.jobs import ran_job
-from tests.prefect_server import wait_for
+from tests.support.jobs import ran_job
+from tests.support.prefect_server import wait_for
 
 NOV = datetime(2026, 11, 1, tzinfo=timezone.utc).timestamp()
 

@@ -16,7 +16,7 @@ from prefect_gpu_budget.flows.spend_report import STATUS_NAMES, spend_report
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import BudgetInputError, rate_cents
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def _queued_job(ledger, scope: str, rate_micro: int) -> str:
@@ -159,7 +159,7 @@ def test_spend_report_sets_the_bill_beside_the_settlements(
 ):
     from prefect_gpu_budget.billing.lines import BillLine
     from prefect_gpu_budget.billing.trueup import month_of
-    from tests.jobs import ran_job
+    from tests.support.jobs import ran_job
 
     ledger.config.set_budget(BudgetRule("bil", period_budget_micro=100 * 10**6, period="month"))
     start = time.time() - 5 * 86400

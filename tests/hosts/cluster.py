@@ -27,7 +27,7 @@ hosts apart skip with that reason.
 
 Everything started is stopped (process groups, SIGTERM then SIGKILL) and the namespaces and the
 bridge are deleted when the block ends, however it ends. Names carry the run's owner
-(tests/runs.py), so a run killed outright leaves them to the next one, which removes them.
+(tests/support/runs.py), so a run killed outright leaves them to the next one, which removes them.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from tests import runs
+from tests.support import runs
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBNET = "10.237"

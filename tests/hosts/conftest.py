@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.hosts.cluster import Cluster, cluster
-from tests.postgres import SERVER, fresh_database
+from tests.support.postgres import SERVER, fresh_database
 
 HOSTS = 3
 

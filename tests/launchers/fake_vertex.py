@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from tests.gcp_server import ApiError, JsonServer
+from tests.support.gcp_server import ApiError, JsonServer
 
 STATES = {
     "JOB_STATE_QUEUED": 1,

@@ -42,8 +42,8 @@ from prefect_gpu_budget.launchers.followed_flow_run import END_NOT_OBSERVED, PRO
 from prefect_gpu_budget.settings import JOB_ID_ENV, METRICS_ENV
 from prefect_gpu_budget.worker_types import PROCESS_TYPE
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, stop_groups, wait_for
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, stop_groups, wait_for
 
 POOL = "gpu-process"
 IDLE_POOL = "gpu-idle"  # no worker polls it: its flow runs never start

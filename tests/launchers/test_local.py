@@ -227,7 +227,7 @@ def test_the_whole_tree_dies_with_the_process_that_launched_it(prices):
 
 @pytest.fixture
 def pg_url() -> str:
-    """This run's PostgreSQL ledger database, its tables dropped (see tests/postgres.py)."""
+    """This run's PostgreSQL ledger database, its tables dropped (see tests/support/postgres.py)."""
     return _fresh_pg()
 
 

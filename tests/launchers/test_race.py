@@ -9,7 +9,7 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from tests.aws_server import AwsServer
+from tests.support.aws_server import AwsServer
 
 CAP_CENTS = 300  # ml.g5.xlarge is 141 cents an hour: two at once
 PROCESSES, JOBS = 6, 2

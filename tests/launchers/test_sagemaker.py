@@ -1,5 +1,5 @@
 """The SageMaker launcher against moto in server mode (with the training-job life moto lacks, from
-tests/aws_server.py), through a real gate on a SQLite ledger."""
+tests/support/aws_server.py), through a real gate on a SQLite ledger."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
 from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, read_price_file
 from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import usd_to_micro
-from tests.aws_server import AwsServer
+from tests.support.aws_server import AwsServer
 
 ROLE = "arn:aws:iam::123456789012:role/SageMakerTraining"
 IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1.4"

@@ -32,9 +32,9 @@ from prefect_gpu_budget.launchers.vertex import LAUNCH_LABEL, VertexLauncher
 from prefect_gpu_budget.pricing.catalog import Catalog, PriceRow, Quote
 from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import cost_micro
-from tests.gcp_server import service_account_info, serving
 from tests.launchers.fake_vertex import ACCELERATORS, STRATEGIES, FakeVertex, Script, enum_name
-from tests.without_extra import VERTEX_MODULES, run_without
+from tests.support.gcp_server import service_account_info, serving
+from tests.support.without_extra import VERTEX_MODULES, run_without
 
 SCOPE = "acme/vision/agent-1"
 IMAGE = "us-docker.pkg.dev/demo-project/train/trainer:1"

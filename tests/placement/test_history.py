@@ -17,8 +17,8 @@ from prefect_gpu_budget.placement import history
 from prefect_gpu_budget.placement.choice import History
 from prefect_gpu_budget.placement.history import offering_histories
 from tests.conftest import PG_URL
-from tests.jobs import new_job
-from tests.postgres import fresh_database
+from tests.support.jobs import new_job
+from tests.support.postgres import fresh_database
 
 H100_8 = "gcp:a3-highgpu-8g"
 T0 = 1_700_000_000.0

@@ -16,7 +16,7 @@ from prefect_gpu_budget.placement.offerings import Route
 from prefect_gpu_budget.placement.placing import place_job
 from prefect_gpu_budget.pricing.catalog import Catalog, local_row
 from prefect_gpu_budget.units import BudgetInputError
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 NODE = (8, 192, 2048)
 VERTEX = Route("vertex-prod", "gcp", ("us-central1",), ("on-demand", "spot", "flex-start"))

@@ -79,7 +79,7 @@ def _vertex(region: str):
     from prefect_gcp import GcpCredentials
 
     from prefect_gpu_budget.launchers.vertex import VertexLauncher
-    from tests.gcp_server import service_account_info
+    from tests.support.gcp_server import service_account_info
 
     credentials = GcpCredentials(service_account_info=service_account_info()[0])
     return VertexLauncher(gcp_credentials=credentials, region=region)

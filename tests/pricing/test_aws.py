@@ -1,5 +1,5 @@
 """`refresh_aws` against a loopback AWS: moto's EC2 (spot history seeded) and the Price List
-stand-in of tests/aws_server.py, through the real boto3 clients."""
+stand-in of tests/support/aws_server.py, through the real boto3 clients."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from prefect_gpu_budget.pricing.aws import refresh_aws
 from prefect_gpu_budget.pricing.catalog import SHIPPED, Catalog, read_price_file
 from prefect_gpu_budget.units import BudgetInputError, usd_to_micro
-from tests.aws_server import AwsServer, ec2_product, sagemaker_product
+from tests.support.aws_server import AwsServer, ec2_product, sagemaker_product
 
 NOW = datetime.now(timezone.utc)
 

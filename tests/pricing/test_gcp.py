@@ -22,8 +22,8 @@ from prefect_gpu_budget.pricing.catalog import PROVISIONINGS, Catalog
 from prefect_gpu_budget.pricing.gcp import PriceRefreshError, refresh_gcp
 from prefect_gpu_budget.pricing.refresh import write_refresh
 from prefect_gpu_budget.units import BudgetInputError, usd_to_micro
-from tests.gcp_server import FakeBillingCatalog, service_account_info, serving, sku
-from tests.without_extra import VERTEX_MODULES, run_without
+from tests.support.gcp_server import FakeBillingCatalog, service_account_info, serving, sku
+from tests.support.without_extra import VERTEX_MODULES, run_without
 
 # (description, USD per unit, usage type, unit, regions)
 US = ("us-central1", "us-east1", "us-west1")

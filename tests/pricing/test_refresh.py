@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from prefect_gpu_budget.admission.prices import default_catalog
 from prefect_gpu_budget.cli import app
 from prefect_gpu_budget.pricing.catalog import Catalog
-from tests.aws_server import AwsServer, ec2_product
+from tests.support.aws_server import AwsServer, ec2_product
 
 
 def test_refresh_writes_a_dated_catalog_and_says_what_changed(prefect_api, tmp_path, monkeypatch):

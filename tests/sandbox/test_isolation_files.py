@@ -115,7 +115,7 @@ def _serve_unix(path: Path) -> socket.socket:
 def trusting_postgres() -> Iterator[Path]:
     """A PostgreSQL of this test's own that trusts every local user, its socket (0777) in a
     folder of the host outside /run and /tmp that any user may pass: the path to its socket."""
-    from tests.postgres import private_cluster
+    from tests.support.postgres import private_cluster
 
     with private_cluster(parent="/var/lib") as cluster:
         os.chmod(cluster.folder, 0o755)

@@ -35,7 +35,7 @@ from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.sandbox.launcher import DEFAULT_LIMITS, Sandbox
 from prefect_gpu_budget.sandbox.users import session_user_name
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
+from tests.support.postgres import fresh_database
 
 PREFIX = "gpubt-"
 UIDS = "61900-61999"

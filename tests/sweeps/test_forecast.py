@@ -153,7 +153,7 @@ def test_forecast_command(tmp_path, prices):
 def test_forecast_counts_the_trials_max_wait_will_time_out(prefect_api, prices, tmp_path):
     """A job elsewhere holds the team's whole cap for an hour: every trial waits its max_wait
     out, in the forecast as in the run."""
-    from tests.jobs import new_job
+    from tests.support.jobs import new_job
 
     url = f"sqlite:///{tmp_path / 'ledger.db'}"
     ledger = Ledger(url)
@@ -174,7 +174,7 @@ def test_forecast_counts_the_trials_max_wait_will_time_out(prefect_api, prices, 
 
 
 def test_forecast_counts_rejections(prices, tmp_path):
-    from tests.jobs import new_job
+    from tests.support.jobs import new_job
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     GpuBudget(scope="fc", hourly_cap_usd="7.2", on_limit="reject").apply(ledger)
@@ -244,7 +244,7 @@ def test_the_likely_outcome_and_the_bound_are_two_runs_told_apart(prices, tmp_pa
 def test_a_sweep_that_never_runs_a_trial_says_when_it_is_over(prices, tmp_path):
     """Every trial times out: no makespan to give, and the sweep is over when the last of them
     has waited its max wait; on a launcher other than the local one no start is known."""
-    from tests.jobs import new_job
+    from tests.support.jobs import new_job
 
     ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
     GpuBudget(scope="fc", hourly_cap_usd="3.6", period_budget_usd=100).apply(ledger)
@@ -287,7 +287,7 @@ def test_forecast_waits_for_the_teams_quota_in_a_capacity_pool(prices, tmp_path)
 
 def _finished(ledger: Ledger, scope: str, name: str, seconds: float, outcome: str) -> None:
     """A trial that ran `seconds` and ended `outcome`, in the ledger as its sweep leaves it."""
-    from tests.jobs import new_job
+    from tests.support.jobs import new_job
 
     now = time.time()
     job_id, decision = ledger.queue.request(new_job(scope, name=name), now=now - seconds - 1)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
-from tests.prefect_server import wait_for
+from tests.support.prefect_server import wait_for
 
 GRACE_S = 2.0
 

@@ -9,7 +9,7 @@ from prefect import flow
 
 from prefect_gpu_budget import GpuBudget, GpuJob, SpendLedger, run_gpu_job
 from prefect_gpu_budget.admission.ledger import Ledger
-from tests.jobs import held_job, until_in
+from tests.support.jobs import held_job, until_in
 
 
 def _job(seconds: float, **kw) -> GpuJob:
@@ -218,7 +218,7 @@ def test_parallel_jobs_in_a_new_scope_raise_no_server_tracebacks(tmp_path, price
     """Eight task threads start at once in a scope whose Prefect limits do not exist yet: the
     limits are created once, and the server logs no error (it logged a long traceback ending in
     `UNIQUE constraint failed: concurrency_limit_v2.name` for each racing create)."""
-    from tests.prefect_server import PrefectServer
+    from tests.support.prefect_server import PrefectServer
 
     server = PrefectServer(tmp_path / "home").start()
     try:
@@ -303,7 +303,7 @@ def test_a_ledger_that_cannot_be_opened_yet_is_an_outage_the_job_waits_out(prefe
         server_of,
     )
     from tests.conftest import PG_URL
-    from tests.postgres import RUN, require_postgres
+    from tests.support.postgres import RUN, require_postgres
 
     require_postgres(PG_URL)
     run = uuid.uuid4().hex[:8]  # named for this run: an interrupted one's are reaped later

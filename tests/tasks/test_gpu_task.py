@@ -23,8 +23,8 @@ from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportion
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from prefect_gpu_budget.sweeps import flow as sweep
 from prefect_gpu_budget.units import BudgetInputError
-from tests.jobs import new_job
-from tests.prefect_server import wait_for
+from tests.support.jobs import new_job
+from tests.support.prefect_server import wait_for
 
 MACHINE = "local:h100x8"
 

@@ -19,7 +19,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
-from tests.jobs import held_job
+from tests.support.jobs import held_job
 
 TRAINER = """
 import os, signal, sys, time

@@ -18,7 +18,7 @@ def test_a_worker_whose_ledger_is_not_there_yet_waits_for_it(prefect_api, monkey
     """Here the worker's PostgreSQL ledger database appears two seconds after it first asks."""
     from prefect_gpu_budget.testing.postgres import drop_database, ensure_database, server_of
     from tests.conftest import PG_URL
-    from tests.postgres import RUN, require_postgres
+    from tests.support.postgres import RUN, require_postgres
 
     require_postgres(PG_URL)  # named for this run: an interrupted one's is reaped later
     url = f"{server_of(PG_URL)}/gpu_budget_worker_{RUN}_{uuid.uuid4().hex[:8]}"

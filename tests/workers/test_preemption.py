@@ -27,9 +27,9 @@ from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportion
 from prefect_gpu_budget.launchers.local import marked_processes
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from tests.conftest import PG_URL
-from tests.jobs import new_job
-from tests.postgres import fresh_database
-from tests.prefect_server import stop_groups, wait_for
+from tests.support.jobs import new_job
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import stop_groups, wait_for
 
 HERE = Path(__file__).parent
 POOL = "gpu-teams"

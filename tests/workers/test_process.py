@@ -35,8 +35,8 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.launchers.local import JOB_MARK_ENV, marked_processes
 from prefect_gpu_budget.pricing.catalog import set_local_price
 from tests.conftest import PG_URL
-from tests.postgres import fresh_database
-from tests.prefect_server import PrefectServer, stop_groups, wait_for
+from tests.support.postgres import fresh_database
+from tests.support.prefect_server import PrefectServer, stop_groups, wait_for
 
 HERE = Path(__file__).parent
 POOL = "gpu"

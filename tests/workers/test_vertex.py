@@ -27,10 +27,10 @@ from prefect_gcp import GcpCredentials
 from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.pricing.catalog import Catalog
-from tests.gcp_server import service_account_info, serving
 from tests.launchers.fake_vertex import STRATEGIES, FakeVertex, Script, enum_name
-from tests.prefect_server import stop_groups, wait_for
-from tests.without_extra import VERTEX_MODULES, run_without
+from tests.support.gcp_server import service_account_info, serving
+from tests.support.prefect_server import stop_groups, wait_for
+from tests.support.without_extra import VERTEX_MODULES, run_without
 
 POOL = "gpu-vertex"
 SCOPE = "lab/vertex"

@@ -17,7 +17,7 @@ from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.billing.lines import BillError, BillLine
 from prefect_gpu_budget.billing.trueup import month_of
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 HOUR = 3600.0
 

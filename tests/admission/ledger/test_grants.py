@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from prefect_gpu_budget.admission.ledger import agent_grants
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.units import BudgetInputError
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def test_a_grant_binds_one_bounded_session_and_keeps_only_its_hash(ledger):

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from prefect_gpu_budget.admission.ledger import NewJob
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def _job(scope: str) -> NewJob:

@@ -23,7 +23,7 @@ from prefect_gpu_budget.admission.rules.accounting import (
 )
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.sweeps.simulator import SimJob, simulate
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def utc(*args: int) -> float:

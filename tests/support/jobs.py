@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect_gpu_budget.admission.ledger import Ledger, NewJob
 from prefect_gpu_budget.job import GpuJob
-from tests.prefect_server import wait_for
+from tests.support.prefect_server import wait_for
 
 _DEFAULT = NewJob(
     scope="acme",

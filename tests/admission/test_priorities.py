@@ -16,7 +16,7 @@ from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.units import BudgetInputError
 from tests.cli.support import cli_run as _cli_run
-from tests.jobs import new_job
+from tests.support.jobs import new_job
 
 
 def _job(priority: object, **kw) -> GpuJob:

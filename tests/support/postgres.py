@@ -2,7 +2,7 @@
 
 Every database the suite uses is named here, and each belongs to one run of the suite: the
 tests share their server with other work, so they create their own databases (named
-`gpu_budget_<purpose>_<run>`, `<run>` being the run's owner (tests/runs.py) and this process's
+`gpu_budget_<purpose>_<run>`, `<run>` being the run's owner (tests/support/runs.py) and this process's
 id) and drop, at the end of the run, only those they created. `drop_databases` drops those of
 the runs it is asked for: at the end of a run its own (what an interrupted one left), at the
 start of one those of runs that ended. The names benchmarks give (`gpu_budget_cli_<pid>`,
@@ -49,7 +49,7 @@ from prefect_gpu_budget.testing.postgres import (
     postgres_database,
     server_of,
 )
-from tests.runs import OWNER
+from tests.support.runs import OWNER
 
 SERVER = os.environ.get("GPU_BUDGET_TEST_PG_SERVER", "postgresql://postgres@127.0.0.1:5432")
 RUN = f"{OWNER}_{secrets.token_hex(3)}"
@@ -187,7 +187,7 @@ def private_cluster(parent: str | None = None) -> Iterator[PrivateCluster]:
     `postgres` when run as root, else the current user), stopped and removed afterwards: for a
     test that stops and restarts its database, which the shared server must never be. Its
     folder, which holds its unix socket, is made in `parent` (default: the temp folder)."""
-    from tests.prefect_server import free_port
+    from tests.support.prefect_server import free_port
 
     owner = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
     # pytest's tmp_path is root's only

@@ -4,7 +4,7 @@ A run is its top pytest process (the controller of its xdist workers, or the onl
 named by `OWNER`: `<pid>_<start>_<place>`, its pid, its start time (clock ticks since boot) and
 `PLACE` (this boot and pid namespace: where that pid means that process). Every process the
 run starts carries `MARK=<owner>` in its environment (tests/conftest.py sets it in its own, so
-it is inherited), and every database it creates is named for it (tests/postgres.py).
+it is inherited), and every database it creates is named for it (tests/support/postgres.py).
 
 So a run can end what it started however it was stopped (tests/conftest.py does at its end),
 and a later run can tell what an earlier one that was killed left: the processes and databases

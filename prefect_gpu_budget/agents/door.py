@@ -344,6 +344,36 @@ class Door:
 
         return forecast(self._checked(caller, spec)[0], self.ledger).as_dict()
 
+    def place(
+        self,
+        caller: Caller,
+        accelerators: str,
+        nodes: int = 1,
+        hours: float = 1.0,
+        deadline_h: float | None = None,
+        max_wait_h: float | None = None,
+        resumable: bool = False,
+    ) -> dict[str, Any]:
+        """Where a job asking for `accelerators` would be placed in this session now: every
+        offering considered, the chosen one first among those that fit; nothing reserved."""
+        from prefect_gpu_budget.job import GpuJob
+        from prefect_gpu_budget.placement.placing import place_job
+
+        try:
+            job = GpuJob(
+                accelerators=accelerators,
+                nodes=nodes,
+                max_runtime=float(hours) * 3600,
+                deadline=None if deadline_h is None else float(deadline_h) * 3600,
+                max_wait=None if max_wait_h is None else float(max_wait_h) * 3600,
+                checkpoint="(resumable)" if resumable else None,
+            )
+            placed = place_job(job, caller.session, self.ledger)
+        except (BudgetInputError, ValidationError, ValueError, TypeError) as exc:
+            raise Refused(422, one_line(exc)) from None
+        chosen = placed.placement.chosen.as_dict()
+        return {"chosen": chosen, "considered": [c.as_dict() for c in placed.placement.considered]}
+
     def quote(
         self,
         instance_type: str,

@@ -259,5 +259,18 @@ def _job_tools(tool: Tool, act: Act) -> None:
         return await act(ctx, lambda door, _: door.quote(instance_type, nodes, hours, provisioning))
 
     @tool()
+    async def place(
+        accelerators: str,
+        ctx: Context,
+        nodes: int = 1,
+        hours: float = 1.0,
+        deadline_h: float | None = None,
+        max_wait_h: float | None = None,
+        resumable: bool = False,
+    ) -> dict[str, Any]:
+        asked = (accelerators, nodes, hours, deadline_h, max_wait_h, resumable)
+        return await act(ctx, lambda door, caller: door.place(caller, *asked))
+
+    @tool()
     async def get_status(ctx: Context) -> dict[str, Any]:
         return await act(ctx, lambda door, caller: door.status(caller))

@@ -127,6 +127,17 @@ OPERATIONS = (
         "`provisioning` (on-demand, spot or flex-start).",
     ),
     Operation(
+        "place",
+        "GET",
+        "/v1/placement",
+        "Where a job asking for accelerators (`H100:8`, or `{H100:8, H200:8}`) would run in "
+        "this session now: every offering of the saved launchers and pools, its price, "
+        "expected cost, wait and end, the chosen one (the cheapest that fits this session's "
+        "budgets, the max wait and the deadline) and why each other was passed over.",
+        "Nothing is reserved. 422 for an accelerator no offering has, a count no machine "
+        "holds, or a deadline none can meet (naming the closest).",
+    ),
+    Operation(
         "get_status",
         "GET",
         "/v1/status",

@@ -158,6 +158,20 @@ def quote(
     return door.quote(instance_type, nodes, hours, provisioning)
 
 
+@operation(budget, "place")
+def place(
+    door: TheDoor,
+    who: Who,
+    accelerators: str,
+    nodes: int = 1,
+    hours: float = 1.0,
+    deadline_h: float | None = None,
+    max_wait_h: float | None = None,
+    resumable: bool = False,
+) -> dict[str, Any]:
+    return door.place(who, accelerators, nodes, hours, deadline_h, max_wait_h, resumable)
+
+
 @operation(budget, "get_status")
 def status(door: TheDoor, who: Who) -> dict[str, Any]:
     return door.status(who)

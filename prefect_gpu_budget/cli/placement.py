@@ -45,7 +45,7 @@ def quote_placement(
     placed = place_job(job, scope, current_ledger())
     considered = placed.placement.considered
     if as_json:
-        print(json.dumps([_as_dict(c) for c in considered], indent=2))
+        print(json.dumps([c.as_dict() for c in considered], indent=2))
         return
     print_table(COLUMNS, [_row(c) for c in considered])
     chosen = placed.placement.chosen
@@ -67,23 +67,3 @@ def _row(c: Any) -> list[str]:
         fmt_usd(c.reservation_micro),
         "CHOSEN" if c.passed_over is None else c.passed_over,
     ]
-
-
-def _as_dict(c: Any) -> dict[str, Any]:
-    o, e = c.offering, c.expected
-    return {
-        "offering": o.describe(),
-        "instance_type": o.key,
-        "provisioning": o.provisioning,
-        "region": o.region,
-        "launcher": o.launcher,
-        "pool": o.pool,
-        "usd_per_hour_per_node": o.rate_micro_per_hour / 1e6,
-        "expected_usd": e.cost_micro / 1e6,
-        "expected_wait_s": e.wait_s,
-        "expected_end_s": e.end_s,
-        "late_end_s": e.late_end_s,
-        "reserved_usd": c.reservation_micro / 1e6,
-        "chosen": c.passed_over is None,
-        "passed_over": c.passed_over,
-    }

@@ -95,6 +95,26 @@ class Considered:
             f"ends in {fmt_duration(e.end_s)}; {mark}"
         )
 
+    def as_dict(self) -> dict[str, object]:
+        """The row as `quote --json` and the agents' door give it."""
+        o, e = self.offering, self.expected
+        return {
+            "offering": o.describe(),
+            "instance_type": o.key,
+            "provisioning": o.provisioning,
+            "region": o.region,
+            "launcher": o.launcher,
+            "pool": o.pool,
+            "usd_per_hour_per_node": o.rate_micro_per_hour / 1e6,
+            "expected_usd": e.cost_micro / 1e6,
+            "expected_wait_s": e.wait_s,
+            "expected_end_s": e.end_s,
+            "late_end_s": e.late_end_s,
+            "reserved_usd": self.reservation_micro / 1e6,
+            "chosen": self.passed_over is None,
+            "passed_over": self.passed_over,
+        }
+
 
 @dataclass(frozen=True)
 class Placement:

@@ -3,11 +3,17 @@ one fresh session per call, with `Authorization: Bearer <token>` (no header for 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import socket
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
 
 import anyio
 import httpx2
+import uvicorn
+from fastapi import FastAPI
 from mcp import ClientSession
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
@@ -79,3 +85,35 @@ def tools(url: str, token: str) -> list[Tool]:
         return list((await session.list_tools()).tools)
 
     return anyio.run(_with_session, url, token, listed)
+
+
+@contextmanager
+def serving_mcp(door: Any) -> Iterator[str]:
+    """The MCP door over `door`, served by uvicorn on a free port: its URL."""
+    from prefect_gpu_budget.agents.mcp import mcp_app
+
+    mcp_asgi, mcp_running = mcp_app(lambda: door)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):  # noqa: ANN202
+        async with mcp_running():
+            yield
+
+    app = FastAPI(lifespan=lifespan)
+    app.add_route("/mcp", mcp_asgi, include_in_schema=False)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -4,23 +4,25 @@ from __future__ import annotations
 
 import base64
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
 
 from prefect_gpu_budget.agents.callers import Caller, Refused
-from prefect_gpu_budget.agents.mcp import mcp_app
 from prefect_gpu_budget.agents.operations import OPERATIONS
-from tests.agents.mcp_client import HTTPRefused, _with_session, call_tool, list_tools, tools
+from tests.agents.mcp_client import (
+    HTTPRefused,
+    _with_session,
+    call_tool,
+    list_tools,
+    serving_mcp,
+    tools,
+)
 
 TOOLS = {
     "start_sweep",
@@ -30,6 +32,7 @@ TOOLS = {
     "cancel_sweep",
     "forecast_sweep",
     "quote",
+    "place",
     "get_status",
     "get_results",
     "list_plots",
@@ -154,31 +157,8 @@ class FakeDoor:
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, FakeDoor]]:
     door = FakeDoor()
-    mcp_asgi, mcp_running = mcp_app(lambda: door)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
-        async with mcp_running():
-            yield
-
-    app = FastAPI(lifespan=lifespan)
-    app.add_route("/mcp", mcp_asgi, include_in_schema=False)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}/mcp", door
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serving_mcp(door) as url:
+        yield url, door
 
 
 def _json(content: list) -> Any:

@@ -69,9 +69,17 @@ CHECKED = [
     "bench-cli-latency",
     "bench-fidelity",
     "bench-deep-queue",
+    "bench-placement",
+    "placement-quote",
+    "placement-job",
 ]
 """The blocks this file checks (the module's docstring says how)."""
-DEFINES = {"python-job": [], "gpu-task": [], "job-defaults": ["gpu-task"]}
+DEFINES = {
+    "python-job": [],
+    "gpu-task": [],
+    "job-defaults": ["gpu-task"],
+    "placement-job": [],
+}
 """Python blocks run whole (they only define), after the blocks they build on."""
 
 

@@ -107,8 +107,11 @@ class GpuJob(BaseModel):
     )
     checkpoint: str | None = Field(
         None,
-        description="Where the job saves its checkpoint: a job that has one resumes when its "
-        "machine is taken back, and is placed again (`accelerators`).",
+        description="Where the job saves its checkpoint: a job that asks for `accelerators` and "
+        "has one is placed again when its machine is taken back, and resumes from it.",
+    )
+    max_placements: int = Field(
+        3, ge=1, le=20, description="With `accelerators` and a `checkpoint`: the most places."
     )
     max_runtime: Duration = Field(description="Seconds, or a duration like '2h' or '1h30m'.")
     nodes: int = Field(1, ge=1, le=1024, description="Machines started together.")

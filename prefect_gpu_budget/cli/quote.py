@@ -8,6 +8,18 @@ from prefect_gpu_budget.cli.app import app
 from prefect_gpu_budget.cli.common import console
 from prefect_gpu_budget.units import fmt_usd
 
+ACCELERATORS = typer.Option(
+    None,
+    help="Accelerators instead of a machine (H100:8, or {H100:8, H200:8}): every offering of "
+    "the saved launchers and pools, and the one the gate would choose.",
+)
+SCOPE = typer.Option(
+    None, help="With --accelerators: the budgets and pool quota the offering must fit."
+)
+RESUMABLE = typer.Option(
+    False, help="With --accelerators: the job resumes from a checkpoint when interrupted."
+)
+
 
 @app.command()
 def quote(
@@ -20,19 +32,11 @@ def quote(
     gpus: int = typer.Option(None, help="A part of each machine: its GPUs."),
     vcpu: int = typer.Option(None, help="A part of each machine: its vCPU."),
     memory_gib: int = typer.Option(None, help="A part of each machine: its memory, GiB."),
-    accelerators: str = typer.Option(
-        None,
-        help="Accelerators instead of a machine (H100:8, or {H100:8, H200:8}): every offering "
-        "of the saved launchers and pools, and the one the gate would choose.",
-    ),
+    accelerators: str = ACCELERATORS,
     deadline: str = typer.Option(None, help="With --accelerators: the latest end, e.g. 12h."),
     max_wait: str = typer.Option(None, help="With --accelerators: the longest wait to start."),
-    scope: str = typer.Option(
-        None, help="With --accelerators: the budgets and pool quota the offering must fit."
-    ),
-    resumable: bool = typer.Option(
-        False, help="With --accelerators: the job resumes from a checkpoint when interrupted."
-    ),
+    scope: str = SCOPE,
+    resumable: bool = RESUMABLE,
     as_json: bool = typer.Option(False, "--json", help="With --accelerators: JSON."),
 ) -> None:
     """Price a job shape from the dated catalog (a whole machine, or a part of one), as the

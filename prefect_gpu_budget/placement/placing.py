@@ -131,6 +131,9 @@ def place_job(
             "gpus": None,
             "vcpu": None,
             "memory_gib": None,
+            # taken back, a job with a checkpoint is placed again (`tasks.gpu_job`), not
+            # queued again for the same offering
+            "requeue": job.requeue and job.checkpoint is None,
         }
     )
     return Placed(placed, (blocks or {}).get(chosen.launcher), placement)

@@ -144,7 +144,7 @@ def saved_launchers() -> list[tuple[str, object]]:
     if not prefect_api_url():
         return []
     from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
+    from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
 
     found: list[tuple[str, object]] = []
     with get_client(sync_client=True) as client:
@@ -158,8 +158,10 @@ def saved_launchers() -> list[tuple[str, object]]:
                 documents = client.read_block_documents_by_type(
                     block_class.get_block_type_slug(), include_secrets=False
                 )
-            except ObjectNotFound:  # never registered here: none saved
-                continue
+            except (ObjectNotFound, PrefectHTTPStatusError) as exc:
+                if getattr(getattr(exc, "response", None), "status_code", 404) != 404:
+                    raise
+                continue  # its block type was never registered here: none saved
             for document in documents:
                 if document.name and not document.is_anonymous:
                     found.append((document.name, block_class.load(document.name)))

@@ -9,8 +9,9 @@ process-wide gate and the custom-named final states (`OverBudget`, `AdmissionTim
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -60,6 +61,8 @@ class JobResult:
     reserved_usd: float
     actual_usd: float
     detail: str = ""
+    placements: tuple[str, ...] = ()
+    """Each place a job asking for accelerators ran in, its outcome and cost, in order."""
 
 
 _gates: dict[str | None, Gate] = {}
@@ -159,23 +162,47 @@ def run_gpu_job(
     or deployment launcher block. Its settings are checked before anything is reserved
     (`LaunchConfigError`). A job refused by the gate ends in `OverBudget` or `AdmissionTimeout`
     with the reason. The command finds `GPU_BUDGET_METRICS_FILE` in its environment.
+
+    A job that asks for accelerators is placed first (`placed`); one with a checkpoint whose
+    machine is taken back is settled for what it ran and placed again, each place passing the
+    gate, at most `max_placements` times while its deadline allows (`JobResult.placements`).
     """
     logger = get_run_logger()
     gate = gate_for_run(scope, job, ledger)
+    env = {METRICS_ENV: metrics_file} if metrics_file else {}
+    asked: GpuJob | None = job
+    parts: list[str] = []
+    since = time.time()
+    while asked is not None:
+        ran = _run_once(asked, scope, gate, launcher, env, logger)
+        if isinstance(ran, State):
+            return ran  # type: ignore[return-value]
+        admission, ended = ran
+        parts.append(_part(admission, ended))
+        asked = _placed_again(job, ended, len(parts), time.time() - since, logger)
+    if ended.result.outcome != "completed":
+        return _unfinished_state(ended)  # type: ignore[return-value]
+    return replace(_job_result(admission, ended, scope), placements=tuple(parts))
+
+
+def _run_once(
+    job: GpuJob, scope: str, gate: Gate, launcher: Launcher | None, env: dict, logger: Any
+) -> State | tuple[Admission, Ended]:
+    """One place of the job: placed (if it asks for accelerators), checked by its launcher,
+    admitted, run and settled; or the state it ends in without running."""
     try:
         job, placed_on = placed(job, scope, gate, logger.info, launcher)
     except BudgetInputError as unplaceable:  # nothing is reserved for a job that has no place
         logger.error("GPU job not placed: %s", unplaceable)
-        return Failed(name="Unplaceable", message=str(unplaceable))  # type: ignore[return-value]
+        return Failed(name="Unplaceable", message=str(unplaceable))
     launcher = launcher or placed_on or LocalLauncher()
     try:
         launcher.preflight(job, gate.quote(job))
     except LaunchConfigError as bad:
         logger.error("GPU job not launched: %s", redact_urls(str(bad)))
-        return Failed(name="LaunchConfigError", message=redact_urls(str(bad)))  # type: ignore[return-value]
-    env = {METRICS_ENV: metrics_file} if metrics_file else {}
+        return Failed(name="LaunchConfigError", message=redact_urls(str(bad)))
     try:
-        admission, ended = run_job(
+        return run_job(
             gate,
             job,
             scope,
@@ -187,11 +214,35 @@ def run_gpu_job(
         )
     except AdmissionRefused as refused:
         if refused.state_name == "Cancelled":  # its owner cancelled it while it waited
-            return Cancelled(message=refused.reason)  # type: ignore[return-value]
-        return Failed(name=refused.state_name, message=refused.reason)  # type: ignore[return-value]
-    if ended.result.outcome != "completed":
-        return _unfinished_state(ended)  # type: ignore[return-value]
-    return _job_result(admission, ended, scope)
+            return Cancelled(message=refused.reason)
+        return Failed(name=refused.state_name, message=refused.reason)
+
+
+def _part(admission: Admission, ended: Ended) -> str:
+    """One place of a job, as `JobResult.placements` lists it."""
+    job, row = admission.job, ended.row
+    cost = fmt_usd(row["actual_micro"] or 0)
+    return f"{job.instance_type} {job.provisioning}: {ended.result.outcome}, {cost}"
+
+
+def _placed_again(
+    job: GpuJob, ended: Ended, places: int, elapsed_s: float, logger: Any
+) -> GpuJob | None:
+    """The job to place again after its machine was taken back, or None: it asked for
+    accelerators and has a checkpoint, has places left, and its deadline leaves a whole run."""
+    if job.placed or job.checkpoint is None or ended.result.outcome != PREEMPTED:
+        return None
+    left = None if job.deadline is None else job.deadline - elapsed_s
+    if places >= job.max_placements or (left is not None and left < job.max_runtime):
+        return None
+    logger.warning(
+        "GPU job was interrupted after %s (cost %s); placing it again (place %d of at most %d)",
+        fmt_duration(ended.result.runtime_s),
+        fmt_usd(ended.row["actual_micro"] or 0),
+        places + 1,
+        job.max_placements,
+    )
+    return job.model_copy(update={"deadline": left})
 
 
 def placed(

@@ -159,3 +159,13 @@ def test_saved_launchers_are_read_from_the_api_by_name(prefect_api: str) -> None
         Route(vertex, "gcp", ("europe-west4",), ("on-demand", "spot", "flex-start")),
         Route(sagemaker, "sagemaker", ("us-east-1",), ("on-demand", "spot")),
     ]
+
+
+def test_a_block_type_never_registered_is_no_saved_launcher(tmp_path: Path) -> None:
+    """A fresh Prefect server, where no launcher block type was ever registered, answers 404
+    for their documents: that is no saved launcher, not an error."""
+    from prefect_gpu_budget.testing.servers import serving
+    from tests.support.prefect_server import PrefectServer
+
+    with PrefectServer(tmp_path / "home") as server, serving(server.api):
+        assert saved_launchers() == []

@@ -1,0 +1,85 @@
+"""A job that asks for accelerators and has a checkpoint, taken back by its own team's
+higher-priority work, is settled for what it ran and placed again on the next offering: two
+places, each passing the gate, each settled for its own part."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from prefect import flow
+
+from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.prices import default_catalog
+from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota
+from prefect_gpu_budget.blocks.ledger import SpendLedger
+from prefect_gpu_budget.job import GpuJob
+from prefect_gpu_budget.pricing.catalog import set_local_price
+from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
+from tests.tasks.test_preemption import TRAINER
+
+NODE = (8, 192, 2048)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_taken_back_is_placed_again_on_the_next_offering(prefect_api, tmp_path, monkeypatch):
+    prices = set_local_price("h100a", "8", gpus=8, path=tmp_path / "prices.csv")
+    set_local_price("h100b", "12", gpus=8, path=prices)
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
+    default_catalog.cache_clear()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    for name, machine in (("lab-a", "local:h100a"), ("lab-b", "local:h100b")):
+        ledger.config.set_pool(
+            Pool("acme", name, 1, NODE, (machine,), "H100"),
+            [TeamQuota(name, "acme/b", NODE, borrow_pct=0)],
+        )
+    block = SpendLedger(database_url=url)
+    ckpt = tmp_path / "trainer.ckpt"
+    asked = GpuJob(
+        accelerators="H100:8",
+        checkpoint=str(ckpt),
+        max_runtime="2m",
+        kill_grace="5s",
+        name="trainer",
+        priority="low",
+        command=[sys.executable, "-c", TRAINER, str(ckpt), "60"],
+    )
+    urgent = GpuJob(
+        instance_type="local:h100a",
+        pool="lab-a",
+        max_runtime="2m",
+        name="urgent",
+        priority="high",
+        command=[sys.executable, "-c", "import time; time.sleep(1)"],
+    )
+
+    @flow
+    def contention():
+        trainer = run_gpu_job.submit(asked, "acme/b/s", block)
+        while not (tmp_path / "trainer.ckpt.ready").exists():  # running, its handler set
+            assert not trainer.state.is_final(), trainer.state
+            time.sleep(0.1)
+        first = run_gpu_job.submit(urgent, "acme/b/s", block)
+        return trainer.result(), first.result()
+
+    result, urgent_result = contention()
+    assert urgent_result.outcome == "completed"
+    rows = sorted(
+        (r for r in ledger.views.jobs() if r["name"] == "trainer"), key=lambda r: r["requested_at"]
+    )
+    assert [(r["instance_type"], r["pool"], r["outcome"]) for r in rows] == [
+        ("local:h100a", "lab-a", "preempted"),
+        ("local:h100b", "lab-b", "completed"),
+    ]
+    first, again = rows
+    assert ckpt.read_text() == "step 3"  # it checkpointed, and the second place resumed it
+    assert 0 < first["actual_micro"] < first["reserved_micro"]  # paid only for what it ran
+    assert again["requested_at"] >= first["settled_at"]  # placed again once settled
+    assert result.outcome == "completed" and result.job_id == again["id"]
+    assert len(result.placements) == 2
+    assert result.placements[0].startswith("local:h100a on-demand: preempted, $")
+    assert result.placements[1].startswith("local:h100b on-demand: completed, $")

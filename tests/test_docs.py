@@ -43,6 +43,8 @@ RUN_ELSEWHERE = {
     "agent-loop": "tests/test_readme.py",
     "mcp-client": "tests/test_readme.py",
     "demo-forecast": "tests/test_readme.py",
+    "pool-commands": "tests/test_docs.py",
+    "placement-quote": "tests/test_docs.py",
 }
 CHECKED = [
     "install-demo",
@@ -57,7 +59,6 @@ CHECKED = [
     "work-pool",
     "vertex-launcher",
     "bill-commands",
-    "pool-commands",
     "lease-storage",
     "hosts-databases",
     "hosts-redis-dbs",
@@ -70,7 +71,6 @@ CHECKED = [
     "bench-fidelity",
     "bench-deep-queue",
     "bench-placement",
-    "placement-quote",
     "placement-job",
 ]
 """The blocks this file checks (the module's docstring says how)."""
@@ -253,3 +253,32 @@ def _special(name: str, text: str) -> None:
         import importlib
 
         importlib.import_module(text.split("=", 1)[1].strip())
+
+
+def test_the_pool_and_placement_blocks_run_as_written(tmp_path: Path) -> None:
+    """The pools' commands, then the placement quotes, in bash as a user pastes them, on a
+    ledger, a prices file and a Prefect home of their own (no Prefect API: the pools are the
+    only offerings, and the quotes say so)."""
+    pools, placing = _marked()["pool-commands"][2], _marked()["placement-quote"][2]
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PREFECT_HOME": str(tmp_path / "home"),
+        "PREFECT_GPU_BUDGET_LEDGER_URL": f"sqlite:///{tmp_path / 'ledger.db'}",
+        "PREFECT_GPU_BUDGET_PRICES": str(tmp_path / "prices.csv"),
+    }
+    env.pop("PREFECT_API_URL", None)
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", f"{pools}\n{placing}"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ran.returncode == 0, ran.stderr
+    said = " ".join(ran.stdout.split())
+    assert "0 of 16 accelerators in use" in said
+    assert "chosen: local:h100x8 on-demand (lab-a), reserving $160." in said  # 4 h at $40/h
+    offers = json.loads(ran.stdout[ran.stdout.index("[\n") :])
+    assert [o["offering"] for o in offers if o["chosen"]] == ["local:h100x8 on-demand (lab-a)"]

@@ -49,7 +49,8 @@ def saved_routes(ledger: Ledger, org: str | None) -> tuple[list[Route], dict[str
 def budget_fits(ledger: Ledger, scope: str | None, now: float | None = None) -> Fits:
     """Each offering asked of the budgets on `scope`'s path as they stand now (the new rate
     within each hourly cap, the reservation within each period's remaining budget) and, for a
-    pool, of the team's quota there. No scope: every budget fits."""
+    pool, of the team's quota there. No scope: every budget and quota fits (a quote of the
+    offerings alone)."""
     now = time.time() if now is None else now
     path = set(scope_path(scope)) if scope else set()
     rules = [r for r in ledger.views.status(now=now) if r["scope"] in path] if path else []
@@ -67,7 +68,7 @@ def budget_fits(ledger: Ledger, scope: str | None, now: float | None = None) -> 
             left = rule["remaining_micro"]
             if left is not None and reservation > left:
                 return f"{rule['period']} budget of {rule['scope']}: {fmt_usd(max(left, 0))} left"
-        return _pool_refusal(offering, pools, team) if offering.pool else None
+        return _pool_refusal(offering, pools, team) if offering.pool and team else None
 
     return fits
 

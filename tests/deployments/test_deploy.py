@@ -2,16 +2,34 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import WorkPoolCreate
 
 from prefect_gpu_budget.deployments import EXAMPLE_SPEC, ROOT, deploy
 
 
-def test_deploy_to_a_process_work_pool(prefect_api):
+@pytest.fixture
+def deployed(prefect_api) -> Iterator[list]:
+    """The deployments on a process work pool of the session's server, deleted after: `serve`
+    in a later test of the same server upserts the same names, and a run of it would take this
+    one's pull steps."""
     with get_client(sync_client=True) as client:
         client.create_work_pool(WorkPoolCreate(name="gpu-test", type="process"))
     ids = deploy("gpu-test", sweep_cron="30 1 * * *")
+    try:
+        yield ids
+    finally:
+        with get_client(sync_client=True) as client:
+            for deployment_id in ids:
+                client.delete_deployment(deployment_id)
+            client.delete_work_pool("gpu-test")
+
+
+def test_deploy_to_a_process_work_pool(deployed):
+    ids = deployed
     assert len(ids) == 5
     with get_client(sync_client=True) as client:
         mine = [d for d in client.read_deployments() if d.work_pool_name == "gpu-test"]

@@ -27,6 +27,7 @@ from prefect_gpu_budget.admission.ledger import Ledger, pools
 from prefect_gpu_budget.admission.ledger.engine import reconnecting
 from prefect_gpu_budget.admission.ledger.tables import local_prices
 from prefect_gpu_budget.placement.offerings import Route
+from prefect_gpu_budget.pricing.catalog import LOCAL_CPU, LOCAL_GPU
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ LAUNCHER_BLOCKS = (
 """The saved launcher blocks that are routes: (module, class)."""
 
 
-UNNAMED_MODELS = ("", "local GPU", "local CPU")
+UNNAMED_MODELS = ("", LOCAL_GPU, LOCAL_CPU)
 """What a `local:` row priced without a model says (`pricing.catalog.local_row`): no model."""
 
 

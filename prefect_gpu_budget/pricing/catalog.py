@@ -393,6 +393,10 @@ def row_cells(r: PriceRow) -> list[object]:
     ]
 
 
+LOCAL_GPU, LOCAL_CPU = "local GPU", "local CPU"
+"""The model of a `local:` row priced without one: it names no accelerator model."""
+
+
 def local_row(name: str, usd_per_hour: object, gpus: int, vcpu: int, memory_gib: int) -> PriceRow:
     """A `local:<name>` row priced by the admin, checked (one line naming the field)."""
     if not isinstance(name, str) or not SEGMENT_RE.fullmatch(name):
@@ -412,7 +416,7 @@ def local_row(name: str, usd_per_hour: object, gpus: int, vcpu: int, memory_gib:
         "local",
         name,
         "on-demand",
-        "local GPU" if gpus else "local CPU",
+        LOCAL_GPU if gpus else LOCAL_CPU,
         gpus,
         vcpu,
         memory_gib,

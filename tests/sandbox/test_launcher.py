@@ -192,7 +192,10 @@ def test_the_holder_stays_root_with_none_of_the_jobs_variables(sandbox, quote) -
     )
     runner.start()
     deadline = time.time() + 30
-    while not (ids and _marked(mark)) and time.time() < deadline:
+    # The job is marked before its echo runs: wait for the line, not the process alone.
+    while not (ids and _marked(mark) and any("preload=" in line for line in lines)):
+        if time.time() > deadline:
+            break
         time.sleep(0.1)
     assert ids and _marked(mark), "the job never started"
     holder = int(ids[0].split(":")[0])

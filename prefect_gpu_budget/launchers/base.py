@@ -20,7 +20,19 @@ from prefect_gpu_budget.job import GpuJob, LaunchConfigError
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.threads import Handoff
 
-OUTCOMES = ("completed", "failed", "timed_out", "cancelled", "launch_error", "wait_expired")
+INTERRUPTED = "interrupted"
+"""A spot job's machine the cloud took back after it started (a Vertex AI Spot VM preempted, a
+SageMaker managed spot job interrupted and not resumed within its wait): billed for what ran,
+and placed again when it can resume (`GpuJob.checkpoint`)."""
+OUTCOMES = (
+    "completed",
+    "failed",
+    "timed_out",
+    "cancelled",
+    "launch_error",
+    "wait_expired",
+    INTERRUPTED,
+)
 
 
 class LauncherNeedsExtra(MissingExtra, LaunchConfigError):
@@ -40,7 +52,8 @@ class LauncherNeedsExtra(MissingExtra, LaunchConfigError):
 class LaunchResult:
     outcome: str
     """One of OUTCOMES. `timed_out`: stopped at max_runtime; `wait_expired`: a FLEX_START or
-    spot job whose capacity wait ran out before it started (nothing billed)."""
+    spot job whose capacity wait ran out before it started (nothing billed); `interrupted`: a
+    spot job the cloud took back after it started (`INTERRUPTED`)."""
     started_at: float
     """When billing began (the cloud's start time); equal to `ended_at` if it never started."""
     ended_at: float

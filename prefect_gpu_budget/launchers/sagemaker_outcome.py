@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prefect_gpu_budget.launchers.base import LaunchResult
+from prefect_gpu_budget.launchers.base import INTERRUPTED, LaunchResult
 from prefect_gpu_budget.pricing.catalog import Quote
 from prefect_gpu_budget.units import cost_micro, redact_urls
 
@@ -39,11 +39,28 @@ def status_message(described: dict[str, Any]) -> str:
     return f": {message}" if message else ""
 
 
-def _outcome(status: str, secondary: str, started: bool, stopped_here: bool) -> str:
+def interrupted(described: dict[str, Any], stopped_here: bool) -> bool:
+    """A managed spot job that started and was taken back: SageMaker resumes an interrupted
+    job by itself while its MaxWaitTimeInSeconds allows, so a started spot job that ends at
+    that wait (or ends failed or stopped, not by us, after an `Interrupted` status) lost its
+    machine rather than ran its course."""
+    if not described.get("EnableManagedSpotTraining") or stopped_here:
+        return False
+    if described.get("TrainingJobStatus") == "Completed":
+        return False
+    transitions = described.get("SecondaryStatusTransitions") or []
+    said = {step.get("Status") for step in transitions}
+    return described.get("SecondaryStatus") == "MaxWaitTimeExceeded" or "Interrupted" in said
+
+
+def _outcome(described: dict[str, Any], started: bool, stopped_here: bool) -> str:
+    status, secondary = described["TrainingJobStatus"], described.get("SecondaryStatus", "")
     if status == "Completed":
         return "completed"
     if secondary == "MaxWaitTimeExceeded" and not started:
         return "wait_expired"
+    if started and interrupted(described, stopped_here):
+        return INTERRUPTED
     if secondary in STOP_REASONS or (status == "Stopped" and stopped_here):
         return "timed_out"
     return "failed" if status == "Failed" else "cancelled"
@@ -55,7 +72,6 @@ def training_job_result(
     """The ended job (DescribeTrainingJob's answer) as a result: billed SageMaker's
     BillableTimeInSeconds at the quote's rate (the whole training time where it leaves that
     out; nothing for a job that never started); `stopped_here`: we stopped it at its limit."""
-    status = described["TrainingJobStatus"]
     secondary = described.get("SecondaryStatus", "")
     created = epoch(described.get("CreationTime"))
     start = epoch(described.get("TrainingStartTime"))
@@ -68,7 +84,7 @@ def training_job_result(
         if billed is None:  # SageMaker leaves it out: bill the whole training time
             billed = max(0.0, end - start)
         actual = cost_micro(quote.rate_micro_per_hour, billed, round_up=True)
-    outcome = _outcome(status, secondary, start is not None, stopped_here)
+    outcome = _outcome(described, start is not None, stopped_here)
     detail = described.get("FailureReason") or ("" if outcome == "completed" else secondary)
     first = start if start is not None else end
     return LaunchResult(

@@ -28,7 +28,10 @@ ENDED = (
     "JOB_STATE_PARTIALLY_SUCCEEDED",
 )
 RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED = 8, 4
-"""google.rpc codes in `CustomJob.error`: a FLEX_START wait that ran out; a job timeout."""
+"""google.rpc codes in `CustomJob.error`: a FLEX_START wait that ran out (or, once started, a
+Spot VM taken back: a STOCKOUT); a job timeout."""
+ABORTED, UNAVAILABLE = 10, 14
+"""google.rpc codes a started Spot job may end with when its VMs are taken back."""
 
 POLL_RETRY = api_retry.Retry(
     predicate=api_retry.if_transient_error, initial=1.0, maximum=30.0, timeout=300.0

@@ -7,10 +7,12 @@ import time
 from typing import TYPE_CHECKING
 
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.base import LaunchResult
+from prefect_gpu_budget.launchers.base import INTERRUPTED, LaunchResult
 from prefect_gpu_budget.launchers.vertex_api import (
+    ABORTED,
     DEADLINE_EXCEEDED,
     RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
     epoch,
     job_state,
     one_line,
@@ -63,14 +65,29 @@ def _unstarted_outcome(state: str, code: int, job: GpuJob, stopped: str | None) 
     )
 
 
-def _started_outcome(state: str, code: int, job: GpuJob, stopped: str | None, ran: float) -> str:
-    """How a job that ran for `ran` seconds ended: completed, timed out (stopped at, or run
-    to, max_runtime), cancelled, or failed."""
+def taken_back(job: GpuJob, state: str, code: int, message: str) -> bool:
+    """A started Spot job failed because its VMs were taken back: Vertex ends it FAILED with a
+    STOCKOUT (RESOURCE_EXHAUSTED), UNAVAILABLE or ABORTED, or says it was preempted."""
+    if job.provisioning != "spot" or state != "JOB_STATE_FAILED":
+        return False
+    said = message.lower()
+    return code in (RESOURCE_EXHAUSTED, UNAVAILABLE, ABORTED) or "preempt" in said
+
+
+def _started_outcome(
+    state: str, error: tuple[int, str], job: GpuJob, stopped: str | None, ran: float
+) -> str:
+    """How a job that ran for `ran` seconds ended (`error`: its code and message): completed,
+    timed out (stopped at, or run to, max_runtime), interrupted (a Spot VM taken back),
+    cancelled, or failed."""
+    code, message = error
     reached = ran >= job.max_runtime - min(1.0, job.max_runtime / 100)
     if state == "JOB_STATE_SUCCEEDED":
         return "completed"
     if stopped == "timed_out" or code == DEADLINE_EXCEEDED or reached:
         return "timed_out"
+    if stopped is None and taken_back(job, state, code, message):
+        return INTERRUPTED
     return "cancelled" if state == "JOB_STATE_CANCELLED" else "failed"
 
 
@@ -85,7 +102,7 @@ def job_result(current: vertex.CustomJob, job: GpuJob, stopped: str | None) -> L
     if start is None:
         outcome = _unstarted_outcome(state, code, job, stopped)
     else:
-        outcome = _started_outcome(state, code, job, stopped, end - start)
+        outcome = _started_outcome(state, (code, message), job, stopped, end - start)
     detail = message or ("" if outcome == "completed" else state)
     if outcome == "timed_out":
         detail = f"stopped at max_runtime {fmt_duration(job.max_runtime)}" + (

@@ -12,8 +12,11 @@ region of it (`place` falls back to the `""` region). Per key:
 - `interruptions`: the ended jobs whose machine was taken back (`INTERRUPTED`);
 - `billed_over_reserved`: of the jobs whose bill is final, what the bill charged over what the
   gate's rate comes to for the time they ran (`rate_micro_per_hour x (ended_at - started_at)`:
-  the rate times the wall-clock hours, which is what `choice.expect` multiplies the figure by);
-  None where no final bill names a job of the key.
+  the rate times the wall-clock hours, which is what `choice.expect` multiplies the figure by).
+  Where no final bill names a job of the key, the same figure from what the ledger settled for
+  its ended jobs, known the moment they end: 1 where the ledger charged the rate for the time
+  they ran, less where the launcher said the cloud billed less (SageMaker managed spot bills
+  only part of the time it trained); None for a key with no ended job.
 
 Three queries, one per figure (the run hours and the interruptions share one), each aggregated
 in SQL or limited per key there, and each over a bounded part of the ledger: the jobs over the
@@ -52,11 +55,10 @@ INTERRUPTED = (PREEMPTED, "interrupted")
 
 - `preempted`: the gate asked it to stop because a job of higher claim takes its capacity (a
   pool team reclaiming what it lent, or its own team's higher-priority work: `tables.PREEMPTED`,
-  `lifecycle.STOP_OUTCOMES`, `rules/preemption.py`), the only such outcome recorded today;
-- `interrupted`: the name kept for a cloud taking a spot machine back (a Vertex AI SPOT
-  preemption, a SageMaker managed-spot interruption) once the launchers tell it apart: today
-  `vertex_outcome` and `sagemaker_outcome` settle those as `failed` or `cancelled`, which also
-  mean the job's own failure or its owner's stop, and are not counted.
+  `lifecycle.STOP_OUTCOMES`, `rules/preemption.py`);
+- `interrupted`: a cloud took a spot machine back after the job started (a Vertex AI Spot VM
+  preempted, a SageMaker managed spot job not resumed within its wait: `launchers.base.INTERRUPTED`,
+  told apart in `vertex_outcome` and `sagemaker_outcome`).
 
 `cancelled`, `failed`, `timed_out` and `wait_expired` are the job's own ends, its owner's or a
 limit's: not counted."""
@@ -74,6 +76,8 @@ def _recent(since_s: float | None, now: float | None) -> sa.Subquery:
             jobs.c.started_at,
             jobs.c.ended_at,
             jobs.c.billed_seconds,
+            jobs.c.actual_micro,
+            jobs.c.rate_micro_per_hour,
             jobs.c.outcome,
         )
         .order_by(jobs.c.requested_at.desc())
@@ -115,15 +119,20 @@ def _waits(conn: sa.Connection, recent: sa.Subquery) -> Iterable[sa.Row]:
 
 
 def _runs(conn: sa.Connection, recent: sa.Subquery) -> Iterable[sa.Row]:
-    """(instance_type, provisioning, run seconds, interruptions) of the ended jobs, per key."""
+    """(instance_type, provisioning, run seconds, interruptions, settled, priced) of the ended
+    jobs, per key: `settled` over `priced` is what they were settled for, over the gate's rate
+    times the hours they ran."""
     ran = sa.func.coalesce(recent.c.billed_seconds, recent.c.ended_at - recent.c.started_at)
     taken_back = sa.case((recent.c.outcome.in_(INTERRUPTED), 1), else_=0)
+    wall = recent.c.rate_micro_per_hour * (recent.c.ended_at - recent.c.started_at) / 3600.0
     query = (
         sa.select(
             recent.c.instance_type,
             recent.c.provisioning,
             sa.func.sum(ran).label("seconds"),
             sa.func.sum(taken_back).label("interruptions"),
+            sa.func.sum(recent.c.actual_micro).label("settled"),
+            sa.func.sum(wall).label("priced"),
         )
         .where(recent.c.started_at.is_not(None), recent.c.ended_at.is_not(None))
         .group_by(recent.c.instance_type, recent.c.provisioning)
@@ -173,11 +182,10 @@ def offering_histories(
         for row in _waits(conn, recent):
             waits[row.instance_type, row.provisioning, ""].append(max(0.0, float(row.wait)))
         for row in _runs(conn, recent):
-            seconds = float(row.seconds or 0.0)
-            hours[row.instance_type, row.provisioning, ""] = (
-                seconds / 3600.0,
-                int(row.interruptions or 0),
-            )
+            key = (row.instance_type, row.provisioning, "")
+            hours[key] = (float(row.seconds or 0.0) / 3600.0, int(row.interruptions or 0))
+            if row.priced and float(row.priced) > 0:
+                ratios[key] = float(row.settled or 0) / float(row.priced)
         for row in _bills(conn, since_s, now):
             if row.priced and float(row.priced) > 0:
                 key = (row.instance_type, row.provisioning, "")

@@ -29,7 +29,7 @@ from prefect_gpu_budget.admission.outages import patiently
 from prefect_gpu_budget.admission.rules.timing import REQUEST_PATIENCE_S
 from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
-from prefect_gpu_budget.launchers.base import LaunchConfigError, Launcher
+from prefect_gpu_budget.launchers.base import INTERRUPTED, LaunchConfigError, Launcher
 from prefect_gpu_budget.launchers.local import LocalLauncher
 from prefect_gpu_budget.settings import METRICS_ENV
 from prefect_gpu_budget.tasks.events import prefect_events
@@ -98,7 +98,7 @@ def open_gate(url: str | None, warning: Callable[[str], None]) -> Gate:
     return patiently("opening the ledger", lambda: _gate(url), warning, REQUEST_PATIENCE_S)
 
 
-_ENDINGS = {TIMED_OUT: "TimedOut", PREEMPTED: "Preempted"}
+_ENDINGS = {TIMED_OUT: "TimedOut", PREEMPTED: "Preempted", INTERRUPTED: "Interrupted"}
 """The Failed state's name for a launcher job a stop ended (not requeued)."""
 
 
@@ -228,9 +228,11 @@ def _part(admission: Admission, ended: Ended) -> str:
 def _placed_again(
     job: GpuJob, ended: Ended, places: int, elapsed_s: float, logger: Any
 ) -> GpuJob | None:
-    """The job to place again after its machine was taken back, or None: it asked for
-    accelerators and has a checkpoint, has places left, and its deadline leaves a whole run."""
-    if job.placed or job.checkpoint is None or ended.result.outcome != PREEMPTED:
+    """The job to place again after its machine was taken back (a pool's preemption, a cloud's
+    spot interruption), or None: it asked for accelerators and has a checkpoint, has places
+    left, and its deadline leaves a whole run."""
+    taken_back = ended.result.outcome in (PREEMPTED, INTERRUPTED)
+    if job.placed or job.checkpoint is None or not taken_back:
         return None
     left = None if job.deadline is None else job.deadline - elapsed_s
     if places >= job.max_placements or (left is not None and left < job.max_runtime):

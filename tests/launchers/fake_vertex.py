@@ -88,6 +88,9 @@ class Script:
     final: str = "JOB_STATE_SUCCEEDED"
     error: str = "The replica workerpool0-0 exited with a non-zero status of 1."
     """The error message when `final` is JOB_STATE_FAILED."""
+    error_code: int = 3
+    """Its google.rpc code: INVALID_ARGUMENT for the job's own failure, as Vertex gives it;
+    RESOURCE_EXHAUSTED (a STOCKOUT) plays a Spot VM taken back."""
     honor_timeout: bool = True
     """False: a job that overruns `scheduling.timeout` (to test the launcher's backstop)."""
 
@@ -144,7 +147,8 @@ class Job:
                 ends.append((start + self.timeout, "JOB_STATE_FAILED", error))
             else:
                 failed = self.script.final == "JOB_STATE_FAILED"
-                error = {"code": 3, "message": self.script.error} if failed else None
+                code, message = self.script.error_code, self.script.error
+                error = {"code": code, "message": message} if failed else None
                 ends.append((start + self.script.run_s, self.script.final, error))
         if self.cancel_at is not None:
             error = {"code": CANCELLED, "message": "CANCELED"}

@@ -355,6 +355,39 @@ def test_a_failed_job_says_why(aws: AwsServer, gate: Gate) -> None:
     assert row["actual_micro"] == _cost(spec["BillableTimeInSeconds"], row["rate_micro_per_hour"])
 
 
+def test_a_spot_job_taken_back_and_not_resumed_in_its_wait_is_interrupted(
+    aws: AwsServer, gate: Gate
+) -> None:
+    """SageMaker resumes an interrupted managed spot job by itself while MaxWaitTimeInSeconds
+    allows; one that ends at that wait after starting lost its machine: `interrupted`, billed
+    SageMaker's billable seconds, never `timed_out` (it did not run its max_runtime)."""
+    aws.behaviour.interruptions["taken-"] = 1
+    launcher = _launcher(aws, spot_max_wait=1)
+    job = GpuJob(instance_type=G5, provisioning="spot", max_runtime="2s", name="taken")
+    run = Run(gate, launcher, job)
+    row = run()
+
+    spec = _described(aws, row["external_id"])
+    steps = [step["Status"] for step in spec["SecondaryStatusTransitions"]]
+    assert "Interrupted" in steps and spec["SecondaryStatus"] == "MaxWaitTimeExceeded"
+    assert run.result is not None and run.result.outcome == row["outcome"] == "interrupted"
+    assert row["billed_seconds"] == spec["BillableTimeInSeconds"]
+    assert row["actual_micro"] == _cost(spec["BillableTimeInSeconds"], row["rate_micro_per_hour"])
+    assert row["actual_micro"] <= row["reserved_micro"]
+
+    again = Run(gate, launcher, job)()  # the next such job is not taken back
+    assert again["outcome"] == "completed"
+
+
+def test_an_on_demand_job_that_fails_is_never_called_interrupted(
+    aws: AwsServer, gate: Gate
+) -> None:
+    aws.behaviour.interruptions["steady-"] = 1  # only spot jobs are taken back
+    aws.behaviour.failures["steady-"] = "AlgorithmError: exit 1"
+    job = GpuJob(instance_type=G5, max_runtime="10m", name="steady")
+    assert Run(gate, _launcher(aws), job)()["outcome"] == "failed"
+
+
 G5 = "sagemaker:ml.g5.xlarge"
 
 

@@ -32,7 +32,14 @@ from prefect_gpu_budget.launchers.vertex import LAUNCH_LABEL, VertexLauncher
 from prefect_gpu_budget.pricing.catalog import Catalog, PriceRow, Quote
 from prefect_gpu_budget.settings import JOB_ID_ENV
 from prefect_gpu_budget.units import cost_micro
-from tests.launchers.fake_vertex import ACCELERATORS, STRATEGIES, FakeVertex, Script, enum_name
+from tests.launchers.fake_vertex import (
+    ACCELERATORS,
+    RESOURCE_EXHAUSTED,
+    STRATEGIES,
+    FakeVertex,
+    Script,
+    enum_name,
+)
 from tests.support.gcp_server import service_account_info, serving
 from tests.support.without_extra import VERTEX_MODULES, run_without
 
@@ -311,6 +318,35 @@ def test_flex_start_wait_runs_out(fake: FakeVertex, launcher: VertexLauncher, ga
     assert settled["actual_micro"] == 0 and settled["billed_seconds"] == 0
     assert gate.ledger.views.job(admission.job_id)["outcome"] == "wait_expired"
     assert any("waiting for capacity" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    ("provisioning", "outcome"), [("spot", "interrupted"), ("on-demand", "failed")]
+)
+def test_a_spot_vm_taken_back_after_the_start_is_an_interruption(
+    fake: FakeVertex, launcher: VertexLauncher, gate: Gate, provisioning: str, outcome: str
+) -> None:
+    """A started Spot job that Vertex fails with a STOCKOUT lost its VMs: `interrupted`, billed
+    for what ran. The same error on an on-demand job is its failure."""
+    stockout = "Spot VM preempted: the zone has no more capacity (STOCKOUT)."
+    fake.script = Script(
+        run_s=0.4, final="JOB_STATE_FAILED", error=stockout, error_code=RESOURCE_EXHAUSTED
+    )
+    admission, result, row, settled, _ = _run_gated(gate, launcher, _job(provisioning=provisioning))
+    assert result.outcome == row["outcome"] == outcome
+    assert result.detail == stockout
+    billed = row["ended_at"] - row["started_at"]
+    assert billed == pytest.approx(0.4, abs=1e-5)
+    rate = admission.quote.rate_micro_per_hour
+    assert 0 < settled["actual_micro"] == cost_micro(rate, billed, round_up=False)
+
+
+def test_a_spot_jobs_own_failure_is_a_failure(
+    fake: FakeVertex, launcher: VertexLauncher, gate: Gate
+) -> None:
+    fake.script = Script(run_s=0.2, final="JOB_STATE_FAILED")  # its code exited 1
+    _, result, _, _, _ = _run_gated(gate, launcher, _job(provisioning="spot"))
+    assert result.outcome == "failed"
 
 
 def test_timeout_is_max_runtime(

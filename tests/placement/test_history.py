@@ -118,7 +118,9 @@ def test_each_figure_of_each_offering(ledger: Ledger) -> None:
     # billed seconds where the launcher gave them (600 s), else end - start
     assert spot.run_hours == pytest.approx(2 + 0.5 + 600 / HOUR + 1)
     assert spot.interruptions == 2  # preempted twice; `failed` is the job's own end
-    assert spot.billed_over_reserved is None  # no final bill
+    # no final bill: what the ledger settled (the launcher billed 600 s of one job's 15 min),
+    # over the rate for the time they ran
+    assert spot.billed_over_reserved == pytest.approx((3.5 * HOUR + 600) / (3.75 * HOUR))
     assert found[H100_8, "flex-start", ""] == History(
         waits_s=(600.0, 900.0),
         run_hours=pytest.approx(2.0),  # per node: the two-node job counts its hour once

@@ -67,6 +67,7 @@ _SHOWN = {  # internal step -> (TrainingJobStatus, SecondaryStatus)
     "MaxRuntimeExceeded": ("Stopped", "MaxRuntimeExceeded"),
     "MaxWaitTimeExceeded": ("Stopped", "MaxWaitTimeExceeded"),
     "Failed": ("Failed", "Failed"),
+    "Interrupted": ("InProgress", "Interrupted"),
 }
 _ON_INSTANCES = ("Downloading", "Training", "Uploading")
 """Steps in which the instances run: TrainingStartTime is stamped on entering the first."""
@@ -84,6 +85,10 @@ class Behaviour:
     """False plays a cloud that fails to stop a job at MaxRuntimeInSeconds."""
     failures: dict[str, str] = field(default_factory=dict)
     """Training-job name prefix -> FailureReason: such jobs fail once they reach Training."""
+    interruptions: dict[str, int] = field(default_factory=dict)
+    """Training-job name prefix -> how many more such managed spot jobs lose their instances on
+    reaching Training: each stays `Interrupted` (SageMaker waiting to resume it) until its
+    MaxWaitTimeInSeconds ends it `MaxWaitTimeExceeded`."""
     page_size: int = 100
     """Most entries in one GetProducts or DescribeSpotPriceHistory page."""
     products: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
@@ -151,6 +156,7 @@ class _Extras:
                 if step == "Training" and job.training_job_name.startswith(prefix):
                     run.fail(reason)
                     step = "Failed"
+            step = self._interrupt(job, run, step)
             limit = timedelta(seconds=run.max_runtime)
             if (
                 self.behaviour.enforce_max_runtime
@@ -160,12 +166,22 @@ class _Extras:
             ):
                 run.status = step = "MaxRuntimeExceeded"
                 now = run.started + limit
-            if run.spot and run.max_wait and step in ("Starting", *_ON_INSTANCES):
+            if run.spot and run.max_wait and step in ("Starting", "Interrupted", *_ON_INSTANCES):
                 wait_limit = timedelta(seconds=run.max_wait)
                 if now - job.creation_time >= wait_limit:
                     run.status = step = "MaxWaitTimeExceeded"
                     now = job.creation_time + wait_limit
             self._show(job, run, step, now)
+
+    def _interrupt(self, job: FakeTrainingJob, run: _TrainingRun, step: str) -> str:
+        """A spot job named in `Behaviour.interruptions`, reaching Training, loses its
+        instances: its step becomes (and stays) `Interrupted`."""
+        for prefix, left in self.behaviour.interruptions.items():
+            name = job.training_job_name
+            if step == "Training" and run.spot and left > 0 and name.startswith(prefix):
+                self.behaviour.interruptions[prefix] = left - 1
+                run.status = step = "Interrupted"
+        return step
 
     def _show(self, job: FakeTrainingJob, run: _TrainingRun, step: str, now: datetime) -> None:
         if step != run.last_step:

@@ -83,3 +83,79 @@ def test_a_job_taken_back_is_placed_again_on_the_next_offering(prefect_api, tmp_
     assert len(result.placements) == 2
     assert result.placements[0].startswith("local:h100a on-demand: preempted, $")
     assert result.placements[1].startswith("local:h100b on-demand: completed, $")
+
+
+def _spot_history(ledger: Ledger, scope: str, billed: float, jobs: int = 3) -> None:
+    """`jobs` earlier SageMaker managed spot jobs, each billed `billed` of the time it trained:
+    the history that makes spot the cheaper SageMaker offering (its rate is on-demand's)."""
+    from prefect_gpu_budget.admission.gate import Gate
+
+    gate = Gate(ledger)
+    for n in range(jobs):
+        job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", provisioning="spot", max_runtime="1h")
+        admission = gate.admit(job, scope, launcher="sagemaker")
+        start = time.time()
+        gate.holding.started(admission, start, f"earlier-{n}")
+        gate.holding.settle(
+            admission, ended_at=start + 600, outcome="completed", billed_seconds=600 * billed
+        )
+
+
+ROLE = "arn:aws:iam::123456789012:role/SageMakerTraining"
+IMAGE = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trainer:1.4"
+
+
+@pytest.mark.timeout(300)
+def test_a_spot_job_the_cloud_takes_back_is_placed_again(prefect_api, tmp_path):
+    """SageMaker managed spot, on the stand-in cloud: the first place is taken back and not
+    resumed within its wait (`interrupted`), is settled for its billable seconds, and the job
+    is placed again through the gate and completes."""
+    from prefect_gpu_budget.launchers.sagemaker import SageMakerLauncher
+    from tests.support.aws_server import AwsServer
+
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme/b"))
+    _spot_history(ledger, "acme/b/history", billed=0.3)
+    asked = GpuJob(
+        accelerators="A10G:1",
+        checkpoint="s3://lab-models/checkpoints/trainer",
+        max_runtime="3s",
+        name="trainer",
+    )
+    with AwsServer() as aws:
+        aws.set_training_pace(0.3)
+        aws.behaviour.interruptions["trainer-"] = 1
+        launcher = SageMakerLauncher(
+            aws_credentials=aws.credentials("us-east-1"),
+            role_arn=ROLE,
+            image_uri=IMAGE,
+            output_s3_uri="s3://lab-models/out",
+            checkpoint_s3_uri="s3://lab-models/checkpoints",
+            spot_max_wait=1,
+            poll_s=0.05,
+        )
+
+        @flow
+        def train():
+            return run_gpu_job(asked, "acme/b/s", SpendLedger(database_url=url), launcher=launcher)
+
+        result = train()
+        described = aws.credentials().get_client("sagemaker").describe_training_job
+
+        ran = [r for r in ledger.views.jobs() if r["scope"] == "acme/b/s"]
+        rows = sorted(ran, key=lambda r: r["requested_at"])
+        assert [(r["instance_type"], r["provisioning"], r["outcome"]) for r in rows] == [
+            ("sagemaker:ml.g5.xlarge", "spot", "interrupted"),
+            ("sagemaker:ml.g5.xlarge", "spot", "completed"),
+        ]
+        first, again = rows
+        billed = described(TrainingJobName=first["external_id"])["BillableTimeInSeconds"]
+        assert first["billed_seconds"] == billed
+        assert 0 < first["actual_micro"] <= first["reserved_micro"]
+        assert again["requested_at"] >= first["settled_at"]  # placed again once settled
+    assert result.outcome == "completed" and result.job_id == again["id"]
+    assert [p.split(":")[0] for p in result.placements] == ["sagemaker", "sagemaker"]
+    assert "spot: interrupted, $" in result.placements[0]
+    assert "spot: completed, $" in result.placements[1]

@@ -7,7 +7,15 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
 
 from prefect_gpu_budget.priorities import HIGHEST, LOWEST, NAME_RE, priority_classes
 from prefect_gpu_budget.units import BudgetInputError, parse_duration, shown
@@ -187,10 +195,24 @@ class GpuJob(BaseModel):
             )
         return self
 
+    _choice: str | None = PrivateAttr(default=None)
+
     @property
     def placed(self) -> bool:
         """It names its machine: asked so, or placed by the gate."""
         return bool(self.instance_type)
+
+    @property
+    def choice(self) -> str | None:
+        """How the gate placed it (JSON: what it asked and every offering considered, chosen or
+        why passed over), recorded on its ledger row; None for a job that named its machine."""
+        return self._choice
+
+    def placed_as(self, choice: str) -> GpuJob:
+        """This job, placed, carrying the placement's `choice` to its ledger row."""
+        placed = self.model_copy()
+        placed._choice = choice
+        return placed
 
     def priced(self, quote: Quote) -> tuple[Quote, NodeShare]:
         """The job's quote, from its machines' (`quote`): their price, or its part of it; and

@@ -106,6 +106,7 @@ def _new_job(
         node_memory_gib=share.memory_gib,
         partial=not share.whole,
         grant=job.grant,
+        choice=job.choice,
     )
 
 

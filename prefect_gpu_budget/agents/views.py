@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
+from prefect_gpu_budget.placement.recorded import choice_view
 from prefect_gpu_budget.units import iso, micro_to_usd, redact_urls, usd
 
 FINAL_RUN_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
@@ -128,6 +129,9 @@ def trial_view(
         "records": recorded.get("records", 0),
         "non_finite_dropped": recorded.get("non_finite_dropped", 0),
         "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
+        "instance_type": row.get("instance_type"),
+        "provisioning": row.get("provisioning"),
+        "placement": choice_view(row.get("choice")),
         "waited_s": None if waited is None else round(waited, 3),
         "requested_at": iso(row.get("requested_at")),
         "started_at": iso(started),

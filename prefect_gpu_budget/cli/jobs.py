@@ -13,6 +13,7 @@ from prefect_gpu_budget.cli.app import app
 from prefect_gpu_budget.cli.common import console, current_ledger, fail, limits_if_configured
 from prefect_gpu_budget.cli.status import budgeted_under, no_such_scope
 from prefect_gpu_budget.cli.tables import Col, print_table
+from prefect_gpu_budget.placement.recorded import choice_view
 from prefect_gpu_budget.units import fmt_usd, iso, micro_to_usd, usd
 
 
@@ -43,6 +44,8 @@ def _job_json(r: dict[str, Any]) -> dict[str, Any]:
         "name": r["name"],
         **_sweep_trial(r["name"]),
         "instance_type": r["instance_type"],
+        "provisioning": r["provisioning"],
+        "placement": choice_view(r.get("choice")),
         "nodes": r["nodes"],
         "rate_usd_per_hour": usd(r["rate_micro_per_hour"]),
         "reserved_usd": usd(r["reserved_micro"]),

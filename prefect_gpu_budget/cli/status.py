@@ -12,6 +12,7 @@ from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.cli.app import app
 from prefect_gpu_budget.cli.common import console, current_ledger, fail
 from prefect_gpu_budget.cli.tables import Col, print_pool, print_table
+from prefect_gpu_budget.placement.recorded import choice_line
 from prefect_gpu_budget.units import fmt_usd, org_of
 
 
@@ -103,12 +104,21 @@ def _status_row(r: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _print_waiting_and_pools(scope: str | None, rows: list[dict[str, Any]]) -> None:
-    """Under the table: each job waiting and why, then the pools of the orgs shown."""
-    waiting = current_ledger().views.jobs(scope, states=("queued",))
-    for job in waiting:
-        console.print(
-            f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: {job['reason']}"
-        )
+    """Under the table: each job waiting and why, where each job that asked for accelerators
+    was placed (`ledger --json` gives every offering considered), then the pools of the orgs
+    shown."""
+    live = current_ledger().views.jobs(scope, states=("queued", "admitted", "running"))
+    for job in live:
+        if job["state"] == "queued":
+            console.print(
+                f"[yellow]waiting[/] {job['id'][:8]} {job['scope']} {job['instance_type']}: "
+                f"{job['reason']}"
+            )
+        placed = choice_line(job.get("choice"))
+        if placed:
+            console.print(
+                f"placed {job['id'][:8]} {job['scope']}: {placed}", markup=False, highlight=False
+            )
     orgs = sorted({org_of(r["scope"]) for r in rows})
     for pool in (p for org in orgs for p in current_ledger().views.capacity_status(org)):
         print_pool(pool)

@@ -7,6 +7,7 @@ other: nothing is reserved here.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -137,4 +138,10 @@ def place_job(
             "requeue": job.requeue and job.checkpoint is None,
         }
     )
-    return Placed(placed, (blocks or {}).get(chosen.launcher), placement)
+    choice = json.dumps(
+        {
+            "accelerators": job.accelerators,
+            "considered": [c.as_dict() for c in placement.considered],
+        }
+    )
+    return Placed(placed.placed_as(choice), (blocks or {}).get(chosen.launcher), placement)

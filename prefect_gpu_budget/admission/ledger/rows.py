@@ -58,6 +58,8 @@ class NewJob:
     """The job asks for a part of each machine (`GpuJob.gpus`...): it needs a capacity pool."""
     priority_class: str | None = None
     """An org's own class the job names: `priority` is set from it when it is recorded."""
+    choice: str | None = None
+    """How the gate placed a job that asked for accelerators (`GpuJob.choice`)."""
 
 
 def budget_rule(row: Any) -> BudgetRule:

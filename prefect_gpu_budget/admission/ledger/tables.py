@@ -114,6 +114,7 @@ jobs = sa.Table(
     sa.Column("wait_key", sa.String(200)),
     sa.Column("wait_since", sa.Float),
     sa.Column("waits", sa.Text),
+    sa.Column("choice", sa.Text),  # how the gate placed a job asking for accelerators (JSON)
     sa.Index("ix_gpu_jobs_org_state", "org", "state"),
     sa.Index("ix_gpu_jobs_org_settled", "org", "state", "settled_at"),
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),

@@ -38,6 +38,7 @@ from prefect_gpu_budget.agents.views import (
     budget_view,
     sweep_view,
     template_view,
+    trial_job,
     trial_number,
     trial_view,
 )
@@ -228,15 +229,16 @@ class Door:
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
         """The sweep as `sweep` answers it (`views.sweep_view`): its trials' records and the
-        latest job of each trial in the ledger."""
+        job of each trial in the ledger (`views.trial_job`: its latest place, costed for all)."""
         run_id = str(run.id)
         meta = self.records.sweep(run_id)
         recorded = {t["trial"]: t for t in self.records.trials(run_id)}
-        jobs = {}
-        for row in self.ledger.views.jobs(session, flow_run_id=run_id):  # the latest per trial
+        parts: dict[int, list[dict[str, Any]]] = {}
+        for row in self.ledger.views.jobs(session, flow_run_id=run_id):  # in request order
             trial = trial_number(row["name"])
             if trial is not None:
-                jobs[trial] = row
+                parts.setdefault(trial, []).append(row)
+        jobs = {trial: trial_job(rows) for trial, rows in parts.items()}
         cancelled = meta is None and self.records.cancelled(run_id)
         return sweep_view(run, meta, recorded, jobs, cancelled)
 

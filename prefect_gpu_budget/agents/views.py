@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
-from prefect_gpu_budget.placement.recorded import choice_view
+from prefect_gpu_budget.placement.recorded import choice_view, places_cell
 from prefect_gpu_budget.units import iso, micro_to_usd, redact_urls, usd
 
 FINAL_RUN_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
@@ -97,6 +97,16 @@ def sweep_view(
     }
 
 
+def trial_job(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A trial's job as its view shows it, from its ledger rows in request order (more than one
+    when its job was placed again): the latest place, with the cost of every place and each
+    place listed (`placements`)."""
+    latest = dict(parts[-1])
+    latest["actual_micro"] = sum(part.get("actual_micro") or 0 for part in parts)
+    latest["places"] = places_cell(parts)
+    return latest
+
+
 def trial_view(
     index: int | None,
     recorded: Mapping[str, Any] | None,
@@ -132,6 +142,7 @@ def trial_view(
         "instance_type": row.get("instance_type"),
         "provisioning": row.get("provisioning"),
         "placement": choice_view(row.get("choice")),
+        "placements": row.get("places") or None,
         "waited_s": None if waited is None else round(waited, 3),
         "requested_at": iso(row.get("requested_at")),
         "started_at": iso(started),

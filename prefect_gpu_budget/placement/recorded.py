@@ -5,6 +5,7 @@ gives it. Read back here for `ledger --json`, `status` and the agents' door."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from prefect_gpu_budget.units import fmt_usd
@@ -44,3 +45,18 @@ def choice_line(text: str | None) -> str | None:
         f"{view['accelerators']} -> {chosen['offering']}, expected "
         f"{fmt_usd(round(chosen['expected_usd'] * 1e6))}; {len(others)} other offerings passed over"
     )
+
+
+def place_line(row: Mapping[str, Any]) -> str:
+    """One place of a job, from its ledger row: `gcp:a2-highgpu-1g spot: interrupted, $0.12`."""
+    outcome = row.get("outcome") or row.get("state")
+    cost = fmt_usd(row.get("actual_micro") or 0)
+    return f"{row['instance_type']} {row['provisioning']}: {outcome}, {cost}"
+
+
+def places_cell(parts: Sequence[Mapping[str, Any]]) -> str:
+    """Every place of one trial's job, in order (`place_line`s joined by `; `); "" for a job
+    that named its machine and ran in one place."""
+    if len(parts) < 2 and not any(part.get("choice") for part in parts):
+        return ""
+    return "; ".join(place_line(part) for part in parts)

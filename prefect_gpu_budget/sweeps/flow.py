@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.csv_cells import to_csv
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
+from prefect_gpu_budget.placement.recorded import places_cell
 from prefect_gpu_budget.sweeps import plots
 from prefect_gpu_budget.sweeps.recording import SweepRecorder
 from prefect_gpu_budget.sweeps.spec import Scalar, SweepSpec, load_spec
@@ -218,18 +220,24 @@ class SweepRun:
     def table(self) -> tuple[pd.DataFrame, list[dict]]:
         """3. The trials table (a row a trial started) and the sweep's jobs in the ledger."""
         jobs = self.led.views.jobs(self.spec.scope, flow_run_id=self.run_id)
-        rows_by_name = {r["name"]: r for r in jobs}
+        parts: dict[str, list[dict]] = defaultdict(list)  # a trial's job placed again: its places
+        for r in jobs:
+            parts[r["name"]].append(r)
         records = []
         for index, params, name, future in self.futures:
             future.wait()  # the final state from the task itself: the API's copy may lag behind
-            records.append(self.trial_row(index, params, future.state, rows_by_name.get(name, {})))
+            records.append(self.trial_row(index, params, future.state, parts.get(name, [])))
         df = pd.DataFrame(records, columns=None if records else list(EMPTY_COLUMNS))
-        return df, list(rows_by_name.values())
+        if "placements" in df and not df["placements"].astype(bool).any():
+            df = df.drop(columns="placements")  # no trial asked for accelerators
+        return df, [part for trial in parts.values() for part in trial]
 
     def trial_row(
-        self, index: int, params: dict[str, Scalar], state: Any, row: dict
+        self, index: int, params: dict[str, Scalar], state: Any, parts: list[dict]
     ) -> dict[str, Any]:
-        """A trial's row: its parameters, metrics, state, cost, waits and runtime."""
+        """A trial's row: its parameters, metrics, state, cost (of every place its job ran in,
+        `parts`: its ledger rows), waits and runtime (of its last place), and its places."""
+        row = parts[-1] if parts else {}
         # its start after admission is no limit: `waited_s` counts it, `blocked_*` do not
         spans = {k: v for k, v in (wait_spans(row) if row else {}).items() if k != STARTING}
         return {
@@ -239,7 +247,7 @@ class SweepRun:
             "non_finite_dropped": self.recorder.non_finite(index),
             "state": state.name,
             "reason": "" if state.is_completed() else redact_urls(state.message or ""),
-            "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
+            "cost_usd": micro_to_usd(sum(part.get("actual_micro") or 0 for part in parts)),
             "waited_s": round(_waited(row), 3) if row else None,
             "blocked_by": max(spans, key=spans.__getitem__) if spans else "",
             "blocked_s": round(sum(spans.values()), 3),
@@ -247,6 +255,7 @@ class SweepRun:
             if row.get("started_at")
             else 0.0,
             "job_id": row.get("id"),
+            "placements": places_cell(parts),
         }
 
     def publish(self, df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:

@@ -31,6 +31,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import INTERRUPTED, LaunchConfigError, Launcher
 from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.placement.recorded import place_line
 from prefect_gpu_budget.settings import METRICS_ENV
 from prefect_gpu_budget.tasks.events import prefect_events
 from prefect_gpu_budget.tasks.logs import install as _reason_once
@@ -178,7 +179,7 @@ def run_gpu_job(
         if isinstance(ran, State):
             return ran  # type: ignore[return-value]
         admission, ended = ran
-        parts.append(_part(admission, ended))
+        parts.append(place_line(ended.row))
         asked = _placed_again(job, ended, len(parts), time.time() - since, logger)
     if ended.result.outcome != "completed":
         return _unfinished_state(ended)  # type: ignore[return-value]
@@ -216,13 +217,6 @@ def _run_once(
         if refused.state_name == "Cancelled":  # its owner cancelled it while it waited
             return Cancelled(message=refused.reason)
         return Failed(name=refused.state_name, message=refused.reason)
-
-
-def _part(admission: Admission, ended: Ended) -> str:
-    """One place of a job, as `JobResult.placements` lists it."""
-    job, row = admission.job, ended.row
-    cost = fmt_usd(row["actual_micro"] or 0)
-    return f"{job.instance_type} {job.provisioning}: {ended.result.outcome}, {cost}"
 
 
 def _placed_again(

@@ -22,6 +22,7 @@ from prefect_gpu_budget.admission.stopping import stop_job
 from prefect_gpu_budget.agents.callers import Caller
 from prefect_gpu_budget.agents.door import Door
 from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
+from prefect_gpu_budget.agents.views import trial_job, trial_view
 from tests.support.jobs import new_job
 
 SESSION = "acme/agents/agent-1"
@@ -123,3 +124,35 @@ def test_the_session_status_names_its_figures_as_status_json_does(ledger: Ledger
     assert (end - start).total_seconds() == 86400
     [job] = status["jobs"]
     assert datetime.fromisoformat(job["started_at"]).timestamp() > 0 and job["reason"] == ""
+
+
+def test_a_trial_placed_again_shows_every_place_and_costs_them_all() -> None:
+    """A trial's job taken back and placed again has a ledger row per place: the view shows
+    the latest place, the cost of all of them, and each place in order."""
+    first = {
+        "id": "a" * 36,
+        "name": "s/0000",
+        "instance_type": "gcp:a2-highgpu-1g",
+        "provisioning": "spot",
+        "state": "settled",
+        "outcome": "interrupted",
+        "actual_micro": 120_000,
+        "requested_at": 1.0,
+        "choice": None,
+    }
+    again = {
+        **first,
+        "id": "b" * 36,
+        "provisioning": "on-demand",
+        "outcome": "completed",
+        "actual_micro": 3_400_000,
+        "requested_at": 2.0,
+    }
+    view = trial_view(0, None, trial_job([first, again]))
+    assert view["job_id"] == "b" * 36 and view["outcome"] == "completed"
+    assert view["cost_usd"] == 3.52
+    assert view["placements"] == (
+        "gcp:a2-highgpu-1g spot: interrupted, $0.12; gcp:a2-highgpu-1g on-demand: completed, $3.40"
+    )
+    alone = trial_view(0, None, trial_job([again]))
+    assert alone["placements"] is None and alone["cost_usd"] == 3.4

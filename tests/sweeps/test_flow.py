@@ -75,6 +75,36 @@ def test_sweep_end_to_end(prefect_api, prices, tmp_path):
     assert "trials admitted" in keys["unit-forecast"].data
 
 
+def test_a_sweep_asking_for_accelerators_shows_where_each_trial_ran(prefect_api, prices, tmp_path):
+    """Trials asking for `H100:8` are placed on the team's pool; the table lists each trial's
+    places and their cost, and the ledger row keeps why (`choice`)."""
+    from prefect_gpu_budget.admission.prices import default_catalog
+    from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota
+    from prefect_gpu_budget.pricing.catalog import set_local_price
+
+    set_local_price("h100a", "7.2", gpus=8, path=prices)
+    default_catalog.cache_clear()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    GpuBudget(scope="lab", period_budget_usd=10, period="day").apply(ledger)
+    GpuBudget(scope="lab/sweeps").apply(ledger)
+    node = (8, 192, 2048)
+    ledger.config.set_pool(
+        Pool("lab", "lab-a", 2, node, ("local:h100a",), "H100"),
+        [TeamQuota("lab-a", "lab/sweeps", (16, 384, 4096), borrow_pct=0)],
+    )
+    job = {"accelerators": "H100:8", "max_runtime": "30s", "kill_grace": "1s"}
+    spec = _spec(tmp_path, job=job, grid={"lr": [0.1], "width": [4, 8]})
+    df = gpu_sweep(spec, ledger=SpendLedger(database_url=url))
+
+    assert list(df["state"]) == ["Completed", "Completed"]
+    for cell, cost in zip(df["placements"], df["cost_usd"], strict=True):
+        assert cell.startswith("local:h100a on-demand: completed, $"), cell
+        assert cost > 0
+    rows = ledger.views.jobs("lab")
+    assert len(rows) == 2 and all('"accelerators": "H100:8"' in r["choice"] for r in rows)
+
+
 def test_a_cancelled_sweeps_state_raises_as_prefect_does_and_keeps_its_table():
     """What a stopped sweep's run ends with: asked for its result it raises Prefect's
     `CancelledRun` (never a TypeError about a DataFrame); the table stays on the exception."""

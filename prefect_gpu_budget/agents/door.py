@@ -21,14 +21,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prefect_gpu_budget.admission.admin_settings import AgentLimits
+from prefect_gpu_budget.admission.admin_settings import AgentLimits, limits_for
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
 from prefect_gpu_budget.admission.stopping import stop_sweep
 from prefect_gpu_budget.agents.callers import Caller, CallerCheck, Refused
 from prefect_gpu_budget.agents.limits import (
     STOPPED_BY_AGENT,
     agent_spec,
-    limits_for,
     runnable,
     stop_own_job,
 )
@@ -356,8 +355,9 @@ class Door:
         max_wait_h: float | None = None,
         resumable: bool = False,
     ) -> dict[str, Any]:
-        """Where a job asking for `accelerators` would be placed in this session now: every
-        offering considered, the chosen one first among those that fit; nothing reserved."""
+        """Where a job asking for `accelerators` would be placed in this session now, on the
+        launchers its team's agents may use: every offering considered, the chosen one first
+        among those that fit; nothing reserved."""
         from prefect_gpu_budget.job import GpuJob
         from prefect_gpu_budget.placement.placing import place_job
 
@@ -370,7 +370,8 @@ class Door:
                 max_wait=None if max_wait_h is None else float(max_wait_h) * 3600,
                 checkpoint="(resumable)" if resumable else None,
             )
-            placed = place_job(job, caller.session, self.ledger)
+            allowed = limits_for(self.ledger, caller.session).launchers
+            placed = place_job(job, caller.session, self.ledger, allowed=allowed)
         except (BudgetInputError, ValidationError, ValueError, TypeError) as exc:
             raise Refused(422, one_line(exc)) from None
         chosen = placed.placement.chosen.as_dict()

@@ -26,12 +26,6 @@ STOPPED_BY_AGENT = "stopped by its agent"
 """The reason on an agent's job that it stopped while it ran."""
 
 
-def limits_for(ledger: Ledger, session: str) -> AgentLimits:
-    """The ceilings for the agents of `session`'s team: the admin's, or the defaults."""
-    team = session.rsplit("/", 1)[0]
-    return AgentLimits(team=team, **(ledger.grants.agent_limits(team) or {}))
-
-
 def agent_spec(
     spec: SweepSpec | dict[str, Any],
     scope: str,

@@ -17,10 +17,10 @@ import pandas as pd
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from prefect_gpu_budget.admission.admin_settings import limits_for
 from prefect_gpu_budget.agents.limits import (
     agent_results,
     agent_spec,
-    limits_for,
     runnable,
     sandboxed_launcher,
 )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,13 @@ from prefect_gpu_budget.placement.choice import Fits, Need, Placement, place
 from prefect_gpu_budget.placement.history import offering_histories
 from prefect_gpu_budget.placement.offerings import Offering, Route, offerings, pool_shapes
 from prefect_gpu_budget.placement.prices import catalog_rates
-from prefect_gpu_budget.placement.routes import launcher_routes, pool_routes, saved_launchers
+from prefect_gpu_budget.placement.routes import (
+    allowed_routes,
+    launcher_route,
+    pool_routes,
+    route_ref,
+    saved_launchers,
+)
 from prefect_gpu_budget.pricing.catalog import Catalog
 from prefect_gpu_budget.units import fmt_usd, org_of, scope_path
 
@@ -43,8 +49,14 @@ class Placed:
 def saved_routes(ledger: Ledger, org: str | None) -> tuple[list[Route], dict[str, object]]:
     """Every saved route, the org's capacity pools and the Prefect API's saved Vertex AI and
     SageMaker launcher blocks (none without an API), and those blocks by name."""
-    blocks = dict(saved_launchers())
-    return [*pool_routes(ledger, org=org), *launcher_routes(blocks.items())], blocks
+    routes: list[Route] = []
+    blocks: dict[str, object] = {}  # by `route_ref`: a Vertex AI and a SageMaker launcher
+    for name, block in saved_launchers():  # may share a name
+        route = launcher_route(name, block)
+        if route is not None:
+            routes.append(route)
+            blocks[route_ref(route.cloud, route.launcher)] = block
+    return [*pool_routes(ledger, org=org), *routes], blocks
 
 
 def budget_fits(ledger: Ledger, scope: str | None, now: float | None = None) -> Fits:
@@ -94,14 +106,17 @@ def place_job(
     catalog: Catalog | None = None,
     routes: Sequence[Route] | None = None,
     blocks: dict[str, object] | None = None,
+    allowed: Collection[str] | None = None,
     now: float | None = None,
 ) -> Placed:
     """`job` (asking for accelerators) placed on the cheapest offering that fits: one-line
     `BudgetInputError`s for an accelerator no offering has, a count no machine holds, a
     deadline none can meet (naming the closest). The job's `vcpu` and `memory_gib` are each
-    node's least; the placed job takes whole machines."""
+    node's least; the placed job takes whole machines. `allowed`: an agent's job, only on the
+    routes its team's limits grant (`AgentLimits.launchers`)."""
     if routes is None:
         routes, blocks = saved_routes(ledger, org_of(scope) if scope else None)
+    routes = allowed_routes(routes, allowed)
     catalog = catalog or Catalog.load(local=ledger_prices(ledger.url))  # the gate's prices
     machines = pool_shapes(catalog.rows(), routes)
     shapes = [
@@ -144,4 +159,5 @@ def place_job(
             "considered": [c.as_dict() for c in placement.considered],
         }
     )
-    return Placed(placed.placed_as(choice), (blocks or {}).get(chosen.launcher), placement)
+    block = (blocks or {}).get(route_ref(chosen.cloud, chosen.launcher))
+    return Placed(placed.placed_as(choice), block, placement)

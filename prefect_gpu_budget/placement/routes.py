@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 import sqlalchemy as sa
 
@@ -122,6 +122,26 @@ def launcher_route(name: str, block: object) -> Route | None:
             provisionings=SAGEMAKER_PROVISIONINGS if spot else ("on-demand",),
         )
     return None
+
+
+LAUNCHER_KINDS = {"gcp": "vertex", "sagemaker": "sagemaker"}
+"""The launcher kind that starts a cloud's offerings: how a saved block is named in an agent's
+limits (`AgentLimits.launchers`: `vertex:NAME`, `sagemaker:NAME`)."""
+
+
+def route_ref(cloud: str, launcher: str) -> str:
+    """How agents' limits name the route of an offering on `cloud` started by `launcher`:
+    `vertex:NAME`, `sagemaker:NAME`, or `local` for a pool's (the local launcher's)."""
+    kind = LAUNCHER_KINDS.get(cloud)
+    return f"{kind}:{launcher}" if kind else "local"
+
+
+def allowed_routes(routes: Iterable[Route], allowed: Collection[str] | None) -> list[Route]:
+    """The routes an agent's limits grant (`allowed`: its team's `AgentLimits.launchers`);
+    every route where no limits apply (None)."""
+    if allowed is None:
+        return list(routes)
+    return [r for r in routes if route_ref(r.cloud, r.launcher) in allowed]
 
 
 def launcher_routes(named: Iterable[tuple[str, object]]) -> list[Route]:

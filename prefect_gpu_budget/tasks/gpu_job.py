@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed, State
 
+from prefect_gpu_budget.admission.admin_settings import limits_for
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
@@ -248,7 +249,9 @@ def placed(
     offering considered said on the run's log), with the saved launcher block that starts it
     (None: a pool's machine, or a job that named its machine, returned as it is). Given a
     `launcher`, only its own offerings: a cloud launcher's, or the org's pools for one that runs
-    here (the local launcher; `"local"` for a task's own body)."""
+    here (the local launcher; `"local"` for a task's own body). An agent's job (`grant`) given
+    no launcher is placed only on the routes its team's limits grant (`AgentLimits.launchers`):
+    a launcher it names was held to them when its sweep was checked."""
     if job.placed:
         return job, None
     from prefect_gpu_budget.placement.placing import place_job
@@ -258,7 +261,9 @@ def placed(
     if launcher is not None:
         own = launcher_route("the job's launcher", launcher)
         routes = [own] if own else pool_routes(gate.ledger, org=org_of(scope))
-    where = place_job(job, scope, gate.ledger, routes=routes)
+    # an agent's job: only where its team's limits let its agents launch
+    allowed = limits_for(gate.ledger, scope).launchers if job.grant and routes is None else None
+    where = place_job(job, scope, gate.ledger, routes=routes, allowed=allowed)
     for line in where.lines():
         say(f"placement: {line}")
     return where.job, where.launcher

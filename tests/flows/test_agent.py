@@ -7,10 +7,10 @@ import hashlib
 
 import pytest
 
-from prefect_gpu_budget.admission.admin_settings import AgentLimits
+from prefect_gpu_budget.admission.admin_settings import AgentLimits, limits_for
 from prefect_gpu_budget.admission.ledger import agent_grants
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.agents.limits import agent_spec, limits_for, stop_own_job
+from prefect_gpu_budget.agents.limits import agent_spec, stop_own_job
 from prefect_gpu_budget.units import BudgetInputError
 from tests.support.jobs import new_job
 

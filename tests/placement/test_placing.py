@@ -122,3 +122,25 @@ def test_a_deadline_none_can_meet_is_one_line_and_reserves_nothing(lab, catalog)
 def test_an_accelerator_no_offering_has_is_one_line(lab, catalog):
     with pytest.raises(BudgetInputError, match=r"^accelerators: no offering has H10 "):
         place_job(GpuJob(accelerators="H10:8", max_runtime="1h"), "acme", lab, catalog=catalog)
+
+
+def test_an_agents_job_is_offered_only_the_launchers_its_team_may_use(lab, catalog):
+    """`allowed`: the team's `AgentLimits.launchers`; `local` grants the pools."""
+    pools_only = place_job(
+        _job(), "acme/vision/s1", lab, catalog=catalog, routes=[POOL, VERTEX], allowed=["local"]
+    )
+    assert {c.offering.launcher for c in pools_only.placement.considered} == {"lab-a"}
+    cloud = place_job(
+        _job(),
+        "acme/vision/s1",
+        lab,
+        catalog=catalog,
+        routes=[POOL, VERTEX],
+        allowed=["vertex:vertex-prod", "sagemaker:vertex-prod"],
+    )
+    assert {c.offering.launcher for c in cloud.placement.considered} == {"vertex-prod"}
+    assert cloud.job.instance_type.startswith("gcp:")
+    with pytest.raises(BudgetInputError) as none:
+        place_job(_job(), "acme/vision/s1", lab, catalog=catalog, routes=[POOL, VERTEX], allowed=[])
+    assert "\n" not in str(none.value) and str(none.value).startswith("accelerators: ")
+    assert lab.views.jobs() == []

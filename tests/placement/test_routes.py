@@ -17,7 +17,12 @@ from prefect_gpu_budget.admission.ledger import Ledger
 from prefect_gpu_budget.admission.ledger.local_prices import LocalPrices
 from prefect_gpu_budget.admission.rules.quota import Pool
 from prefect_gpu_budget.placement.offerings import Route
-from prefect_gpu_budget.placement.routes import launcher_routes, pool_routes, saved_launchers
+from prefect_gpu_budget.placement.routes import (
+    launcher_routes,
+    pool_routes,
+    route_ref,
+    saved_launchers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -169,3 +174,18 @@ def test_a_block_type_never_registered_is_no_saved_launcher(tmp_path: Path) -> N
 
     with PrefectServer(tmp_path / "home") as server, serving(server.api):
         assert saved_launchers() == []
+
+
+def test_a_vertex_and_a_sagemaker_launcher_may_share_a_name(
+    monkeypatch: pytest.MonkeyPatch, ledger: Ledger
+) -> None:
+    """Each saved block is its own route and its own block, named as agents' limits name them
+    (`vertex:NAME`, `sagemaker:NAME`): one name for both used to keep only the last."""
+    from prefect_gpu_budget.placement import placing
+
+    vertex, sagemaker = _vertex("europe-west4"), _sagemaker("us-east-1", None)
+    monkeypatch.setattr(placing, "saved_launchers", lambda: [("prod", vertex), ("prod", sagemaker)])
+    routes, blocks = placing.saved_routes(ledger, "acme")
+    assert [(r.launcher, r.cloud) for r in routes] == [("prod", "gcp"), ("prod", "sagemaker")]
+    assert blocks == {"vertex:prod": vertex, "sagemaker:prod": sagemaker}
+    assert route_ref("gcp", "prod") == "vertex:prod" and route_ref("local", "lab-a") == "local"

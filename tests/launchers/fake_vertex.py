@@ -194,6 +194,8 @@ class FakeVertex(JsonServer):
     public_key: str | None = None
     script: Script = field(default_factory=Script)
     """What the next created jobs do."""
+    scripts: list[Script] = field(default_factory=list)
+    """What the next few created jobs do, one each, in order, before `script` again."""
     fail_create_after_commit: bool = False
     """Create the next job but answer 503, as a request lost on its way back would."""
 
@@ -274,7 +276,7 @@ class FakeVertex(JsonServer):
         self.created.append(body)
         job_id = str(next(self._ids))
         name = f"projects/{self.project_number}/locations/{location}/customJobs/{job_id}"
-        job = Job(name, body, self.script, now)
+        job = Job(name, body, self.scripts.pop(0) if self.scripts else self.script, now)
         self.jobs[job_id] = job
         if self.fail_create_after_commit:
             self.fail_create_after_commit = False

@@ -159,3 +159,62 @@ def test_a_spot_job_the_cloud_takes_back_is_placed_again(prefect_api, tmp_path):
     assert [p.split(":")[0] for p in result.placements] == ["sagemaker", "sagemaker"]
     assert "spot: interrupted, $" in result.placements[0]
     assert "spot: completed, $" in result.placements[1]
+
+
+@pytest.mark.timeout(300)
+def test_a_spot_vm_vertex_takes_back_is_placed_again(prefect_api, tmp_path, monkeypatch):
+    """Vertex AI, on the stand-in: spot is the cheapest A100 offering; its first job fails with
+    a STOCKOUT after it started (`interrupted`), is billed for what ran, and the job is placed
+    again through the gate and completes."""
+    from prefect_gcp import GcpCredentials
+
+    from prefect_gpu_budget.launchers.vertex import VertexLauncher
+    from tests.launchers.fake_vertex import RESOURCE_EXHAUSTED, FakeVertex, Script
+    from tests.support.gcp_server import service_account_info, serving
+
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(tmp_path / "none.csv"))  # shipped only
+    default_catalog.cache_clear()
+    url = f"sqlite:///{tmp_path / 'ledger.db'}"
+    ledger = Ledger(url)
+    ledger.config.set_budget(BudgetRule("acme", period_budget_micro=10**9))
+    ledger.config.set_budget(BudgetRule("acme/b"))
+    asked = GpuJob(
+        accelerators="A100:1",
+        checkpoint="gs://lab/ckpt/trainer",
+        max_runtime="1m",
+        expected_runtime="1s",
+        name="trainer",
+    )
+    info, public_key = service_account_info()
+    stockout = "Spot VM preempted (STOCKOUT)."
+    taken = Script(
+        run_s=0.4, final="JOB_STATE_FAILED", error=stockout, error_code=RESOURCE_EXHAUSTED
+    )
+    with serving(FakeVertex(public_key=public_key, scripts=[taken])) as fake:
+        launcher = VertexLauncher(
+            gcp_credentials=GcpCredentials(service_account_info=info),
+            image_uri="us-docker.pkg.dev/lab/trainer:1",
+            api_endpoint=fake.url,
+            poll_s=0.05,
+        )
+
+        @flow
+        def train():
+            return run_gpu_job(asked, "acme/b/s", SpendLedger(database_url=url), launcher=launcher)
+
+        result = train()
+        strategies = [body["jobSpec"]["scheduling"].get("strategy") for body in fake.created]
+    default_catalog.cache_clear()
+
+    rows = sorted(ledger.views.jobs("acme/b/s"), key=lambda r: r["requested_at"])
+    assert [(r["instance_type"], r["provisioning"], r["outcome"]) for r in rows] == [
+        ("gcp:a2-highgpu-1g", "spot", "interrupted"),
+        ("gcp:a2-highgpu-1g", "spot", "completed"),
+    ]
+    assert len(strategies) == 2 and all(s in ("SPOT", 4) for s in strategies)
+    first, again = rows
+    assert first["ended_at"] - first["started_at"] == pytest.approx(0.4, abs=1e-3)
+    assert 0 < first["actual_micro"] < first["reserved_micro"]
+    assert again["requested_at"] >= first["settled_at"]
+    assert result.outcome == "completed" and result.job_id == again["id"]
+    assert result.placements[0].startswith("gcp:a2-highgpu-1g spot: interrupted, $")

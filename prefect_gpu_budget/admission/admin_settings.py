@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
-
-if TYPE_CHECKING:
-    from prefect_gpu_budget.admission.ledger import Ledger
-
 from prefect_gpu_budget.units import (
     AGENT_MAX_QUEUED,
     MAX_CAP_CENTS,
@@ -292,9 +288,3 @@ class PriorityClassSettings(BaseModel):
     name: str = Field(description="What jobs give as `priority`.")
     value: int = Field(description="-1000..1000: higher is admitted first, and may preempt.")
     description: str = Field("", max_length=200, description="What the class is for.")
-
-
-def limits_for(ledger: Ledger, session: str) -> AgentLimits:
-    """The ceilings for the agents of `session`'s team: the admin's, or the defaults."""
-    team = session.rsplit("/", 1)[0]
-    return AgentLimits(team=team, **(ledger.grants.agent_limits(team) or {}))

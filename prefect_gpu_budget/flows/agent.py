@@ -17,7 +17,6 @@ import pandas as pd
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from prefect_gpu_budget.admission.admin_settings import limits_for
 from prefect_gpu_budget.agents.limits import (
     agent_results,
     agent_spec,
@@ -40,7 +39,7 @@ def agent_sweep(spec: dict[str, Any], session: str, grant: str) -> pd.DataFrame:
     if led.grants.grant_scope(grant) != session:
         raise BudgetInputError("grant", f"no live agent grant for {session}")
     checked = agent_spec(
-        spec, session, limits_for(led, session), led.config.priority_values(session)
+        spec, session, led.grants.limits_for(session), led.config.priority_values(session)
     )
     runnable(checked)
     return run_sweep(

@@ -20,7 +20,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed, State
 
-from prefect_gpu_budget.admission.admin_settings import limits_for
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
@@ -262,7 +261,9 @@ def placed(
         own = launcher_route("the job's launcher", launcher)
         routes = [own] if own else pool_routes(gate.ledger, org=org_of(scope))
     # an agent's job: only where its team's limits let its agents launch
-    allowed = limits_for(gate.ledger, scope).launchers if job.grant and routes is None else None
+    allowed = (
+        gate.ledger.grants.limits_for(scope).launchers if job.grant and routes is None else None
+    )
     where = place_job(job, scope, gate.ledger, routes=routes, allowed=allowed)
     for line in where.lines():
         say(f"placement: {line}")

@@ -3,13 +3,25 @@ reconcile every few minutes.
 
 `prefect-gpu-budget serve` runs them in one process (`flow.serve`); `prefect-gpu-budget deploy`
 registers them on a work pool; `prefect.yaml` beside this file does the same for `prefect deploy`.
+
+Both register the same names (`gpu-sweep/sweep`, ...), and Prefect's upsert keeps what it is not
+told: a deployment served after `deploy` kept the work pool, and its runs, missing the served
+code's path, crashed. So each makes the deployments its own, in place (their id and runs kept):
+serving one clears its work pool, pull steps and storage (`ServedDeployment`), deploying one
+that was served puts it back on the pool, and each says so in one line.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import DeploymentUpdate
+from prefect.deployments.runner import RunnerDeployment
+from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron, Interval
 
 from prefect_gpu_budget.flows.agent import agent_sweep
@@ -28,6 +40,46 @@ EXAMPLE_SPEC = Path(__file__).with_name("nightly-sweep.yaml")
 
 ROOT = Path(__file__).resolve().parents[2]
 """The folder that holds the package: a worker on this machine loads the flows from here."""
+
+log = logging.getLogger(__name__)
+
+
+class ServedDeployment(RunnerDeployment):
+    """A deployment this process serves. Registering it (`aapply`, what `prefect.serve` and
+    the runner call) first takes over a deployment of its name that `deploy` put on a work pool:
+    Prefect's upsert would keep that one's work pool, storage and path (pull steps it clears),
+    and the served runs would load the flow from no path."""
+
+    async def aapply(self, *args: Any, **kwargs: Any) -> UUID:
+        await self._take_over()
+        return await super().aapply(*args, **kwargs)
+
+    async def _take_over(self) -> None:
+        """Clear the work pool, queue, pull steps, storage and job variables of the deployment
+        of this name, and set the served flow's path, saying so; none there: nothing."""
+        async with get_client() as client:
+            try:
+                found = await client.read_deployment_by_name(self.full_name)
+            except ObjectNotFound:
+                return
+            if not (found.work_pool_name or found.pull_steps or found.storage_document_id):
+                return
+            where = (
+                f"to work pool {found.work_pool_name}"
+                if found.work_pool_name
+                else "with pull steps or storage"
+            )
+            log.warning("%s was deployed %s; serving takes it over here", self.full_name, where)
+            update = DeploymentUpdate(
+                work_pool_name=None,  # explicitly none: the server unroutes it from the pool
+                work_queue_name=None,
+                pull_steps=None,
+                storage_document_id=None,
+                job_variables={},
+                path=self._path,  # what Prefect gives a served deployment it creates
+                entrypoint=self.entrypoint,
+            )
+            await client.update_deployment(found.id, update)
 
 
 def _flows(from_source: bool) -> tuple[Any, ...]:
@@ -63,19 +115,29 @@ def deployments(
     """
     spec = SweepSpec.from_yaml(sweep_spec).model_dump(mode="json")
     sweep, report, reconcile, agent_run, bill = _flows(from_source)
+
+    def build(flow: Any, **options: Any) -> RunnerDeployment:
+        if from_source:
+            return flow.to_deployment(**options)
+        return ServedDeployment.from_flow(flow, **options)  # as `flow.to_deployment` does
+
     return [
-        sweep.to_deployment(
+        build(
+            sweep,
             name=SWEEP,
             parameters={"spec": spec},
             schedules=[Cron(sweep_cron, timezone="UTC", parameters={"spec": spec})],
             description="A GPU sweep under budget, for admins and schedules (agents use the gateway).",
         ),
-        report.to_deployment(name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
-        reconcile.to_deployment(name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
-        agent_run.to_deployment(
-            name=AGENT, description="A GPU sweep in an agent's session, started by the gateway."
+        build(report, name=REPORT, schedules=[Cron(report_cron, timezone="UTC")]),
+        build(reconcile, name=RECONCILE, schedules=[Interval(reconcile_every_s)]),
+        build(
+            agent_run,
+            name=AGENT,
+            description="A GPU sweep in an agent's session, started by the gateway.",
         ),
-        bill.to_deployment(
+        build(
+            bill,
             name=REPORT,
             schedules=[Cron(bill_cron, timezone="UTC")],
             description="The cloud's bill, imported from the BillingExport block `default`.",
@@ -91,14 +153,35 @@ def serve(**kwargs: Any) -> None:
 
 
 def deploy(work_pool: str, **kwargs: Any) -> list[Any]:
-    """Register the deployments on a work pool, running this package's installed source."""
+    """Register the deployments on a work pool, running this package's installed source. One
+    that `serve` registered becomes the pool's (Prefect's upsert sets the pool and pull steps);
+    a line says so, as a `serve` still running would run its runs too."""
     from prefect.deployments.runner import deploy as prefect_deploy
 
+    built = deployments(from_source=True, **kwargs)
+    _say_served(built, work_pool)
     return list(
         prefect_deploy(
-            *deployments(from_source=True, **kwargs),
+            *built,
             work_pool_name=work_pool,
             build=False,
             push=False,
         )
     )
+
+
+def _say_served(found: list[Any], work_pool: str) -> None:
+    """One line for each of `found` that is on the server served (no work pool, no pull steps)."""
+    with get_client(sync_client=True) as client:
+        for deployment in found:
+            try:
+                there = client.read_deployment_by_name(deployment.full_name)
+            except ObjectNotFound:
+                continue
+            if not (there.work_pool_name or there.pull_steps or there.storage_document_id):
+                log.warning(
+                    "%s was served; work pool %s takes it over (stop a `serve` still running, "
+                    "or it runs its runs too)",
+                    deployment.full_name,
+                    work_pool,
+                )

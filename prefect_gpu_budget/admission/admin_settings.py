@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from prefect_gpu_budget.admission.ledger.grants import Grants
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.admission.rules.quota import Pool, TeamQuota, proportional
@@ -288,3 +289,10 @@ class PriorityClassSettings(BaseModel):
     name: str = Field(description="What jobs give as `priority`.")
     value: int = Field(description="-1000..1000: higher is admitted first, and may preempt.")
     description: str = Field("", max_length=200, description="What the class is for.")
+
+
+def limits_for(grants: Grants, session: str) -> AgentLimits:
+    """The ceilings for the agents of `session`'s team (`grants`: the ledger's): the admin's,
+    or the defaults."""
+    team = session.rsplit("/", 1)[0]
+    return AgentLimits(team=team, **(grants.agent_limits(team) or {}))

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from prefect_gpu_budget.admission.admin_settings import AgentLimits
+from prefect_gpu_budget.admission.admin_settings import AgentLimits, limits_for
 from prefect_gpu_budget.admission.ledger import FINAL, Ledger
 from prefect_gpu_budget.admission.stopping import stop_sweep
 from prefect_gpu_budget.agents.callers import Caller, CallerCheck, Refused
@@ -108,7 +108,7 @@ class Door:
         """The spec held to the caller's limits and to what the worker can run, and the
         limits; 422 else."""
         try:
-            limits = self.ledger.grants.limits_for(caller.session)
+            limits = limits_for(self.ledger.grants, caller.session)
             checked = agent_spec(
                 spec, caller.session, limits, self.ledger.config.priority_values(caller.session)
             )
@@ -370,7 +370,7 @@ class Door:
                 max_wait=None if max_wait_h is None else float(max_wait_h) * 3600,
                 checkpoint="(resumable)" if resumable else None,
             )
-            allowed = self.ledger.grants.limits_for(caller.session).launchers
+            allowed = limits_for(self.ledger.grants, caller.session).launchers
             placed = place_job(job, caller.session, self.ledger, allowed=allowed)
         except (BudgetInputError, ValidationError, ValueError, TypeError) as exc:
             raise Refused(422, one_line(exc)) from None

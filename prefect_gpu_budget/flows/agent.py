@@ -17,6 +17,7 @@ import pandas as pd
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from prefect_gpu_budget.admission.admin_settings import limits_for
 from prefect_gpu_budget.agents.limits import (
     agent_results,
     agent_spec,
@@ -39,7 +40,7 @@ def agent_sweep(spec: dict[str, Any], session: str, grant: str) -> pd.DataFrame:
     if led.grants.grant_scope(grant) != session:
         raise BudgetInputError("grant", f"no live agent grant for {session}")
     checked = agent_spec(
-        spec, session, led.grants.limits_for(session), led.config.priority_values(session)
+        spec, session, limits_for(led.grants, session), led.config.priority_values(session)
     )
     runnable(checked)
     return run_sweep(

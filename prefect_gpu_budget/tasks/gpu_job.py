@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 from prefect.states import Cancelled, Failed, State
 
+from prefect_gpu_budget.admission.admin_settings import limits_for
 from prefect_gpu_budget.admission.gate import AdmissionRefused, Gate
 from prefect_gpu_budget.admission.holding import Admission
 from prefect_gpu_budget.admission.ledger import PREEMPTED, STOPPED
@@ -262,7 +263,7 @@ def placed(
         routes = [own] if own else pool_routes(gate.ledger, org=org_of(scope))
     # an agent's job: only where its team's limits let its agents launch
     allowed = (
-        gate.ledger.grants.limits_for(scope).launchers if job.grant and routes is None else None
+        limits_for(gate.ledger.grants, scope).launchers if job.grant and routes is None else None
     )
     where = place_job(job, scope, gate.ledger, routes=routes, allowed=allowed)
     for line in where.lines():

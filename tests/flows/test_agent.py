@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from prefect_gpu_budget.admission.admin_settings import AgentLimits
+from prefect_gpu_budget.admission.admin_settings import AgentLimits, limits_for
 from prefect_gpu_budget.admission.ledger import agent_grants
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
 from prefect_gpu_budget.agents.limits import agent_spec, stop_own_job
@@ -131,12 +131,12 @@ def test_an_admin_widens_what_agents_may_ask_for():
 
 
 def test_limits_are_kept_per_team_in_the_ledger(ledger):
-    assert ledger.grants.limits_for(SESSION) == LIMITS  # the defaults until an admin sets some
+    assert limits_for(ledger.grants, SESSION) == LIMITS  # the defaults until an admin sets some
     ledger.grants.set_agent_limits(
         "acme/vision", AgentLimits(team="acme/vision", max_sweeps=5).stored()
     )
-    assert ledger.grants.limits_for(SESSION).max_sweeps == 5
-    assert ledger.grants.limits_for("acme/nlp/agent-1").max_sweeps == 2
+    assert limits_for(ledger.grants, SESSION).max_sweeps == 5
+    assert limits_for(ledger.grants, "acme/nlp/agent-1").max_sweeps == 2
     with pytest.raises(BudgetInputError, match="team"):
         ledger.grants.set_agent_limits("acme", {})
 

@@ -14,7 +14,6 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.admin_settings import AgentLimits
 from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
@@ -146,11 +145,6 @@ class Grants:
         """The ceilings an admin set for `team`'s agents; None: the defaults apply."""
         with self.db.read() as conn:
             return _limits_of(conn, team)
-
-    def limits_for(self, session: str) -> AgentLimits:
-        """The ceilings for the agents of `session`'s team: the admin's, or the defaults."""
-        team = session.rsplit("/", 1)[0]
-        return AgentLimits(team=team, **(self.agent_limits(team) or {}))
 
 
 def grant_refusal(conn: Connection, scope: str, grant: str) -> str:

@@ -7,8 +7,9 @@ region of it (`place` falls back to the `""` region). Per key:
 
 - `waits_s`: admission to start (`started_at - admitted_at`) of the jobs that started, oldest
   first, the latest `MOST_WAITS` of them (by start);
-- `run_hours`: what the ended jobs ran, per node (`billed_seconds`, else `ended_at -
-  started_at`), in hours;
+- `run_hours`: what the ended jobs ran, per node (`ended_at - started_at`: the hours they held
+  their machines, which is what a machine is taken back per; a launcher's billed seconds may be
+  fewer), in hours;
 - `interruptions`: the ended jobs whose machine was taken back (`INTERRUPTED`);
 - `billed_over_reserved`: of the jobs whose bill is final, what the bill charged over what the
   gate's rate comes to for the time they ran (`rate_micro_per_hour x (ended_at - started_at)`:
@@ -75,7 +76,6 @@ def _recent(since_s: float | None, now: float | None) -> sa.Subquery:
             jobs.c.admitted_at,
             jobs.c.started_at,
             jobs.c.ended_at,
-            jobs.c.billed_seconds,
             jobs.c.actual_micro,
             jobs.c.rate_micro_per_hour,
             jobs.c.outcome,
@@ -122,7 +122,7 @@ def _runs(conn: sa.Connection, recent: sa.Subquery) -> Iterable[sa.Row]:
     """(instance_type, provisioning, run seconds, interruptions, settled, priced) of the ended
     jobs, per key: `settled` over `priced` is what they were settled for, over the gate's rate
     times the hours they ran."""
-    ran = sa.func.coalesce(recent.c.billed_seconds, recent.c.ended_at - recent.c.started_at)
+    ran = recent.c.ended_at - recent.c.started_at
     taken_back = sa.case((recent.c.outcome.in_(INTERRUPTED), 1), else_=0)
     wall = recent.c.rate_micro_per_hour * (recent.c.ended_at - recent.c.started_at) / 3600.0
     query = (

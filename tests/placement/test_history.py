@@ -115,8 +115,8 @@ def test_each_figure_of_each_offering(ledger: Ledger) -> None:
     assert set(found) == {(H100_8, "spot", ""), (H100_8, "flex-start", "")}
     spot = found[H100_8, "spot", ""]
     assert spot.waits_s == (30.0, 60.0, 45.0, 120.0, 300.0)  # by start, oldest first
-    # billed seconds where the launcher gave them (600 s), else end - start
-    assert spot.run_hours == pytest.approx(2 + 0.5 + 600 / HOUR + 1)
+    # the hours each held its machine, whatever the launcher billed of them (600 s of 15 min)
+    assert spot.run_hours == pytest.approx(2 + 0.5 + 0.25 + 1)
     assert spot.interruptions == 2  # preempted twice; `failed` is the job's own end
     # no final bill: what the ledger settled (the launcher billed 600 s of one job's 15 min),
     # over the rate for the time they ran

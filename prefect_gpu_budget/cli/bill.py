@@ -4,6 +4,7 @@ the ledger's settlements."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -204,21 +205,34 @@ def bill_accept(
 def bill_drift(
     scope: str = typer.Argument(None, help="A scope's subtree (default: every scope)."),
     as_json: bool = typer.Option(False, "--json", help="Every figure, as JSON."),
+    period: str = typer.Option(
+        None,
+        help="The billing period (YYYY-MM) whose jobs and lines are shown (default: the "
+        "latest imported); `all` for every period.",
+    ),
 ) -> None:
     """Per job the bill names: what it reserved, what the ledger settled, what the cloud
     billed and the drift (billed - settled), final, provisional or held, and why; per scope the
     totals; and, apart, the bill's lines no job's bill counts (untagged usage, account-level
-    taxes and credits, lines refused with the reason, copies of lines held elsewhere)."""
-    from prefect_gpu_budget.admission.ledger.bill_views import APART
+    taxes and credits, lines refused with the reason, copies of lines held elsewhere). One
+    billing period at a time: the latest imported, unless `--period` names another."""
+    from prefect_gpu_budget.admission.ledger.bill_views import APART, drift, latest_period
     from prefect_gpu_budget.units import validate_scope
 
-    found = current_ledger().bills.drift(validate_scope(scope) if scope else None)
+    if period not in (None, "all") and not re.fullmatch(r"\d{4}-(0[1-9]|1[0-2])", period):
+        fail(f"period: must be a billing period YYYY-MM or all, got {period!r}")
+    scope = validate_scope(scope) if scope else None
+    with current_ledger().db.read() as conn:
+        chosen = latest_period(conn) if period is None else None if period == "all" else period
+        found = drift(conn, scope, chosen)
     if as_json:
-        typer.echo(json.dumps(_drift_json(found), indent=2))
+        typer.echo(json.dumps({"billing_period": chosen, **_drift_json(found)}, indent=2))
         return
     if not found["jobs"] and not any(found[kind] for kind in APART):
         console.print("no bill imported yet: `prefect-gpu-budget bill import`")
         return
+    if len({i["billing_period"] for i in found["imports"]}) > 1 and chosen is not None:
+        _say(f"billing period {chosen} (`--period YYYY-MM` for another, `--period all`)")
     _print_jobs(found)
     for kind in APART:
         if found[kind]:

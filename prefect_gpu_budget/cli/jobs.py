@@ -22,12 +22,21 @@ def ledger_cmd(
     scope: str = typer.Argument(None),
     as_json: bool = typer.Option(False, "--json"),
     limit: int = typer.Option(200, help="Newest N jobs."),
+    before: str = typer.Option(
+        None,
+        help="Only jobs requested before this one (a job id, as `--json` gives it): the next "
+        "page is `--before` the oldest id of this one.",
+    ),
 ) -> None:
-    """Every job from request to settlement."""
+    """Every job from request to settlement, newest last, a page at a time (`--limit`,
+    `--before`)."""
     if limit <= 0:
         fail(f"limit: must be at least 1 (the newest N jobs), got {limit}")
-    rows = current_ledger().views.jobs(scope, limit=limit)
-    if scope is not None and not rows and not budgeted_under(scope):
+    ledger = current_ledger()
+    if before is not None and not ledger.views.states([before]):
+        fail(f"before: no job {before} (give a whole id, as `ledger --json` shows it)")
+    rows = ledger.views.jobs(scope, limit=limit, before=before)
+    if scope is not None and not rows and before is None and not budgeted_under(scope):
         no_such_scope("ledger", scope)
     out = [_job_json(r) for r in rows]
     if as_json:

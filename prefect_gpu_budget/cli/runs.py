@@ -139,7 +139,7 @@ def _show_progress(worker: Any, ledger: Any, spec: Any, total: int, started: flo
             worker.join(timeout=1.0)
             rows = [
                 r
-                for r in ledger.views.jobs(spec.scope)
+                for r in ledger.views.jobs(spec.scope, since=started)  # not its history
                 if r["name"] and r["name"].startswith(prefix) and r["requested_at"] >= started
             ]
             ended = sum(r["state"] not in ("queued", *ACTIVE) for r in rows)

@@ -249,9 +249,17 @@ def _publish_capacity(led, orgs: list[str]) -> None:
 
 
 def _publish_bill(led: Any, scope: str | None, out: Path) -> Path | None:
-    """The cloud's bill against the settlements (`Bills.drift`): a table artifact per job and
-    per scope, and the settled-vs-billed plot; nothing before a bill was imported."""
-    drift = led.bills.drift(scope)
+    """The cloud's bill against the settlements (`bill drift`'s: the latest billing period
+    imported, not every month the ledger holds): a table artifact per job and per scope, and
+    the settled-vs-billed plot; nothing before a bill was imported."""
+    from prefect_gpu_budget.admission.ledger.bill_views import drift as read_drift
+    from prefect_gpu_budget.admission.ledger.bill_views import latest_period
+
+    with led.db.read() as conn:
+        period = latest_period(conn)
+        if period is None:
+            return None
+        drift = read_drift(conn, scope, period)
     if not drift["jobs"]:
         return None
     money = ("reserved", "settled", "billed", "drift")
@@ -293,7 +301,7 @@ def spend_report(
     out.mkdir(parents=True, exist_ok=True)
 
     statuses = led.views.status(scope, now=now)
-    jobs = [r for r in led.views.jobs(scope) if _in_window(r, since, now)]
+    jobs = [r for r in led.views.jobs(scope, since=since) if _in_window(r, since, now)]
     in_scope = {
         s["scope"]: [
             r for r in jobs if r["scope"] == s["scope"] or r["scope"].startswith(s["scope"] + "/")

@@ -68,7 +68,10 @@ by about that much each."""
 
 
 def _rules(ledger: Ledger, scope: str) -> dict[str, BudgetRule]:
-    rules = {r.scope: r for r in ledger.config.budgets(org_of(scope))}
+    """The budgets on the sweep's path (its session's from its team's template, if it has none
+    yet): the only ones its trials must fit. The org's other budgets hold only jobs admitted
+    already, which the forecast starts from; reading them all would cost a read per budget."""
+    rules = {r.scope: r for r in ledger.config.path_budgets(scope)}
     team = scope.rsplit("/", 1)[0]
     if scope.count("/") == 2 and scope not in rules:
         template = {t.scope: t for t in ledger.config.session_templates()}.get(team)

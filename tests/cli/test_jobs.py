@@ -63,3 +63,18 @@ def test_the_ledger_names_why_a_job_that_never_ran_ended(tmp_path, monkeypatch, 
         "nightly",
         7,
     )
+
+
+def test_the_ledger_pages_back_before_a_job_and_refuses_an_unknown_one(tmp_path):
+    url = f"sqlite:///{tmp_path / 'l.db'}"
+    env = {**os.environ, "PREFECT_GPU_BUDGET_LEDGER_URL": url}
+    ledger = Ledger(url)
+    ledger.config.set_budget(BudgetRule("pg", period_budget_micro=10**9))
+    ids = [ledger.queue.request(new_job("pg/s"), now=1_000_000.0 + i)[0] for i in range(5)]
+    first = json.loads(cli_run(env, "ledger", "--json", "--limit", "2").stdout)
+    assert [j["id"] for j in first] == ids[3:]
+    done = cli_run(env, "ledger", "--json", "--limit", "2", "--before", first[0]["id"])
+    assert done.returncode == 0, done.stderr
+    assert [j["id"] for j in json.loads(done.stdout)] == ids[1:3]
+    wrong = cli_run(env, "ledger", "--before", ids[0][:8])
+    assert wrong.returncode == 2 and "before: no job" in wrong.stderr, wrong.stderr

@@ -42,29 +42,45 @@ def figure(row: Any) -> str:
     return "final" if row["final"] else "held" if row["held"] else "provisional"
 
 
-def drift(conn: Connection, scope: str | None) -> dict[str, Any]:
-    """`Bills.drift`'s answer, read in one transaction."""
-    unowned = (
+def drift(conn: Connection, scope: str | None, period: str | None = None) -> dict[str, Any]:
+    """`Bills.drift`'s answer, read in one transaction; with `period` (a billing period,
+    `YYYY-MM`), only the jobs a line of that period bills (each with all its lines' bill) and
+    that period's lines no job owns: a month of the bills, however many months the ledger
+    holds. `imports` lists every import."""
+    unowned = sa.select(bill_lines).where(bill_lines.c.kind != "job")
+    billed = None
+    if period is not None:
+        sources = sa.select(bill_imports.c.source).distinct().scalar_subquery()
+        in_period = sa.and_(bill_lines.c.source.in_(sources), bill_lines.c.billing_period == period)
+        unowned = unowned.where(in_period)
+        billed = sa.select(bill_lines.c.job_id).where(in_period, bill_lines.c.kind == "job")
+    lines = (
         conn.execute(
-            sa.select(bill_lines)
-            .where(bill_lines.c.kind != "job")
-            .order_by(bill_lines.c.billing_period, bill_lines.c.usage_start, bill_lines.c.line_id)
+            unowned.order_by(
+                bill_lines.c.billing_period, bill_lines.c.usage_start, bill_lines.c.line_id
+            )
         )
         .mappings()
         .all()
     )
     imports = conn.execute(sa.select(bill_imports)).mappings().all()
-    per_job = [job_entry(row) for row in _billed_jobs(conn, scope)]
+    per_job = [job_entry(row) for row in _billed_jobs(conn, scope, billed)]
     return {
         "jobs": per_job,
         "scopes": scope_totals(per_job),
-        **{kind: [line_view(r) for r in unowned if r["kind"] == kind] for kind in APART},
+        **{kind: [line_view(r) for r in lines if r["kind"] == kind] for kind in APART},
         "imports": [dict(r) for r in imports],
     }
 
 
-def _billed_jobs(conn: Connection, scope: str | None) -> Sequence[Any]:
-    """The bills' jobs (in `scope`'s subtree) with what the ledger holds of each."""
+def latest_period(conn: Connection) -> str | None:
+    """The latest billing period any bill was imported for (None: no import yet)."""
+    return conn.execute(sa.select(sa.func.max(bill_imports.c.billing_period))).scalar_one()
+
+
+def _billed_jobs(conn: Connection, scope: str | None, billed: Any = None) -> Sequence[Any]:
+    """The bills' jobs (in `scope`'s subtree; of the `billed` ids' select) with what the
+    ledger holds of each."""
     query = (
         sa.select(
             bill_jobs.c.job_id,
@@ -83,6 +99,9 @@ def _billed_jobs(conn: Connection, scope: str | None) -> Sequence[Any]:
     )
     if scope is not None:
         query = query.where(subtree(bill_jobs.c.scope, scope))
+    if billed is not None:  # driven by the period's lines (their key), not by every bill
+        ids = billed.distinct().subquery()
+        query = query.join(ids, ids.c.job_id == bill_jobs.c.job_id)
     return conn.execute(query).mappings().all()
 
 

@@ -1,5 +1,6 @@
 """The reads and writes several of the ledger's stores share, as functions over a connection:
-a scope's subtree (`subtree`), budgets and the ones on a path, the period spend a settlement
+a scope's subtree (`subtree`), a keyset page of jobs and its filters (`page_query`, `narrowed`),
+budgets and the ones on a path, the period spend a settlement
 adds to, an org's pools and team quotas, the states of jobs, a decided job's recorded
 `Decision`, the statements every request runs (built once: `WAITER_AHEAD`, `OPEN_JOBS`,
 `OPEN_PERIODS`), and how far a scope's jobs overran their estimates (`read_overrun`)."""
@@ -30,13 +31,59 @@ from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.deciding import HOLDING_LIMITS
 from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision, overrun_factors
 from prefect_gpu_budget.admission.rules.quota import TEAM_SETTINGS, Pool, TeamQuota, team_of
-from prefect_gpu_budget.units import scope_path
+from prefect_gpu_budget.units import MAX_SCOPE_DEPTH, scope_path
 
 
 def subtree(column: Any, scope: str) -> sa.ColumnElement[bool]:
     """`column` names `scope` or a scope under it (`acme` matches `acme` and `acme/vision`,
-    not `acmex`; `_` and `%` in a scope match only themselves)."""
+    not `acmex`; `_` and `%` in a scope match only themselves). A session (a scope of the
+    deepest kind) has no scope under it: it matches itself alone, an equality an index on the
+    column serves."""
+    if scope.count("/") + 1 >= MAX_SCOPE_DEPTH:
+        return column == scope
     return sa.or_(column == scope, column.startswith(scope + "/", autoescape=True))
+
+
+def page_query(conn: sa.Connection, before: str | None) -> Any:
+    """`select(jobs)`, of the jobs requested before job `before` (in the order `requested_at`,
+    `id`: a keyset), or of all when `before` is None; None when there is no such job."""
+    query = sa.select(jobs)
+    if before is None:
+        return query
+    key = conn.execute(sa.select(jobs.c.requested_at, jobs.c.id).where(jobs.c.id == before)).first()
+    if key is None:
+        return None
+    return query.where(
+        jobs.c.requested_at <= key.requested_at,  # the bound an index on it starts from
+        sa.or_(
+            jobs.c.requested_at < key.requested_at,
+            sa.and_(jobs.c.requested_at == key.requested_at, jobs.c.id < key.id),
+        ),
+    )
+
+
+def narrowed(
+    query: Any,
+    scope: str | None,
+    states: tuple[str, ...] | None,
+    flow_run_id: str | None,
+    since: float | None,
+) -> Any:
+    """`query` of jobs narrowed to a scope's subtree, states, a flow run, and the jobs not
+    ended before `since`. A session's jobs are found by its scope (`ix_gpu_jobs_scope_ended`):
+    its states are then compared in a form no index serves, so that neither database walks
+    every org's jobs of a state (`ix_gpu_jobs_state_requested`) to find a session's few."""
+    if flow_run_id is not None:
+        query = query.where(jobs.c.flow_run_id == flow_run_id)
+    session = bool(scope) and scope.count("/") + 1 >= MAX_SCOPE_DEPTH
+    if scope:
+        query = query.where(subtree(jobs.c.scope, scope))
+    if states:
+        state = sa.func.coalesce(jobs.c.state, "") if session else jobs.c.state
+        query = query.where(state.in_(states))
+    if since is not None:
+        query = query.where(sa.or_(jobs.c.ended_at.is_(None), jobs.c.ended_at >= since))
+    return query
 
 
 def read_budgets(conn: Connection, org: str | None = None) -> list[BudgetRule]:
@@ -219,11 +266,16 @@ OPEN_JOBS = sa.select(
 ).where(jobs.c.org == sa.bindparam("org"), jobs.c.state.in_(("queued", *ACTIVE)))
 """An org's queued and admitted or running jobs, as the policy sees them (`Queue._load`)."""
 
+LONGEST_PERIOD_S = 32 * 86400.0
+"""Longer than any budget period (a month, in any time zone): a period not yet over began
+less than this long ago."""
 OPEN_PERIODS = sa.select(period_spend).where(
     period_spend.c.scope.in_(sa.bindparam("scopes", expanding=True)),
+    period_spend.c.period_start > sa.bindparam("now") - LONGEST_PERIOD_S,
     period_spend.c.period_end > sa.bindparam("now"),
 )
-"""The settled spend of the named scopes' periods not yet over."""
+"""The settled spend of the named scopes' periods not yet over: read by the totals' key
+(scope, period start) from the last month on, not through a year of a scope's periods."""
 
 
 def read_overrun(conn: Connection, org: str) -> dict[str, float]:

@@ -120,7 +120,12 @@ jobs = sa.Table(
     sa.Index("ix_gpu_jobs_scope_ended", "scope", "ended_at"),
     sa.Index("ix_gpu_jobs_requested", "requested_at"),
     sa.Index("ix_gpu_jobs_flow_run", "flow_run_id"),
+    sa.Index("ix_gpu_jobs_state_requested", "state", "requested_at"),
+    sa.Index("ix_gpu_jobs_ended", "ended_at"),
 )
+"""Besides the decision's indexes (an org's open and settled jobs), the reads' own: the open
+jobs of every org in request order (`state`, `requested_at`: what waits, orphans) and a
+window of ended jobs (`ended_at`: the spend report's), neither reading a year of history."""
 
 period_spend = sa.Table(
     "gpu_period_spend",

@@ -15,10 +15,17 @@ from prefect_gpu_budget.admission.ledger.queries import (
     job_states,
     load_pools,
     load_quotas,
+    narrowed,
+    page_query,
     read_budgets,
     subtree,
 )
-from prefect_gpu_budget.admission.ledger.rows import STARTING, hold_of, placed_of
+from prefect_gpu_budget.admission.ledger.rows import STARTING, placed_of
+from prefect_gpu_budget.admission.ledger.scope_status import (
+    open_by_scope,
+    scope_status,
+    settled_now,
+)
 from prefect_gpu_budget.admission.ledger.tables import (
     ACTIVE,
     PREEMPTED,
@@ -35,7 +42,6 @@ from prefect_gpu_budget.admission.ledger.tables import (
 )
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.capacity import Capacity
-from prefect_gpu_budget.admission.rules.policy import BudgetRule, held_in
 from prefect_gpu_budget.admission.rules.quota import Pool
 from prefect_gpu_budget.admission.rules.timing import STALE_AFTER_S
 from prefect_gpu_budget.identity import holder_alive
@@ -94,36 +100,49 @@ class Views:
         *,
         limit: int | None = None,
         flow_run_id: str | None = None,
+        before: str | None = None,
+        since: float | None = None,
     ) -> list[dict[str, Any]]:
         """Jobs in `scope` (and below) in request order; with `limit`, only the newest that
-        many, and with `flow_run_id`, only that run's (both chosen in SQL, not in memory)."""
-        query = sa.select(jobs).order_by(jobs.c.requested_at)
-        if limit is not None:
-            query = (
-                sa.select(jobs)
-                .order_by(jobs.c.requested_at.desc(), jobs.c.id.desc())
-                .limit(max(0, limit))
-            )
-        if flow_run_id is not None:
-            query = query.where(jobs.c.flow_run_id == flow_run_id)
-        if scope:
-            query = query.where(subtree(jobs.c.scope, scope))
-        if states:
-            query = query.where(jobs.c.state.in_(states))
+        many, and with `before` (a job's id, with `limit`) the newest that many requested
+        before it: a keyset page, as cheap deep in the ledger as at its head; with `since`,
+        only the jobs not ended before then; with `flow_run_id`, only that run's (all chosen
+        in SQL, not in memory)."""
+        newest = limit is not None
         with self.db.read() as conn:
+            query = page_query(conn, before) if newest else sa.select(jobs)
+            if query is None:  # no such job to page from
+                return []
+            if newest:
+                query = query.order_by(jobs.c.requested_at.desc(), jobs.c.id.desc()).limit(
+                    max(0, limit or 0)
+                )
+            elif since is not None:  # sorted, not walked in order: a window is found by its
+                query = query.order_by(jobs.c.requested_at + 0)  # end (`ix_gpu_jobs_ended`)
+            else:
+                query = query.order_by(jobs.c.requested_at)
+            query = narrowed(query, scope, states, flow_run_id, since)
             found = [dict(row) for row in conn.execute(query).mappings()]
-        return found[::-1] if limit is not None else found
+        return found[::-1] if newest else found
 
     @reconnecting
     def status(self, scope: str | None = None, now: float | None = None) -> list[dict[str, Any]]:
         """Per budgeted scope: cap, running rate (of its admitted and running jobs: both hold
         their slots), period spend (settled, reserved), and its jobs: `running` (started),
         `admitted` (not started yet: a cloud may still be finding capacity, as Slurm's
-        CONFIGURING or a flex-start job's wait) and `queued`."""
+        CONFIGURING or a flex-start job's wait) and `queued`. Read in a few statements however
+        many scopes and settled jobs there are: the orgs' open jobs once, and each current
+        period's settled spend from its total (`gpu_period_spend`)."""
         now = time.time() if now is None else now
         with self.db.read() as conn:
             rules = [r for r in read_budgets(conn) if _within(r.scope, scope)]
-            return [_scope_status(conn, rule, now) for rule in rules]
+            bounds = {r.scope: periods.bounds(r.period, r.timezone, now) for r in rules}
+            settled = settled_now(conn, {s: b[0] for s, b in bounds.items()})
+            open_rows = open_by_scope(conn, rules, scope)
+        return [
+            scope_status(rule, open_rows.get(rule.scope, []), bounds[rule.scope], settled, now)
+            for rule in rules
+        ]
 
     def orphans(
         self, now: float | None = None, stale_after: float = STALE_AFTER_S
@@ -238,53 +257,6 @@ class Views:
         if row.stop_asked_at is not None:  # its owner's word wins: not queued again
             return STOPPED
         return PREEMPTED if row.preempt_at is not None else None
-
-
-def _scope_status(conn: sa.Connection, rule: BudgetRule, now: float) -> dict[str, Any]:
-    """`Views.status` of one budgeted scope."""
-    rows = conn.execute(
-        sa.select(
-            jobs.c.state,
-            jobs.c.rate_micro_per_hour,
-            jobs.c.max_runtime_s,
-            jobs.c.reserved_micro,
-            jobs.c.admitted_at,
-            jobs.c.started_at,
-            jobs.c.reserve_seconds,
-        ).where(subtree(jobs.c.scope, rule.scope), jobs.c.state.in_(("queued", *ACTIVE)))
-    ).all()
-    p_start, p_end = periods.bounds(rule.period, rule.timezone, now)
-    reserved = sum(
-        held_in(hold_of(r._mapping, rule.scope, now), now, rule, p_start)
-        for r in rows
-        if r.state in ACTIVE
-    )
-    settled = (
-        conn.execute(
-            sa.select(period_spend.c.settled_micro).where(
-                period_spend.c.scope == rule.scope, period_spend.c.period_start == p_start
-            )
-        ).scalar_one_or_none()
-        or 0
-    )
-    budget = rule.period_budget_micro
-    cap = rule.hourly_cap_cents
-    return {
-        "scope": rule.scope,
-        "hourly_cap_micro": None if cap is None else cap * 10_000,
-        "running_rate_micro": sum(r.rate_micro_per_hour for r in rows if r.state in ACTIVE),
-        "period": rule.period,
-        "period_start": p_start,
-        "period_end": p_end,
-        "timezone": rule.timezone,
-        "period_budget_micro": budget,
-        "settled_micro": settled,
-        "reserved_micro": reserved,
-        "remaining_micro": None if budget is None else budget - settled - reserved,
-        "running": sum(1 for r in rows if r.state == "running"),
-        "admitted": sum(1 for r in rows if r.state == "admitted"),
-        "queued": sum(1 for r in rows if r.state == "queued"),
-    }
 
 
 def _pool_status(org: str, pool: Pool, cap: Capacity, rows: Sequence[Any]) -> dict[str, Any]:

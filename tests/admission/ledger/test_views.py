@@ -71,3 +71,37 @@ def test_an_owners_stop_wins_over_a_preemption(ledger):
     assert ledger.views.stop_asked(job_id) == "preempted"
     assert ledger.settlements.ask_stop(job_id, "stopped by its owner")
     assert ledger.views.stop_asked(job_id) == "stopped"
+
+
+def test_a_page_before_a_job_is_the_next_older_page(ledger):
+    """`before` pages by (requested_at, id): two jobs asked at the same instant are split by
+    their ids, none is shown twice or left out; an unknown job has no page."""
+    ledger.config.set_budget(BudgetRule("pg", period_budget_micro=10**9))
+    at = [1_000_000.0, 1_000_001.0, 1_000_002.0, 1_000_002.0, 1_000_003.0]
+    for i, now in enumerate(at):
+        ledger.queue.request(_job(f"pg/t/s{i % 2}"), now=now)
+    whole = [j["id"] for j in ledger.views.jobs("pg", limit=10)]
+    pages, before = [], None
+    while page := ledger.views.jobs("pg", limit=2, before=before):
+        pages.append([j["id"] for j in page])
+        before = page[0]["id"]
+    assert [i for page in reversed(pages) for i in page] == whole and len(whole) == 5
+    assert [len(p) for p in pages] == [2, 2, 1]
+    assert ledger.views.jobs(limit=2, before="no-such-job") == []
+    session = ledger.views.jobs("pg/t/s0", limit=5, before=whole[-1])
+    assert {j["scope"] for j in session} == {"pg/t/s0"} and len(session) == 2
+
+
+def test_since_leaves_out_the_jobs_that_ended_before(ledger):
+    ledger.config.set_budget(BudgetRule("sn", period_budget_micro=10**9))
+    now = time.time()
+    old, _ = ledger.queue.request(_job("sn/t/a"), now=now - 3000)
+    ledger.settlements.mark_started(old, now - 2990)
+    ledger.settlements.settle(old, ended_at=now - 2000, outcome="completed", scope="sn/t/a")
+    late, _ = ledger.queue.request(_job("sn/t/a"), now=now - 2500)
+    ledger.settlements.mark_started(late, now - 2490)
+    ledger.settlements.settle(late, ended_at=now - 500, outcome="completed", scope="sn/t/a")
+    running, _ = ledger.queue.request(_job("sn/t/b"), now=now - 100)
+    ledger.settlements.mark_started(running, now - 90)
+    assert [j["id"] for j in ledger.views.jobs("sn", since=now - 1000)] == [late, running]
+    assert len(ledger.views.jobs("sn")) == 3

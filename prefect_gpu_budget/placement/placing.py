@@ -66,8 +66,8 @@ def budget_fits(ledger: Ledger, scope: str | None, now: float | None = None) -> 
     offerings alone)."""
     now = time.time() if now is None else now
     path = set(scope_path(scope)) if scope else set()
-    rules = [r for r in ledger.views.status(now=now) if r["scope"] in path] if path else []
     org = scope.split("/")[0] if scope else None
+    rules = [r for r in ledger.views.status(org, now=now) if r["scope"] in path] if org else []
     pools = {p["pool"]: p for p in ledger.views.capacity_status(org)} if org else {}
     team = team_of(scope) if scope else None
 

@@ -44,6 +44,7 @@ from prefect_gpu_budget.tasks.defaults import job_defaults
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
     micro_to_usd,
+    org_of,
     redact_urls,
     scope_path,
 )
@@ -308,7 +309,7 @@ def _publish(
         table=json.loads(df.drop(columns=["job_id"]).to_json(orient="records")),
         description=f"Trials of sweep {spec.name}",
     )
-    status = {s["scope"]: s for s in led.views.status()}
+    status = {s["scope"]: s for s in led.views.status(org_of(spec.scope))}  # its org's only
     path_status = [status[s] for s in reversed(scope_path(spec.scope)) if s in status]
     budget = next((s for s in path_status if s["period_budget_micro"] is not None), None)
     cap = next((s for s in path_status if s["hourly_cap_micro"] is not None), None)

@@ -1,6 +1,6 @@
 """AWS Cost and Usage Report 2.0 (Data Exports, table `COST_AND_USAGE_REPORT`) read into
-`BillLine`s: a period's delivery from S3 through its manifest (`read_cur2_s3`), or one local
-file (`read_cur2_file`).
+`BillLine`s: a period's delivery from S3 through its manifest (`read_cur2_s3`, or line by line,
+`stream_cur2_s3`), or one local file (`read_cur2_file`; line by line, `iter_cur2_lines`).
 
 Columns (CUR 2.0's snake_case names):
 
@@ -40,18 +40,18 @@ from __future__ import annotations
 import json
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timezone
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
+from prefect_gpu_budget.billing.lines import BillError, BillLine, BillRead
 from prefect_gpu_budget.billing.reading import (
     MAX_FILE_BYTES,
     Rows,
     at,
-    money,
+    micro,
     no_nul,
     number_repeats,
     open_rows,
@@ -92,6 +92,12 @@ def is_cur2(columns: list[str]) -> bool:
 def cur2_lines(rows: Rows, period: str | None = None) -> list[BillLine]:
     """The lines of an open file in CUR 2.0 columns, in file order, not yet numbered; with a
     `period`, a line billed in another period is refused."""
+    return list(iter_cur2_lines(rows, period))
+
+
+def iter_cur2_lines(rows: Rows, period: str | None = None) -> Iterator[BillLine]:
+    """`cur2_lines` one line at a time, as the rows are read (the columns are checked before
+    the first)."""
     columns = set(rows.columns)
     for column in REQUIRED:
         if column not in columns:
@@ -99,7 +105,7 @@ def cur2_lines(rows: Rows, period: str | None = None) -> list[BillLine]:
     if TAGS not in columns and FLAT_TAG not in columns and not rows.kind.startswith("jsonl"):
         raise BillError(rows.where, "missing column", TAGS)
     has_currency = CURRENCY in columns
-    lines = []
+    rows.wanted = READ
     for n, row in enumerate(rows.rows, start=1):
         line = _line(row, rows.where, n, has_currency)
         if period is not None and line.billing_period != period:
@@ -109,8 +115,7 @@ def cur2_lines(rows: Rows, period: str | None = None) -> list[BillLine]:
                 "bill_billing_period_start_date",
                 n,
             )
-        lines.append(line)
-    return lines
+        yield line
 
 
 def _line(row: Mapping[str, Any], where: str, n: int, has_currency: bool) -> BillLine:
@@ -128,10 +133,10 @@ def _line(row: Mapping[str, Any], where: str, n: int, has_currency: bool) -> Bil
         ("line_item_usage_start_date", "line_item_usage_end_date"),
         n,
     )
-    billed = to_micro(money(row.get(UNBLENDED), where, UNBLENDED, n), where, UNBLENDED, n)
+    billed = micro(row.get(UNBLENDED), where, UNBLENDED, n)
     net = row.get(NET)  # checked as the required unblended cost is, whichever is billed
     if net is not None and not (isinstance(net, str) and not net.strip()):
-        billed = to_micro(money(net, where, NET, n), where, NET, n)
+        billed = micro(net, where, NET, n)
     currency = text(row.get(CURRENCY), where, CURRENCY, n, required=has_currency) or "USD"
     return BillLine(
         source=SOURCE,
@@ -158,6 +163,13 @@ DESCRIBED_BY = (
     "line_item_product_code",
     "line_item_line_item_type",
 )
+
+
+READ = frozenset(
+    (*REQUIRED, *DESCRIBED_BY, "identity_time_interval", NET, CURRENCY, TAGS, FLAT_TAG)
+    + ("line_item_resource_id",)
+)
+"""Every column a line is read from."""
 
 
 def _description(row: Mapping[str, Any], where: str, n: int) -> str:
@@ -228,22 +240,27 @@ def tags(value: object, where: str, n: int) -> dict[str, str]:
 # -- S3 -----------------------------------------------------------------------------------------
 
 
-def read_cur2_s3(
+def read_cur2_s3(client: Any, *where: Any, max_bytes: int | None = None) -> list[BillLine]:
+    """A billing period's whole delivery (`stream_cur2_s3`'s lines: the same arguments), as a
+    list, numbered."""
+    return number_repeats(list(stream_cur2_s3(client, *where, max_bytes=max_bytes)))
+
+
+def stream_cur2_s3(
     client: Any,
     bucket: str,
     prefix: str,
     export_name: str,
     period: str,
     max_bytes: int | None = None,
-) -> list[BillLine]:
-    """A billing period's whole delivery, read from S3 through its manifest.
-
-    `client` is a boto3 S3 client (e.g. `AwsCredentials.get_boto3_session().client("s3")`);
-    `period` is `YYYY-MM`. The manifest is looked for under
-    `<prefix>/<export_name>/metadata/BILLING_PERIOD=<period>/`: the documented
-    `<export_name>-Manifest.json` there if it exists, else the one object under that folder
-    whose name ends in `Manifest.json` (the newest, if a "create new" delivery has kept one per
-    refresh in folders of their own; two newest of the same second are refused).
+) -> Iterator[BillLine]:
+    """A billing period's whole delivery, read from S3 through its manifest, line by line
+    (not numbered): each data file is copied to a temporary file and read there, one at a time.
+    `client` is a boto3 S3 client (`AwsCredentials.get_client("s3")`); `period` is `YYYY-MM`.
+    The manifest is looked for under `<prefix>/<export_name>/metadata/BILLING_PERIOD=<period>/`:
+    the documented `<export_name>-Manifest.json` there if it exists, else the one object under
+    that folder whose name ends in `Manifest.json` (the newest, if a "create new" delivery has
+    kept one per refresh in folders of their own; two newest of the same second are refused).
 
     Manifests read: the Data Exports one, whose `dataFiles` lists the data files' full S3 URIs
     (`s3://bucket/key`); entries given as bare keys are read from `bucket`. The legacy CUR
@@ -269,15 +286,6 @@ def read_cur2_s3(
     for file_bucket, file_key in files:
         _check_inside(file_bucket, file_key, bucket, base, where)
     bound = MAX_FILE_BYTES if max_bytes is None else max_bytes
-    return number_repeats(_read_files(client, files, period, bound))
-
-
-def _read_files(
-    client: Any, files: list[tuple[str, str]], period: str, bound: int
-) -> list[BillLine]:
-    """The lines of the listed data files, each copied to a temporary file (bounded by
-    `bound`) and read there."""
-    lines: list[BillLine] = []
     with tempfile.TemporaryDirectory(prefix="cur2-") as tmp:
         for i, (file_bucket, file_key) in enumerate(files):
             uri = f"s3://{file_bucket}/{file_key}"
@@ -285,9 +293,8 @@ def _read_files(
             body = _get(client, file_bucket, file_key, uri, listed=True)
             with local.open("wb") as out:
                 _copy(body, out, bound, uri)
-            lines += cur2_lines(open_rows(local, uri, bound), period)
+            yield from iter_cur2_lines(open_rows(local, uri, bound), period)
             local.unlink()
-    return lines
 
 
 @dataclass(frozen=True)
@@ -315,13 +322,28 @@ class Cur2S3Source:
 
     def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
         """Each of `periods` (`YYYY-MM`) read whole, an empty one included."""
-        from prefect_aws import AwsCredentials
-
-        client = (self.credentials or AwsCredentials()).get_client("s3")
+        client = self._client()
         return {
             (SOURCE, p): read_cur2_s3(client, self.bucket, self.prefix, self.export_name, p)
             for p in periods
         }
+
+    def stream(self, periods: list[str]) -> list[BillRead]:
+        """Each of `periods` (`YYYY-MM`) as a read of its own, line by line, an empty one
+        included."""
+        client = self._client()
+        return [
+            BillRead(
+                stream_cur2_s3(client, self.bucket, self.prefix, self.export_name, p),
+                ((SOURCE, p),),
+            )
+            for p in periods
+        ]
+
+    def _client(self) -> Any:
+        from prefect_aws import AwsCredentials
+
+        return (self.credentials or AwsCredentials()).get_client("s3")
 
 
 MANIFEST_BYTES = 16 << 20

@@ -1,18 +1,18 @@
-"""Local bill files in either export's schema (`read_bill_files`, and the export of kind
-`file` that reads them, `FilesSource`), and the currency check the ledger makes before it books
-them (`check_currency`)."""
+"""Local bill files in either export's schema (`read_bill_files`, line by line
+`iter_bill_files`, and the export of kind `file` that reads them, `FilesSource`), and the
+currency check the ledger makes before it books them (`check_currency`, `currency_error`)."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_gpu_budget.billing.aws_cur2 import cur2_lines, is_cur2
-from prefect_gpu_budget.billing.gcp_billing import gcp_lines, is_gcp
-from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine
+from prefect_gpu_budget.billing.aws_cur2 import is_cur2, iter_cur2_lines
+from prefect_gpu_budget.billing.gcp_billing import is_gcp, iter_gcp_lines
+from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine, BillRead
 from prefect_gpu_budget.billing.reading import number_repeats, open_rows, split_where
 
 CURRENCY_COLUMN = {"aws-cur2": "line_item_currency_code", "gcp-billing": "currency"}
@@ -33,21 +33,31 @@ def read_bill_files(
     refused. GCP rows are nested, so a GCP file is JSON Lines or Parquet. `max_bytes` bounds
     each file's data, decompressed (`reading.open_rows`).
     """
+    return number_repeats(list(iter_bill_files(paths, source, max_bytes)))
+
+
+def iter_bill_files(
+    paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str],
+    source: str | None = None,
+    max_bytes: int | None = None,
+) -> Iterator[BillLine]:
+    """`read_bill_files`' lines one at a time, file after file, as their rows are read: not
+    numbered (whoever imports them numbers a line id repeated across them)."""
     if isinstance(paths, str | os.PathLike):
         paths = [paths]
     if source is not None and source not in SOURCES:
         raise ValueError(f"source is one of {', '.join(SOURCES)}, not {source!r}")
+    paths = list(paths)
     seen: set[Path] = set()
-    lines: list[BillLine] = []
     for path in paths:
         real = Path(path).resolve()
         if real in seen:
             raise BillError(str(path), "named twice: its lines would be billed twice")
         seen.add(real)
+    for path in paths:
         rows = open_rows(path, max_bytes=max_bytes)
         kind = source or _schema(rows.columns, rows.where)
-        lines += cur2_lines(rows) if kind == "aws-cur2" else gcp_lines(rows)
-    return number_repeats(lines)
+        yield from iter_cur2_lines(rows) if kind == "aws-cur2" else iter_gcp_lines(rows)
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,10 @@ class FilesSource:
             found.setdefault((line.source, line.billing_period), []).append(line)
         return found
 
+    def stream(self, periods: list[str]) -> list[BillRead]:
+        """The files as one read (a line id repeated across them is numbered), line by line."""
+        return [BillRead(iter_bill_files(self.paths, self.schema, max_bytes=self.max_bytes))]
+
 
 def _schema(columns: list[str], where: str) -> str:
     """The schema a file's columns show. A file with none of CUR 2.0's columns but at least
@@ -94,13 +108,20 @@ def _schema(columns: list[str], where: str) -> str:
 def check_currency(lines: Iterable[BillLine], currency: str = "USD") -> None:
     """Refuse lines in another currency than `currency` (the budget's): `BillError` naming the
     file, the column and the row of the first such line. Codes compare case-insensitively."""
-    want = currency.strip().upper()
     for line in lines:
-        if line.currency.strip().upper() != want:
-            where, row = split_where(line.where)
-            raise BillError(
-                where or line.source,
-                f"billed in {line.currency!r}, not in the budget's {want}",
-                CURRENCY_COLUMN.get(line.source),
-                row,
-            )
+        if (error := currency_error(line, currency)) is not None:
+            raise error
+
+
+def currency_error(line: BillLine, currency: str = "USD") -> BillError | None:
+    """The `BillError` a line in another currency than `currency` gets (None: it is in it)."""
+    want = currency.strip().upper()
+    if line.currency.strip().upper() == want:
+        return None
+    where, row = split_where(line.where)
+    return BillError(
+        where or line.source,
+        f"billed in {line.currency!r}, not in the budget's {want}",
+        CURRENCY_COLUMN.get(line.source),
+        row,
+    )

@@ -1,7 +1,8 @@
 """GCP's Cloud Billing export (the detailed usage cost table,
 `gcp_billing_export_resource_v1_<account>`, or the standard one) read into `BillLine`s: a
-month from BigQuery (`read_gcp_bigquery`), or a local copy of the table (`read_gcp_file`). Both
-go through one row adapter, `line_from_gcp_row`, over rows with BigQuery's nested field names.
+month from BigQuery (`read_gcp_bigquery`; page by page, `stream_gcp_bigquery`), or a local copy
+of the table (`read_gcp_file`; line by line, `iter_gcp_lines`). Both go through one row adapter,
+`line_from_gcp_row`, over rows with BigQuery's nested field names.
 
 Fields read: `invoice.month` (`YYYYMM`, the billing period), `usage_start_time`,
 `usage_end_time`, `cost`, `currency`, `cost_type` (all required); `credits` (repeated
@@ -28,13 +29,13 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, ClassVar
 
-from prefect_gpu_budget.billing.lines import JOB_MARK, BillError, BillLine, to_micro
+from prefect_gpu_budget.billing.lines import JOB_MARK, BillError, BillLine, BillRead, to_micro
 from prefect_gpu_budget.billing.reading import (
     Rows,
     at,
@@ -202,12 +203,27 @@ def _plain(value: Any) -> Any:
 
 def gcp_lines(rows: Rows) -> list[BillLine]:
     """The lines of an open file of BigQuery rows (JSON Lines or Parquet), not yet numbered."""
+    return list(iter_gcp_lines(rows))
+
+
+def iter_gcp_lines(rows: Rows) -> Iterator[BillLine]:
+    """`gcp_lines` one line at a time, as the rows are read (the columns are checked before
+    the first)."""
     if rows.kind.startswith("csv"):
         raise BillError(rows.where, "GCP billing rows are nested: JSON Lines or Parquet, not CSV")
     for column in REQUIRED:
         if column not in rows.columns:
             raise BillError(rows.where, "missing column", column)
-    return [line_from_gcp_row(row, rows.where, n) for n, row in enumerate(rows.rows, start=1)]
+    rows.wanted = READ
+    for n, row in enumerate(rows.rows, start=1):
+        yield line_from_gcp_row(row, rows.where, n)
+
+
+READ = frozenset(
+    (*REQUIRED, "credits", "labels", "system_labels", "sku", "service", "resource", "project")
+    + ("location", "billing_account_id", "adjustment_info", "export_time")
+)
+"""Every field a line is read from (its id's included)."""
 
 
 def is_gcp(columns: list[str]) -> bool:
@@ -247,7 +263,17 @@ reads); the detailed table's `resource` besides."""
 def read_gcp_bigquery(
     client: Any, table: str, period: str, *, detailed: bool = True
 ) -> list[BillLine]:
-    """A month of the export, queried from BigQuery for `invoice.month = 'YYYYMM'`.
+    """A month of the export, queried from BigQuery, numbered (`stream_gcp_bigquery`'s lines,
+    as a list)."""
+    return number_repeats(list(stream_gcp_bigquery(client, table, period, detailed=detailed)))
+
+
+def stream_gcp_bigquery(
+    client: Any, table: str, period: str, *, detailed: bool = True
+) -> Iterator[BillLine]:
+    """A month of the export, queried from BigQuery for `invoice.month = 'YYYYMM'`, line by
+    line as the result's pages come (the client's row iterator fetches a page at a time), not
+    numbered.
 
     `client` is a `google.cloud.bigquery.Client` (or anything whose `query(sql, job_config=)`
     returns a job whose `result()` yields rows); `table` is `project.dataset.table`, the export
@@ -274,13 +300,11 @@ def read_gcp_bigquery(
             bigquery.ScalarQueryParameter("invoice_month", "STRING", period.replace("-", ""))
         ]
     )
-    lines = []
     for n, row in enumerate(client.query(sql, job_config=config).result(), start=1):
         line = line_from_gcp_row(_plain(row), table, n)
         if line.billing_period != period:
             raise BillError(table, f"invoice month of {line.billing_period}", "invoice.month", n)
-        lines.append(line)
-    return number_repeats(lines)
+        yield line
 
 
 @dataclass(frozen=True)
@@ -302,7 +326,18 @@ class BigQuerySource:
 
     def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
         """Each of `periods` (`YYYY-MM`) read whole, an empty one included."""
+        client = self._client()
+        return {(SOURCE, p): read_gcp_bigquery(client, self.table, p) for p in periods}
+
+    def stream(self, periods: list[str]) -> list[BillRead]:
+        """Each of `periods` (`YYYY-MM`) as a read of its own, page by page, an empty one
+        included."""
+        client = self._client()
+        return [
+            BillRead(stream_gcp_bigquery(client, self.table, p), ((SOURCE, p),)) for p in periods
+        ]
+
+    def _client(self) -> Any:
         from prefect_gcp import GcpCredentials
 
-        client = (self.credentials or GcpCredentials()).get_bigquery_client()
-        return {(SOURCE, p): read_gcp_bigquery(client, self.table, p) for p in periods}
+        return (self.credentials or GcpCredentials()).get_bigquery_client()

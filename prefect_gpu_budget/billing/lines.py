@@ -1,8 +1,10 @@
 """One line of a cloud's bill, as every reader hands it on (`BillLine`), its money in integer
-micro-dollars, and the one-line error a bad export gets (`BillError`). Pure: no I/O."""
+micro-dollars, a read of an export line by line (`BillRead`), and the one-line error a bad
+export gets (`BillError`). Pure: no I/O."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
 
@@ -92,6 +94,19 @@ class BillLine:
         return self.line_type.lower() in USAGE_TYPES
 
 
+@dataclass(frozen=True)
+class BillRead:
+    """One read of an export, line by line: `lines` is consumed once, lazily (a month of a
+    cloud's bill may hold tens of millions of lines), and its lines are not yet numbered: a
+    line id repeated within one read is numbered by whoever imports it, as
+    `reading.number_repeats` numbers a list."""
+
+    lines: Iterable[BillLine]
+    periods: tuple[tuple[str, str], ...] = ()
+    """The (source, billing period)s it imports even if no line of them is read (an empty
+    delivery replaces what an earlier one billed)."""
+
+
 USAGE_TYPES = frozenset(
     t.lower()
     for t in (
@@ -110,6 +125,13 @@ account unless a mark ties them to a job."""
 def to_micro(value: object, where: str, column: str, row: int | None) -> int:
     """A money figure of an export (a number, or a number's text) in micro-dollars, rounded
     half up; `BillError` naming the column and row for anything else (None and NaN too)."""
+    amount = to_decimal(value, where, column, row)
+    return int((amount * MICRO_PER_USD).to_integral_value(rounding=ROUND_HALF_UP))
+
+
+def to_decimal(value: object, where: str, column: str, row: int | None) -> Decimal:
+    """A money figure of an export (a number, or a number's text) as the exact decimal it
+    says; `BillError` naming the column and row for anything else (None and NaN too)."""
     if isinstance(value, bool):
         raise BillError(where, f"not an amount of money: {value!r}", column, row)
     try:
@@ -120,4 +142,4 @@ def to_micro(value: object, where: str, column: str, row: int | None) -> int:
         ) from None
     if not amount.is_finite() or abs(amount) >= Decimal(10) ** 9:
         raise BillError(where, f"not an amount of money: {str(value)[:40]!r}", column, row)
-    return int((amount * MICRO_PER_USD).to_integral_value(rounding=ROUND_HALF_UP))
+    return amount

@@ -23,7 +23,7 @@ import io
 import json
 import re
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import date, datetime, timezone
@@ -31,7 +31,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from prefect_gpu_budget.billing.lines import BillError, BillLine, to_micro
+from prefect_gpu_budget.billing.lines import BillError, BillLine, to_decimal, to_micro
 
 MAX_FILE_BYTES = 256 << 20
 """The most a file's data may hold, decompressed (256 MiB; `bill import --max-file-mib`)."""
@@ -54,6 +54,9 @@ class Rows:
     """parquet, csv, csv.gz, jsonl or jsonl.gz."""
     columns: list[str]
     rows: Iterator[dict[str, Any]]
+    wanted: frozenset[str] | None = None
+    """The columns a reader reads, set before the first row: a Parquet file decodes only
+    those (a CUR 2.0 export holds a hundred columns, a reader needs a dozen); None: all."""
 
 
 def open_rows(path: str | Path, where: str | None = None, max_bytes: int | None = None) -> Rows:
@@ -120,15 +123,19 @@ def _parquet(path: str | Path, where: str, bound: int) -> Rows:
         raise BillError(where, f"decompresses past the bound of {bound} bytes ({size})")
 
     def rows() -> Iterator[dict[str, Any]]:
+        wanted = opened.wanted
+        read = columns if wanted is None else [c for c in columns if c in wanted]
         try:
-            for batch in file.iter_batches(batch_size=_BATCH):
+            for batch in file.iter_batches(batch_size=_BATCH, columns=read):
                 yield from batch.to_pylist()
         except (pa.ArrowException, OSError) as exc:
             raise BillError(where, f"unreadable Parquet data: {_short(exc)}") from None
         finally:
             file.close()
 
-    return Rows(where, "parquet", columns, rows())
+    opened = Rows(where, "parquet", columns, iter(()))
+    opened.rows = rows()
+    return opened
 
 
 def _text(opener: Callable[[], io.TextIOBase], where: str, zipped: bool) -> Rows:
@@ -260,11 +267,17 @@ def no_nul(value: str, where: str, column: str, n: int) -> str:
 
 
 def money(value: object, where: str, column: str, n: int) -> Decimal:
-    """An amount of money as given (checked by `to_micro`: a number or a number's text)."""
+    """An amount of money as given (checked by `to_decimal`: a number or a number's text)."""
     if value is None or (isinstance(value, str) and not value.strip()):
         raise BillError(where, "empty", column, n)
-    to_micro(value, where, column, n)
-    return Decimal(str(value).strip())
+    return to_decimal(value, where, column, n)
+
+
+def micro(value: object, where: str, column: str, n: int) -> int:
+    """An amount of money in micro-dollars (`to_micro`), refused empty as `money` is."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise BillError(where, "empty", column, n)
+    return to_micro(value, where, column, n)
 
 
 _ISO = re.compile(
@@ -330,13 +343,26 @@ def number_repeats(lines: list[BillLine]) -> list[BillLine]:
     for i, line in enumerate(lines):
         seen.setdefault(line.line_id, []).append(i)
     out = list(lines)
-    for line_id, indexes in seen.items():
+    for indexes in seen.values():
         if len(indexes) < 2:
             continue
-        ordered = sorted(indexes, key=lambda i: (lines[i].billed_micro, lines[i].usage_start, i))
-        numbers: dict[tuple[object, ...], int] = {}
-        for i in ordered:
-            k = numbers.setdefault(lines[i].content, len(numbers) + 1)
-            if k > 1:
-                out[i] = replace(lines[i], line_id=f"{line_id}#{k}")
+        for i, line_id in zip(indexes, numbered([lines[i] for i in indexes]), strict=True):
+            if line_id != lines[i].line_id:
+                out[i] = replace(lines[i], line_id=line_id)
     return out
+
+
+def numbered(lines: Sequence[BillLine]) -> list[str]:
+    """The ids of lines of one `line_id` read together (in the order read), numbered as
+    `number_repeats` numbers them: by amount, then usage start, then position, each other
+    `content` the next number (`#2`, `#3`...), the first keeping the id."""
+    order = sorted(
+        range(len(lines)), key=lambda i: (lines[i].billed_micro, lines[i].usage_start, i)
+    )
+    numbers: dict[tuple[object, ...], int] = {}
+    ids = [line.line_id for line in lines]
+    for i in order:
+        k = numbers.setdefault(lines[i].content, len(numbers) + 1)
+        if k > 1:
+            ids[i] = f"{lines[i].line_id}#{k}"
+    return ids

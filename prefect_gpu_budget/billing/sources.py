@@ -7,8 +7,9 @@ the registry from an export's kind to its type (`SOURCE_TYPES`).
 - `file`: local files in either schema (`files.FilesSource`).
 
 A new kind of export is a module holding its reader and its source type (a class with `NEEDS`
-and `from_export`, and `read` and `where`), one line in `SOURCE_TYPES`, and its test: the
-`BillingExport` block takes its kinds from here.
+and `from_export`, and `read`, `stream` and `where`), one line in `SOURCE_TYPES`, and its test:
+the `BillingExport` block takes its kinds from here. An import reads through `stream` (line by
+line, in bounded memory); a source without one is read whole through `read`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Protocol
 from prefect_gpu_budget.billing.aws_cur2 import Cur2S3Source
 from prefect_gpu_budget.billing.files import FilesSource
 from prefect_gpu_budget.billing.gcp_billing import BigQuerySource
-from prefect_gpu_budget.billing.lines import BillLine
+from prefect_gpu_budget.billing.lines import BillLine, BillRead
 
 __all__ = ["SOURCE_TYPES", "BillSource", "SourceType", "missing", "source_for"]
 
@@ -29,6 +30,10 @@ class BillSource(Protocol):
 
     def read(self, periods: list[str]) -> dict[tuple[str, str], list[BillLine]]:
         """Each billing period's lines as the export holds them now, by (source, period)."""
+        ...
+
+    def stream(self, periods: list[str]) -> list[BillRead]:
+        """The same lines as reads that yield them one at a time, as the export is read."""
         ...
 
     def where(self) -> str:

@@ -100,3 +100,20 @@ def test_another_currency_is_named_by_file_column_and_row(tmp_path: Path) -> Non
         check_currency(lines)
     assert (caught.value.column, caught.value.row) == ("currency", 3)
     check_currency(lines[:2], "usd")  # codes compare case-insensitively
+
+
+def test_files_are_read_line_by_line_a_file_at_a_time(tmp_path: Path) -> None:
+    """`iter_bill_files` hands on each line as its row is read: a bad second file is met only
+    after the first file's lines, and `FilesSource.stream` reads through it, unnumbered."""
+    from prefect_gpu_budget.billing.files import FilesSource, iter_bill_files
+
+    good = write_parquet(tmp_path / "cur.parquet", cur_rows())
+    bad = tmp_path / "cut.csv"
+    bad.write_text("identity_line_item_id\nli-1\n")  # CUR-like, lacking the required columns
+    lines = iter_bill_files([good, bad])
+    assert [next(lines).line_id for _ in range(5)][0].startswith("li-001")
+    with pytest.raises(BillError, match="cut.csv, column bill_billing_period_start_date"):
+        next(lines)
+    twice = write_parquet(tmp_path / "again.parquet", cur_rows()[:1])
+    [read] = FilesSource([good, twice]).stream([])
+    assert read.periods == () and len(list(read.lines)) == 6  # numbered by whoever imports

@@ -14,7 +14,7 @@ import pytest
 
 from prefect_gpu_budget.admission.ledger.bills import Bills
 from prefect_gpu_budget.billing.imports import BillStore, import_export, import_lines
-from prefect_gpu_budget.billing.lines import BillError, BillLine
+from prefect_gpu_budget.billing.lines import BillError, BillLine, BillRead
 from prefect_gpu_budget.billing.results import BillImport
 
 LINE = BillLine(
@@ -94,3 +94,30 @@ def test_the_ledgers_store_of_bills_is_a_bill_store() -> None:
     has = inspect.signature(Bills.import_bill).parameters
     assert list(has) == list(wanted)
     assert [p.kind for p in has.values()] == [p.kind for p in wanted.values()]
+
+
+def test_a_source_without_a_stream_is_read_whole_as_one_read() -> None:
+    from prefect_gpu_budget.billing.imports import reads_of
+
+    source = _Source({("aws-cur2", "2026-11"): [LINE], ("aws-cur2", "2026-10"): []})
+    [read] = reads_of(source, ["2026-10", "2026-11"])
+    assert list(read.lines) == [LINE]
+    assert set(read.periods) == {("aws-cur2", "2026-11"), ("aws-cur2", "2026-10")}
+
+
+def test_a_streaming_store_is_handed_the_reads_as_they_are() -> None:
+    class _Streaming(_Store):
+        def import_reads(self, reads, *, read_from, provisional_hours, now):
+            self.reads = list(reads)
+            return []
+
+    class _Stream(_Source):
+        def stream(self, periods: list[str]) -> list[BillRead]:
+            self.asked.append(periods)
+            return [BillRead(iter([LINE]), (("aws-cur2", p),)) for p in periods]
+
+    store, source = _Streaming(), _Stream({})
+    assert import_export(source, ["2026-11"], store, 0.0) == []
+    assert source.asked == [["2026-11"]] and store.calls == []
+    [read] = store.reads
+    assert read.periods == (("aws-cur2", "2026-11"),) and next(iter(read.lines)) is LINE

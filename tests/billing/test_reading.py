@@ -109,3 +109,13 @@ def test_a_truncated_bomb_is_still_one_line(tmp_path: Path) -> None:
     path = tmp_path / "cut.csv.gz"
     path.write_bytes(gzip.compress(b"a,b\n" * 1000)[:-12] + data[:4])
     assert "gzip" in _refused(path).rule
+
+
+def test_a_parquet_file_decodes_only_the_columns_a_reader_wants(tmp_path: Path) -> None:
+    rows = reading.open_rows(write_parquet(tmp_path / "cur.parquet", cur_rows()))
+    assert "product_servicecode" in rows.columns
+    rows.wanted = frozenset({"identity_line_item_id", "not_in_the_file"})
+    assert [row for row in rows.rows][:2] == [
+        {"identity_line_item_id": "li-001"},
+        {"identity_line_item_id": "li-002"},
+    ]

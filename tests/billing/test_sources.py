@@ -135,3 +135,33 @@ def test_a_new_kind_is_one_registry_line(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setitem(sources.SOURCE_TYPES, "other", Other)  # type: ignore[index]
     assert source_for("other", EXPORT).where() == f"other:{EXPORT.table}"
     assert missing("other", SimpleNamespace(table="")) == ["table"]
+
+
+def test_s3_and_bigquery_stream_each_period_as_a_read_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A period's lines are read as the import takes them, not when the reads are made: an
+    empty period is a read that names it."""
+    calls: list[tuple[Any, ...]] = []
+
+    def lines(*args: Any) -> Any:
+        calls.append(args)
+        yield from ()
+
+    monkeypatch.setattr(aws_cur2, "stream_cur2_s3", lines)
+    monkeypatch.setattr(gcp_billing, "stream_gcp_bigquery", lines)
+    credentials = _Credentials()
+    aws = Cur2S3Source("b", "p", "e", credentials).stream(["2026-10", "2026-11"])
+    gcp = BigQuerySource("p.d.t", credentials).stream(["2026-11"])
+    assert [r.periods for r in aws + gcp] == [
+        (("aws-cur2", "2026-10"),),
+        (("aws-cur2", "2026-11"),),
+        (("gcp-billing", "2026-11"),),
+    ]
+    assert calls == [] and credentials.asked == ["s3", "bigquery"]
+    assert [list(r.lines) for r in aws + gcp] == [[], [], []]
+    assert calls == [
+        ("s3-client", "b", "p", "e", "2026-10"),
+        ("s3-client", "b", "p", "e", "2026-11"),
+        ("bigquery-client", "p.d.t", "2026-11"),
+    ]

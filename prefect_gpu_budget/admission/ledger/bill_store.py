@@ -1,12 +1,13 @@
-"""The rows of the imported bills, read and written for `bills.Bills`: the jobs the lines name,
-each line's kind (`classify`, by the rules of `billing.trueup`), each job's figure from all its
-lines (`refigure`), what final figures book in the periods (`trueup_shares`, `trueups`, which
-the audit and a budget set again read too), and the closed periods over their budget by it."""
+"""The rows of the imported bills, read and written for `bills.Bills` (the lines on their way
+in, and each line's kind: `bill_staging`): what a job's lines of other periods bill
+(`booked_elsewhere`), each job's figure from all its lines (`refigure`), what final figures
+book in the periods (`trueup_shares`, `trueups`, which the audit and a budget set again read
+too), and the closed periods over their budget by it."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,16 +25,12 @@ from prefect_gpu_budget.admission.ledger.tables import (
 )
 from prefect_gpu_budget.admission.rules import accounting
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.billing.lines import USAGE_TYPES, BillLine
+from prefect_gpu_budget.billing.lines import USAGE_TYPES
 from prefect_gpu_budget.billing.results import OverByBill
 from prefect_gpu_budget.billing.trueup import (
     BilledJob,
-    booked_lines,
     held_reason,
-    owner_of,
     provisional_reason,
-    refusal,
-    resource_name,
 )
 
 
@@ -49,10 +46,6 @@ class Figure:
     """Why it is not final (provisional, or held for an admin); None when final."""
 
 
-Owned = tuple[BillLine, str, "BilledJob | None", "str | None"]
-"""(line, kind, the job it bills or None, why it is not booked or None)."""
-
-
 def billed_job(row: Any) -> BilledJob:
     return BilledJob(**{name: row[name] for name in BilledJob.__dataclass_fields__})
 
@@ -63,45 +56,6 @@ JOB_COLUMNS = [jobs.c[name] for name in BilledJob.__dataclass_fields__]
 def chunks(values: list[str], size: int = 500) -> Iterable[list[str]]:
     for start in range(0, len(values), size):
         yield values[start : start + size]
-
-
-def jobs_named(
-    conn: Connection, lines: Sequence[BillLine]
-) -> tuple[dict[str, BilledJob], dict[str, BilledJob]]:
-    """The ledger jobs the lines name: by id (their marks) and by external id (a SageMaker
-    line's resource, a training job's name)."""
-    marks = sorted({ln.job_mark for ln in lines if ln.job_mark})
-    names = sorted({n for ln in lines if (n := resource_name(ln.resource_id))})
-    by_id: dict[str, BilledJob] = {}
-    by_external: dict[str, BilledJob] = {}
-    for chunk in chunks(marks):
-        for row in conn.execute(sa.select(*JOB_COLUMNS).where(jobs.c.id.in_(chunk))).mappings():
-            by_id[row["id"]] = billed_job(row)
-    for chunk in chunks(names):
-        query = sa.select(*JOB_COLUMNS).where(
-            jobs.c.external_id.in_(chunk), jobs.c.launcher.startswith("sagemaker")
-        )
-        for row in conn.execute(query).mappings():
-            by_external[row["external_id"]] = billed_job(row)
-    return by_id, by_external
-
-
-def held_elsewhere(
-    conn: Connection, source: str, billing_period: str, lines: Sequence[BillLine]
-) -> dict[str, str]:
-    """{line id: the billing period holding it} for the lines of `lines` the ledger already
-    holds under another billing period of `source` (as a line of its own, not as a copy)."""
-    found: dict[str, str] = {}
-    for chunk in chunks(sorted({ln.line_id[:400] for ln in lines})):
-        query = sa.select(bill_lines.c.line_id, bill_lines.c.billing_period).where(
-            bill_lines.c.source == source,
-            bill_lines.c.line_id.in_(chunk),
-            bill_lines.c.billing_period != billing_period,
-            bill_lines.c.kind != "copy",
-        )
-        for line_id, period in conn.execute(query):
-            found.setdefault(line_id, period)
-    return found
 
 
 def booked_elsewhere(
@@ -122,62 +76,6 @@ def booked_elsewhere(
             total, usage = out.get(job_id, (0, False))
             out[job_id] = (total + amount, usage or (kind.lower() in USAGE_TYPES and amount > 0))
     return out
-
-
-def classify(
-    conn: Connection,
-    source: str,
-    billing_period: str,
-    lines: Sequence[BillLine],
-    now: float,
-) -> list[Owned]:
-    """Each line's kind, job and reason: a `copy` of a line held under another period; a
-    line of a job it can be true of (`job`), or `refused` with the reason; `untagged` or
-    `account` (nobody's)."""
-    by_id, by_external = jobs_named(conn, lines)
-    elsewhere = held_elsewhere(conn, source, billing_period, lines)
-    owned: list[Owned] = []
-    per_job: dict[str, list[BillLine]] = defaultdict(list)
-    jobs_by_id: dict[str, BilledJob] = {}
-    for line in lines:
-        if line.line_id[:400] in elsewhere:
-            held = elsewhere[line.line_id[:400]]
-            owned.append((line, "copy", None, f"already held under {source} {held}"))
-            continue
-        kind, job = owner_of(line, by_id, by_external)
-        if job is None:
-            owned.append((line, kind, None, None))
-        elif (why := refusal(line, job, now)) is not None:
-            owned.append((line, "refused", None, why))
-        else:
-            per_job[job.id].append(line)
-            jobs_by_id[job.id] = job
-    others = booked_elsewhere(conn, source, billing_period, sorted(per_job))
-    for job_id, its in per_job.items():
-        booked, refused = booked_lines(its, *others.get(job_id, (0, False)))
-        owned += [(line, "job", jobs_by_id[job_id], None) for line in booked]
-        owned += [(line, "refused", None, why) for line, why in refused]
-    return owned
-
-
-def line_row(owned: Owned) -> dict[str, Any]:
-    line, kind, job, reason = owned
-    return {
-        "source": line.source,
-        "billing_period": line.billing_period,
-        "line_id": line.line_id[:400],
-        "job_id": job.id if job is not None else None,
-        "kind": kind,
-        "line_type": line.line_type[:60],
-        "usage_start": line.usage_start,
-        "usage_end": max(line.usage_start, line.usage_end),
-        "billed_micro": line.billed_micro,
-        "currency": line.currency.upper(),
-        "mark": (line.job_mark or None) and line.job_mark[:200],
-        "resource_id": (line.resource_id or None) and line.resource_id[:400],
-        "description": line.description[:400],
-        "reason": reason,
-    }
 
 
 def line_view(row: Any) -> dict[str, Any]:

@@ -1,15 +1,19 @@
 """The cloud's bill in the ledger: each (source, billing period) imported whole, and what it
 changed in the budgets (the rules: `billing.trueup`, `accounting.book_trueup`; the rows:
-`bill_store`; what an import did: `billing.results`). `Bills` is the `billing.imports.BillStore`
-that `bill import` and the daily flow import through.
+`bill_store`; the lines on their way in: `bill_staging`; what an import did:
+`billing.results`). `Bills` is the `billing.imports.BillStore` that `bill import` and the daily
+flow import through.
 
-An import replaces one (source, billing period) in one transaction under the locks of every
-org its lines touch: the lines of the last import of that period go, the new ones come, and
-every job either names is trued up again from all its lines (of every period): a job whose
-figure is final has its settlement replaced by its lines in the period spend of every budget on
-its path, each line in the periods its usage fell in; the booking moves by the difference only,
-so the same export twice changes nothing and a restated line replaces the old. A closed period
-whose spend now passes its budget is marked over by bill.
+An import stages its lines as they are read, batch by batch (memory bounded by a batch, not by
+the month), then replaces each (source, billing period) in one transaction under the locks of
+every org its lines touch: the lines of the last import of that period go, the new ones come
+(unless they say the same: then nothing is written), and every job either names is trued up
+again from all its lines (of every period): a job whose figure is final has its settlement
+replaced by its lines in the period spend of every budget on its path, each line in the periods
+its usage fell in; the booking moves by the difference only, so the same export twice changes
+nothing and a restated line replaces the old. A closed period whose spend now passes its budget
+is marked over by bill. A bad line anywhere (another currency, or a read that fails halfway)
+leaves every period as it was: nothing is replaced until all is staged.
 
 Each line is booked once: lines alike in all they say, read twice in one import (a copy of a
 file), are one; a line the ledger holds under another billing period of the same source (a
@@ -21,24 +25,21 @@ admin accepts it (`accept`). `forget` takes an import out whole.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
+import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from prefect_gpu_budget.admission.ledger import bill_views
+from prefect_gpu_budget.admission.ledger import bill_staging, bill_views
+from prefect_gpu_budget.admission.ledger.bill_staging import Twice
 from prefect_gpu_budget.admission.ledger.bill_store import (
     Figure,
     booked_drift,
-    classify,
     final_bill_jobs,
-    jobs_named,
-    line_row,
     mark_over,
     refigure,
     trueup_shares,
@@ -54,7 +55,8 @@ from prefect_gpu_budget.admission.ledger.tables import (
     jobs,
 )
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
-from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine
+from prefect_gpu_budget.billing.files import currency_error
+from prefect_gpu_budget.billing.lines import SOURCES, BillError, BillLine, BillRead
 from prefect_gpu_budget.billing.results import BillImport, HeldBill, OverByBill
 
 __all__ = [
@@ -71,26 +73,6 @@ CURRENCY = "USD"
 """The budgets' currency: a bill in another is refused."""
 
 
-def once(lines: Sequence[BillLine]) -> tuple[list[BillLine], int, str]:
-    """The lines, each once: (lines, how many were read again, where one of them was). Lines
-    alike in all they say (`BillLine.content`) are one line read twice; two lines of one id
-    that differ are refused (a reader numbers them)."""
-    first: dict[tuple[object, ...], BillLine] = {}
-    ids: dict[str, BillLine] = {}
-    again, where = 0, ""
-    for line in lines:
-        if line.content in first:
-            again += 1
-            where = where or f"{line.where or line.line_id} (as {first[line.content].where})"
-            continue
-        if line.line_id in ids:
-            raise BillError(
-                line.where or "bill", f"line {line.line_id} twice, differently: number repeats"
-            )
-        first[line.content] = ids[line.line_id] = line
-    return list(first.values()), again, where
-
-
 class Bills:
     """The imported bills and their true-up, over the ledger's database; `headroom` (the
     queue's) ends an import in every org it touched (a bill below a settlement frees room)."""
@@ -98,7 +80,6 @@ class Bills:
     def __init__(self, db: Db, headroom: Callable[[Connection, str], None]) -> None:
         self.db, self.headroom = db, headroom
 
-    @reconnecting
     def import_bill(
         self,
         source: str,
@@ -112,43 +93,93 @@ class Bills:
         """Replace what the ledger holds of (source, billing period) with `lines`, the whole
         export of that period as it stands, in one transaction, and true up every job either
         names. `BillError` (nothing changed) for a line of another source, period or
-        currency."""
-        now = time.time() if now is None else now
+        currency, and for two lines of one id that differ (a reader numbers them)."""
         _check(source, billing_period, lines)
-        unique, again, where = once(lines)
+        read = BillRead(lines, ((source, billing_period),))
+        [done] = self._import([read], read_from, provisional_hours, now, renumber=False)
+        return done
+
+    def import_reads(
+        self,
+        reads: Iterable[BillRead],
+        *,
+        read_from: str = "",
+        provisional_hours: float = 48.0,
+        now: float | None = None,
+    ) -> list[BillImport]:
+        """Import every (source, billing period) the reads hold or name, each whole as
+        `import_bill` imports it, in order, reading their lines once, as they come (a line id
+        repeated within a read is numbered, `reading.number_repeats`' rule). A line in another
+        currency, or of an unknown source, refuses the whole import before anything is
+        replaced."""
+        return self._import(reads, read_from, provisional_hours, now, renumber=True)
+
+    def _import(
+        self,
+        reads: Iterable[BillRead],
+        read_from: str,
+        provisional_hours: float,
+        now: float | None,
+        renumber: bool,
+    ) -> list[BillImport]:
+        now = time.time() if now is None else now
+        token = str(uuid.uuid4())
+        try:
+            groups, parts = bill_staging.stage(self.db, token, reads, _check_line)
+            twice: Twice = {}
+            with self.db.tx() as conn:
+                for part in range(parts):
+                    bill_staging.number(conn, token, part, renumber, twice)
+            return [
+                self._import_group(
+                    token, group, twice.get(group, (0, 0, "")), read_from, provisional_hours, now
+                )
+                for group in sorted(groups)
+            ]
+        finally:
+            bill_staging.discard(self.db, token)
+
+    @reconnecting
+    def _import_group(
+        self,
+        token: str,
+        group: tuple[str, str],
+        twice: tuple[int, int, str],
+        read_from: str,
+        provisional_hours: float,
+        now: float,
+    ) -> BillImport:
+        source, billing_period = group
         with self.db.read() as conn:
-            orgs = _orgs(conn, source, billing_period, unique)
+            orgs = _orgs(conn, source, billing_period)
+            orgs |= bill_staging.named_orgs(conn, token, source, billing_period)
         with self.db.write_orgs([BILL_LOCK, *orgs]) as conn:
-            owned = classify(conn, source, billing_period, unique, now)
-            done = self._replace(
-                conn, source, billing_period, owned, read_from, provisional_hours, now
-            )
+            bill_staging.classify(conn, token, source, billing_period, now)
+            done = self._replace(conn, token, group, read_from, provisional_hours, now)
             for org in sorted(orgs):
                 self.headroom(conn, org)
-        done.orgs, done.twice, done.twice_where = sorted(orgs), again, where
+        done.orgs, (done.twice, _, done.twice_where) = sorted(orgs), twice
         return done
 
     def _replace(
         self,
         conn: Connection,
-        source: str,
-        billing_period: str,
-        owned: list[Any],
+        token: str,
+        group: tuple[str, str],
         read_from: str,
         provisional_hours: float,
         now: float,
     ) -> BillImport:
+        source, billing_period = group
         key = (bill_lines.c.source == source) & (bill_lines.c.billing_period == billing_period)
-        old = conn.execute(sa.select(bill_lines).where(key)).mappings().all()
+        held = sa.select(bill_lines.c.job_id).where(key, bill_lines.c.job_id.is_not(None))
         affected = sorted(
-            ({r["job_id"] for r in old} | {job.id for _, _, job, _ in owned if job}) - {None}
+            set(conn.execute(held.distinct()).scalars())
+            | bill_staging.staged_jobs(conn, token, source, billing_period)
         )
-        rows = [line_row(item) for item in owned]
-        same = _signature(old) == _signature(rows)
+        tally = bill_staging.tally(conn, token, source, billing_period)
         before = self._before(conn, affected)
-        conn.execute(bill_lines.delete().where(key))
-        if rows:
-            conn.execute(bill_lines.insert(), rows)
+        changed = bill_staging.swap(conn, token, source, billing_period)
         done = self._rebook(conn, before, refigure(conn, affected, provisional_hours, now), now)
         conn.execute(bill_imports.delete().where(_import_key(source, billing_period)))
         conn.execute(
@@ -156,23 +187,18 @@ class Bills:
                 source=source,
                 billing_period=billing_period,
                 imported_at=now,
-                digest=_digest(rows),
-                lines=len(owned),
+                digest=bill_staging.digest(conn, source, billing_period),
+                lines=tally["lines"],
                 read_from=read_from[:2000],
             )
         )
-        done.source, done.billing_period, done.lines = source, billing_period, len(owned)
-        done.changed = done.changed or not same
-        for line, kind, _, reason in owned:
-            if kind in ("untagged", "account"):
-                name = f"{kind}_micro"
-                setattr(done, name, getattr(done, name) + line.billed_micro)
-            elif kind == "refused":
-                done.refused += 1
-                done.refused_micro += line.billed_micro
-            elif kind == "copy":
-                held = (reason or "").rsplit(" ", 1)[-1]
-                done.copies[held] = done.copies.get(held, 0) + 1
+        done.source, done.billing_period, done.lines = source, billing_period, tally["lines"]
+        done.changed = done.changed or changed
+        kinds = tally["kinds"]
+        done.untagged_micro = kinds.get("untagged", (0, 0))[1]
+        done.account_micro = kinds.get("account", (0, 0))[1]
+        done.refused, done.refused_micro = kinds.get("refused", (0, 0))
+        done.copies = tally["copies"]
         return done
 
     def _before(self, conn: Connection, affected: list[str]) -> dict[str, Any]:
@@ -250,11 +276,11 @@ class Bills:
                 is None
             ):
                 raise BillError(f"{source} {billing_period}", "no import of it to forget")
-            orgs = _orgs(conn, source, billing_period, [])
+            orgs = _orgs(conn, source, billing_period)
         key = (bill_lines.c.source == source) & (bill_lines.c.billing_period == billing_period)
         with self.db.write_orgs([BILL_LOCK, *orgs]) as conn:
-            held = set(conn.execute(sa.select(bill_lines.c.job_id).where(key)).scalars())
-            affected = sorted(held - {None})
+            held = sa.select(bill_lines.c.job_id).where(key, bill_lines.c.job_id.is_not(None))
+            affected = sorted(conn.execute(held.distinct()).scalars())
             lines = conn.execute(
                 sa.select(sa.func.count()).select_from(bill_lines).where(key)
             ).scalar()
@@ -323,29 +349,26 @@ def _import_key(source: str, billing_period: str) -> Any:
     return (bill_imports.c.source == source) & (bill_imports.c.billing_period == billing_period)
 
 
-def _digest(rows: Sequence[Any]) -> str:
-    """A digest of an import's lines as the ledger holds them (what they say, their kinds)."""
-    blob = json.dumps(sorted(_signature(rows), key=repr), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-def _signature(rows: Sequence[Any]) -> set[tuple[Any, ...]]:
-    names = ("line_id", "kind", "job_id", "line_type", "usage_start", "usage_end")
-    return {tuple(r[n] for n in names) + (r["billed_micro"], r["reason"]) for r in rows}
-
-
-def _orgs(
-    conn: Connection, source: str, billing_period: str, lines: Sequence[BillLine]
-) -> set[str]:
-    """The orgs an import touches: those of the jobs its lines may bill, and of the jobs the
-    period's last import billed."""
-    by_id, by_external = jobs_named(conn, lines)
+def _orgs(conn: Connection, source: str, billing_period: str) -> set[str]:
+    """The orgs of the jobs the last import of (source, billing period) billed."""
     held = conn.execute(
         sa.select(jobs.c.org)
         .select_from(bill_lines.join(jobs, jobs.c.id == bill_lines.c.job_id))
         .where(bill_lines.c.source == source, bill_lines.c.billing_period == billing_period)
+        .distinct()
     ).scalars()
-    return {job.org for job in (*by_id.values(), *by_external.values())} | set(held)
+    return set(held)
+
+
+def _check_line(line: BillLine) -> None:
+    """Refuse (`BillError`, naming its file, column and row) a line of an unknown source or
+    in another currency than the budgets'."""
+    if line.source not in SOURCES:
+        raise BillError(
+            line.where or "bill", f"unknown source {line.source!r}; known: {', '.join(SOURCES)}"
+        )
+    if (error := currency_error(line, CURRENCY)) is not None:
+        raise error
 
 
 def _check(source: str, billing_period: str, lines: Sequence[BillLine]) -> None:

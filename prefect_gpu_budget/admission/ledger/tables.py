@@ -301,6 +301,45 @@ account), `refused` (it names a job it cannot be true of: `reason` says why) or 
 line already held under another billing period: `reason` names it); lines of every kind but
 `job` are shown apart and never spread over scopes."""
 
+bill_staged = sa.Table(
+    "gpu_bill_staged",
+    metadata,
+    sa.Column("token", sa.String(36), primary_key=True),
+    sa.Column("seq", sa.BigInteger, primary_key=True, autoincrement=False),
+    sa.Column("part", sa.Integer, nullable=False),
+    sa.Column("staged_at", sa.Float, nullable=False),
+    sa.Column("source", sa.String(16), nullable=False),
+    sa.Column("billing_period", sa.String(7), nullable=False),
+    sa.Column("line_id", sa.Text, nullable=False),
+    sa.Column("repeat_id", sa.Text),
+    sa.Column("numbered_id", sa.Text),
+    sa.Column("kind", sa.String(10), nullable=False),
+    sa.Column("job_id", sa.String(36)),
+    sa.Column("line_type", sa.Text, nullable=False),
+    sa.Column("usage_start", sa.Float, nullable=False),
+    sa.Column("usage_end", sa.Float, nullable=False),
+    sa.Column("billed_micro", sa.BigInteger, nullable=False),
+    sa.Column("currency", sa.Text, nullable=False),
+    sa.Column("mark", sa.Text),
+    sa.Column("resource_id", sa.Text),
+    sa.Column("resource_name", sa.Text),
+    sa.Column("description", sa.Text, nullable=False),
+    sa.Column("version", sa.Text, nullable=False),
+    sa.Column("place", sa.Text, nullable=False),
+    sa.Column("dup", sa.Boolean, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Index("ix_gpu_bill_staged_repeat", "token", "repeat_id"),
+    sa.Index("ix_gpu_bill_staged_job", "token", "job_id"),
+)
+"""The lines of a bill being imported, staged batch by batch as they are read (`token` names
+the import, `seq` a line's place in its read, `part` the read whose repeated ids are numbered
+together), so that an import holds a batch in memory, not a month: the import then numbers,
+classifies and swaps them into `bill_lines` in SQL, and deletes them. Values are as read
+(`place`: the file and row; `repeat_id`: its id, on a line whose id repeats in its read;
+`numbered_id`: the id it is numbered to), `dup` marks a line read again, `kind`/`job_id`/
+`reason` end as `bill_lines` holds them. Its indexes are of columns empty as a line is staged
+(none of `line_id`, whose values come in no order), so a batch costs no random index writes. Rows a crashed import left are deleted by the next, a day later."""
+
 bill_jobs = sa.Table(
     "gpu_bill_jobs",
     metadata,

@@ -254,9 +254,10 @@ def test_a_dead_hosts_jobs_are_settled_from_another_host(
     waiter = start_agent(
         cluster, dying, first, host_prices, scope="dead/t/one", max_wait="10m", name="waits"
     )
-    later = start_agent(
-        cluster, other, second, host_prices, scope="dead/t/three", max_wait="10m", name="later"
-    )
+    later = start_agent(  # it runs until released, as the living host's job: both counted below
+        cluster, other, second, host_prices, scope="dead/t/three", max_wait="10m", name="later",
+        command=_marker_job(release), max_runtime="10m",
+    )  # fmt: skip
     wait_until(lambda: len(_waiting(ledger, "dead")) == 2, 180, "two jobs waiting")
     # Prefect counts the three (once read 720: host 1's second job had asked early, before its
     # first made the limits, and Prefect granted a lease over limits it did not have)

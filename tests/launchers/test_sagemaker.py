@@ -463,15 +463,18 @@ def test_a_start_the_ledger_cannot_record_in_time_stops_the_job(aws: AwsServer, 
     aws.behaviour.enforce_max_runtime = False
     job = GpuJob(instance_type="sagemaker:ml.g5.xlarge", max_runtime="30s", kill_grace="1s")
     told: list[float] = []
+    stopped_by_then: list[list[str]] = []
 
     def stalled(at: float, name: str) -> None:
         time.sleep(6)
+        stopped_by_then.append(list(aws.behaviour.stop_calls))
         told.append(at)
 
     launched = time.monotonic()
     result = _launcher(aws).run(job, gate.quote(job), on_start=stalled, log=print)
     assert result.outcome == "cancelled" and "could not be recorded" in result.detail, result
     assert aws.behaviour.stop_calls == [result.external_id]
-    assert result.runtime_s < 5.0  # stopped at the grace, not after the stall
+    # stopped at the grace, while the start was still being recorded: not after the stall
+    assert stopped_by_then == [[result.external_id]]
     assert time.monotonic() - launched < 30  # not at max_runtime either
     assert told == [result.started_at]

@@ -37,11 +37,11 @@ from prefect_gpu_budget.agents.views import (
     budget_view,
     sweep_view,
     template_view,
-    trial_job,
     trial_number,
     trial_view,
 )
 from prefect_gpu_budget.job import one_line
+from prefect_gpu_budget.placement.recorded import trial_job
 from prefect_gpu_budget.settings import gateway_redis_url
 from prefect_gpu_budget.units import BudgetInputError, micro_to_usd
 
@@ -228,7 +228,7 @@ class Door:
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
         """The sweep as `sweep` answers it (`views.sweep_view`): its trials' records and the
-        job of each trial in the ledger (`views.trial_job`: its latest place, costed for all)."""
+        job of each trial in the ledger (`recorded.trial_job`: its latest place, costed for all)."""
         run_id = str(run.id)
         meta = self.records.sweep(run_id)
         recorded = {t["trial"]: t for t in self.records.trials(run_id)}

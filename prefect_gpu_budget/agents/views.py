@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from prefect_gpu_budget.agents.lost import lost_message, worker_lost
-from prefect_gpu_budget.placement.recorded import choice_view, places_cell
+from prefect_gpu_budget.placement.recorded import choice_view
 from prefect_gpu_budget.units import iso, micro_to_usd, redact_urls, usd
 
 FINAL_RUN_STATES = ("Completed", "Failed", "Crashed", "Cancelled", "TimedOut")
@@ -95,16 +95,6 @@ def sweep_view(
         "spent_usd": round(sum(t["cost_usd"] for t in trials), 6),
         "best": best_trial(trials, meta),
     }
-
-
-def trial_job(parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """A trial's job as its view shows it, from its ledger rows in request order (more than one
-    when its job was placed again): the latest place, with the cost of every place and each
-    place listed (`placements`)."""
-    latest = dict(parts[-1])
-    latest["actual_micro"] = sum(part.get("actual_micro") or 0 for part in parts)
-    latest["places"] = places_cell(parts)
-    return latest
 
 
 def trial_view(

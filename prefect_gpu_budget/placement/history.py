@@ -10,7 +10,7 @@ region of it (`place` falls back to the `""` region). Per key:
 - `run_hours`: what the ended jobs ran, per node (`ended_at - started_at`: the hours they held
   their machines, which is what a machine is taken back per; a launcher's billed seconds may be
   fewer), in hours;
-- `interruptions`: the ended jobs whose machine was taken back (`INTERRUPTED`);
+- `interruptions`: the ended jobs whose machine was taken back (`TAKEN_BACK`);
 - `billed_over_reserved`: of the jobs whose bill is final, what the bill charged over what the
   gate's rate comes to for the time they ran (`rate_micro_per_hour x (ended_at - started_at)`:
   the rate times the wall-clock hours, which is what `choice.expect` multiplies the figure by).
@@ -51,7 +51,7 @@ RECENT_BILLS = 50_000
 """The billed-over-reserved is that of the jobs of the latest this many final bills (a bill is
 final weeks after its jobs ran: the newest jobs have none yet)."""
 
-INTERRUPTED = (PREEMPTED, "interrupted")
+TAKEN_BACK = (PREEMPTED, "interrupted")
 """The outcomes of a job whose machine was taken back from under it:
 
 - `preempted`: the gate asked it to stop because a job of higher claim takes its capacity (a
@@ -123,7 +123,7 @@ def _runs(conn: sa.Connection, recent: sa.Subquery) -> Iterable[sa.Row]:
     jobs, per key: `settled` over `priced` is what they were settled for, over the gate's rate
     times the hours they ran."""
     ran = recent.c.ended_at - recent.c.started_at
-    taken_back = sa.case((recent.c.outcome.in_(INTERRUPTED), 1), else_=0)
+    taken_back = sa.case((recent.c.outcome.in_(TAKEN_BACK), 1), else_=0)
     wall = recent.c.rate_micro_per_hour * (recent.c.ended_at - recent.c.started_at) / 3600.0
     query = (
         sa.select(

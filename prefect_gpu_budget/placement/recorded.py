@@ -60,3 +60,13 @@ def places_cell(parts: Sequence[Mapping[str, Any]]) -> str:
     if len(parts) < 2 and not any(part.get("choice") for part in parts):
         return ""
     return "; ".join(place_line(part) for part in parts)
+
+
+def trial_job(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """A trial's job from its ledger rows in request order (more than one when its job was
+    placed again): the latest place, with the cost of every place (`actual_micro`) and each
+    place listed (`places`, `places_cell`)."""
+    latest = dict(parts[-1])
+    latest["actual_micro"] = sum(part.get("actual_micro") or 0 for part in parts)
+    latest["places"] = places_cell(parts)
+    return latest

@@ -35,7 +35,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.csv_cells import to_csv
 from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
-from prefect_gpu_budget.placement.recorded import places_cell
+from prefect_gpu_budget.placement.recorded import trial_job
 from prefect_gpu_budget.sweeps import plots
 from prefect_gpu_budget.sweeps.recording import SweepRecorder
 from prefect_gpu_budget.sweeps.spec import Scalar, SweepSpec, load_spec
@@ -238,7 +238,7 @@ class SweepRun:
     ) -> dict[str, Any]:
         """A trial's row: its parameters, metrics, state, cost (of every place its job ran in,
         `parts`: its ledger rows), waits and runtime (of its last place), and its places."""
-        row = parts[-1] if parts else {}
+        row = trial_job(parts) if parts else {}
         # its start after admission is no limit: `waited_s` counts it, `blocked_*` do not
         spans = {k: v for k, v in (wait_spans(row) if row else {}).items() if k != STARTING}
         return {
@@ -248,7 +248,7 @@ class SweepRun:
             "non_finite_dropped": self.recorder.non_finite(index),
             "state": state.name,
             "reason": "" if state.is_completed() else redact_urls(state.message or ""),
-            "cost_usd": micro_to_usd(sum(part.get("actual_micro") or 0 for part in parts)),
+            "cost_usd": micro_to_usd(row.get("actual_micro") or 0),
             "waited_s": round(_waited(row), 3) if row else None,
             "blocked_by": max(spans, key=spans.__getitem__) if spans else "",
             "blocked_s": round(sum(spans.values()), 3),
@@ -256,7 +256,7 @@ class SweepRun:
             if row.get("started_at")
             else 0.0,
             "job_id": row.get("id"),
-            "placements": places_cell(parts),
+            "placements": row.get("places", ""),
         }
 
     def publish(self, df: pd.DataFrame, rows: list[dict]) -> pd.DataFrame:

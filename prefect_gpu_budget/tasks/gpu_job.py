@@ -32,6 +32,7 @@ from prefect_gpu_budget.blocks.ledger import SpendLedger
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.launchers.base import INTERRUPTED, LaunchConfigError, Launcher
 from prefect_gpu_budget.launchers.local import LocalLauncher
+from prefect_gpu_budget.placement.history import TAKEN_BACK
 from prefect_gpu_budget.placement.recorded import place_line
 from prefect_gpu_budget.settings import METRICS_ENV
 from prefect_gpu_budget.tasks.events import prefect_events
@@ -226,8 +227,7 @@ def _placed_again(
     """The job to place again after its machine was taken back (a pool's preemption, a cloud's
     spot interruption), or None: it asked for accelerators and has a checkpoint, has places
     left, and its deadline leaves a whole run."""
-    taken_back = ended.result.outcome in (PREEMPTED, INTERRUPTED)
-    if job.placed or job.checkpoint is None or not taken_back:
+    if job.placed or job.checkpoint is None or ended.result.outcome not in TAKEN_BACK:
         return None
     left = None if job.deadline is None else job.deadline - elapsed_s
     if places >= job.max_placements or (left is not None and left < job.max_runtime):

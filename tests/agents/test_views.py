@@ -22,7 +22,8 @@ from prefect_gpu_budget.admission.stopping import stop_job
 from prefect_gpu_budget.agents.callers import Caller
 from prefect_gpu_budget.agents.door import Door
 from prefect_gpu_budget.agents.limits import STOPPED_BY_AGENT
-from prefect_gpu_budget.agents.views import trial_job, trial_view
+from prefect_gpu_budget.agents.views import trial_view
+from prefect_gpu_budget.placement.recorded import trial_job
 from tests.support.jobs import new_job
 
 SESSION = "acme/agents/agent-1"

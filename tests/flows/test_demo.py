@@ -75,8 +75,8 @@ def test_the_demos_first_forecast_says_what_its_run_does(prefect_api, tmp_path, 
     """The demo as it runs by default (12 trials of 2.5 s): the likely figures of the forecast
     its sweep publishes before its first trial are what the ledger then records, within one
     trial and 10% of spend, and the sweep is over when it says, its time-outs counted, within
-    10%; the bound beside them, every trial running to its max_runtime, is not (it admits 2
-    where about 9 run)."""
+    10% and the spread of its asks; the bound beside them, every trial running to its
+    max_runtime, is not (it admits 2 where about 9 run)."""
     from prefect.client.orchestration import get_client
 
     from prefect_gpu_budget.admission.prices import default_catalog
@@ -107,9 +107,13 @@ def test_the_demos_first_forecast_says_what_its_run_does(prefect_api, tmp_path, 
     assert abs(likely.spend_micro - spent) <= 0.1 * spent, (likely.spend_micro, spent)
     # the trials that time out wait their 30 s first: the sweep is over then, long after the
     # makespan (its admitted trials' last end), and the forecast says both
+    # The forecast takes every trial as asked for at once; a busy host spreads the asks over
+    # seconds (each is a Prefect task run first), and a late ask times out that much later.
     first = min(j["requested_at"] for j in jobs)
+    late = max(j["requested_at"] for j in jobs) - first
     over = max(j["ended_at"] for j in jobs) - first
-    assert likely.end_s is not None and abs(likely.end_s - over) <= 0.1 * over, (likely, over)
+    assert likely.end_s is not None, likely
+    assert abs(likely.end_s - over) <= 0.1 * over + late, (likely, over, late)
     assert likely.end_s > likely.makespan_s + 10, likely
     assert said.bound.admitted == 2 and admitted - said.bound.admitted > 1
     with get_client(sync_client=True) as client:

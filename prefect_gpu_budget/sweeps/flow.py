@@ -37,9 +37,10 @@ from prefect_gpu_budget.launchers.base import Launcher
 from prefect_gpu_budget.launchers.registry import launcher_for
 from prefect_gpu_budget.placement.recorded import trial_job
 from prefect_gpu_budget.sweeps import plots
+from prefect_gpu_budget.sweeps.pictures import FinishedSweep, draw_all
 from prefect_gpu_budget.sweeps.recording import SweepRecorder
 from prefect_gpu_budget.sweeps.spec import Scalar, SweepSpec, load_spec
-from prefect_gpu_budget.sweeps.summary import last_word, no_metric, short, summary_markdown
+from prefect_gpu_budget.sweeps.summary import last_word, no_metric, summary_markdown
 from prefect_gpu_budget.tasks.defaults import job_defaults
 from prefect_gpu_budget.tasks.gpu_job import run_gpu_job
 from prefect_gpu_budget.units import (
@@ -313,32 +314,17 @@ def _publish(
     path_status = [status[s] for s in reversed(scope_path(spec.scope)) if s in status]
     budget = next((s for s in path_status if s["period_budget_micro"] is not None), None)
     cap = next((s for s in path_status if s["hourly_cap_micro"] is not None), None)
-    pictures = [
-        plots.metric_vs_params(
-            df,
-            spec.params(),
-            spec.metric,
-            out / "metric_vs_params.png",
-            log_params=[name for name, dim in spec.random.items() if dim.log],
-            goal=spec.goal,
-        ),
-        plots.learning_curves(
-            curves,
-            spec.metric,
-            out / "learning_curves.png",
-            labels={
-                f"{int(r['trial']):04d}": ", ".join(f"{p}={short(r[p])}" for p in spec.params())
-                for r in df.to_dict("records")
-            },
-        ),
-        plots.spend_over_time(
-            rows,
-            out / "spend.png",
+    pictures = draw_all(
+        FinishedSweep(
+            spec=spec,
+            trials=df,
+            curves=curves,
+            jobs=rows,
             budget_micro=budget and budget["period_budget_micro"],
             cap_micro_per_hour=cap and cap["hourly_cap_micro"],
-            title=f"spend of sweep {spec.name} in {spec.scope}",
-        ),
-    ]
+            out=out,
+        )
+    )
     summary = summary_markdown(spec, df, budget)
     create_markdown_artifact(
         key=f"{key}-summary",

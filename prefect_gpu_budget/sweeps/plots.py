@@ -16,7 +16,8 @@ import pandas as pd
 from prefect_gpu_budget.units import micro_to_usd
 
 
-def _pyplot():
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing to files only (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,7 +53,7 @@ def metric_vs_params(
     done = done.dropna(subset=[metric])
     best = done[metric].idxmin() if goal == "min" else done[metric].idxmax()
     log_params = set(log_params)
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(params), figsize=(4.4 * len(params), 3.8), squeeze=False)
     for ax, param in zip(axes[0], params, strict=True):
         other = next((p for p in params if p != param), None)
@@ -65,7 +66,7 @@ def metric_vs_params(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"{metric} by parameter ({goal}imum is best)")
-    return _save(plt, fig, path)
+    return save_png(plt, fig, path)
 
 
 def _param_panel(
@@ -108,7 +109,7 @@ def _mark_best(ax: Any, done: pd.DataFrame, best: Any, param: str, metric: str) 
     )
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
+def save_png(plt: Any, fig: Any, path: Path) -> Path:
     """Lay the figure out, write it to `path` as a PNG and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -130,7 +131,7 @@ def learning_curves(
     series = {name: points for name, points in series.items() if points}
     if not series:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.4, 4.2))
     for name, points in series.items():
         label = (labels or {}).get(name, name)
@@ -141,7 +142,7 @@ def learning_curves(
     if len(series) <= 16:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.grid(alpha=0.3)
-    return _save(plt, fig, path)
+    return save_png(plt, fig, path)
 
 
 def _time_axis(seconds: float) -> tuple[float, str]:
@@ -197,7 +198,7 @@ def spend_over_time(
     rows = [r for r in rows if r.get("admitted_at") is not None]
     if not rows:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     t0 = min(r["admitted_at"] for r in rows)
     money, rate = _money_and_rate(rows)  # 1. the events
     span = max(t for t, *_ in money + rate) - t0
@@ -215,7 +216,7 @@ def spend_over_time(
     for i, reset in enumerate(t for t in sorted(resets) if t0 < t <= t0 + span):  # 5. resets
         top.axvline(at(reset), color="grey", linestyle=":", label=None if i else "budget resets")
     _legends(top, bottom, spend_ax if own_scale else None)  # 6. the legends
-    return _save(plt, fig, path)
+    return save_png(plt, fig, path)
 
 
 class _Axis:
@@ -372,7 +373,7 @@ def settled_vs_billed(
     the plot, never spread over the scopes."""
     if not scopes:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     names = sorted(scopes)
     fig, ax = plt.subplots(figsize=(7.6, 1.2 + 0.55 * len(names)))
     ys = range(len(names))
@@ -401,7 +402,7 @@ def settled_vs_billed(
     ax.set_title(title, fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    return _save(plt, fig, path)
+    return save_png(plt, fig, path)
 
 
 def embed(paths: Iterable[Path | None], heading: str = "Plots") -> str:

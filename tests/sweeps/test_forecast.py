@@ -414,7 +414,7 @@ def test_forecast_plot_draws_the_reservations_that_bind(prices, tmp_path, monkey
     assert all(r["reserved_micro"] == 3_000 and r["actual_micro"] == 1_000 for r in rows), rows
 
     figures = []
-    monkeypatch.setattr(plots._pyplot(), "close", lambda fig: figures.append(fig))
+    monkeypatch.setattr(plots.pyplot(), "close", lambda fig: figures.append(fig))
     [budget] = [r for r in ledger.config.path_budgets(spec.scope) if r.period_budget_micro]
     assert plot(predicted, tmp_path / "forecast.png", budget) is not None
     top = figures[0].axes[0]

@@ -18,7 +18,7 @@ def _trials() -> pd.DataFrame:
 
 def test_metric_plot_marks_the_best_and_logs_log_sampled_axes(tmp_path, monkeypatch):
     figures = []
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
     path = plots.metric_vs_params(
         _trials(), ["lr", "width"], "loss", tmp_path / "m.png", log_params=["lr"], goal="min"
@@ -37,7 +37,7 @@ def test_no_metric_reported_means_no_metric_plot(tmp_path):
 
 
 def test_a_limit_far_above_the_data_is_named_not_drawn():
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     fig, ax = plt.subplots()
     plots._limit_line(ax, 2000.0, 40.0, "tab:red", "period budget", "")
     assert ax.get_lines() == [] and "off the axis" in ax.texts[0].get_text()
@@ -54,7 +54,7 @@ def test_time_axis_uses_minutes_hours_or_days():
 
 def test_spend_plot_draws_period_resets_and_counts_each_period_from_zero(tmp_path, monkeypatch):
     figures = []
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
     day = 86400.0
     rows = [  # one $10 job a day for three days
@@ -85,7 +85,7 @@ def test_a_spend_far_below_its_reservations_gets_a_scale_of_its_own(tmp_path, mo
     """$0.02 spent against $40 reserved: on the reservations' axis the spend line would lie
     flat on zero; it is drawn on the right axis, scaled to itself."""
     figures = []
-    plt = plots._pyplot()
+    plt = plots.pyplot()
     monkeypatch.setattr(plt, "close", lambda fig: figures.append(fig))
     rows = [
         {

@@ -45,6 +45,7 @@ from prefect_gpu_budget.admission.ledger import (
 from prefect_gpu_budget.admission.limits import RateLimits
 from prefect_gpu_budget.admission.rules import periods
 from prefect_gpu_budget.admission.rules.policy import BudgetRule
+from prefect_gpu_budget.admission.rules.quota import team_of
 from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote
 from prefect_gpu_budget.testing.stats import percentile, summary_ms
@@ -325,11 +326,13 @@ def old_rows(count: int, now: float, rng: random.Random) -> list[dict[str, Any]]
         started = cutoff - rng.uniform(0, 365 * 86400)
         ended = started + runtime
         actual = int(1_006_000 * runtime / 3600)
+        scope = rng.choice(scopes)
         rows.append(
             {
                 "id": str(uuid.uuid4()),
                 "org": ORG,
-                "scope": rng.choice(scopes),
+                "scope": scope,
+                "team": team_of(scope),
                 "name": "old",
                 "instance_type": INSTANCE,
                 "provisioning": "on-demand",

@@ -24,7 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
-from prefect_gpu_budget.admission.ledger.tables import SCHEMA, metadata, schema, versions
+from prefect_gpu_budget.admission.ledger.tables import SCHEMA, jobs, metadata, schema, versions
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -278,6 +278,7 @@ class Db:
             try:
                 metadata.create_all(self.engine)
                 self._add_new_columns()
+                self._fill_teams()
                 with self.engine.begin() as conn:
                     if not conn.execute(schema.select().where(schema.c.digest == SCHEMA)).first():
                         conn.execute(schema.insert().values(digest=SCHEMA))
@@ -309,6 +310,25 @@ class Db:
                         )
             for index in table.indexes:
                 index.create(self.engine, checkfirst=True)
+
+    def _fill_teams(self) -> None:
+        """Jobs recorded before `gpu_jobs.team` was filled get their team (`org/team` of their
+        scope), so a team's jobs are found by it (`ix_gpu_jobs_team_requested`). Run with the
+        schema's upgrade, once: a current ledger has no such row."""
+        with self.engine.begin() as conn:
+            scopes = conn.execute(
+                sa.select(jobs.c.scope)
+                .where(jobs.c.team.is_(None), jobs.c.scope.contains("/", autoescape=True))
+                .distinct()
+            ).scalars()
+            filled = [{"s": scope, "t": "/".join(scope.split("/")[:2])} for scope in scopes]
+            if filled:
+                conn.execute(
+                    jobs.update()
+                    .where(jobs.c.scope == sa.bindparam("s"), jobs.c.team.is_(None))
+                    .values(team=sa.bindparam("t")),
+                    filled,
+                )
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -72,11 +72,15 @@ def narrowed(
     """`query` of jobs narrowed to a scope's subtree, states, a flow run, and the jobs not
     ended before `since`. A session's jobs are found by its scope (`ix_gpu_jobs_scope_ended`):
     its states are then compared in a form no index serves, so that neither database walks
-    every org's jobs of a state (`ix_gpu_jobs_state_requested`) to find a session's few."""
+    every org's jobs of a state (`ix_gpu_jobs_state_requested`) to find a session's few. A
+    team's jobs are found by their `team` (`ix_gpu_jobs_team_requested`, in request order), not
+    by walking every team's jobs for its scopes."""
     if flow_run_id is not None:
         query = query.where(jobs.c.flow_run_id == flow_run_id)
     session = bool(scope) and scope.count("/") + 1 >= MAX_SCOPE_DEPTH
-    if scope:
+    if scope and scope.count("/") == 1:
+        query = query.where(jobs.c.team == scope)
+    elif scope:
         query = query.where(subtree(jobs.c.scope, scope))
     if states:
         state = sa.func.coalesce(jobs.c.state, "") if session else jobs.c.state

@@ -122,6 +122,7 @@ jobs = sa.Table(
     sa.Index("ix_gpu_jobs_flow_run", "flow_run_id"),
     sa.Index("ix_gpu_jobs_state_requested", "state", "requested_at"),
     sa.Index("ix_gpu_jobs_ended", "ended_at"),
+    sa.Index("ix_gpu_jobs_team_requested", "team", "requested_at"),
 )
 """Besides the decision's indexes (an org's open and settled jobs), the reads' own: the open
 jobs of every org in request order (`state`, `requested_at`: what waits, orphans) and a

@@ -123,6 +123,27 @@ def test_a_ledger_of_an_earlier_version_gets_the_new_columns_and_a_current_one_o
     current.db.dispose()
 
 
+def test_jobs_recorded_before_their_team_was_kept_get_it_when_the_ledger_is_upgraded(tmp_path):
+    """A team's jobs are read by `gpu_jobs.team`: an earlier version's rows without it are
+    filled in (`org/team` of their scope) when a newer version first opens the ledger."""
+    from prefect_gpu_budget.admission.ledger import Ledger
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    ledger = Ledger(url)
+    ids = [ledger.queue.request(new_job(scope))[0] for scope in ("up/t/s", "up/t", "up", "up/u/s")]
+    ledger.db.dispose()
+    old = sa.create_engine(url)
+    with old.begin() as conn:  # as an earlier version left it: no team, no schema stamp
+        conn.exec_driver_sql("UPDATE gpu_jobs SET team = NULL")
+        conn.exec_driver_sql("DROP TABLE gpu_schema")
+    old.dispose()
+    reopened = Ledger(url)
+    teams = {j["id"]: j["team"] for j in reopened.views.jobs()}
+    assert [teams[i] for i in ids] == ["up/t", "up/t", None, "up/u"]
+    assert [j["id"] for j in reopened.views.jobs("up/t")] == ids[:2]
+    reopened.db.dispose()
+
+
 def test_an_org_s_writes_go_in_turn_and_a_settlement_before_a_burst_of_requests():
     """`OrgLock`: first come, first served, except that waiting requests let the other writes
     go first; a write inside a write of the same thread is refused."""

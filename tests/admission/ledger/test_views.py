@@ -105,3 +105,17 @@ def test_since_leaves_out_the_jobs_that_ended_before(ledger):
     ledger.settlements.mark_started(running, now - 90)
     assert [j["id"] for j in ledger.views.jobs("sn", since=now - 1000)] == [late, running]
     assert len(ledger.views.jobs("sn")) == 3
+
+
+def test_a_teams_page_is_its_own_jobs_in_request_order(ledger):
+    """A team's jobs are read by their team (`ix_gpu_jobs_team_requested`): its sessions' jobs
+    and its own, never another team whose name starts the same, newest first by `before`."""
+    ledger.config.set_budget(BudgetRule("tp", period_budget_micro=10**9))
+    scopes = ["tp/t/s0", "tp/t2/s0", "tp/t", "tp/t_/s1", "tp/t/s1", "tp", "tp/t/s0"]
+    ids = [ledger.queue.request(_job(s), now=1_000_000.0 + i)[0] for i, s in enumerate(scopes)]
+    mine = [i for i, s in zip(ids, scopes, strict=True) if s == "tp/t" or s.startswith("tp/t/")]
+    assert [j["id"] for j in ledger.views.jobs("tp/t")] == mine
+    assert [j["id"] for j in ledger.views.jobs("tp/t", limit=2)] == mine[-2:]
+    assert [j["id"] for j in ledger.views.jobs("tp/t", limit=2, before=mine[-2])] == mine[:2]
+    assert [j["id"] for j in ledger.views.jobs("tp/t2")] == [ids[1]]
+    assert len(ledger.views.jobs("tp")) == len(scopes)

@@ -76,21 +76,18 @@ def _decision(url: str, shape: Shape) -> Callable[[], float]:
     return run
 
 
-def _spend_report(url: str, shape: Shape, out: str) -> Callable[[], None]:
+def _spend_report(url: str, team: str, out: str) -> Callable[[], None]:
     from prefect_gpu_budget.blocks import SpendLedger
     from prefect_gpu_budget.flows.spend_report import spend_report
 
     def run() -> None:
-        spend_report(
-            scope=shape.team(1), hours=24.0, ledger=SpendLedger(database_url=url), out_dir=out
-        )
+        spend_report(scope=team, hours=24.0, ledger=SpendLedger(database_url=url), out_dir=out)
 
     return run
 
 
-def read_fn(
-    name: str, url: str, shape: Shape, tmp: Path, deep_id: str
-) -> Callable[[], float | None]:
+def read_fn(name: str, target: Target, tmp: Path) -> Callable[[], float | None]:
+    url, shape, deep_id = target.url, target.shape, target.deep_id
     spec = tmp / "sweep.yaml"
     argv = {
         "status": ["status", "--json"],
@@ -105,7 +102,7 @@ def read_fn(
         return _cli(url, argv[name])
     if name == "decision":
         return _decision(url, shape)
-    return _spend_report(url, shape, str(tmp / "reports"))
+    return _spend_report(url, target.report_team, str(tmp / "reports"))
 
 
 @dataclass(frozen=True)
@@ -115,13 +112,15 @@ class Target:
     url: str
     shape: Shape
     deep_id: str
+    report_team: str
+    """The team whose spend report is timed (`benchmarks.year.report_team`)."""
 
 
 def _child(name: str, targets: list[Target], tmp: Path, runs: int, pipe: Any) -> None:
     """Time the read on each target, the targets in turn run by run, after one warm run
     each."""
     try:
-        fns = [read_fn(name, t.url, t.shape, tmp, t.deep_id) for t in targets]
+        fns = [read_fn(name, t, tmp) for t in targets]
         for fn in fns:
             fn()  # warm: the ledger opened, the statements built
         runs = max(runs, 30) if name == "decision" else runs  # a few ms each

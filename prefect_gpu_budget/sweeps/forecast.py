@@ -58,7 +58,8 @@ from prefect_gpu_budget.units import (
 HISTORY_TRIALS = 20
 """How many of a sweep's latest finished trials its likely runtime is the mean of."""
 HISTORY_ROWS = 2000
-"""How many of the scope's latest settled jobs are searched for them."""
+"""How many of the latest settled jobs are searched: the sweep's own (`finished_trials`), the
+org's on its launcher (`launcher_jobs`)."""
 LOCAL_START_S = 0.2
 """How long a trial on the local launcher typically takes from its admission to its start
 (Prefect's slots, the task run, the process), before any trial of its sweep has finished: the
@@ -84,12 +85,16 @@ def finished_trials(
     spec: SweepSpec, ledger: Ledger, latest: int | None = HISTORY_TRIALS
 ) -> list[dict]:
     """The sweep's latest finished trials in the ledger, oldest first (at most `latest`; None:
-    all of those among the scope's latest `HISTORY_ROWS` settled jobs): its jobs named
-    `<name>/<index>` in its scope that started and ran their course (`LEARNED_OUTCOMES`)."""
+    all of those among its latest `HISTORY_ROWS` settled jobs): its jobs named
+    `<name>/<index>` in its scope that started and ran their course (`LEARNED_OUTCOMES`). The
+    name is matched in SQL too, so a session's other work is not read."""
     named = re.compile(re.escape(spec.name) + r"/\d{4,}")
+    settled = ledger.views.jobs(
+        spec.scope, states=("settled",), limit=HISTORY_ROWS, named=f"{spec.name}/"
+    )
     found = [
         row
-        for row in ledger.views.jobs(spec.scope, states=("settled",), limit=HISTORY_ROWS)
+        for row in settled
         if row["scope"] == spec.scope
         and named.fullmatch(row["name"] or "")
         and row["outcome"] in LEARNED_OUTCOMES

@@ -334,6 +334,25 @@ def test_the_likely_runtime_is_what_the_sweeps_finished_trials_took(prices, tmp_
     assert during.as_dict()["start_s"] == 1.0
 
 
+def test_a_sessions_other_work_does_not_crowd_the_sweeps_trials_out(prices, tmp_path, monkeypatch):
+    """The sweep's history is its own latest trials, chosen by name in the ledger: a session
+    that has run much else since (a year of other sweeps) neither hides them nor is read."""
+    from prefect_gpu_budget.sweeps import forecast as forecasting
+
+    monkeypatch.setattr(forecasting, "HISTORY_ROWS", 2)
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    GpuBudget(scope="fc", hourly_cap_usd="7.2", period_budget_usd=100).apply(ledger)
+    _team(ledger)
+    spec = _short_trials(tmp_path)
+    _finished(ledger, spec.scope, "fc/0000", 2.0, "completed")
+    _finished(ledger, spec.scope, "fc/0001", 4.0, "completed")
+    for name in ("other/0000", "fcx/0000", "other/0001"):  # newer, and not the sweep's
+        _finished(ledger, spec.scope, name, 1.0, "completed")
+    found = forecasting.finished_trials(spec, ledger, latest=None)
+    assert sorted(row["name"] for row in found) == ["fc/0000", "fc/0001"]
+    assert forecast(spec, ledger).likely.runtime_s == pytest.approx(3.0, abs=0.01)
+
+
 def test_before_its_trials_finish_a_sweep_starts_as_its_launchers_latest_jobs_did(prices, tmp_path):
     """None of the sweep's trials has finished, but other jobs of its org on the local launcher
     have: each trial takes as long to start as they took (on a busy machine, longer than a

@@ -102,12 +102,14 @@ class Views:
         flow_run_id: str | None = None,
         before: str | None = None,
         since: float | None = None,
+        named: str | None = None,
     ) -> list[dict[str, Any]]:
         """Jobs in `scope` (and below) in request order; with `limit`, only the newest that
         many, and with `before` (a job's id, with `limit`) the newest that many requested
         before it: a keyset page, as cheap deep in the ledger as at its head; with `since`,
-        only the jobs not ended before then; with `flow_run_id`, only that run's (all chosen
-        in SQL, not in memory)."""
+        only the jobs not ended before then; with `flow_run_id`, only that run's; with
+        `named`, only those whose name starts so (a sweep's trials: `<sweep>/`). All chosen in
+        SQL, not in memory."""
         newest = limit is not None
         with self.db.read() as conn:
             query = page_query(conn, before) if newest else sa.select(jobs)
@@ -122,6 +124,8 @@ class Views:
             else:
                 query = query.order_by(jobs.c.requested_at)
             query = narrowed(query, scope, states, flow_run_id, since)
+            if named is not None:
+                query = query.where(jobs.c.name.startswith(named, autoescape=True))
             found = [dict(row) for row in conn.execute(query).mappings()]
         return found[::-1] if newest else found
 

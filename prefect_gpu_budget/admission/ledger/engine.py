@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from prefect_gpu_budget.admission.ledger.tables import SCHEMA, jobs, metadata, schema, versions
+from prefect_gpu_budget.admission.rules.quota import team_of
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -321,7 +322,7 @@ class Db:
                 .where(jobs.c.team.is_(None), jobs.c.scope.contains("/", autoescape=True))
                 .distinct()
             ).scalars()
-            filled = [{"s": scope, "t": "/".join(scope.split("/")[:2])} for scope in scopes]
+            filled = [{"s": scope, "t": team_of(scope)} for scope in scopes]
             if filled:
                 conn.execute(
                     jobs.update()

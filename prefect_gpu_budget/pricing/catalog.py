@@ -3,11 +3,11 @@
 Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by the admin in
 the ledger (`prices set-local`), so every host and replica on one ledger reads one list; the
 side that has the ledger reads them and hands them in (`admission.prices`): nothing here reads
-the ledger. A CSV of the same columns on a host (`PREFECT_GPU_BUDGET_PRICES`, default
-`$PREFECT_HOME/gpu-budget/prices.csv`) is still read, below the ledger's rows: a
-machine the ledger prices is priced as the ledger says on every host; the CSV is an import and
-an export (`prices import-local`, `prices export-local`). An unknown instance type is an error,
-never a zero price.
+the ledger. A CSV of the same columns is an import and an export (`prices import-local`,
+`prices export-local`); a host reads one besides the catalog only where
+`PREFECT_GPU_BUDGET_PRICES` names it, below the ledger's rows (the file `prices set-local` wrote
+under `$PREFECT_HOME` before is not read: a job on a machine it prices is told to import it). An
+unknown instance type is an error, never a zero price.
 
 A row may carry no price (`usd_per_hour` empty) where no public figure is recorded: its `source`
 says why and how to get one. Such a row gives the machine's shape (to `prices refresh` and to
@@ -24,6 +24,7 @@ same everywhere.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import re
 from collections.abc import Iterable
@@ -127,10 +128,27 @@ def latest_refresh() -> Path | None:
     return found[-1] if found else None
 
 
-def user_prices_path() -> Path:
+def user_prices_path() -> Path | None:
+    """The prices CSV this host reads besides the catalog, if `PREFECT_GPU_BUDGET_PRICES` names
+    one (`settings.prices_path`)."""
     from prefect_gpu_budget import settings
 
     return settings.prices_path()
+
+
+def _unpriced_local_hint(instance_type: str) -> str:
+    """How to price a `local:` machine the catalog lacks: `prices set-local`, or, where the
+    file `set-local` wrote on this host before the ledger kept prices prices it, its import."""
+    from prefect_gpu_budget import settings
+
+    old = settings.old_prices_path()
+    with contextlib.suppress(OSError, BudgetInputError):
+        if old.is_file() and any(r.key == instance_type for r in read_price_file(old)):
+            return (
+                f" (this host's old price file {old} prices it; local prices are kept in the "
+                f"ledger now: `prefect-gpu-budget prices import-local {old}`)"
+            )
+    return " (price it with `prefect-gpu-budget prices set-local`)"
 
 
 MAX_GPUS = 64
@@ -216,8 +234,8 @@ class Catalog:
 
     @classmethod
     def load(cls, *extra: Path, local: Iterable[PriceRow] = ()) -> Catalog:
-        """The shipped catalog, the newest refreshed one, `extra` files, this host's price
-        file, then `local` rows: a ledger's local prices, which the caller that has the
+        """The shipped catalog, the newest refreshed one, `extra` files, the price
+        file `PREFECT_GPU_BUDGET_PRICES` names, then `local` rows: a ledger's local prices, which the caller that has the
         ledger reads (`admission.prices.ledger_prices`)."""
         return cls([*file_rows(*extra), *local])
 
@@ -238,11 +256,7 @@ class Catalog:
         found = self._rows.get((instance_type, provisioning))
         if found is None:
             known = sorted({key for key, prov in self._rows if prov == provisioning})
-            hint = (
-                " (price it with `prefect-gpu-budget prices set-local`)"
-                if instance_type.startswith("local:")
-                else ""
-            )
+            hint = _unpriced_local_hint(instance_type) if instance_type.startswith("local:") else ""
             close = near(instance_type, known, most=3)
             listed = (
                 f"did you mean {close[0]}?"
@@ -350,16 +364,17 @@ def set_local_price(
     name: str,
     usd_per_hour: object,
     gpus: int = 1,
-    path: Path | None = None,
+    *,
+    path: Path,
     vcpu: int = 0,
     memory_gib: int = 0,
 ) -> Path:
-    """Price a `local:<name>` machine in a price file (this host's, unless `path` names one;
-    replacing an older row): a CSV read on one host only, below the ledger's list (for every
-    host: `set_ledger_price`, what `prices set-local` does). Its vCPU and memory (0: unknown)
-    are what one job on it takes of a capacity pool's machine."""
+    """Price a `local:<name>` machine in the price file `path` (replacing an older row): a CSV
+    to import (`prices import-local`), or read by a host whose `PREFECT_GPU_BUDGET_PRICES`
+    names it, below the ledger's list (for every host: `set_ledger_price`, what `prices
+    set-local` does). Its vCPU and memory (0: unknown) are what one job on it takes of a
+    capacity pool's machine."""
     row = local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
-    path = path or user_prices_path()
     rows = read_price_file(path) if path.exists() else []
     rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
     write_rows(path, [*rows, row])
@@ -435,10 +450,11 @@ def cached_file_rows() -> tuple[PriceRow, ...]:
 
 
 def file_rows(*extra: Path) -> list[PriceRow]:
-    """The rows of the files: shipped, newest refreshed, `extra`, this host's price file."""
+    """The rows of the files: shipped, newest refreshed, `extra`, the price file this host's
+    `PREFECT_GPU_BUDGET_PRICES` names."""
     refreshed = latest_refresh()
     paths = [SHIPPED, *([refreshed] if refreshed else []), *extra]
     user = user_prices_path()
-    if user.exists():
+    if user is not None and user.exists():
         paths.append(user)
     return [row for path in paths for row in read_price_file(path)]

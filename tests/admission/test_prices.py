@@ -97,3 +97,31 @@ def test_the_csv_is_an_import_and_an_export(shared_url: str, tmp_path: Path) -> 
     lines = exported.splitlines()
     assert lines[0].startswith("cloud,instance_type,provisioning"), exported
     assert lines[1].startswith("local,rig,on-demand,local GPU,4,32,0,1.5,"), exported
+
+
+def test_a_hosts_old_price_file_is_not_read_and_the_error_names_its_import(
+    shared_url: str, tmp_path: Path
+) -> None:
+    """The file `prices set-local` wrote in a host's home before prices moved into the ledger
+    prices nothing any more (or that host alone would price the machine): a quote on it fails
+    in one line naming the `import-local` that moves it, and once imported both hosts read
+    the ledger's one price."""
+    from prefect_gpu_budget.pricing.catalog import set_local_price
+
+    one, two = _host(tmp_path, "one", shared_url), _host(tmp_path, "two", shared_url)
+    old = Path(one["PREFECT_HOME"]) / "gpu-budget" / "prices.csv"
+    set_local_price("rig", "1.5", gpus=4, path=old)
+    refused = subprocess.run(
+        [sys.executable, "-m", "prefect_gpu_budget.cli", "quote", "local:rig"],
+        env=one,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode != 0, refused.stdout
+    said = refused.stdout + refused.stderr
+    assert f"prices import-local {old}" in " ".join(said.split()), said
+    _cli(one, "prices", "import-local", str(old))
+    assert "$1.50/h" in _cli(one, "quote", "local:rig") and "$1.50/h" in _cli(
+        two, "quote", "local:rig"
+    )

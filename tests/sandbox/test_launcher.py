@@ -673,19 +673,20 @@ def test_nobody_cannot_touch_the_ledger_prices_or_prefect_home(
     from prefect_gpu_budget.admission.ledger import Ledger
     from prefect_gpu_budget.admission.rules.policy import BudgetRule
     from prefect_gpu_budget.pricing.catalog import set_local_price
-    from prefect_gpu_budget.settings import ledger_url, prefect_home, prices_path
+    from prefect_gpu_budget.settings import ledger_url, prefect_home
 
     home = base / "prefect-home"
+    prices = home / "gpu-budget" / "prices.csv"
     monkeypatch.setenv("PREFECT_HOME", str(home))
     monkeypatch.delenv("PREFECT_GPU_BUDGET_LEDGER_URL", raising=False)
-    monkeypatch.delenv("PREFECT_GPU_BUDGET_PRICES", raising=False)
+    monkeypatch.setenv("PREFECT_GPU_BUDGET_PRICES", str(prices))
     ledger = Ledger(ledger_url())
     try:
         ledger.config.set_budget(BudgetRule("acme", hourly_cap_cents=100))
-        set_local_price("box", "3.6", gpus=1, path=prices_path())
+        set_local_price("box", "3.6", gpus=1, path=prices)
         db = home / "gpu-budget" / "ledger.db"
         assert db.exists() and prefect_home() == home
-        before = {p: p.read_bytes() for p in (db, prices_path())}
+        before = {p: p.read_bytes() for p in (db, prices)}
         script = (
             'for f in "$DB" "$DB-wal" "$DB-shm" "$PRICES"; do'
             '  if echo x >> "$f"; then echo "wrote $f"; fi;'
@@ -695,7 +696,7 @@ def test_nobody_cannot_touch_the_ledger_prices_or_prefect_home(
             ' if sqlite3 "$DB" "delete from gpu_jobs" 2>/dev/null; then echo sqlite-wrote; fi;'
             " echo done"
         )
-        job, _ = _job(script, env={"DB": str(db), "PRICES": str(prices_path()), "PH": str(home)})
+        job, _ = _job(script, env={"DB": str(db), "PRICES": str(prices), "PH": str(home)})
         lines: list[str] = []
         result = LocalLauncher(sandbox).run(job, quote, log=lines.append)
         assert "done" in lines, (result, lines)

@@ -132,17 +132,10 @@ def ledger_url(explicit: str | None = None) -> str:
 
 
 def prices_path() -> Path | None:
-    """The prices CSV this host reads besides the catalog (PREFECT_GPU_BUDGET_PRICES), if one is
-    set: none by default, so every host on a ledger prices its `local:` machines from the
-    ledger alone."""
+    """The prices CSV this host reads besides the catalog (PREFECT_GPU_BUDGET_PRICES): none by
+    default, so every host on a ledger prices `local:` machines from the ledger alone."""
     explicit = os.environ.get(PRICES_ENV)
     return Path(explicit) if explicit else None
-
-
-def old_prices_path() -> Path:
-    """Where `prices set-local` wrote a host's prices before they moved into the ledger: no
-    longer read, only named when a `local:` machine it prices has no price in the ledger."""
-    return prefect_home() / "gpu-budget" / "prices.csv"
 
 
 def catalog_dir() -> Path:

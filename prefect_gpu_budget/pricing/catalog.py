@@ -4,10 +4,8 @@ Rows ship in `catalog.csv` beside this module; `local:<name>` rows are priced by
 the ledger (`prices set-local`), so every host and replica on one ledger reads one list; the
 side that has the ledger reads them and hands them in (`admission.prices`): nothing here reads
 the ledger. A CSV of the same columns is an import and an export (`prices import-local`,
-`prices export-local`); a host reads one besides the catalog only where
-`PREFECT_GPU_BUDGET_PRICES` names it, below the ledger's rows (the file `prices set-local` wrote
-under `$PREFECT_HOME` before is not read: a job on a machine it prices is told to import it). An
-unknown instance type is an error, never a zero price.
+`export-local`), read besides only where `PREFECT_GPU_BUDGET_PRICES` names it, below the
+ledger's rows. An unknown instance type is an error, never a zero price.
 
 A row may carry no price (`usd_per_hour` empty) where no public figure is recorded: its `source`
 says why and how to get one. Such a row gives the machine's shape (to `prices refresh` and to
@@ -128,20 +126,11 @@ def latest_refresh() -> Path | None:
     return found[-1] if found else None
 
 
-def user_prices_path() -> Path | None:
-    """The prices CSV this host reads besides the catalog, if `PREFECT_GPU_BUDGET_PRICES` names
-    one (`settings.prices_path`)."""
-    from prefect_gpu_budget import settings
-
-    return settings.prices_path()
-
-
 def _unpriced_local_hint(instance_type: str) -> str:
-    """How to price a `local:` machine the catalog lacks: `prices set-local`, or, where the
-    file `set-local` wrote on this host before the ledger kept prices prices it, its import."""
+    """How to price a `local:` machine: `set-local`, or import the old file that prices it."""
     from prefect_gpu_budget import settings
 
-    old = settings.old_prices_path()
+    old = settings.prefect_home() / "gpu-budget" / "prices.csv"  # set-local's, before
     with contextlib.suppress(OSError, BudgetInputError):
         if old.is_file() and any(r.key == instance_type for r in read_price_file(old)):
             return (
@@ -369,11 +358,9 @@ def set_local_price(
     vcpu: int = 0,
     memory_gib: int = 0,
 ) -> Path:
-    """Price a `local:<name>` machine in the price file `path` (replacing an older row): a CSV
-    to import (`prices import-local`), or read by a host whose `PREFECT_GPU_BUDGET_PRICES`
-    names it, below the ledger's list (for every host: `set_ledger_price`, what `prices
-    set-local` does). Its vCPU and memory (0: unknown) are what one job on it takes of a
-    capacity pool's machine."""
+    """Price a `local:<name>` machine in the CSV `path` (replacing an older row), to import or
+    name in `PREFECT_GPU_BUDGET_PRICES` (every host: `set_ledger_price`). Its vCPU and memory
+    (0: unknown) are what one job on it takes of a capacity pool's machine."""
     row = local_row(name, usd_per_hour, gpus, vcpu, memory_gib)
     rows = read_price_file(path) if path.exists() else []
     rows = [r for r in rows if not (r.cloud == "local" and r.instance_type == name)]
@@ -451,10 +438,12 @@ def cached_file_rows() -> tuple[PriceRow, ...]:
 
 def file_rows(*extra: Path) -> list[PriceRow]:
     """The rows of the files: shipped, newest refreshed, `extra`, the price file this host's
-    `PREFECT_GPU_BUDGET_PRICES` names."""
+    `PREFECT_GPU_BUDGET_PRICES` names (`settings.prices_path`)."""
+    from prefect_gpu_budget import settings
+
     refreshed = latest_refresh()
     paths = [SHIPPED, *([refreshed] if refreshed else []), *extra]
-    user = user_prices_path()
+    user = settings.prices_path()
     if user is not None and user.exists():
         paths.append(user)
     return [row for path in paths for row in read_price_file(path)]

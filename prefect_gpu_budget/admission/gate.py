@@ -398,7 +398,7 @@ class Gate:
 
     def _tell(self, job: GpuJob, decision: Decision, rules: list[BudgetRule], w: _Waiting) -> float:
         """Tell the events that the job waits: once, with the budgets its request was decided
-        against, then each time what holds it changes; its deadline."""
+        against, then each time what blocks it changes; its deadline."""
         if w.deadline is None:
             self.events.queued(w.job_id, decision, rules)
             w.deadline = wait_deadline(w.started, max_wait_of(job.max_wait, rules))
@@ -423,7 +423,7 @@ class Gate:
 
     def _woken(self, job_id: str, scope: str, handed: tuple[Decision, float] | None) -> Decision:
         """The decision of a job that woke: the one another's transaction made and its watcher
-        read for it (`handed`), else (woken by its own clock, or by a change of what holds it,
+        read for it (`handed`), else (woken by its own clock, or by a change of what blocks it,
         or handed an admission too old to take over unstamped: `FRESH_ADMISSION_S`) its own,
         decided in a transaction of its own."""
         if handed is not None:

@@ -51,7 +51,7 @@ The money wraps at its ` / ` before any of it is left out."""
 
 STARTING_NOTE = (
     "starting: admitted and not started yet (its launch, or a cloud finding capacity); it "
-    "holds its rate and reservation, and no limit holds it"
+    "holds its rate and reservation, and no limit blocks it"
 )
 """What `(+N starting)` means, said under a table that shows it."""
 

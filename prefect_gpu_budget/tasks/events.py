@@ -37,7 +37,7 @@ def _refresh_hint(admission: Admission) -> str:
 
 
 def _why(decision: Decision) -> str:
-    """What holds a job, said once: its reason, and when the period that blocks it resets
+    """What blocks a job, said once: its reason, and when the period that blocks it resets
     unless the reason says so already."""
     if not decision.resumes_at or "resets" in decision.reason:
         return decision.reason
@@ -49,8 +49,8 @@ _PLACE = re.compile(r" \(priority [^)]*\)")
 
 
 def short_why(decision: Decision) -> str:
-    """What holds a job, as a log line says it: the first limit that holds it, by how much,
-    and when a period that holds it resets; `(and N more limits)` for the others. The whole reason
+    """What blocks a job, as a log line says it: the first limit that blocks it, by how much,
+    and when a period that blocks it resets; `(and N more limits)` for the others. The whole reason
     stays in the run's state and the `queued` event."""
     first, *more = decision.reason.split("; blocked by ")
     head, _, detail = first.partition(": ")
@@ -138,7 +138,7 @@ class RunEvents:
         self.shown_waiting = False
 
     def show_waiting(self, decision: Decision) -> None:
-        """The task run's `AwaitingBudget` state, its message what holds the job now."""
+        """The task run's `AwaitingBudget` state, its message what blocks the job now."""
         self.shown_waiting = True
         _show_state(
             self.ctx,
@@ -175,7 +175,7 @@ class RunEvents:
 
     def waiting(self, job_id: str, decision: Decision) -> None:
         self.logger.info("GPU job %s still waits: %s", job_id[:8], short_why(decision))
-        self.show_waiting(decision)  # the UI follows what holds it, not its first reason
+        self.show_waiting(decision)  # the UI follows what blocks it, not its first reason
 
     def admitted(self, admission: Admission) -> None:
         if self.shown_waiting:

@@ -86,7 +86,7 @@ def _queue_up(gate: Gate, ledger: Ledger, scope: str, n: int, hold_s: float) -> 
 def test_a_freed_slot_wakes_the_job_it_admitted_not_every_waiter(ledger, prices):
     """Before, every change of the org woke every waiter into a decision: n jobs through a
     one-job cap cost about n^2 / 2 decisions. Now a waiter decides when woken for its own
-    row: when it is admitted, or when what holds it changes (it became the queue's head)."""
+    row: when it is admitted, or when what blocks it changes (it became the queue's head)."""
     ledger.config.set_budget(BudgetRule("wake", hourly_cap_cents=360))
     gate = Gate(ledger, catalog=Catalog.load(prices))
     calls, handed = _counting(ledger), _handed_admissions(ledger)

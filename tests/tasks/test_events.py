@@ -1,5 +1,5 @@
-"""A waiting job's log line says one thing: the first limit that holds it, by how much, and
-when a period that holds it resets; the whole reason stays on its run's state and event."""
+"""A waiting job's log line says one thing: the first limit that blocks it, by how much, and
+when a period that blocks it resets; the whole reason stays on its run's state and event."""
 
 from __future__ import annotations
 

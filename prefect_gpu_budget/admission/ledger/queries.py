@@ -28,7 +28,7 @@ from prefect_gpu_budget.admission.ledger.tables import (
     team_quotas,
 )
 from prefect_gpu_budget.admission.rules import periods
-from prefect_gpu_budget.admission.rules.deciding import HOLDING_LIMITS
+from prefect_gpu_budget.admission.rules.deciding import BLOCKING_LIMITS
 from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision, overrun_factors
 from prefect_gpu_budget.admission.rules.quota import TEAM_SETTINGS, Pool, TeamQuota, team_of
 from prefect_gpu_budget.units import MAX_SCOPE_DEPTH, scope_path
@@ -313,7 +313,7 @@ def waiter_ahead(
             "org": org,
             "job_id": job_id,
             "team": team,
-            "keys": [f"{limit} {scope}" for limit in HOLDING_LIMITS for scope in path],
+            "keys": [f"{limit} {scope}" for limit in BLOCKING_LIMITS for scope in path],
             "alive_since": now - stale_s,
             "priority": job.priority,
             "now": now,

@@ -281,7 +281,7 @@ class Queue:
         holder: bool = True,
     ) -> tuple[bool, bool]:
         """Write a queued job's decision (`waited`: its row as it stood, None for a new job).
-        Returns whether its state or what holds it changed, and whether it asked jobs to stop
+        Returns whether its state or what blocks it changed, and whether it asked jobs to stop
         (`Decision.preempt`). Only its `holder` deciding stamps a waiting job's row: a job
         decided by another's transaction must not look alive when its holder is gone (an
         admission stamps it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
@@ -382,7 +382,7 @@ class Queue:
             asked, back = jobs.c.stop_asked_at.is_not(None), {"state": "queued", "reason": reason}
             gone = {**ended_unrun("cancelled", reason, now), "reason": jobs.c.reason}
             then |= {k: sa.case((asked, v), else_=back.get(k, jobs.c[k])) for k, v in gone.items()}
-            # what holds it now, as a waiting job's row says (`wait_spans` counts it)
+            # what blocks it now, as a waiting job's row says (`wait_spans` counts it)
             then |= {"wait_key": f"{SLOTS_HELD} {scope}", "wait_since": now}
         with self.db.write(org := scope.split("/")[0]) as conn:
             done = conn.execute(

@@ -1,5 +1,5 @@
 """What the ledger's rows stand for: a job asking to be admitted (`NewJob`), a budget row as a
-`BudgetRule`, an admitted job's row as a `Hold`, and what holds a waiting job (its `wait_key`
+`BudgetRule`, an admitted job's row as a `Hold`, and what blocks a waiting job (its `wait_key`
 and the tally of its waits), the row of a new job and what a decision writes into it. The
 reads several stores share are in `queries`."""
 
@@ -103,13 +103,13 @@ def hold_of(row: Any, scope: str | None = None, now: float | None = None) -> Hol
 
 
 SLOTS_HELD = "prefect_slots"
-"""What holds an admission given back because Prefect's limit was full (`Queue.unadmit`)."""
+"""What blocks an admission given back because Prefect's limit was full (`Queue.unadmit`)."""
 STARTING = "starting"
 """A job's wait from its admission to its start (`wait_spans`)."""
 
 
 def wait_key(decision: Decision) -> str | None:
-    """What holds a waiting job, as its row's `wait_key` says: `limit scope` (None: nothing)."""
+    """What blocks a waiting job, as its row's `wait_key` says: `limit scope` (None: nothing)."""
     if decision.verdict != "wait":
         return None
     return f"{decision.limit} {decision.scope}" if decision.scope else str(decision.limit)
@@ -118,7 +118,7 @@ def wait_key(decision: Decision) -> str | None:
 def wait_tally(row: Any, decision: Decision, now: float) -> dict[str, Any]:
     """The columns that say what held a queued job and for how long: the limit and scope
     holding it now (`wait_key`) since when, and seconds per limit and scope that held it before
-    (`waits`, JSON). Only a change of what holds it writes anything."""
+    (`waits`, JSON). Only a change of what blocks it writes anything."""
     old = row["wait_key"] if row is not None else None
     key = wait_key(decision)
     if key == old and row is not None:

@@ -82,7 +82,7 @@ class Views:
 
     @reconnecting
     def states(self, job_ids: Iterable[str]) -> dict[str, tuple[str, str | None]]:
-        """(state, what holds it) of each job, in one read: how a watcher learns which of the
+        """(state, what blocks it) of each job, in one read: how a watcher learns which of the
         jobs it waits for were decided."""
         with self.db.read() as conn:
             return job_states(conn, list(job_ids))

@@ -6,7 +6,7 @@ it). The ledger, the gate, the simulator, the audit and the benchmarks all decid
 - `quota`: pools and team quotas, what a job's shape takes;
 - `capacity`: what an org's pools hold while the queue is walked, and why a job does not fit
   (`Capacity`);
-- `queueing`: who waits behind whom, and what a blocked job holds;
+- `queueing`: who waits behind whom, and what a waiting job blocks;
 - `preemption`: whether a job fits a pool now, and whom it preempts (`fit`, `victims`);
 - `requests`: a job asking to be admitted, as the policy reads it (`Request`);
 - `accounting`: what a job costs and where its money lands, a bill's true-up included;

@@ -4,12 +4,12 @@
 No I/O here. The ledger loads a `LedgerState` and the queue inside its transaction, calls
 `decide`, and writes what it says; the simulator and tests call the same function.
 
-Queue order is priority (higher first), then arrival. A waiting job *holds* the scopes whose limit
-blocks it for its own team's later jobs: one of them that needs any of those scopes waits behind
+Queue order is priority (higher first), then arrival. A waiting job *blocks* the scopes whose limit
+stops it for its own team's later jobs: one of them that needs any of those scopes waits behind
 it (no backfill), so a big job is never starved by a stream of small ones of its team, while
 other teams' jobs and jobs in unrelated scopes go on (`queueing.scope_key`). In capacity pools
 each team has its own queue, jobs within their team's nominal quota go before borrowers, which
-go by fair share, and a waiting job holds only what `queueing` says; who is preempted is
+go by fair share, and a waiting job blocks only what `queueing` says; who is preempted is
 `preemption`'s rule.
 """
 
@@ -145,7 +145,7 @@ def queue_order(queue: Iterable[Request]) -> list[Request]:
 
 
 NOT_REACHED = Decision("wait", "waiting behind an earlier job", limit="queue")
-"""What `plan` says of a job it did not weigh this round (a job ahead holds what it needs): it
+"""What `plan` says of a job it did not weigh this round (a job ahead blocks what it needs): it
 waits, and its recorded reason stands."""
 
 
@@ -154,30 +154,30 @@ def plan(
 ) -> dict[str, Decision]:
     """Decide queued jobs in queue order, up to and including `stop_at` if given.
 
-    Without `stop_at` the walk ends early once a blocked job holds its org's budget in every
+    Without `stop_at` the walk ends early once a waiting job blocks its org's budget in every
     team's queue of the walk (nothing after it could be admitted); jobs not reached are absent
     from the result.
-    A job ahead of `stop_at` that waits behind a hold is `NOT_REACHED` either way: it admits
-    nothing and holds nothing, so weighing it could not change what the jobs after it get
+    A job ahead of `stop_at` that waits behind a block is `NOT_REACHED` either way: it admits
+    nothing and blocks nothing, so weighing it could not change what the jobs after it get
     (so deciding the last of n queued jobs costs n lookups, not n decisions).
     """
     ordered = queue_order(queue)
     queues = {queueing.queue_of(req.scope) for req in ordered}
     usage = _Usage(state)
     capacity = Capacity(state.pools, state.quotas, list(state.placed)) if state.pools else None
-    held: dict[str, Request] = {}
+    blocked: dict[str, Request] = {}
     limits: dict[str, str] = {}
     out: dict[str, Decision] = {}
     for req in queueing.walk(ordered, capacity):
-        if req.job_id != stop_at and queueing.ahead(req, req.shape, held, capacity) is not None:
+        if req.job_id != stop_at and queueing.ahead(req, req.shape, blocked, capacity) is not None:
             out[req.job_id] = NOT_REACHED  # cannot be admitted this round; details on request
             continue
-        out[req.job_id] = decision = _decide_one(state, req, usage, held, capacity, limits)
-        for i, key in enumerate(queueing.held_keys(req, decision.blocks)):
-            if key not in held:
-                held[key] = req
-                limits[key] = decision.hold_limits[i] if i < len(decision.hold_limits) else ""
-        if req.job_id == stop_at or (stop_at is None and queueing.all_held(queues, held)):
+        out[req.job_id] = decision = _decide_one(state, req, usage, blocked, capacity, limits)
+        for i, key in enumerate(queueing.blocked_keys(req, decision.blocks)):
+            if key not in blocked:
+                blocked[key] = req
+                limits[key] = decision.block_limits[i] if i < len(decision.block_limits) else ""
+        if req.job_id == stop_at or (stop_at is None and queueing.all_blocked(queues, blocked)):
             break
     return out
 
@@ -200,12 +200,12 @@ def _decide_one(
     state: LedgerState,
     req: Request,
     usage: _Usage,
-    held: dict[str, Request],
+    blocked: dict[str, Request],
     capacity: Capacity | None = None,
     limits: Mapping[str, str] | None = None,
 ) -> Decision:
     """One job's decision in the walk: 1. a budget covers it; 2. what it would reserve; 3. it
-    can ever fit; 4. no job ahead holds what it needs; 5. no limit blocks it now (a pool's
+    can ever fit; 4. no job ahead blocks what it needs; 5. no limit blocks it now (a pool's
     capacity may ask others to stop); 6. admitted, its hold and placement counted."""
     rules = path_rules(state.budgets, req.scope)
     if not rules:
@@ -219,7 +219,7 @@ def _decide_one(
     )
     if never:
         return Decision("reject", f"can never fit: {never}", limit="never_fits", scope=req.scope)
-    found = queueing.ahead(req, shape, held, capacity)
+    found = queueing.ahead(req, shape, blocked, capacity)
     if found is not None:
         return _wait_or_end(state, req, rules, _behind(state, *found, limits or {}))
     fit = preemption.fit(capacity, shape, req.priority) if capacity is not None and shape else None
@@ -265,14 +265,14 @@ def _reservation(state: LedgerState, req: Request, rules: list[BudgetRule]) -> _
 
 
 def _behind(state: LedgerState, key: str, ahead: Request, limits: Mapping[str, str]) -> Decision:
-    """A job waits behind `ahead`, which holds `key` (for the limit `limits` names)."""
-    what = _held_for(state, key, limits.get(key, ""))
+    """A job waits behind `ahead`, which blocks `key` (for the limit `limits` names)."""
+    what = _blocked_for(state, key, limits.get(key, ""))
     return Decision(
         "wait",
         f"waiting behind job {ahead.job_id[:8]} (priority {ahead.priority}, queued "
         f"{fmt_duration(state.now - ahead.requested_at)} ago) for {what}",
         limit="queue",
-        scope=queueing.hold_name(key),
+        scope=queueing.block_name(key),
     )
 
 
@@ -295,7 +295,7 @@ def _blocked_now(
                 fit.unasked,
                 limit="capacity",
                 scope=f"pool:{shape.pool}" if shape else None,
-                blocks=fit.holds,
+                blocks=fit.blocks,
                 # budget limits never stop running work: only capacity alone may preempt
                 preempt=() if blockers else fit.victims,
             )
@@ -336,10 +336,10 @@ def _admit(
     )
 
 
-def _held_for(state: LedgerState, key: str, limit: str) -> str:
+def _blocked_for(state: LedgerState, key: str, limit: str) -> str:
     """What a job waits behind another for, as its reason names it: the limit with its amount
-    (`the hourly cap of acme ($10.00/h)`) where a budget holds it, or the queue's hold."""
-    name = queueing.hold_name(key)
+    (`the hourly cap of acme ($10.00/h)`) where a budget makes the block, or the queue's block."""
+    name = queueing.block_name(key)
     rule = state.budgets.get(name)
     if rule is not None and limit == "hourly_cap" and rule.hourly_cap_cents is not None:
         return f"the hourly cap of {name} ({usd_per_hour(rule.hourly_cap_cents)})"
@@ -352,19 +352,19 @@ def _blocked(blockers: list[Decision]) -> Decision:
     first = blockers[0]
     reason = "; ".join(b.reason for b in blockers)
     resumes = [b.resumes_at for b in blockers if b.resumes_at is not None]
-    holds: dict[str, str] = {}  # what it holds, and for which limit (the first that binds)
-    for b in blockers:  # a budget holds its scope; capacity what the pool's backfill says
+    blocks: dict[str, str] = {}  # what it blocks, and for which limit (the first that binds)
+    for b in blockers:  # a budget blocks its scope; capacity what the pool's backfill says
         for key in b.blocks if b.limit == "capacity" else (b.scope,) if b.scope else ():
-            holds.setdefault(key, b.limit or "")
+            blocks.setdefault(key, b.limit or "")
     return Decision(
         "wait",
         reason,
         limit=first.limit,
         scope=first.scope,
         resumes_at=max(resumes) if resumes else None,
-        blocks=tuple(holds),
+        blocks=tuple(blocks),
         preempt=tuple(v for b in blockers for v in b.preempt),
-        hold_limits=tuple(holds.values()),
+        block_limits=tuple(blocks.values()),
     )
 
 
@@ -395,8 +395,8 @@ def decide(state: LedgerState, queue: Iterable[Request], job_id: str) -> Decisio
     return plan(state, queue, stop_at=job_id)[job_id]
 
 
-HOLDING_LIMITS = ("hourly_cap", "period_budget")
-"""The limits that, blocking a waiting job, make it hold their scope (`_blocked`)."""
+BLOCKING_LIMITS = ("hourly_cap", "period_budget")
+"""The limits that, stopping a waiting job, make it block their scope (`_blocked`)."""
 
 
 def decide_behind(
@@ -407,6 +407,6 @@ def decide_behind(
     (or ends, by its on-limit and max wait), unless it can never be admitted at all; the rest
     of the queue cannot change that. So a request joining a deep queue is decided without
     weighing the whole queue (`state` needs only the budgets on `req`'s path). `ahead` is of
-    `req`'s team (`queueing.queue_of`): a budget holds only its own team's later jobs."""
+    `req`'s team (`queueing.queue_of`): a budget blocks only its own team's later jobs."""
     key = queueing.scope_key(scope, req.scope)
     return _decide_one(state, req, _Usage(state), {key: ahead}, limits={key: limit})

@@ -168,8 +168,8 @@ class Decision:
     own team's lower-priority work (its team's `reclaim` and `within_team` settings)."""
     pool: str | None = None
     """For an admission: the capacity pool it runs in."""
-    hold_limits: tuple[str, ...] = ()
-    """For a waiting job: the limit each of `blocks` holds for (`hourly_cap`, ...), so that a
+    block_limits: tuple[str, ...] = ()
+    """For a waiting job: the limit each of `blocks` is blocked for (`hourly_cap`, ...), so that a
     job behind it can name the limit and its amount."""
 
 

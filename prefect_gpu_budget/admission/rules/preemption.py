@@ -49,7 +49,7 @@ Rank = tuple[bool, bool, float, int, float]
 
 def fit(cap: Capacity, shape: Shape, priority: int) -> Fit:
     """Can a job of `shape` at `priority` start now? If not, why (`Capacity.blocked`), what it
-    holds while it waits (`queueing.holds`), and which jobs to preempt by its team's settings
+    blocks while it waits (`queueing.blocks`), and which jobs to preempt by its team's settings
     (`victims`), if any. Here, not on `Capacity`: the quota's state knows nothing of the
     rules that read it."""
     pool = cap.pools[shape.pool]
@@ -57,9 +57,9 @@ def fit(cap: Capacity, shape: Shape, priority: int) -> Fit:
     if reason is None:
         return Fit(True, placement=cap.place(pool, shape, frozenset()) or ())
     quota = cap.quotas.get((shape.pool, shape.team or ""))
-    holds = queueing.holds(pool, quota, cap.within_quota(shape))
+    blocks = queueing.blocks(pool, quota, cap.within_quota(shape))
     if quota is None:
-        return Fit(False, reason, holds=holds, unasked=reason)
+        return Fit(False, reason, blocks=blocks, unasked=reason)
     chosen, note = victims(cap, pool, quota, shape, priority)
     asked = ""
     if chosen:
@@ -68,7 +68,7 @@ def fit(cap: Capacity, shape: Shape, priority: int) -> Fit:
         False,
         reason + asked + note,
         victims=tuple(j.job_id for j in chosen),
-        holds=holds,
+        blocks=blocks,
         unasked=reason + note,
     )
 

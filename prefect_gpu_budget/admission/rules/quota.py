@@ -9,7 +9,7 @@ A team's quota in a pool is its nominal quota, what it is guaranteed; it may bor
 plus capacity no team holds. Idle capacity is shared by fair-share weight: the team with the
 least borrowed per weight goes first. Who is preempted so that a waiting job fits, by its team's
 `reclaim` and `within_team` settings, is `preemption.py`; how teams' queues are ordered and what
-a waiting job holds, `queueing.py`; what an org's pools hold while the decision walks its queue,
+a waiting job blocks, `queueing.py`; what an org's pools hold while the decision walks its queue,
 and why a job does not fit, `capacity.py`.
 
 Every reason names the resource that binds (accelerators, vCPU, memory, nodes) with amounts.
@@ -187,8 +187,8 @@ class Fit:
     placement: tuple[int, ...] = ()
     victims: tuple[str, ...] = ()
     """Jobs to preempt so that this one fits (its team's `reclaim` and `within_team`)."""
-    holds: tuple[str, ...] = ()
-    """Queue keys a blocked job holds: later jobs needing them wait behind it."""
+    blocks: tuple[str, ...] = ()
+    """Queue keys a job that cannot start blocks: later jobs needing them wait behind it."""
     unasked: str = ""
     """`reason` as it reads when nobody is asked to stop (a budget blocks the job too, or it
     ends): without the victims it names."""

@@ -296,7 +296,7 @@ def test_a_job_behind_another_names_the_limit_it_waits_for_with_its_amount():
     out = plan(s, [*queue, req("other", "o/u", 1, at=3)])
     assert out["head"].limit == "period_budget"
     assert out["head"].blocks == ("o", "o/t")
-    assert out["head"].hold_limits == ("period_budget", "hourly_cap")
+    assert out["head"].block_limits == ("period_budget", "hourly_cap")
     behind = decide(s, queue, "next")
     assert behind.reason.startswith("waiting behind job head (priority 0, queued ")
     assert behind.reason.endswith(" ago) for the month budget of o ($1.50)")

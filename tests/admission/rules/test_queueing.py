@@ -17,24 +17,24 @@ def test_a_blocked_job_holds_what_its_pools_and_teams_settings_say():
     plain, backfilled = pool(), pool(backfill=True)
     strict = TeamQuota("lab-a", "acme/a", proportional(plain, 8), queueing="strict_fifo")
     lenient = TeamQuota("lab-a", "acme/a", proportional(plain, 8))
-    assert queueing.holds(plain, None, within=False) == ("pool:lab-a",)
-    assert queueing.holds(backfilled, None, within=False) == ()
-    assert queueing.holds(plain, strict, within=False) == ("team:lab-a:acme/a",)
-    assert queueing.holds(plain, lenient, within=True) == ("borrow:lab-a",)  # nominal first
-    assert queueing.holds(backfilled, lenient, within=True) == ()
+    assert queueing.blocks(plain, None, within=False) == ("pool:lab-a",)
+    assert queueing.blocks(backfilled, None, within=False) == ()
+    assert queueing.blocks(plain, strict, within=False) == ("team:lab-a:acme/a",)
+    assert queueing.blocks(plain, lenient, within=True) == ("borrow:lab-a",)  # nominal first
+    assert queueing.blocks(backfilled, lenient, within=True) == ()
 
 
 def test_a_budget_holds_only_its_own_teams_queue():
     key = queueing.scope_key("acme", "acme/vision/agent-7")
-    assert key == "acme@acme/vision" and queueing.hold_name(key) == "acme"
+    assert key == "acme@acme/vision" and queueing.block_name(key) == "acme"
     held = {key: _req("head", "acme/vision/agent-7", 1.0)}
     same_team = _req("later", "acme/vision/agent-9", 2.0)
     other_team = _req("other", "acme/nlp/agent-1", 2.0)
     assert queueing.ahead(same_team, None, held, None) == (key, held[key])
     assert queueing.ahead(other_team, None, held, None) is None  # its ClusterQueue is its own
-    assert not queueing.all_held(["acme/vision", "acme/nlp"], held)
+    assert not queueing.all_blocked(["acme/vision", "acme/nlp"], held)
     held[queueing.scope_key("acme", "acme/nlp/x")] = other_team
-    assert queueing.all_held(["acme/vision", "acme/nlp"], held)
+    assert queueing.all_blocked(["acme/vision", "acme/nlp"], held)
 
 
 def test_borrowing_waits_behind_a_job_within_its_quota_and_a_job_within_its_own_does_not():

@@ -38,6 +38,7 @@ from prefect_gpu_budget.units import (
     MAX_CAP_CENTS,
     MAX_CAP_RULE,
     BudgetInputError,
+    scope_path,
     validate_scope,
 )
 
@@ -368,18 +369,35 @@ class Config:
         return {c["name"]: c["value"] for c in self.priority_classes(scope.split("/")[0])}
 
 
+_REQUEST_RULES = sa.union_all(
+    sa.select(budgets, sa.literal(0).label("template")).where(
+        budgets.c.scope.in_(sa.bindparam("path", expanding=True))
+    ),
+    sa.select(templates, sa.literal(1).label("template")).where(
+        templates.c.scope == sa.bindparam("team")
+    ),
+)
+"""The budgets on a request's path and its team's session template, in one read."""
+
+
 def request_rules(conn: Connection, scope: str, now: float) -> list[BudgetRule]:
-    """The budgets a request in `scope` must fit, outermost first (`path_rules`), a session
+    """The budgets a request in `scope` must fit, outermost first (as `path_rules`), a session
     scope (`org/team/session`) with no budget first given its team's session template, if
-    there is one, in the caller's transaction (its first request)."""
-    rules = path_rules(conn, scope)
-    if scope.count("/") != 2 or (rules and rules[-1].scope == scope):
+    there is one, in the caller's transaction (its first request). One read: a session that
+    has neither (its team's budget binds it) asks no second question at each request."""
+    path = scope_path(scope)
+    is_session = scope.count("/") == 2
+    found, template = {}, None
+    team = scope.rsplit("/", 1)[0] if is_session else ""
+    for row in conn.execute(_REQUEST_RULES, {"path": path, "team": team}).mappings():
+        if row["template"]:
+            template = row
+        else:
+            found[row["scope"]] = budget_rule(row)
+    rules = [found[s] for s in path if s in found]
+    if not is_session or scope in found or template is None:
         return rules
-    team = scope.rsplit("/", 1)[0]
-    row = conn.execute(sa.select(templates).where(templates.c.scope == team)).mappings().first()
-    if row is None:
-        return rules
-    session = replace(budget_rule(row), scope=scope)
+    session = replace(budget_rule(template), scope=scope)
     _upsert_rule(conn, budgets, session, now)
     return [*rules, session]
 

@@ -11,10 +11,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+_OWN_TICKS: dict[int, str] = {}
+"""This process's start ticks, by pid (a forked child reads its own)."""
+
 
 def holder_id() -> str:
-    """`host:pid:start-ticks` of this process, so a reused pid is never mistaken for it."""
-    return f"{os.uname().nodename}:{os.getpid()}:{process_start_ticks(os.getpid())}"
+    """`host:pid:start-ticks` of this process, so a reused pid is never mistaken for it (its
+    start ticks read from `/proc` once, not at every admission)."""
+    pid = os.getpid()
+    ticks = _OWN_TICKS.get(pid)
+    if ticks is None:
+        ticks = _OWN_TICKS[pid] = process_start_ticks(pid)
+    return f"{os.uname().nodename}:{pid}:{ticks}"
 
 
 def process_start_ticks(pid: int) -> str:

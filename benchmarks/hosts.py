@@ -26,8 +26,8 @@ machine's load falls on all alike. The table gives, per host count, each kind's 
 per second and p50 / p95 of one admission's round trip (admit + settle, or acquire + release),
 and the gate's ratios to bare Prefect. A second table counts (on SQLAlchemy's events, not by
 time: `benchmarks/harness/commits.py`) what each admission and its settlement cost the ledger:
-write transactions committed and the org's lock taken (PostgreSQL's advisory lock), per
-admission, for the gate and, with --before, the tree before.
+write transactions committed, the org's lock taken (PostgreSQL's advisory lock) and the
+statements sent (each a round trip to PostgreSQL), per admission, for the gate and, with --before, the tree before.
 
 Usage: python -m benchmarks.hosts [--hosts 1,2,4] [--per-host 2] [--duration 8] [--before DIR]
        [--json]
@@ -202,6 +202,7 @@ def one_round(admitters: list[Admitter], kind: str, duration_s: float) -> dict[s
         "calls": calls,
         "commits_per": sum(d["commits"] for d in done) / calls if calls else None,
         "org_locks_per": sum(d["org_locks"] for d in done) / calls if calls else None,
+        "statements_per": sum(d["statements"] for d in done) / calls if calls else None,
         "kind": kind,
         "admitters": len(admitters),
         "admissions": total,
@@ -339,6 +340,7 @@ def report(result: dict[str, Any]) -> str:
                     str(gate["calls"]),
                     num(gate["commits_per"], 2),
                     num(gate["org_locks_per"], 2),
+                    num(gate["statements_per"], 2),
                 ]
             )
     header = ["hosts", "admitters", "bare /s"]
@@ -361,12 +363,14 @@ def report(result: dict[str, Any]) -> str:
             "admissions counted",
             "ledger commits / admission",
             "org locks / admission",
+            "statements / admission",
         ],
         counted,
     )
     return (
         f"{table(header, rows)}\n\n{counts}\n\n(admit + settle; commits: write transactions;"
-        " org locks: PostgreSQL's advisory lock of the org)\n\n"
+        " org locks: PostgreSQL's advisory lock of the org; statements: every one the ledger"
+        " sent, each a round trip)\n\n"
         f"{where}; {result['duration_s']:g} s per round, "
         f"{result['cores']} cores; packages: {result.get('packages')}; slots left on the org's "
         f"limit: {result['slots_left']}; {result['wall_s']:.0f} s in all"

@@ -4,7 +4,8 @@ tree of the package (`benchmarks.hosts --before`).
 
 - `commits`: write transactions committed (a read's transaction, `Db.read`, is not counted);
 - `org_locks`: the org's advisory lock taken (PostgreSQL: `pg_advisory_xact_lock`), or, on
-  SQLite, its one writer lock (`BEGIN IMMEDIATE`), which every write takes.
+  SQLite, its one writer lock (`BEGIN IMMEDIATE`), which every write takes;
+- `statements`: every statement sent, reads' included (on PostgreSQL each is a round trip).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ class LedgerCounts:
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
-        self.commits = self.org_locks = 0
+        self.commits = self.org_locks = self.statements = 0
         self._lock = threading.Lock()
         sa.event.listen(engine, "commit", self._commit)
         sa.event.listen(engine, "before_cursor_execute", self._statement)
@@ -32,13 +33,18 @@ class LedgerCounts:
             self.commits += 1
 
     def _statement(self, conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if "pg_advisory_xact_lock" in statement or statement.startswith("BEGIN IMMEDIATE"):
-            with self._lock:
-                self.org_locks += 1
+        locks = "pg_advisory_xact_lock" in statement or statement.startswith("BEGIN IMMEDIATE")
+        with self._lock:
+            self.statements += 1
+            self.org_locks += locks
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {"commits": self.commits, "org_locks": self.org_locks}
+            return {
+                "commits": self.commits,
+                "org_locks": self.org_locks,
+                "statements": self.statements,
+            }
 
     def close(self) -> None:
         sa.event.remove(self.engine, "commit", self._commit)

@@ -47,6 +47,10 @@ from pathlib import Path
 
 if not __package__:  # run as `python benchmarks/hosts.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
+if "--admitter" in sys.argv[:-1]:  # an admitter of another tree: its package, before any import
+    _tree = __import__("json").loads(sys.argv[sys.argv.index("--admitter") + 1]).get("tree")
+    if _tree:
+        sys.path.insert(0, _tree)
 
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
@@ -88,8 +92,6 @@ def admitter(config: dict[str, Any]) -> None:
     tree's."""
     from uuid import UUID
 
-    if config.get("tree"):  # before anything imports the package
-        sys.path.insert(0, config["tree"])
     from prefect.client.orchestration import get_client
 
     import prefect_gpu_budget
@@ -273,6 +275,8 @@ def run(
         for tree, admitters in sets.items():
             for a in admitters:
                 packages[tree] = str(Path(a.next(ARM_S)["package"]).parents[1])  # ready
+        if before and Path(packages["before"]).resolve() != Path(before).resolve():
+            raise SystemExit(f"the tree before imported {packages['before']}, not {before}")
         log(f"{sum(map(len, sets.values()))} admitters ready on {len(up.hosts)} hosts: {packages}")
 
         rounds = []

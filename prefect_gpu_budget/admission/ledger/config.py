@@ -387,7 +387,8 @@ def request_rules(conn: Connection, scope: str, now: float) -> list[BudgetRule]:
     has neither (its team's budget binds it) asks no second question at each request."""
     path = scope_path(scope)
     is_session = scope.count("/") == 2
-    found, template = {}, None
+    found: dict[str, BudgetRule] = {}
+    template: Any = None
     team = scope.rsplit("/", 1)[0] if is_session else ""
     for row in conn.execute(_REQUEST_RULES, {"path": path, "team": team}).mappings():
         if row["template"]:

@@ -27,7 +27,8 @@ per second and p50 / p95 of one admission's round trip (admit + settle, or acqui
 and the gate's ratios to bare Prefect. A second table counts (on SQLAlchemy's events, not by
 time: `benchmarks/harness/commits.py`) what each admission and its settlement cost the ledger:
 write transactions committed, the org's lock taken (PostgreSQL's advisory lock) and the
-statements sent (each a round trip to PostgreSQL), per admission, for the gate and, with --before, the tree before.
+statements sent (each a round trip to PostgreSQL), per admission, for the gate and, with
+--before, the tree before.
 
 Usage: python -m benchmarks.hosts [--hosts 1,2,4] [--per-host 2] [--duration 8] [--before DIR]
        [--json]

@@ -223,9 +223,9 @@ class Catalog:
 
     @classmethod
     def load(cls, *extra: Path, local: Iterable[PriceRow] = ()) -> Catalog:
-        """The shipped catalog, the newest refreshed one, `extra` files, the price
-        file `PREFECT_GPU_BUDGET_PRICES` names, then `local` rows: a ledger's local prices, which the caller that has the
-        ledger reads (`admission.prices.ledger_prices`)."""
+        """The shipped catalog, the newest refreshed one, `extra` files, the price file
+        `PREFECT_GPU_BUDGET_PRICES` names, then `local` rows: a ledger's local prices, which
+        the caller that has the ledger reads (`admission.prices.ledger_prices`)."""
         return cls([*file_rows(*extra), *local])
 
     def rows(self) -> list[PriceRow]:

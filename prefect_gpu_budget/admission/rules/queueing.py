@@ -83,9 +83,9 @@ def ahead(
     req: Request, shape: Shape | None, blocked: Mapping[str, Request], capacity: Capacity | None
 ) -> tuple[str, Request] | None:
     """The first block the job waits behind, with the job that makes it: the budgets of its
-    scopes blocked in its team's queue, and with a shape its pool (no team quotas) and its team's queue;
-    `borrow:<pool>` only if it would borrow (checked only when such a block exists, so the walk
-    stays linear)."""
+    scopes blocked in its team's queue, and with a shape its pool (no team quotas) and its
+    team's queue; `borrow:<pool>` only if it would borrow (checked only when such a block
+    exists, so the walk stays linear)."""
     keys = [scope_key(scope, req.scope) for scope in scope_path(req.scope)]
     if shape is not None:
         keys += [f"pool:{shape.pool}", f"team:{shape.pool}:{shape.team}"]

@@ -12,6 +12,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,28 @@ def test_holds(prefect_api, database, server, job):
 '''
 
 
+def _as_a_shell_starts_it() -> None:
+    """In the run's process before it execs: SIGINT and SIGTERM at their defaults and unblocked,
+    as a shell starts a command, whatever this worker was left with (an ignored or blocked
+    signal is inherited across exec, and a Ctrl-C would then never reach the run)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def _leaked_signals() -> str:
+    """How this process's SIGINT and SIGTERM differ from a fresh one's (handled in Python is
+    fine: a handler does not outlive exec), or nothing."""
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    odd = [f"{sig.name} blocked" for sig in (signal.SIGINT, signal.SIGTERM) if sig in blocked]
+    odd += [
+        f"{sig.name} ignored"
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(sig) == signal.SIG_IGN
+    ]
+    return ", ".join(odd)
+
+
 def _pytest(folder: Path, *args: str, **env: str) -> subprocess.Popen:
     """pytest on `folder` with this suite's fixtures, in a session of its own (so a signal to
     its process group reaches it alone), its output in `folder`/out.txt."""
@@ -80,6 +103,7 @@ def _pytest(folder: Path, *args: str, **env: str) -> subprocess.Popen:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_as_a_shell_starts_it,
         )
 
 
@@ -97,6 +121,8 @@ def test_an_interrupted_run_leaves_nothing_behind(tmp_path: Path, interrupt: str
     """A run with a worker (as the suite's) holding a database of its own, `prefect_api`'s
     server, a `PrefectServer` and a job, is interrupted: it ends them all before it exits."""
     require_postgres(f"{SERVER}/postgres")
+    if leaked := _leaked_signals():  # the run starts clean; say what an earlier test left
+        warnings.warn(f"this worker's signals were left changed: {leaked}", stacklevel=1)
     (tmp_path / "test_holder.py").write_text(HOLDER)
     held_file, out = tmp_path / "held.json", tmp_path / "out.txt"
     run = _pytest(tmp_path, "-n", "1", HELD=str(held_file))

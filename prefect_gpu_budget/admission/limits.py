@@ -137,13 +137,18 @@ def resize_over_http(scope: str, cents: int, api_url: str, auth: str | None = No
         headers=headers,
         method="PATCH",
     )
-    try:
-        with urllib.request.urlopen(request, timeout=5):
-            return ""
-    except urllib.error.HTTPError as exc:
-        return "" if exc.code == 404 else f"the Prefect API answered {exc.code} {exc.reason}"
-    except (OSError, ValueError) as exc:
-        return f"the Prefect API did not answer ({getattr(exc, 'reason', exc)})"
+    for pause in (*PROMPT_RETRY_S, None):  # a 503 (a server on SQLite, busy) asked again
+        try:
+            with urllib.request.urlopen(request, timeout=5):
+                return ""
+        except urllib.error.HTTPError as exc:
+            if exc.code == 503 and pause is not None:
+                time.sleep(pause)
+                continue
+            return "" if exc.code == 404 else f"the Prefect API answered {exc.code} {exc.reason}"
+        except (OSError, ValueError) as exc:
+            return f"the Prefect API did not answer ({getattr(exc, 'reason', exc)})"
+    return ""  # not reached: the last pause is None
 
 
 def limit_name(scope: str) -> str:

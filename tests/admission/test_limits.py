@@ -274,3 +274,37 @@ def test_a_503_that_goes_on_is_prefects_clients_to_wait_out_as_before(monkeypatc
         assert limits.active_slots("stuck") == 0
     finally:
         client.__exit__(None, None, None)
+
+
+def test_a_cap_change_asks_a_busy_prefect_again():
+    """A Prefect server on SQLite answers 503 while another writer holds its database: the
+    resize over plain HTTP asks again after a moment, as the gate's client does, and does not
+    leave the old cap showing for a lock held a few milliseconds."""
+    import http.server
+    import threading
+
+    from prefect_gpu_budget.admission.limits import resize_over_http
+
+    asked: list[str] = []
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            asked.append(self.rfile.read(int(self.headers["Content-Length"])).decode())
+            self.send_response(503 if len(asked) <= 2 or len(asked) > 3 else 200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = f"http://127.0.0.1:{server.server_address[1]}/api"
+        assert resize_over_http("capchg", 150, api) == ""
+        assert asked == ['{"limit": 150}'] * 3
+        asked.append("")  # past the third ask, every answer is 503: a server that stays busy
+        said = resize_over_http("capchg", 150, api)
+        assert said == "the Prefect API answered 503 Service Unavailable", said
+    finally:
+        server.shutdown()

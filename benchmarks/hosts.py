@@ -42,6 +42,7 @@ takes two to four minutes.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -49,7 +50,7 @@ from pathlib import Path
 if not __package__:  # run as `python benchmarks/hosts.py`
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 if "--admitter" in sys.argv[:-1]:  # an admitter of another tree: its package, before any import
-    _tree = __import__("json").loads(sys.argv[sys.argv.index("--admitter") + 1]).get("tree")
+    _tree = json.loads(sys.argv[sys.argv.index("--admitter") + 1]).get("tree")
     if _tree:
         sys.path.insert(0, _tree)
 
@@ -58,7 +59,6 @@ os.environ["PREFECT_SERVER_UI_ENABLED"] = "false"
 
 import argparse
 import contextlib
-import json
 import subprocess
 import tempfile
 import threading

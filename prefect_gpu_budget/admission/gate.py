@@ -2,18 +2,30 @@
 
 1. price (`quote`, `price_job`): its rate, taken once;
 2. scope (`_known_scope`): an org or team nobody created is refused, nothing recorded;
-3. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
-   this process to the same org that arrive meanwhile;
-4. wait (`_wait`): a job not admitted at once is watched from then on (`_watch`), and does not
-   poll. The transaction that frees headroom decides the org's queue, and the process's watcher (`admission/watcher.py`) wakes the jobs it decided, so a job
-   is admitted well within a second of headroom appearing, at a cost that grows with events,
-   not with waiters; a waiter re-decides its own job (`Queue.try_admit`) only when woken, at its
-   max wait, or when the period that blocks it resets;
-5. slots (`SlotLeases.take`): the Prefect limits of every capped scope on its path, under one
-   lease, asked for while step 3 runs when the scope's last job here was admitted at once
-   (`SlotLeases.early`), and given back at once if the ledger does not admit it;
-6. hold (`Holding.hold`): the admitted job's one thread starts, and the caller gets its
+3. slots first, on the fast path (`SlotLeases.early`): when the scope's last job here was
+   admitted at once, the Prefect limits of every capped scope on its path are asked for under
+   one lease before the request, and Prefect's answer is waited for (`EARLY_ANSWER_S` at most);
+4. request (`Queue.ask`): recorded and decided in one transaction, with the other requests of
+   this process to the same org that arrive meanwhile; a job admitted under the caps its lease
+   from step 3 was taken for has the lease recorded in that same transaction. That is the fast
+   path: one commit for the admission (and one for the settlement, `Holding.settle`);
+5. wait (`_wait`): a job not admitted at once is watched from then on (`_watch`), and does not
+   poll. The transaction that frees headroom decides the org's queue, and the process's
+   watcher (`admission/watcher.py`) wakes the jobs it decided, so a job is admitted well within
+   a second of headroom appearing, at a cost that grows with events, not with waiters; a waiter
+   re-decides its own job (`Queue.try_admit`) only when woken, at its max wait, or when the
+   period that blocks it resets;
+6. slots otherwise (`SlotLeases.take`): a job admitted without a recorded lease (its scope's
+   first job here, one that waited, caps changed, Prefect slow to answer step 3) takes its
+   slots after the admission and records the lease in a commit of its own (taking over the
+   lease of step 3 where it is for these caps), or is given back to the queue if Prefect is
+   full; slots of step 3 the ledger did not take go back at once;
+7. hold (`Holding.hold`): the admitted job's one thread starts, and the caller gets its
    `Admission`.
+
+No call to Prefect is made while the org's lock is held: Prefect answers first (step 3) or
+after the commit (step 6). Why a kill on either side of a commit loses nothing is
+`admission/leases.py`'s to say.
 
 What the job holds from then on, and its settlement, are `Holding`'s (`gate.holding`).
 """
@@ -28,13 +40,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from prefect_gpu_budget.admission.asking import asking
 from prefect_gpu_budget.admission.errors import AdmissionRefused, refuse
 from prefect_gpu_budget.admission.holding import Admission, EarlyStop, GateEvents, Holding
 from prefect_gpu_budget.admission.leases import Caps, EarlyLease, SlotLeases, limit_reason
 from prefect_gpu_budget.admission.ledger import (
     Ledger,
     NewJob,
-    holder_id,
     wait_key,
 )
 from prefect_gpu_budget.admission.limits import Limits
@@ -55,10 +67,10 @@ from prefect_gpu_budget.admission.rules.timing import (
     WAKE_ANYWAY_S,
 )
 from prefect_gpu_budget.admission.watcher import Ticket, Watcher, watcher_for
-from prefect_gpu_budget.job import GpuJob, NodeShare
+from prefect_gpu_budget.job import GpuJob
 from prefect_gpu_budget.pricing.catalog import Catalog, Quote
 from prefect_gpu_budget.threads import Handoff as _Handoff
-from prefect_gpu_budget.units import org_of, rate_cents, validate_scope
+from prefect_gpu_budget.units import org_of, validate_scope
 
 T = TypeVar("T")
 
@@ -77,37 +89,6 @@ class _Waiting:
     deadline: float | None = None
     given_back: bool = False
     last_block: tuple[str | None, str | None] = (None, None)
-
-
-def _new_job(
-    job: GpuJob, scope: str, quote: Quote, share: NodeShare, flow_run_id: str | None, launcher: str
-) -> NewJob:
-    """What the gate records of a job asking to be admitted, priced (`quote`, `share`)."""
-    return NewJob(
-        scope=scope,
-        name=job.name or job.instance_type,
-        instance_type=job.instance_type,
-        provisioning=job.provisioning,
-        nodes=job.nodes,
-        rate_micro_per_hour=quote.rate_micro_per_hour,
-        rate_cents=rate_cents(quote.rate_micro_per_hour),
-        priority=job.priority if isinstance(job.priority, int) else 0,
-        priority_class=job.priority if isinstance(job.priority, str) else None,
-        max_runtime_s=job.reserve_runtime_s,
-        expected_runtime_s=job.expected_runtime,
-        holder=holder_id(),
-        launcher=launcher,
-        on_limit=job.on_limit,
-        max_wait_s=job.max_wait,
-        flow_run_id=flow_run_id,
-        pool=job.pool,
-        node_gpus=share.gpus,
-        node_vcpu=share.vcpu,
-        node_memory_gib=share.memory_gib,
-        partial=not share.whole,
-        grant=job.grant,
-        choice=job.choice,
-    )
 
 
 class Gate:
@@ -182,8 +163,7 @@ class Gate:
         back (its place in the queue, or its reservation and slots) and ends, and the caller
         re-raises once it has, or after `GIVE_BACK_S`."""
         validate_scope(scope)
-        quote, share = price_job(job, self.catalog)
-        new = _new_job(job, scope, quote, share, flow_run_id, launcher)
+        quote, new = asking(job, scope, self.catalog, flow_run_id=flow_run_id, launcher=launcher)
         handoff: _Handoff[Admission] = _Handoff()
 
         def admit_here() -> Admission:
@@ -258,13 +238,17 @@ class Gate:
         started: float,
     ) -> Admission:
         job_id, scope = ticket.job_id, new.scope
-        early = self.leases.early(scope, new.rate_cents)  # slots asked while the ledger decides
+        early = self.leases.early(scope, new.rate_cents)  # slots asked before the ledger decides
         try:
-            decision, rules = self.patiently(  # a ledger that never answers (a wrong URL)
-                "recording the request",  # fails in time
-                functools.partial(self.ledger.queue.ask, new, job_id),
+            held = early.held() if early is not None else None  # Prefect's answer, not its lock
+            decision, rules, recorded = self.patiently(  # a ledger that never answers (a wrong
+                "recording the request",  # URL) fails in time
+                functools.partial(self.ledger.queue.ask, new, job_id, held),
                 patience=REQUEST_PATIENCE_S,
             )
+            lease = held.lease_id if recorded and held is not None else None
+            if lease is not None and early is not None:
+                early.recorded()  # the admission's now: never dropped
             self.leases.decided(scope, decision.caps if decision.verdict == "admit" else None)
             if early is not None and decision.verdict != "admit":
                 early.drop()
@@ -275,7 +259,7 @@ class Gate:
                     job,
                     quote,
                     new.rate_cents,
-                    (decision, rules, started, early),
+                    (decision, rules, started, early, lease),
                     handoff,
                     ticket,
                 )
@@ -319,24 +303,26 @@ class Gate:
         job: GpuJob,
         quote: Quote,
         slots: int,
-        first: tuple[Decision, list[BudgetRule], float, EarlyLease | None],
+        first: tuple[Decision, list[BudgetRule], float, EarlyLease | None, str | None],
         handoff: _Handoff[Admission],
         ticket: Ticket,
     ) -> Admission:
         """Until admitted with its slots, from the `first` decision (with the budgets it was
-        decided against, when the job asked, and the slots asked early). Each round: 1. a
+        decided against, when the job asked, the slots asked early, and the lease recorded with
+        that decision, if it was). Each round: 1. a
         refusal or a time-out ends it; 2. an admission takes its slots (`_take`), or goes back
         to the queue while Prefect's limit is full; 3. its events are told (`_tell`); 4. it
         sleeps until woken (`_sleep`); 5. it reads the decision it woke to (`_woken`)."""
-        decision, rules, started, early = first
+        decision, rules, started, early, recorded = first
         waiting = _Waiting(job_id, started)
         while True:
             if handoff.cancelled:
                 raise _Cancelled
             refuse(job_id, decision)
             if decision.verdict == "admit":
-                admission = self._take(job_id, scope, job, quote, slots, decision, started, early)
-                early = None  # asked for the first decision only
+                asked = (started, early, recorded)
+                admission = self._take(job_id, scope, job, quote, slots, decision, asked)
+                early = recorded = None  # asked for the first decision only
                 if admission is not None:
                     return admission
                 decision = Decision("wait", limit_reason(scope), limit="prefect_limit", scope=scope)
@@ -353,11 +339,13 @@ class Gate:
         quote: Quote,
         slots: int,
         decision: Decision,
-        started: float,
-        early: EarlyLease | None,
+        asked: tuple[float, EarlyLease | None, str | None],
     ) -> Admission | None:
-        """An admitted job's slots (`leases.take`), watched for its borrowed capacity reclaimed
-        at once; its `Admission` held and told, or None: Prefect's limit is full."""
+        """An admitted job's slots (the lease `recorded` with its admission, else
+        `leases.take`'s), watched for its borrowed capacity reclaimed at once; its `Admission`
+        held and told, or None: Prefect's limit is full. `asked`: when the job asked, the slots
+        asked early, and the lease recorded with the admission, if it was."""
+        started, early, recorded = asked
         early_stop = EarlyStop()
         if decision.pool is not None:  # borrowed capacity may be reclaimed at once
             threading.Thread(
@@ -368,7 +356,9 @@ class Gate:
             ).start()
         try:
             max_wait = (functools.partial(self._max_wait, job, scope), started)
-            lease = self.leases.take(job_id, scope, slots, decision.caps, max_wait, early)
+            lease: str | None | bool = recorded  # the fast path: taken and recorded already
+            if recorded is None:
+                lease = self.leases.take(job_id, scope, slots, decision.caps, max_wait, early)
         finally:
             early_stop.close()  # what the watcher saw is final from here
         if lease is False:

@@ -3,6 +3,35 @@ path under one lease, record the lease in the ledger (or hand it straight back),
 admission whose slots cannot be taken, and take the slots again when a lease lapsed under a
 running job. The gate's collaborator (`Gate.leases`), given the ledger, the limits, and how to
 call patiently and to warn.
+
+A job whose scope's last job was admitted at once takes its slots first (`early`), and its
+request carries the lease (`EarlyLease.held`): admitted under those caps, the ledger records
+lease and admission in one transaction (`Queue.ask`). Every other admission takes its slots
+after the ledger admitted it, and records the lease apart (`take`).
+
+The order of writes, and why a kill anywhere loses nothing. Only the ledger's decision runs
+under the org's lock (`Db.write`); no call to Prefect is made while it is held.
+- Fast path, Prefect first: the lease is granted, then one transaction records the request, the
+  decision and the lease. Prefect goes first because the lease id is its server's to make: a
+  commit made before could not name it, and recording it would take a second commit. Its cost is
+  a lease taken for a job the ledger then makes wait, which is why only a scope whose last job
+  here was admitted at once asks first. Killed before that commit, the job has no row and
+  reserves nothing; its slots are held by a lease nobody knows, which only makes Prefect's limit
+  stricter until the server's repossessor returns them (`LEASE_S` plus `REPOSSESS_S`). Killed
+  after it, the row is admitted with its lease on record: reconcile settles it and gives the
+  lease back, as after any recorded lease. The row is stamped with the instant the lease was
+  asked for (`HeldLease.record`), so reconcile's reading that a recorded lease lives `LEASE_S`
+  past the row's last stamp stays true, and a lease older than `FRESH_LEASE_S` is not recorded
+  this way at all. A decision that is not an admission under those caps leaves the lease out of
+  the row and gives it back at once.
+- Otherwise, ledger first: the admission commits (its row stamped), then the slots are taken
+  and the lease recorded. Killed between, the row is admitted without a lease: reconcile holds
+  it open, its rate counted, until any lease it may have taken has lapsed
+  (`UNRECORDED_LEASE_S` after its last stamp), then settles it. Prefect full or refusing
+  undoes the admission in one transaction (`Queue.unadmit`: back to the queue, or ended).
+Either way a job runs only once its row is admitted with its lease on record, and an admitted
+row that may hold slots under a lease it never recorded keeps its rate counted by the ledger
+until that lease could have lapsed.
 """
 
 from __future__ import annotations
@@ -16,6 +45,7 @@ from typing import Any
 
 from prefect_gpu_budget.admission.errors import AdmissionGone, AdmissionRefused
 from prefect_gpu_budget.admission.ledger import Ledger
+from prefect_gpu_budget.admission.ledger.settlement import FRESH_LEASE_S, HeldLease
 from prefect_gpu_budget.admission.limits import DependencyDown, Limits, PrefectRefused
 from prefect_gpu_budget.admission.outages import OUTAGES
 from prefect_gpu_budget.admission.outages import describe as _outage
@@ -35,6 +65,11 @@ Patiently = Callable[..., Any]
 Caps = tuple[tuple[str, int], ...]
 """(scope, hourly cap in cents) of every capped scope on a job's path: its Prefect limits."""
 
+EARLY_ANSWER_S = 2.0
+"""How long a request waits for Prefect's answer to its early ask before it goes to the ledger
+without a lease (Prefect slow or down: the job is recorded and decided meanwhile, and its
+admission takes the lease over when it comes, `EarlyLease.lease`)."""
+
 
 class EarlyLease:
     """Slots asked of Prefect while the ledger decides (`SlotLeases.early`): the job's admission
@@ -43,6 +78,7 @@ class EarlyLease:
     def __init__(self, limits: Limits, caps: Caps, slots: int) -> None:
         self.limits, self.caps, self.slots = limits, caps, slots
         self.asked_at = 0.0  # monotonic, set once Prefect answered
+        self.asked_wall = 0.0  # the same instant on the wall clock, as the ledger stamps rows
         self.taken: Handoff[str | None] = Handoff()
         self.taken.start(self._ask)
         self.used = self.dropped = False
@@ -51,10 +87,26 @@ class EarlyLease:
         # the limits first: another thread of this process may be making them just now, and
         # Prefect grants a lease over a limit it does not have without taking its slots
         self.limits.ensure(self.caps)
-        asked_at = time.monotonic()  # Prefect's clock starts before its answer comes back
+        asked_at, asked_wall = time.monotonic(), time.time()  # before Prefect's clock starts
         lease = self.limits.acquire([s for s, _ in self.caps], self.slots)
-        self.asked_at = asked_at
+        self.asked_at, self.asked_wall = asked_at, asked_wall
         return lease
+
+    def held(self, timeout: float = EARLY_ANSWER_S) -> HeldLease | None:
+        """The lease Prefect granted, for the ledger to record with the admission, once Prefect
+        answered (within `timeout`); None when it did not answer in time, said full or failed:
+        the request then goes without it. It is recorded only while fresh: `FRESH_LEASE_S`,
+        and at most a quarter of its life, so that the job's first heartbeat (`LEASE_S / 4`
+        after its hold) renews it well before it could lapse."""
+        if not self.taken.done.wait(timeout) or self.taken.result is None:
+            return None
+        fresh = min(FRESH_LEASE_S, LEASE_S / 4)
+        return HeldLease(self.taken.result, self.caps, self.slots, self.asked_wall, fresh)
+
+    def recorded(self) -> None:
+        """The ledger recorded the lease with the admission: it is the admission's now, and
+        `drop` leaves it alone."""
+        self.used = True
 
     def _alive(self, lease: str) -> bool:
         """Whether the lease still holds its slots: one granted over half its life ago (a ledger

@@ -39,9 +39,9 @@ def _asked_while_deciding(ledger, limits: _Limits) -> list[bool]:
     seen: list[bool] = []
     ask = ledger.queue.ask
 
-    def watched(new, job_id):
+    def watched(new, job_id, lease=None):
         index = len(seen)
-        out = ask(new, job_id)
+        out = ask(new, job_id, lease)
         deadline = time.monotonic() + 1.0
         while len(limits.asked_at) <= index and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -246,10 +246,10 @@ def test_slots_asked_early_are_renewed_before_a_slow_decision_takes_them_over(
     gate.holding.settle(gate.admit(JOB, "lapse/t"), ended_at=time.time(), outcome="completed")
     ask = ledger.queue.ask
 
-    def slow(new, job_id):  # decides once the early lease is past half its life
+    def slow(new, job_id, lease=None):  # decides once the early lease is past half its life
         wait_for(lambda: len(limits.taken) == 2, 30, "Prefect to answer the early ask")
         time.sleep(0.3)
-        return ask(new, job_id)
+        return ask(new, job_id, lease)
 
     ledger.queue.ask = slow
     second = gate.admit(JOB, "lapse/t")

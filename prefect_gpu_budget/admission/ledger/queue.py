@@ -43,6 +43,7 @@ from prefect_gpu_budget.admission.ledger.rows import (
     new_job_row,
     wait_tally,
 )
+from prefect_gpu_budget.admission.ledger.settlement import HeldLease
 from prefect_gpu_budget.admission.ledger.state import load_state
 from prefect_gpu_budget.admission.ledger.tables import (
     ended_unrun,
@@ -56,6 +57,10 @@ from prefect_gpu_budget.admission.rules.quota import (
 from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.admission.rules.timing import STALE_WAITER_S
 from prefect_gpu_budget.units import org_of
+
+Asked = tuple[Decision, list[BudgetRule], bool]
+"""A request's decision, the budgets on its path, and whether the lease its holder took before it
+asked was recorded with the admission."""
 
 
 @dataclass
@@ -81,7 +86,7 @@ class Queue:
         self.db = db
         self._overrun_cache: dict[str, tuple[float, dict[str, float]]] = {}
         """Per org: when `_overrun` last read it, and what it read."""
-        self._asks: dict[str, Batcher[tuple[str, NewJob], tuple[Decision, list[BudgetRule]]]] = {}
+        self._asks: dict[str, Batcher[tuple[str, NewJob, HeldLease | None], Asked]] = {}
         """Per org: this process's requests, recorded together when they arrive together."""
         self._asks_guard = threading.Lock()
         self._unsure: set[str] = set()
@@ -109,9 +114,14 @@ class Queue:
         job_id = job_id or str(uuid.uuid4())  # fixed before any retry: recorded once
         return job_id, self._request(job_id, job, now)[0]
 
-    def ask(self, job: NewJob, job_id: str) -> tuple[Decision, list[BudgetRule]]:
+    def ask(self, job: NewJob, job_id: str, lease: HeldLease | None = None) -> Asked:
         """`request`, with the budgets on the job's path (outermost first) read in the same
         transaction: what a gate tells of a job that waits, without a read of its own.
+
+        `lease`: Prefect slots the holder took before it asked. Admitted under the caps and
+        slots they were taken for, within `HeldLease.fresh_s` of asking, the job's row records
+        the lease in the same transaction (`HeldLease.record`); the third value says whether it
+        did. Otherwise the lease is the holder's to take over or give back.
 
         The requests of this process to one org that arrive while one is being recorded are
         recorded together next, in one transaction (`batches.Batcher`): a sweep's trials, or a
@@ -121,20 +131,22 @@ class Queue:
             asks = self._asks.get(org)
             if asks is None:
                 asks = self._asks[org] = Batcher(functools.partial(self._requests, org))
-        return asks.call((job_id, job))
+        return asks.call((job_id, job, lease))
 
-    def _request(
-        self, job_id: str, job: NewJob, now: float | None
-    ) -> tuple[Decision, list[BudgetRule]]:
-        return self._requests(org_of(job.scope), [(job_id, job)], now)[0]
+    def _request(self, job_id: str, job: NewJob, now: float | None) -> Asked:
+        return self._requests(org_of(job.scope), [(job_id, job, None)], now)[0]
 
     @reconnecting
     def _requests(
-        self, org: str, asked: Sequence[tuple[str, NewJob]], now: float | None = None
-    ) -> list[tuple[Decision, list[BudgetRule]]]:
+        self,
+        org: str,
+        asked: Sequence[tuple[str, NewJob, HeldLease | None]],
+        now: float | None = None,
+    ) -> list[Asked]:
         """Record and decide jobs of `org` asking to be admitted, in order, in one transaction
-        (a job already recorded under its id, before a connection dropped, is recorded once)."""
-        ids = [job_id for job_id, _ in asked]
+        (a job already recorded under its id, before a connection dropped, is recorded once),
+        each admitted one with the lease it holds (`ask`)."""
+        ids = [job_id for job_id, _, _ in asked]
         retried = [job_id for job_id in ids if job_id in self._unsure]
         self._unsure.update(ids)
         with self.db.write(org, request=True) as conn:  # after the org's other writes waiting
@@ -145,7 +157,8 @@ class Queue:
             )
             batch = _Batch(recorded={row["id"]: row for row in found})
             decided = [
-                self._record_request(conn, org, job_id, job, now, batch) for job_id, job in asked
+                self._record_request(conn, org, job_id, job, lease, now, batch)
+                for job_id, job, lease in asked
             ]
         self._unsure.difference_update(ids)
         return decided
@@ -156,12 +169,15 @@ class Queue:
         org: str,
         job_id: str,
         job: NewJob,
+        lease: HeldLease | None,
         now: float | None,
         batch: _Batch,
-    ) -> tuple[Decision, list[BudgetRule]]:
+    ) -> Asked:
         now = time.time() if now is None else now  # after the lock: stamps follow its order
         if job_id in batch.recorded:  # committed before the connection dropped
-            return recorded(conn, batch.recorded[job_id]), path_rules(conn, job.scope)
+            row = batch.recorded[job_id]
+            held = lease is not None and row["lease_id"] == lease.lease_id
+            return recorded(conn, row), path_rules(conn, job.scope), held
         rules = batch.rules.get(job.scope)
         if rules is None:
             rules = batch.rules[job.scope] = request_rules(conn, job.scope, now)
@@ -180,14 +196,19 @@ class Queue:
                 .where(jobs.c.id == job_id)
                 .values(**ended_unrun("rejected", refusal, now))
             )
-            return Decision("reject", refusal, limit="agent"), rules
+            return Decision("reject", refusal, limit="agent"), rules, False
         decision = self._behind_a_waiter(conn, job_id, org, job, now, rules, batch)
         if decision is None:
             batch.waiters.clear()  # the whole queue decided: the waiters found may have moved
             decision = self._decide(conn, job_id, org, now, reason="", waited=None, path=rules)
         else:
             self._write_decision(conn, job_id, decision, now, None, reason="")
-        return decision, rules
+        held = (
+            lease is not None
+            and decision.verdict == "admit"
+            and lease.record(conn, job_id, decision.caps, job.rate_cents, now)
+        )
+        return decision, rules, held
 
     def _behind_a_waiter(
         self,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
@@ -15,6 +16,49 @@ from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
 from prefect_gpu_budget.admission.ledger.queries import add_to_periods, path_rules
 from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs
 from prefect_gpu_budget.admission.rules import accounting
+
+FRESH_LEASE_S = 5.0
+"""A lease asked for longer ago than this (a ledger slow to answer) is not recorded with the
+admission: its holder checks it is alive first and records it apart (`SlotLeases.take`)."""
+
+
+@dataclass(frozen=True)
+class HeldLease:
+    """Prefect slots a job's holder took before its request (`SlotLeases.early`): the lease, the
+    caps and slots it was asked under, and when it was asked (this host's wall clock, before the
+    request to Prefect went out: the lease lives at least `LEASE_S` from then)."""
+
+    lease_id: str
+    caps: tuple[tuple[str, int], ...]
+    slots: int
+    asked_at: float
+    fresh_s: float = FRESH_LEASE_S
+    """Recorded with the admission only if its transaction decides within this long of
+    `asked_at`."""
+
+    def record(
+        self,
+        conn: Connection,
+        job_id: str,
+        caps: tuple[tuple[str, int], ...],
+        slots: int,
+        now: float,
+    ) -> bool:
+        """Record this lease on the row of a job just admitted under `caps` for `slots`, in the
+        transaction that admitted it, when it was taken for those and is fresh. The row is stamped
+        when the lease was asked for, not later: reconcile reads a recorded lease as renewed at
+        or after the row's last stamp (`orphans.lease_to_give_back`)."""
+        if (caps, slots) != (
+            self.caps,
+            self.slots,
+        ) or not 0.0 <= now - self.asked_at <= self.fresh_s:
+            return False
+        done = conn.execute(
+            jobs.update()
+            .where(jobs.c.id == job_id, jobs.c.state == "admitted")
+            .values(lease_id=self.lease_id, heartbeat_at=self.asked_at)
+        ).rowcount
+        return done == 1
 
 
 class Settlements:

@@ -49,7 +49,7 @@ def test_a_request_whose_commit_went_unheard_is_recorded_once_when_asked_again(l
     with pytest.raises(sa.exc.OperationalError):
         ledger.queue.ask(_job("unheard/t"), job_id)
     assert lost == ["unheard"]
-    decision, rules = ledger.queue.ask(_job("unheard/t"), job_id)
+    decision, rules, _ = ledger.queue.ask(_job("unheard/t"), job_id)
     assert decision.verdict == "admit" and [r.scope for r in rules] == ["unheard"]
     assert [row["id"] for row in ledger.views.jobs("unheard")] == [job_id]
     assert not ledger.queue._unsure

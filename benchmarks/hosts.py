@@ -27,7 +27,8 @@ per second and p50 / p95 of one admission's round trip (admit + settle, or acqui
 and the gate's ratios to bare Prefect. A second table counts (on SQLAlchemy's events, not by
 time: `benchmarks/harness/commits.py`) what each admission and its settlement cost the ledger:
 write transactions committed, the org's lock taken (PostgreSQL's advisory lock) and the
-statements sent (each a round trip to PostgreSQL), per admission, for the gate and, with
+statements sent (each a round trip to PostgreSQL) and those sent under the org's lock, per
+admission, for the gate and, with
 --before, the tree before.
 
 Usage: python -m benchmarks.hosts [--hosts 1,2,4] [--per-host 2] [--duration 8] [--before DIR]
@@ -206,6 +207,7 @@ def one_round(admitters: list[Admitter], kind: str, duration_s: float) -> dict[s
         "commits_per": sum(d["commits"] for d in done) / calls if calls else None,
         "org_locks_per": sum(d["org_locks"] for d in done) / calls if calls else None,
         "statements_per": sum(d["statements"] for d in done) / calls if calls else None,
+        "under_lock_per": sum(d["under_lock"] for d in done) / calls if calls else None,
         "kind": kind,
         "admitters": len(admitters),
         "admissions": total,
@@ -346,6 +348,7 @@ def report(result: dict[str, Any]) -> str:
                     num(gate["commits_per"], 2),
                     num(gate["org_locks_per"], 2),
                     num(gate["statements_per"], 2),
+                    num(gate["under_lock_per"], 2),
                 ]
             )
     header = ["hosts", "admitters", "bare /s"]
@@ -369,13 +372,15 @@ def report(result: dict[str, Any]) -> str:
             "ledger commits / admission",
             "org locks / admission",
             "statements / admission",
+            "under the org's lock",
         ],
         counted,
     )
     return (
         f"{table(header, rows)}\n\n{counts}\n\n(admit + settle; commits: write transactions;"
         " org locks: PostgreSQL's advisory lock of the org; statements: every one the ledger"
-        " sent, each a round trip)\n\n"
+        " sent, each a round trip; under the org's lock: those sent while it was held, its own"
+        " included)\n\n"
         f"{where}; {result['duration_s']:g} s per round, "
         f"{result['cores']} cores; packages: {result.get('packages')}; slots left on the org's "
         f"limit: {result['slots_left']}; {result['wall_s']:.0f} s in all"

@@ -45,15 +45,10 @@ from prefect_gpu_budget.admission.ledger.rows import (
 )
 from prefect_gpu_budget.admission.ledger.settlement import HeldLease
 from prefect_gpu_budget.admission.ledger.state import load_state
-from prefect_gpu_budget.admission.ledger.tables import (
-    ended_unrun,
-    jobs,
-)
+from prefect_gpu_budget.admission.ledger.tables import ended_unrun, jobs
 from prefect_gpu_budget.admission.rules.deciding import NOT_REACHED, decide, decide_behind, plan
 from prefect_gpu_budget.admission.rules.policy import BudgetRule, Decision, LedgerState
-from prefect_gpu_budget.admission.rules.quota import (
-    Pool,
-)
+from prefect_gpu_budget.admission.rules.quota import Pool
 from prefect_gpu_budget.admission.rules.requests import Request
 from prefect_gpu_budget.admission.rules.timing import STALE_WAITER_S
 from prefect_gpu_budget.units import org_of
@@ -198,17 +193,14 @@ class Queue:
             )
             return Decision("reject", refusal, limit="agent"), rules, False
         decision = self._behind_a_waiter(conn, job_id, org, job, now, rules, batch)
-        if decision is None:
-            batch.waiters.clear()  # the whole queue decided: the waiters found may have moved
-            decision = self._decide(conn, job_id, org, now, reason="", waited=None, path=rules)
-        else:
+        if decision is not None:  # it waits
             self._write_decision(conn, job_id, decision, now, None, reason="")
-        held = (
-            lease is not None
-            and decision.verdict == "admit"
-            and lease.record(conn, job_id, decision.caps, job.rate_cents, now)
-        )
-        return decision, rules, held
+            return decision, rules, False
+        batch.waiters.clear()  # the whole queue decided: the waiters found may have moved
+        if lease is not None and lease.slots != job.rate_cents:
+            lease = None  # taken for other slots: its holder takes its own
+        decision = self._decide(conn, job_id, org, now, "", None, path=rules, lease=lease)
+        return decision, rules, lease is not None and bool(lease.values(decision, now))
 
     def _behind_a_waiter(
         self,
@@ -274,9 +266,12 @@ class Queue:
         reason: str,
         waited: Any,
         path: list[BudgetRule] | None = None,
+        lease: HeldLease | None = None,
     ) -> Decision:
         """Run the policy for a queued job and write what it says, heartbeat included, and what
-        held it for how long (`waited`: the job's row as it stood, None for a new job).
+        held it for how long (`waited`: the job's row as it stood, None for a new job), with
+        the `lease` its holder took before it asked where it is for this admission
+        (`HeldLease.values`).
 
         A waiter that leaves the queue (admitted, refused) may have held the jobs behind it, so
         the org's queue is decided again (`headroom`), as it is when a decision asks jobs to
@@ -287,7 +282,8 @@ class Queue:
         on the job's path, when this transaction read them already.)"""
         state, queue = load_state(conn, org, now, job_id, path, self._overrun)
         decision = decide(state, queue, job_id)
-        _, asked = self._write_decision(conn, job_id, decision, now, waited, reason=reason)
+        held = lease.values(decision, now) if lease is not None else {}
+        _, asked = self._write_decision(conn, job_id, decision, now, waited, reason, held=held)
         others_wait = any(request.job_id != job_id for request in queue)
         if asked or (decision.verdict != "wait" and (waited is not None or others_wait)):
             self.headroom(conn, org)
@@ -303,15 +299,17 @@ class Queue:
         reason: str | None = None,
         *,
         holder: bool = True,
+        held: dict[str, Any] | None = None,
     ) -> tuple[bool, bool]:
         """Write a queued job's decision (`waited`: its row as it stood, None for a new job).
         Returns whether its state or what blocks it changed, and whether it asked jobs to stop
         (`Decision.preempt`). Only its `holder` deciding stamps a waiting job's row: a job
         decided by another's transaction must not look alive when its holder is gone (an
-        admission stamps it: the holder has `LIMIT_RETRY_S` from then to take its slots)."""
+        admission stamps it: the holder has `LIMIT_RETRY_S` from then to take its slots, or
+        its row records the lease it `held` already, stamped when that was asked for)."""
         reason = waited["reason"] if reason is None else reason
         tally = wait_tally(waited, decision, now)
-        values = {**tally, **decided_values(decision, now, reason, stamp=holder)}
+        values = {**tally, **decided_values(decision, now, reason, stamp=holder), **(held or {})}
         if values:
             conn.execute(jobs.update().where(jobs.c.id == job_id).values(**values))
         asked = 0

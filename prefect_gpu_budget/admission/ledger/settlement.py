@@ -16,6 +16,7 @@ from prefect_gpu_budget.admission.ledger.engine import Db, reconnecting
 from prefect_gpu_budget.admission.ledger.queries import add_to_periods, path_rules
 from prefect_gpu_budget.admission.ledger.tables import ACTIVE, jobs
 from prefect_gpu_budget.admission.rules import accounting
+from prefect_gpu_budget.admission.rules.policy import Decision
 
 FRESH_LEASE_S = 5.0
 """A lease asked for longer ago than this (a ledger slow to answer) is not recorded with the
@@ -36,29 +37,17 @@ class HeldLease:
     """Recorded with the admission only if its transaction decides within this long of
     `asked_at`."""
 
-    def record(
-        self,
-        conn: Connection,
-        job_id: str,
-        caps: tuple[tuple[str, int], ...],
-        slots: int,
-        now: float,
-    ) -> bool:
-        """Record this lease on the row of a job just admitted under `caps` for `slots`, in the
-        transaction that admitted it, when it was taken for those and is fresh. The row is stamped
-        when the lease was asked for, not later: reconcile reads a recorded lease as renewed at
-        or after the row's last stamp (`orphans.lease_to_give_back`)."""
-        if (caps, slots) != (
-            self.caps,
-            self.slots,
-        ) or not 0.0 <= now - self.asked_at <= self.fresh_s:
-            return False
-        done = conn.execute(
-            jobs.update()
-            .where(jobs.c.id == job_id, jobs.c.state == "admitted")
-            .values(lease_id=self.lease_id, heartbeat_at=self.asked_at)
-        ).rowcount
-        return done == 1
+    def values(self, decision: Decision, now: float) -> dict[str, Any]:
+        """The columns that record this lease with `decision`, in the transaction that writes
+        it, when it is an admission under the caps the lease was taken for, and the lease is
+        fresh; none otherwise. The row is stamped when the lease was asked for, not later:
+        reconcile reads a recorded lease as renewed at or after the row's last stamp
+        (`orphans.lease_to_give_back`)."""
+        if decision.verdict != "admit" or decision.caps != self.caps:
+            return {}
+        if not 0.0 <= now - self.asked_at <= self.fresh_s:
+            return {}
+        return {"lease_id": self.lease_id, "heartbeat_at": self.asked_at}
 
 
 class Settlements:

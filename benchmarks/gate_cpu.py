@@ -7,6 +7,8 @@ all alike:
 
 - bare: acquire and release one slot of one global concurrency limit under a lease (the raw
   client calls the gate makes);
+- bare-path: the same two calls over two limits at once, as the gate asks them for a job under
+  two capped scopes (its org and its team): what Prefect's server adds for the path;
 - ledger: `Gate(ledger, None)`: `admit` + `settle` with no Prefect limits, the ledger's work
   and the gate's threads only;
 - gate: `admit` + `settle` with the org's and the team's Prefect limits, as a capped scope's
@@ -45,7 +47,7 @@ from benchmarks.harness import postgres_database, prefect_server
 from benchmarks.harness.report import logger, num, table
 
 log = logger("gate-cpu")
-KINDS = ("bare", "ledger", "gate")
+KINDS = ("bare", "bare-path", "ledger", "gate")
 
 
 def machine_busy_s() -> float:
@@ -85,13 +87,17 @@ def operations(ledger_url: str, prices: Path, client: Any) -> dict[str, Callable
     ledger.config.set_budget(BudgetRule("cpu/t", hourly_cap_cents=10**9))
     catalog = Catalog.load(prices)
     job = GpuJob(instance_type="local:cpu", max_runtime="1h")
-    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name="bare", limit=10**6))
+    for name in ("bare", "bare-team"):
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=10**6))
 
-    def bare() -> None:
-        response = client.increment_concurrency_slots_with_lease(
-            names=["bare"], slots=1, mode="concurrency", lease_duration=60
-        )
-        client.release_concurrency_slots_with_lease(UUID(response.json()["lease_id"]))
+    def bare(names: list[str]) -> Callable[[], None]:
+        def op() -> None:
+            response = client.increment_concurrency_slots_with_lease(
+                names=names, slots=1, mode="concurrency", lease_duration=60
+            )
+            client.release_concurrency_slots_with_lease(UUID(response.json()["lease_id"]))
+
+        return op
 
     def through(gate: Gate, scope: str) -> Callable[[], None]:
         def op() -> None:
@@ -101,7 +107,8 @@ def operations(ledger_url: str, prices: Path, client: Any) -> dict[str, Callable
         return op
 
     ops = {
-        "bare": bare,
+        "bare": bare(["bare"]),
+        "bare-path": bare(["bare", "bare-team"]),
         "ledger": through(Gate(ledger, None, catalog=catalog), "cpu/t/ledger"),
         "gate": through(Gate(ledger, RateLimits(client), catalog=catalog), "cpu/t/gate"),
     }

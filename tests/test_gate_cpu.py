@@ -42,4 +42,4 @@ def test_each_kind_is_measured_and_tabled() -> None:
         assert figures["process_ms"] > 0 and figures["wall_ms"] > 0, (kind, figures)
         assert figures["machine_ms"] >= 0, (kind, figures)
     table = render(out)
-    assert [line.split("|")[1].strip() for line in table.splitlines()[2:5]] == list(KINDS)
+    assert [line.split("|")[1].strip() for line in table.splitlines()[2:6]] == list(KINDS)

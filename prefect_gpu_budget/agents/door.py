@@ -228,7 +228,10 @@ class Door:
 
     def _sweep_view(self, run: Any, session: str) -> dict[str, Any]:
         """The sweep as `sweep` answers it (`views.sweep_view`): its trials' records and the
-        job of each trial in the ledger (`recorded.trial_job`: its latest place, costed for all)."""
+        job of each trial in the ledger (`recorded.trial_job`: its latest place, costed for all).
+        The run is read again when the records say the sweep was cancelled or ended and the run
+        read before them does not: a cancel sets the run's state before its records, so the
+        view never shows a cancelled sweep's run still running."""
         run_id = str(run.id)
         meta = self.records.sweep(run_id)
         recorded = {t["trial"]: t for t in self.records.trials(run_id)}
@@ -239,6 +242,9 @@ class Door:
                 parts.setdefault(trial, []).append(row)
         jobs = {trial: trial_job(rows) for trial, rows in parts.items()}
         cancelled = meta is None and self.records.cancelled(run_id)
+        moved_on = cancelled or bool(meta and (meta["ended_at"] or meta["cancelled_at"]))
+        if moved_on and not (run.state and (run.state.is_final() or run.state.is_cancelling())):
+            run = self.prefect.read_flow_run(run.id)  # a cancel or an end landed between the reads
         return sweep_view(run, meta, recorded, jobs, cancelled)
 
     def trial_metrics(

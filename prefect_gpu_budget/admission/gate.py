@@ -309,10 +309,10 @@ class Gate:
     ) -> Admission:
         """Until admitted with its slots, from the `first` decision (with the budgets it was
         decided against, when the job asked, the slots asked early, and the lease recorded with
-        that decision, if it was). Each round: 1. a
-        refusal or a time-out ends it; 2. an admission takes its slots (`_take`), or goes back
-        to the queue while Prefect's limit is full; 3. its events are told (`_tell`); 4. it
-        sleeps until woken (`_sleep`); 5. it reads the decision it woke to (`_woken`)."""
+        that decision, if it was). Each round: 1. a refusal or a time-out ends it; 2. an
+        admission takes its slots (`_take`), or goes back to the queue while Prefect's limit is
+        full; 3. its events are told (`_tell`); 4. it sleeps until woken (`_sleep`); 5. it reads
+        the decision it woke to (`_woken`)."""
         decision, rules, started, early, recorded = first
         waiting = _Waiting(job_id, started)
         while True:

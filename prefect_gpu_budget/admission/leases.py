@@ -20,7 +20,7 @@ under the org's lock (`Db.write`); no call to Prefect is made while it is held.
   stricter until the server's repossessor returns them (`LEASE_S` plus `REPOSSESS_S`). Killed
   after it, the row is admitted with its lease on record: reconcile settles it and gives the
   lease back, as after any recorded lease. The row is stamped with the instant the lease was
-  asked for (`HeldLease.record`), so reconcile's reading that a recorded lease lives `LEASE_S`
+  asked for (`HeldLease.values`), so reconcile's reading that a recorded lease lives `LEASE_S`
   past the row's last stamp stays true, and a lease older than `FRESH_LEASE_S` is not recorded
   this way at all. A decision that is not an admission under those caps leaves the lease out of
   the row and gives it back at once.
@@ -72,8 +72,9 @@ admission takes the lease over when it comes, `EarlyLease.lease`)."""
 
 
 class EarlyLease:
-    """Slots asked of Prefect while the ledger decides (`SlotLeases.early`): the job's admission
-    takes them over (`SlotLeases.take`), or they go straight back (`drop`)."""
+    """Slots asked of Prefect before the ledger decides (`SlotLeases.early`): recorded with the
+    job's admission (`held`, `recorded`), or taken over after it (`SlotLeases.take`), or given
+    straight back (`drop`)."""
 
     def __init__(self, limits: Limits, caps: Caps, slots: int) -> None:
         self.limits, self.caps, self.slots = limits, caps, slots
@@ -151,9 +152,10 @@ class SlotLeases:
 
     `admitted_at_once` remembers, per scope, the caps of its last job the ledger admitted at
     once in this process (shared by the gates `Gate.with_events` makes): the next job of that
-    scope asks for those slots while the ledger decides (`early`), so an uncontended admission
-    costs one round trip's time, not two. A job that has to wait makes its scope forgotten:
-    jobs of a busy scope do not ask Prefect for slots the ledger would not give them."""
+    scope asks for those slots before the ledger decides (`early`), so an uncontended admission
+    is one ledger commit, its lease recorded with it. A job that has to wait makes its scope
+    forgotten: jobs of a busy scope do not ask Prefect for slots the ledger would not give
+    them."""
 
     def __init__(
         self,
@@ -169,7 +171,7 @@ class SlotLeases:
         )
 
     def early(self, scope: str, slots: int) -> EarlyLease | None:
-        """Ask for the slots a job of `scope` took last time, while the ledger decides; None
+        """Ask for the slots a job of `scope` took last time, before the ledger decides; None
         when its scope's last job waited, or none was admitted here yet."""
         caps = self.admitted_at_once.get(scope)
         if self.limits is None or not caps:

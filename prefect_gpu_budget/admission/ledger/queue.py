@@ -115,7 +115,7 @@ class Queue:
 
         `lease`: Prefect slots the holder took before it asked. Admitted under the caps and
         slots they were taken for, within `HeldLease.fresh_s` of asking, the job's row records
-        the lease in the same transaction (`HeldLease.record`); the third value says whether it
+        the lease in the same transaction (`HeldLease.values`); the third value says whether it
         did. Otherwise the lease is the holder's to take over or give back.
 
         The requests of this process to one org that arrive while one is being recorded are
